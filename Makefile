@@ -1,0 +1,36 @@
+# Two commands: `make serve` (set up, then run the gateway on the embedded default)
+# and `make test` (set up, then run every check). Everything installs into .venv.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: serve test lint bench clean
+
+serve: $(VENV)/.core
+	$(BIN)/lockgate serve $(ARGS)
+
+test: $(VENV)/.dev
+	$(BIN)/ruff check src tests
+	$(BIN)/pytest $(ARGS)
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+bench: $(VENV)/.core
+	$(BIN)/lockgate bench overhead $(ARGS)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.core: pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e '.[dev,llamacpp]'
+	touch $(VENV)/.core $@
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

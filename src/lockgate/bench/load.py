@@ -1,0 +1,88 @@
+"""A closed-loop HTTP load generator and the small statistics the benchmarks print."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        fields = fh.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@dataclass
+class LoadResult:
+    requests: int
+    errors: int
+    seconds: float
+    latencies: list[float]
+    ttfts: list[float]
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+async def closed_loop(
+    url: str,
+    make_body: Callable[[int], dict],
+    *,
+    concurrency: int,
+    requests: int,
+    stream: bool,
+    headers: dict[str, str] | None = None,
+) -> LoadResult:
+    """`concurrency` workers send `requests` requests in total, each waiting for its answer."""
+    connector = aiohttp.TCPConnector(limit=concurrency * 2, force_close=False)
+    latencies: list[float] = []
+    ttfts: list[float] = []
+    errors = 0
+    counter = iter(range(requests))
+    base_headers = {"Content-Type": "application/json", **(headers or {})}
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal errors
+            for n in counter:
+                body = orjson.dumps(make_body(n))
+                start = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=base_headers) as resp:
+                        if stream:
+                            first = None
+                            async for _ in resp.content.iter_any():
+                                if first is None:
+                                    first = time.perf_counter()
+                            ttfts.append((first or time.perf_counter()) - start)
+                        else:
+                            await resp.read()
+                        if resp.status != 200:
+                            errors += 1
+                except aiohttp.ClientError:
+                    errors += 1
+                latencies.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return LoadResult(requests, errors, elapsed, latencies, ttfts)

@@ -1,0 +1,191 @@
+"""Configuration: one YAML file, validated at load.
+
+Config is loaded once and passed down; nothing reads it from a global. Errors name the offending key
+by its path (``models[0].instances[1].engine``) and say why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
+PolicyName = Literal["round_robin", "least_load"]
+CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    #: Serve on a unix socket instead of host/port.
+    unix: str | None = None
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+
+
+class InstanceConfig(_Strict):
+    url: str
+    engine: EngineName = "openai"
+    #: Display name; defaults to the URL.
+    name: str | None = None
+    #: Model name the engine knows this model by (defaults to the gateway's model name).
+    served_model: str | None = None
+    #: How many requests this instance takes at once (used by routing and scheduling).
+    max_concurrency: Annotated[int, Field(ge=1)] = 64
+    #: Bearer token the gateway sends to this engine (never the client's).
+    api_key: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if value.startswith("unix://"):
+            if len(value) <= len("unix://"):
+                raise ValueError("unix:// URL needs a socket path, e.g. unix:///run/engine.sock")
+            return value
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http://, https:// or unix://")
+        return value.rstrip("/")
+
+    @property
+    def key(self) -> str:
+        """Identity of the engine process: one instance serving several models shares state."""
+        return self.url
+
+
+class ModelConfig(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    instances: Annotated[list[InstanceConfig], Field(min_length=1)]
+    routing: PolicyName = "least_load"
+    #: Default end-to-end deadline for this model's requests (client may lower it per request).
+    timeout_ms: Annotated[int, Field(ge=1)] | None = None
+    cancel_policy: CancelPolicy = "immediate"
+    #: Extra attempts on another instance, only before the first byte reached the client.
+    retries: Annotated[int, Field(ge=0, le=5)] = 1
+
+
+class UpstreamConfig(_Strict):
+    connect_timeout_ms: Annotated[int, Field(ge=1)] = 2000
+    #: Connections kept per instance (keep-alive pool size).
+    max_connections: Annotated[int, Field(ge=1)] = 256
+
+
+class HealthConfig(_Strict):
+    interval_ms: Annotated[int, Field(ge=10)] = 1000
+    timeout_ms: Annotated[int, Field(ge=10)] = 1000
+
+
+class UsageConfig(_Strict):
+    #: SQLite file for usage records; ":memory:" keeps them in memory (tests, demos).
+    path: str = "lockgate-usage.sqlite3"
+    batch_size: Annotated[int, Field(ge=1)] = 256
+    #: Records held in memory before new ones spill to ``<path>.spill.jsonl``.
+    queue_size: Annotated[int, Field(ge=1)] = 10000
+
+
+class ShutdownConfig(_Strict):
+    #: How long running requests may keep streaming after SIGTERM before they are aborted.
+    drain_ms: Annotated[int, Field(ge=0)] = 10000
+
+
+class SimFleetEntry(_Strict):
+    """An engine simulator started inside the gateway process (the embedded default)."""
+
+    models: Annotated[list[str], Field(min_length=1)]
+    count: Annotated[int, Field(ge=1, le=64)] = 1
+    fast: bool = False
+    prefill_tps: Annotated[float, Field(gt=0)] = 8000.0
+    tpot_ms: Annotated[float, Field(ge=0)] = 10.0
+    max_num_seqs: Annotated[int, Field(ge=1)] = 64
+    kv_blocks: Annotated[int, Field(ge=16)] = 2048
+
+
+class Config(_Strict):
+    listen: ListenConfig = ListenConfig()
+    limits: LimitsConfig = LimitsConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    health: HealthConfig = HealthConfig()
+    usage: UsageConfig = UsageConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
+    #: Simulated engines to start in-process; their instances are added to the models they serve.
+    simulate: list[SimFleetEntry] = []
+    models: list[ModelConfig] = []
+
+    @model_validator(mode="after")
+    def _check_models(self) -> Config:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        if not self.models and not self.simulate:
+            raise ValueError("configure at least one model (or a `simulate` fleet)")
+        for index, model in enumerate(self.models):
+            urls = [i.url for i in model.instances]
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"models[{index}] ({model.name}) lists the same instance URL twice")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names the key and the reason."""
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: {exc.error_count()} problem(s):"]
+    for err in exc.errors():
+        where = _loc(err["loc"]) or "(top level)"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key (check its spelling and indentation)"
+        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+            message = f"{message} (got {err['input']!r})"
+        lines.append(f"  {where}: {message}")
+    return "\n".join(lines)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out

@@ -1,0 +1,82 @@
+"""What the gateway needs to know about one engine dialect.
+
+A `Dialect` answers: how to build the upstream request body, how to abort a request (beyond closing
+its connection, which every dialect gets), where health and metrics live and what the metrics are
+called. Dialects are stateless values; one module per engine defines one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wire import ApiRequest
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Names of the load signals in an engine's Prometheus text (first match wins)."""
+
+    waiting: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()
+    #: KV-cache use as a fraction 0..1.
+    kv_usage: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()
+    prefix_queries: tuple[str, ...] = ()
+
+    def all(self) -> frozenset[str]:
+        return frozenset(self.waiting + self.running + self.kv_usage + self.prefix_hits + self.prefix_queries)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCall:
+    """An extra HTTP call that tells the engine to stop a request."""
+
+    method: str
+    path: str
+    json: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    name: str
+    health_path: str = "/health"
+    metrics_path: str | None = "/metrics"
+    metrics: MetricNames = field(default_factory=MetricNames)
+    #: Body field carrying the request's priority (lower value = more urgent), if the engine has one.
+    priority_field: str | None = None
+    #: Body field carrying the gateway's request id, if the engine takes one (used to abort by id).
+    request_id_field: str | None = None
+    #: The engine honours `stream_options.include_usage`.
+    stream_usage: bool = True
+    #: The engine can continue a final assistant message (chat resumption after preemption).
+    continue_final_message: bool = False
+
+    def upstream_body(
+        self,
+        request: ApiRequest,
+        *,
+        served_model: str,
+        request_id: str,
+        priority: int | None = None,
+    ) -> dict[str, Any]:
+        """The body sent to the engine: the client's body with the gateway's adjustments.
+
+        The gateway always asks a stream for its usage (so records are exact) and strips the usage
+        chunk again if the client did not ask for it.
+        """
+        body = dict(request.body)
+        body["model"] = served_model
+        if request.stream and self.stream_usage:
+            options = dict(body.get("stream_options") or {})
+            options["include_usage"] = True
+            body["stream_options"] = options
+        if priority is not None and self.priority_field:
+            body[self.priority_field] = priority
+        if self.request_id_field:
+            body[self.request_id_field] = request_id
+        return body
+
+    def abort_call(self, request_id: str) -> AbortCall | None:
+        """An explicit abort to send after closing the connection (None: closing is enough)."""
+        return None

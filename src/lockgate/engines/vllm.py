@@ -1,0 +1,21 @@
+"""vLLM's OpenAI-compatible server.
+
+Aborts a request when its connection closes; accepts `priority` (with `--scheduling-policy priority`)
+and `continue_final_message` for assistant-prefix continuation.
+"""
+
+from .base import Dialect, MetricNames
+
+VLLM = Dialect(
+    name="vllm",
+    health_path="/health",
+    metrics=MetricNames(
+        waiting=("vllm:num_requests_waiting",),
+        running=("vllm:num_requests_running",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+        prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    ),
+    priority_field="priority",
+    continue_final_message=True,
+)

@@ -1,0 +1,192 @@
+"""The gateway's error tree, mapped once to OpenAI error bodies at the edge.
+
+    GatewayError                      status  type
+    ├── InvalidRequest                400     invalid_request_error   (param names the field)
+    ├── Unauthorized                  401     authentication_error
+    ├── ModelNotFound                 404     invalid_request_error   code=model_not_found
+    ├── NotFound                      404     invalid_request_error
+    ├── PayloadTooLarge               413     invalid_request_error
+    ├── RateLimited                   429     rate_limit_exceeded      (Retry-After)
+    ├── Unavailable                   503     service_unavailable      (Retry-After)
+    │   └── ShuttingDown              503
+    ├── DeadlineExceeded              504     timeout
+    ├── Cancelled                     499/503 cancelled                (admin cancel, preemption)
+    └── UpstreamError                 502     upstream_error
+        ├── UpstreamConnectError      502     (nothing was sent to the engine, or no answer)
+        ├── UpstreamProtocolError     502     (the engine broke the stream or sent garbage)
+        └── UpstreamStatusError       any     (the engine's own status and body, passed through)
+
+Foreign exceptions (aiohttp, OSError, orjson) are translated where they enter, in `upstream.py` and
+`wire.py`; handlers only ever see `GatewayError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.retry_after = retry_after
+
+    @property
+    def http_status(self) -> int:
+        return self.status
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def body_bytes(self) -> bytes:
+        return orjson.dumps(self.body())
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after + 0.4999)))}
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    default_code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_exceeded"
+    default_code = "rate_limit_exceeded"
+
+
+class Unavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    default_code = "no_healthy_instance"
+
+
+class ShuttingDown(Unavailable):
+    default_code = "shutting_down"
+
+
+class DeadlineExceeded(GatewayError):
+    status = 504
+    type = "timeout"
+    default_code = "deadline_exceeded"
+
+
+class Cancelled(GatewayError):
+    """The gateway itself ended the request (admin cancel, shutdown drain, preemption limit)."""
+
+    status = 503
+    type = "cancelled"
+    default_code = "cancelled"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    default_code = "upstream_error"
+    #: True when the engine may not have seen the request at all, so another instance may be tried.
+    retryable: bool = False
+
+
+class UpstreamConnectError(UpstreamError):
+    default_code = "upstream_unreachable"
+    retryable = True
+
+
+class UpstreamProtocolError(UpstreamError):
+    default_code = "upstream_protocol_error"
+
+
+class UpstreamStatusError(UpstreamError):
+    """The engine answered with an error status; its status and body are passed through."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None) -> None:
+        message = _message_from_body(body) or f"upstream answered HTTP {status}"
+        super().__init__(message, code="upstream_status")
+        self.upstream_status = status
+        self.upstream_body = body
+        self.content_type = content_type
+        # A 5xx from an overloaded or broken engine may succeed elsewhere; a 4xx will not.
+        self.retryable = status in (502, 503)
+
+    @property
+    def http_status(self) -> int:
+        return self.upstream_status
+
+    def body(self) -> dict[str, Any]:
+        try:
+            parsed = orjson.loads(self.upstream_body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return parsed
+        return super().body()
+
+    def body_bytes(self) -> bytes:
+        body = self.body()
+        if body.get("error", {}).get("code") == "upstream_status":
+            return orjson.dumps(body)
+        return self.upstream_body
+
+
+def _message_from_body(body: bytes) -> str | None:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        text = body.decode("utf-8", "replace").strip()
+        return text[:500] or None
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])
+    return None

@@ -1,0 +1,249 @@
+"""The request owner.
+
+Theory of operation: every accepted client request gets exactly one `Exchange`. It is the single
+owner of everything that request holds — its registry entry (admin listing, shutdown), its instance
+lease, its upstream call, its deadline and its usage record — and releases each exactly once in
+`_release()`, which runs in the `finally` of `run()` whichever way the request ends: completed,
+upstream error, client disconnect, deadline, admin cancel or shutdown. Release is synchronous (no
+`await`), so it cannot be interrupted by a second cancellation; the usage record is then handed to
+the background writer (two-phase cleanup: resources now, the durable record right after).
+
+How a request ends is decided in one place, `run()`:
+- the client disconnects: aiohttp cancels the handler task (`handler_cancellation=True`), or a write
+  fails with a connection error; either way the upstream call is closed at once;
+- the deadline passes: `asyncio.timeout` cancels the work; 504, or a final SSE error event;
+- an admin or the shutdown drain calls `cancel(reason)`: the task is cancelled with the reason noted,
+  the cancellation is absorbed and the client gets an error saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from . import sse
+from .errors import Cancelled, DeadlineExceeded, GatewayError
+from .records import UsageRecord
+from .wire import ApiRequest
+
+if TYPE_CHECKING:
+    from .fleet import Instance, Lease, Pool
+    from .gateway import Gateway
+    from .upstream import UpstreamCall
+
+
+class Phase(StrEnum):
+    QUEUED = "queued"
+    CONNECTING = "connecting"  # waiting for the engine's first byte (prefill)
+    STREAMING = "streaming"
+    FINISHING = "finishing"
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it has disconnected."""
+
+
+class Exchange:
+    def __init__(
+        self,
+        gateway: Gateway,
+        request_id: str,
+        api: ApiRequest,
+        pool: Pool,
+        *,
+        deadline_s: float | None,
+        tenant: str = "default",
+        priority: str | None = None,
+    ) -> None:
+        self.gateway = gateway
+        self.id = request_id
+        self.api = api
+        self.pool = pool
+        self.deadline_s = deadline_s
+        self.phase = Phase.QUEUED
+        self.started = time.perf_counter()
+        self.record = UsageRecord(
+            request_id=request_id,
+            tenant=tenant,
+            model=api.model,
+            endpoint=api.endpoint.value,
+            stream=api.stream,
+            priority=priority,
+            started_at=time.time(),
+        )
+        self.response: web.StreamResponse | None = None
+        self.cancel_reason: str | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._lease: Lease | None = None
+        self._call: UpstreamCall | None = None
+        self._released = False
+        self._cancel_detected_at: float | None = None
+
+    # --- resources -----------------------------------------------------------------------------
+    @property
+    def instance(self) -> Instance | None:
+        return self._lease.instance if self._lease is not None else None
+
+    def attach(self, lease: Lease, call: UpstreamCall) -> None:
+        """Hold a lease and its upstream call (one attempt). A previous attempt must be detached."""
+        if self._lease is not None or self._call is not None:
+            self.gateway.metrics.leaks.labels("attach_over_live_attempt").inc()
+            self.detach()
+        self._lease = lease
+        self._call = call
+        self.record.instance = lease.instance.name
+        self.record.attempts += 1
+
+    def detach(self) -> None:
+        """End the current attempt: close its upstream call (if open) and release its lease."""
+        call, self._call = self._call, None
+        lease, self._lease = self._lease, None
+        if call is not None and call.abort() and self._cancel_detected_at is not None:
+            self.gateway.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
+        if lease is not None:
+            lease.release()
+
+    def _release(self) -> None:
+        if self._released:
+            self.gateway.metrics.leaks.labels("double_release").inc()
+            return
+        self._released = True
+        self.detach()
+        self.gateway.registry.remove(self)
+        record = self.record
+        record.finished_at = time.time()
+        metrics = self.gateway.metrics
+        label = record.cancel_reason or record.status
+        metrics.requests.labels(record.model, label).inc()
+        metrics.request_duration.labels(record.model, label).observe(time.perf_counter() - self.started)
+        if record.cancel_reason:
+            metrics.cancellations.labels(record.cancel_reason).inc()
+        self.gateway.records.submit(record)
+
+    # --- control -------------------------------------------------------------------------------
+    def cancel(self, reason: str) -> bool:
+        """Ask the request to end (admin, shutdown). Returns False if it is already ending."""
+        if self._task is None or self._task.done() or self.cancel_reason is not None:
+            return False
+        self.cancel_reason = reason
+        self._task.cancel(f"lockgate: {reason}")
+        return True
+
+    def first_token(self) -> None:
+        if self.record.first_token_at is None:
+            self.record.first_token_at = time.time()
+            self.gateway.metrics.ttft.labels(self.api.model).observe(time.perf_counter() - self.started)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.api.model,
+            "tenant": self.record.tenant,
+            "instance": self.record.instance,
+            "priority": self.record.priority,
+            "phase": self.phase.value,
+            "stream": self.api.stream,
+            "age_ms": round((time.perf_counter() - self.started) * 1000, 1),
+            "completion_tokens": self.record.completion_tokens,
+        }
+
+    # --- the one place where a request's fate is decided ---------------------------------------
+    async def run(self, work: Callable[[Exchange], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        self._task = asyncio.current_task()
+        self.gateway.registry.add(self)
+        try:
+            try:
+                async with asyncio.timeout(self.deadline_s) as deadline:
+                    return await work(self)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                self._cancel_detected_at = time.perf_counter()
+                self.detach()
+                return await self._end_with(
+                    "cancelled", DeadlineExceeded("The request exceeded its deadline."), reason="timeout"
+                )
+        except asyncio.CancelledError:
+            self._cancel_detected_at = time.perf_counter()
+            self.detach()
+            reason = self.cancel_reason
+            if reason is None:
+                self._set_end("cancelled", reason="client_disconnect")
+                raise
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            message = {
+                "admin": "The request was cancelled by an administrator.",
+                "shutdown": "The gateway is shutting down; the request was stopped.",
+            }.get(reason, f"The request was cancelled ({reason}).")
+            return await self._end_with("cancelled", Cancelled(message), reason=reason)
+        except ClientGone:
+            self._cancel_detected_at = time.perf_counter()
+            self.detach()
+            self._set_end("cancelled", reason="client_disconnect")
+            return self.response or web.Response(status=499)
+        except GatewayError as exc:
+            self.detach()
+            return await self._end_with("error", exc)
+        finally:
+            self._release()
+
+    def _set_end(self, status: str, *, reason: str | None = None, error: GatewayError | None = None) -> None:
+        record = self.record
+        record.status = status
+        record.cancel_reason = reason
+        if error is not None:
+            record.error = error.message[:500]
+            if self.response is None:
+                record.http_status = error.http_status
+
+    async def _end_with(
+        self, status: str, error: GatewayError, *, reason: str | None = None
+    ) -> web.StreamResponse:
+        self._set_end(status, reason=reason, error=error)
+        if self.response is None:
+            return self.gateway.error_response(error, self.id, self.instance)
+        # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
+        try:
+            await self.response.write(sse.encode_error(error.body()))
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return self.response
+
+
+class Registry:
+    """The exchanges in flight, for the admin API and the shutdown drain."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Exchange] = {}
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def add(self, exchange: Exchange) -> None:
+        self._live[exchange.id] = exchange
+        self._empty.clear()
+
+    def remove(self, exchange: Exchange) -> None:
+        if self._live.get(exchange.id) is exchange:
+            del self._live[exchange.id]
+        if not self._live:
+            self._empty.set()
+
+    def get(self, request_id: str) -> Exchange | None:
+        return self._live.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def all(self) -> list[Exchange]:
+        return list(self._live.values())
+
+    async def wait_empty(self) -> None:
+        await self._empty.wait()

@@ -1,0 +1,204 @@
+"""Usage records that are never lost.
+
+Theory of operation: a request's owner calls `RecordWriter.submit()` from its `finally`. `submit` is
+synchronous and cannot fail: the record goes into an in-memory queue, or — when that queue is full —
+is appended to a spill file (JSON lines) on disk and counted. One writer task, owned by the writer,
+moves batches from the queue into SQLite (in a worker thread, so the event loop never blocks on disk)
+and re-imports the spill file. `aclose()` flushes everything before returning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .metrics import GatewayMetrics
+
+STATUSES = ("completed", "cancelled", "error", "rejected")
+CANCEL_REASONS = ("client_disconnect", "timeout", "admin", "preempted", "shutdown")
+
+
+@dataclass(slots=True)
+class UsageRecord:
+    request_id: str
+    tenant: str
+    model: str
+    endpoint: str
+    stream: bool
+    instance: str | None = None
+    priority: str | None = None
+    status: str = "completed"
+    cancel_reason: str | None = None
+    http_status: int | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    #: Tokens actually delivered to the client.
+    completion_tokens: int = 0
+    attempts: int = 0
+    #: The client's own `x-request-id`, if it sent one (not unique: clients reuse them).
+    client_request_id: str | None = None
+    served_by: str = "upstream"
+    started_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+_COLUMNS = [f.name for f in fields(UsageRecord)]
+_SQL_TYPES = {"bool": "INTEGER", "int": "INTEGER", "float": "REAL"}
+
+
+def _schema() -> str:
+    cols = []
+    for f in fields(UsageRecord):
+        base = str(f.type).split("|")[0].strip()
+        sql_type = _SQL_TYPES.get(base, "TEXT")
+        cols.append(f"{f.name} {sql_type}{' PRIMARY KEY' if f.name == 'request_id' else ''}")
+    return f"CREATE TABLE IF NOT EXISTS usage ({', '.join(cols)})"
+
+
+_INSERT = f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+
+
+class RecordWriter:
+    def __init__(
+        self,
+        path: str,
+        metrics: GatewayMetrics,
+        *,
+        batch_size: int = 256,
+        queue_size: int = 10000,
+    ) -> None:
+        self._path = path
+        self._metrics = metrics
+        self._batch_size = batch_size
+        self._queue_size = queue_size
+        self._queue: deque[UsageRecord] = deque()
+        self._spill = None if path == ":memory:" else Path(path + ".spill.jsonl")
+        self._spilled_in_memory: list[UsageRecord] = []
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._db: sqlite3.Connection | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.submitted = 0
+        self.written = 0
+
+    async def __aenter__(self) -> RecordWriter:
+        self._db = await asyncio.to_thread(self._open)
+        self._task = asyncio.create_task(self._run(), name="lockgate-usage-writer")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+        if self._path != ":memory:":
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(_schema())
+        return db
+
+    # --- the synchronous, infallible entry point -------------------------------------------------
+    def submit(self, record: UsageRecord) -> None:
+        self.submitted += 1
+        self._idle.clear()
+        if len(self._queue) >= self._queue_size or (self._closing and self._task is None):
+            self._spill_one(record)
+        else:
+            self._queue.append(record)
+            self._metrics.usage_records_pending.set(len(self._queue))
+        self._wakeup.set()
+
+    def _spill_one(self, record: UsageRecord) -> None:
+        self._metrics.usage_records_spilled.inc()
+        if self._spill is None:
+            self._spilled_in_memory.append(record)
+            return
+        with self._spill.open("ab") as fh:
+            fh.write(orjson.dumps(asdict(record)) + b"\n")
+
+    # --- the writer task -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        await asyncio.to_thread(self._import_spill)
+        while True:
+            if not self._queue and not self._spilled_in_memory and not self._spill_pending():
+                self._idle.set()
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+            batch.extend(self._spilled_in_memory)
+            self._spilled_in_memory = []
+            self._metrics.usage_records_pending.set(len(self._queue))
+            if batch:
+                await asyncio.shield(asyncio.to_thread(self._write, batch))
+            if self._spill_pending():
+                await asyncio.shield(asyncio.to_thread(self._import_spill))
+
+    def _spill_pending(self) -> bool:
+        return self._spill is not None and self._spill.exists() and len(self._queue) < self._queue_size
+
+    def _write(self, batch: list[UsageRecord]) -> None:
+        assert self._db is not None
+        rows = [tuple(getattr(r, c) for c in _COLUMNS) for r in batch]
+        self._db.execute("BEGIN")
+        self._db.executemany(_INSERT, rows)
+        self._db.execute("COMMIT")
+        self.written += len(rows)
+        self._metrics.usage_records_written.inc(len(rows))
+
+    def _import_spill(self) -> None:
+        if self._spill is None or not self._spill.exists():
+            return
+        claimed = self._spill.with_suffix(".importing")
+        self._spill.rename(claimed)
+        records = [UsageRecord(**orjson.loads(line)) for line in claimed.read_bytes().splitlines() if line]
+        for start in range(0, len(records), self._batch_size):
+            self._write(records[start : start + self._batch_size])
+        claimed.unlink()
+
+    async def wait_flushed(self) -> None:
+        """Wait until every record submitted so far is stored."""
+        self._wakeup.set()
+        await self._idle.wait()
+
+    async def aclose(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        # Records submitted while closing (there should be none) still land.
+        if self._queue or self._spilled_in_memory:
+            batch = list(self._queue) + self._spilled_in_memory
+            self._queue.clear()
+            self._spilled_in_memory = []
+            await asyncio.to_thread(self._write, batch)
+        if self._db is not None:
+            db, self._db = self._db, None
+            await asyncio.to_thread(db.close)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "submitted": self.submitted,
+            "written": self.written,
+            "pending": len(self._queue),
+        }
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """All stored records (for tests and the admin API)."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.row_factory = sqlite3.Row
+        return [dict(row) for row in db.execute("SELECT * FROM usage ORDER BY started_at")]

@@ -1,0 +1,129 @@
+"""Running a gateway: listening sockets, graceful shutdown, and the embedded simulator fleet.
+
+`GatewayServer` is what both `lockgate serve` and the integration tests use:
+
+    async with GatewayServer(config) as server:   # starts simulators (if any), gateway, listener
+        ... server.url ...
+        await server.shutdown()                    # the graceful path a SIGTERM takes
+
+Shutdown: `/ready` fails at once and new requests get 503; the listening socket closes; requests in
+flight may finish until `shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final
+SSE error event for streams); records are flushed; everything is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from .config import Config
+from .embedded import start_simulators
+from .gateway import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class GatewayServer:
+    def __init__(self, config: Config, *, port: int | None = None, usage_path: str | None = None) -> None:
+        self._config = config
+        self._port = config.listen.port if port is None else port
+        self._usage_path = usage_path
+        self._stack = contextlib.AsyncExitStack()
+        self._runner: web.AppRunner | None = None
+        self._site: web.BaseSite | None = None
+        self._stopped = False
+        self.gateway: Gateway | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> GatewayServer:
+        try:
+            config = await start_simulators(self._config, self._stack)
+            self.gateway = await self._stack.enter_async_context(Gateway(config, usage_path=self._usage_path))
+            self._runner = web.AppRunner(
+                self.gateway.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+            )
+            await self._runner.setup()
+            listen = config.listen
+            if listen.unix:
+                self._site = web.UnixSite(self._runner, listen.unix)
+                await self._site.start()
+                self.url = f"unix://{listen.unix}"
+            else:
+                site = web.TCPSite(self._runner, listen.host, self._port, reuse_address=True)
+                await site.start()
+                self._site = site
+                self.url = f"http://{listen.host}:{site.port}"
+        except BaseException:
+            await self._close_runner()
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self, drain_s: float | None = None) -> None:
+        """Graceful shutdown; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        gateway = self.gateway
+        assert gateway is not None
+        if drain_s is None:
+            drain_s = self._config.shutdown.drain_ms / 1000
+        gateway.draining = True
+        if self._site is not None:
+            await self._site.stop()  # no new connections
+        try:
+            async with asyncio.timeout(drain_s):
+                await gateway.registry.wait_empty()
+        except TimeoutError:
+            log.info("drain deadline passed; stopping %d request(s)", len(gateway.registry))
+        for exchange in gateway.registry.all():
+            exchange.cancel("shutdown")
+        await gateway.registry.wait_empty()
+        await self._close_runner()
+        await self._stack.aclose()
+
+    async def _close_runner(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+
+async def serve(config: Config, *, announce: Any = print) -> int:
+    """Run until SIGINT/SIGTERM, then shut down gracefully. Returns the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with GatewayServer(config) as server:
+        assert server.gateway is not None
+        announce(_banner(server))
+        await stop.wait()
+        announce("lockgate: shutting down (draining requests in flight)")
+    announce("lockgate: stopped")
+    return 0
+
+
+def _banner(server: GatewayServer) -> str:
+    assert server.gateway is not None
+    config = server.gateway.config
+    lines = [f"lockgate listening on {server.url}"]
+    for model in config.models:
+        urls = ", ".join(i.name or i.url for i in model.instances)
+        lines.append(f"  model {model.name!r}: {len(model.instances)} instance(s): {urls}")
+    if config.models and server.url.startswith("http"):
+        model = config.models[0].name
+        lines += [
+            "Try it:",
+            f"  curl -s {server.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'',
+            f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
+        ]
+    return "\n".join(lines)

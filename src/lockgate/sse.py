@@ -1,0 +1,64 @@
+"""Server-sent events, sans-IO: a decoder fed with bytes, and encoders for what the gateway sends.
+
+Only the `data:` field matters for the OpenAI protocol; other fields (`event:`, `id:`, comments) are
+skipped. Multi-line data is joined with newlines, per the SSE specification.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+DONE = b"[DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class SSEDecoder:
+    """Accumulates bytes and returns the data payloads of every complete event."""
+
+    __slots__ = ("_buffer", "_data")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk if self._buffer else chunk
+        events: list[bytes] = []
+        start = 0
+        while True:
+            end = buffer.find(b"\n", start)
+            if end < 0:
+                break
+            line = buffer[start:end]
+            start = end + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line:
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+                continue
+            if line.startswith(b"data:"):
+                value = line[5:]
+                if value.startswith(b" "):
+                    value = value[1:]
+                self._data.append(value)
+        self._buffer = buffer[start:]
+        return events
+
+    def close(self) -> list[bytes]:
+        """End of stream: a final event without its blank line still counts."""
+        events = self.feed(b"\n\n") if self._buffer or self._data else []
+        self._buffer = b""
+        return events
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def encode_error(error_body: dict[str, Any]) -> bytes:
+    """A final error event for a stream that has already started (status 200 was sent)."""
+    return b"data: " + orjson.dumps(error_body) + b"\n\n"

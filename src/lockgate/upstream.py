@@ -1,0 +1,189 @@
+"""One HTTP call to an engine, with an explicit, immediate abort.
+
+Resource handling: the call owns one upstream connection from `open()` until `aclose()` (or until the
+body has been read to its end, when the connection goes back to the keep-alive pool). `abort()` is
+synchronous and idempotent: it closes the connection at once — the engine sees the disconnect
+immediately — and never leaves the response to the garbage collector.
+
+Error handling: aiohttp and OS errors are translated here into `UpstreamConnectError` (before any
+response: the request may be retried elsewhere), `UpstreamStatusError` (the engine said no) and
+`UpstreamProtocolError` (the stream broke after it started).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+
+from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
+from .fleet import Fleet, Instance, upstream_headers
+from .metrics import GatewayMetrics
+from .sse import DONE, SSEDecoder
+
+
+class UpstreamCall:
+    __slots__ = (
+        "_body",
+        "_finished",
+        "_fleet",
+        "_metrics",
+        "_path",
+        "_request_id",
+        "_response",
+        "_stream",
+        "aborted",
+        "instance",
+    )
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        instance: Instance,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        stream: bool,
+    ) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.instance = instance
+        self._path = path
+        self._body = body
+        self._request_id = request_id
+        self._stream = stream
+        self._response: aiohttp.ClientResponse | None = None
+        self._finished = False
+        self.aborted = False
+
+    async def open(self) -> None:
+        """Send the request and wait for the response status; raises on error statuses."""
+        instance = self.instance
+        self._metrics.upstream_calls_in_flight.labels(instance.name).inc()
+        try:
+            response = await instance.session.post(
+                instance.base_url + self._path,
+                data=self._body,
+                headers=upstream_headers(instance, self._request_id),
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            self._finish()
+            self._fleet.report_failure(instance, "connect", str(exc))
+            raise UpstreamConnectError(f"Cannot connect to instance {instance.name}: {exc}") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # The engine closed the connection before answering (a dying engine, or a stale
+            # keep-alive connection): it produced nothing, so another instance may be tried.
+            self._finish()
+            self._fleet.report_failure(instance, "disconnect", repr(exc))
+            raise UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}") from None
+        except aiohttp.ClientError as exc:
+            self._finish()
+            self._fleet.report_failure(instance, "protocol", repr(exc))
+            raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
+        except BaseException:
+            # Cancelled while connecting or waiting for headers: aiohttp closes the connection.
+            self._finish()
+            raise
+        self._response = response
+        if response.status >= 400:
+            try:
+                body = await response.read()
+            except aiohttp.ClientError:
+                body = b""
+            finally:
+                self.abort()
+            self._fleet.report_failure(
+                instance, f"http_{response.status}", body[:200].decode("utf-8", "replace")
+            )
+            raise UpstreamStatusError(response.status, body, response.content_type)
+        self._fleet.report_success(instance)
+
+    async def read_json(self) -> dict:
+        """The whole non-streaming body, parsed."""
+        response = self._require()
+        try:
+            raw = await response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self.abort()
+            raise UpstreamProtocolError(f"Instance {self.instance.name} broke the response: {exc}") from None
+        self._release()
+        try:
+            payload = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamProtocolError(
+                f"Instance {self.instance.name} sent a body that is not JSON."
+            ) from None
+        if not isinstance(payload, dict):
+            raise UpstreamProtocolError(
+                f"Instance {self.instance.name} sent a JSON body that is not an object."
+            )
+        return payload
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
+        response = self._require()
+        decoder = SSEDecoder()
+        try:
+            async for chunk in response.content.iter_any():
+                for payload in decoder.feed(chunk):
+                    if payload == DONE:
+                        self._release()
+                        return
+                    yield _parse_event(payload, self.instance.name)
+            for payload in decoder.close():
+                if payload != DONE:
+                    yield _parse_event(payload, self.instance.name)
+        except (aiohttp.ClientError, OSError) as exc:
+            self.abort()
+            raise UpstreamProtocolError(
+                f"Instance {self.instance.name} broke the stream: {exc.__class__.__name__}"
+            ) from None
+        # The engine ended the body without `[DONE]`: an incomplete stream.
+        self.abort()
+        raise UpstreamProtocolError(f"Instance {self.instance.name} ended the stream without [DONE].")
+
+    def _require(self) -> aiohttp.ClientResponse:
+        if self._response is None:
+            raise RuntimeError("UpstreamCall.open() was not called or failed")
+        return self._response
+
+    def _release(self) -> None:
+        """The body is complete: the connection goes back to the pool."""
+        if self._response is not None and not self._finished:
+            self._response.release()
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._metrics.upstream_calls_in_flight.labels(self.instance.name).dec()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def abort(self) -> bool:
+        """Close the connection now. Returns True if this call was still open."""
+        if self._finished:
+            return False
+        self.aborted = True
+        if self._response is not None:
+            self._response.close()
+        self._finish()
+        call = self.instance.dialect.abort_call(self._request_id)
+        if call is not None:
+            self._fleet.send_abort(self.instance, call)
+        return True
+
+
+def _parse_event(payload: bytes, instance: str) -> dict:
+    try:
+        event = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        raise UpstreamProtocolError(f"Instance {instance} sent an event that is not JSON.") from None
+    if not isinstance(event, dict):
+        raise UpstreamProtocolError(f"Instance {instance} sent an event that is not a JSON object.")
+    return event

@@ -1,0 +1,209 @@
+"""The OpenAI wire format at the edge: parse and validate request bodies.
+
+Validation is hand-written over the parsed dict rather than a full schema model: it checks the fields
+the gateway relies on or that would make an engine fail, names the offending field in the error, and
+passes every other field through untouched (engines have many extensions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from .errors import InvalidRequest
+
+_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
+
+
+class Endpoint(StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self is Endpoint.CHAT else "text_completion"
+
+
+@dataclass(slots=True)
+class ApiRequest:
+    """A validated client request. ``body`` is the client's JSON object, unmodified."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+
+    def prompt_text(self) -> str:
+        """The prompt as one string (for token estimates and prefix hashing)."""
+        if self.endpoint is Endpoint.COMPLETIONS:
+            prompt = self.body["prompt"]
+            if isinstance(prompt, str):
+                return prompt
+            if prompt and isinstance(prompt[0], str):
+                return "".join(prompt)
+            return " ".join(str(t) for t in prompt)
+        parts: list[str] = []
+        for message in self.body["messages"]:
+            parts.append(str(message.get("role", "")))
+            parts.append(_content_text(message.get("content")))
+        return "\n".join(parts)
+
+    def estimated_prompt_tokens(self) -> int:
+        # A cheap estimate (~4 bytes a token) good enough for accounting before the engine reports.
+        return max(1, len(self.prompt_text()) // 4)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text", "")) for part in content if isinstance(part, dict) and "text" in part
+        )
+    return ""
+
+
+def parse_request(endpoint: Endpoint, raw: bytes) -> ApiRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return validate(endpoint, body)
+
+
+def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "`model` is required and must be a non-empty string.")
+    if endpoint is Endpoint.CHAT:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("stream", "`stream` must be a boolean.")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("stream_options", "`stream_options` must be an object.")
+        if not stream:
+            raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true.")
+        flag = options.get("include_usage", False)
+        if not isinstance(flag, bool):
+            raise _bad("stream_options.include_usage", "`include_usage` must be a boolean.")
+        include_usage = flag
+    max_tokens = _opt_int(body, "max_tokens", minimum=1)
+    max_completion = _opt_int(body, "max_completion_tokens", minimum=1)
+    if max_completion is not None:
+        max_tokens = max_completion
+    _opt_number(body, "temperature", 0.0, 2.0)
+    _opt_number(body, "top_p", 0.0, 1.0)
+    _opt_number(body, "presence_penalty", -2.0, 2.0)
+    _opt_number(body, "frequency_penalty", -2.0, 2.0)
+    n = _opt_int(body, "n", minimum=1)
+    if n is not None and n > 128:
+        raise _bad("n", "`n` must be at most 128.")
+    _opt_int(body, "seed", minimum=None)
+    _check_stop(body.get("stop"))
+    return ApiRequest(
+        endpoint=endpoint,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+    )
+
+
+def _bad(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(message, param=param, code="invalid_value")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "`messages` is required and must be a non-empty array.")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise _bad(where, f"`{where}` must be an object.")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _bad(
+                f"{where}.role",
+                f"`{where}.role` must be one of {', '.join(sorted(_ROLES))}; got {role!r}.",
+            )
+        content = message.get("content")
+        if content is None:
+            if role not in ("assistant", "tool", "function") or (
+                role == "assistant" and "tool_calls" not in message and "function_call" not in message
+            ):
+                raise _bad(f"{where}.content", f"`{where}.content` is required.")
+        elif isinstance(content, list):
+            for part_index, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _bad(
+                        f"{where}.content[{part_index}]",
+                        f"`{where}.content[{part_index}]` must be an object with a `type`.",
+                    )
+        elif not isinstance(content, str):
+            raise _bad(f"{where}.content", f"`{where}.content` must be a string or an array of parts.")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return
+    raise _bad("prompt", "`prompt` is required: a string, an array of strings, or an array of token ids.")
+
+
+def _check_stop(stop: Any) -> None:
+    if stop is None or isinstance(stop, str):
+        return
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > 16:
+            raise _bad("stop", "`stop` may hold at most 16 sequences.")
+        return
+    raise _bad("stop", "`stop` must be a string or an array of strings.")
+
+
+def _opt_int(body: dict[str, Any], key: str, *, minimum: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(key, f"`{key}` must be an integer.")
+    if minimum is not None and value < minimum:
+        raise _bad(key, f"`{key}` must be at least {minimum}.")
+    return value
+
+
+def _opt_number(body: dict[str, Any], key: str, low: float, high: float) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _bad(key, f"`{key}` must be a number.")
+    if not low <= value <= high:
+        raise _bad(key, f"`{key}` must be between {low:g} and {high:g}.")

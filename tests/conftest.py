@@ -1,0 +1,47 @@
+"""Shared fixtures: simulators and gateways on free loopback ports, in the test's own event loop."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from lockgate.config import parse_config
+from lockgate.server import GatewayServer
+from lockgate.sim import SimConfig, SimServer
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
+    async with contextlib.AsyncExitStack() as s:
+        yield s
+
+
+@pytest.fixture
+def start_sim(stack: contextlib.AsyncExitStack) -> Callable[..., Awaitable[SimServer]]:
+    async def start(models: tuple[str, ...] = ("m",), **kwargs: Any) -> SimServer:
+        return await stack.enter_async_context(SimServer(SimConfig(models=models, **kwargs)))
+
+    return start
+
+
+@pytest.fixture
+def start_gateway(stack: contextlib.AsyncExitStack, tmp_path: Any) -> Callable[..., Awaitable[GatewayServer]]:
+    async def start(models: list[dict[str, Any]], **extra: Any) -> GatewayServer:
+        data = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "health": {"interval_ms": 60000},
+            "usage": {"path": str(tmp_path / "usage.sqlite3")},
+            "models": models,
+            **extra,
+        }
+        server = GatewayServer(parse_config(data, "test"), port=0)
+        return await stack.enter_async_context(server)
+
+    return start
+
+
+def instance(sim: SimServer, **extra: Any) -> dict[str, Any]:
+    return {"url": sim.url, "engine": "vllm", **extra}

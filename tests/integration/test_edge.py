@@ -1,0 +1,162 @@
+"""The HTTP edge: errors in the OpenAI envelope, headers, health, metrics, unix sockets."""
+
+from __future__ import annotations
+
+import socket
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import instance
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def post(http, url, body, **headers):
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with http.post(url + "/v1/chat/completions", data=data, headers=headers) as resp:
+        return resp.status, resp.headers.copy(), await resp.read()
+
+
+def error_of(raw: bytes) -> dict:
+    body = orjson.loads(raw)
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+async def test_malformed_json_is_400_and_never_reaches_engine(start_sim, start_gateway, http):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    status, _, raw = await post(http, gw.url, b"{oops")
+    assert status == 400
+    assert error_of(raw)["type"] == "invalid_request_error"
+    status, _, raw = await post(http, gw.url, {"model": "m", "messages": "hi"})
+    assert status == 400 and error_of(raw)["param"] == "messages"
+    assert sim.statistics()["requests_started"] == 0
+    # ... and the gateway keeps serving.
+    status, _, _ = await post(http, gw.url, CHAT)
+    assert status == 200
+
+
+async def test_request_id_and_instance_headers(start_sim, start_gateway, http):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="eng-a")]}])
+    status, headers, _ = await post(http, gw.url, CHAT, **{"x-request-id": "client-42"})
+    assert status == 200
+    assert headers["x-request-id"] == "client-42"
+    assert headers["x-lockgate-instance"] == "eng-a"
+    status, headers, _ = await post(http, gw.url, CHAT)
+    assert headers["x-request-id"].startswith("lg-")
+    status, headers, _ = await post(http, gw.url, {**CHAT, "model": "zzz"}, **{"x-request-id": "r2"})
+    assert status == 404 and headers["x-request-id"] == "r2"
+
+
+async def test_unhealthy_fleet_503_with_retry_after_and_connect_failure_502(start_gateway, http):
+    url = f"http://127.0.0.1:{closed_port()}"
+    gw = await start_gateway([{"name": "m", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}])
+    fleet = gw.gateway.fleet
+    await fleet.probe_all()
+    # The health check found nothing listening: the gateway says so honestly.
+    status, headers, raw = await post(http, gw.url, CHAT)
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert error_of(raw)["code"] == "no_healthy_instance"
+    async with http.get(gw.url + "/ready") as resp:
+        assert resp.status == 503
+    # Believed healthy but unreachable: 502, and the failure takes it out again (passive health).
+    fleet.instances[url].healthy = True
+    status, _, raw = await post(http, gw.url, CHAT)
+    assert status == 502 and error_of(raw)["code"] == "upstream_unreachable"
+    assert fleet.instances[url].healthy is False
+
+
+async def test_retry_before_first_byte_goes_to_another_instance(start_sim, start_gateway, http):
+    sim = await start_sim()
+    dead = {"url": f"http://127.0.0.1:{closed_port()}", "engine": "vllm", "name": "dead"}
+    gw = await start_gateway(
+        [{"name": "m", "routing": "round_robin", "retries": 1, "instances": [dead, instance(sim, name="live")]}]
+    )
+    for _ in range(2):
+        status, headers, _ = await post(http, gw.url, CHAT)
+        assert status == 200 and headers["x-lockgate-instance"] == "live"
+
+
+async def test_upstream_error_status_and_body_pass_through(start_sim, start_gateway, http):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    async with http.post(sim.url + "/sim/control", json={"fail_status": 500}) as resp:
+        assert resp.status == 200
+    status, _, raw = await post(http, gw.url, CHAT)
+    assert status == 500
+    assert error_of(raw)["message"]
+
+
+async def test_authorization_never_forwarded(start_gateway, http):
+    seen: list[dict[str, str]] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "model": "m", "choices": [], "usage": None}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    app.router.add_get("/v1/models", lambda r: web.json_response({"data": []}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        gw = await start_gateway(
+            [{"name": "m", "instances": [{"url": f"http://127.0.0.1:{site.port}", "engine": "openai"}]}]
+        )
+        status, _, _ = await post(http, gw.url, CHAT, Authorization="Bearer client-secret-key")
+        assert status == 200
+        assert seen and "Authorization" not in seen[0]
+        assert all("client-secret-key" not in v for v in seen[0].values())
+    finally:
+        await runner.cleanup()
+
+
+async def test_unix_socket_instance(start_sim, start_gateway, http, tmp_path):
+    sock = str(tmp_path / "engine.sock")
+    await start_sim(uds=sock)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": f"unix://{sock}", "engine": "vllm"}]}])
+    status, _, raw = await post(http, gw.url, CHAT)
+    assert status == 200
+    assert orjson.loads(raw)["choices"][0]["message"]["content"]
+
+
+async def test_health_ready_metrics_and_unknown_paths(start_sim, start_gateway, http):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    await post(http, gw.url, CHAT)
+    async with http.get(gw.url + "/health") as resp:
+        assert resp.status == 200
+    async with http.get(gw.url + "/ready") as resp:
+        assert resp.status == 200
+    async with http.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = families["lockgate_requests"].samples
+    assert any(s.labels == {"model": "m", "status": "completed"} and s.value == 1 for s in samples)
+    assert "lockgate_request_duration_seconds" in families
+    async with http.get(gw.url + "/nope") as resp:
+        assert resp.status == 404 and error_of(await resp.read())["type"] == "invalid_request_error"
+    async with http.get(gw.url + "/v1/chat/completions") as resp:
+        assert resp.status == 405

@@ -1,0 +1,84 @@
+"""The official openai SDK against the gateway in front of simulators."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import instance
+
+
+@pytest.fixture
+async def client(start_sim, start_gateway):
+    sims = [await start_sim(("m",), seed=1), await start_sim(("m",), seed=1)]
+    gw = await start_gateway([{"name": "m", "instances": [instance(s) for s in sims]}])
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="client-secret", max_retries=0) as c:
+        yield c
+
+
+async def test_chat_non_streaming(client):
+    reply = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+    )
+    assert reply.model == "m"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens == 8
+    assert reply.choices[0].finish_reason == "length"
+
+
+async def test_chat_streaming_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "tell me"}]
+    whole = await client.chat.completions.create(model="m", messages=messages, max_tokens=10, seed=7)
+    stream = await client.chat.completions.create(
+        model="m", messages=messages, max_tokens=10, seed=7, stream=True, stream_options={"include_usage": True}
+    )
+    parts, usage, finish = [], None, None
+    async for chunk in stream:
+        assert chunk.model == "m"
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 10
+    assert finish == "length"
+
+
+async def test_stream_without_include_usage_has_no_usage_chunk(client):
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert all(c.choices for c in chunks)
+    assert all(c.usage is None for c in chunks)
+
+
+async def test_text_completions(client):
+    whole = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert whole.choices[0].text
+    stream = await client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert text == whole.choices[0].text
+
+
+async def test_models_lists_configured(client):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["m"]
+
+
+async def test_typed_errors(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
+    assert bad.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=9)
+    with pytest.raises(openai.APIStatusError) as big:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * (5 << 20)}])
+    assert big.value.status_code == 413

@@ -1,0 +1,30 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lockgate.sse import SSEDecoder, encode
+
+
+def test_events_split_anywhere_decode_the_same():
+    stream = encode({"a": 1}) + b": comment\n\n" + b"event: x\ndata: two\ndata: lines\n\n" + b"data: [DONE]\n\n"
+    whole = SSEDecoder().feed(stream)
+    assert whole == [b'{"a":1}', b"two\nlines", b"[DONE]"]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30))
+def test_chunking_never_changes_events(cuts):
+    stream = b"".join(encode({"i": i, "t": "x" * i}) for i in range(10)).replace(b"\n\n", b"\r\n\r\n", 3)
+    decoder = SSEDecoder()
+    out, pos = [], 0
+    for cut in cuts:
+        out += decoder.feed(stream[pos : pos + cut])
+        pos += cut
+    out += decoder.feed(stream[pos:])
+    out += decoder.close()
+    assert out == SSEDecoder().feed(stream)
+    assert len(out) == 10
+
+
+def test_final_event_without_blank_line_counts_on_close():
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: last") == []
+    assert decoder.close() == [b"last"]

@@ -1,0 +1,74 @@
+import pytest
+
+from lockgate.errors import InvalidRequest
+from lockgate.wire import Endpoint, parse_request
+
+
+def chat(**extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    import orjson
+
+    return orjson.dumps(body)
+
+
+def test_valid_chat_passes_unknown_fields_through():
+    req = parse_request(Endpoint.CHAT, chat(stream=True, stream_options={"include_usage": True}, foo=1))
+    assert req.stream and req.include_usage
+    assert req.body["foo"] == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (chat(model=3), "model"),
+        (b'{"model": "m"}', "messages"),
+        (b'{"model": "m", "messages": []}', "messages"),
+        (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "messages": [{"role": "user"}]}', "messages[0].content"),
+        (chat(temperature=3), "temperature"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(max_tokens="5"), "max_tokens"),
+        (chat(stream="yes"), "stream"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(stop=[1]), "stop"),
+        (chat(n=0), "n"),
+        (chat(top_p=1.5), "top_p"),
+    ],
+)
+def test_chat_errors_name_the_field(raw, param):
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(Endpoint.CHAT, raw)
+    assert info.value.param == param
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completion_prompt_forms(prompt):
+    import orjson
+
+    req = parse_request(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": prompt}))
+    assert req.prompt_text()
+
+
+@pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], {"x": 1}])
+def test_completion_bad_prompt(prompt):
+    import orjson
+
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": prompt}))
+    assert info.value.param == "prompt"
+
+
+def test_assistant_tool_call_without_content_is_valid():
+    import orjson
+
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        ],
+    }
+    assert parse_request(Endpoint.CHAT, orjson.dumps(body)).model == "m"
