@@ -41,6 +41,7 @@ class Gateway:
             queue_size=config.usage.queue_size,
         )
         self.registry = Registry()
+        self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
         self._max_body = config.limits.max_body_bytes
@@ -179,7 +180,6 @@ class Gateway:
         return web.json_response({"status": "ready"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self.metrics.client_requests_in_flight.set(len(self.registry))
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _admin_list(self, request: web.Request) -> web.Response:

@@ -110,13 +110,15 @@ async def test_authorization_never_forwarded(start_gateway, http):
 
     async def engine(request: web.Request) -> web.Response:
         seen.append(dict(request.headers))
-        return web.json_response(
-            {"id": "x", "object": "chat.completion", "model": "m", "choices": [], "usage": None}
-        )
+        return web.json_response({"id": "x", "object": "chat.completion", "model": "m", "choices": [], "usage": None})
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", engine)
-    app.router.add_get("/v1/models", lambda r: web.json_response({"data": []}))
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": []})
+
+    app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -28,11 +28,16 @@ models:
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        ({"models": [{"name": "m", "instances": [{"url": "http://x", "engine": "vlm"}]}]},
-         "models[0].instances[0].engine"),
+        (
+            {"models": [{"name": "m", "instances": [{"url": "http://x", "engine": "vlm"}]}]},
+            "models[0].instances[0].engine",
+        ),
         ({"models": [{"name": "m", "instances": [{"url": "ftp://x"}]}]}, "models[0].instances[0].url"),
         ({"models": [{"name": "m", "instances": []}]}, "models[0].instances"),
-        ({"models": [{"name": "m", "instances": [{"url": "http://x"}], "routng": "x"}]}, "models[0].routng: unknown key"),
+        (
+            {"models": [{"name": "m", "instances": [{"url": "http://x"}], "routng": "x"}]},
+            "models[0].routng: unknown key",
+        ),
         ({"listen": {"port": 99999}, "models": [{"name": "m", "instances": [{"url": "http://x"}]}]}, "listen.port"),
         ({}, "at least one model"),
     ],

@@ -4,7 +4,10 @@ from lockgate.routing import InstanceView, LeastLoad, PoolSnapshot, RoundRobin, 
 def snap(*loads, healthy=None):
     healthy = healthy or [True] * len(loads)
     return PoolSnapshot(
-        "m", tuple(InstanceView(f"i{n}", f"i{n}", h, load, 10) for n, (load, h) in enumerate(zip(loads, healthy)))
+        "m",
+        tuple(
+            InstanceView(f"i{n}", f"i{n}", h, load, 10) for n, (load, h) in enumerate(zip(loads, healthy, strict=False))
+        ),
     )
 
 

@@ -1,0 +1,154 @@
+"""``SimServer``: one simulated vLLM instance serving HTTP on TCP or a unix socket.
+
+Resource handling: ``start()`` binds the socket and starts the step-loop task, which the server owns;
+``aclose()`` (idempotent) releases held requests, stops accepting, cancels in-flight handlers and awaits the
+step loop. Use it as ``async with SimServer(SimConfig(models=["m"])) as sim: ... sim.url ...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from .config import SimConfig
+from .control import SimControl
+from .engine import Engine
+from .handlers import Api
+from .metrics import LiveGauges, SimMetrics
+from .stats import SimStats
+
+
+class SimServer:
+    def __init__(self, config: SimConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = SimConfig(**overrides)
+        elif overrides:
+            import dataclasses
+
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self.stats = SimStats(config.requests_seen_limit)
+        self.control = SimControl()
+        self.engine: Engine | None = None
+        self.metrics = SimMetrics(config.model_name, self._gauges)
+        if not config.fast:
+            self.engine = Engine(config.scheduler_config(), self.stats, self.metrics)
+        self.api = Api(config, self.stats, self.metrics, self.control, self.engine)
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.api.add_routes(self.app)
+        self._runner: web.AppRunner | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._port: int | None = None
+        self._closed = False
+
+    def _gauges(self) -> LiveGauges:
+        if self.engine is None:
+            return LiveGauges(0, 0, 0.0)
+        return self.engine.gauges()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self) -> SimServer:
+        if self._runner is not None:
+            raise RuntimeError("already started")
+        cfg = self.config
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=0.05)
+        await runner.setup()
+        self._runner = runner
+        try:
+            site: web.BaseSite
+            if cfg.uds is not None:
+                site = web.UnixSite(runner, cfg.uds)
+            else:
+                family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+                sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=1024)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._port = sock.getsockname()[1]
+                site = web.SockSite(runner, sock, backlog=1024)
+            await site.start()
+            if self.engine is not None:
+                self._loop_task = asyncio.create_task(self.engine.run(), name=f"sim-step-loop:{self.url}")
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.control.release()
+        try:
+            if self._runner is not None:
+                await self._runner.cleanup()
+        finally:
+            task, self._loop_task = self._loop_task, None
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def __aenter__(self) -> SimServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- addresses -----------------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("not listening on TCP (not started, or serving a unix socket)")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Base URL, without ``/v1``. For a unix socket it is ``http://localhost`` (connect via ``uds``)."""
+        if self.config.uds is not None:
+            return "http://localhost"
+        host = self.config.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def uds(self) -> str | None:
+        return self.config.uds
+
+    # -- test helpers --------------------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        """The same snapshot as ``GET /sim/stats``."""
+        return self.api.snapshot()
+
+    # These wait without a deadline: bound them with ``asyncio.timeout`` (tests also have pytest-timeout).
+    async def wait_until(self, predicate: Callable[[SimServer], bool]) -> None:
+        """Wait until ``predicate(self)`` holds, re-checked on every stats change (no polling)."""
+        await self.stats.wait_until(lambda: predicate(self))
+
+    async def wait_held(self, n: int = 1) -> None:
+        await self.stats.wait_until(lambda: self.stats.held >= n)
+
+    async def wait_ended(self, request_id: str) -> dict[str, Any]:
+        """Wait until the request with this id has ended; return its record."""
+
+        def ended() -> bool:
+            rec = self.stats.find(request_id)
+            return rec is not None and rec.ended_at is not None
+
+        await self.stats.wait_until(ended)
+        rec = self.stats.find(request_id)
+        assert rec is not None
+        return rec.as_dict()
+
+    def release(self) -> int:
+        """Release held requests (like ``POST /sim/release``); returns how many were held."""
+        held = self.stats.held
+        self.control.release()
+        return held
+
+    def reset_stats(self) -> None:
+        self.stats.reset()

@@ -1,0 +1,268 @@
+"""The OpenAI-compatible surface over real loopback HTTP, with aiohttp and the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lockgate.sim import SimServer
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6}
+
+
+def sse_events(raw: bytes) -> list[object]:
+    out: list[object] = []
+    for block in raw.decode().split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: ")
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+@pytest.fixture
+async def client(sim: SimServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+async def test_openai_sdk_chat_and_completions(client: openai.AsyncOpenAI) -> None:
+    chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.id.startswith("chatcmpl-") and chat.model == "m"
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5
+    comp = await client.completions.create(model="m", prompt="once upon a time", max_tokens=4)
+    assert comp.id.startswith("cmpl-") and len(comp.choices[0].text.split()) == 4
+    assert comp.usage is not None and comp.usage.prompt_tokens == 4
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["m"]
+
+
+async def test_openai_sdk_streaming_with_usage(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=0,
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 7
+    full = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=7, temperature=0
+    )
+    assert full.choices[0].message.content == text
+    cstream = await client.completions.create(model="m", prompt="a b c", max_tokens=3, stream=True)
+    parts = [c async for c in cstream]
+    assert len(parts) == 3 and parts[-1].choices[0].finish_reason == "length"
+
+
+async def test_raw_sse_format(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(sim.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        events = sse_events(await resp.read())
+    assert events[-1] == "[DONE]"
+    first = events[0]
+    assert isinstance(first, dict) and first["choices"][0]["delta"]["role"] == "assistant"
+    usage = events[-2]
+    assert isinstance(usage, dict) and usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+
+
+async def test_stop_and_seed_determinism(client: openai.AsyncOpenAI) -> None:
+    async def text(**kw: object) -> tuple[str, str]:
+        r = await client.completions.create(model="m", prompt="the quick brown fox", **kw)  # type: ignore[call-overload]
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    a, _ = await text(max_tokens=20, seed=42, temperature=0.8)
+    assert (a, "length") == await text(max_tokens=20, seed=42, temperature=0.8)
+    g, _ = await text(max_tokens=20, temperature=0)
+    assert g == (await text(max_tokens=20, temperature=0, seed=5))[0]  # greedy ignores the seed
+    stop = a.split()[3]
+    t, reason = await text(max_tokens=20, seed=42, temperature=0.8, stop=[stop, "zzz"])
+    assert reason == "stop" and t == a[: a.index(stop)]
+
+
+async def test_continue_final_message_continues_exactly(client: openai.AsyncOpenAI) -> None:
+    msgs: list[dict[str, str]] = [{"role": "user", "content": "write"}]
+    full = await client.chat.completions.create(model="m", messages=msgs, max_tokens=12, seed=9)  # type: ignore[arg-type]
+    text = full.choices[0].message.content or ""
+    head = text[: len(" ".join(text.split(" ")[:6]))]  # the first 5 tokens
+    rest = await client.chat.completions.create(
+        model="m",
+        messages=[*msgs, {"role": "assistant", "content": head}],  # type: ignore[list-item]
+        max_tokens=7,
+        seed=9,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert head + (rest.choices[0].message.content or "") == text
+    assert rest.usage is not None and full.usage is not None
+    assert rest.usage.prompt_tokens == full.usage.prompt_tokens + 5
+
+
+async def test_prefix_cache_hits_show_in_usage_and_stats(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    long = " ".join(f"w{i}" for i in range(100))
+    body = {"model": "m", "prompt": long, "max_tokens": 2}
+    for _ in range(2):
+        async with http.post(sim.url + "/v1/completions", json=body) as resp:
+            usage = (await resp.json())["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 96
+    stats = sim.statistics()
+    assert stats["prefix_cache_query_tokens"] == 200 and stats["prefix_cache_hit_tokens"] == 96
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+
+
+async def test_errors_use_the_openai_envelope(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    async def post(data: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+        async with http.post(sim.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+            body = await r.json()
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+            return r.status, body["error"]
+
+    status, err = await post(orjson.dumps({**CHAT, "model": "nope"}))
+    assert status == 404 and err["code"] == 404
+    assert (await post(b"{not json"))[0] == 400
+    assert (await post(orjson.dumps({**CHAT, "n": 2})))[0] == 400
+    assert (await post(orjson.dumps({"model": "m", "prompt": [1, 2]}), "/v1/completions"))[0] == 400
+    assert (await post(orjson.dumps({**CHAT, "max_tokens": "x"})))[0] == 400
+    ok = {**CHAT, "priority": 3, "unknown_field": {"x": 1}, "continue_final_message": False}
+    async with http.post(sim.url + "/v1/chat/completions", json=ok) as r:
+        assert r.status == 200
+
+
+async def test_metrics_parse_with_vllm_names(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    async with http.post(sim.url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+    async with http.get(sim.url + "/metrics") as r:
+        text = await r.text()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:time_to_first_token_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+    ):
+        assert name in fams, name
+        assert all(s.labels.get("model_name") == "m" for s in fams[name].samples)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert samples[("vllm:generation_tokens_total", (("model_name", "m"),))] == 6
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
+    assert samples[("vllm:time_to_first_token_seconds_count", (("model_name", "m"),))] == 1
+
+
+async def test_health_models_control_and_reset(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+    sim = await make_sim(models=("a", "b"))
+    async with http.get(sim.url + "/v1/models") as r:
+        assert [m["id"] for m in (await r.json())["data"]] == ["a", "b"]
+    async with http.get(sim.url + "/health") as r:
+        assert r.status == 200
+    async with http.post(sim.url + "/sim/control", json={"healthy": False, "fail_status": 503}) as r:
+        assert r.status == 200
+    async with http.get(sim.url + "/health") as r:
+        assert r.status == 503
+    async with http.post(sim.url + "/v1/chat/completions", json={**CHAT, "model": "b"}) as r:
+        assert r.status == 503 and "error" in await r.json()
+    async with http.post(sim.url + "/sim/control", json={"bogus": 1}) as r:
+        assert r.status == 400
+    async with http.post(sim.url + "/sim/control", json={"healthy": True, "fail_status": None}) as r:
+        assert r.status == 200
+    async with http.post(sim.url + "/v1/chat/completions", json={**CHAT, "model": "b"}) as r:
+        assert r.status == 200
+    assert sim.statistics()["requests_failed"] == 1
+    async with http.post(sim.url + "/sim/reset_stats") as r:
+        assert r.status == 200
+    async with http.get(sim.url + "/sim/stats") as r:
+        stats = await r.json()
+    assert stats["requests_started"] == 0 and stats["requests_seen"] == []
+
+
+async def test_request_id_is_recorded(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    async with http.post(sim.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "abc"}) as r:
+        assert r.status == 200
+    rec = sim.stats.find("abc")
+    assert rec is not None and rec.outcome == "finished" and rec.completion_tokens == 6
+    async with http.get(sim.url + "/sim/wait", params={"request_id": "abc", "outcome": "finished"}) as r:
+        assert r.status == 200 and (await r.json())["request"]["request_id"] == "abc"
+
+
+async def test_unix_socket(make_sim, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "sim.sock")
+    sim = await make_sim(uds=path)
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as s,
+        s.post(sim.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3}) as r,
+    ):
+        assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 3
+
+
+async def test_fast_mode_answers_and_counts(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+    slow = await make_sim(tpot_ms=1.0)
+    fast = await make_sim(fast=True, tpot_ms=1000.0)  # timings are ignored in fast mode
+    bodies = []
+    for sim in (slow, fast):
+        async with http.post(sim.url + "/v1/chat/completions", json={**CHAT, "temperature": 0}) as r:
+            bodies.append(await r.json())
+        async with http.post(sim.url + "/v1/chat/completions", json={**CHAT, "stream": True, "temperature": 0}) as r:
+            events = sse_events(await r.read())
+            assert events[-1] == "[DONE]"
+    assert bodies[0]["choices"] == bodies[1]["choices"]  # same output in both modes
+    stats = fast.statistics()
+    assert stats["requests_finished"] == 2 and stats["tokens_generated"] == 12
+
+
+async def test_continuous_batching_serves_many_concurrently(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+    sim = await make_sim(max_num_seqs=4)
+
+    async def one(i: int) -> int:
+        body = {"model": "m", "prompt": f"p{i} q", "max_tokens": 5}
+        async with http.post(sim.url + "/v1/completions", json=body) as r:
+            return (await r.json())["usage"]["completion_tokens"]
+
+    assert await asyncio.gather(*(one(i) for i in range(12))) == [5] * 12
+    stats = sim.statistics()
+    assert stats["requests_finished"] == 12 and stats["running"] == stats["waiting"] == 0
+    assert stats["kv_blocks_used"] == 0
+
+
+async def test_first_token_delays_and_prefill_time(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+    sim = await make_sim(prefill_tps=4000.0)
+    body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(200)), "max_tokens": 1}
+    async with http.post(sim.url + "/v1/completions", json=body, headers={"x-request-id": "cold"}) as r:
+        assert r.status == 200
+    async with http.post(sim.url + "/sim/control", json={"delay_first_token_ms": 30}) as r:
+        assert r.status == 200
+    async with http.post(sim.url + "/v1/completions", json=body, headers={"x-request-id": "warm"}) as r:
+        assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+    async with http.post(sim.url + "/sim/control", json={"delay_first_token_ms": 0}) as r:
+        assert r.status == 200
+    hdrs = {"x-request-id": "hdr", "x-sim-delay-ms": "40"}
+    async with http.post(sim.url + "/v1/completions", json={**body, "prompt": "x"}, headers=hdrs) as r:
+        assert r.status == 200
+    ttft = {}
+    for rid in ("cold", "warm", "hdr"):
+        rec = sim.stats.find(rid)
+        assert rec is not None and rec.first_token_at is not None
+        ttft[rid] = rec.first_token_at - rec.started_at
+    assert ttft["cold"] >= 200 / 4000  # prefill of 200 uncached tokens
+    assert ttft["warm"] >= 0.030  # injected delay (the cached prompt itself needs only 8 tokens of prefill)
+    assert ttft["hdr"] >= 0.040
