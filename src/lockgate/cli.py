@@ -77,18 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import cli as bench_cli
 
-    bench = commands.add_parser(
-        "bench", help="benchmarks (ratios against a baseline run in the same process)"
-    )
+    bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline run in the same process)")
     bench_cli.add_arguments(bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)
 
 

@@ -203,9 +203,7 @@ class Exchange:
             if self.response is None:
                 record.http_status = error.http_status
 
-    async def _end_with(
-        self, status: str, error: GatewayError, *, reason: str | None = None
-    ) -> web.StreamResponse:
+    async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> web.StreamResponse:
         self._set_end(status, reason=reason, error=error)
         if self.response is None:
             return self.gateway.error_response(error, self.id, self.instance)

@@ -73,9 +73,7 @@ class Lease:
 class Pool:
     """The instances serving one model, and the policy that picks among them."""
 
-    def __init__(
-        self, config: ModelConfig, instances: list[Instance], served: dict[str, str], policy: Policy
-    ) -> None:
+    def __init__(self, config: ModelConfig, instances: list[Instance], served: dict[str, str], policy: Policy) -> None:
         self.config = config
         self.model = config.name
         self.instances = instances
@@ -127,12 +125,15 @@ class Fleet:
 
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
         limit = self._config.upstream.max_connections
+        dialect = dialect_for(spec.engine)
         connector: aiohttp.BaseConnector
         if spec.url.startswith("unix://"):
-            connector = aiohttp.UnixConnector(path=spec.url[len("unix://") :], limit=limit)
+            connector = aiohttp.UnixConnector(
+                path=spec.url[len("unix://") :], limit=limit, keepalive_timeout=dialect.keepalive_s
+            )
             base_url = "http://localhost"
         else:
-            connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, enable_cleanup_closed=False)
+            connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=dialect.keepalive_s)
             base_url = spec.url
         session = aiohttp.ClientSession(
             connector=connector,
@@ -190,9 +191,7 @@ class Fleet:
     async def _abort(self, instance: Instance, call: AbortCall) -> None:
         try:
             async with asyncio.timeout(2.0):
-                async with instance.session.request(
-                    call.method, instance.base_url + call.path, json=call.json
-                ) as resp:
+                async with instance.session.request(call.method, instance.base_url + call.path, json=call.json) as resp:
                     await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("abort call to %s failed: %s", instance.name, exc)
@@ -236,7 +235,9 @@ def _auth(instance: Instance) -> dict[str, str]:
     return {"Authorization": f"Bearer {instance.api_key}"} if instance.api_key else {}
 
 
-def upstream_headers(instance: Instance, request_id: str) -> dict[str, str]:
+def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    if stream and instance.dialect.close_after_stream:
+        headers["Connection"] = "close"
     headers.update(_auth(instance))
     return headers

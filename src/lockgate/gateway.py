@@ -96,9 +96,7 @@ class Gateway:
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
 
-    def error_response(
-        self, error: GatewayError, request_id: str, instance: Instance | None = None
-    ) -> web.Response:
+    def error_response(self, error: GatewayError, request_id: str, instance: Instance | None = None) -> web.Response:
         headers = {"x-request-id": request_id, **error.headers()}
         if instance is not None:
             headers["x-lockgate-instance"] = instance.name
@@ -142,15 +140,11 @@ class Gateway:
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self._max_body:
-            raise PayloadTooLarge(
-                f"The request body is {request.content_length} bytes; the limit is {self._max_body}."
-            )
+            raise PayloadTooLarge(f"The request body is {request.content_length} bytes; the limit is {self._max_body}.")
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"The request body is larger than the limit of {self._max_body} bytes."
-            ) from None
+            raise PayloadTooLarge(f"The request body is larger than the limit of {self._max_body} bytes.") from None
 
     @staticmethod
     def _deadline(request: web.Request, default_ms: int | None) -> float | None:
@@ -180,9 +174,7 @@ class Gateway:
             return web.json_response({"status": "draining"}, status=503)
         not_ready = [name for name, pool in self.fleet.pools.items() if not pool.ready()]
         if not_ready:
-            return web.json_response(
-                {"status": "not_ready", "models_without_instance": not_ready}, status=503
-            )
+            return web.json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)
         return web.json_response({"status": "ready"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -200,15 +192,11 @@ class Gateway:
         return web.json_response({"id": request_id, "cancelled": True})
 
     async def _admin_fleet(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"instances": [_describe_instance(i) for i in self.fleet.instances.values()]}
-        )
+        return web.json_response({"instances": [_describe_instance(i) for i in self.fleet.instances.values()]})
 
     async def _unknown(self, request: web.Request) -> web.Response:
         if request.path in self._known_paths:
-            error = NotFound(
-                f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed"
-            )
+            error = NotFound(f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed")
             return web.Response(status=405, body=error.body_bytes(), content_type="application/json")
         error = NotFound(f"Unknown path: {request.method} {request.path}")
         return web.Response(status=404, body=error.body_bytes(), content_type="application/json")
@@ -223,7 +211,5 @@ def _describe_instance(instance: Instance) -> dict[str, Any]:
         "in_flight": instance.in_flight,
         "max_concurrency": instance.max_concurrency,
         "last_error": instance.last_error,
-        "last_probe_age_s": None
-        if instance.last_probe_at is None
-        else round(time.time() - instance.last_probe_at, 3),
+        "last_probe_age_s": None if instance.last_probe_at is None else round(time.time() - instance.last_probe_at, 3),
     }

@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from . import sse
+from .assemble import Assembler
 from .errors import UpstreamError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 from .routing import RouteRequest
@@ -42,7 +43,10 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
             if last_error is not None:
                 raise last_error from None
             raise
-        body = instance.dialect.upstream_body(api, served_model=pool.served[instance.key], request_id=ex.id)
+        stream = api.stream or instance.dialect.stream_upstream_always
+        body = instance.dialect.upstream_body(
+            api, served_model=pool.served[instance.key], request_id=ex.id, stream=stream
+        )
         call = UpstreamCall(
             gateway.fleet,
             gateway.metrics,
@@ -50,7 +54,7 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
             api.endpoint.path,
             orjson.dumps(body),
             ex.id,
-            stream=api.stream,
+            stream=stream,
         )
         ex.attach(gateway.fleet.lease(instance), call)
         ex.phase = Phase.CONNECTING
@@ -75,7 +79,13 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
 
 
 async def _relay_whole(ex: Exchange, call: UpstreamCall) -> web.StreamResponse:
-    payload = await call.read_json()
+    if call.streaming:
+        assembler = Assembler(ex.api.endpoint)
+        async for event in call.events():
+            assembler.feed(event)
+        payload = assembler.result()
+    else:
+        payload = await call.read_json()
     ex.phase = Phase.FINISHING
     ex.first_token()
     payload["model"] = ex.api.model
@@ -92,6 +102,8 @@ async def _relay_whole(ex: Exchange, call: UpstreamCall) -> web.StreamResponse:
 
 
 async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamCall) -> web.StreamResponse:
+    """Relay the engine's stream, normalised: usage (which the gateway always asks for) goes out as
+    one final `choices: []` chunk if, and only if, the client asked for it."""
     api = ex.api
     events = call.events()
     try:
@@ -104,37 +116,40 @@ async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamC
                 **_headers(ex, call.instance),
             },
         )
-        prepared = False
+        last: dict[str, Any] | None = None
+        usage: dict[str, Any] | None = None
         delivered = 0
         async for event in events:
-            usage = event.pop("usage", None)
-            if isinstance(usage, dict):
+            chunk_usage = event.pop("usage", None)
+            if isinstance(chunk_usage, dict):
+                usage = chunk_usage
                 ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
                 ex.record.completion_tokens = max(delivered, _int(usage.get("completion_tokens")))
             choices = event.get("choices")
             if not choices:
-                if usage is None or not api.include_usage:
-                    continue
-                event["usage"] = usage
-            elif api.include_usage:
+                continue
+            if api.include_usage:
                 event["usage"] = None
             event["model"] = api.model
-            if not prepared:
+            if last is None:
                 # The first byte goes out only now: until here a failure could still be retried.
                 ex.record.http_status = 200
                 ex.response = response
                 await _write(response.prepare(http_request))
-                prepared = True
                 ex.phase = Phase.STREAMING
-            if choices and _has_content(choices):
+            last = event
+            if _has_content(choices):
                 delivered += 1
                 if ex.record.completion_tokens < delivered:
                     ex.record.completion_tokens = delivered
                 ex.first_token()
             await _write(response.write(sse.encode(event)))
-        if not prepared:
+        if last is None:
             raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")
         ex.phase = Phase.FINISHING
+        if api.include_usage and usage is not None:
+            tail = {k: last[k] for k in ("id", "object", "created", "model", "system_fingerprint") if k in last}
+            await _write(response.write(sse.encode({**tail, "choices": [], "usage": usage})))
         await _write(response.write(sse.DONE_EVENT))
         await _write(response.write_eof())
         return response
