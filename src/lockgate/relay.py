@@ -42,7 +42,9 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
             if last_error is not None:
                 raise last_error from None
             raise
-        body = instance.dialect.upstream_body(api, served_model=pool.served[instance.key], request_id=ex.id)
+        body = instance.dialect.upstream_body(
+            api, served_model=pool.served[instance.key], request_id=ex.id, priority=ex.engine_priority
+        )
         call = UpstreamCall(
             gateway.fleet,
             gateway.metrics,
@@ -71,6 +73,7 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
     return {
         "x-request-id": ex.record.client_request_id or ex.id,
         "x-lockgate-instance": instance.name,
+        **ex.response_headers,
     }
 
 
