@@ -53,6 +53,8 @@ class PoolScheduler:
         self._metrics = metrics
         self._clock = clock
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        self._changed = asyncio.Event()
+        self._watchers = 0
         core = self.core
         for index, spec in enumerate(core.classes):
             metrics.queue_depth.labels(model, spec.name).set_function(lambda k=index: core.queued(k))
@@ -65,6 +67,7 @@ class PoolScheduler:
         self._waiters[ticket] = waiter
         offer = self.core.offer(ticket, self._clock())
         self._wake(offer.granted)
+        self._notify()
         if offer.rejected:
             del self._waiters[ticket]
             spec = self.core.classes[klass]
@@ -105,6 +108,22 @@ class PoolScheduler:
         if waiter is not None and not waiter.done():
             waiter.cancel()
         self._wake(self.core.release(ticket, self._clock()))
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._watchers:  # free when nobody watches, the normal case
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[SchedulerCore], bool]) -> None:
+        """Wait until `predicate(core)` holds, re-checked on every change (tests, drains; no polling).
+        Bound it with `asyncio.timeout`."""
+        self._watchers += 1
+        try:
+            while not predicate(self.core):
+                await self._changed.wait()
+        finally:
+            self._watchers -= 1
 
     def _wake(self, granted: Sequence[Ticket]) -> None:
         now = self._clock()

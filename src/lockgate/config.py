@@ -186,6 +186,8 @@ def _describe(exc: ValidationError, source: str) -> str:
         message = err["msg"]
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and indentation)"
+        elif "keys" in err["loc"] or "api_key" in err["loc"]:
+            pass  # never echo what may be a secret
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
         lines.append(f"  {where}: {message}")
