@@ -19,6 +19,7 @@ and `release()` returns the slot (granting the next waiter) or leaves the queue 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -46,10 +47,11 @@ class PoolScheduler:
         capacity: int,
         metrics: SchedulingMetrics,
         *,
+        reserve: int = 0,
         clock: Clock = time.monotonic,
     ) -> None:
         self.model = model
-        self.core = SchedulerCore(classes, capacity)
+        self.core = SchedulerCore(classes, capacity, reserve=reserve)
         self._metrics = metrics
         self._clock = clock
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
@@ -157,7 +159,8 @@ class Admission:
     """The gateway's admission control: tenants, rate limits and one scheduler per model pool.
 
     Pool capacity is the sum of the configured `max_concurrency` of the model's instances (an
-    instance shared by several models counts fully in each)."""
+    instance shared by several models counts fully in each); `scheduling.strict_headroom` of it is
+    kept for strict classes."""
 
     def __init__(self, config: Config, metrics: SchedulingMetrics, *, clock: Clock = time.monotonic) -> None:
         self.book = TenantBook(config.tenants, config.scheduling)
@@ -166,12 +169,14 @@ class Admission:
         self.engine_priority = config.scheduling.engine_priority
         self._metrics = metrics
         self._clock = clock
-        self.schedulers = {
-            m.name: PoolScheduler(
-                m.name, self.classes, sum(i.max_concurrency for i in m.instances), metrics, clock=clock
+        headroom = config.scheduling.strict_headroom
+        self.schedulers: dict[str, PoolScheduler] = {}
+        for m in config.models:
+            capacity = sum(i.max_concurrency for i in m.instances)
+            reserve = min(max(0, capacity - 1), math.ceil(capacity * headroom)) if headroom else 0
+            self.schedulers[m.name] = PoolScheduler(
+                m.name, self.classes, capacity, metrics, reserve=reserve, clock=clock
             )
-            for m in config.models
-        }
         self._watched: set[str] = set()
 
     def class_name(self, klass: int) -> str:

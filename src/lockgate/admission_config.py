@@ -45,6 +45,9 @@ class SchedulingConfig(_Strict):
     classes: Annotated[list[PriorityClassConfig], Field(min_length=1)] = Field(default_factory=_default_classes)
     #: Class of requests without `x-priority` (null: the middle class, P1 by default).
     default_priority: str | None = None
+    #: Fraction of each pool's slots kept free for strict classes (P0), so that they start at once
+    #: without preemption; at least one slot is always left to the others.
+    strict_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = 0.0
     #: Send the class index as the engine's priority field where the dialect has one (vLLM
     #: `priority`; the engine must run with `--scheduling-policy priority`).
     engine_priority: bool = True

@@ -16,7 +16,9 @@ Order of service:
   of its exact share. A class that was idle rejoins at the current virtual time, so idling never
   banks credit and no backlogged class is ever starved;
 - within a class, first come, first served;
-- a class never runs more than its `max_running` slots (None: no limit beyond capacity).
+- a class never runs more than its `max_running` slots (None: no limit beyond capacity);
+- `reserve` slots are headroom only strict classes may take: without preemption, this is what lets a
+  P0 arrival start at once while the other classes keep the rest of the pool busy.
 
 Preemption hook: `newest_running(klass)` names the most recently granted running ticket of a class,
 which a preemption policy may stop (then `release()` it and `offer()` it again).
@@ -92,7 +94,7 @@ _EWMA = 0.2
 
 
 class SchedulerCore:
-    def __init__(self, classes: Sequence[ClassSpec], capacity: int) -> None:
+    def __init__(self, classes: Sequence[ClassSpec], capacity: int, *, reserve: int = 0) -> None:
         if not classes:
             raise ValueError("at least one priority class")
         if capacity < 0:
@@ -101,7 +103,11 @@ class SchedulerCore:
             if not spec.strict and spec.weight <= 0:
                 raise ValueError(f"class {spec.name}: weight must be > 0")
         self.classes = tuple(classes)
+        if reserve < 0:
+            raise ValueError("reserve must be >= 0")
         self.capacity = capacity
+        #: Slots that only strict classes may take.
+        self.reserve = reserve
         n = len(classes)
         self._queues: list[deque[Ticket]] = [deque() for _ in range(n)]
         self._running: list[dict[int, Ticket]] = [{} for _ in range(n)]  # seq -> ticket, grant order
@@ -202,7 +208,7 @@ class SchedulerCore:
             for k in self._shared:
                 if k != klass:
                     ahead += min(self.queued(k), math.ceil(own * self.classes[k].weight / weight))
-        slots = max(1, self.capacity)
+        slots = max(1, self.capacity if klass in self._strict else self.capacity - self.reserve)
         limit = self.classes[klass].max_running
         if limit is not None:
             slots = max(1, min(slots, limit))
@@ -235,6 +241,8 @@ class SchedulerCore:
         for k in self._strict:
             if self._eligible(k):
                 return k
+        if self._running_total >= self.capacity - self.reserve:
+            return None  # only the strict classes' headroom is left
         best: int | None = None
         best_finish = 0.0
         for k in self._shared:

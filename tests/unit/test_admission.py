@@ -190,3 +190,13 @@ async def test_queue_deadline() -> None:
     s.release(second)
     s.release(first)
     assert s.core.running_total == 0
+
+
+def test_hash_key_cli_reads_stdin(monkeypatch, capsys) -> None:
+    import io
+
+    from lockgate.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-test\n"))
+    assert main(["hash-key"]) == 0
+    assert capsys.readouterr().out.strip() == hash_key("sk-test")

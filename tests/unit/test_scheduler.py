@@ -118,9 +118,11 @@ class_lists = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(classes=class_lists, capacity=st.integers(0, 6), script=ops)
-def test_invariants_hold_under_any_sequence(classes: list[ClassSpec], capacity: int, script: list) -> None:
-    core = SchedulerCore(classes, capacity)
+@given(classes=class_lists, capacity=st.integers(0, 6), reserve=st.integers(0, 2), script=ops)
+def test_invariants_hold_under_any_sequence(
+    classes: list[ClassSpec], capacity: int, reserve: int, script: list
+) -> None:
+    core = SchedulerCore(classes, capacity, reserve=reserve)
     n = len(classes)
     live: list[Ticket] = []
     last_granted_seq = [0] * n
@@ -166,11 +168,14 @@ def test_invariants_hold_under_any_sequence(classes: list[ClassSpec], capacity: 
             assert core.queued(k) <= spec.max_queue
             if spec.max_running is not None:
                 assert core.running(k) <= spec.max_running
-        # Work conserving: no free slot while an eligible ticket waits.
-        if core.running_total < core.capacity:
-            for k, spec in enumerate(classes):
-                if core.queued(k):
-                    assert spec.max_running is not None and core.running(k) >= spec.max_running
+        # Work conserving: no free slot while an eligible ticket waits (the headroom is for strict
+        # classes only), and the shared classes never take the headroom.
+        if granted and not classes[granted[-1].klass].strict:
+            assert core.running_total <= core.capacity - reserve
+        for k, spec in enumerate(classes):
+            free = core.capacity - core.running_total - (0 if spec.strict else reserve)
+            if core.queued(k) and free > 0:
+                assert spec.max_running is not None and core.running(k) >= spec.max_running
         # States agree with the counts.
         assert sum(t.state is TicketState.RUNNING for t in live) == core.running_total
         assert sum(t.state is TicketState.QUEUED for t in live) == core.queued_total
@@ -224,6 +229,14 @@ def test_idle_class_does_not_bank_credit() -> None:
         order.append(current.klass)
     # B does not get ten grants in a row for A's solo run: they alternate.
     assert 4 <= order.count(1) <= 6
+
+
+def test_headroom_is_kept_for_the_strict_class() -> None:
+    core = SchedulerCore(DEFAULT, capacity=3, reserve=1)
+    p2 = [offer(core, 2) for _ in range(3)]
+    assert [t.state for t in p2] == [TicketState.RUNNING, TicketState.RUNNING, TicketState.QUEUED]
+    p0 = offer(core, 0)
+    assert p0.state is TicketState.RUNNING  # starts at once, no preemption needed
 
 
 def test_bad_specs_are_refused() -> None:
