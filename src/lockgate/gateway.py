@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from .admission import Admission
 from .config import Config
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
@@ -21,6 +22,7 @@ from .fleet import Fleet, Instance
 from .metrics import GatewayMetrics
 from .records import RecordWriter
 from .relay import relay
+from .tenants import PRIORITY_HEADER, Tenant
 from .wire import Endpoint, parse_request
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
@@ -47,6 +49,7 @@ class Gateway:
             queue_size=config.usage.queue_size,
         )
         self.registry = Registry()
+        self.admission = Admission(config, self.metrics.scheduling)
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
@@ -120,10 +123,12 @@ class Gateway:
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
+            tenant = self.admission.book.authenticate(request.headers.get("Authorization"))
             if self.draining:
                 raise ShuttingDown("The gateway is shutting down.", retry_after=1)
             raw = await self._read_body(request)
             api = parse_request(endpoint, raw)
+            self.admission.book.check_model(tenant, api.model)
             pool = self.fleet.pool(api.model)
             if pool is None:
                 raise ModelNotFound(
@@ -131,12 +136,27 @@ class Gateway:
                     param="model",
                 )
             deadline_s = self._deadline(request, pool.config.timeout_ms)
+            klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
         except GatewayError as exc:
             self.metrics.requests.labels("", "rejected").inc()
             return self.error_response(exc, echo_id)
-        exchange = Exchange(self, request_id, api, pool, deadline_s=deadline_s)
+        exchange = Exchange(
+            self,
+            request_id,
+            api,
+            pool,
+            deadline_s=deadline_s,
+            tenant=tenant.name,
+            priority=self.admission.class_name(klass),
+        )
         exchange.record.client_request_id = client_id
-        return await exchange.run(lambda ex: relay(ex, request))
+        return await exchange.run(lambda ex: self._admit_and_relay(ex, request, tenant, klass))
+
+    async def _admit_and_relay(
+        self, ex: Exchange, request: web.Request, tenant: Tenant, klass: int
+    ) -> web.StreamResponse:
+        await self.admission.admit(ex, tenant, klass)
+        return await relay(ex, request)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self._max_body:

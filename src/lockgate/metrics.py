@@ -122,6 +122,66 @@ class GatewayMetrics:
             "Usage records written to the spill file because the writer queue was full.",
             registry=r,
         )
+        self.scheduling = SchedulingMetrics(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SchedulingMetrics:
+    """Admission, priority queues and tenant rate limits (see `admission.py`)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.queue_depth = Gauge(
+            "lockgate_queue_depth",
+            "Requests waiting for a slot, by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.slots_in_use = Gauge(
+            "lockgate_queue_slots_in_use",
+            "Scheduler slots held (running requests), by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "lockgate_queue_wait_seconds",
+            "Time from arrival to getting a slot (admitted requests).",
+            ["model", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admissions = Counter(
+            "lockgate_admissions",
+            "Requests given a slot, by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "lockgate_rejections",
+            "Requests refused by admission, by reason (queue_full, queue_timeout, rate_limit_requests, "
+            "rate_limit_tokens, rate_limit_concurrency) and priority class.",
+            ["reason", "priority"],
+            registry=r,
+        )
+        self.ratelimit_remaining_requests = Gauge(
+            "lockgate_ratelimit_remaining_requests",
+            "Requests left in the tenant's per-minute allowance (as of its last admission or settlement).",
+            ["tenant"],
+            registry=r,
+        )
+        self.ratelimit_remaining_tokens = Gauge(
+            "lockgate_ratelimit_remaining_tokens",
+            "Tokens left in the tenant's per-minute allowance (as of its last admission or settlement).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "lockgate_tenant_requests_in_flight", "Admitted requests in flight, by tenant.", ["tenant"], registry=r
+        )
+        self.tokens_reserved = Gauge(
+            "lockgate_tokens_reserved",
+            "Tokens reserved by requests in flight, by tenant (returns to 0).",
+            ["tenant"],
+            registry=r,
+        )

@@ -45,7 +45,11 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
             raise
         stream = api.stream or instance.dialect.stream_upstream_always
         body = instance.dialect.upstream_body(
-            api, served_model=pool.served[instance.key], request_id=ex.id, stream=stream
+            api,
+            served_model=pool.served[instance.key],
+            request_id=ex.id,
+            stream=stream,
+            priority=ex.engine_priority,
         )
         call = UpstreamCall(
             gateway.fleet,
@@ -75,6 +79,7 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
     return {
         "x-request-id": ex.record.client_request_id or ex.id,
         "x-lockgate-instance": instance.name,
+        **ex.response_headers,
     }
 
 

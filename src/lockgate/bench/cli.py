@@ -17,6 +17,28 @@ def _overhead(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _priority(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import priority
+
+    settings = priority.Settings(
+        duration_s=args.duration,
+        sims=args.sims,
+        slots_per_sim=args.slots,
+        p0_rate=args.p0_rate,
+        p2_factor=args.p2_factor,
+        p1_factor=args.p1_factor,
+        headroom=args.headroom,
+    )
+
+    async def main() -> int:
+        baseline, flood, info = await priority.run(settings)
+        print(priority.report(baseline, flood, info, settings))
+        return 0
+
+    return run_async(main)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     over = benches.add_parser("overhead", help="gateway vs direct: throughput, latency, CPU per request")
@@ -25,3 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--max-tokens", type=int, default=16)
     over.add_argument("--modes", nargs="+", choices=["nonstream", "stream"], default=["nonstream", "stream"])
     over.set_defaults(func=_overhead)
+    prio = benches.add_parser("priority", help="P0 TTFT under a P2 flood, P2 progress, shares, rejections")
+    prio.add_argument("--duration", type=float, default=8.0, help="seconds per phase (two phases)")
+    prio.add_argument("--sims", type=int, default=2)
+    prio.add_argument("--slots", type=int, default=4, help="sequence slots per simulator")
+    prio.add_argument("--p0-rate", type=float, default=4.0, help="P0 requests per second")
+    prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")
+    prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
+    prio.add_argument("--headroom", type=float, default=0.125, help="scheduling.strict_headroom")
+    prio.set_defaults(func=_priority)

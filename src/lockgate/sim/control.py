@@ -13,15 +13,16 @@ class SimControl:
     fail_status: int | None = None  # answer every generation request with this status
     reset_prob: float = 0.0  # probability that a generation request's connection is reset mid-answer
     delay_first_token_ms: float = 0.0  # extra wait before a request enters the engine
+    hold: bool = False  # hold every generation request like ``x-sim-hold: 1`` (until release)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a ``/sim/control`` body; raises ``ValueError`` (changing nothing) on a bad one."""
         new: dict[str, Any] = {}
         for key, value in changes.items():
-            if key == "healthy":
+            if key in ("healthy", "hold"):
                 if not isinstance(value, bool):
-                    raise ValueError("healthy must be a bool")
+                    raise ValueError(f"{key} must be a bool")
             elif key == "fail_status":
                 if value is not None and not (isinstance(value, int) and 400 <= value <= 599):
                     raise ValueError("fail_status must be null or an HTTP error status")
@@ -45,6 +46,7 @@ class SimControl:
             "fail_status": self.fail_status,
             "reset_prob": self.reset_prob,
             "delay_first_token_ms": self.delay_first_token_ms,
+            "hold": self.hold,
         }
 
     async def wait_released(self) -> None:
