@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
 PolicyName = Literal["round_robin", "least_load"]
 CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
+DedupMode = Literal["off", "deterministic", "always"]
 
 
 class _Strict(BaseModel):
@@ -70,6 +71,9 @@ class ModelConfig(_Strict):
     cancel_policy: CancelPolicy = "immediate"
     #: Extra attempts on another instance, only before the first byte reached the client.
     retries: Annotated[int, Field(ge=0, le=5)] = 1
+    #: Coalesce identical requests and serve completed results from the cache: never, only reproducible
+    #: requests (temperature 0 or a fixed seed), or every request.
+    dedup: DedupMode = "deterministic"
 
 
 class UpstreamConfig(_Strict):
@@ -96,6 +100,15 @@ class ShutdownConfig(_Strict):
     drain_ms: Annotated[int, Field(ge=0)] = 10000
 
 
+class ResultCacheConfig(_Strict):
+    """The completed-result cache shared by every model (de-duplication)."""
+
+    max_entries: Annotated[int, Field(ge=0)] = 4096
+    max_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
+    #: How long a completed result is served; 0 turns the cache off (flights still coalesce).
+    ttl_ms: Annotated[int, Field(ge=0)] = 10000
+
+
 class SimFleetEntry(_Strict):
     """An engine simulator started inside the gateway process (the embedded default)."""
 
@@ -115,6 +128,7 @@ class Config(_Strict):
     health: HealthConfig = HealthConfig()
     usage: UsageConfig = UsageConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
+    result_cache: ResultCacheConfig = ResultCacheConfig()
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []

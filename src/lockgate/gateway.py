@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from .config import Config
+from .dedup import Coalescer
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
 from .fleet import Fleet, Instance
@@ -41,6 +42,8 @@ class Gateway:
             queue_size=config.usage.queue_size,
         )
         self.registry = Registry()
+        #: De-duplication: flights (shared upstream calls) and the completed-result cache.
+        self.dedup = Coalescer(config, self.metrics, self.fleet)
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
@@ -71,6 +74,7 @@ class Gateway:
         for exchange in self.registry.all():
             exchange.cancel("shutdown")
         await self.registry.wait_empty()
+        await self.dedup.aclose()
         await self.fleet.aclose()
         await self.records.aclose()
 

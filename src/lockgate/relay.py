@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 
 async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
+    dedup = ex.gateway.dedup
+    key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
+    if key is not None:
+        return await dedup.serve(ex, http_request, key)
     call = await _open_with_retries(ex)
     if ex.api.stream:
         return await _relay_stream(ex, http_request, call)
@@ -71,6 +75,7 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
     return {
         "x-request-id": ex.record.client_request_id or ex.id,
         "x-lockgate-instance": instance.name,
+        "x-lockgate-cache": "bypass",
     }
 
 

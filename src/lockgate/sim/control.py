@@ -13,6 +13,7 @@ class SimControl:
     fail_status: int | None = None  # answer every generation request with this status
     reset_prob: float = 0.0  # probability that a generation request's connection is reset mid-answer
     delay_first_token_ms: float = 0.0  # extra wait before a request enters the engine
+    hold: bool = False  # hold every generation request as if it sent ``x-sim-hold: 1``
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def update(self, changes: dict[str, Any]) -> None:
@@ -29,6 +30,9 @@ class SimControl:
                 if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
                     raise ValueError("reset_prob must be in [0, 1]")
                 value = float(value)
+            elif key == "hold":
+                if not isinstance(value, bool):
+                    raise ValueError("hold must be a bool")
             elif key == "delay_first_token_ms":
                 if not isinstance(value, int | float) or value < 0:
                     raise ValueError("delay_first_token_ms must be >= 0")
@@ -45,6 +49,7 @@ class SimControl:
             "fail_status": self.fail_status,
             "reset_prob": self.reset_prob,
             "delay_first_token_ms": self.delay_first_token_ms,
+            "hold": self.hold,
         }
 
     async def wait_released(self) -> None:

@@ -1,0 +1,146 @@
+"""Turning one generation's stream events into what each client receives (pure functions).
+
+A flight always reads the engine as a stream; every subscriber gets its own view of those events:
+streaming clients get each event re-addressed (their own response id, the gateway's model name, usage
+only if they asked for it); non-streaming clients get the events folded into one completion object.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..wire import Endpoint
+
+
+def new_response_id(endpoint: Endpoint) -> str:
+    return ("chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-") + os.urandom(12).hex()
+
+
+def client_event(event: dict[str, Any], *, response_id: str, model: str, include_usage: bool) -> dict[str, Any] | None:
+    """One upstream event as this streaming client sees it; None when it gets nothing for it."""
+    choices = event.get("choices")
+    if not choices:
+        if event.get("usage") is None or not include_usage:
+            return None
+        return {**event, "id": response_id, "model": model}
+    out = {**event, "id": response_id, "model": model}
+    if include_usage:
+        out["usage"] = None
+    else:
+        out.pop("usage", None)
+    return out
+
+
+def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[str, Any] | None:
+    for event in reversed(events):
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+def has_content(event: dict[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+    return False
+
+
+def assemble(
+    endpoint: Endpoint, events: tuple[dict[str, Any], ...] | list[dict[str, Any]], *, response_id: str, model: str
+) -> dict[str, Any]:
+    """The non-streaming response a client would have received for this generation."""
+    chat = endpoint is Endpoint.CHAT
+    choices: dict[int, dict[str, Any]] = {}
+    created = None
+    extra: dict[str, Any] = {}
+    for event in events:
+        if created is None and isinstance(event.get("created"), int):
+            created = event["created"]
+        if event.get("system_fingerprint") is not None:
+            extra["system_fingerprint"] = event["system_fingerprint"]
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            if not isinstance(index, int):
+                index = 0
+            acc = choices.get(index)
+            if acc is None:
+                acc = choices[index] = _new_choice(index, chat)
+            if chat:
+                _fold_delta(acc["message"], choice.get("delta"))
+            elif isinstance(choice.get("text"), str):
+                acc["text"] += choice["text"]
+            _fold_logprobs(acc, choice.get("logprobs"))
+            if choice.get("finish_reason") is not None:
+                acc["finish_reason"] = choice["finish_reason"]
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": endpoint.object_name,
+        "created": created or 0,
+        "model": model,
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": usage_of(events),
+    }
+    body.update(extra)
+    return body
+
+
+def _new_choice(index: int, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": None},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+
+
+def _fold_delta(message: dict[str, Any], delta: Any) -> None:
+    if not isinstance(delta, dict):
+        return
+    if isinstance(delta.get("role"), str):
+        message["role"] = delta["role"]
+    for key in ("content", "refusal", "reasoning_content"):
+        piece = delta.get(key)
+        if isinstance(piece, str):
+            message[key] = (message.get(key) or "") + piece
+    for call in delta.get("tool_calls") or ():
+        if not isinstance(call, dict):
+            continue
+        calls: list[dict[str, Any]] = message.setdefault("tool_calls", [])
+        index = call.get("index", len(calls))
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        target = calls[index]
+        if call.get("id"):
+            target["id"] = call["id"]
+        if call.get("type"):
+            target["type"] = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if isinstance(function.get("name"), str):
+                target["function"]["name"] += function["name"]
+            if isinstance(function.get("arguments"), str):
+                target["function"]["arguments"] += function["arguments"]
+
+
+def _fold_logprobs(acc: dict[str, Any], logprobs: Any) -> None:
+    if not isinstance(logprobs, dict):
+        return
+    if acc["logprobs"] is None:
+        acc["logprobs"] = {}
+    target = acc["logprobs"]
+    for key, value in logprobs.items():
+        if isinstance(value, list):
+            target.setdefault(key, []).extend(value)
+        elif key not in target:
+            target[key] = value

@@ -1,0 +1,205 @@
+"""The de-duplication front: decide how an eligible request is served, then serve it.
+
+`plan()` runs for every request and must stay cheap: a mode check and two dict lookups decide
+eligibility; only eligible requests are fingerprinted. `serve()` then takes, in one synchronous step,
+the first of: a completed result in the cache (`hit`), a flight in progress to join (`coalesced`), or a
+new flight to lead (`miss`). The request's `Exchange` holds its subscription and releases it in
+`_release()`, so a disconnecting client unsubscribes at once; the flight (not the client) owns the
+engine call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from .. import sse
+from ..errors import UpstreamProtocolError
+from ..exchange import ClientGone, Phase
+from .assemble import assemble, client_event, has_content, new_response_id
+from .cache import Result, ResultCache
+from .eligibility import eligible
+from .fingerprint import Fingerprint, fingerprint
+from .flight import Subscription
+from .flights import Flights
+from .metrics import DedupMetrics
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..exchange import Exchange
+    from ..fleet import Fleet
+    from ..metrics import GatewayMetrics
+    from ..wire import ApiRequest
+
+CACHE_HEADER = "x-lockgate-cache"
+
+
+class Coalescer:
+    def __init__(
+        self,
+        config: Config,
+        metrics: GatewayMetrics,
+        fleet: Fleet,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        rc = config.result_cache
+        self.cache = ResultCache(max_entries=rc.max_entries, max_bytes=rc.max_bytes, ttl_ms=rc.ttl_ms, clock=clock)
+        self.flights = Flights(fleet, metrics, self.cache)
+        self.metrics = DedupMetrics(metrics.registry)
+        self.metrics.bind(lambda: len(self.flights), lambda: len(self.cache), lambda: self.cache.nbytes)
+
+    async def aclose(self) -> None:
+        await self.flights.aclose()
+
+    # --- the decision (synchronous, on every request) -------------------------------------------
+    def plan(self, ex: Exchange, cache_control: str | None) -> Fingerprint | None:
+        """The request's fingerprint if it may be de-duplicated, else None (counted as `bypass`)."""
+        api = ex.api
+        if not eligible(ex.pool.config.dedup, api.body, cache_control):
+            self.metrics.outcome("bypass")
+            return None
+        return fingerprint(ex.record.tenant, api.endpoint, api.body)
+
+    # --- serving ---------------------------------------------------------------------------------
+    async def serve(self, ex: Exchange, http_request: web.Request, key: Fingerprint) -> web.StreamResponse:
+        result = self.cache.get(key)
+        if result is not None:
+            return await self._respond(ex, http_request, "hit", _Replay(result.events), result)
+        flight = self.flights.get(key)
+        outcome = "coalesced"
+        if flight is None:
+            flight = self.flights.start(key, ex.pool, upstream_request(ex.api))
+            outcome = "miss"
+        subscription = flight.subscribe()
+        ex.hold(subscription)
+        ex.phase = Phase.CONNECTING
+        return await self._respond(ex, http_request, outcome, subscription, None)
+
+    async def _respond(
+        self,
+        ex: Exchange,
+        http_request: web.Request,
+        outcome: str,
+        source: Any,
+        cached: Result | None,
+    ) -> web.StreamResponse:
+        ex.record.served_by = outcome
+        self.metrics.outcome(outcome)
+        if ex.api.stream:
+            response = await self._stream(ex, http_request, outcome, source)
+        else:
+            events = cached.events if cached is not None else await source.wait_done()
+            response = self._whole(ex, outcome, events, source)
+        if outcome != "miss":
+            self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)
+        return response
+
+    @staticmethod
+    def _headers(ex: Exchange, outcome: str, source: Any) -> dict[str, str]:
+        headers = {"x-request-id": ex.record.client_request_id or ex.id, CACHE_HEADER: outcome}
+        if isinstance(source, Subscription) and source.flight.instance is not None:
+            # The engine that produced the answer (a cache hit used none).
+            headers["x-lockgate-instance"] = ex.record.instance = source.flight.instance.name
+        return headers
+
+    def _whole(self, ex: Exchange, outcome: str, events: Any, source: Any) -> web.StreamResponse:
+        api = ex.api
+        ex.phase = Phase.FINISHING
+        ex.first_token()
+        body = assemble(api.endpoint, events, response_id=new_response_id(api.endpoint), model=api.model)
+        usage = body.get("usage")
+        if isinstance(usage, dict):
+            ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
+            ex.record.completion_tokens = _int(usage.get("completion_tokens"))
+        ex.record.http_status = 200
+        return web.Response(
+            body=orjson.dumps(body), content_type="application/json", headers=self._headers(ex, outcome, source)
+        )
+
+    async def _stream(
+        self, ex: Exchange, http_request: web.Request, outcome: str, source: AsyncIterator[dict[str, Any]]
+    ) -> web.StreamResponse:
+        api, record = ex.api, ex.record
+        response_id = new_response_id(api.endpoint)
+        response: web.StreamResponse | None = None
+        delivered = 0
+        async for event in source:
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                record.prompt_tokens = _int(usage.get("prompt_tokens"))
+                record.completion_tokens = max(delivered, _int(usage.get("completion_tokens")))
+            out = client_event(event, response_id=response_id, model=api.model, include_usage=api.include_usage)
+            if out is None:
+                continue
+            if response is None:
+                response = web.StreamResponse(
+                    status=200,
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        "X-Accel-Buffering": "no",
+                        **self._headers(ex, outcome, source),
+                    },
+                )
+                record.http_status = 200
+                ex.response = response
+                await _write(response.prepare(http_request))
+                ex.phase = Phase.STREAMING
+            if has_content(out):
+                delivered += 1
+                if record.completion_tokens < delivered:
+                    record.completion_tokens = delivered
+                ex.first_token()
+            await _write(response.write(sse.encode(out)))
+        if response is None:
+            raise UpstreamProtocolError("The engine sent an empty stream.")
+        ex.phase = Phase.FINISHING
+        await _write(response.write(sse.DONE_EVENT))
+        await _write(response.write_eof())
+        return response
+
+    def statistics(self) -> dict[str, Any]:
+        return {"flights": self.flights.statistics(), "cache": self.cache.statistics()}
+
+
+def upstream_request(api: ApiRequest) -> ApiRequest:
+    """The request a flight sends: always a stream (with usage), whatever its first client asked."""
+    body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
+    body["stream"] = True
+    return dataclasses.replace(api, body=body, stream=True, include_usage=True)
+
+
+class _Replay:
+    """A cached result's events as an async iterator (the same interface as a subscription)."""
+
+    __slots__ = ("_events", "_index")
+
+    def __init__(self, events: tuple[dict[str, Any], ...]) -> None:
+        self._events = events
+        self._index = 0
+
+    def __aiter__(self) -> _Replay:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._index >= len(self._events):
+            raise StopAsyncIteration
+        self._index += 1
+        return self._events[self._index - 1]
+
+
+async def _write(awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except ConnectionError as exc:
+        raise ClientGone() from exc
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
