@@ -62,6 +62,18 @@ class InstanceConfig(_Strict):
         return self.url
 
 
+class SemanticConfig(_Strict):
+    """A model's semantic cache (needs the `semantic` extra): serve the answer of a request that means
+    the same (same tenant, sampling parameters and conversation; last message similar enough)."""
+
+    #: Cosine similarity (0..1] the last messages must reach.
+    threshold: Annotated[float, Field(gt=0, le=1)] = 0.92
+    #: Record would-be hits (metric `lockgate_dedup_total{outcome="semantic_shadow"}`) without serving them.
+    shadow: bool = False
+    max_entries: Annotated[int, Field(ge=0)] = 10000
+    ttl_ms: Annotated[int, Field(ge=0)] = 300000
+
+
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1)]
     instances: Annotated[list[InstanceConfig], Field(min_length=1)]
@@ -74,6 +86,8 @@ class ModelConfig(_Strict):
     #: Coalesce identical requests and serve completed results from the cache: never, only reproducible
     #: requests (temperature 0 or a fixed seed), or every request.
     dedup: DedupMode = "deterministic"
+    #: Off unless set.
+    semantic: SemanticConfig | None = None
 
 
 class UpstreamConfig(_Strict):

@@ -11,6 +11,7 @@ engine call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from .assemble import assemble, client_event, has_content, new_response_id
 from .cache import Result, ResultCache
 from .eligibility import eligible
 from .fingerprint import Fingerprint, fingerprint
-from .flight import Subscription
+from .flight import Flight, Subscription
 from .flights import Flights
 from .metrics import DedupMetrics
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from ..exchange import Exchange
     from ..fleet import Fleet
     from ..metrics import GatewayMetrics
+    from ..semantic import Embedder, Probe, SemanticCache
     from ..wire import ApiRequest
 
 CACHE_HEADER = "x-lockgate-cache"
@@ -47,12 +49,31 @@ class Coalescer:
         fleet: Fleet,
         *,
         clock: Callable[[], float] = time.monotonic,
+        embedder: Embedder | None = None,
     ) -> None:
         rc = config.result_cache
         self.cache = ResultCache(max_entries=rc.max_entries, max_bytes=rc.max_bytes, ttl_ms=rc.ttl_ms, clock=clock)
         self.flights = Flights(fleet, metrics, self.cache)
         self.metrics = DedupMetrics(metrics.registry)
         self.metrics.bind(lambda: len(self.flights), lambda: len(self.cache), lambda: self.cache.nbytes)
+        #: Semantic caches of the models that configure one (loading the embedding model once).
+        self.semantic: dict[str, SemanticCache] = {}
+        configured = [m for m in config.models if m.semantic is not None and m.dedup != "off"]
+        if configured:
+            from ..semantic import MiniLM, SemanticCache
+
+            shared = embedder or MiniLM()
+            for model in configured:
+                sc = model.semantic
+                assert sc is not None
+                self.semantic[model.name] = SemanticCache(
+                    shared,
+                    threshold=sc.threshold,
+                    shadow=sc.shadow,
+                    max_entries=sc.max_entries,
+                    ttl_ms=sc.ttl_ms,
+                    clock=clock,
+                )
 
     async def aclose(self) -> None:
         await self.flights.aclose()
@@ -68,18 +89,43 @@ class Coalescer:
 
     # --- serving ---------------------------------------------------------------------------------
     async def serve(self, ex: Exchange, http_request: web.Request, key: Fingerprint) -> web.StreamResponse:
+        joined = self._join(ex, key)
+        if joined is not None:
+            return await self._respond(ex, http_request, *joined)
+        semantic = self.semantic.get(ex.pool.model)
+        probe: Probe | None = None
+        if semantic is not None:
+            probe = await semantic.probe(ex.record.tenant, ex.api)
+            joined = self._join(ex, key)  # the world may have changed while the text was embedded
+            if joined is not None:
+                return await self._respond(ex, http_request, *joined)
+            hit = semantic.lookup(probe) if probe is not None else None
+            if hit is not None:
+                if not semantic.shadow:
+                    return await self._respond(ex, http_request, "semantic", _Replay(hit.result.events), hit.result)
+                self.metrics.outcome("semantic_shadow")
+        # Lead a new flight (synchronously after the last check: nobody can start a second one).
+        flight = self.flights.start(key, ex.pool, upstream_request(ex.api))
+        if semantic is not None and probe is not None:
+            flight.on_completed = functools.partial(semantic.add, probe)
+        return await self._respond(ex, http_request, "miss", self._subscribe(ex, flight), None)
+
+    def _join(self, ex: Exchange, key: Fingerprint) -> tuple[str, Any, Result | None] | None:
+        """A cached result or a flight in progress for this fingerprint (synchronous)."""
         result = self.cache.get(key)
         if result is not None:
-            return await self._respond(ex, http_request, "hit", _Replay(result.events), result)
+            return "hit", _Replay(result.events), result
         flight = self.flights.get(key)
-        outcome = "coalesced"
-        if flight is None:
-            flight = self.flights.start(key, ex.pool, upstream_request(ex.api))
-            outcome = "miss"
+        if flight is not None:
+            return "coalesced", self._subscribe(ex, flight), None
+        return None
+
+    @staticmethod
+    def _subscribe(ex: Exchange, flight: Flight) -> Subscription:
         subscription = flight.subscribe()
         ex.hold(subscription)
         ex.phase = Phase.CONNECTING
-        return await self._respond(ex, http_request, outcome, subscription, None)
+        return subscription
 
     async def _respond(
         self,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -95,6 +96,8 @@ class Flight:
         self.instance: Instance | None = None
         self.started = time.perf_counter()
         self.task: asyncio.Task[None] | None = None
+        #: Called with the result when the flight completes (the semantic cache adds it).
+        self.on_completed: Callable[[Result], None] | None = None
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0

@@ -82,6 +82,8 @@ class Flights:
         self.completed += 1
         self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
         self._forget(flight)
+        if flight.on_completed is not None:
+            flight.on_completed(result)
 
     def flight_failed(self, flight: Flight) -> None:
         self.failed += 1
