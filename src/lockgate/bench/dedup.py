@@ -103,6 +103,7 @@ async def _window(
     plan = prompts + [rng.choice(prompts) for _ in range(burst - distinct)]
     rng.shuffle(plan)
     before = sim.statistics()
+
     async def one(prompt: str) -> None:
         delay = rng.random() * spread_ms / 1000
         stream = rng.random() < stream_share
