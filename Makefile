@@ -29,7 +29,7 @@ $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e '.[dev,llamacpp]'
+	$(BIN)/python -m pip install -q -e '.[dev,llamacpp,semantic]'
 	touch $(VENV)/.core $@
 
 clean:

@@ -1,115 +1,177 @@
-"""Assemble streamed chunks into the non-streaming response they add up to.
+"""Turning one generation's stream events into what a client receives (pure, synchronous).
 
-Used when the gateway streams from the engine on a client's behalf: for engines that only notice a
-disconnect on streams (llama.cpp keeps generating a non-streaming request after its client left), and
-for one upstream generation shared by streaming and non-streaming clients. Pure and synchronous.
+The gateway often reads an engine as a stream on a client's behalf: a flight shared by several
+clients always does, and so does a request to an engine that only aborts streams (llama.cpp).
+Streaming clients get each event through a `ClientView` (their own response id, the gateway's model
+name, usage only if they asked for it, as one final `choices: []` chunk whatever chunk the engine put
+it on); non-streaming clients get the events folded into one completion object by `assemble()`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
 from typing import Any
 
 from .wire import Endpoint
 
 
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    role: str = "assistant"
-    content: list[str] = field(default_factory=list)
-    saw_content: bool = False
-    reasoning: list[str] = field(default_factory=list)
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    logprobs: list[Any] = field(default_factory=list)
-    has_logprobs: bool = False
-    finish_reason: str | None = None
+def new_response_id(endpoint: Endpoint) -> str:
+    return ("chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-") + os.urandom(12).hex()
 
 
-class Assembler:
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self._head: dict[str, Any] = {}
-        self._choices: dict[int, _Choice] = {}
+class ClientView:
+    """One streaming client's view of a generation's events."""
+
+    __slots__ = ("_include_usage", "_last", "_model", "_response_id", "usage")
+
+    def __init__(self, *, model: str, include_usage: bool, response_id: str | None = None) -> None:
+        self._model = model
+        self._include_usage = include_usage
+        self._response_id = response_id
+        self._last: dict[str, Any] | None = None
+        #: The generation's usage, once an event carried it.
         self.usage: dict[str, Any] | None = None
 
-    def feed(self, chunk: dict[str, Any]) -> None:
-        if not self._head:
-            self._head = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk}
-        usage = chunk.get("usage")
+    def event(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """The event as this client sees it; None when it gets nothing for it (usage-only chunks)."""
+        usage = event.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
-        for raw in chunk.get("choices") or ():
-            if not isinstance(raw, dict):
-                continue
-            index = raw.get("index", 0)
-            choice = self._choices.get(index)
-            if choice is None:
-                choice = self._choices[index] = _Choice(index)
-            if raw.get("finish_reason"):
-                choice.finish_reason = raw["finish_reason"]
-            logprobs = raw.get("logprobs")
-            if isinstance(logprobs, dict):
-                choice.has_logprobs = True
-                choice.logprobs.extend(logprobs.get("content") or logprobs.get("tokens") or ())
-            if self.endpoint is Endpoint.COMPLETIONS:
-                text = raw.get("text")
-                if text:
-                    choice.content.append(text)
-                continue
-            delta = raw.get("delta") or {}
-            if delta.get("role"):
-                choice.role = delta["role"]
-            if delta.get("content") is not None:
-                choice.saw_content = True
-                choice.content.append(delta["content"])
-            if delta.get("reasoning_content"):
-                choice.reasoning.append(delta["reasoning_content"])
-            for call in delta.get("tool_calls") or ():
-                _merge_tool_call(choice.tool_calls, call)
-
-    def result(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self._head.get("id", ""),
-            "object": self.endpoint.object_name,
-            "created": self._head.get("created", 0),
-            "model": self._head.get("model", ""),
-            "choices": [self._choice(c) for _, c in sorted(self._choices.items())],
-        }
-        if "system_fingerprint" in self._head:
-            body["system_fingerprint"] = self._head["system_fingerprint"]
-        if self.usage is not None:
-            body["usage"] = self.usage
-        return body
-
-    def _choice(self, choice: _Choice) -> dict[str, Any]:
-        text = "".join(choice.content)
-        if self.endpoint is Endpoint.COMPLETIONS:
-            out: dict[str, Any] = {"index": choice.index, "text": text}
+        if not event.get("choices"):
+            return None
+        out = {**event, "model": self._model}  # a copy: flights share their events between clients
+        if self._response_id is not None:
+            out["id"] = self._response_id
+        if self._include_usage:
+            out["usage"] = None
         else:
-            message: dict[str, Any] = {
-                "role": choice.role,
-                "content": text if choice.saw_content or not choice.tool_calls else None,
-            }
-            if choice.reasoning:
-                message["reasoning_content"] = "".join(choice.reasoning)
-            if choice.tool_calls:
-                message["tool_calls"] = [choice.tool_calls[i] for i in sorted(choice.tool_calls)]
-            out = {"index": choice.index, "message": message}
-        out["logprobs"] = {"content": choice.logprobs} if choice.has_logprobs else None
-        out["finish_reason"] = choice.finish_reason
+            out.pop("usage", None)
+        self._last = out
         return out
 
+    def final(self) -> dict[str, Any] | None:
+        """The closing usage chunk, if the client asked for usage and the engine reported it."""
+        if not self._include_usage or self.usage is None or self._last is None:
+            return None
+        head = {k: self._last[k] for k in ("id", "object", "created", "model", "system_fingerprint") if k in self._last}
+        return {**head, "choices": [], "usage": self.usage}
 
-def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
-    index = delta.get("index", len(calls))
-    call = calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-    if delta.get("id"):
-        call["id"] = delta["id"]
-    if delta.get("type"):
-        call["type"] = delta["type"]
-    function = delta.get("function") or {}
-    if function.get("name"):
-        call["function"]["name"] += function["name"]
-    if function.get("arguments"):
-        call["function"]["arguments"] += function["arguments"]
+
+def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[str, Any] | None:
+    for event in reversed(events):
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+def has_content(event: dict[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+    return False
+
+
+def assemble(
+    endpoint: Endpoint,
+    events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+    *,
+    model: str,
+    response_id: str | None = None,
+) -> dict[str, Any]:
+    """The non-streaming response a client would have received for this generation."""
+    chat = endpoint is Endpoint.CHAT
+    choices: dict[int, dict[str, Any]] = {}
+    created = None
+    extra: dict[str, Any] = {}
+    for event in events:
+        if created is None and isinstance(event.get("created"), int):
+            created = event["created"]
+        if event.get("system_fingerprint") is not None:
+            extra["system_fingerprint"] = event["system_fingerprint"]
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            if not isinstance(index, int):
+                index = 0
+            acc = choices.get(index)
+            if acc is None:
+                acc = choices[index] = _new_choice(index, chat)
+            if chat:
+                _fold_delta(acc["message"], choice.get("delta"))
+            elif isinstance(choice.get("text"), str):
+                acc["text"] += choice["text"]
+            _fold_logprobs(acc, choice.get("logprobs"))
+            if choice.get("finish_reason") is not None:
+                acc["finish_reason"] = choice["finish_reason"]
+    if response_id is None:
+        response_id = next((e["id"] for e in events if isinstance(e.get("id"), str)), new_response_id(endpoint))
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": endpoint.object_name,
+        "created": created or 0,
+        "model": model,
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": usage_of(events),
+    }
+    body.update(extra)
+    return body
+
+
+def _new_choice(index: int, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": None},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+
+
+def _fold_delta(message: dict[str, Any], delta: Any) -> None:
+    if not isinstance(delta, dict):
+        return
+    if isinstance(delta.get("role"), str):
+        message["role"] = delta["role"]
+    for key in ("content", "refusal", "reasoning_content"):
+        piece = delta.get(key)
+        if isinstance(piece, str):
+            message[key] = (message.get(key) or "") + piece
+    for call in delta.get("tool_calls") or ():
+        if not isinstance(call, dict):
+            continue
+        calls: list[dict[str, Any]] = message.setdefault("tool_calls", [])
+        index = call.get("index", len(calls))
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        target = calls[index]
+        if call.get("id"):
+            target["id"] = call["id"]
+        if call.get("type"):
+            target["type"] = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if isinstance(function.get("name"), str):
+                target["function"]["name"] += function["name"]
+            if isinstance(function.get("arguments"), str):
+                target["function"]["arguments"] += function["arguments"]
+
+
+def _fold_logprobs(acc: dict[str, Any], logprobs: Any) -> None:
+    if not isinstance(logprobs, dict):
+        return
+    if acc["logprobs"] is None:
+        acc["logprobs"] = {}
+    target = acc["logprobs"]
+    for key, value in logprobs.items():
+        if isinstance(value, list):
+            target.setdefault(key, []).extend(value)
+        elif key not in target:
+            target[key] = value

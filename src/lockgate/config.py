@@ -17,6 +17,7 @@ from .admission_config import SchedulingConfig, TenantConfig, check_admission
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
 PolicyName = Literal["round_robin", "least_load"]
 CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
+DedupMode = Literal["off", "deterministic", "always"]
 
 
 class _Strict(BaseModel):
@@ -63,6 +64,18 @@ class InstanceConfig(_Strict):
         return self.url
 
 
+class SemanticConfig(_Strict):
+    """A model's semantic cache (needs the `semantic` extra): serve the answer of a request that means
+    the same (same tenant, sampling parameters and conversation; last message similar enough)."""
+
+    #: Cosine similarity (0..1] the last messages must reach.
+    threshold: Annotated[float, Field(gt=0, le=1)] = 0.92
+    #: Record would-be hits (metric `lockgate_dedup_total{outcome="semantic_shadow"}`) without serving them.
+    shadow: bool = False
+    max_entries: Annotated[int, Field(ge=0)] = 10000
+    ttl_ms: Annotated[int, Field(ge=0)] = 300000
+
+
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1)]
     instances: Annotated[list[InstanceConfig], Field(min_length=1)]
@@ -72,6 +85,11 @@ class ModelConfig(_Strict):
     cancel_policy: CancelPolicy = "immediate"
     #: Extra attempts on another instance, only before the first byte reached the client.
     retries: Annotated[int, Field(ge=0, le=5)] = 1
+    #: Coalesce identical requests and serve completed results from the cache: never, only reproducible
+    #: requests (temperature 0 or a fixed seed), or every request.
+    dedup: DedupMode = "deterministic"
+    #: Off unless set.
+    semantic: SemanticConfig | None = None
 
 
 class UpstreamConfig(_Strict):
@@ -98,6 +116,15 @@ class ShutdownConfig(_Strict):
     drain_ms: Annotated[int, Field(ge=0)] = 10000
 
 
+class ResultCacheConfig(_Strict):
+    """The completed-result cache shared by every model (de-duplication)."""
+
+    max_entries: Annotated[int, Field(ge=0)] = 4096
+    max_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
+    #: How long a completed result is served; 0 turns the cache off (flights still coalesce).
+    ttl_ms: Annotated[int, Field(ge=0)] = 10000
+
+
 class SimFleetEntry(_Strict):
     """An engine simulator started inside the gateway process (the embedded default)."""
 
@@ -117,6 +144,7 @@ class Config(_Strict):
     health: HealthConfig = HealthConfig()
     usage: UsageConfig = UsageConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
+    result_cache: ResultCacheConfig = ResultCacheConfig()
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -50,6 +50,13 @@ class Phase(StrEnum):
 
 class ClientGone(Exception):
     """Writing to the client failed: it has disconnected."""
+
+
+class Subscription(Protocol):
+    """A share of an upstream call owned by someone else (a flight). `close()` is idempotent and
+    returns True if closing it aborted that upstream call."""
+
+    def close(self) -> bool: ...
 
 
 class Exchange:
@@ -85,6 +92,7 @@ class Exchange:
         self._task: asyncio.Task[Any] | None = None
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
+        self._subscription: Subscription | None = None
         self._released = False
         self._cancel_detected_at: float | None = None
         #: Release callbacks of resources handed over with `hold()`, run once by `_release()`.
@@ -109,11 +117,23 @@ class Exchange:
         self.record.instance = lease.instance.name
         self.record.attempts += 1
 
+    def subscribe(self, subscription: Subscription) -> None:
+        """Hold a subscription to a shared flight; it is closed with the attempt (`detach`)."""
+        if self._subscription is not None:
+            self.gateway.metrics.leaks.labels("subscription_over_live_one").inc()
+            self._subscription.close()
+        self._subscription = subscription
+
     def detach(self) -> None:
-        """End the current attempt: close its upstream call (if open) and release its lease."""
+        """End the current attempt: close its upstream call (if open) or its subscription, and
+        release its lease."""
         call, self._call = self._call, None
         lease, self._lease = self._lease, None
-        if call is not None and call.abort() and self._cancel_detected_at is not None:
+        subscription, self._subscription = self._subscription, None
+        aborted = call is not None and call.abort()
+        if subscription is not None and subscription.close():
+            aborted = True
+        if aborted and self._cancel_detected_at is not None:
             self.gateway.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
         if lease is not None:
             lease.release()

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from .admission import Admission
 from .config import Config
+from .dedup import Coalescer
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
 from .fleet import Fleet, Instance
@@ -50,6 +51,8 @@ class Gateway:
         )
         self.registry = Registry()
         self.admission = Admission(config, self.metrics.scheduling)
+        #: De-duplication: flights (shared upstream calls) and the completed-result cache.
+        self.dedup = Coalescer(config, self.metrics, self.fleet)
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
@@ -80,6 +83,7 @@ class Gateway:
         for exchange in self.registry.all():
             exchange.cancel("shutdown")
         await self.registry.wait_empty()
+        await self.dedup.aclose()
         await self.fleet.aclose()
         await self.records.aclose()
 

@@ -6,15 +6,15 @@ request ends; nothing here needs to clean up after itself on cancellation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
-from . import sse
-from .assemble import Assembler
-from .errors import UpstreamError, UpstreamProtocolError
-from .exchange import ClientGone, Exchange, Phase
+from .assemble import assemble
+from .errors import UpstreamError
+from .exchange import Exchange, Phase
+from .respond import stream_events, whole_body
 from .routing import RouteRequest
 from .upstream import UpstreamCall
 
@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 
 async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
+    dedup = ex.gateway.dedup
+    key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
+    if key is not None:
+        return await dedup.serve(ex, http_request, key)
     call = await _open_with_retries(ex)
     if ex.api.stream:
         return await _relay_stream(ex, http_request, call)
@@ -80,106 +84,21 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
         "x-request-id": ex.record.client_request_id or ex.id,
         "x-lockgate-instance": instance.name,
         **ex.response_headers,
+        "x-lockgate-cache": "bypass",
     }
 
 
 async def _relay_whole(ex: Exchange, call: UpstreamCall) -> web.StreamResponse:
     if call.streaming:
-        assembler = Assembler(ex.api.endpoint)
-        async for event in call.events():
-            assembler.feed(event)
-        payload = assembler.result()
+        body = assemble(ex.api.endpoint, [event async for event in call.events()], model=ex.api.model)
     else:
-        payload = await call.read_json()
-    ex.phase = Phase.FINISHING
-    ex.first_token()
-    payload["model"] = ex.api.model
-    usage = payload.get("usage")
-    if isinstance(usage, dict):
-        ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
-        ex.record.completion_tokens = _int(usage.get("completion_tokens"))
-    ex.record.http_status = 200
-    return web.Response(
-        body=orjson.dumps(payload),
-        content_type="application/json",
-        headers=_headers(ex, call.instance),
-    )
+        body = await call.read_json()
+    return whole_body(ex, body, _headers(ex, call.instance))
 
 
 async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamCall) -> web.StreamResponse:
-    """Relay the engine's stream, normalised: usage (which the gateway always asks for) goes out as
-    one final `choices: []` chunk if, and only if, the client asked for it."""
-    api = ex.api
     events = call.events()
     try:
-        response = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **_headers(ex, call.instance),
-            },
-        )
-        last: dict[str, Any] | None = None
-        usage: dict[str, Any] | None = None
-        delivered = 0
-        async for event in events:
-            chunk_usage = event.pop("usage", None)
-            if isinstance(chunk_usage, dict):
-                usage = chunk_usage
-                ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
-                ex.record.completion_tokens = max(delivered, _int(usage.get("completion_tokens")))
-            choices = event.get("choices")
-            if not choices:
-                continue
-            if api.include_usage:
-                event["usage"] = None
-            event["model"] = api.model
-            if last is None:
-                # The first byte goes out only now: until here a failure could still be retried.
-                ex.record.http_status = 200
-                ex.response = response
-                await _write(response.prepare(http_request))
-                ex.phase = Phase.STREAMING
-            last = event
-            if _has_content(choices):
-                delivered += 1
-                if ex.record.completion_tokens < delivered:
-                    ex.record.completion_tokens = delivered
-                ex.first_token()
-            await _write(response.write(sse.encode(event)))
-        if last is None:
-            raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")
-        ex.phase = Phase.FINISHING
-        if api.include_usage and usage is not None:
-            tail = {k: last[k] for k in ("id", "object", "created", "model", "system_fingerprint") if k in last}
-            await _write(response.write(sse.encode({**tail, "choices": [], "usage": usage})))
-        await _write(response.write(sse.DONE_EVENT))
-        await _write(response.write_eof())
-        return response
+        return await stream_events(ex, http_request, events, _headers(ex, call.instance))
     finally:
         await events.aclose()
-
-
-async def _write(awaitable: Any) -> Any:
-    try:
-        return await awaitable
-    except ConnectionError as exc:
-        raise ClientGone() from exc
-
-
-def _has_content(choices: list[Any]) -> bool:
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        if choice.get("text"):
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
-            return True
-    return False
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,15 +1,17 @@
-from lockgate.assemble import Assembler
+from lockgate.assemble import ClientView, assemble
 from lockgate.wire import Endpoint
 
 
 def test_chat_chunks_add_up_to_a_message():
-    a = Assembler(Endpoint.CHAT)
-    a.feed({"id": "c1", "created": 5, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-    a.feed({"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]})
-    a.feed({"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]})
-    a.feed({"id": "c1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
-    body = a.result()
+    events = [
+        {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+    body = assemble(Endpoint.CHAT, events, model="m")
     assert body["object"] == "chat.completion" and body["id"] == "c1" and body["created"] == 5
+    assert body["model"] == "m"
     assert body["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "stop"}
     ]
@@ -17,27 +19,9 @@ def test_chat_chunks_add_up_to_a_message():
 
 
 def test_tool_call_deltas_merge_by_index():
-    a = Assembler(Endpoint.CHAT)
-    a.feed(
-        {
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {
-                        "tool_calls": [
-                            {
-                                "index": 0,
-                                "id": "t1",
-                                "type": "function",
-                                "function": {"name": "get", "arguments": '{"a"'},
-                            }
-                        ]
-                    },
-                }
-            ]
-        }
-    )
-    a.feed(
+    first = {"index": 0, "id": "t1", "type": "function", "function": {"name": "get", "arguments": '{"a"'}}
+    events = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [first]}}]},
         {
             "choices": [
                 {
@@ -46,9 +30,9 @@ def test_tool_call_deltas_merge_by_index():
                     "finish_reason": "tool_calls",
                 }
             ]
-        }
-    )
-    message = a.result()["choices"][0]["message"]
+        },
+    ]
+    message = assemble(Endpoint.CHAT, events, model="m")["choices"][0]["message"]
     assert message["content"] is None
     assert message["tool_calls"] == [
         {"id": "t1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}
@@ -56,10 +40,21 @@ def test_tool_call_deltas_merge_by_index():
 
 
 def test_completions_and_several_choices():
-    a = Assembler(Endpoint.COMPLETIONS)
-    a.feed({"choices": [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]})
-    a.feed({"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], "usage": {"completion_tokens": 3}})
-    body = a.result()
+    events = [
+        {"choices": [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]},
+        {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], "usage": {"completion_tokens": 3}},
+    ]
+    body = assemble(Endpoint.COMPLETIONS, events, model="m")
     assert body["object"] == "text_completion"
     assert [c["text"] for c in body["choices"]] == ["aa", "b"]
     assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_usage_on_a_finish_chunk_becomes_its_own_final_chunk():
+    """llama.cpp puts a text completion's usage on its finish chunk; clients expect a separate chunk."""
+    view = ClientView(model="m", include_usage=True)
+    out = view.event(
+        {"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+    )
+    assert out["usage"] is None
+    assert view.final() == {"id": "x", "model": "m", "choices": [], "usage": {"completion_tokens": 1}}

@@ -39,6 +39,26 @@ def _priority(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _dedup(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import dedup
+
+    async def main() -> int:
+        result = await dedup.run(
+            windows=args.windows,
+            burst=args.burst,
+            dup_share=args.dup_share,
+            stream_share=args.stream_share,
+            max_tokens=args.max_tokens,
+            spread_ms=args.spread_ms,
+            tpot_ms=args.tpot_ms,
+        )
+        print(dedup.report(result))
+        return 0 if result.errors == 0 else 1
+
+    return run_async(main)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     over = benches.add_parser("overhead", help="gateway vs direct: throughput, latency, CPU per request")
@@ -56,3 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
     prio.add_argument("--headroom", type=float, default=0.125, help="scheduling.strict_headroom")
     prio.set_defaults(func=_priority)
+    dd = benches.add_parser("dedup", help="burst of partly duplicate requests: engine calls, coalescing, latency")
+    dd.add_argument("--windows", type=int, default=5)
+    dd.add_argument("--burst", type=int, default=200, help="requests per window")
+    dd.add_argument("--dup-share", type=float, default=0.8, help="share of requests that repeat another")
+    dd.add_argument("--stream-share", type=float, default=0.5)
+    dd.add_argument("--max-tokens", type=int, default=32)
+    dd.add_argument("--spread-ms", type=float, default=200.0, help="arrivals spread over this much time")
+    dd.add_argument("--tpot-ms", type=float, default=5.0, help="the simulated engine's time per output token")
+    dd.set_defaults(func=_dedup)

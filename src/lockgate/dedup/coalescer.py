@@ -1,0 +1,193 @@
+"""The de-duplication front: decide how an eligible request is served, then serve it.
+
+`plan()` runs for every request and must stay cheap: a mode check and two dict lookups decide
+eligibility; only eligible requests are fingerprinted. `serve()` then takes, in one synchronous step,
+the first of: a completed result in the cache (`hit`), a flight in progress to join (`coalesced`), or a
+new flight to lead (`miss`). The request's `Exchange` holds its subscription and releases it in
+`_release()`, so a disconnecting client unsubscribes at once; the flight (not the client) owns the
+engine call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from ..assemble import assemble, new_response_id
+from ..exchange import Phase
+from ..respond import stream_events, whole_body
+from .cache import Result, ResultCache
+from .eligibility import eligible
+from .fingerprint import Fingerprint, fingerprint
+from .flight import Flight, Subscription
+from .flights import Flights
+from .metrics import DedupMetrics
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..exchange import Exchange
+    from ..fleet import Fleet
+    from ..metrics import GatewayMetrics
+    from ..semantic import Embedder, Probe, SemanticCache
+    from ..wire import ApiRequest
+
+CACHE_HEADER = "x-lockgate-cache"
+
+
+class Coalescer:
+    def __init__(
+        self,
+        config: Config,
+        metrics: GatewayMetrics,
+        fleet: Fleet,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        embedder: Embedder | None = None,
+    ) -> None:
+        rc = config.result_cache
+        self.cache = ResultCache(max_entries=rc.max_entries, max_bytes=rc.max_bytes, ttl_ms=rc.ttl_ms, clock=clock)
+        self.flights = Flights(fleet, metrics, self.cache)
+        self.metrics = DedupMetrics(metrics.registry)
+        self.metrics.bind(lambda: len(self.flights), lambda: len(self.cache), lambda: self.cache.nbytes)
+        #: Semantic caches of the models that configure one (loading the embedding model once).
+        self.semantic: dict[str, SemanticCache] = {}
+        configured = [m for m in config.models if m.semantic is not None and m.dedup != "off"]
+        if configured:
+            from ..semantic import MiniLM, SemanticCache
+
+            shared = embedder or MiniLM()
+            for model in configured:
+                sc = model.semantic
+                assert sc is not None
+                self.semantic[model.name] = SemanticCache(
+                    shared,
+                    threshold=sc.threshold,
+                    shadow=sc.shadow,
+                    max_entries=sc.max_entries,
+                    ttl_ms=sc.ttl_ms,
+                    clock=clock,
+                )
+
+    async def aclose(self) -> None:
+        await self.flights.aclose()
+
+    # --- the decision (synchronous, on every request) -------------------------------------------
+    def plan(self, ex: Exchange, cache_control: str | None) -> Fingerprint | None:
+        """The request's fingerprint if it may be de-duplicated, else None (counted as `bypass`)."""
+        api = ex.api
+        if not eligible(ex.pool.config.dedup, api.body, cache_control):
+            self.metrics.outcome("bypass")
+            return None
+        return fingerprint(ex.record.tenant, api.endpoint, api.body)
+
+    # --- serving ---------------------------------------------------------------------------------
+    async def serve(self, ex: Exchange, http_request: web.Request, key: Fingerprint) -> web.StreamResponse:
+        joined = self._join(ex, key)
+        if joined is not None:
+            return await self._respond(ex, http_request, *joined)
+        semantic = self.semantic.get(ex.pool.model)
+        probe: Probe | None = None
+        if semantic is not None:
+            probe = await semantic.probe(ex.record.tenant, ex.api)
+            joined = self._join(ex, key)  # the world may have changed while the text was embedded
+            if joined is not None:
+                return await self._respond(ex, http_request, *joined)
+            hit = semantic.lookup(probe) if probe is not None else None
+            if hit is not None:
+                if not semantic.shadow:
+                    return await self._respond(ex, http_request, "semantic", _Replay(hit.result.events), hit.result)
+                self.metrics.outcome("semantic_shadow")
+        # Lead a new flight (synchronously after the last check: nobody can start a second one).
+        flight = self.flights.start(key, ex.pool, upstream_request(ex.api))
+        if semantic is not None and probe is not None:
+            flight.on_completed = functools.partial(semantic.add, probe)
+        return await self._respond(ex, http_request, "miss", self._subscribe(ex, flight), None)
+
+    def _join(self, ex: Exchange, key: Fingerprint) -> tuple[str, Any, Result | None] | None:
+        """A cached result or a flight in progress for this fingerprint (synchronous)."""
+        result = self.cache.get(key)
+        if result is not None:
+            return "hit", _Replay(result.events), result
+        flight = self.flights.get(key)
+        if flight is not None:
+            return "coalesced", self._subscribe(ex, flight), None
+        return None
+
+    @staticmethod
+    def _subscribe(ex: Exchange, flight: Flight) -> Subscription:
+        subscription = flight.subscribe()
+        ex.subscribe(subscription)
+        ex.phase = Phase.CONNECTING
+        return subscription
+
+    async def _respond(
+        self,
+        ex: Exchange,
+        http_request: web.Request,
+        outcome: str,
+        source: Any,
+        cached: Result | None,
+    ) -> web.StreamResponse:
+        ex.record.served_by = outcome
+        self.metrics.outcome(outcome)
+        if ex.api.stream:
+            response = await self._stream(ex, http_request, outcome, source)
+        else:
+            events = cached.events if cached is not None else await source.wait_done()
+            response = self._whole(ex, outcome, events, source)
+        if outcome != "miss":
+            self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)
+        return response
+
+    @staticmethod
+    def _headers(ex: Exchange, outcome: str, source: Any) -> dict[str, str]:
+        headers = {"x-request-id": ex.record.client_request_id or ex.id, CACHE_HEADER: outcome}
+        if isinstance(source, Subscription) and source.flight.instance is not None:
+            # The engine that produced the answer (a cache hit used none).
+            headers["x-lockgate-instance"] = ex.record.instance = source.flight.instance.name
+        return headers
+
+    def _whole(self, ex: Exchange, outcome: str, events: Any, source: Any) -> web.StreamResponse:
+        body = assemble(ex.api.endpoint, events, response_id=new_response_id(ex.api.endpoint), model=ex.api.model)
+        return whole_body(ex, body, self._headers(ex, outcome, source))
+
+    async def _stream(
+        self, ex: Exchange, http_request: web.Request, outcome: str, source: AsyncIterator[dict[str, Any]]
+    ) -> web.StreamResponse:
+        return await stream_events(
+            ex, http_request, source, self._headers(ex, outcome, source), response_id=new_response_id(ex.api.endpoint)
+        )
+
+    def statistics(self) -> dict[str, Any]:
+        return {"flights": self.flights.statistics(), "cache": self.cache.statistics()}
+
+
+def upstream_request(api: ApiRequest) -> ApiRequest:
+    """The request a flight sends: always a stream (with usage), whatever its first client asked."""
+    body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
+    body["stream"] = True
+    return dataclasses.replace(api, body=body, stream=True, include_usage=True)
+
+
+class _Replay:
+    """A cached result's events as an async iterator (the same interface as a subscription)."""
+
+    __slots__ = ("_events", "_index")
+
+    def __init__(self, events: tuple[dict[str, Any], ...]) -> None:
+        self._events = events
+        self._index = 0
+
+    def __aiter__(self) -> _Replay:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._index >= len(self._events):
+            raise StopAsyncIteration
+        self._index += 1
+        return self._events[self._index - 1]

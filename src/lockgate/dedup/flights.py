@@ -1,0 +1,128 @@
+"""The registry of flights in progress, keyed by fingerprint; owner of every flight's task.
+
+`Flights` is an async context manager (the `Gateway` holds it): `start()` creates a flight's task and
+keeps it; `aclose()` stops the flights still running (detached `finish_and_cache` ones, or any left at
+shutdown) and awaits every task. Lookups and starts are synchronous, so "is there a flight for this
+fingerprint? if not, start one" cannot interleave with another request doing the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ShuttingDown
+from .cache import Result, ResultCache
+from .fingerprint import Fingerprint
+from .flight import Flight
+
+if TYPE_CHECKING:
+    from ..fleet import Fleet, Pool
+    from ..metrics import GatewayMetrics
+    from ..wire import ApiRequest
+
+
+class Flights:
+    def __init__(self, fleet: Fleet, metrics: GatewayMetrics, cache: ResultCache) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.cache = cache
+        self._live: dict[bytes, Flight] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._changed = asyncio.Event()
+        self.started = 0
+        self.completed = 0
+        self.failed = 0
+        self.abandoned = 0
+
+    async def __aenter__(self) -> Flights:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def get(self, key: Fingerprint) -> Flight | None:
+        return self._live.get(key.digest)
+
+    def all(self) -> list[Flight]:
+        return list(self._live.values())
+
+    def start(self, key: Fingerprint, pool: Pool, api: ApiRequest) -> Flight:
+        if self._closed:
+            raise ShuttingDown("The gateway is shutting down.", retry_after=1)
+        if key.digest in self._live:
+            raise RuntimeError("a flight for this fingerprint is already running")
+        flight = Flight(self, "lg-f-" + os.urandom(10).hex(), key, pool, api, self._fleet, self._metrics)
+        self._live[key.digest] = flight
+        task = asyncio.create_task(flight.run(), name=f"lockgate-flight:{flight.id}")
+        flight.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        self.started += 1
+        self._notify()
+        return flight
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._notify()
+
+    def _forget(self, flight: Flight) -> None:
+        if self._live.get(flight.key.digest) is flight:
+            del self._live[flight.key.digest]
+        self._notify()
+
+    # --- FlightOwner: called synchronously by a flight as it ends ---------------------------------
+    def flight_completed(self, flight: Flight, result: Result) -> None:
+        self.completed += 1
+        self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
+        self._forget(flight)
+        if flight.on_completed is not None:
+            flight.on_completed(result)
+
+    def flight_failed(self, flight: Flight) -> None:
+        self.failed += 1
+        self._forget(flight)
+
+    def flight_abandoned(self, flight: Flight, partial: Result | None) -> None:
+        self.abandoned += 1
+        if partial is not None and partial.events:
+            self.cache.put(flight.key, partial)
+        self._forget(flight)
+
+    # --- observation (tests, admin) ---------------------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def flight_changed(self, flight: Flight) -> None:
+        """A flight's subscribers changed: `wait_until` re-checks."""
+        self._notify()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until `predicate()` holds, re-checked on every change (bound it with `asyncio.timeout`)."""
+        while not predicate():
+            await self._changed.wait()
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "in_flight": len(self._live),
+            "tasks": len(self._tasks),
+            "subscribers": sum(f.subscribers for f in self._live.values()),
+            "started": self.started,
+            "completed": self.completed,
+            "failed": self.failed,
+            "abandoned": self.abandoned,
+        }
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for flight in list(self._live.values()):
+            flight.abort(ShuttingDown("The gateway is shutting down; the request was stopped."))
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,49 @@
+"""De-duplication metrics, registered on the gateway's own Prometheus registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+OUTCOMES = ("miss", "coalesced", "hit", "semantic", "bypass", "semantic_shadow")
+
+
+class DedupMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.outcomes = Counter(
+            "lockgate_dedup",
+            "Requests by how de-duplication served them (miss: led a new upstream call; coalesced: joined one "
+            "in flight; hit/semantic: served from a cache; bypass: not eligible or opted out; semantic_shadow: "
+            "a semantic hit recorded but not served).",
+            ["outcome"],
+            registry=registry,
+        )
+        self._by_outcome = {o: self.outcomes.labels(o) for o in OUTCOMES}
+        self.tokens_saved = Counter(
+            "lockgate_dedup_upstream_tokens_saved",
+            "Engine tokens not spent because a request was coalesced or served from a cache.",
+            ["kind"],
+            registry=registry,
+        )
+        self._prompt_saved = self.tokens_saved.labels("prompt")
+        self._completion_saved = self.tokens_saved.labels("completion")
+        self.flights_in_flight = Gauge(
+            "lockgate_dedup_flights_in_flight", "Upstream generations shared through flights.", registry=registry
+        )
+        self.cache_entries = Gauge(
+            "lockgate_dedup_cache_entries", "Completed results held in the cache.", registry=registry
+        )
+        self.cache_bytes = Gauge("lockgate_dedup_cache_bytes", "Bytes held by the result cache.", registry=registry)
+
+    def bind(self, flights: Callable[[], float], entries: Callable[[], float], nbytes: Callable[[], float]) -> None:
+        self.flights_in_flight.set_function(flights)
+        self.cache_entries.set_function(entries)
+        self.cache_bytes.set_function(nbytes)
+
+    def outcome(self, outcome: str) -> None:
+        self._by_outcome[outcome].inc()
+
+    def saved(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self._prompt_saved.inc(prompt_tokens)
+        self._completion_saved.inc(completion_tokens)

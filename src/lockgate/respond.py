@@ -1,0 +1,95 @@
+"""Writing a generation back to one client: an SSE stream or one JSON body.
+
+Shared by the direct path (`relay.py`, one engine call per request) and de-duplication (flights and
+cached results): both hand over the generation's events and the response headers. Runs inside
+`Exchange.run()`; a failed write means the client has gone (`ClientGone`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import sse
+from .assemble import ClientView, has_content
+from .errors import UpstreamProtocolError
+from .exchange import ClientGone, Exchange, Phase
+
+
+async def stream_events(
+    ex: Exchange,
+    http_request: web.Request,
+    events: AsyncIterator[dict[str, Any]],
+    headers: dict[str, str],
+    *,
+    response_id: str | None = None,
+) -> web.StreamResponse:
+    """Relay a generation as SSE. The status line goes out with the first event that has choices:
+    until then, a failure can still be answered with an error status (or retried elsewhere)."""
+    api, record = ex.api, ex.record
+    view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
+    response: web.StreamResponse | None = None
+    delivered = 0
+    async for event in events:
+        out = view.event(event)
+        if view.usage is not None:
+            record.prompt_tokens = _int(view.usage.get("prompt_tokens"))
+            record.completion_tokens = max(delivered, _int(view.usage.get("completion_tokens")))
+        if out is None:
+            continue
+        if response is None:
+            response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                    **headers,
+                },
+            )
+            record.http_status = 200
+            ex.response = response
+            await _write(response.prepare(http_request))
+            ex.phase = Phase.STREAMING
+        if has_content(out):
+            delivered += 1
+            if record.completion_tokens < delivered:
+                record.completion_tokens = delivered
+            ex.first_token()
+        await _write(response.write(sse.encode(out)))
+    if response is None:
+        raise UpstreamProtocolError("The engine sent an empty stream.")
+    ex.phase = Phase.FINISHING
+    final = view.final()
+    if final is not None:
+        await _write(response.write(sse.encode(final)))
+    await _write(response.write(sse.DONE_EVENT))
+    await _write(response.write_eof())
+    return response
+
+
+def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> web.Response:
+    """Answer a non-streaming client with a complete body (from the engine or assembled)."""
+    ex.phase = Phase.FINISHING
+    ex.first_token()
+    body["model"] = ex.api.model
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
+        ex.record.completion_tokens = _int(usage.get("completion_tokens"))
+    ex.record.http_status = 200
+    return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+async def _write(awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except ConnectionError as exc:
+        raise ClientGone() from exc
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,101 @@
+"""The semantic cache of one model: "has a question that means the same been answered?"
+
+Only requests already eligible for de-duplication get here, and only after an exact miss (no cached
+result, no flight to join). A request is `probe`d: its scope (everything but the last message, exactly)
+and the last message's text, embedded in a worker thread so the event loop never runs the model.
+`lookup` returns a hit above the model's threshold that passes the lexical guards; in shadow mode the
+coalescer only records it. A request that led a flight is `add`ed when the flight completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import xxhash
+
+from ..dedup.cache import Result
+from ..dedup.fingerprint import canonical_params
+from ..wire import ApiRequest, Endpoint
+from .embedder import Embedder
+from .index import SemanticHit, SemanticIndex
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    scope: bytes
+    text: str
+    vector: Any
+
+
+def probe_input(tenant: str, api: ApiRequest) -> tuple[bytes, str] | None:
+    """The exact scope and the text compared by meaning; None when the request has no such text."""
+    body = api.body
+    context: Any
+    if api.endpoint is Endpoint.CHAT:
+        messages = body["messages"]
+        last = messages[-1]
+        content = last.get("content")
+        if last.get("role") != "user" or not isinstance(content, str):
+            return None
+        text, context = content, messages[:-1]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        text, context = prompt, None
+    if not text.strip():
+        return None
+    scope = xxhash.xxh3_128_digest(
+        orjson.dumps(
+            {"tenant": tenant, "endpoint": api.endpoint.value, "params": canonical_params(body), "context": context},
+            option=orjson.OPT_SORT_KEYS,
+        )
+    )
+    return scope, text
+
+
+class SemanticCache:
+    def __init__(
+        self,
+        embedder: Embedder,
+        *,
+        threshold: float,
+        shadow: bool,
+        max_entries: int,
+        ttl_ms: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.embedder = embedder
+        self.threshold = threshold
+        self.shadow = shadow
+        self.index = SemanticIndex(embedder.dim, max_entries=max_entries, ttl_ms=ttl_ms, clock=clock)
+        #: Recent would-be hits in shadow mode: (probe text, cached text, similarity).
+        self.shadow_log: deque[tuple[str, str, float]] = deque(maxlen=256)
+
+    async def probe(self, tenant: str, api: ApiRequest) -> Probe | None:
+        found = probe_input(tenant, api)
+        if found is None:
+            return None
+        scope, text = found
+        vector = await asyncio.to_thread(self._embed_one, text)
+        return None if vector is None else Probe(scope, text, vector)
+
+    def _embed_one(self, text: str) -> Any:
+        if not self.embedder.fits(text):
+            return None  # the model would read only the beginning: two long texts could look identical
+        return self.embedder.embed([text])[0]
+
+    def lookup(self, probe: Probe) -> SemanticHit | None:
+        hit = self.index.search(probe.scope, probe.vector, probe.text, self.threshold)
+        if hit is not None and self.shadow:
+            self.shadow_log.append((probe.text, hit.text, hit.similarity))
+        return hit
+
+    def add(self, probe: Probe, result: Result) -> None:
+        self.index.add(probe.scope, probe.vector, probe.text, result)

