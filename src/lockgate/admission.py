@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from .errors import QueueFull, QueueTimeout
 from .metrics import SchedulingMetrics
+from .preemption import Preemptee, choose_victim
 from .ratelimit import RateLimiter, RateLimitExceeded, Reservation
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
@@ -49,9 +50,12 @@ class PoolScheduler:
         *,
         reserve: int = 0,
         clock: Clock = time.monotonic,
+        preemptible: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.core = SchedulerCore(classes, capacity, reserve=reserve)
+        #: Classes whose running requests a strict-class arrival may stop (see `preemption.py`).
+        self.preemptible = preemptible
         self._metrics = metrics
         self._clock = clock
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
@@ -69,6 +73,8 @@ class PoolScheduler:
         self._waiters[ticket] = waiter
         offer = self.core.offer(ticket, self._clock())
         self._wake(offer.granted)
+        if offer.queued and self.preemptible:
+            self._preempt_for(ticket)
         self._notify()
         if offer.rejected:
             del self._waiters[ticket]
@@ -80,6 +86,19 @@ class PoolScheduler:
                 retry_after=offer.retry_after_s,
             )
         return ticket
+
+    def _preempt_for(self, ticket: Ticket) -> None:
+        """A ticket was queued: if it may, stop one running request so that it gets its slot now.
+        The victim's owner aborts its work synchronously; its ticket goes back to the queue head."""
+        victim = choose_victim(self.core, ticket.klass, self.preemptible, _can_preempt)
+        if victim is None:
+            return
+        assert isinstance(victim.tag, Preemptee)
+        outcome = victim.tag.preempt()
+        self._waiters[victim] = asyncio.get_running_loop().create_future()
+        self._wake(self.core.requeue(victim, self._clock()))
+        victim_class = self.core.classes[victim.klass].name
+        self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
 
     async def wait_granted(self, ticket: Ticket) -> None:
         """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.
@@ -141,6 +160,11 @@ class PoolScheduler:
         return {**self.core.statistics(), "waiters": len(self._waiters)}
 
 
+def _can_preempt(ticket: Ticket) -> bool:
+    tag = ticket.tag
+    return isinstance(tag, Preemptee) and tag.preemptible()
+
+
 def class_specs(config: Config) -> tuple[ClassSpec, ...]:
     return tuple(
         ClassSpec(
@@ -167,6 +191,9 @@ class Admission:
         self.limiter = RateLimiter()
         self.classes = class_specs(config)
         self.engine_priority = config.scheduling.engine_priority
+        #: Classes whose running requests may be preempted, and how often one request may be.
+        self.preemptible = config.scheduling.preemptible_classes()
+        self.max_preemptions = config.scheduling.preemption.max_per_request
         self._metrics = metrics
         self._clock = clock
         headroom = config.scheduling.strict_headroom
@@ -175,16 +202,17 @@ class Admission:
             capacity = sum(i.max_concurrency for i in m.instances)
             reserve = min(max(0, capacity - 1), math.ceil(capacity * headroom)) if headroom else 0
             self.schedulers[m.name] = PoolScheduler(
-                m.name, self.classes, capacity, metrics, reserve=reserve, clock=clock
+                m.name, self.classes, capacity, metrics, reserve=reserve, clock=clock, preemptible=self.preemptible
             )
         self._watched: set[str] = set()
 
     def class_name(self, klass: int) -> str:
         return self.classes[klass].name
 
-    async def admit(self, ex: Exchange, tenant: Tenant, klass: int) -> None:
+    async def admit(self, ex: Exchange, tenant: Tenant, klass: int, *, tag: object = None) -> Ticket:
         """Take the tenant's allowance and a slot for `ex`, each owned by `ex` from the moment it is
-        taken. Raises RateLimitExceeded / QueueFull (429) or QueueTimeout (503)."""
+        taken; returns the granted ticket (tagged with `tag`, e.g. a `Preemptee`, else the request id).
+        Raises RateLimitExceeded / QueueFull (429) or QueueTimeout (503)."""
         api = ex.api
         reserve = api.estimated_prompt_tokens() + (api.max_tokens or tenant.assumed_max_tokens)
         self._watch(tenant)
@@ -197,11 +225,12 @@ class Admission:
         ex.hold(lambda: self._settle(ex, reservation))
         ex.response_headers.update(self.limiter.headers(tenant, now))
         scheduler = self.schedulers[api.model]
-        ticket = scheduler.offer(klass, ex.id)
+        ticket = scheduler.offer(klass, ex.id if tag is None else tag)
         ex.hold(lambda: scheduler.release(ticket))
         if self.engine_priority:
             ex.engine_priority = klass
         await scheduler.wait_granted(ticket)
+        return ticket
 
     def _settle(self, ex: Exchange, reservation: Reservation) -> None:
         """A request that delivered nothing costs nothing; otherwise prompt + delivered tokens."""

@@ -30,6 +30,10 @@ class PriorityClassConfig(_Strict):
     max_running: Annotated[int, Field(ge=1)] | None = None
     #: Longest wait in the queue before the request is shed with 503 (null: only its own deadline).
     queue_timeout_ms: Annotated[int, Field(ge=1)] | None = None
+    #: A strict-class arrival finding no free slot may stop (preempt) this class's running requests,
+    #: which are re-queued and resumed later (null: only the last, least urgent class). Strict
+    #: classes are never preemptible.
+    preemptible: bool | None = None
 
 
 def _default_classes() -> list[PriorityClassConfig]:
@@ -38,6 +42,14 @@ def _default_classes() -> list[PriorityClassConfig]:
         PriorityClassConfig(name="P1", weight=0.3, max_queue=1024, queue_timeout_ms=30_000),
         PriorityClassConfig(name="P2", weight=0.1, max_queue=4096, queue_timeout_ms=120_000),
     ]
+
+
+class PreemptionConfig(_Strict):
+    """Preemption with resumption (see docs/config-tenants-priority.md)."""
+
+    enabled: bool = True
+    #: A request stopped this many times is no longer preemptible.
+    max_per_request: Annotated[int, Field(ge=1)] = 2
 
 
 class SchedulingConfig(_Strict):
@@ -51,6 +63,7 @@ class SchedulingConfig(_Strict):
     #: Send the class index as the engine's priority field where the dialect has one (vLLM
     #: `priority`; the engine must run with `--scheduling-policy priority`).
     engine_priority: bool = True
+    preemption: PreemptionConfig = PreemptionConfig()
 
     @field_validator("classes")
     @classmethod
@@ -58,7 +71,21 @@ class SchedulingConfig(_Strict):
         names = [c.name.lower() for c in value]
         if len(set(names)) != len(names):
             raise ValueError("priority class names must be unique (case-insensitive)")
+        for klass in value:
+            if klass.strict and klass.preemptible:
+                raise ValueError(f"class {klass.name}: a strict class cannot be preemptible")
         return value
+
+    def preemptible_classes(self) -> frozenset[int]:
+        """Indexes of the classes whose running requests may be preempted."""
+        if not self.preemption.enabled:
+            return frozenset()
+        last = len(self.classes) - 1
+        return frozenset(
+            i
+            for i, c in enumerate(self.classes)
+            if not c.strict and (c.preemptible if c.preemptible is not None else i == last)
+        )
 
     def class_index(self, name: str) -> int | None:
         lowered = name.strip().lower()

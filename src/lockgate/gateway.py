@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from . import resume
 from .admission import Admission
 from .config import Config
 from .dedup import Coalescer
@@ -159,6 +160,8 @@ class Gateway:
     async def _admit_and_relay(
         self, ex: Exchange, request: web.Request, tenant: Tenant, klass: int
     ) -> web.StreamResponse:
+        if klass in self.admission.preemptible:
+            return await resume.admit_and_relay(ex, request, tenant, klass)
         await self.admission.admit(ex, tenant, klass)
         return await relay(ex, request)
 

@@ -164,6 +164,15 @@ class SchedulingMetrics:
             ["reason", "priority"],
             registry=r,
         )
+        self.preemptions = Family(
+            Counter(
+                "lockgate_preemptions",
+                "Running requests stopped for a strict-class arrival, by model, the stopped request's "
+                "priority class and outcome (resumed: continued from its output so far; restarted).",
+                ["model", "priority", "outcome"],
+                registry=r,
+            )
+        )
         self.ratelimit_remaining_requests = Gauge(
             "lockgate_ratelimit_remaining_requests",
             "Requests left in the tenant's per-minute allowance (as of its last admission or settlement).",

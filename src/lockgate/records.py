@@ -45,6 +45,10 @@ class UsageRecord:
     #: The client's own `x-request-id`, if it sent one (not unique: clients reuse them).
     client_request_id: str | None = None
     served_by: str = "upstream"
+    #: Times the request was stopped for a more urgent one (and resumed or restarted).
+    preemptions: int = 0
+    #: Of those, the times its output so far was thrown away and it started again from scratch.
+    restarts: int = 0
     started_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -61,6 +65,16 @@ def _schema() -> str:
         sql_type = _SQL_TYPES.get(base, "TEXT")
         cols.append(f"{f.name} {sql_type}{' PRIMARY KEY' if f.name == 'request_id' else ''}")
     return f"CREATE TABLE IF NOT EXISTS usage ({', '.join(cols)})"
+
+
+def _sql_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return "NULL"
 
 
 _INSERT = f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
@@ -108,6 +122,12 @@ class RecordWriter:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
         db.execute(_schema())
+        # Files written by an older lockgate lack the newer columns: add them (with their defaults).
+        have = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
+        for f in fields(UsageRecord):
+            if f.name not in have:
+                sql_type = _SQL_TYPES.get(str(f.type).split("|")[0].strip(), "TEXT")
+                db.execute(f"ALTER TABLE usage ADD COLUMN {f.name} {sql_type} DEFAULT {_sql_default(f.default)}")
         return db
 
     # --- the synchronous, infallible entry point -------------------------------------------------

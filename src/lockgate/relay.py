@@ -20,6 +20,7 @@ from .upstream import UpstreamCall
 
 if TYPE_CHECKING:
     from .fleet import Instance
+    from .wire import ApiRequest
 
 
 async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
@@ -33,10 +34,15 @@ async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
     return await _relay_whole(ex, call)
 
 
-async def _open_with_retries(ex: Exchange) -> UpstreamCall:
+async def _open_with_retries(
+    ex: Exchange, *, api: ApiRequest | None = None, upstream_id: str | None = None
+) -> UpstreamCall:
+    """Open the engine call for `ex` (or for `api` on its behalf: a resumed generation, under
+    `upstream_id`, so that the engine never sees two requests with one id)."""
     gateway = ex.gateway
     pool = ex.pool
-    api = ex.api
+    api = api or ex.api
+    upstream_id = upstream_id or ex.id
     tried: set[str] = set()
     attempts = pool.config.retries + 1
     last_error: UpstreamError | None = None
@@ -51,7 +57,7 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
         body = instance.dialect.upstream_body(
             api,
             served_model=pool.served[instance.key],
-            request_id=ex.id,
+            request_id=upstream_id,
             stream=stream,
             priority=ex.engine_priority,
         )
@@ -61,7 +67,7 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
             instance,
             api.endpoint.path,
             orjson.dumps(body),
-            ex.id,
+            upstream_id,
             stream=stream,
         )
         ex.attach(gateway.fleet.lease(instance), call)

@@ -20,8 +20,10 @@ Order of service:
 - `reserve` slots are headroom only strict classes may take: without preemption, this is what lets a
   P0 arrival start at once while the other classes keep the rest of the pool busy.
 
-Preemption hook: `newest_running(klass)` names the most recently granted running ticket of a class,
-which a preemption policy may stop (then `release()` it and `offer()` it again).
+Preemption: `running_newest_first(klass)` lists a class's running tickets, most recently granted
+first; a preemption policy (`preemption.choose_victim`) picks one, its owner stops the work, and
+`requeue()` gives the slot back (granting the waiting strict ticket) and puts the ticket at the head of
+its class's queue, so that the stopped request resumes before later arrivals of its class.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -166,6 +168,23 @@ class SchedulerCore:
             return self._dispatch(now)
         return []
 
+    def requeue(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """A running ticket was preempted: free its slot and queue it again at the head of its class
+        (never rejected: it was admitted once). Returns the tickets granted in consequence."""
+        if ticket.state is not TicketState.RUNNING:
+            raise ValueError(f"{ticket!r} is not running")
+        del self._running[ticket.klass][ticket.seq]
+        self._running_total -= 1
+        k = ticket.klass
+        queue = self._queues[k]
+        if not queue and k in self._shared:
+            self._pass[k] = max(self._pass[k], self._vtime)
+        ticket.state = TicketState.QUEUED
+        ticket.offered_at = now
+        ticket.granted_at = None
+        queue.appendleft(ticket)
+        return self._dispatch(now)
+
     def set_capacity(self, capacity: int, now: float) -> list[Ticket]:
         """Change the pool's size (instances added, removed); grows take effect at once."""
         if capacity < 0:
@@ -194,6 +213,10 @@ class SchedulerCore:
         if not running:
             return None
         return running[next(reversed(running))]
+
+    def running_newest_first(self, klass: int) -> Iterator[Ticket]:
+        """The running tickets of a class, most recently granted first (preemption candidates)."""
+        return reversed(self._running[klass].values())
 
     def retry_after(self, klass: int) -> float:
         """An honest estimate of when a request of this class could get a slot: the requests that

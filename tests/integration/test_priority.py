@@ -31,11 +31,12 @@ def chat(n: int = 0, **extra: Any) -> dict[str, Any]:
 
 def classes(p2_queue: int = 3, p1_queue: int = 100, **p2: Any) -> dict[str, Any]:
     return {
+        "preemption": {"enabled": False},  # these tests are about queueing (tests/integration/test_preemption.py)
         "classes": [
             {"name": "P0", "strict": True, "weight": 0.6, "max_queue": 10},
             {"name": "P1", "weight": 0.3, "max_queue": p1_queue},
             {"name": "P2", "weight": 0.1, "max_queue": p2_queue, **p2},
-        ]
+        ],
     }
 
 
@@ -282,7 +283,11 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
     seen: list[Any] = []
 
     async def engine(request: web.Request) -> web.Response:
-        seen.append((await request.json()).get("priority"))
+        body = await request.json()
+        seen.append(body.get("priority"))
+        if body.get("stream"):  # preemptible (P2) requests are always streamed from the engine
+            chunk = orjson.dumps({"id": "x", "object": "chat.completion.chunk", "model": "m", "choices": []})
+            return web.Response(body=b"data: " + chunk + b"\n\ndata: [DONE]\n\n", content_type="text/event-stream")
         return web.json_response({"id": "x", "object": "chat.completion", "model": "m", "choices": [], "usage": None})
 
     async def health(request: web.Request) -> web.Response:

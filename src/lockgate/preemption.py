@@ -1,0 +1,262 @@
+"""Preemption with resumption: the synchronous decisions (victim choice, resumability, continuation).
+
+Theory of operation: when a request of a strict class (P0) is queued because every slot of its pool is
+taken, `choose_victim` names the newest running request of the least urgent preemptible class that
+says it may be stopped. Its owner (`resume.Resumable`, the ticket's tag) aborts the engine call at
+once and the scheduler re-queues its ticket at the head of its class; the freed slot goes to the P0
+request in the same synchronous step. When the stopped request gets a slot again it is *resumed*: the
+output produced so far becomes a continuation (text completions: prompt + output, chat: an assistant
+prefix with `continue_final_message`), `max_tokens` reduced by what was delivered, so that the client
+sees one uninterrupted generation. `Transcript` folds the attempts' events into that one generation
+(one response id, one role chunk, usage = original prompt + all completion tokens).
+
+Where a continuation is impossible (the pool's dialect cannot continue a chat message, n > 1,
+logprobs, tools or structured output, stop sequences that could straddle the cut, tool calls already
+produced) the request may still be restarted from scratch — but only while nothing has been sent to
+its client; after that it is not preemptible at all (`plan`).
+
+Delivered tokens are counted as content-bearing stream events (one token each for vLLM-like engines
+and the simulator); the continuation's prompt is re-tokenized by the engine, which for the simulator
+(and greedy decoding of most real models) gives the same output as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from .scheduler import SchedulerCore, Ticket
+from .wire import ApiRequest, Endpoint
+
+
+class Plan(StrEnum):
+    """How a preempted request goes on (also the `outcome` label of `lockgate_preemptions_total`)."""
+
+    RESUME = "resumed"
+    RESTART = "restarted"
+
+
+@runtime_checkable
+class Preemptee(Protocol):
+    """What a running ticket's tag must offer for the request to be preemptible. Both synchronous."""
+
+    def preemptible(self) -> bool: ...
+
+    def preempt(self) -> Plan:
+        """Stop the work now (the engine call is aborted before this returns)."""
+        ...
+
+
+def choose_victim(
+    core: SchedulerCore,
+    klass: int,
+    preemptible: frozenset[int],
+    can_preempt: Callable[[Ticket], bool],
+) -> Ticket | None:
+    """The running ticket to stop so that a just-queued ticket of class `klass` gets a slot, or None.
+
+    Only a strict class preempts, only when the pool is full (not when its own `max_running` holds it
+    back: a freed slot would not go to it), and only less urgent preemptible classes are stopped —
+    the least urgent class first, and in it the most recently granted ticket (it has done the least
+    work) that `can_preempt` accepts."""
+    spec = core.classes[klass]
+    if not spec.strict or not preemptible:
+        return None
+    if core.running_total < core.capacity:
+        return None
+    if spec.max_running is not None and core.running(klass) >= spec.max_running:
+        return None
+    for k in sorted(preemptible, reverse=True):
+        if k <= klass:
+            break
+        for ticket in core.running_newest_first(k):
+            if can_preempt(ticket):
+                return ticket
+    return None
+
+
+_UNRESUMABLE_FIELDS = (
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "suffix",
+    "tools",
+    "functions",
+    "tool_choice",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "stop",
+    "continue_final_message",
+    "add_generation_prompt",
+)
+
+
+def blocker(api: ApiRequest, *, chat_continuation: bool) -> str | None:
+    """Why this request can never be resumed from partial output (None: it can). Pure.
+
+    `chat_continuation`: every instance of the pool can continue a final assistant message."""
+    body = api.body
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and value > 1:
+            return key
+    for key in _UNRESUMABLE_FIELDS:
+        value = body.get(key)
+        if value is not None and value is not False and value != [] and value != 0:
+            return key
+    if api.endpoint is Endpoint.CHAT:
+        if not chat_continuation:
+            return "dialect"
+        last = body["messages"][-1]
+        if not isinstance(last, dict):
+            return "messages"
+    elif _prompt_text(body.get("prompt")) is None:
+        return "prompt"
+    return None
+
+
+def plan(static_blocker: str | None, transcript: Transcript, max_tokens: int | None, *, sent: bool) -> Plan | None:
+    """How the request would go on if stopped now; None: it must not be stopped. Pure."""
+    if max_tokens is not None and transcript.tokens >= max_tokens:
+        return None  # it has produced all it may: finishing, not worth stopping
+    if static_blocker is None and not transcript.tool_calls:
+        return Plan.RESUME
+    return None if sent else Plan.RESTART
+
+
+def fresh(api: ApiRequest) -> ApiRequest:
+    """The request as first sent upstream: always a stream (partial output must be observable)."""
+    body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
+    body["stream"] = True
+    return dataclasses.replace(api, body=body, stream=True, include_usage=True)
+
+
+def continuation(api: ApiRequest, text: str, tokens: int) -> ApiRequest:
+    """The request that continues `api` after `tokens` delivered tokens whose text is `text`. Pure."""
+    request = fresh(api)
+    body = request.body
+    max_tokens = api.max_tokens
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            body[key] = max(1, value - tokens)
+    if max_tokens is not None:
+        max_tokens = max(1, max_tokens - tokens)
+    if api.endpoint is Endpoint.CHAT:
+        body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    else:
+        prompt = _prompt_text(body.get("prompt"))
+        assert prompt is not None  # checked by blocker()
+        body["prompt"] = prompt + text
+    return dataclasses.replace(request, body=body, max_tokens=max_tokens)
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
+
+
+class Transcript:
+    """One logical generation folded from the events of its attempts (sync, no I/O).
+
+    `take(event)` returns the event as the client must see it — the first attempt's `id` and
+    `created`, no second assistant-role chunk, usage counted against the original prompt — or None
+    when nothing is left of it. The events taken are kept (`events`) for non-streaming clients."""
+
+    __slots__ = ("_created", "_id", "_offset", "_role_seen", "chat", "events", "text", "tokens", "tool_calls")
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.chat = endpoint is Endpoint.CHAT
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (a restart from scratch: the client has seen none of it)."""
+        self.events: list[dict[str, Any]] = []
+        self.text = ""
+        #: Content-bearing events taken (the tokens delivered, as the gateway counts them).
+        self.tokens = 0
+        self.tool_calls = False
+        self._id: str | None = None
+        self._created: Any = None
+        self._role_seen = False
+        self._offset = 0
+
+    def start_attempt(self) -> None:
+        """A new engine call begins; its prompt holds the `tokens` taken so far."""
+        self._offset = self.tokens
+
+    def take(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        if self._id is None:
+            if isinstance(event.get("id"), str):
+                self._id = event["id"]
+                self._created = event.get("created")
+        else:
+            event["id"] = self._id
+            if self._created is not None:
+                event["created"] = self._created
+        choices = event.get("choices")
+        if isinstance(choices, list) and choices:
+            kept = [c for c in choices if not isinstance(c, dict) or self._choice(c)]
+            if not kept and not isinstance(event.get("usage"), dict):
+                return None
+            event["choices"] = kept
+        usage = event.get("usage")
+        if self._offset and isinstance(usage, dict):
+            event["usage"] = self._usage(usage)
+        self.events.append(event)
+        return event
+
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        """Account for one choice; False drops it (a repeated role chunk with nothing else)."""
+        if self.chat:
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                return True
+            if "role" in delta:
+                if self._role_seen:
+                    del delta["role"]
+                    if not delta.get("content") and not delta.get("tool_calls") and choice.get("finish_reason") is None:
+                        return False
+                self._role_seen = True
+            content = delta.get("content")
+            if delta.get("tool_calls"):
+                self.tool_calls = True
+                self.tokens += 1
+            elif isinstance(content, str) and content:
+                self.text += content
+                self.tokens += 1
+            return True
+        text = choice.get("text")
+        if isinstance(text, str) and text:
+            self.text += text
+            self.tokens += 1
+        return True
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The continuation's usage, restated for the whole generation."""
+        offset = self._offset
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        out = dict(usage)
+        if isinstance(prompt, int):
+            out["prompt_tokens"] = prompt = max(0, prompt - offset)
+        if isinstance(completion, int):
+            out["completion_tokens"] = completion = completion + offset
+        if isinstance(prompt, int) and isinstance(completion, int):
+            out["total_tokens"] = prompt + completion
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int) and isinstance(prompt, int):
+            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], prompt)}
+        return out

@@ -1,0 +1,189 @@
+"""The request path of preemptible requests: one generation over several engine calls.
+
+Theory of operation: a request of a preemptible class is admitted with a `Resumable` as its ticket's
+tag (`preemption.Preemptee`). Its generation is the async iterator `Resumable.events()`, which the
+shared client writers consume (`respond.stream_events`, or folded by `assemble` for non-streaming
+clients). While an engine call is running the request may be stopped: a strict-class arrival on a
+full pool calls `preempt()` synchronously (from the scheduler, in the arriving request's task), which
+aborts the engine call at once (`Exchange.detach()`: connection closed, lease released), marks the
+request `queued` and — if this request's task is awaiting the engine — cancels that await. The
+scheduler then re-queues the ticket. `events()` absorbs exactly that cancellation (counted with
+`Task.uncancel()`; any other cancellation — client gone, deadline, admin — still propagates), waits
+for its ticket to be granted again, and opens the continuation (`preemption.continuation`) or, for
+requests that cannot be continued and have sent nothing yet, the original request again.
+
+The `Exchange` stays the single owner of everything: the ticket is released by its hold, the engine
+call and lease by `detach()`, and `events()` holds nothing across a preemption. A request stopped
+while its client write is in progress is not cancelled (the write finishes, then `events()` sees the
+flag before touching the engine again): a cancellation there would look like a client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiohttp import web
+
+from .assemble import assemble
+from .exchange import Exchange, Phase
+from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
+from .relay import _open_with_retries
+from .respond import stream_events, whole_body
+from .wire import ApiRequest
+
+if TYPE_CHECKING:
+    from .admission import PoolScheduler
+    from .scheduler import Ticket
+    from .tenants import Tenant
+
+T = TypeVar("T")
+
+
+class _Preempted(Exception):
+    """Internal: the current engine call was stopped by a preemption."""
+
+
+class Resumable:
+    """One preemptible request's generation, across the engine calls it takes."""
+
+    def __init__(self, ex: Exchange, scheduler: PoolScheduler, max_preemptions: int) -> None:
+        self.ex = ex
+        self.ticket: Ticket | None = None
+        self.transcript = Transcript(ex.api.endpoint)
+        self.preemptions = 0
+        #: Response headers, completed when the first engine call opens (read when the client's
+        #: response starts).
+        self.headers: dict[str, str] = {
+            "x-request-id": ex.record.client_request_id or ex.id,
+            **ex.response_headers,
+            "x-lockgate-cache": "bypass",
+        }
+        self._scheduler = scheduler
+        self._max = max_preemptions
+        self._task = asyncio.current_task()
+        chat_continuation = all(i.dialect.continue_final_message for i in ex.pool.instances)
+        self._blocker = blocker(ex.api, chat_continuation=chat_continuation)
+        self._active = False  # an engine call of this request is running
+        self._preempted = False  # stopped; waiting to be granted again
+        self._restart = False  # the next attempt starts from scratch
+        self._awaiting_engine = False
+        self._cancel_sent = False
+
+    # --- Preemptee (synchronous, called by the scheduler) --------------------------------------
+    def preemptible(self) -> bool:
+        return self._active and self.preemptions < self._max and self._plan() is not None
+
+    def preempt(self) -> Plan:
+        how = self._plan()
+        if not self._active or how is None:
+            raise RuntimeError("preempt() on a request that is not preemptible")
+        ex = self.ex
+        self.preemptions += 1
+        ex.record.preemptions += 1
+        if how is Plan.RESTART:
+            ex.record.restarts += 1
+            self._restart = True
+        self._active = False
+        self._preempted = True
+        ex.detach()  # the engine sees the abort now
+        ex.phase = Phase.QUEUED
+        if self._awaiting_engine and self._task is not None:
+            self._cancel_sent = True
+            self._task.cancel("lockgate: preempted")
+        return how
+
+    def _plan(self) -> Plan | None:
+        return plan(self._blocker, self.transcript, self.ex.api.max_tokens, sent=self.ex.response is not None)
+
+    # --- the generation ------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        ex = self.ex
+        attempt = 0
+        while True:
+            if self._preempted:
+                await self._wait_regranted()
+            api = self._next_request()
+            upstream_id = ex.id if attempt == 0 else f"{ex.id}-p{attempt}"
+            attempt += 1
+            self.transcript.start_attempt()
+            self._active = True
+            upstream: AsyncIterator[dict[str, Any]] | None = None
+            try:
+                call = await self._engine(_open_with_retries(ex, api=api, upstream_id=upstream_id))
+                self.headers.setdefault("x-lockgate-instance", call.instance.name)
+                upstream = call.events()
+                while True:
+                    if self._preempted:
+                        raise _Preempted
+                    try:
+                        event = await self._engine(anext(upstream))
+                    except StopAsyncIteration:
+                        break
+                    out = self.transcript.take(event)
+                    if out is None:
+                        continue
+                    if ex.response is not None and ex.phase is not Phase.STREAMING:
+                        ex.phase = Phase.STREAMING
+                    yield out
+            except _Preempted:
+                continue
+            finally:
+                self._active = False
+                if upstream is not None:
+                    await upstream.aclose()  # type: ignore[attr-defined]
+            return
+
+    async def _engine(self, awaitable: Awaitable[T]) -> T:
+        """Await the engine; a preemption's cancellation of this await becomes `_Preempted`."""
+        self._awaiting_engine = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._cancel_sent:
+                self._cancel_sent = False
+                task = self._task
+                assert task is not None
+                if task.uncancel() == 0:
+                    raise _Preempted from None
+            raise
+        finally:
+            self._awaiting_engine = False
+
+    async def _wait_regranted(self) -> None:
+        self._preempted = False
+        if self._restart:
+            self._restart = False
+            self.transcript.reset()
+        assert self.ticket is not None
+        await self._scheduler.wait_granted(self.ticket)
+
+    def _next_request(self) -> ApiRequest:
+        t = self.transcript
+        if t.tokens == 0:
+            return fresh(self.ex.api)
+        return continuation(self.ex.api, t.text, t.tokens)
+
+
+async def admit_and_relay(ex: Exchange, http_request: web.Request, tenant: Tenant, klass: int) -> web.StreamResponse:
+    """Admission and the request path for a request of a preemptible class."""
+    gateway = ex.gateway
+    admission = gateway.admission
+    run = Resumable(ex, admission.schedulers[ex.api.model], admission.max_preemptions)
+    run.ticket = await admission.admit(ex, tenant, klass, tag=run)
+    dedup = gateway.dedup
+    key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
+    if key is not None:
+        # A flight (possibly shared by several clients) is never preempted: `run` stays inactive.
+        return await dedup.serve(ex, http_request, key)
+    events = run.events()
+    try:
+        if ex.api.stream:
+            return await stream_events(ex, http_request, events, run.headers)
+        async for _ in events:
+            pass
+        body = assemble(ex.api.endpoint, run.transcript.events, model=ex.api.model)
+        return whole_body(ex, body, run.headers)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,352 @@
+"""Preemption with resumption, end to end through the gateway and the simulator.
+
+One pool slot; a P2 request runs (streaming tokens, or held at the engine before its first token);
+a P0 request arrives. The simulator is deterministic (temperature 0) and continuation-stable, so the
+preempted-and-resumed P2 answer is compared byte for byte with an uninterrupted run of the same
+request. Conditions are awaited (client stream chunks, sim stats changes, scheduler changes), never
+slept for; the sim's `hold` switch keeps the P0 request at the engine while the test looks at the
+re-queued P2 request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import instance
+from tests.integration.test_priority import assert_no_leaks, records, until
+
+P0, P2 = 0, 2
+NO_STORE = {"Cache-Control": "no-store"}  # never de-duplicated: a flight is not preemptible
+
+
+def chat(n: int, *, max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": f"tell me a story number {n}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def completion(n: int, *, max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": f"once upon a time {n}", "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def path_of(body: dict[str, Any]) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def one_slot(start_sim, start_gateway, *, engine: str = "vllm", tpot_ms: float = 20.0, **scheduling: Any):
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=tpot_ms)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, engine=engine, max_concurrency=1)]}],
+        scheduling=scheduling,
+    )
+    return sim, gw, gw.gateway.admission.schedulers["m"]
+
+
+class Stream:
+    """A streaming client: reads SSE events in a task, signals after `after` content chunks."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, body: dict[str, Any], priority: str, after: int = 3):
+        self.events: list[dict[str, Any]] = []
+        self.done = 0
+        self.status = 0
+        self.started = asyncio.Event()
+        self._after = after
+        self._task = asyncio.create_task(self._read(http, url + path_of(body), body, priority))
+
+    async def _read(self, http: aiohttp.ClientSession, url: str, body: dict[str, Any], priority: str) -> None:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.post(url, data=orjson.dumps(body), headers={"x-priority": priority, **NO_STORE}) as resp:
+            self.status = resp.status
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    self.done += 1
+                    continue
+                self.events.append(orjson.loads(payload))
+                if len(content_events(self.events)) >= self._after:
+                    self.started.set()
+
+    async def wait(self) -> None:
+        async with asyncio.timeout(10):
+            await self._task
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+def content_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("choices") and text_of(e)]
+
+
+def text_of(event: dict[str, Any]) -> str:
+    choice = event["choices"][0]
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+def stream_summary(events: list[dict[str, Any]]) -> tuple[str, dict[str, Any], set[str], int]:
+    """(content, usage, response ids, assistant-role chunks)."""
+    text = "".join(text_of(e) for e in events if e.get("choices"))
+    usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
+    roles = sum(1 for e in events if e.get("choices") and "role" in e["choices"][0].get("delta", {}))
+    return text, usage, {e["id"] for e in events}, roles
+
+
+async def uninterrupted(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    stream = Stream(http, url, body, "P2")
+    await stream.wait()
+    assert stream.status == 200 and stream.done == 1
+    return stream.events
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], priority: str) -> tuple[int, Any]:
+    async with http.post(
+        url + path_of(body), data=orjson.dumps(body), headers={"x-priority": priority, **NO_STORE}
+    ) as resp:
+        return resp.status, await resp.json()
+
+
+def p2_exchange(gw):
+    return next(e for e in gw.gateway.registry.all() if e.record.priority == "P2")
+
+
+def usage_of(usage: dict[str, Any]) -> tuple[int, int, int]:
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
+async def preempt_with_p0(sim, gw, sched, http) -> tuple[asyncio.Task[tuple[int, Any]], str]:
+    """The P2 request is running: hold new engine requests, send a P0 one, and check that it takes
+    the P2 request's slot at once while the P2 request is aborted at the engine and queued again."""
+    p2 = p2_exchange(gw)
+    sim.control.hold = True
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    async with asyncio.timeout(5):
+        ended = await sim.wait_ended(p2.id)  # the engine saw the abort
+        await sim.wait_held(1)  # the P0 request reached the engine
+    assert ended["outcome"] == "aborted"
+    assert sched.core.running(P0) == 1 and sched.core.queued(P2) == 1 and sched.core.running(P2) == 0
+    async with http.get(gw.url + "/admin/requests") as resp:
+        phases = {r["priority"]: r["phase"] for r in (await resp.json())["requests"]}
+    assert phases == {"P0": "connecting", "P2": "queued"}
+    return urgent, p2.id
+
+
+async def let_go(sim) -> None:
+    sim.control.hold = False
+    sim.release()
+
+
+@pytest.mark.parametrize("make", [chat, completion], ids=["chat", "completion"])
+async def test_streaming_p2_is_preempted_and_resumed_seamlessly(start_sim, start_gateway, http, make):
+    sim, gw, sched = await one_slot(start_sim, start_gateway)
+    body = make(1)
+    victim = Stream(http, gw.url, body, "P2")
+    async with asyncio.timeout(5):
+        await victim.started.wait()
+    urgent, p2_id = await preempt_with_p0(sim, gw, sched, http)
+    await let_go(sim)
+    status, answer = await urgent
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    await victim.wait()
+    assert victim.status == 200 and victim.done == 1
+    text, usage, ids, roles = stream_summary(victim.events)
+    # The continuation reached the engine under its own id, after the P0 request.
+    assert sim.stats.find(f"{p2_id}-p1") is not None
+    expected_text, expected_usage, _, expected_roles = stream_summary(await uninterrupted(http, gw.url, body))
+    assert text == expected_text and len(ids) == 1 and roles == expected_roles
+    assert usage_of(usage) == usage_of(expected_usage) and usage["completion_tokens"] == 40
+    rows = {r["request_id"]: r for r in await records(gw)}
+    row = rows[p2_id]
+    assert row["status"] == "completed" and row["preemptions"] == 1 and row["restarts"] == 0
+    assert row["completion_tokens"] == 40 and row["prompt_tokens"] == expected_usage["prompt_tokens"]
+    assert row["attempts"] == 2
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 1.0' in metrics
+    assert_no_leaks(gw)
+
+
+async def test_non_streaming_p2_gets_the_complete_answer(start_sim, start_gateway, http):
+    sim, gw, sched = await one_slot(start_sim, start_gateway)
+    body = chat(2)
+    waiting = asyncio.create_task(post(http, gw.url, body, "P2"))
+
+    def generating(s) -> bool:
+        return any(r.completion_tokens >= 3 for r in s.stats.open.values())
+
+    async with asyncio.timeout(5):
+        await sim.wait_until(generating)
+    urgent, p2_id = await preempt_with_p0(sim, gw, sched, http)
+    await let_go(sim)
+    assert (await urgent)[0] == 200
+    status, answer = await waiting
+    assert status == 200
+    _, expected = await post(http, gw.url, body, "P2")
+    assert answer["choices"][0]["message"] == expected["choices"][0]["message"]
+    assert answer["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"] == "length"
+    assert usage_of(answer["usage"]) == usage_of(expected["usage"])
+    # The engine did part of the work once: the resumed call asked only for the rest.
+    first = next(r for r in sim.stats.seen if r.request_id == p2_id)
+    rest = sim.stats.find(f"{p2_id}-p1")
+    assert rest is not None and 3 <= first.completion_tokens < 40
+    assert first.completion_tokens + rest.completion_tokens == 40
+    rows = {r["request_id"]: r for r in await records(gw)}
+    assert rows[p2_id]["preemptions"] == 1 and rows[p2_id]["completion_tokens"] == 40
+    assert_no_leaks(gw)
+
+
+async def test_restarts_before_the_first_byte_when_the_dialect_cannot_continue(start_sim, start_gateway, http):
+    # The `openai` dialect cannot continue an assistant message: the held (silent) P2 stream is
+    # restarted from scratch; once it has sent something it is no longer preemptible.
+    sim, gw, sched = await one_slot(start_sim, start_gateway, engine="openai")
+    sim.control.hold = True
+    body = chat(3, max_tokens=30)
+    victim = Stream(http, gw.url, body, "P2")
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.running(P0) == 1 and core.queued(P2) == 1)
+    await let_go(sim)
+    assert (await urgent)[0] == 200
+    async with asyncio.timeout(5):
+        await victim.started.wait()
+    # Streaming now, nothing to continue from on this dialect: a P0 arrival waits instead.
+    second = asyncio.create_task(post(http, gw.url, chat(98, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.queued(P0) == 1)
+    assert sched.core.running(P2) == 1
+    await victim.wait()
+    assert (await second)[0] == 200
+    text, usage, _, _ = stream_summary(victim.events)
+    expected_text, expected_usage, _, _ = stream_summary(await uninterrupted(http, gw.url, body))
+    assert text == expected_text and usage_of(usage) == usage_of(expected_usage)
+    rows = [r for r in await records(gw) if r["priority"] == "P2"]
+    assert rows[0]["preemptions"] == 1 and rows[0]["restarts"] == 1 and rows[0]["completion_tokens"] == 30
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'lockgate_preemptions_total{model="m",outcome="restarted",priority="P2"} 1.0' in metrics
+    assert 'outcome="resumed"' not in metrics
+    assert_no_leaks(gw)
+
+
+async def test_preemptions_per_request_are_bounded(start_sim, start_gateway, http):
+    sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=1.0, preemption={"max_per_request": 1})
+    sim.control.hold = True
+    body = chat(4, max_tokens=8)
+    victim = asyncio.create_task(post(http, gw.url, body, "P2"))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    p2_id = p2_exchange(gw).id
+    first = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    async with asyncio.timeout(5):
+        await sim.wait_ended(p2_id)
+        await sim.wait_held(1)  # the P0 request, at the engine
+    # The P0 request finishes; the P2 one gets its slot back and is held at the engine again.
+    sim.release()
+    assert (await first)[0] == 200
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: s.stats.find(f"{p2_id}-p1") is not None and s.stats.held == 1)
+    second = asyncio.create_task(post(http, gw.url, chat(98, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.queued(P0) == 1)
+    assert sched.core.running(P2) == 1  # preempted once already: not again
+    await let_go(sim)
+    status, answer = await victim
+    assert status == 200 and (await second)[0] == 200
+    _, expected = await post(http, gw.url, body, "P2")
+    assert answer["choices"][0]["message"] == expected["choices"][0]["message"]
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 1.0' in metrics
+    assert_no_leaks(gw)
+
+
+async def test_a_dedup_flight_is_not_preempted(start_sim, start_gateway, http):
+    sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=1.0)
+    sim.control.hold = True
+
+    async def coalescable() -> int:  # temperature 0 and no Cache-Control: served by a flight
+        data = orjson.dumps(chat(5, max_tokens=4))
+        async with http.post(gw.url + "/v1/chat/completions", data=data, headers={"x-priority": "P2"}) as resp:
+            await resp.read()
+            return resp.status
+
+    flight = asyncio.create_task(coalescable())
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.queued(P0) == 1)
+    assert sched.core.running(P2) == 1
+    await let_go(sim)
+    async with asyncio.timeout(10):
+        assert await flight == 200
+        assert (await urgent)[0] == 200
+    assert "lockgate_preemptions_total{" not in gw.gateway.metrics.render().decode()
+    assert_no_leaks(gw)
+
+
+@pytest.mark.parametrize("how", ["client_disconnect", "timeout", "admin"])
+async def test_leaving_while_requeued_leaks_nothing(start_sim, start_gateway, http, how):
+    sim, gw, sched = await one_slot(start_sim, start_gateway)
+    headers = {"x-priority": "P2", **NO_STORE}
+    if how == "timeout":
+        headers["x-lockgate-timeout-ms"] = "1500"
+    body = {**chat(7), "stream": True}
+    response: list[aiohttp.ClientResponse] = []
+    started = asyncio.Event()
+
+    async def read() -> None:
+        async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as resp:
+            response.append(resp)
+            chunks = 0
+            async for line in resp.content:
+                chunks += b'"content":"' in line and b'"content":""' not in line
+                if chunks >= 2:
+                    started.set()
+
+    victim = asyncio.create_task(read())
+    async with asyncio.timeout(5):
+        await started.wait()
+    urgent, p2_id = await preempt_with_p0(sim, gw, sched, http)
+    if how == "client_disconnect":
+        victim.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await victim
+    elif how == "admin":
+        async with http.delete(f"{gw.url}/admin/requests/{p2_id}") as resp:
+            assert resp.status == 200
+    await until(sched, lambda core: core.queued(P2) == 0)
+    if how != "client_disconnect":
+        async with asyncio.timeout(5):
+            await victim  # the stream ends with an error event (its status line was 200)
+    await let_go(sim)
+    assert (await urgent)[0] == 200
+    async with asyncio.timeout(5):
+        await gw.gateway.registry.wait_empty()
+    rows = {r["request_id"]: r for r in await records(gw)}
+    row = rows[p2_id]
+    assert row["status"] == "cancelled" and row["cancel_reason"] == how and row["preemptions"] == 1
+    assert 2 <= row["completion_tokens"] < 40
+    assert sim.stats.find(f"{p2_id}-p1") is None  # never resumed
+    assert_no_leaks(gw)
+    text = gw.gateway.metrics.render().decode()
+    assert 'lockgate_permits_in_use{instance="' in text and "lockgate_permits_in_use{" in text
+    assert all(
+        line.endswith(" 0.0")
+        for line in text.splitlines()
+        if line.startswith(("lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{"))
+    )
