@@ -1,0 +1,198 @@
+"""Preemption's sync core: victim choice, re-queueing, resumability, continuations, the transcript."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lockgate.config import parse_config
+from lockgate.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
+from lockgate.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
+from lockgate.wire import Endpoint, validate
+
+CLASSES = (
+    ClassSpec("P0", weight=0.6, strict=True, max_queue=8),
+    ClassSpec("P1", weight=0.3, max_queue=8),
+    ClassSpec("P2", weight=0.1, max_queue=8),
+)
+LOWEST = frozenset({2})
+
+
+def offer(core: SchedulerCore, klass: int, tag: Any = True) -> Ticket:
+    ticket = Ticket(klass, tag)
+    core.offer(ticket, 0.0)
+    return ticket
+
+
+def willing(ticket: Ticket) -> bool:
+    return bool(ticket.tag)
+
+
+def test_the_newest_preemptible_ticket_of_the_lowest_class_is_chosen() -> None:
+    core = SchedulerCore(CLASSES, capacity=4)
+    old, newer = offer(core, 2), offer(core, 2)
+    unwilling = offer(core, 2, tag=False)  # e.g. a dedup flight, or a stream that cannot resume
+    p1 = offer(core, 1)
+    p0 = offer(core, 0)
+    assert p0.state is TicketState.QUEUED
+    assert choose_victim(core, 0, LOWEST, willing) is newer
+    # P1 is preemptible too when configured, but the least urgent class goes first.
+    assert choose_victim(core, 0, frozenset({1, 2}), willing) is newer
+    assert choose_victim(core, 0, frozenset({1}), willing) is p1
+    assert choose_victim(core, 0, frozenset(), willing) is None
+    core.release(newer, 1.0)  # P0 takes that slot
+    assert p0.state is TicketState.RUNNING
+    assert choose_victim(core, 0, LOWEST, willing) is old
+    assert unwilling.state is TicketState.RUNNING
+
+
+def test_no_victim_unless_a_strict_ticket_waits_for_a_full_pool() -> None:
+    core = SchedulerCore(CLASSES, capacity=2)
+    offer(core, 2)
+    assert choose_victim(core, 0, LOWEST, willing) is None  # a slot is free
+    offer(core, 2)
+    assert choose_victim(core, 1, LOWEST, willing) is None  # only strict classes preempt
+    assert choose_victim(core, 2, LOWEST, willing) is None
+    assert choose_victim(core, 0, LOWEST, willing) is not None
+    # A strict class held back by its own limit would not get the freed slot.
+    limited = (ClassSpec("P0", strict=True, max_running=1), *CLASSES[1:])
+    core = SchedulerCore(limited, capacity=2)
+    offer(core, 0)
+    offer(core, 2)
+    assert offer(core, 0).state is TicketState.QUEUED
+    assert choose_victim(core, 0, LOWEST, willing) is None
+
+
+def test_requeue_gives_the_slot_to_the_strict_ticket_and_queues_the_victim_first() -> None:
+    core = SchedulerCore(CLASSES, capacity=1)
+    victim = offer(core, 2)
+    later = offer(core, 2)
+    p0 = offer(core, 0)
+    assert core.requeue(victim, 5.0) == [p0]
+    assert victim.state is TicketState.QUEUED and victim.offered_at == 5.0
+    assert core.queued(2) == 2 and core.running(2) == 0
+    assert core.release(p0, 6.0) == [victim]  # ahead of the later arrival of its class
+    assert core.newest_running(2) is victim
+    with pytest.raises(ValueError):
+        core.requeue(later, 7.0)  # not running
+    assert core.release(victim, 7.0) == [later]
+    assert core.release(later, 8.0) == []
+    assert core.running_total == 0 and core.queued_total == 0
+
+
+def test_preemptible_classes_from_config() -> None:
+    def classes(**scheduling: Any) -> frozenset[int]:
+        data = {"models": [{"name": "m", "instances": [{"url": "http://x"}]}], "scheduling": scheduling}
+        return parse_config(data).scheduling.preemptible_classes()
+
+    assert classes() == frozenset({2})  # the lowest class only
+    assert classes(preemption={"enabled": False}) == frozenset()
+    custom = [
+        {"name": "P0", "strict": True},
+        {"name": "P1", "preemptible": True},
+        {"name": "P2"},
+        {"name": "P3", "preemptible": False},
+    ]
+    assert classes(classes=custom) == frozenset({1})
+    with pytest.raises(Exception, match="strict class cannot be preemptible"):
+        classes(classes=[{"name": "P0", "strict": True, "preemptible": True}, {"name": "P1"}])
+    with pytest.raises(Exception, match="max_per_request"):
+        classes(preemption={"max_per_request": 0})
+
+
+def chat(**extra: Any):
+    return validate(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def completion(**extra: Any):
+    return validate(Endpoint.COMPLETIONS, {"model": "m", "prompt": "once", **extra})
+
+
+@pytest.mark.parametrize(
+    ("api", "chat_continuation", "why"),
+    [
+        (chat(max_tokens=10), True, None),
+        (chat(), False, "dialect"),
+        (chat(n=2), True, "n"),
+        (chat(logprobs=True), True, "logprobs"),
+        (chat(logprobs=False), True, None),
+        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
+        (chat(response_format={"type": "json_object"}), True, "response_format"),
+        (chat(stop=["\n"]), True, "stop"),
+        (completion(), False, None),  # any engine continues a text prompt
+        (completion(prompt=["once"]), False, None),
+        (completion(prompt=[1, 2, 3]), False, "prompt"),
+        (completion(echo=True), False, "echo"),
+        (completion(logprobs=2), False, "logprobs"),
+    ],
+)
+def test_blocker(api, chat_continuation: bool, why: str | None) -> None:
+    assert blocker(api, chat_continuation=chat_continuation) == why
+
+
+def test_plan_resumes_restarts_or_refuses() -> None:
+    t = Transcript(Endpoint.CHAT)
+    assert plan(None, t, 10, sent=True) is Plan.RESUME
+    assert plan("dialect", t, 10, sent=False) is Plan.RESTART
+    assert plan("dialect", t, 10, sent=True) is None  # the client has seen output: keep going
+    t.take(chunk(delta={"tool_calls": [{"index": 0, "function": {"name": "f"}}]}))
+    assert plan(None, t, 10, sent=True) is None and plan(None, t, 10, sent=False) is Plan.RESTART
+    done = Transcript(Endpoint.COMPLETIONS)
+    for _ in range(3):
+        done.take(chunk(text=" a"))
+    assert plan(None, done, 3, sent=True) is None  # everything produced: finishing anyway
+
+
+def test_continuation_bodies() -> None:
+    api = chat(max_tokens=10, stream=False, temperature=0)
+    c = continuation(api, " alpha bravo", 2)
+    assert c.body["messages"][-1] == {"role": "assistant", "content": " alpha bravo"}
+    assert c.body["messages"][:-1] == api.body["messages"]
+    assert c.body["continue_final_message"] is True and c.body["add_generation_prompt"] is False
+    assert c.body["max_tokens"] == 8 and c.max_tokens == 8 and c.body["stream"] is True and c.stream
+    assert api.body["max_tokens"] == 10 and len(api.body["messages"]) == 1  # the client's body is untouched
+    t = continuation(completion(prompt=["once"], max_completion_tokens=5), " upon", 1)
+    assert t.body["prompt"] == "once upon" and t.body["max_completion_tokens"] == 4
+    f = fresh(chat(stream=True, stream_options={"include_usage": False}))
+    assert f.body["stream"] is True and "stream_options" not in f.body
+
+
+def chunk(*, delta: dict[str, Any] | None = None, text: str | None = None, **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+    if delta is not None:
+        choice["delta"] = delta
+    if text is not None:
+        choice["text"] = text
+    return {"id": "engine-id", "created": 1, "choices": [choice], **extra}
+
+
+def test_transcript_folds_attempts_into_one_generation() -> None:
+    t = Transcript(Endpoint.CHAT)
+    assert t.take(chunk(delta={"role": "assistant", "content": ""}, id="first", created=7)) is not None
+    t.take(chunk(delta={"content": " alpha"}, id="first", created=7))
+    t.take(chunk(delta={"content": " bravo"}, id="first", created=7))
+    assert (t.text, t.tokens) == (" alpha bravo", 2)
+    t.start_attempt()  # the continuation: its prompt holds the 2 tokens
+    assert t.take(chunk(delta={"role": "assistant", "content": ""}, id="second", created=9)) is None
+    out = t.take(chunk(delta={"content": " river"}, id="second", created=9))
+    assert out is not None and out["id"] == "first" and out["created"] == 7
+    usage = {
+        "prompt_tokens": 12,
+        "completion_tokens": 1,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 11},
+    }
+    last = t.take({"id": "second", "created": 9, "choices": [], "usage": usage})
+    assert last is not None
+    assert last["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 10},
+    }
+    assert (t.text, t.tokens, len(t.events)) == (" alpha bravo river", 3, 5)
+    t.reset()
+    assert (t.text, t.tokens, t.events) == ("", 0, [])
+    first = t.take(chunk(delta={"role": "assistant", "content": ""}, id="third"))
+    assert first is not None and first["choices"][0]["delta"]["role"] == "assistant"  # a restart starts afresh
