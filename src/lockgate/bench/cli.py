@@ -29,6 +29,8 @@ def _priority(args: argparse.Namespace) -> int:
         p2_factor=args.p2_factor,
         p1_factor=args.p1_factor,
         headroom=args.headroom,
+        preemption=not args.no_preemption,
+        preemptible=tuple(c for c in args.preemptible.split(",") if c),
     )
 
     async def main() -> int:
@@ -75,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")
     prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
     prio.add_argument("--headroom", type=float, default=0.125, help="scheduling.strict_headroom")
+    prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
+    prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
     prio.set_defaults(func=_priority)
     dd = benches.add_parser("dedup", help="burst of partly duplicate requests: engine calls, coalescing, latency")
     dd.add_argument("--windows", type=int, default=5)

@@ -6,6 +6,10 @@ about twice the fleet's capacity and P1 arrives at about its capacity (so that P
 backlogged and their shares can be compared with the configured weights). Arrivals are open-loop
 (Poisson); at the end of each phase the requests still waiting are abandoned (clients disconnect),
 so a run is bounded by `2 * duration + drain`. Figures are noisy on a shared machine.
+
+To say where P0 time goes, each phase also reports P0 TTFT split into the engine's part (the sim's own
+record: request arrival at the engine to first token) and the rest (client, gateway, queue), the
+gateway process's CPU use, and the preemptions the gateway counted (`--no-preemption` to compare).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from .load import percentile
+from ..records import read_records
+from .load import cpu_seconds, percentile
 from .overhead import child, free_port, wait_http
 
 MODEL = "bench-model"
@@ -37,6 +42,7 @@ class Outcome:
     status: int  # 0: abandoned at the end of the phase (or a client error)
     ttft: float | None
     finished_at: float
+    request_id: str | None = None
 
 
 @dataclass
@@ -44,6 +50,13 @@ class Phase:
     name: str
     seconds: float
     outcomes: list[Outcome] = field(default_factory=list)
+    #: Engine-side TTFT (arrival at the sim to first token) by gateway request id.
+    engine_ttft: dict[str, float] = field(default_factory=dict)
+    gateway_cpu_s: float = 0.0
+    #: Gateway-side TTFT (request arrival at the gateway to first content sent) by request id.
+    gateway_ttft: dict[str, float] = field(default_factory=dict)
+    #: Gateway metrics (cumulative at the end of the phase).
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def ttfts(self, priority: str) -> list[float]:
         return [o.ttft for o in self.outcomes if o.priority == priority and o.status == 200 and o.ttft is not None]
@@ -65,6 +78,9 @@ class Settings:
     headroom: float = 0.125
     max_queue: int = 64
     seed: int = 1
+    preemption: bool = True
+    #: Classes marked `preemptible: true` (empty: the default, the last class only).
+    preemptible: tuple[str, ...] = ()
 
 
 def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[int], tmp: str) -> None:
@@ -73,15 +89,19 @@ def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[i
         for p in sim_ports
     )
     q = settings.max_queue
+    pre = {
+        c: f", preemptible: {str(c in settings.preemptible).lower()}" if settings.preemptible else "" for c in CLASSES
+    }
     path.write_text(
         f"listen: {{host: 127.0.0.1, port: {gateway_port}}}\n"
         f"usage: {{path: {os.path.join(tmp, 'usage.sqlite3')}}}\n"
         "scheduling:\n"
         f"  strict_headroom: {settings.headroom}\n"
+        f"  preemption: {{enabled: {str(settings.preemption).lower()}}}\n"
         "  classes:\n"
         f"    - {{name: P0, strict: true, max_queue: {q}, queue_timeout_ms: 10000}}\n"
-        f"    - {{name: P1, weight: {WEIGHTS['P1']}, max_queue: {q}, queue_timeout_ms: 60000}}\n"
-        f"    - {{name: P2, weight: {WEIGHTS['P2']}, max_queue: {q}, queue_timeout_ms: 60000}}\n"
+        f"    - {{name: P1, weight: {WEIGHTS['P1']}, max_queue: {q}, queue_timeout_ms: 60000{pre['P1']}}}\n"
+        f"    - {{name: P2, weight: {WEIGHTS['P2']}, max_queue: {q}, queue_timeout_ms: 60000{pre['P2']}}}\n"
         f"models:\n  - name: {MODEL}\n    routing: least_load\n    instances:\n{instances}"
     )
 
@@ -98,9 +118,11 @@ async def _one(session: aiohttp.ClientSession, url: str, priority: str, n: int, 
     start = time.perf_counter()
     ttft: float | None = None
     status = 0
+    request_id: str | None = None
     try:
         async with session.post(url, data=body, headers={"x-priority": priority}) as resp:
             status = resp.status
+            request_id = resp.headers.get("x-request-id")
             async for line in resp.content:
                 if (
                     ttft is None
@@ -111,7 +133,7 @@ async def _one(session: aiohttp.ClientSession, url: str, priority: str, n: int, 
                     ttft = time.perf_counter() - start
     except aiohttp.ClientError:
         status = 0
-    return Outcome(priority, status, ttft, time.perf_counter())
+    return Outcome(priority, status, ttft, time.perf_counter(), request_id)
 
 
 async def _arrivals(
@@ -135,6 +157,50 @@ async def _arrivals(
             return
         n += 1
         tasks.append(asyncio.create_task(_one(session, url, priority, n, settings.max_tokens)))
+
+
+async def _observe(
+    phase: Phase, base: str, sim_urls: list[str], gateway_pid: int, cpu_before: float, usage_path: str
+) -> None:
+    """What the engines and the gateway say about the phase just run."""
+    phase.gateway_cpu_s = cpu_seconds(gateway_pid) - cpu_before
+    wanted = {o.request_id for o in phase.outcomes if o.priority == "P0" and o.status == 200}
+    for _ in range(40):  # the usage writer batches every 50 ms: a bounded wait for the P0 rows
+        rows = {r["request_id"]: r for r in await asyncio.to_thread(read_records, usage_path)}
+        if wanted <= rows.keys():
+            break
+        await asyncio.sleep(0.05)
+    for rid in wanted:
+        row = rows.get(rid)  # type: ignore[arg-type]
+        if row is not None and row["first_token_at"] is not None:
+            phase.gateway_ttft[rid] = row["first_token_at"] - row["started_at"]
+    async with aiohttp.ClientSession() as session:
+        for sim in sim_urls:
+            async with session.get(sim + "/sim/stats") as resp:
+                stats = await resp.json()
+            for rec in stats["requests_seen"]:
+                if rec["first_token_at"] is not None:
+                    phase.engine_ttft[rec["request_id"]] = rec["first_token_at"] - rec["started_at"]
+            async with session.post(sim + "/sim/reset_stats") as resp:
+                await resp.read()
+        async with session.get(base + "/metrics") as resp:
+            text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("lockgate_preemptions_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            phase.metrics[f"preemptions_{outcome}"] = phase.metrics.get(f"preemptions_{outcome}", 0) + float(
+                line.rsplit(" ", 1)[1]
+            )
+        for key, prefix in (
+            ("p0_queue_wait_sum", 'lockgate_queue_wait_seconds_sum{model="bench-model",priority="P0"}'),
+            ("p0_queue_wait_count", 'lockgate_queue_wait_seconds_count{model="bench-model",priority="P0"}'),
+            (
+                "p0_queue_wait_le_5ms",
+                'lockgate_queue_wait_seconds_bucket{le="0.005",model="bench-model",priority="P0"}',
+            ),
+        ):
+            if line.startswith(prefix):
+                phase.metrics[key] = float(line.rsplit(" ", 1)[1])
 
 
 async def _phase(name: str, url: str, rates: dict[str, float], settings: Settings, drain_s: float) -> Phase:
@@ -190,9 +256,16 @@ async def run(settings: Settings) -> tuple[Phase, Phase, dict[str, float]]:
             for port, proc in zip(sim_ports, procs, strict=False):
                 await wait_http(f"http://127.0.0.1:{port}/health", proc)
             await wait_http(f"http://127.0.0.1:{gateway_port}/ready", procs[-1])
-            url = f"http://127.0.0.1:{gateway_port}/v1/chat/completions"
+            base = f"http://127.0.0.1:{gateway_port}"
+            url = base + "/v1/chat/completions"
+            sim_urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
+            gateway_pid = procs[-1].pid
             drain = 2.0
+            cpu = cpu_seconds(gateway_pid)
             baseline = await _phase("P0 only", url, {"P0": settings.p0_rate}, settings, drain)
+            usage_path = os.path.join(tmp, "usage.sqlite3")
+            await _observe(baseline, base, sim_urls, gateway_pid, cpu, usage_path)
+            cpu = cpu_seconds(gateway_pid)
             flood = await _phase(
                 "P0 + P1 + P2 flood",
                 url,
@@ -204,6 +277,7 @@ async def run(settings: Settings) -> tuple[Phase, Phase, dict[str, float]]:
                 settings,
                 drain,
             )
+            await _observe(flood, base, sim_urls, gateway_pid, cpu, usage_path)
     return baseline, flood, {"capacity": capacity, "capacity_rps": capacity_rps}
 
 
@@ -215,7 +289,9 @@ def report(baseline: Phase, flood: Phase, info: dict[str, float], settings: Sett
         f"fleet: {settings.sims} sims x {settings.slots_per_sim} slots = {int(info['capacity'])} slots, "
         f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms; "
         f"P0 {settings.p0_rate:g}/s, P1 {settings.p1_factor:g}x, P2 {settings.p2_factor:g}x capacity; "
-        f"{settings.duration_s:g} s per phase; strict headroom {settings.headroom:g}",
+        f"{settings.duration_s:g} s per phase; strict headroom {settings.headroom:g}; "
+        f"preemption {'on' if settings.preemption else 'off'}"
+        f" ({'+'.join(settings.preemptible) or 'P2'} preemptible)",
         f"{'phase':<20}{'class':<6}{'sent':>6}{'ok':>6}{'429':>6}{'503':>6}{'left':>6}"
         f"{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'ok/s':>7}",
     ]
@@ -238,6 +314,25 @@ def report(baseline: Phase, flood: Phase, info: dict[str, float], settings: Sett
         f"P0 TTFT p99: {base99 * 1000:.1f} ms alone, {flood99 * 1000:.1f} ms under the flood: "
         f"ratio {ratio:.2f}x (target <= 1.25x)"
     )
+    for phase in (baseline, flood):
+        p0 = [o for o in phase.outcomes if o.priority == "P0" and o.status == 200 and o.ttft is not None]
+        split: dict[str, list[float]] = {"engine": [], "gateway+queue": [], "client+network": []}
+        for o in p0:
+            engine = phase.engine_ttft.get(o.request_id or "")
+            gateway = phase.gateway_ttft.get(o.request_id or "")
+            if engine is None or gateway is None or o.ttft is None:
+                continue
+            split["engine"].append(engine)
+            split["gateway+queue"].append(gateway - engine)
+            split["client+network"].append(o.ttft - gateway)
+        m = phase.metrics
+        parts = ", ".join(f"{k} {ms(v, 50).strip()}/{ms(v, 99).strip()}" for k, v in split.items())
+        lines.append(
+            f"{phase.name}: P0 TTFT split p50/p99 ms: {parts}; gateway CPU "
+            f"{phase.gateway_cpu_s / phase.seconds * 100:.0f}% of a core; preemptions resumed "
+            f"{m.get('preemptions_resumed', 0):.0f}, restarted {m.get('preemptions_restarted', 0):.0f}; "
+            f"P0 queued > 5 ms (cumulative): {m.get('p0_queue_wait_count', 0) - m.get('p0_queue_wait_le_5ms', 0):.0f}"
+        )
     ok = Counter(o.priority for o in flood.outcomes if o.status == 200 and o.priority in WEIGHTS)
     total = sum(ok.values())
     if total:
