@@ -144,25 +144,31 @@ class SchedulingMetrics:
             ["model", "priority"],
             registry=r,
         )
-        self.queue_wait = Histogram(
-            "lockgate_queue_wait_seconds",
-            "Time from arrival to getting a slot (admitted requests).",
-            ["model", "priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_wait = Family(
+            Histogram(
+                "lockgate_queue_wait_seconds",
+                "Time from arrival to getting a slot (admitted requests).",
+                ["model", "priority"],
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.admissions = Counter(
-            "lockgate_admissions",
-            "Requests given a slot, by model and priority class.",
-            ["model", "priority"],
-            registry=r,
+        self.admissions = Family(
+            Counter(
+                "lockgate_admissions",
+                "Requests given a slot, by model and priority class.",
+                ["model", "priority"],
+                registry=r,
+            )
         )
-        self.rejections = Counter(
-            "lockgate_rejections",
-            "Requests refused by admission, by reason (queue_full, queue_timeout, rate_limit_requests, "
-            "rate_limit_tokens, rate_limit_concurrency) and priority class.",
-            ["reason", "priority"],
-            registry=r,
+        self.rejections = Family(
+            Counter(
+                "lockgate_rejections",
+                "Requests refused by admission, by reason (queue_full, queue_timeout, rate_limit_requests, "
+                "rate_limit_tokens, rate_limit_concurrency) and priority class.",
+                ["reason", "priority"],
+                registry=r,
+            )
         )
         self.ratelimit_remaining_requests = Gauge(
             "lockgate_ratelimit_remaining_requests",
