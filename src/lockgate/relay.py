@@ -1,11 +1,19 @@
 """The request path: route, call the engine (retrying elsewhere before the first byte), relay back.
 
+An attempt may be retried on another instance as long as nothing has reached the client: a failed
+connect, a retryable status (502/503), and for streams also a stream that breaks or ends before its
+first event — the response is only prepared once that event is in hand. Retries are bounded by the
+model's `retries` and by the request's deadline.
+
 Runs inside `Exchange.run()`, which owns every resource this code acquires and decides how the
 request ends; nothing here needs to clean up after itself on cancellation.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -18,17 +26,37 @@ from .routing import RouteRequest
 from .upstream import UpstreamCall
 
 if TYPE_CHECKING:
-    from .fleet import Instance
+    from .fleet import Instance, Lease
+
+
+@dataclass(slots=True)
+class _Opened:
+    call: UpstreamCall
+    lease: Lease
+    #: Stream events already read (up to the first with choices), and the rest of the stream.
+    head: list[dict[str, Any]]
+    events: AsyncGenerator[dict[str, Any], None] | None
 
 
 async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
-    call = await _open_with_retries(ex)
+    route = ex.pool.route_request(ex.api, http_request.headers)
+    opened = await _open_with_retries(ex, route)
     if ex.api.stream:
-        return await _relay_stream(ex, http_request, call)
-    return await _relay_whole(ex, call)
+        return await _relay_stream(ex, http_request, opened)
+    return await _relay_whole(ex, opened.call)
 
 
-async def _open_with_retries(ex: Exchange) -> UpstreamCall:
+def _retryable(error: UpstreamError) -> bool:
+    # Called only before the first byte reached the client: a stream that broke (or ended) before its
+    # first event produced nothing the client saw, so another instance may answer instead.
+    return error.retryable or isinstance(error, UpstreamProtocolError)
+
+
+def _time_left(ex: Exchange) -> bool:
+    return ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s
+
+
+async def _open_with_retries(ex: Exchange, route: RouteRequest) -> _Opened:
     gateway = ex.gateway
     pool = ex.pool
     api = ex.api
@@ -37,11 +65,12 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
     last_error: UpstreamError | None = None
     for attempt in range(attempts):
         try:
-            instance = pool.choose(RouteRequest(api.model, exclude=frozenset(tried)))
+            instance, view = pool.choose_view(replace(route, exclude=frozenset(tried)))
         except Exception:
             if last_error is not None:
                 raise last_error from None
             raise
+        lease = gateway.fleet.lease(instance, max(0, route.prompt_tokens - view.cached_tokens))
         body = instance.dialect.upstream_body(api, served_model=pool.served[instance.key], request_id=ex.id)
         call = UpstreamCall(
             gateway.fleet,
@@ -52,19 +81,49 @@ async def _open_with_retries(ex: Exchange) -> UpstreamCall:
             ex.id,
             stream=api.stream,
         )
-        ex.attach(gateway.fleet.lease(instance), call)
+        ex.attach(lease, call)
         ex.phase = Phase.CONNECTING
         try:
             await call.open()
-            return call
+            if not api.stream:
+                return _Opened(call, lease, [], None)
+            events = call.events()
+            head = await _first_events(events, call, lease)
+            return _Opened(call, lease, head, events)
         except UpstreamError as exc:
             ex.detach()
-            if not exc.retryable or attempt + 1 == attempts:
+            if not _retryable(exc) or attempt + 1 == attempts or not _time_left(ex):
                 raise
             last_error = exc
             tried.add(instance.key)
             gateway.metrics.retries.labels(api.model).inc()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _first_events(
+    events: AsyncGenerator[dict[str, Any], None], call: UpstreamCall, lease: Lease
+) -> list[dict[str, Any]]:
+    """Read the stream up to its first event with choices; nothing has been sent to the client yet."""
+    head: list[dict[str, Any]] = []
+    try:
+        async for event in events:
+            head.append(event)
+            if event.get("choices"):
+                lease.first_token()
+                return head
+    except BaseException:
+        await events.aclose()
+        raise
+    raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")
+
+
+async def _chain(
+    head: list[dict[str, Any]], rest: AsyncGenerator[dict[str, Any], None]
+) -> AsyncGenerator[dict[str, Any], None]:
+    for event in head:
+        yield event
+    async for event in rest:
+        yield event
 
 
 def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
@@ -91,9 +150,12 @@ async def _relay_whole(ex: Exchange, call: UpstreamCall) -> web.StreamResponse:
     )
 
 
-async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamCall) -> web.StreamResponse:
+async def _relay_stream(ex: Exchange, http_request: web.Request, opened: _Opened) -> web.StreamResponse:
     api = ex.api
-    events = call.events()
+    call, lease = opened.call, opened.lease
+    assert opened.events is not None
+    upstream = opened.events
+    events = _chain(opened.head, upstream)
     try:
         response = web.StreamResponse(
             status=200,
@@ -111,6 +173,7 @@ async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamC
             if isinstance(usage, dict):
                 ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
                 ex.record.completion_tokens = max(delivered, _int(usage.get("completion_tokens")))
+                lease.completion_tokens = ex.record.completion_tokens
             choices = event.get("choices")
             if not choices:
                 if usage is None or not api.include_usage:
@@ -128,6 +191,7 @@ async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamC
                 ex.phase = Phase.STREAMING
             if choices and _has_content(choices):
                 delivered += 1
+                lease.completion_tokens = delivered
                 if ex.record.completion_tokens < delivered:
                     ex.record.completion_tokens = delivered
                 ex.first_token()
@@ -140,6 +204,7 @@ async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamC
         return response
     finally:
         await events.aclose()
+        await upstream.aclose()
 
 
 async def _write(awaitable: Any) -> Any:
