@@ -216,9 +216,9 @@ class Fleet:
             self._metrics.instance_healthy.labels(instance.name).set(1)
         self._metrics.watch_fleet(self)
         self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
+        self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
         if self._config.scrape.enabled:
-            scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
-            self._scrape_task = asyncio.create_task(scraper.run(), name="lockgate-scrape")
+            self._scrape_task = asyncio.create_task(self.scraper.run(), name="lockgate-scrape")
         return self
 
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
