@@ -8,10 +8,14 @@
                      + (when every batch slot is taken) the share of a request's decode time until a
                        slot frees
     uncached       = prompt tokens - tokens that instance likely has cached (prefix index)
-    prefill rate   = that instance's measured rate (EWMA), a configured default until measured
-    decode step    = its measured time per output token
+    prefill rate   = that instance's measured rate (EWMA); until it is measured, the mean of the
+                     measured candidates (else a configured default)
+    decode step    = its measured time per output token (the same fallback)
 
-and picks the minimum. A cached prefix makes an instance cheaper only by the prefill it saves; every
+and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
+next to measured peers, a new instance would never be chosen and so never measured.
+
+A cached prefix makes an instance cheaper only by the prefill it saves; every
 request sent there adds to its queue, so a hot prefix or a fresh, idle instance cannot attract
 everything (the "death spiral" of threshold-based cache routers): once the queue wait there exceeds
 the prefill another instance would need, traffic moves, and that instance caches the prefix too.
@@ -23,7 +27,9 @@ from .routing import InstanceView, PoolSnapshot, RouteRequest, _Cursor, candidat
 from .routing_config import CacheAwareOptions, PredictedTTFTOptions, ScoreWeights
 
 
-def predict_ttft(view: InstanceView, request: RouteRequest, default_prefill_tps: float) -> float:
+def predict_ttft(
+    view: InstanceView, request: RouteRequest, default_prefill_tps: float, default_tpot_s: float = 0.0
+) -> float:
     rate = view.prefill_tps or default_prefill_tps
     uncached = max(0, request.prompt_tokens - view.cached_tokens)
     wait = view.queued_prompt_tokens / rate
@@ -31,7 +37,12 @@ def predict_ttft(view: InstanceView, request: RouteRequest, default_prefill_tps:
     if over > 0:
         # No free batch slot: on average one frees every decode_s / max_concurrency seconds.
         wait += over * view.decode_s / view.max_concurrency
-    return wait + uncached / rate + view.tpot_s
+    return wait + uncached / rate + (view.tpot_s or default_tpot_s)
+
+
+def _mean_measured(values: list[float]) -> float:
+    measured = [v for v in values if v > 0]
+    return sum(measured) / len(measured) if measured else 0.0
 
 
 class PredictedTTFT:
@@ -45,7 +56,9 @@ class PredictedTTFT:
         options = candidates(request, snapshot)
         if not options:
             return None
-        costs = [predict_ttft(o, request, self._default_tps) for o in options]
+        rate = _mean_measured([o.prefill_tps for o in options]) or self._default_tps
+        tpot = _mean_measured([o.tpot_s for o in options])
+        costs = [predict_ttft(o, request, rate, tpot) for o in options]
         # Equal predictions (an idle fleet, a prompt cached nowhere): the emptier instance, then round-robin.
         best = min(costs)
         tied = [o for o, c in zip(options, costs, strict=True) if c <= best * (1 + 1e-9)]

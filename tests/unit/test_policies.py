@@ -165,3 +165,11 @@ def test_config_accepts_old_and_new_routing_forms():
     assert routing.policy == "score" and routing.score.queue == 3 and routing.prefix_index.max_bytes == 65536
     assert make_policy(routing).name == "score"
     assert new.scrape.interval_ms == 100 and new.health.ejection.consecutive_failures == 2
+
+
+def test_predicted_ttft_judges_an_unmeasured_instance_by_its_measured_peers():
+    """A new instance judged by a pessimistic default next to measured peers would never be tried."""
+    policy = PredictedTTFT()  # default 8000 tokens/s, far below what the fleet measured
+    measured = view(0, prefill_tps=50_000, tpot_s=0.003, queued_prompt_tokens=2000, in_flight=2)
+    new = view(1)
+    assert policy.choose(REQ, snap(measured, new)).key == "i1"
