@@ -52,6 +52,18 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hash_key(args: argparse.Namespace) -> int:
+    from .tenants import hash_key
+
+    # Read from stdin by default so the key stays out of shell history and process listings.
+    key = args.key if args.key is not None else sys.stdin.readline().strip()
+    if not key:
+        print("no key given (pass it on stdin)", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockgate", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -69,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.set_defaults(func=_check_config)
 
+    hashk = commands.add_parser(
+        "hash-key", help="print the sha256 digest of an API key for tenants[].keys (key read from stdin)"
+    )
+    hashk.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
+    hashk.set_defaults(func=_hash_key)
+
     from .sim import cli as sim_cli
 
     sim = commands.add_parser("sim", help="run an engine simulator that behaves like a vLLM instance")
@@ -77,18 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import cli as bench_cli
 
-    bench = commands.add_parser(
-        "bench", help="benchmarks (ratios against a baseline run in the same process)"
-    )
+    bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline run in the same process)")
     bench_cli.add_arguments(bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .admission_config import SchedulingConfig, TenantConfig, check_admission
 from .routing_config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing_config import PolicyName as PolicyName
 
@@ -123,6 +124,15 @@ class Config(_Strict):
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []
+    #: Priority classes and the per-pool scheduler (see docs/config-tenants-priority.md).
+    scheduling: SchedulingConfig = SchedulingConfig()
+    #: Tenants and their API keys; with no keys configured the gateway is open (tenant "default").
+    tenants: list[TenantConfig] = []
+
+    @model_validator(mode="after")
+    def _check_admission(self) -> Config:
+        check_admission(self.tenants, self.scheduling)
+        return self
 
     @model_validator(mode="after")
     def _check_models(self) -> Config:
@@ -180,6 +190,8 @@ def _describe(exc: ValidationError, source: str) -> str:
         message = err["msg"]
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and indentation)"
+        elif "keys" in err["loc"] or "api_key" in err["loc"]:
+            pass  # never echo what may be a secret
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
         lines.append(f"  {where}: {message}")

@@ -51,9 +51,7 @@ async def start_simulators(config: Config, stack: contextlib.AsyncExitStack) -> 
                         max_concurrency=entry.max_num_seqs,
                     )
                 )
-    models = [
-        m.model_copy(update={"instances": [*m.instances, *extra.pop(m.name, [])]}) for m in config.models
-    ]
+    models = [m.model_copy(update={"instances": [*m.instances, *extra.pop(m.name, [])]}) for m in config.models]
     models += [ModelConfig(name=name, instances=instances) for name, instances in extra.items()]
     return config.model_copy(update={"models": models, "simulate": []})
 

@@ -6,8 +6,11 @@
     ├── ModelNotFound                 404     invalid_request_error   code=model_not_found
     ├── NotFound                      404     invalid_request_error
     ├── PayloadTooLarge               413     invalid_request_error
-    ├── RateLimited                   429     rate_limit_exceeded      (Retry-After)
+    ├── RateLimited                   429     rate_limit_exceeded      (Retry-After)  [rejected]
+    │   ├── QueueFull                 429     code=queue_full
+    │   └── RateLimitExceeded         429     (+ x-ratelimit-* headers; in ratelimit.py)
     ├── Unavailable                   503     service_unavailable      (Retry-After)
+    │   ├── QueueTimeout              503     code=queue_timeout                      [rejected]
     │   └── ShuttingDown              503
     ├── DeadlineExceeded              504     timeout
     ├── Cancelled                     499/503 cancelled                (admin cancel, preemption)
@@ -15,6 +18,9 @@
         ├── UpstreamConnectError      502     (nothing was sent to the engine, or no answer)
         ├── UpstreamProtocolError     502     (the engine broke the stream or sent garbage)
         └── UpstreamStatusError       any     (the engine's own status and body, passed through)
+
+[rejected]: the gateway shed the request before it reached an engine; its usage record says
+`rejected` rather than `error`.
 
 Foreign exceptions (aiohttp, OSError, orjson) are translated where they enter, in `upstream.py` and
 `wire.py`; handlers only ever see `GatewayError`.
@@ -31,6 +37,8 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None
+    #: Load shedding or a limit: the request was refused before it reached an engine.
+    rejected: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -100,12 +108,26 @@ class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_exceeded"
     default_code = "rate_limit_exceeded"
+    rejected = True
+
+
+class QueueFull(RateLimited):
+    """The priority class's queue for this model is full (Retry-After estimates the wait)."""
+
+    default_code = "queue_full"
 
 
 class Unavailable(GatewayError):
     status = 503
     type = "service_unavailable"
     default_code = "no_healthy_instance"
+
+
+class QueueTimeout(Unavailable):
+    """The request waited in its class's queue longer than the class's queue deadline."""
+
+    default_code = "queue_timeout"
+    rejected = True
 
 
 class ShuttingDown(Unavailable):

@@ -2,7 +2,8 @@
 
 Theory of operation: every accepted client request gets exactly one `Exchange`. It is the single
 owner of everything that request holds — its registry entry (admin listing, shutdown), its instance
-lease, its upstream call, its deadline and its usage record — and releases each exactly once in
+lease, its upstream call, its deadline, its usage record, and whatever else it was handed with
+`hold()` (its queue ticket, its rate-limit reservation) — and releases each exactly once in
 `_release()`, which runs in the `finally` of `run()` whichever way the request ends: completed,
 upstream error, client disconnect, deadline, admin cancel or shutdown. Release is synchronous (no
 `await`), so it cannot be interrupted by a second cancellation; the usage record is then handed to
@@ -19,6 +20,7 @@ How a request ends is decided in one place, `run()`:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -30,6 +32,8 @@ from . import sse
 from .errors import Cancelled, DeadlineExceeded, GatewayError
 from .records import UsageRecord
 from .wire import ApiRequest
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .fleet import Instance, Lease, Pool
@@ -83,6 +87,12 @@ class Exchange:
         self._call: UpstreamCall | None = None
         self._released = False
         self._cancel_detected_at: float | None = None
+        #: Release callbacks of resources handed over with `hold()`, run once by `_release()`.
+        self._holds: list[Callable[[], None]] = []
+        #: Headers added to the response (e.g. x-ratelimit-*).
+        self.response_headers: dict[str, str] = {}
+        #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
+        self.engine_priority: int | None = None
 
     # --- resources -----------------------------------------------------------------------------
     @property
@@ -108,12 +118,25 @@ class Exchange:
         if lease is not None:
             lease.release()
 
+    def hold(self, release: Callable[[], None]) -> None:
+        """Own one more resource until the request ends: `release` (synchronous, idempotent) runs
+        exactly once in `_release()`, in reverse order of `hold()` calls. Call it before the next
+        `await` after acquiring the resource."""
+        self._holds.append(release)
+
     def _release(self) -> None:
         if self._released:
             self.gateway.metrics.leaks.labels("double_release").inc()
             return
         self._released = True
         self.detach()
+        holds, self._holds = self._holds, []
+        for release in reversed(holds):
+            try:
+                release()
+            except Exception:
+                log.exception("releasing a resource of request %s failed", self.id)
+                self.gateway.metrics.leaks.labels("release_failed").inc()
         self.gateway.registry.remove(self)
         record = self.record
         record.finished_at = time.time()
@@ -190,7 +213,7 @@ class Exchange:
             return self.response or web.Response(status=499)
         except GatewayError as exc:
             self.detach()
-            return await self._end_with("error", exc)
+            return await self._end_with("rejected" if exc.rejected else "error", exc)
         finally:
             self._release()
 
@@ -203,9 +226,7 @@ class Exchange:
             if self.response is None:
                 record.http_status = error.http_status
 
-    async def _end_with(
-        self, status: str, error: GatewayError, *, reason: str | None = None
-    ) -> web.StreamResponse:
+    async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> web.StreamResponse:
         self._set_end(status, reason=reason, error=error)
         if self.response is None:
             return self.gateway.error_response(error, self.id, self.instance)

@@ -223,12 +223,15 @@ class Fleet:
 
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
         limit = self._config.upstream.max_connections
+        dialect = dialect_for(spec.engine)
         connector: aiohttp.BaseConnector
         if spec.url.startswith("unix://"):
-            connector = aiohttp.UnixConnector(path=spec.url[len("unix://") :], limit=limit)
+            connector = aiohttp.UnixConnector(
+                path=spec.url[len("unix://") :], limit=limit, keepalive_timeout=dialect.keepalive_s
+            )
             base_url = "http://localhost"
         else:
-            connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, enable_cleanup_closed=False)
+            connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=dialect.keepalive_s)
             base_url = spec.url
         session = aiohttp.ClientSession(
             connector=connector,
@@ -388,7 +391,9 @@ def _auth(instance: Instance) -> dict[str, str]:
     return {"Authorization": f"Bearer {instance.api_key}"} if instance.api_key else {}
 
 
-def upstream_headers(instance: Instance, request_id: str) -> dict[str, str]:
+def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    if stream and instance.dialect.close_after_stream:
+        headers["Connection"] = "close"
     headers.update(_auth(instance))
     return headers

@@ -6,12 +6,14 @@ requests in flight. `Gateway.app()` builds the aiohttp application; `server.py` 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
 import orjson
 from aiohttp import web
 
+from .admission import Admission
 from .config import Config
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
@@ -20,13 +22,19 @@ from .fleet_report import describe_fleet
 from .metrics import GatewayMetrics
 from .records import RecordWriter
 from .relay import relay
+from .tenants import PRIORITY_HEADER, Tenant
 from .wire import Endpoint, parse_request
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
 
 
+_ID_PREFIX = "lg-" + os.urandom(6).hex() + "-"
+_ID_COUNTER = itertools.count(1)
+
+
 def new_request_id() -> str:
-    return "lg-" + os.urandom(12).hex()
+    """Unique per process run (a random prefix and a counter): no syscall on the hot path."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class Gateway:
@@ -41,6 +49,7 @@ class Gateway:
             queue_size=config.usage.queue_size,
         )
         self.registry = Registry()
+        self.admission = Admission(config, self.metrics.scheduling)
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
@@ -90,9 +99,7 @@ class Gateway:
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
 
-    def error_response(
-        self, error: GatewayError, request_id: str, instance: Instance | None = None
-    ) -> web.Response:
+    def error_response(self, error: GatewayError, request_id: str, instance: Instance | None = None) -> web.Response:
         headers = {"x-request-id": request_id, **error.headers()}
         if instance is not None:
             headers["x-lockgate-instance"] = instance.name
@@ -116,10 +123,12 @@ class Gateway:
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
+            tenant = self.admission.book.authenticate(request.headers.get("Authorization"))
             if self.draining:
                 raise ShuttingDown("The gateway is shutting down.", retry_after=1)
             raw = await self._read_body(request)
             api = parse_request(endpoint, raw)
+            self.admission.book.check_model(tenant, api.model)
             pool = self.fleet.pool(api.model)
             if pool is None:
                 raise ModelNotFound(
@@ -127,24 +136,35 @@ class Gateway:
                     param="model",
                 )
             deadline_s = self._deadline(request, pool.config.timeout_ms)
+            klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
         except GatewayError as exc:
             self.metrics.requests.labels("", "rejected").inc()
             return self.error_response(exc, echo_id)
-        exchange = Exchange(self, request_id, api, pool, deadline_s=deadline_s)
+        exchange = Exchange(
+            self,
+            request_id,
+            api,
+            pool,
+            deadline_s=deadline_s,
+            tenant=tenant.name,
+            priority=self.admission.class_name(klass),
+        )
         exchange.record.client_request_id = client_id
-        return await exchange.run(lambda ex: relay(ex, request))
+        return await exchange.run(lambda ex: self._admit_and_relay(ex, request, tenant, klass))
+
+    async def _admit_and_relay(
+        self, ex: Exchange, request: web.Request, tenant: Tenant, klass: int
+    ) -> web.StreamResponse:
+        await self.admission.admit(ex, tenant, klass)
+        return await relay(ex, request)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self._max_body:
-            raise PayloadTooLarge(
-                f"The request body is {request.content_length} bytes; the limit is {self._max_body}."
-            )
+            raise PayloadTooLarge(f"The request body is {request.content_length} bytes; the limit is {self._max_body}.")
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"The request body is larger than the limit of {self._max_body} bytes."
-            ) from None
+            raise PayloadTooLarge(f"The request body is larger than the limit of {self._max_body} bytes.") from None
 
     @staticmethod
     def _deadline(request: web.Request, default_ms: int | None) -> float | None:
@@ -174,9 +194,7 @@ class Gateway:
             return web.json_response({"status": "draining"}, status=503)
         not_ready = [name for name, pool in self.fleet.pools.items() if not pool.ready()]
         if not_ready:
-            return web.json_response(
-                {"status": "not_ready", "models_without_instance": not_ready}, status=503
-            )
+            return web.json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)
         return web.json_response({"status": "ready"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -198,9 +216,7 @@ class Gateway:
 
     async def _unknown(self, request: web.Request) -> web.Response:
         if request.path in self._known_paths:
-            error = NotFound(
-                f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed"
-            )
+            error = NotFound(f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed")
             return web.Response(status=405, body=error.body_bytes(), content_type="application/json")
         error = NotFound(f"Unknown path: {request.method} {request.path}")
         return web.Response(status=404, body=error.body_bytes(), content_type="application/json")

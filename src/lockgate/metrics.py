@@ -5,9 +5,12 @@ One `GatewayMetrics` per gateway; tests start several gateways in one process.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 if TYPE_CHECKING:
     from .fleet import Fleet
@@ -16,38 +19,63 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+class Family(Generic[M]):
+    """A labelled metric whose children are memoised: `labels()` on the hot path is one dict lookup.
+
+    prometheus-client validates and locks on every `labels()` call (~3 us); label values here come
+    from configuration (models, instances) and fixed vocabularies (statuses, reasons), so the cache
+    stays small.
+    """
+
+    __slots__ = ("_children", "metric")
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "lockgate_requests", "Client requests by model and final status.", ["model", "status"], registry=r
+        self.requests = Family(
+            Counter("lockgate_requests", "Client requests by model and final status.", ["model", "status"], registry=r)
         )
-        self.request_duration = Histogram(
-            "lockgate_request_duration_seconds",
-            "Time from request arrival to the end of the response.",
-            ["model", "status"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.request_duration = Family(
+            Histogram(
+                "lockgate_request_duration_seconds",
+                "Time from request arrival to the end of the response.",
+                ["model", "status"],
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.ttft = Histogram(
-            "lockgate_time_to_first_token_seconds",
-            "Time from request arrival to the first byte of content sent to the client.",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = Family(
+            Histogram(
+                "lockgate_time_to_first_token_seconds",
+                "Time from request arrival to the first byte of content sent to the client.",
+                ["model"],
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
         self.client_requests_in_flight = Gauge(
             "lockgate_client_requests_in_flight", "Client requests being served.", registry=r
         )
-        self.upstream_calls_in_flight = Gauge(
-            "lockgate_upstream_calls_in_flight", "Engine calls open.", ["instance"], registry=r
+        self.upstream_calls_in_flight = Family(
+            Gauge("lockgate_upstream_calls_in_flight", "Engine calls open.", ["instance"], registry=r)
         )
-        self.permits_in_use = Gauge(
-            "lockgate_permits_in_use", "Instance leases (routing slots) held.", ["instance"], registry=r
+        self.permits_in_use = Family(
+            Gauge("lockgate_permits_in_use", "Instance leases (routing slots) held.", ["instance"], registry=r)
         )
-        self.cancellations = Counter(
-            "lockgate_cancellations", "Requests ended early, by reason.", ["reason"], registry=r
+        self.cancellations = Family(
+            Counter("lockgate_cancellations", "Requests ended early, by reason.", ["reason"], registry=r)
         )
         self.abort_latency = Histogram(
             "lockgate_upstream_abort_seconds",
@@ -56,29 +84,37 @@ class GatewayMetrics:
             buckets=_FAST_BUCKETS,
             registry=r,
         )
-        self.leaks = Counter(
-            "lockgate_invariant_violations",
-            "Resource invariant violations (double release, leaked lease). Must stay 0.",
-            ["what"],
-            registry=r,
+        self.leaks = Family(
+            Counter(
+                "lockgate_invariant_violations",
+                "Resource invariant violations (double release, leaked lease). Must stay 0.",
+                ["what"],
+                registry=r,
+            )
         )
-        self.retries = Counter(
-            "lockgate_upstream_retries",
-            "Attempts moved to another instance before the first byte.",
-            ["model"],
-            registry=r,
+        self.retries = Family(
+            Counter(
+                "lockgate_upstream_retries",
+                "Attempts moved to another instance before the first byte.",
+                ["model"],
+                registry=r,
+            )
         )
-        self.upstream_errors = Counter(
-            "lockgate_upstream_errors",
-            "Engine call failures by instance and kind.",
-            ["instance", "kind"],
-            registry=r,
+        self.upstream_errors = Family(
+            Counter(
+                "lockgate_upstream_errors",
+                "Engine call failures by instance and kind.",
+                ["instance", "kind"],
+                registry=r,
+            )
         )
-        self.instance_healthy = Gauge(
-            "lockgate_instance_healthy",
-            "1 when the instance passes health checks.",
-            ["instance"],
-            registry=r,
+        self.instance_healthy = Family(
+            Gauge(
+                "lockgate_instance_healthy",
+                "1 when the instance passes health checks.",
+                ["instance"],
+                registry=r,
+            )
         )
         self.usage_records_pending = Gauge(
             "lockgate_usage_records_pending", "Usage records waiting for the writer.", registry=r
@@ -89,6 +125,7 @@ class GatewayMetrics:
             "Usage records written to the spill file because the writer queue was full.",
             registry=r,
         )
+        self.scheduling = SchedulingMetrics(r)
 
         self.routing_decisions = Counter(
             "lockgate_routing_decisions",
@@ -109,3 +146,62 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SchedulingMetrics:
+    """Admission, priority queues and tenant rate limits (see `admission.py`)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.queue_depth = Gauge(
+            "lockgate_queue_depth",
+            "Requests waiting for a slot, by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.slots_in_use = Gauge(
+            "lockgate_queue_slots_in_use",
+            "Scheduler slots held (running requests), by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "lockgate_queue_wait_seconds",
+            "Time from arrival to getting a slot (admitted requests).",
+            ["model", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admissions = Counter(
+            "lockgate_admissions",
+            "Requests given a slot, by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "lockgate_rejections",
+            "Requests refused by admission, by reason (queue_full, queue_timeout, rate_limit_requests, "
+            "rate_limit_tokens, rate_limit_concurrency) and priority class.",
+            ["reason", "priority"],
+            registry=r,
+        )
+        self.ratelimit_remaining_requests = Gauge(
+            "lockgate_ratelimit_remaining_requests",
+            "Requests left in the tenant's per-minute allowance (as of its last admission or settlement).",
+            ["tenant"],
+            registry=r,
+        )
+        self.ratelimit_remaining_tokens = Gauge(
+            "lockgate_ratelimit_remaining_tokens",
+            "Tokens left in the tenant's per-minute allowance (as of its last admission or settlement).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "lockgate_tenant_requests_in_flight", "Admitted requests in flight, by tenant.", ["tenant"], registry=r
+        )
+        self.tokens_reserved = Gauge(
+            "lockgate_tokens_reserved",
+            "Tokens reserved by requests in flight, by tenant (returns to 0).",
+            ["tenant"],
+            registry=r,
+        )

@@ -74,11 +74,13 @@ class RecordWriter:
         *,
         batch_size: int = 256,
         queue_size: int = 10000,
+        linger_s: float = 0.05,
     ) -> None:
         self._path = path
         self._metrics = metrics
         self._batch_size = batch_size
         self._queue_size = queue_size
+        self._linger_s = linger_s
         self._queue: deque[UsageRecord] = deque()
         self._spill = None if path == ":memory:" else Path(path + ".spill.jsonl")
         self._spilled_in_memory: list[UsageRecord] = []
@@ -90,6 +92,7 @@ class RecordWriter:
         self._idle.set()
         self.submitted = 0
         self.written = 0
+        metrics.usage_records_pending.set_function(lambda: len(self._queue))
 
     async def __aenter__(self) -> RecordWriter:
         self._db = await asyncio.to_thread(self._open)
@@ -115,8 +118,8 @@ class RecordWriter:
             self._spill_one(record)
         else:
             self._queue.append(record)
-            self._metrics.usage_records_pending.set(len(self._queue))
-        self._wakeup.set()
+        if not self._wakeup.is_set():
+            self._wakeup.set()
 
     def _spill_one(self, record: UsageRecord) -> None:
         self._metrics.usage_records_spilled.inc()
@@ -136,11 +139,13 @@ class RecordWriter:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                if not self._closing and len(self._queue) < self._batch_size:
+                    # Let a batch gather: one transaction and one thread hop for many records.
+                    await asyncio.sleep(self._linger_s)
                 continue
             batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
             batch.extend(self._spilled_in_memory)
             self._spilled_in_memory = []
-            self._metrics.usage_records_pending.set(len(self._queue))
             if batch:
                 await asyncio.shield(asyncio.to_thread(self._write, batch))
             if self._spill_pending():

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from . import sse
+from .assemble import Assembler
 from .errors import UpstreamError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 from .routing import RouteRequest
@@ -43,7 +44,7 @@ async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
     opened = await _open_with_retries(ex, route)
     if ex.api.stream:
         return await _relay_stream(ex, http_request, opened)
-    return await _relay_whole(ex, opened.call)
+    return await _relay_whole(ex, opened)
 
 
 def _retryable(error: UpstreamError) -> bool:
@@ -70,8 +71,14 @@ async def _open_with_retries(ex: Exchange, route: RouteRequest) -> _Opened:
             if last_error is not None:
                 raise last_error from None
             raise
-        lease = gateway.fleet.lease(instance, max(0, route.prompt_tokens - view.cached_tokens))
-        body = instance.dialect.upstream_body(api, served_model=pool.served[instance.key], request_id=ex.id)
+        stream = api.stream or instance.dialect.stream_upstream_always
+        body = instance.dialect.upstream_body(
+            api,
+            served_model=pool.served[instance.key],
+            request_id=ex.id,
+            stream=stream,
+            priority=ex.engine_priority,
+        )
         call = UpstreamCall(
             gateway.fleet,
             gateway.metrics,
@@ -79,13 +86,14 @@ async def _open_with_retries(ex: Exchange, route: RouteRequest) -> _Opened:
             api.endpoint.path,
             orjson.dumps(body),
             ex.id,
-            stream=api.stream,
+            stream=stream,
         )
+        lease = gateway.fleet.lease(instance, max(0, route.prompt_tokens - view.cached_tokens))
         ex.attach(lease, call)
         ex.phase = Phase.CONNECTING
         try:
             await call.open()
-            if not api.stream:
+            if not call.streaming:
                 return _Opened(call, lease, [], None)
             events = call.events()
             head = await _first_events(events, call, lease)
@@ -130,11 +138,24 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
     return {
         "x-request-id": ex.record.client_request_id or ex.id,
         "x-lockgate-instance": instance.name,
+        **ex.response_headers,
     }
 
 
-async def _relay_whole(ex: Exchange, call: UpstreamCall) -> web.StreamResponse:
-    payload = await call.read_json()
+async def _relay_whole(ex: Exchange, opened: _Opened) -> web.StreamResponse:
+    call = opened.call
+    if opened.events is not None:
+        assembler = Assembler(ex.api.endpoint)
+        events = _chain(opened.head, opened.events)
+        try:
+            async for event in events:
+                assembler.feed(event)
+        finally:
+            await events.aclose()
+            await opened.events.aclose()
+        payload = assembler.result()
+    else:
+        payload = await call.read_json()
     ex.phase = Phase.FINISHING
     ex.first_token()
     payload["model"] = ex.api.model
@@ -151,6 +172,8 @@ async def _relay_whole(ex: Exchange, call: UpstreamCall) -> web.StreamResponse:
 
 
 async def _relay_stream(ex: Exchange, http_request: web.Request, opened: _Opened) -> web.StreamResponse:
+    """Relay the engine's stream, normalised: usage (which the gateway always asks for) goes out as
+    one final `choices: []` chunk if, and only if, the client asked for it."""
     api = ex.api
     call, lease = opened.call, opened.lease
     assert opened.events is not None
@@ -166,39 +189,42 @@ async def _relay_stream(ex: Exchange, http_request: web.Request, opened: _Opened
                 **_headers(ex, call.instance),
             },
         )
-        prepared = False
+        last: dict[str, Any] | None = None
+        usage: dict[str, Any] | None = None
         delivered = 0
         async for event in events:
-            usage = event.pop("usage", None)
-            if isinstance(usage, dict):
+            chunk_usage = event.pop("usage", None)
+            if isinstance(chunk_usage, dict):
+                usage = chunk_usage
                 ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
                 ex.record.completion_tokens = max(delivered, _int(usage.get("completion_tokens")))
                 lease.completion_tokens = ex.record.completion_tokens
             choices = event.get("choices")
             if not choices:
-                if usage is None or not api.include_usage:
-                    continue
-                event["usage"] = usage
-            elif api.include_usage:
+                continue
+            if api.include_usage:
                 event["usage"] = None
             event["model"] = api.model
-            if not prepared:
+            if last is None:
                 # The first byte goes out only now: until here a failure could still be retried.
                 ex.record.http_status = 200
                 ex.response = response
                 await _write(response.prepare(http_request))
-                prepared = True
                 ex.phase = Phase.STREAMING
-            if choices and _has_content(choices):
+            last = event
+            if _has_content(choices):
                 delivered += 1
                 lease.completion_tokens = delivered
                 if ex.record.completion_tokens < delivered:
                     ex.record.completion_tokens = delivered
                 ex.first_token()
             await _write(response.write(sse.encode(event)))
-        if not prepared:
+        if last is None:
             raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")
         ex.phase = Phase.FINISHING
+        if api.include_usage and usage is not None:
+            tail = {k: last[k] for k in ("id", "object", "created", "model", "system_fingerprint") if k in last}
+            await _write(response.write(sse.encode({**tail, "choices": [], "usage": usage})))
         await _write(response.write(sse.DONE_EVENT))
         await _write(response.write_eof())
         return response

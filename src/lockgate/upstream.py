@@ -67,7 +67,7 @@ class UpstreamCall:
             response = await instance.session.post(
                 instance.base_url + self._path,
                 data=self._body,
-                headers=upstream_headers(instance, self._request_id),
+                headers=upstream_headers(instance, self._request_id, stream=self._stream),
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._finish()
@@ -95,9 +95,7 @@ class UpstreamCall:
                 body = b""
             finally:
                 self.abort()
-            self._fleet.report_failure(
-                instance, f"http_{response.status}", body[:200].decode("utf-8", "replace")
-            )
+            self._fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
             raise UpstreamStatusError(response.status, body, response.content_type)
         self._fleet.report_success(instance)
 
@@ -113,13 +111,9 @@ class UpstreamCall:
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise UpstreamProtocolError(
-                f"Instance {self.instance.name} sent a body that is not JSON."
-            ) from None
+            raise UpstreamProtocolError(f"Instance {self.instance.name} sent a body that is not JSON.") from None
         if not isinstance(payload, dict):
-            raise UpstreamProtocolError(
-                f"Instance {self.instance.name} sent a JSON body that is not an object."
-            )
+            raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
         return payload
 
     async def events(self) -> AsyncGenerator[dict, None]:
@@ -162,6 +156,10 @@ class UpstreamCall:
         if not self._finished:
             self._finished = True
             self._metrics.upstream_calls_in_flight.labels(self.instance.name).dec()
+
+    @property
+    def streaming(self) -> bool:
+        return self._stream
 
     @property
     def finished(self) -> bool:

@@ -66,9 +66,7 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(part.get("text", "")) for part in content if isinstance(part, dict) and "text" in part
-        )
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and "text" in part)
     return ""
 
 
@@ -76,9 +74,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ApiRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(
-            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
-        ) from None
+        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     return validate(endpoint, body)

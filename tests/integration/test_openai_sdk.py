@@ -82,3 +82,36 @@ async def test_typed_errors(client):
     with pytest.raises(openai.APIStatusError) as big:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * (5 << 20)}])
     assert big.value.status_code == 413
+
+
+async def test_typed_errors_for_fleet_failures(start_sim, start_gateway):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    sim = await start_sim(("m",))
+    gw = await start_gateway(
+        [
+            {"name": "dead", "retries": 0, "instances": [{"url": dead_url, "engine": "vllm"}]},
+            {"name": "m", "instances": [instance(sim)]},
+        ]
+    )
+    messages = [{"role": "user", "content": "x"}]
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as client:
+        await gw.gateway.fleet.probe_all()
+        gw.gateway.fleet.instances[dead_url].healthy = True
+        with pytest.raises(openai.InternalServerError) as unreachable:
+            await client.chat.completions.create(model="dead", messages=messages)
+        assert unreachable.value.status_code == 502
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await client.chat.completions.create(model="dead", messages=messages)
+        assert unavailable.value.status_code == 503
+        assert unavailable.value.response.headers["retry-after"] == "1"
+        sim.control.update({"fail_status": 500})
+        with pytest.raises(openai.InternalServerError) as passthrough:
+            await client.chat.completions.create(model="m", messages=messages)
+        assert passthrough.value.status_code == 500
+        with pytest.raises(openai.APIStatusError) as bad_json:
+            await client.post("/chat/completions", cast_to=object, content=b"{nope")
+        assert bad_json.value.status_code == 400

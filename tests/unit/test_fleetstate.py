@@ -38,8 +38,9 @@ def test_parse_vllm_sums_labels_and_takes_the_older_kv_name():
         ("tgi", "tgi_queue_size 3\ntgi_batch_current_size 8\n", (3, 8, None)),
         (
             "llamacpp",
-            "llamacpp:requests_deferred 1\nllamacpp:requests_processing 2\nllamacpp:kv_cache_usage_ratio 0.1\n",
-            (1, 2, 0.1),
+            # llama-server exports no KV-cache use: unknown, not 0.
+            "llamacpp:requests_deferred 1\nllamacpp:requests_processing 2\n",
+            (1, 2, None),
         ),
     ],
 )

@@ -38,6 +38,28 @@ def _routing(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _priority(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import priority
+
+    settings = priority.Settings(
+        duration_s=args.duration,
+        sims=args.sims,
+        slots_per_sim=args.slots,
+        p0_rate=args.p0_rate,
+        p2_factor=args.p2_factor,
+        p1_factor=args.p1_factor,
+        headroom=args.headroom,
+    )
+
+    async def main() -> int:
+        baseline, flood, info = await priority.run(settings)
+        print(priority.report(baseline, flood, info, settings))
+        return 0
+
+    return run_async(main)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     over = benches.add_parser("overhead", help="gateway vs direct: throughput, latency, CPU per request")
@@ -58,3 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--index-prompts", type=int, default=1_000_000, help="0 skips the index memory check")
     route.add_argument("--index-bytes", type=int, default=8 * 1024 * 1024)
     route.set_defaults(func=_routing)
+    prio = benches.add_parser("priority", help="P0 TTFT under a P2 flood, P2 progress, shares, rejections")
+    prio.add_argument("--duration", type=float, default=8.0, help="seconds per phase (two phases)")
+    prio.add_argument("--sims", type=int, default=2)
+    prio.add_argument("--slots", type=int, default=4, help="sequence slots per simulator")
+    prio.add_argument("--p0-rate", type=float, default=4.0, help="P0 requests per second")
+    prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")
+    prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
+    prio.add_argument("--headroom", type=float, default=0.125, help="scheduling.strict_headroom")
+    prio.set_defaults(func=_priority)

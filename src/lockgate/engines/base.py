@@ -51,6 +51,13 @@ class Dialect:
     stream_usage: bool = True
     #: The engine can continue a final assistant message (chat resumption after preemption).
     continue_final_message: bool = False
+    #: The engine stops generating on disconnect only for streams: non-streaming client requests are
+    #: sent upstream as streams (and assembled by the gateway) so that they can be aborted too.
+    stream_upstream_always: bool = False
+    #: The engine closes the connection after a stream even when it advertised keep-alive.
+    close_after_stream: bool = False
+    #: Idle keep-alive connections are dropped after this long (must be below the engine's own timeout).
+    keepalive_s: float = 15.0
 
     def upstream_body(
         self,
@@ -58,6 +65,7 @@ class Dialect:
         *,
         served_model: str,
         request_id: str,
+        stream: bool,
         priority: int | None = None,
     ) -> dict[str, Any]:
         """The body sent to the engine: the client's body with the gateway's adjustments.
@@ -67,7 +75,9 @@ class Dialect:
         """
         body = dict(request.body)
         body["model"] = served_model
-        if request.stream and self.stream_usage:
+        if stream and not request.stream:
+            body["stream"] = True
+        if stream and self.stream_usage:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options

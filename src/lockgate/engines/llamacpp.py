@@ -1,6 +1,9 @@
 """llama.cpp's `llama-server` (OpenAI-compatible routes, `/health`, `/metrics` with `--metrics`).
 
-It stops generating for a slot when the client connection closes.
+Observed behaviour (docs/engines/llamacpp.md): it stops a slot when a *streaming* client disconnects,
+but keeps generating a non-streaming request to the end, so the gateway always streams from it. It
+closes the connection after a stream despite advertising keep-alive, and drops idle connections after
+5 s. Its metrics have no KV-cache usage and no labels; it serves whatever `model` name it is sent.
 """
 
 from .base import Dialect, MetricNames
@@ -11,6 +14,8 @@ LLAMACPP = Dialect(
     metrics=MetricNames(
         waiting=("llamacpp:requests_deferred",),
         running=("llamacpp:requests_processing",),
-        kv_usage=("llamacpp:kv_cache_usage_ratio",),
     ),
+    stream_upstream_always=True,
+    close_after_stream=True,
+    keepalive_s=4.0,
 )

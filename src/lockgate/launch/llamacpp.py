@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     model_path = args.model_path if args.model_path is not None else find_smollm2_gguf()
 
     stop_signals = {signal.SIGTERM, signal.SIGINT}
+    for signum in stop_signals:
+        # A shell without job control starts background jobs with SIGINT ignored, and an ignored signal is
+        # discarded rather than left pending for sigwait().
+        signal.signal(signum, signal.SIG_DFL)
     # Block before the server's threads exist so that they inherit the mask.
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     if args.parent_pid is not None:
@@ -315,7 +319,7 @@ class LlamaCppEngine(_EngineBase):
             returncode = await self._proc.wait()
             raise self._failure(f"llama.cpp child exited with code {returncode} before listening")
         self._url = _parse_ready_line(line)
-        aiohttp = importlib.import_module("aiohttp")
+        aiohttp = importlib.import_module("aiohttp")  # lazily: the child imports this module too
         delay = 0.01
         async with aiohttp.ClientSession() as session:
             while True:

@@ -14,15 +14,16 @@ class SimControl:
     reset_prob: float = 0.0  # probability that a generation request's connection is reset mid-answer
     delay_first_token_ms: float = 0.0  # extra wait before a request enters the engine
     reset_after_tokens: int | None = None  # like the x-sim-reset-after-tokens header, for every request
+    hold: bool = False  # hold every generation request like ``x-sim-hold: 1`` (until release)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a ``/sim/control`` body; raises ``ValueError`` (changing nothing) on a bad one."""
         new: dict[str, Any] = {}
         for key, value in changes.items():
-            if key == "healthy":
+            if key in ("healthy", "hold"):
                 if not isinstance(value, bool):
-                    raise ValueError("healthy must be a bool")
+                    raise ValueError(f"{key} must be a bool")
             elif key == "fail_status":
                 if value is not None and not (isinstance(value, int) and 400 <= value <= 599):
                     raise ValueError("fail_status must be null or an HTTP error status")
@@ -50,6 +51,7 @@ class SimControl:
             "reset_prob": self.reset_prob,
             "delay_first_token_ms": self.delay_first_token_ms,
             "reset_after_tokens": self.reset_after_tokens,
+            "hold": self.hold,
         }
 
     async def wait_released(self) -> None:

@@ -237,7 +237,7 @@ class Api:
         try:
             req = parse_request(kind, parse_body(await request.read()), self.config)
             status = _int_header(request, "x-sim-status") or self.control.fail_status
-            hold = request.headers.get("x-sim-hold", "0") not in ("", "0", "false")
+            hold = self.control.hold or request.headers.get("x-sim-hold", "0") not in ("", "0", "false")
             reset_after = _int_header(request, "x-sim-reset-after-tokens")
             delay_ms = _int_header(request, "x-sim-delay-ms")
         except WireError as e:

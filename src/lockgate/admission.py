@@ -1,0 +1,242 @@
+"""Admission: tenant rate limits, then a slot from the model pool's scheduler. The async shell.
+
+Theory of operation: `Admission.admit(exchange, tenant, klass)` runs at the start of a request's
+work, inside `Exchange.run()`. Each resource it takes is handed to the exchange (`Exchange.hold`)
+*before* the next `await`, so the exchange's `_release()` returns it exactly once however the request
+ends — including while it is still queued:
+
+1. the tenant's rate-limit `Reservation` (one request, prompt + max_tokens tokens, a concurrency
+   slot); settled on release with the tokens actually delivered;
+2. a `Ticket` from the model's `PoolScheduler`: granted at once, queued, or refused (429 QueueFull);
+   a queued ticket waits on a future that the scheduler resolves when the sync core grants it.
+
+Nothing polls and no state is read before an `await` and written after it: every decision is one
+synchronous call into `SchedulerCore` / `RateLimiter`. The race "granted just as the waiter is
+cancelled" needs no special case: the core, not the future, says whether the ticket holds a slot,
+and `release()` returns the slot (granting the next waiter) or leaves the queue accordingly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .errors import QueueFull, QueueTimeout
+from .metrics import SchedulingMetrics
+from .ratelimit import RateLimiter, RateLimitExceeded, Reservation
+from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
+from .tenants import Tenant, TenantBook
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .exchange import Exchange
+
+Clock = Callable[[], float]
+
+
+class PoolScheduler:
+    """One model pool's queue: tickets are futures granted by the sync core on release."""
+
+    def __init__(
+        self,
+        model: str,
+        classes: Sequence[ClassSpec],
+        capacity: int,
+        metrics: SchedulingMetrics,
+        *,
+        reserve: int = 0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.core = SchedulerCore(classes, capacity, reserve=reserve)
+        self._metrics = metrics
+        self._clock = clock
+        self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        self._changed = asyncio.Event()
+        self._watchers = 0
+        core = self.core
+        for index, spec in enumerate(core.classes):
+            metrics.queue_depth.labels(model, spec.name).set_function(lambda k=index: core.queued(k))
+            metrics.slots_in_use.labels(model, spec.name).set_function(lambda k=index: core.running(k))
+
+    def offer(self, klass: int, tag: object = None) -> Ticket:
+        """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
+        ticket = Ticket(klass, tag)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = waiter
+        offer = self.core.offer(ticket, self._clock())
+        self._wake(offer.granted)
+        self._notify()
+        if offer.rejected:
+            del self._waiters[ticket]
+            spec = self.core.classes[klass]
+            self._metrics.rejections.labels("queue_full", spec.name).inc()
+            raise QueueFull(
+                f"The {spec.name} queue for model '{self.model}' is full ({spec.max_queue} waiting); "
+                "retry later or at another priority.",
+                retry_after=offer.retry_after_s,
+            )
+        return ticket
+
+    async def wait_granted(self, ticket: Ticket) -> None:
+        """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.
+        On any exit the ticket stays owned by the caller, who must `release()` it."""
+        if ticket.state is TicketState.RUNNING:
+            return
+        waiter = self._waiters.get(ticket)
+        if waiter is None or ticket.state is not TicketState.QUEUED:
+            raise RuntimeError(f"{ticket!r} is not waiting")
+        spec = self.core.classes[ticket.klass]
+        try:
+            async with asyncio.timeout(spec.queue_timeout_s):
+                await waiter
+        except TimeoutError:
+            if ticket.state is TicketState.RUNNING:  # granted in the same loop iteration
+                return
+            self.release(ticket)
+            self._metrics.rejections.labels("queue_timeout", spec.name).inc()
+            raise QueueTimeout(
+                f"The request waited {spec.queue_timeout_s:g} s in the {spec.name} queue for model "
+                f"'{self.model}' without getting a slot.",
+                retry_after=self.core.retry_after(ticket.klass),
+            ) from None
+
+    def release(self, ticket: Ticket) -> None:
+        """The owner is done with the ticket (queued or running). Idempotent; never awaits."""
+        waiter = self._waiters.pop(ticket, None)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        self._wake(self.core.release(ticket, self._clock()))
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._watchers:  # free when nobody watches, the normal case
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[SchedulerCore], bool]) -> None:
+        """Wait until `predicate(core)` holds, re-checked on every change (tests, drains; no polling).
+        Bound it with `asyncio.timeout`."""
+        self._watchers += 1
+        try:
+            while not predicate(self.core):
+                await self._changed.wait()
+        finally:
+            self._watchers -= 1
+
+    def _wake(self, granted: Sequence[Ticket]) -> None:
+        now = self._clock()
+        for ticket in granted:
+            name = self.core.classes[ticket.klass].name
+            self._metrics.admissions.labels(self.model, name).inc()
+            self._metrics.queue_wait.labels(self.model, name).observe(max(0.0, now - ticket.offered_at))
+            waiter = self._waiters.get(ticket)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def statistics(self) -> dict[str, object]:
+        return {**self.core.statistics(), "waiters": len(self._waiters)}
+
+
+def class_specs(config: Config) -> tuple[ClassSpec, ...]:
+    return tuple(
+        ClassSpec(
+            name=c.name,
+            weight=c.weight,
+            strict=c.strict,
+            max_queue=c.max_queue,
+            max_running=c.max_running,
+            queue_timeout_s=None if c.queue_timeout_ms is None else c.queue_timeout_ms / 1000,
+        )
+        for c in config.scheduling.classes
+    )
+
+
+class Admission:
+    """The gateway's admission control: tenants, rate limits and one scheduler per model pool.
+
+    Pool capacity is the sum of the configured `max_concurrency` of the model's instances (an
+    instance shared by several models counts fully in each); `scheduling.strict_headroom` of it is
+    kept for strict classes."""
+
+    def __init__(self, config: Config, metrics: SchedulingMetrics, *, clock: Clock = time.monotonic) -> None:
+        self.book = TenantBook(config.tenants, config.scheduling)
+        self.limiter = RateLimiter()
+        self.classes = class_specs(config)
+        self.engine_priority = config.scheduling.engine_priority
+        self._metrics = metrics
+        self._clock = clock
+        headroom = config.scheduling.strict_headroom
+        self.schedulers: dict[str, PoolScheduler] = {}
+        for m in config.models:
+            capacity = sum(i.max_concurrency for i in m.instances)
+            reserve = min(max(0, capacity - 1), math.ceil(capacity * headroom)) if headroom else 0
+            self.schedulers[m.name] = PoolScheduler(
+                m.name, self.classes, capacity, metrics, reserve=reserve, clock=clock
+            )
+        self._watched: set[str] = set()
+
+    def class_name(self, klass: int) -> str:
+        return self.classes[klass].name
+
+    async def admit(self, ex: Exchange, tenant: Tenant, klass: int) -> None:
+        """Take the tenant's allowance and a slot for `ex`, each owned by `ex` from the moment it is
+        taken. Raises RateLimitExceeded / QueueFull (429) or QueueTimeout (503)."""
+        api = ex.api
+        reserve = api.estimated_prompt_tokens() + (api.max_tokens or tenant.assumed_max_tokens)
+        self._watch(tenant)
+        now = self._clock()
+        try:
+            reservation = self.limiter.admit(tenant, reserve, now)
+        except RateLimitExceeded as exc:
+            self._metrics.rejections.labels(f"rate_limit_{exc.reason}", self.class_name(klass)).inc()
+            raise
+        ex.hold(lambda: self._settle(ex, reservation))
+        ex.response_headers.update(self.limiter.headers(tenant, now))
+        scheduler = self.schedulers[api.model]
+        ticket = scheduler.offer(klass, ex.id)
+        ex.hold(lambda: scheduler.release(ticket))
+        if self.engine_priority:
+            ex.engine_priority = klass
+        await scheduler.wait_granted(ticket)
+
+    def _settle(self, ex: Exchange, reservation: Reservation) -> None:
+        """A request that delivered nothing costs nothing; otherwise prompt + delivered tokens."""
+        record = ex.record
+        used = 0
+        if record.completion_tokens > 0 or record.status == "completed":
+            used = record.completion_tokens + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
+        reservation.settle(used, self._clock())
+
+    def _watch(self, tenant: Tenant) -> None:
+        """Export the tenant's rate-limit state (computed when scraped)."""
+        if tenant.name in self._watched:
+            return
+        self._watched.add(tenant.name)
+        m, limiter, clock = self._metrics, self.limiter, self._clock
+
+        def state():  # type: ignore[no-untyped-def]
+            return limiter.state(tenant, clock())
+
+        if tenant.requests_per_minute is not None:
+            m.ratelimit_remaining_requests.labels(tenant.name).set_function(
+                lambda: max(0.0, state().requests.level)  # type: ignore[union-attr]
+            )
+        if tenant.tokens_per_minute is not None:
+            m.ratelimit_remaining_tokens.labels(tenant.name).set_function(
+                lambda: max(0.0, state().tokens.level)  # type: ignore[union-attr]
+            )
+        m.tenant_in_flight.labels(tenant.name).set_function(lambda: state().in_flight)
+        m.tokens_reserved.labels(tenant.name).set_function(lambda: state().reserved_tokens)
+
+    def statistics(self) -> dict[str, object]:
+        return {
+            "pools": {name: s.statistics() for name, s in self.schedulers.items()},
+            "tenants": {
+                name: {"in_flight": st.in_flight, "reserved_tokens": st.reserved_tokens, "admitted": st.admitted}
+                for name, st in self.limiter.tenants().items()
+            },
+        }

@@ -1,0 +1,200 @@
+"""Per-tenant rate limits: requests/min, tokens/min and concurrent requests. Synchronous core.
+
+Theory of operation: each limit per minute is a token bucket holding at most one minute's allowance
+and refilling continuously. Admission takes one request and a *reservation* of tokens (estimated
+prompt + `max_tokens`) at once, or takes nothing and raises `RateLimitExceeded` with the wait until
+enough would be back (`Retry-After`) and the limit headers clients expect. When the request ends —
+completed, failed or cancelled — its owner settles the reservation with the tokens actually used;
+the unused part flows back, so a cancelled request costs only what was delivered. Settling is
+idempotent. Time is passed in (`now`, monotonic seconds); nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import RateLimited
+from .tenants import Tenant
+
+
+def duration(seconds: float) -> str:
+    """OpenAI-style reset duration: `250ms`, `1.5s`, `6m0s`."""
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}".rstrip("0").rstrip(".") + "s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"
+
+
+@dataclass(slots=True)
+class Bucket:
+    capacity: float
+    level: float
+    stamp: float
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / 60.0
+
+    def refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` is available (0 if it is); call after `refill`."""
+        missing = amount - self.level
+        return 0.0 if missing <= 0 else missing / self.rate
+
+    def reset_s(self) -> float:
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+
+class RateLimitExceeded(RateLimited):
+    """429 with `Retry-After` and the `x-ratelimit-*` headers."""
+
+    def __init__(
+        self, reason: str, message: str, *, code: str, retry_after: float, limit_headers: dict[str, str]
+    ) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+        #: Which limit: "requests", "tokens" or "concurrency".
+        self.reason = reason
+        self.limit_headers = limit_headers
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), **self.limit_headers}
+
+
+@dataclass(slots=True)
+class TenantState:
+    requests: Bucket | None
+    tokens: Bucket | None
+    in_flight: int = 0
+    reserved_tokens: int = 0
+    admitted: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class Reservation:
+    """What one admitted request holds: a request slot, a concurrency slot and reserved tokens."""
+
+    __slots__ = ("_limiter", "reserved", "settled", "tenant", "used")
+
+    def __init__(self, limiter: RateLimiter, tenant: Tenant, reserved: int) -> None:
+        self._limiter = limiter
+        self.tenant = tenant
+        self.reserved = reserved
+        self.settled = False
+        self.used: int | None = None
+
+    def settle(self, used_tokens: int, now: float) -> None:
+        """Give back what the request did not use. Idempotent."""
+        if self.settled:
+            return
+        self.settled = True
+        self.used = used_tokens
+        self._limiter._settle(self, used_tokens, now)
+
+
+class RateLimiter:
+    def __init__(self) -> None:
+        self._states: dict[str, TenantState] = {}
+
+    def state(self, tenant: Tenant, now: float) -> TenantState:
+        state = self._states.get(tenant.name)
+        if state is None:
+            rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
+            state = TenantState(
+                requests=None if rpm is None else Bucket(rpm, rpm, now),
+                tokens=None if tpm is None else Bucket(tpm, tpm, now),
+            )
+            self._states[tenant.name] = state
+        for bucket in (state.requests, state.tokens):
+            if bucket is not None:
+                bucket.refill(now)
+        return state
+
+    def admit(self, tenant: Tenant, tokens: int, now: float) -> Reservation:
+        """Take one request and reserve `tokens`, or raise `RateLimitExceeded` taking nothing."""
+        state = self.state(tenant, now)
+        if tenant.max_concurrent is not None and state.in_flight >= tenant.max_concurrent:
+            self._reject(state, "concurrency")
+            raise RateLimitExceeded(
+                "concurrency",
+                f"Tenant '{tenant.name}' already has {state.in_flight} requests in flight "
+                f"(limit {tenant.max_concurrent}).",
+                code="concurrency_limit_exceeded",
+                retry_after=1.0,
+                limit_headers=self.headers(tenant, now),
+            )
+        if state.requests is not None:
+            wait = state.requests.wait_for(1)
+            if wait > 0:
+                self._reject(state, "requests")
+                raise RateLimitExceeded(
+                    "requests",
+                    f"Rate limit reached for tenant '{tenant.name}': {tenant.requests_per_minute} requests per minute.",
+                    code="rate_limit_exceeded",
+                    retry_after=wait,
+                    limit_headers=self.headers(tenant, now),
+                )
+        if state.tokens is not None:
+            if tokens > state.tokens.capacity:
+                self._reject(state, "tokens")
+                raise RateLimitExceeded(
+                    "tokens",
+                    f"This request may use {tokens} tokens (prompt + max_tokens), more than tenant "
+                    f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens.",
+                    code="tokens_exceed_limit",
+                    retry_after=60.0,
+                    limit_headers=self.headers(tenant, now),
+                )
+            wait = state.tokens.wait_for(tokens)
+            if wait > 0:
+                self._reject(state, "tokens")
+                raise RateLimitExceeded(
+                    "tokens",
+                    f"Rate limit reached for tenant '{tenant.name}': {tenant.tokens_per_minute} tokens per "
+                    f"minute; this request reserves {tokens} (prompt + max_tokens).",
+                    code="rate_limit_exceeded",
+                    retry_after=wait,
+                    limit_headers=self.headers(tenant, now),
+                )
+        if state.requests is not None:
+            state.requests.level -= 1
+        if state.tokens is not None:
+            state.tokens.level -= tokens
+        state.in_flight += 1
+        state.reserved_tokens += tokens
+        state.admitted += 1
+        return Reservation(self, tenant, tokens)
+
+    def _reject(self, state: TenantState, reason: str) -> None:
+        state.rejected[reason] = state.rejected.get(reason, 0) + 1
+
+    def _settle(self, reservation: Reservation, used: int, now: float) -> None:
+        state = self.state(reservation.tenant, now)
+        state.in_flight -= 1
+        state.reserved_tokens -= reservation.reserved
+        if state.tokens is not None:
+            # Refund the unused part; charge the excess if the estimate was low (a debt, refilled later).
+            state.tokens.level = min(state.tokens.capacity, state.tokens.level + reservation.reserved - used)
+
+    def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
+        state = self.state(tenant, now)
+        out: dict[str, str] = {}
+        if state.requests is not None:
+            out["x-ratelimit-limit-requests"] = str(tenant.requests_per_minute)
+            out["x-ratelimit-remaining-requests"] = str(max(0, math.floor(state.requests.level)))
+            out["x-ratelimit-reset-requests"] = duration(state.requests.reset_s())
+        if state.tokens is not None:
+            out["x-ratelimit-limit-tokens"] = str(tenant.tokens_per_minute)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(state.tokens.level)))
+            out["x-ratelimit-reset-tokens"] = duration(state.tokens.reset_s())
+        return out
+
+    def tenants(self) -> dict[str, TenantState]:
+        return dict(self._states)

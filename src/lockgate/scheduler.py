@@ -1,0 +1,271 @@
+"""The scheduler's synchronous core: which queued request gets the next free slot of a model pool.
+
+Theory of operation: a pool has `capacity` slots (the sum of its instances' `max_concurrency`). A
+request takes a `Ticket` of one priority class; `offer()` either grants it a slot at once, queues it,
+or rejects it (its class queue is full). Whenever a slot frees (`release()`) or capacity grows, the
+core grants queued tickets until no slot is free or nothing eligible waits, and returns the granted
+tickets so that the async shell (`admission.py`) can wake their owners. Nothing here awaits, reads a
+clock or touches I/O: the time is passed in, so every decision is a pure state transition.
+
+Order of service:
+- classes marked `strict` (P0 by default) are served first, in class order, whenever they have work;
+- the other classes share what is left by stride scheduling on virtual finish times: each class has
+  a `pass` (the virtual time its next grant starts) that grows by `1 / weight` per grant; the
+  backlogged class whose next grant would *finish* first (`pass + 1/weight`) goes next (ties: the
+  more urgent class). Ordering by finish rather than start keeps every class within about one grant
+  of its exact share. A class that was idle rejoins at the current virtual time, so idling never
+  banks credit and no backlogged class is ever starved;
+- within a class, first come, first served;
+- a class never runs more than its `max_running` slots (None: no limit beyond capacity);
+- `reserve` slots are headroom only strict classes may take: without preemption, this is what lets a
+  P0 arrival start at once while the other classes keep the rest of the pool busy.
+
+Preemption hook: `newest_running(klass)` names the most recently granted running ticket of a class,
+which a preemption policy may stop (then `release()` it and `offer()` it again).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSpec:
+    """One priority class, as the scheduler sees it."""
+
+    name: str
+    weight: float = 1.0
+    strict: bool = False
+    #: Requests that may wait in this class's queue (0: never queue, reject when no slot is free).
+    max_queue: int = 1024
+    #: Slots this class may hold at once (None: any free slot).
+    max_running: int | None = None
+    #: How long a request may wait in the queue before it is shed (None: until its own deadline).
+    queue_timeout_s: float | None = None
+
+
+class TicketState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Ticket:
+    """One request's place in a pool's schedule. Identity object; state owned by the core."""
+
+    __slots__ = ("granted_at", "klass", "offered_at", "seq", "state", "tag")
+
+    def __init__(self, klass: int, tag: Any = None) -> None:
+        self.klass = klass
+        self.tag = tag
+        self.state: TicketState | None = None
+        self.seq = 0
+        self.offered_at = 0.0
+        self.granted_at: float | None = None
+
+    def __repr__(self) -> str:
+        return f"Ticket(klass={self.klass}, seq={self.seq}, state={self.state})"
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """What `offer()` decided. `granted` lists every ticket granted as a consequence (normally the
+    offered one when `admitted`)."""
+
+    admitted: bool
+    queued: bool
+    retry_after_s: float | None = None
+    granted: tuple[Ticket, ...] = ()
+
+    @property
+    def rejected(self) -> bool:
+        return not (self.admitted or self.queued)
+
+
+#: The hold time assumed before any request has finished (for Retry-After estimates).
+_INITIAL_HOLD_S = 1.0
+_EWMA = 0.2
+
+
+class SchedulerCore:
+    def __init__(self, classes: Sequence[ClassSpec], capacity: int, *, reserve: int = 0) -> None:
+        if not classes:
+            raise ValueError("at least one priority class")
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        for spec in classes:
+            if not spec.strict and spec.weight <= 0:
+                raise ValueError(f"class {spec.name}: weight must be > 0")
+        self.classes = tuple(classes)
+        if reserve < 0:
+            raise ValueError("reserve must be >= 0")
+        self.capacity = capacity
+        #: Slots that only strict classes may take.
+        self.reserve = reserve
+        n = len(classes)
+        self._queues: list[deque[Ticket]] = [deque() for _ in range(n)]
+        self._running: list[dict[int, Ticket]] = [{} for _ in range(n)]  # seq -> ticket, grant order
+        self._running_total = 0
+        self._pass = [0.0] * n
+        self._vtime = 0.0
+        self._seq = itertools.count(1)
+        self._strict = [i for i, c in enumerate(classes) if c.strict]
+        self._shared = [i for i, c in enumerate(classes) if not c.strict]
+        self.granted_total = [0] * n
+        self.rejected_total = [0] * n
+        self.mean_hold_s = _INITIAL_HOLD_S
+
+    # --- transitions -----------------------------------------------------------------------------
+    def offer(self, ticket: Ticket, now: float) -> Offer:
+        """A new request asks for a slot. It is granted now, queued, or rejected (queue full)."""
+        if ticket.state is not None:
+            raise ValueError(f"{ticket!r} was already offered")
+        k = ticket.klass
+        if not 0 <= k < len(self.classes):
+            raise ValueError(f"no priority class {k}")
+        ticket.seq = next(self._seq)
+        ticket.offered_at = now
+        queue = self._queues[k]
+        if not queue and k in self._shared:
+            self._pass[k] = max(self._pass[k], self._vtime)  # rejoin at the current virtual time
+        queue.append(ticket)
+        ticket.state = TicketState.QUEUED
+        granted = tuple(self._dispatch(now))
+        if ticket.state is TicketState.RUNNING:
+            return Offer(admitted=True, queued=False, granted=granted)
+        if len(queue) > self.classes[k].max_queue:
+            queue.pop()  # it is the newest entry: the one just added
+            ticket.state = TicketState.DONE
+            self.rejected_total[k] += 1
+            return Offer(admitted=False, queued=False, retry_after_s=self.retry_after(k), granted=granted)
+        return Offer(admitted=False, queued=True, granted=granted)
+
+    def release(self, ticket: Ticket, now: float) -> list[Ticket]:
+        """The ticket's owner is done (finished, failed, cancelled while queued or running).
+        Idempotent. Returns the tickets granted in consequence."""
+        state = ticket.state
+        if state is TicketState.QUEUED:
+            ticket.state = TicketState.DONE
+            self._queues[ticket.klass].remove(ticket)
+            # A queued ticket leaving can unblock nothing but its class's successors, which wait
+            # for a slot anyway; no grant can follow from it.
+            return []
+        if state is TicketState.RUNNING:
+            ticket.state = TicketState.DONE
+            del self._running[ticket.klass][ticket.seq]
+            self._running_total -= 1
+            if ticket.granted_at is not None:
+                held = max(0.0, now - ticket.granted_at)
+                self.mean_hold_s += _EWMA * (held - self.mean_hold_s)
+            return self._dispatch(now)
+        return []
+
+    def set_capacity(self, capacity: int, now: float) -> list[Ticket]:
+        """Change the pool's size (instances added, removed); grows take effect at once."""
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        return self._dispatch(now)
+
+    # --- queries ---------------------------------------------------------------------------------
+    def queued(self, klass: int) -> int:
+        return len(self._queues[klass])
+
+    def running(self, klass: int) -> int:
+        return len(self._running[klass])
+
+    @property
+    def running_total(self) -> int:
+        return self._running_total
+
+    @property
+    def queued_total(self) -> int:
+        return sum(len(q) for q in self._queues)
+
+    def newest_running(self, klass: int) -> Ticket | None:
+        """The most recently granted running ticket of a class (the preemption candidate)."""
+        running = self._running[klass]
+        if not running:
+            return None
+        return running[next(reversed(running))]
+
+    def retry_after(self, klass: int) -> float:
+        """An honest estimate of when a request of this class could get a slot: the requests that
+        would be served before it, times the mean hold time, spread over the pool's slots."""
+        own = self.queued(klass) + 1
+        if klass in self._strict:
+            ahead = own + sum(self.queued(k) for k in self._strict if k < klass)
+        else:
+            weight = self.classes[klass].weight
+            ahead = own + sum(self.queued(k) for k in self._strict)
+            # While this class drains its `own` entries, the other shared classes get their shares.
+            for k in self._shared:
+                if k != klass:
+                    ahead += min(self.queued(k), math.ceil(own * self.classes[k].weight / weight))
+        slots = max(1, self.capacity if klass in self._strict else self.capacity - self.reserve)
+        limit = self.classes[klass].max_running
+        if limit is not None:
+            slots = max(1, min(slots, limit))
+        return math.ceil(ahead / slots) * self.mean_hold_s
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "running": self._running_total,
+            "classes": {
+                spec.name: {
+                    "queued": len(self._queues[i]),
+                    "running": len(self._running[i]),
+                    "granted": self.granted_total[i],
+                    "rejected": self.rejected_total[i],
+                }
+                for i, spec in enumerate(self.classes)
+            },
+            "mean_hold_s": self.mean_hold_s,
+        }
+
+    # --- the one decision ------------------------------------------------------------------------
+    def _eligible(self, k: int) -> bool:
+        if not self._queues[k]:
+            return False
+        limit = self.classes[k].max_running
+        return limit is None or len(self._running[k]) < limit
+
+    def _next_class(self) -> int | None:
+        for k in self._strict:
+            if self._eligible(k):
+                return k
+        if self._running_total >= self.capacity - self.reserve:
+            return None  # only the strict classes' headroom is left
+        best: int | None = None
+        best_finish = 0.0
+        for k in self._shared:
+            if self._eligible(k):
+                finish = self._pass[k] + 1.0 / self.classes[k].weight
+                if best is None or finish < best_finish:
+                    best, best_finish = k, finish
+        return best
+
+    def _dispatch(self, now: float) -> list[Ticket]:
+        granted: list[Ticket] = []
+        while self._running_total < self.capacity:
+            k = self._next_class()
+            if k is None:
+                break
+            ticket = self._queues[k].popleft()
+            if not self.classes[k].strict:
+                self._vtime = self._pass[k]
+                self._pass[k] += 1.0 / self.classes[k].weight
+            ticket.state = TicketState.RUNNING
+            ticket.granted_at = now
+            self._running[k][ticket.seq] = ticket
+            self._running_total += 1
+            self.granted_total[k] += 1
+            granted.append(ticket)
+        return granted

@@ -1,0 +1,143 @@
+"""lockgate in front of a real llama.cpp engine (SmolLM2-135M on CPU), driven by the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import openai
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("xllamacpp") is None,
+    reason="xllamacpp is not installed (optional extra: pip install 'lockgate[llamacpp]')",
+)
+
+LONG = 400  # tokens: several seconds of generation on this machine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[object]:
+    from lockgate.launch import SyncLlamaCppEngine
+
+    with SyncLlamaCppEngine(parallel=2, alias="smollm2") as eng:
+        yield eng
+
+
+@pytest.fixture
+async def gateway(engine, start_gateway):
+    return await start_gateway(
+        [
+            {
+                "name": "smol",
+                "instances": [
+                    {"url": engine.url, "engine": "llamacpp", "served_model": "smollm2", "max_concurrency": 2}
+                ],
+            }
+        ]
+    )
+
+
+@pytest.fixture
+async def client(gateway):
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0) as c:
+        yield c
+
+
+async def busy_slots(url: str) -> int:
+    async with aiohttp.ClientSession() as session, session.get(url + "/slots") as resp:
+        slots = await resp.json()
+    return sum(1 for slot in slots if slot.get("is_processing"))
+
+
+async def wait_idle(url: str, within_s: float = 3.0) -> float:
+    """The engine is another process: ask it until its slots are idle, bounded by a deadline."""
+    started = time.perf_counter()
+    async with asyncio.timeout(within_s):
+        # A separate process with no push channel: asking it is the only way (bounded by the timeout).
+        while await busy_slots(url):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    return time.perf_counter() - started
+
+
+async def test_real_chat_completion(client):
+    reply = await client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert reply.model == "smol"
+    assert reply.choices[0].message.content.strip()
+    assert reply.usage.prompt_tokens > 5
+    assert 0 < reply.usage.completion_tokens <= 24
+
+
+async def test_real_stream_with_usage_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = await client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0)
+    stream = await client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = [], None
+    async for chunk in stream:
+        assert chunk.model == "smol"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        text += [c.delta.content or "" for c in chunk.choices]
+    assert "".join(text) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+async def test_text_completion_usage_arrives_as_its_own_chunk(client):
+    stream = await client.completions.create(
+        model="smol",
+        prompt="The sky is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_stream_disconnect_frees_the_slot(client, engine):
+    stream = await client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=LONG,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    async for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen >= 3:
+            break
+    assert await busy_slots(engine.url) == 1
+    await stream.close()
+    # Generating 400 tokens takes seconds; the slot is idle almost at once.
+    assert await wait_idle(engine.url) < 1.0
+
+
+async def test_non_streaming_disconnect_frees_the_slot(gateway, engine):
+    """llama.cpp ignores a disconnect on non-streaming requests; the gateway streams from it instead."""
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0, timeout=0.5) as short:
+        with pytest.raises(openai.APITimeoutError):
+            await short.chat.completions.create(
+                model="smol",
+                messages=[{"role": "user", "content": "Write a long story."}],
+                max_tokens=LONG,
+                extra_body={"ignore_eos": True},
+            )
+    assert await wait_idle(engine.url) < 1.0

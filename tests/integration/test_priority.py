@@ -1,0 +1,309 @@
+"""Priority scheduling, admission and tenants, end to end through the gateway and the simulator.
+
+The simulator's `hold` switch keeps requests at the engine until released, so "the pool is busy" is a
+fact the test arranges, not a race it hopes to win; queue states are awaited through the scheduler's
+change notification (`PoolScheduler.wait_until`), never polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from lockgate.records import read_records
+from lockgate.tenants import hash_key
+from tests.conftest import instance
+
+P0, P1, P2 = 0, 1, 2
+QUICK = {"prefill_tps": 1e6, "tpot_ms": 1.0}
+
+
+def chat(n: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": f"hello {n}"}], "max_tokens": 4, **extra}
+
+
+def classes(p2_queue: int = 3, p1_queue: int = 100, **p2: Any) -> dict[str, Any]:
+    return {
+        "classes": [
+            {"name": "P0", "strict": True, "weight": 0.6, "max_queue": 10},
+            {"name": "P1", "weight": 0.3, "max_queue": p1_queue},
+            {"name": "P2", "weight": 0.1, "max_queue": p2_queue, **p2},
+        ]
+    }
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str):
+    async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as resp:
+        return resp.status, resp.headers.copy(), await resp.read()
+
+
+async def busy_pool(start_sim, start_gateway, **extra: Any):
+    """A gateway over one held simulator with one slot, the slot taken by a P2 request."""
+    sim = await start_sim(**QUICK)
+    sim.control.hold = True
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, max_concurrency=1)]}], **extra)
+    return sim, gw, gw.gateway.admission.schedulers["m"]
+
+
+async def until(scheduler, predicate) -> None:
+    async with asyncio.timeout(5):
+        await scheduler.wait_until(predicate)
+
+
+def exchange_of(gw, priority: str):
+    return next(e for e in gw.gateway.registry.all() if e.record.priority == priority)
+
+
+async def records(gw) -> list[dict[str, Any]]:
+    await gw.gateway.records.wait_flushed()
+    return read_records(gw.gateway.records._path)
+
+
+def assert_no_leaks(gw) -> None:
+    gateway = gw.gateway
+    for scheduler in gateway.admission.schedulers.values():
+        assert scheduler.core.running_total == 0 and scheduler.core.queued_total == 0
+        assert scheduler.statistics()["waiters"] == 0
+    for state in gateway.admission.limiter.tenants().values():
+        assert state.in_flight == 0 and state.reserved_tokens == 0
+    assert len(gateway.registry) == 0
+    text = gateway.metrics.render().decode()
+    assert "lockgate_invariant_violations_total{" not in text
+
+
+async def test_p0_admitted_ahead_of_a_full_p2_queue(start_sim, start_gateway, http):
+    sim, gw, sched = await busy_pool(start_sim, start_gateway, scheduling=classes(p2_queue=3))
+    running = asyncio.create_task(post(http, gw.url, chat(0), **{"x-priority": "P2"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    queued = [asyncio.create_task(post(http, gw.url, chat(n), **{"x-priority": "P2"})) for n in range(1, 4)]
+    await until(sched, lambda core: core.queued(P2) == 3)
+    # The P2 queue is full: an honest 429 with Retry-After, in the OpenAI envelope.
+    status, headers, raw = await post(http, gw.url, chat(9), **{"x-priority": "P2"})
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert orjson.loads(raw)["error"]["code"] == "queue_full"
+    urgent = asyncio.create_task(post(http, gw.url, chat(99), **{"x-priority": "P0"}))
+    await until(sched, lambda core: core.queued(P0) == 1)
+    async with http.get(gw.url + "/admin/requests") as resp:
+        phases = {(r["priority"], r["phase"]) for r in (await resp.json())["requests"]}
+    assert ("P0", "queued") in phases and ("P2", "queued") in phases
+    p0_id = exchange_of(gw, "P0").id
+    # The running request finishes: the next one to reach the engine is the P0 one.
+    sim.release()
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: p0_id in s.stats.open)
+    assert sched.core.queued(P2) == 3
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        results = await asyncio.gather(running, urgent, *queued)
+    assert [r[0] for r in results] == [200] * 5
+    rows = await records(gw)
+    rejected = [r for r in rows if r["status"] == "rejected"]
+    assert len(rejected) == 1 and rejected[0]["priority"] == "P2" and rejected[0]["http_status"] == 429
+    assert rejected[0]["tenant"] == "default"
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'lockgate_queue_depth{model="m",priority="P0"} 0.0' in metrics
+    assert 'lockgate_rejections_total{priority="P2",reason="queue_full"} 1.0' in metrics
+    assert 'lockgate_queue_wait_seconds_count{model="m",priority="P0"} 1.0' in metrics
+    assert_no_leaks(gw)
+
+
+async def test_weighted_shares_between_backlogged_classes(start_sim, start_gateway, http):
+    sim, gw, sched = await busy_pool(start_sim, start_gateway, scheduling=classes(p2_queue=100))
+    blocker = asyncio.create_task(post(http, gw.url, chat(0), **{"x-priority": "P1"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    n = 24
+    tasks = []
+    for i in range(n):  # interleave arrivals: order of arrival must not decide the shares
+        tasks.append(asyncio.create_task(post(http, gw.url, chat(i), **{"x-priority": "P1"})))
+        tasks.append(asyncio.create_task(post(http, gw.url, chat(100 + i), **{"x-priority": "P2"})))
+    await until(sched, lambda core: core.queued(P1) == n and core.queued(P2) == n)
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(20):
+        results = await asyncio.gather(blocker, *tasks)
+    assert all(r[0] == 200 for r in results)
+    priority = {r["request_id"]: r["priority"] for r in await records(gw)}
+    seen = sorted(sim.stats.seen, key=lambda rec: rec.started_at)[1:]  # after the blocker
+    order = [priority[rec.request_id] for rec in seen]
+    # While both classes are backlogged (the first 32 grants: P1 runs out at 24 = 0.75 * 32),
+    # P1 gets 0.3 / (0.3 + 0.1) = 75 % of the slots.
+    first = order[:32]
+    assert abs(first.count("P1") - 24) <= 1, order
+    assert "P2" in order[:8]  # P2 is never starved
+    assert_no_leaks(gw)
+
+
+@pytest.mark.parametrize("how", ["client_disconnect", "timeout", "admin"])
+async def test_leaving_while_queued_frees_the_place_at_once(start_sim, start_gateway, http, how):
+    extra = {"tenants": [{"name": "default", "tokens_per_minute": 100_000}]}
+    sim, gw, sched = await busy_pool(start_sim, start_gateway, scheduling=classes(p2_queue=1), **extra)
+    running = asyncio.create_task(post(http, gw.url, chat(0), **{"x-priority": "P2"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    headers = {"x-priority": "P2"}
+    if how == "timeout":
+        headers["x-lockgate-timeout-ms"] = "100"
+    waiting = asyncio.create_task(post(http, gw.url, chat(1), **headers))
+    await until(sched, lambda core: core.queued(P2) == 1)
+    status, _, _ = await post(http, gw.url, chat(2), **{"x-priority": "P2"})
+    assert status == 429  # the queue (of one) is full
+    queued_ex = next(e for e in gw.gateway.registry.all() if e.phase.value == "queued" and e.record.priority == "P2")
+    if how == "client_disconnect":
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    elif how == "admin":
+        async with http.delete(f"{gw.url}/admin/requests/{queued_ex.id}") as resp:
+            assert resp.status == 200
+    await until(sched, lambda core: core.queued(P2) == 0)
+    if how != "client_disconnect":
+        status, _, raw = await waiting
+        assert status == (504 if how == "timeout" else 503)
+        assert orjson.loads(raw)["error"]["type"] in ("timeout", "cancelled")
+    # The place is free at once: a new request queues instead of getting 429.
+    again = asyncio.create_task(post(http, gw.url, chat(3), **{"x-priority": "P2"}))
+    await until(sched, lambda core: core.queued(P2) == 1)
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        assert (await running)[0] == 200 and (await again)[0] == 200
+    async with asyncio.timeout(5):
+        await gw.gateway.registry.wait_empty()
+    rows = {r["request_id"]: r for r in await records(gw)}
+    row = rows[queued_ex.id]
+    assert row["status"] == "cancelled" and row["cancel_reason"] == how
+    assert row["attempts"] == 0 and row["instance"] is None  # it never reached an engine
+    assert sim.stats.requests_started == 2  # the one that left never reached the engine
+    assert_no_leaks(gw)
+
+
+async def test_token_reservation_refunded_on_cancel(start_sim, start_gateway, http):
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0)
+    limit = 50_000
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "default", "tokens_per_minute": limit, "requests_per_minute": 1000}],
+    )
+    limiter, tenant = gw.gateway.admission.limiter, gw.gateway.admission.book.default
+    body = chat(1, max_tokens=2000, stream=True)
+    async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body)) as resp:
+        assert resp.status == 200
+        # The whole possible cost is reserved while the request runs.
+        reserved = limit - int(resp.headers["x-ratelimit-remaining-tokens"])
+        assert reserved >= 2000
+        assert resp.headers["x-ratelimit-limit-tokens"] == str(limit)
+        assert resp.headers["x-ratelimit-limit-requests"] == "1000"
+        chunks = 0
+        async for line in resp.content:
+            if line.startswith(b"data: ") and b'"content"' in line:
+                chunks += 1
+                if chunks == 3:
+                    break
+    # Disconnected after a few tokens: the reservation is settled with only what was delivered.
+    async with asyncio.timeout(5):
+        await gw.gateway.registry.wait_empty()
+    rows = await records(gw)
+    delivered = rows[0]["completion_tokens"]
+    assert rows[0]["status"] == "cancelled" and 1 <= delivered < 50
+    state = limiter.state(tenant, time.monotonic())
+    assert state.reserved_tokens == 0 and state.in_flight == 0
+    assert state.tokens is not None and limit - state.tokens.level < 100  # not the 2000 reserved
+    assert_no_leaks(gw)
+
+
+async def test_tenants_keys_models_and_request_limits(start_sim, start_gateway, http):
+    sim = await start_sim(**QUICK)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}, {"name": "other", "instances": [instance(sim)]}],
+        tenants=[
+            {"name": "acme", "keys": [hash_key("sk-acme")], "requests_per_minute": 2, "models": ["m"]},
+            {"name": "zed", "keys": [hash_key("sk-zed")], "max_concurrent": 1},
+        ],
+    )
+    # 401 before anything else: even a malformed body is not looked at.
+    async with http.post(gw.url + "/v1/chat/completions", data=b"{oops") as resp:
+        assert resp.status == 401
+        assert (await resp.json())["error"]["type"] == "authentication_error"
+    status, _, raw = await post(http, gw.url, chat(), Authorization="Bearer sk-wrong")
+    assert status == 401 and "sk-wrong" not in raw.decode()
+    auth = {"Authorization": "Bearer sk-acme"}
+    status, headers, _ = await post(http, gw.url, chat(), **auth)
+    assert status == 200 and headers["x-ratelimit-remaining-requests"] == "1"
+    status, _, _ = await post(http, gw.url, {**chat(), "model": "other"}, **auth)
+    assert status == 404  # not this tenant's model
+    status, _, _ = await post(http, gw.url, chat(), **auth)
+    assert status == 200
+    status, headers, raw = await post(http, gw.url, chat(), **auth)
+    assert status == 429 and orjson.loads(raw)["error"]["type"] == "rate_limit_exceeded"
+    assert 1 <= int(headers["Retry-After"]) <= 30
+    assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-reset-requests" in headers
+    # zed may hold one request at a time.
+    sim.control.hold = True
+    zed = {"Authorization": "Bearer sk-zed"}
+    first = asyncio.create_task(post(http, gw.url, chat(), **zed))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    status, _, raw = await post(http, gw.url, chat(), **zed)
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "concurrency_limit_exceeded"
+    sim.control.hold = False
+    sim.release()
+    assert (await first)[0] == 200
+    rows = await records(gw)
+    assert {(r["tenant"], r["status"]) for r in rows} == {
+        ("acme", "completed"),
+        ("acme", "rejected"),
+        ("zed", "completed"),
+        ("zed", "rejected"),
+    }
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'lockgate_ratelimit_remaining_requests{tenant="acme"}' in metrics
+    assert 'lockgate_rejections_total{priority="P1",reason="rate_limit_requests"} 1.0' in metrics
+    assert_no_leaks(gw)
+
+
+async def test_engine_receives_the_class_as_priority(start_gateway, http):
+    seen: list[Any] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        seen.append((await request.json()).get("priority"))
+        return web.json_response({"id": "x", "object": "chat.completion", "model": "m", "choices": [], "usage": None})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        gw = await start_gateway([{"name": "m", "instances": [{"url": f"http://127.0.0.1:{port}", "engine": "vllm"}]}])
+        for header in ("P0", "P2", None):
+            extra = {"x-priority": header} if header else {}
+            status, _, _ = await post(http, gw.url, chat(), **extra)
+            assert status == 200
+        status, _, raw = await post(http, gw.url, chat(), **{"x-priority": "bogus"})
+        assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
+    finally:
+        await runner.cleanup()
+    assert seen == [0, 2, 1]

@@ -1,0 +1,202 @@
+"""Tenants, rate limits (sync, explicit time) and the scheduler's async shell (futures, races)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lockgate.admission import PoolScheduler
+from lockgate.admission_config import SchedulingConfig, TenantConfig
+from lockgate.config import ConfigError, parse_config
+from lockgate.errors import InvalidRequest, ModelNotFound, QueueFull, QueueTimeout, Unauthorized
+from lockgate.metrics import GatewayMetrics
+from lockgate.ratelimit import RateLimiter, RateLimitExceeded, duration
+from lockgate.scheduler import ClassSpec, TicketState
+from lockgate.tenants import TenantBook, hash_key
+
+
+def book(*tenants: TenantConfig) -> TenantBook:
+    return TenantBook(list(tenants), SchedulingConfig())
+
+
+def test_open_gateway_without_keys() -> None:
+    b = book()
+    assert b.open and b.authenticate(None).name == "default"
+    assert b.authenticate("Bearer anything").name == "default"
+
+
+def test_keys_map_to_tenants_and_unknown_or_missing_is_401() -> None:
+    b = book(TenantConfig(name="acme", keys=[hash_key("sk-acme")]), TenantConfig(name="zed", keys=[hash_key("k2")]))
+    assert b.authenticate("Bearer sk-acme").name == "acme"
+    assert b.authenticate("bearer  k2 ").name == "zed"
+    for header in (None, "", "Bearer", "Basic sk-acme", "Bearer sk-nope"):
+        with pytest.raises(Unauthorized) as err:
+            b.authenticate(header)
+        assert "sk-" not in err.value.message  # keys never echoed
+
+
+def test_priority_header_default_and_cap() -> None:
+    b = book(TenantConfig(name="batch", keys=[hash_key("b")], max_priority="P2"), TenantConfig(name="vip"))
+    batch, vip = b.tenants["batch"], b.tenants["vip"]
+    assert b.priority(vip, None) == 1  # the middle class by default
+    assert b.priority(vip, "p0") == 0
+    assert b.priority(batch, "P0") == 2  # capped by the tenant's maximum
+    assert b.priority(batch, None) == 2
+    with pytest.raises(InvalidRequest):
+        b.priority(vip, "urgent")
+
+
+def test_allowed_models() -> None:
+    b = book(TenantConfig(name="t", keys=[hash_key("x")], models=["a"]))
+    b.check_model(b.tenants["t"], "a")
+    with pytest.raises(ModelNotFound):
+        b.check_model(b.tenants["t"], "b")
+
+
+def test_config_refuses_plaintext_keys_and_unknown_classes() -> None:
+    base = {"models": [{"name": "m", "instances": [{"url": "http://x"}]}]}
+    with pytest.raises(ConfigError) as err:
+        parse_config({**base, "tenants": [{"name": "t", "keys": ["sk-secret-plain"]}]})
+    assert "sk-secret-plain" not in str(err.value)
+    with pytest.raises(ConfigError):
+        parse_config({**base, "tenants": [{"name": "t", "max_priority": "P9"}]})
+    with pytest.raises(ConfigError):
+        parse_config(
+            {**base, "tenants": [{"name": "a", "keys": [hash_key("k")]}, {"name": "b", "keys": [hash_key("k")]}]}
+        )
+    config = parse_config({**base, "scheduling": {"classes": [{"name": "hi", "strict": True}, {"name": "lo"}]}})
+    assert config.scheduling.default_index == 1
+
+
+def test_rate_limits_reserve_refund_and_headers() -> None:
+    b = book(TenantConfig(name="t", requests_per_minute=2, tokens_per_minute=600, max_concurrent=5))
+    tenant = b.tenants["t"]
+    limiter = RateLimiter()
+    r1 = limiter.admit(tenant, 500, now=0.0)
+    headers = limiter.headers(tenant, 0.0)
+    assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "1"
+    assert headers["x-ratelimit-limit-tokens"] == "600" and headers["x-ratelimit-remaining-tokens"] == "100"
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(tenant, 500, now=0.0)
+    assert err.value.reason == "tokens" and err.value.http_status == 429
+    assert 0 < err.value.retry_after <= 40 and err.value.headers()["x-ratelimit-remaining-tokens"] == "100"
+    # Cancelled after 20 tokens: the rest of the reservation comes back.
+    r1.settle(20, now=0.0)
+    r1.settle(20, now=0.0)  # idempotent
+    state = limiter.state(tenant, 0.0)
+    assert state.tokens is not None and state.tokens.level == 580 and state.reserved_tokens == 0
+    assert state.in_flight == 0
+    limiter.admit(tenant, 10, now=0.0)
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(tenant, 10, now=0.0)
+    assert err.value.reason == "requests" and err.value.retry_after == pytest.approx(30.0)
+    limiter.admit(tenant, 10, now=30.0)  # refilled one request after 30 s
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(tenant, 601, now=1000.0)
+    assert err.value.code == "tokens_exceed_limit"
+
+
+def test_concurrency_limit() -> None:
+    b = book(TenantConfig(name="t", max_concurrent=1))
+    limiter = RateLimiter()
+    held = limiter.admit(b.tenants["t"], 1, 0.0)
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(b.tenants["t"], 1, 0.0)
+    assert err.value.reason == "concurrency"
+    held.settle(0, 0.0)
+    limiter.admit(b.tenants["t"], 1, 0.0)
+
+
+def test_duration_format() -> None:
+    assert duration(0.25) == "250ms" and duration(1.5) == "1.5s" and duration(2.0) == "2s"
+    assert duration(360) == "6m0s"
+
+
+# --- the async shell ------------------------------------------------------------------------------
+def shell(capacity: int = 1, **spec: object) -> PoolScheduler:
+    classes = (ClassSpec("P0", strict=True, max_queue=4, **spec), ClassSpec("P1", max_queue=2))  # type: ignore[arg-type]
+    return PoolScheduler("m", classes, capacity, GatewayMetrics().scheduling)
+
+
+async def test_waiter_is_woken_on_release_without_polling() -> None:
+    s = shell()
+    first = s.offer(1)
+    second = s.offer(1)
+    waiting = asyncio.create_task(s.wait_granted(second))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    s.release(first)
+    async with asyncio.timeout(1):
+        await waiting
+    assert second.state is TicketState.RUNNING
+    s.release(second)
+    assert s.statistics()["waiters"] == 0 and s.core.running_total == 0
+
+
+async def test_queue_full_raises_with_retry_after() -> None:
+    s = shell()
+    s.offer(1)
+    s.offer(1)
+    s.offer(1)
+    with pytest.raises(QueueFull) as err:
+        s.offer(1)
+    assert err.value.http_status == 429 and int(err.value.headers()["Retry-After"]) >= 1
+
+
+async def test_granted_just_as_the_waiter_is_cancelled_returns_the_slot() -> None:
+    s = shell()
+    first = s.offer(1)
+    second = s.offer(1)
+    third = s.offer(1)
+    waiting = asyncio.create_task(s.wait_granted(second))
+    await asyncio.sleep(0)
+    # In the same loop iteration: the slot is granted to `second` and its waiter is cancelled.
+    s.release(first)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert second.state is TicketState.RUNNING  # it did get the slot...
+    s.release(second)  # ... and its owner's release hands it on
+    assert third.state is TicketState.RUNNING
+    s.release(third)
+    assert s.core.running_total == 0 and s.core.queued_total == 0 and s.statistics()["waiters"] == 0
+
+
+async def test_cancelled_while_queued_leaves_the_queue() -> None:
+    s = shell()
+    first = s.offer(1)
+    second = s.offer(1)
+    waiting = asyncio.create_task(s.wait_granted(second))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    s.release(second)
+    assert s.core.queued_total == 0
+    s.release(first)
+    assert s.core.running_total == 0
+
+
+async def test_queue_deadline() -> None:
+    s = shell(queue_timeout_s=0.01)
+    first = s.offer(0)
+    second = s.offer(0)
+    with pytest.raises(QueueTimeout) as err:
+        async with asyncio.timeout(2):
+            await s.wait_granted(second)
+    assert err.value.http_status == 503 and err.value.code == "queue_timeout"
+    assert second.state is TicketState.DONE and s.core.queued_total == 0
+    s.release(second)
+    s.release(first)
+    assert s.core.running_total == 0
+
+
+def test_hash_key_cli_reads_stdin(monkeypatch, capsys) -> None:
+    import io
+
+    from lockgate.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-test\n"))
+    assert main(["hash-key"]) == 0
+    assert capsys.readouterr().out.strip() == hash_key("sk-test")
