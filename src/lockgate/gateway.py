@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -20,6 +19,7 @@ from .dedup import Coalescer
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
 from .fleet import Fleet, Instance
+from .fleet_report import describe_fleet
 from .metrics import GatewayMetrics
 from .records import RecordWriter
 from .relay import relay
@@ -216,7 +216,7 @@ class Gateway:
         return web.json_response({"id": request_id, "cancelled": True})
 
     async def _admin_fleet(self, request: web.Request) -> web.Response:
-        return web.json_response({"instances": [_describe_instance(i) for i in self.fleet.instances.values()]})
+        return web.json_response(describe_fleet(self.fleet))
 
     async def _unknown(self, request: web.Request) -> web.Response:
         if request.path in self._known_paths:
@@ -224,16 +224,3 @@ class Gateway:
             return web.Response(status=405, body=error.body_bytes(), content_type="application/json")
         error = NotFound(f"Unknown path: {request.method} {request.path}")
         return web.Response(status=404, body=error.body_bytes(), content_type="application/json")
-
-
-def _describe_instance(instance: Instance) -> dict[str, Any]:
-    return {
-        "name": instance.name,
-        "url": instance.url,
-        "engine": instance.dialect.name,
-        "healthy": instance.healthy,
-        "in_flight": instance.in_flight,
-        "max_concurrency": instance.max_concurrency,
-        "last_error": instance.last_error,
-        "last_probe_age_s": None if instance.last_probe_at is None else round(time.time() - instance.last_probe_at, 3),
-    }

@@ -12,7 +12,7 @@ response: the request may be retried elsewhere), `UpstreamStatusError` (the engi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import aiohttp
 import orjson
@@ -116,7 +116,7 @@ class UpstreamCall:
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
         return payload
 
-    async def events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncGenerator[dict, None]:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
         response = self._require()
         decoder = SSEDecoder()
@@ -131,12 +131,14 @@ class UpstreamCall:
                 if payload != DONE:
                     yield _parse_event(payload, self.instance.name)
         except (aiohttp.ClientError, OSError) as exc:
-            self.abort()
+            if self.abort():  # not closed by the gateway itself: the engine broke it
+                self._fleet.report_failure(self.instance, "stream", repr(exc))
             raise UpstreamProtocolError(
                 f"Instance {self.instance.name} broke the stream: {exc.__class__.__name__}"
             ) from None
         # The engine ended the body without `[DONE]`: an incomplete stream.
-        self.abort()
+        if self.abort():
+            self._fleet.report_failure(self.instance, "stream", "stream ended without [DONE]")
         raise UpstreamProtocolError(f"Instance {self.instance.name} ended the stream without [DONE].")
 
     def _require(self) -> aiohttp.ClientResponse:

@@ -13,6 +13,7 @@ class SimControl:
     fail_status: int | None = None  # answer every generation request with this status
     reset_prob: float = 0.0  # probability that a generation request's connection is reset mid-answer
     delay_first_token_ms: float = 0.0  # extra wait before a request enters the engine
+    reset_after_tokens: int | None = None  # like the x-sim-reset-after-tokens header, for every request
     hold: bool = False  # hold every generation request like ``x-sim-hold: 1`` (until release)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -34,6 +35,9 @@ class SimControl:
                 if not isinstance(value, int | float) or value < 0:
                     raise ValueError("delay_first_token_ms must be >= 0")
                 value = float(value)
+            elif key == "reset_after_tokens":
+                if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                    raise ValueError("reset_after_tokens must be null or an integer >= 0")
             else:
                 raise ValueError(f"unknown control field {key!r}")
             new[key] = value
@@ -46,6 +50,7 @@ class SimControl:
             "fail_status": self.fail_status,
             "reset_prob": self.reset_prob,
             "delay_first_token_ms": self.delay_first_token_ms,
+            "reset_after_tokens": self.reset_after_tokens,
             "hold": self.hold,
         }
 

@@ -252,6 +252,8 @@ class Api:
             self.stats.close_request(rec, "error")
             type_ = "InternalServerError" if status >= 500 else "BadRequestError"
             return _error(status, f"injected failure (status {status})", type_)
+        if reset_after is None:
+            reset_after = self.control.reset_after_tokens
         if reset_after is None and self.control.reset_prob and self._rng.random() < self.control.reset_prob:
             reset_after = self._rng.randrange(req.max_tokens)
         if self.config.fast and not (hold or delay_ms or self.control.delay_first_token_ms or reset_after is not None):
