@@ -83,6 +83,8 @@ class Exchange:
         self._call: UpstreamCall | None = None
         self._released = False
         self._cancel_detected_at: float | None = None
+        #: The running deadline (`asyncio.Timeout`) while `run()` is active: inspect or reschedule it.
+        self.timeout: asyncio.Timeout | None = None
 
     # --- resources -----------------------------------------------------------------------------
     @property
@@ -159,6 +161,7 @@ class Exchange:
         try:
             try:
                 async with asyncio.timeout(self.deadline_s) as deadline:
+                    self.timeout = deadline
                     return await work(self)
             except TimeoutError:
                 if not deadline.expired():
