@@ -77,6 +77,9 @@ class Exchange:
             started_at=time.time(),
         )
         self.response: web.StreamResponse | None = None
+        #: Set once the complete answer is on the wire (`[DONE]` written): the request can only complete.
+        self.answered = False
+        self._ending = False  # how the request ends has been decided (`_set_end` ran)
         self.cancel_reason: str | None = None
         self._task: asyncio.Task[Any] | None = None
         self._lease: Lease | None = None
@@ -130,7 +133,7 @@ class Exchange:
     # --- control -------------------------------------------------------------------------------
     def cancel(self, reason: str) -> bool:
         """Ask the request to end (admin, shutdown). Returns False if it is already ending."""
-        if self._task is None or self._task.done() or self.cancel_reason is not None:
+        if self._task is None or self._task.done() or self.cancel_reason is not None or self._ending:
             return False
         self.cancel_reason = reason
         self._task.cancel(f"lockgate: {reason}")
@@ -185,7 +188,9 @@ class Exchange:
                 "admin": "The request was cancelled by an administrator.",
                 "shutdown": "The gateway is shutting down; the request was stopped.",
             }.get(reason, f"The request was cancelled ({reason}).")
-            return await self._end_with("cancelled", Cancelled(message), reason=reason)
+            # A request stopped by shutdown may be retried at once on another replica.
+            error = Cancelled(message, retry_after=1 if reason == "shutdown" else None)
+            return await self._end_with("cancelled", error, reason=reason)
         except ClientGone:
             self._cancel_detected_at = time.perf_counter()
             self.detach()
@@ -199,18 +204,32 @@ class Exchange:
 
     def _set_end(self, status: str, *, reason: str | None = None, error: GatewayError | None = None) -> None:
         record = self.record
+        if self.answered or self._ending:
+            # The whole answer (up to `[DONE]`) was already written: whatever ends the request now, the
+            # client has it all. It completed; nothing may be appended after `[DONE]`. Or the request is
+            # already ending (e.g. writing its timeout error) when a second cause arrives: the first wins.
+            return
+        self._ending = True
         record.status = status
         record.cancel_reason = reason
         if error is not None:
             record.error = error.message[:500]
-            if self.response is None:
+            if not self._stream_started():
                 record.http_status = error.http_status
+
+    def _stream_started(self) -> bool:
+        """Whether the status line may be on the wire. A response whose `prepare()` was interrupted
+        before it began has sent nothing: the client must get the error status, not an empty 200."""
+        return self.response is not None and self.response.prepared
 
     async def _end_with(
         self, status: str, error: GatewayError, *, reason: str | None = None
     ) -> web.StreamResponse:
+        if self._ending or self.answered:
+            # Already ending (a second cause arrived while the first was being written) or complete.
+            return self.response or self.gateway.error_response(error, self.id, self.instance)
         self._set_end(status, reason=reason, error=error)
-        if self.response is None:
+        if self.response is None or not self._stream_started():
             return self.gateway.error_response(error, self.id, self.instance)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:

@@ -136,6 +136,7 @@ async def _relay_stream(ex: Exchange, http_request: web.Request, call: UpstreamC
             raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")
         ex.phase = Phase.FINISHING
         await _write(response.write(sse.DONE_EVENT))
+        ex.answered = True
         await _write(response.write_eof())
         return response
     finally:

@@ -58,11 +58,13 @@ class UpstreamCall:
         self._response: aiohttp.ClientResponse | None = None
         self._finished = False
         self.aborted = False
+        # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
+        # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
+        metrics.upstream_calls_in_flight.labels(instance.name).inc()
 
     async def open(self) -> None:
         """Send the request and wait for the response status; raises on error statuses."""
         instance = self.instance
-        self._metrics.upstream_calls_in_flight.labels(instance.name).inc()
         try:
             response = await instance.session.post(
                 instance.base_url + self._path,

@@ -85,6 +85,7 @@ async def test_cancel_matrix(phase: str, cause: str, start_sim, start_gateway, h
         nonlocal reader
         async with http.post(gw.url + "/v1/chat/completions", json=body(stream), headers=headers) as resp:
             outcome["status"] = resp.status
+            outcome["headers"] = resp.headers.copy()
             if resp.status == 200 and stream:
                 reader = StreamReader(resp)
                 if phase == "mid_stream":
@@ -157,6 +158,7 @@ async def test_cancel_matrix(phase: str, cause: str, start_sim, start_gateway, h
             assert error["type"] == type_ and error["code"] == code
             if cause == "shutdown":
                 assert "shutting down" in error["message"]
+                assert int(outcome["headers"]["Retry-After"]) >= 1
 
     # One record, with the right status, reason and delivered tokens.
     rows = read_records(str(tmp_path / "usage.sqlite3"))
