@@ -86,8 +86,10 @@ class UpstreamCall:
             self._fleet.report_failure(instance, "protocol", repr(exc))
             raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
         except BaseException:
-            # Cancelled while connecting or waiting for headers: aiohttp closes the connection.
-            self._finish()
+            # Cancelled while connecting or waiting for headers: aiohttp closes the connection, but the
+            # engine may already be working on the request (prefill), so abort it explicitly too (SGLang's
+            # `/abort_request`): an engine that notices closed connections late must not keep going.
+            self.abort()
             raise
         self._response = response
         if response.status >= 400:
