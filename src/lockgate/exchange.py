@@ -139,6 +139,12 @@ class Exchange:
         self._task.cancel(f"lockgate: {reason}")
         return True
 
+    def stop_now(self) -> None:
+        """Cut the request off without a goodbye (shutdown, after `cancel()` had its grace period): the
+        task is cancelled even while it writes its final error; `_release()` still runs."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel("lockgate: stopped")
+
     def first_token(self) -> None:
         if self.record.first_token_at is None:
             self.record.first_token_at = time.time()

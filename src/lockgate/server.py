@@ -27,6 +27,9 @@ from .gateway import Gateway
 
 log = logging.getLogger(__name__)
 
+#: How long stopped requests may take to write their final error before they are cut off.
+STOP_GRACE_S = 1.0
+
 
 class GatewayServer:
     def __init__(self, config: Config, *, port: int | None = None, usage_path: str | None = None) -> None:
@@ -86,7 +89,15 @@ class GatewayServer:
             log.info("drain deadline passed; stopping %d request(s)", len(gateway.registry))
         for exchange in gateway.registry.all():
             exchange.cancel("shutdown")
-        await gateway.registry.wait_empty()
+        try:
+            # Ending a stream writes one last SSE event; a client that does not read could block that
+            # write forever and, with it, the exit (and the flush of every record).
+            async with asyncio.timeout(STOP_GRACE_S):
+                await gateway.registry.wait_empty()
+        except TimeoutError:
+            for exchange in gateway.registry.all():
+                exchange.stop_now()
+            await gateway.registry.wait_empty()
         await self._close_runner()
         await self._stack.aclose()
 

@@ -115,3 +115,37 @@ async def test_second_cause_while_ending_does_not_relabel_or_write_twice(
     assert counter(gateway.metrics.cancellations, reason="timeout") == 1
     assert counter(gateway.metrics.cancellations, reason="admin") == 0
     assert_gateway_clean(gateway)
+
+
+async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
+    start_sim, start_gateway, http, tmp_path, monkeypatch
+) -> None:
+    """The final SSE error event cannot be written (the client stopped reading): after a grace period the
+    request is cut off, the process can exit, and its record is still written."""
+    import lockgate.server
+
+    monkeypatch.setattr(lockgate.server, "STOP_GRACE_S", 0.05)
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=2.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    gateway = gw.gateway
+    assert gateway is not None
+    original_write = web.StreamResponse.write
+    stuck = asyncio.Event()
+
+    async def write(self: web.StreamResponse, data: Any) -> None:
+        if b'"error"' in bytes(data):
+            stuck.set()
+            await asyncio.Event().wait()  # like a drain() that never returns
+        await original_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    async with asyncio.timeout(5):
+        async with http.post(gw.url + "/v1/chat/completions", json=body(True)) as resp:
+            reader = StreamReader(resp)
+            await reader.read_tokens(2)
+            await gw.shutdown(drain_s=0)
+        assert stuck.is_set()
+        await wait_sim_idle(sim)
+    assert_gateway_clean(gateway)
+    [row] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert row["status"] == "cancelled" and row["cancel_reason"] == "shutdown"
