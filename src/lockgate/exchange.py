@@ -108,7 +108,8 @@ class Exchange:
         """End the current attempt: close its upstream call (if open) and release its lease."""
         call, self._call = self._call, None
         lease, self._lease = self._lease, None
-        if call is not None and call.abort() and self._cancel_detected_at is not None:
+        # `call.aborted` also counts an abort done while the cancellation unwound through `open()`.
+        if call is not None and (call.abort() or call.aborted) and self._cancel_detected_at is not None:
             self.gateway.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
         if lease is not None:
             lease.release()

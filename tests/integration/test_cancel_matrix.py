@@ -26,6 +26,7 @@ from tests.integration.cancel_support import (
     body,
     cancel_and_wait,
     counter,
+    total,
     wait_sim_idle,
 )
 
@@ -143,6 +144,8 @@ async def test_cancel_matrix(phase: str, cause: str, start_sim, start_gateway, h
     assert_gateway_clean(gateway)
     assert counter(gateway.metrics.cancellations, reason=cause) == 1
     assert sum(counter(gateway.metrics.cancellations, reason=r) for r in CAUSES) == 1
+    # The disconnect-to-upstream-closed histogram saw this abort.
+    assert total(gateway.metrics.abort_latency, "_count") == 1
 
     # What the client got.
     if cause != "client_disconnect":
