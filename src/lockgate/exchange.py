@@ -19,6 +19,7 @@ How a request ends is decided in one place, `run()`:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -30,6 +31,8 @@ from . import sse
 from .errors import Cancelled, DeadlineExceeded, GatewayError
 from .records import UsageRecord
 from .wire import ApiRequest
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .fleet import Instance, Lease, Pool
@@ -206,6 +209,12 @@ class Exchange:
         except GatewayError as exc:
             self.detach()
             return await self._end_with("error", exc)
+        except Exception:
+            # A bug, not a request's fate: still end it truthfully (500 / a final SSE error event and an
+            # `error` record), never as "completed".
+            log.exception("request %s failed inside the gateway", self.id)
+            self.detach()
+            return await self._end_with("error", GatewayError("The gateway failed to serve the request."))
         finally:
             self._release()
 

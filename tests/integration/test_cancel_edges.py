@@ -149,3 +149,35 @@ async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
     assert_gateway_clean(gateway)
     [row] = read_records(str(tmp_path / "usage.sqlite3"))
     assert row["status"] == "cancelled" and row["cancel_reason"] == "shutdown"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_bug_inside_the_request_path_is_an_error_not_completed(
+    stream, start_sim, start_gateway, http, tmp_path, monkeypatch, caplog
+) -> None:
+    import lockgate.relay
+
+    sim = await start_sim(**SIM)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    assert gw.gateway is not None
+    original = lockgate.relay._has_content if stream else lockgate.relay._int
+
+    def broken(*args: Any) -> Any:
+        if len(sim.stats.seen) + len(sim.stats.open) >= 1:
+            raise KeyError("a bug")
+        return original(*args)
+
+    monkeypatch.setattr(lockgate.relay, "_has_content" if stream else "_int", broken)
+    async with asyncio.timeout(5):
+        async with http.post(gw.url + "/v1/chat/completions", json=body(stream, max_tokens=5)) as resp:
+            raw = await resp.read()
+        await wait_sim_idle(sim)
+        await gw.gateway.records.wait_flushed()
+    if stream:
+        assert resp.status == 200 and b"[DONE]" not in raw and b'"internal_error"' in raw
+    else:
+        assert resp.status == 500 and b'"internal_error"' in raw
+    [row] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert row["status"] == "error"
+    assert_gateway_clean(gw.gateway)
+    assert any("failed inside the gateway" in r.message for r in caplog.records)
