@@ -53,8 +53,15 @@ async def _trigger(cause: str, ex: Exchange, gw: GatewayServer, http: aiohttp.Cl
         assert ex.timeout is not None
         ex.timeout.reschedule(asyncio.get_running_loop().time())
     elif cause == "admin":
+        async with http.get(f"{gw.url}/admin/requests") as resp:
+            [listed] = (await resp.json())["requests"]
+        assert listed["id"] == ex.id and listed["model"] == "m" and listed["instance"]
+        assert listed["phase"] == ("streaming" if ex.response is not None else "connecting")
+        assert listed["age_ms"] >= 0 and listed["completion_tokens"] >= (3 if ex.response is not None else 0)
         async with http.delete(f"{gw.url}/admin/requests/{ex.id}") as resp:
             assert resp.status == 200 and (await resp.json())["cancelled"] is True
+        async with http.delete(f"{gw.url}/admin/requests/lg-unknown") as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
     elif cause == "shutdown":
         await gw.shutdown(drain_s=0)
     else:  # pragma: no cover
