@@ -128,9 +128,11 @@ class Gateway:
         echo_id = client_id or request_id
         try:
             tenant = self.admission.book.authenticate(request.headers.get("Authorization"))
+            raw = await self._read_body(request)
+            # Checked after the last await before the request registers: a drain that started while
+            # the body was being read must not miss it.
             if self.draining:
                 raise ShuttingDown("The gateway is shutting down.", retry_after=1)
-            raw = await self._read_body(request)
             api = parse_request(endpoint, raw)
             self.admission.book.check_model(tenant, api.model)
             pool = self.fleet.pool(api.model)

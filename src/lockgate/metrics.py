@@ -33,6 +33,9 @@ class Family(Generic[M]):
         self.metric = metric
         self._children: dict[tuple[str, ...], Any] = {}
 
+    def collect(self) -> Any:
+        return self.metric.collect()
+
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:

@@ -58,11 +58,13 @@ class UpstreamCall:
         self._response: aiohttp.ClientResponse | None = None
         self._finished = False
         self.aborted = False
+        # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
+        # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
+        metrics.upstream_calls_in_flight.labels(instance.name).inc()
 
     async def open(self) -> None:
         """Send the request and wait for the response status; raises on error statuses."""
         instance = self.instance
-        self._metrics.upstream_calls_in_flight.labels(instance.name).inc()
         try:
             response = await instance.session.post(
                 instance.base_url + self._path,
@@ -84,8 +86,10 @@ class UpstreamCall:
             self._fleet.report_failure(instance, "protocol", repr(exc))
             raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
         except BaseException:
-            # Cancelled while connecting or waiting for headers: aiohttp closes the connection.
-            self._finish()
+            # Cancelled while connecting or waiting for headers: aiohttp closes the connection, but the
+            # engine may already be working on the request (prefill), so abort it explicitly too (SGLang's
+            # `/abort_request`): an engine that notices closed connections late must not keep going.
+            self.abort()
             raise
         self._response = response
         if response.status >= 400:

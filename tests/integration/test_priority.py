@@ -193,6 +193,34 @@ async def test_leaving_while_queued_frees_the_place_at_once(start_sim, start_gat
     assert_no_leaks(gw)
 
 
+async def test_shutdown_answers_queued_at_once(start_sim, start_gateway, http):
+    """SIGTERM's path: a queued request gets 503 + Retry-After at once, not at the drain deadline, while
+    the running one may finish; both leave exactly one record."""
+    sim, gw, sched = await busy_pool(start_sim, start_gateway, scheduling=classes())
+    running = asyncio.create_task(post(http, gw.url, chat(0), **{"x-priority": "P2"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    waiting = asyncio.create_task(post(http, gw.url, chat(1), **{"x-priority": "P2"}))
+    await until(sched, lambda core: core.queued(P2) == 1)
+    queued_id = next(e.id for e in gw.gateway.registry.all() if e.phase.value == "queued")
+    shutdown = asyncio.create_task(gw.shutdown(drain_s=30))
+    async with asyncio.timeout(5):
+        status, headers, raw = await waiting
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert orjson.loads(raw)["error"]["type"] == "cancelled"
+    assert not running.done() and not shutdown.done()  # the running request is still draining
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        assert (await running)[0] == 200
+        await shutdown
+    rows = {r["request_id"]: r for r in read_records(gw.gateway.records._path)}
+    assert rows[queued_id]["status"] == "cancelled" and rows[queued_id]["cancel_reason"] == "shutdown"
+    assert sorted(r["status"] for r in rows.values()) == ["cancelled", "completed"]
+    assert sim.stats.requests_started == 1
+    assert_no_leaks(gw)
+
+
 async def test_token_reservation_refunded_on_cancel(start_sim, start_gateway, http):
     sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0)
     limit = 50_000

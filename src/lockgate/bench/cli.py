@@ -60,6 +60,18 @@ def _priority(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _cancel(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import cancel
+
+    async def main() -> int:
+        results = await cancel.run(args.trials, args.tpot_ms)
+        print(cancel.report(results, args.target_ms))
+        return 0
+
+    return run_async(main)
+
+
 def _dedup(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import dedup
@@ -118,3 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dd.add_argument("--spread-ms", type=float, default=200.0, help="arrivals spread over this much time")
     dd.add_argument("--tpot-ms", type=float, default=5.0, help="the simulated engine's time per output token")
     dd.set_defaults(func=_dedup)
+    cancel = benches.add_parser(
+        "cancel", help="client disconnect -> engine sees its connection closed, p50/p99 per phase"
+    )
+    cancel.add_argument("--trials", type=int, default=200, help="trials per phase")
+    cancel.add_argument("--tpot-ms", type=float, default=10.0, help="the simulated engine's time per token")
+    cancel.add_argument("--target-ms", type=float, default=5.0, help="the p99 target to report against")
+    cancel.set_defaults(func=_cancel)
