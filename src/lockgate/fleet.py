@@ -52,7 +52,9 @@ class Instance:
         #: Where HTTP requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
         self.healthy = True
+        #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
         self.in_flight = 0
+        self.open_calls = 0
         self.last_probe_at: float | None = None
         self.last_error: str | None = None
         self.consecutive_failures = 0
@@ -96,7 +98,6 @@ class Lease:
         self.completion_tokens = 0
         instance.in_flight += 1
         self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic())
-        metrics.permits_in_use.labels(instance.name).inc()
 
     def first_token(self) -> None:
         """The engine's first event arrived: this attempt's prompt is no longer queued there."""
@@ -111,7 +112,6 @@ class Lease:
         self.instance.in_flight -= 1
         if self.instance.in_flight < 0:
             self._metrics.leaks.labels("negative_in_flight").inc()
-        self._metrics.permits_in_use.labels(self.instance.name).dec()
 
 
 class Pool:
@@ -214,6 +214,9 @@ class Fleet:
             )
         for instance in self.instances.values():
             self._metrics.instance_healthy.labels(instance.name).set(1)
+            # Read when scraped: the hot path only moves plain integers.
+            self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
+            self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
         self._metrics.watch_fleet(self)
         self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
         self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)

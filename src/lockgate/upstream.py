@@ -60,7 +60,7 @@ class UpstreamCall:
         self.aborted = False
         # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
         # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
-        metrics.upstream_calls_in_flight.labels(instance.name).inc()
+        instance.open_calls += 1
 
     async def open(self) -> None:
         """Send the request and wait for the response status; raises on error statuses."""
@@ -159,7 +159,7 @@ class UpstreamCall:
     def _finish(self) -> None:
         if not self._finished:
             self._finished = True
-            self._metrics.upstream_calls_in_flight.labels(self.instance.name).dec()
+            self.instance.open_calls -= 1
 
     @property
     def streaming(self) -> bool:
