@@ -325,7 +325,11 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
     await site.start()
     try:
         port = runner.addresses[0][1]
-        gw = await start_gateway([{"name": "m", "instances": [{"url": f"http://127.0.0.1:{port}", "engine": "vllm"}]}])
+        instances = [{"url": f"http://127.0.0.1:{port}", "engine": "vllm"}]
+        quiet = await start_gateway([{"name": "m", "instances": instances}])
+        status, _, _ = await post(http, quiet.url, chat(), **{"x-priority": "P2"})
+        assert status == 200  # off by default: a FCFS vLLM rejects any non-zero priority
+        gw = await start_gateway([{"name": "m", "instances": instances}], scheduling={"engine_priority": True})
         for header in ("P0", "P2", None):
             extra = {"x-priority": header} if header else {}
             status, _, _ = await post(http, gw.url, chat(), **extra)
@@ -334,4 +338,4 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
         assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
     finally:
         await runner.cleanup()
-    assert seen == [0, 2, 1]
+    assert seen == [None, 0, 2, 1]
