@@ -69,15 +69,15 @@ class PoolScheduler:
     def offer(self, klass: int, tag: object = None) -> Ticket:
         """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
         ticket = Ticket(klass, tag)
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = waiter
         offer = self.core.offer(ticket, self._clock())
+        if ticket.state is TicketState.QUEUED:
+            # Only a queued ticket needs a future (the common, uncontended path skips it).
+            self._waiters[ticket] = asyncio.get_running_loop().create_future()
         self._wake(offer.granted)
         if offer.queued and self.preemptible:
             self._preempt_for(ticket)
         self._notify()
         if offer.rejected:
-            del self._waiters[ticket]
             spec = self.core.classes[klass]
             self._metrics.rejections.labels("queue_full", spec.name).inc()
             raise QueueFull(

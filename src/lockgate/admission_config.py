@@ -61,8 +61,10 @@ class SchedulingConfig(_Strict):
     #: without preemption; at least one slot is always left to the others.
     strict_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = 0.0
     #: Send the class index as the engine's priority field where the dialect has one (vLLM
-    #: `priority`; the engine must run with `--scheduling-policy priority`).
-    engine_priority: bool = True
+    #: `priority`). Off by default: a vLLM running its default FCFS policy rejects every request
+    #: with a non-zero priority, so turn it on only for engines started with
+    #: `--scheduling-policy priority` (the simulators accept it; the embedded default turns it on).
+    engine_priority: bool = False
     preemption: PreemptionConfig = PreemptionConfig()
 
     @field_validator("classes")

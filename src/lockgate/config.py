@@ -13,9 +13,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .admission_config import SchedulingConfig, TenantConfig, check_admission
+from .routing_config import EjectionConfig, RoutingConfig, ScrapeConfig
+from .routing_config import PolicyName as PolicyName
 
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
-PolicyName = Literal["round_robin", "least_load"]
 CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
 DedupMode = Literal["off", "deterministic", "always"]
 
@@ -79,7 +80,8 @@ class SemanticConfig(_Strict):
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1)]
     instances: Annotated[list[InstanceConfig], Field(min_length=1)]
-    routing: PolicyName = "least_load"
+    #: A policy name, or a mapping with the policy and its options (see `routing_config.py`).
+    routing: RoutingConfig = RoutingConfig()
     #: Default end-to-end deadline for this model's requests (client may lower it per request).
     timeout_ms: Annotated[int, Field(ge=1)] | None = None
     cancel_policy: CancelPolicy = "immediate"
@@ -101,6 +103,7 @@ class UpstreamConfig(_Strict):
 class HealthConfig(_Strict):
     interval_ms: Annotated[int, Field(ge=10)] = 1000
     timeout_ms: Annotated[int, Field(ge=10)] = 1000
+    ejection: EjectionConfig = EjectionConfig()
 
 
 class UsageConfig(_Strict):
@@ -142,6 +145,7 @@ class Config(_Strict):
     limits: LimitsConfig = LimitsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     health: HealthConfig = HealthConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
     usage: UsageConfig = UsageConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
     result_cache: ResultCacheConfig = ResultCacheConfig()

@@ -20,6 +20,7 @@ def default_config(port: int = 8080) -> Config:
         {
             "listen": {"host": "127.0.0.1", "port": port},
             "usage": {"path": "lockgate-usage.sqlite3"},
+            "scheduling": {"engine_priority": True},
             "simulate": [
                 {"models": ["demo-model"], "count": 2},
                 {"models": ["demo-model", "demo-model-large"], "count": 1},

@@ -88,6 +88,9 @@ class Exchange:
             started_at=time.time(),
         )
         self.response: web.StreamResponse | None = None
+        #: Set once the complete answer is on the wire (`[DONE]` written): the request can only complete.
+        self.answered = False
+        self._ending = False  # how the request ends has been decided (`_set_end` ran)
         self.cancel_reason: str | None = None
         self._task: asyncio.Task[Any] | None = None
         self._lease: Lease | None = None
@@ -101,6 +104,8 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
+        #: The running deadline (`asyncio.Timeout`) while `run()` is active: inspect or reschedule it.
+        self.timeout: asyncio.Timeout | None = None
 
     # --- resources -----------------------------------------------------------------------------
     @property
@@ -130,7 +135,8 @@ class Exchange:
         call, self._call = self._call, None
         lease, self._lease = self._lease, None
         subscription, self._subscription = self._subscription, None
-        aborted = call is not None and call.abort()
+        # `call.aborted` also counts an abort done while the cancellation unwound through `open()`.
+        aborted = call is not None and (call.abort() or call.aborted)
         if subscription is not None and subscription.close():
             aborted = True
         if aborted and self._cancel_detected_at is not None:
@@ -171,11 +177,17 @@ class Exchange:
     # --- control -------------------------------------------------------------------------------
     def cancel(self, reason: str) -> bool:
         """Ask the request to end (admin, shutdown). Returns False if it is already ending."""
-        if self._task is None or self._task.done() or self.cancel_reason is not None:
+        if self._task is None or self._task.done() or self.cancel_reason is not None or self._ending:
             return False
         self.cancel_reason = reason
         self._task.cancel(f"lockgate: {reason}")
         return True
+
+    def stop_now(self) -> None:
+        """Cut the request off without a goodbye (shutdown, after `cancel()` had its grace period): the
+        task is cancelled even while it writes its final error; `_release()` still runs."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel("lockgate: stopped")
 
     def first_token(self) -> None:
         if self.record.first_token_at is None:
@@ -202,6 +214,7 @@ class Exchange:
         try:
             try:
                 async with asyncio.timeout(self.deadline_s) as deadline:
+                    self.timeout = deadline
                     return await work(self)
             except TimeoutError:
                 if not deadline.expired():
@@ -225,7 +238,9 @@ class Exchange:
                 "admin": "The request was cancelled by an administrator.",
                 "shutdown": "The gateway is shutting down; the request was stopped.",
             }.get(reason, f"The request was cancelled ({reason}).")
-            return await self._end_with("cancelled", Cancelled(message), reason=reason)
+            # A request stopped by shutdown may be retried at once on another replica.
+            error = Cancelled(message, retry_after=1 if reason == "shutdown" else None)
+            return await self._end_with("cancelled", error, reason=reason)
         except ClientGone:
             self._cancel_detected_at = time.perf_counter()
             self.detach()
@@ -234,21 +249,41 @@ class Exchange:
         except GatewayError as exc:
             self.detach()
             return await self._end_with("rejected" if exc.rejected else "error", exc)
+        except Exception:
+            # A bug, not a request's fate: still end it truthfully (500 / a final SSE error event and an
+            # `error` record), never as "completed".
+            log.exception("request %s failed inside the gateway", self.id)
+            self.detach()
+            return await self._end_with("error", GatewayError("The gateway failed to serve the request."))
         finally:
             self._release()
 
     def _set_end(self, status: str, *, reason: str | None = None, error: GatewayError | None = None) -> None:
         record = self.record
+        if self.answered or self._ending:
+            # The whole answer (up to `[DONE]`) was already written: whatever ends the request now, the
+            # client has it all. It completed; nothing may be appended after `[DONE]`. Or the request is
+            # already ending (e.g. writing its timeout error) when a second cause arrives: the first wins.
+            return
+        self._ending = True
         record.status = status
         record.cancel_reason = reason
         if error is not None:
             record.error = error.message[:500]
-            if self.response is None:
+            if not self._stream_started():
                 record.http_status = error.http_status
 
+    def _stream_started(self) -> bool:
+        """Whether the status line may be on the wire. A response whose `prepare()` was interrupted
+        before it began has sent nothing: the client must get the error status, not an empty 200."""
+        return self.response is not None and self.response.prepared
+
     async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> web.StreamResponse:
+        if self._ending or self.answered:
+            # Already ending (a second cause arrived while the first was being written) or complete.
+            return self.response or self.gateway.error_response(error, self.id, self.instance)
         self._set_end(status, reason=reason, error=error)
-        if self.response is None:
+        if self.response is None or not self._stream_started():
             return self.gateway.error_response(error, self.id, self.instance)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:

@@ -1,7 +1,9 @@
 """The fleet: engine instances, their HTTP sessions and health, grouped into one pool per model.
 
-`Fleet` is an async context manager that owns every background task it starts (health probes,
-explicit abort calls) and every upstream connection pool; leaving it closes them all.
+`Fleet` is an async context manager that owns every background task it starts (health probes, metric
+scrapes, explicit abort calls) and every upstream connection pool; leaving it closes them all.
+An instance's load state (own accounting, scraped engine metrics) is in `fleetstate.py`, its outlier
+ejection in `ejection.py`; `Pool.snapshot()` merges them into what the routing policy sees.
 An instance serving several models is one `Instance` (keyed by URL) shared by those pools, so its
 load is counted once.
 """
@@ -12,15 +14,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
 from .config import Config, InstanceConfig, ModelConfig
+from .ejection import Ejection
 from .engines import AbortCall, Dialect, dialect_for
 from .errors import Unavailable
+from .fleetstate import Attempt, EngineLoad, OwnAccounting, merge
 from .metrics import GatewayMetrics
+from .prefix import PrefixIndex, prompt_blocks
 from .routing import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
+from .scrape import Scraper
+from .wire import ApiRequest
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +35,13 @@ log = logging.getLogger(__name__)
 class Instance:
     """One engine process. Mutable runtime state; routing sees it only through `view()`."""
 
-    def __init__(self, config: InstanceConfig, session: aiohttp.ClientSession, base_url: str) -> None:
+    def __init__(
+        self,
+        config: InstanceConfig,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        ejection: Ejection | None = None,
+    ) -> None:
         self.key = config.key
         self.name = config.name or config.url
         self.url = config.url
@@ -39,41 +52,81 @@ class Instance:
         #: Where HTTP requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
         self.healthy = True
+        #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
         self.in_flight = 0
+        self.open_calls = 0
         self.last_probe_at: float | None = None
         self.last_error: str | None = None
         self.consecutive_failures = 0
+        self.own = OwnAccounting()
+        self.engine_load: EngineLoad | None = None
+        self.scrape_error: str | None = None
+        self.ejection = ejection or Ejection()
 
-    def view(self) -> InstanceView:
-        return InstanceView(self.key, self.name, self.healthy, self.in_flight, self.max_concurrency)
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.ejection.ejected
+
+    def auth_headers(self) -> dict[str, str]:
+        return _auth(self)
+
+    def view(self, now: float | None = None, stale_after: float = 1.0, cached_tokens: int = 0) -> InstanceView:
+        return merge(
+            key=self.key,
+            name=self.name,
+            routable=self.routable,
+            in_flight=self.in_flight,
+            max_concurrency=self.max_concurrency,
+            own=self.own,
+            engine=self.engine_load,
+            now=time.monotonic() if now is None else now,
+            stale_after=stale_after,
+            cached_tokens=cached_tokens,
+        )
 
 
 class Lease:
     """A routing slot on one instance, held by one request attempt. `release()` is idempotent."""
 
-    __slots__ = ("_metrics", "_released", "instance")
+    __slots__ = ("_attempt", "_metrics", "_released", "completion_tokens", "instance")
 
-    def __init__(self, instance: Instance, metrics: GatewayMetrics) -> None:
+    def __init__(self, instance: Instance, metrics: GatewayMetrics, uncached_tokens: int = 0) -> None:
         self.instance = instance
         self._metrics = metrics
         self._released = False
+        #: Tokens received so far (for the instance's TPOT), kept current by the relay.
+        self.completion_tokens = 0
         instance.in_flight += 1
-        metrics.permits_in_use.labels(instance.name).inc()
+        self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic())
+
+    def first_token(self) -> None:
+        """The engine's first event arrived: this attempt's prompt is no longer queued there."""
+        if not self._released:
+            self.instance.own.first_token(self._attempt, time.monotonic())
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        self.instance.own.end(self._attempt, time.monotonic(), self.completion_tokens)
         self.instance.in_flight -= 1
         if self.instance.in_flight < 0:
             self._metrics.leaks.labels("negative_in_flight").inc()
-        self._metrics.permits_in_use.labels(self.instance.name).dec()
 
 
 class Pool:
     """The instances serving one model, and the policy that picks among them."""
 
-    def __init__(self, config: ModelConfig, instances: list[Instance], served: dict[str, str], policy: Policy) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        instances: list[Instance],
+        served: dict[str, str],
+        policy: Policy,
+        *,
+        stale_after: float = 1.0,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.config = config
         self.model = config.name
         self.instances = instances
@@ -81,18 +134,49 @@ class Pool:
         #: Instance key -> the model name that engine knows.
         self.served = served
         self.policy = policy
+        self.stale_after = stale_after
+        self._metrics = metrics
+        options = config.routing.prefix_index
+        self.index = PrefixIndex(options.max_bytes, options.block_chars)
 
-    def snapshot(self) -> PoolSnapshot:
-        return PoolSnapshot(self.model, tuple(i.view() for i in self.instances))
+    def route_request(self, api: ApiRequest, headers: Mapping[str, str] | None = None) -> RouteRequest:
+        """What routing needs to know about a request, computed once for all its attempts."""
+        text = api.prompt_text()
+        key = (headers or {}).get(self.config.routing.consistent_hash.header)
+        user = api.body.get("user")
+        if key is None and isinstance(user, str) and user:
+            key = user
+        blocks = prompt_blocks(text, self.index.block_chars)
+        return RouteRequest(api.model, "", prompt_tokens=max(1, len(text) // 4), affinity_key=key, blocks=blocks)
+
+    def snapshot(self, request: RouteRequest | None = None) -> PoolSnapshot:
+        now = time.monotonic()
+        matched = self.index.match(request.blocks) if request is not None and request.blocks else {}
+        views = []
+        for i in self.instances:
+            cached = 0
+            blocks = matched.get(i.key)
+            if blocks and request is not None:
+                # Blocks are characters; the share of the prompt they cover, in tokens.
+                cached = min(request.prompt_tokens, blocks * self.index.block_chars // 4)
+            views.append(i.view(now, self.stale_after, cached))
+        return PoolSnapshot(self.model, tuple(views))
 
     def choose(self, request: RouteRequest) -> Instance:
-        chosen = self.policy.choose(request, self.snapshot())
+        return self.choose_view(request)[0]
+
+    def choose_view(self, request: RouteRequest) -> tuple[Instance, InstanceView]:
+        """The chosen instance and the view it was chosen on (its `cached_tokens` sizes the lease)."""
+        chosen = self.policy.choose(request, self.snapshot(request))
         if chosen is None:
             raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
-        return self._by_key[chosen.key]
+        self.index.insert(chosen.key, request.blocks)
+        if self._metrics is not None:
+            self._metrics.routing_decisions.labels(self.model, self.policy.name, chosen.name).inc()
+        return self._by_key[chosen.key], chosen
 
     def ready(self) -> bool:
-        return any(i.healthy for i in self.instances)
+        return any(i.routable for i in self.instances)
 
 
 class Fleet:
@@ -103,6 +187,9 @@ class Fleet:
         self.pools: dict[str, Pool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._health_task: asyncio.Task[None] | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
+        self._health_wake = asyncio.Event()
+        self._changed = asyncio.Event()
         self._closed = False
 
     async def __aenter__(self) -> Fleet:
@@ -117,10 +204,24 @@ class Fleet:
                     self.instances[spec.key] = instance
                 members.append(instance)
                 served[instance.key] = spec.served_model or model.name
-            self.pools[model.name] = Pool(model, members, served, make_policy(model.routing))
+            self.pools[model.name] = Pool(
+                model,
+                members,
+                served,
+                make_policy(model.routing),
+                stale_after=self._config.scrape.stale_after_ms / 1000,
+                metrics=self._metrics,
+            )
         for instance in self.instances.values():
             self._metrics.instance_healthy.labels(instance.name).set(1)
+            # Read when scraped: the hot path only moves plain integers.
+            self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
+            self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
+        self._metrics.watch_fleet(self)
         self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
+        self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
+        if self._config.scrape.enabled:
+            self._scrape_task = asyncio.create_task(self.scraper.run(), name="lockgate-scrape")
         return self
 
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
@@ -141,7 +242,7 @@ class Fleet:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
-        return Instance(spec, session, base_url)
+        return Instance(spec, session, base_url, Ejection(self._config.health.ejection))
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -150,10 +251,11 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._scrape_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for instance in self.instances.values():
@@ -163,22 +265,52 @@ class Fleet:
     def pool(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def lease(self, instance: Instance) -> Lease:
-        return Lease(instance, self._metrics)
+    def lease(self, instance: Instance, uncached_tokens: int = 0) -> Lease:
+        return Lease(instance, self._metrics, uncached_tokens)
 
     def ready(self) -> bool:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())
 
     def report_failure(self, instance: Instance, kind: str, detail: str) -> None:
-        """Passive health: a connection failure takes the instance out until a probe succeeds."""
+        """Passive health: nothing listening takes the instance out at once; other failures (a broken
+        stream, a 5xx) eject it after `health.ejection.consecutive_failures` in a row. Either way it
+        returns after a successful probe."""
         self._metrics.upstream_errors.labels(instance.name, kind).inc()
         instance.consecutive_failures += 1
         instance.last_error = detail
+        now = time.monotonic()
+        instance.own.error(now)
         if kind == "connect":
             self._set_health(instance, False)
+            ejected = instance.ejection.eject_now(now)
+        elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5"):
+            ejected = instance.ejection.failure(now)
+        else:
+            ejected = False  # the engine refused this request (4xx): says nothing about its health
+        if ejected:
+            log.warning(
+                "instance %s ejected for %.1fs after failures (%s)", instance.name, instance.ejection.backoff(), detail
+            )
+            self._metrics.ejections.labels(instance.name).inc()
+            self._health_wake.set()
+            self._notify()
 
     def report_success(self, instance: Instance) -> None:
         instance.consecutive_failures = 0
+        instance.ejection.success()
+
+    def _scraped(self, instance: Instance, ok: bool) -> None:
+        self._metrics.scrapes.labels(instance.name, "ok" if ok else "error").inc()
+
+    # --- waiting for state changes (tests, admin) ------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[Fleet], bool]) -> None:
+        """Wait until `predicate(self)` holds, re-checked on every health/ejection change (no polling)."""
+        while not predicate(self):
+            await self._changed.wait()
 
     def send_abort(self, instance: Instance, call: AbortCall) -> None:
         """Fire an explicit abort call; the fleet owns the task and awaits it on close."""
@@ -198,16 +330,43 @@ class Fleet:
 
     # --- health --------------------------------------------------------------------------------
     async def _health_loop(self) -> None:
+        """Active checks every interval, and a probe of each ejected instance when its backoff ends.
+        Between them it waits on an event (a new ejection) with a timeout (the next due time)."""
         interval = self._config.health.interval_ms / 1000
+        loop = asyncio.get_running_loop()
+        next_check = loop.time()
         while True:
-            await self.probe_all()
-            await asyncio.sleep(interval)
+            now = time.monotonic()
+            due = [i for i in self.instances.values() if i.ejection.probe_due(now)]
+            if loop.time() >= next_check:
+                next_check = loop.time() + interval
+                await self.probe_all()
+            elif due:
+                await self.probe_all(due)
+            now = time.monotonic()
+            wake_in = next_check - loop.time()
+            for instance in self.instances.values():
+                until = instance.ejection.ejected_until
+                if until is not None:
+                    wake_in = min(wake_in, until - now)
+            self._health_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, wake_in)):
+                    await self._health_wake.wait()
 
     async def probe_all(self, instances: Iterable[Instance] | None = None) -> None:
         targets = list(instances if instances is not None else self.instances.values())
         await asyncio.gather(*(self._probe(i) for i in targets))
 
     async def _probe(self, instance: Instance) -> None:
+        ok = await self._check(instance)
+        now = time.monotonic()
+        if instance.ejection.probe_due(now) and instance.ejection.probed(ok, now):
+            log.info("instance %s returns after a successful probe", instance.name)
+        self._set_health(instance, ok)
+        self._notify()
+
+    async def _check(self, instance: Instance) -> bool:
         timeout = self._config.health.timeout_ms / 1000
         ok = False
         try:
@@ -222,7 +381,7 @@ class Fleet:
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             instance.last_error = f"health check failed: {exc!r}"
         instance.last_probe_at = time.time()
-        self._set_health(instance, ok)
+        return ok
 
     def _set_health(self, instance: Instance, healthy: bool) -> None:
         if instance.healthy != healthy:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -21,6 +20,7 @@ from .dedup import Coalescer
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
 from .fleet import Fleet, Instance
+from .fleet_report import describe_fleet
 from .metrics import GatewayMetrics
 from .records import RecordWriter
 from .relay import relay
@@ -129,9 +129,11 @@ class Gateway:
         echo_id = client_id or request_id
         try:
             tenant = self.admission.book.authenticate(request.headers.get("Authorization"))
+            raw = await self._read_body(request)
+            # Checked after the last await before the request registers: a drain that started while
+            # the body was being read must not miss it.
             if self.draining:
                 raise ShuttingDown("The gateway is shutting down.", retry_after=1)
-            raw = await self._read_body(request)
             api = parse_request(endpoint, raw)
             self.admission.book.check_model(tenant, api.model)
             pool = self.fleet.pool(api.model)
@@ -219,7 +221,7 @@ class Gateway:
         return web.json_response({"id": request_id, "cancelled": True})
 
     async def _admin_fleet(self, request: web.Request) -> web.Response:
-        return web.json_response({"instances": [_describe_instance(i) for i in self.fleet.instances.values()]})
+        return web.json_response(describe_fleet(self.fleet))
 
     async def _unknown(self, request: web.Request) -> web.Response:
         if request.path in self._known_paths:
@@ -227,16 +229,3 @@ class Gateway:
             return web.Response(status=405, body=error.body_bytes(), content_type="application/json")
         error = NotFound(f"Unknown path: {request.method} {request.path}")
         return web.Response(status=404, body=error.body_bytes(), content_type="application/json")
-
-
-def _describe_instance(instance: Instance) -> dict[str, Any]:
-    return {
-        "name": instance.name,
-        "url": instance.url,
-        "engine": instance.dialect.name,
-        "healthy": instance.healthy,
-        "in_flight": instance.in_flight,
-        "max_concurrency": instance.max_concurrency,
-        "last_error": instance.last_error,
-        "last_probe_age_s": None if instance.last_probe_at is None else round(time.time() - instance.last_probe_at, 3),
-    }

@@ -5,12 +5,15 @@ One `GatewayMetrics` per gateway; tests start several gateways in one process.
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 M = TypeVar("M", bound=MetricWrapperBase)
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -29,6 +32,9 @@ class Family(Generic[M]):
     def __init__(self, metric: M) -> None:
         self.metric = metric
         self._children: dict[tuple[str, ...], Any] = {}
+
+    def collect(self) -> Any:
+        return self.metric.collect()
 
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
@@ -124,6 +130,23 @@ class GatewayMetrics:
         )
         self.scheduling = SchedulingMetrics(r)
 
+        self.routing_decisions = Counter(
+            "lockgate_routing_decisions",
+            "Instances chosen, by model and routing policy.",
+            ["model", "policy", "instance"],
+            registry=r,
+        )
+        self.ejections = Counter("lockgate_instance_ejections", "Passive outlier ejections.", ["instance"], registry=r)
+        self.scrapes = Counter(
+            "lockgate_engine_scrapes", "Engine metric scrapes by result.", ["instance", "result"], registry=r
+        )
+
+    def watch_fleet(self, fleet: Fleet) -> None:
+        """Per-instance load state, read from the fleet when /metrics is scraped (nothing on the hot path)."""
+        from .fleet_metrics import FleetCollector
+
+        self.registry.register(FleetCollector(fleet))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -144,25 +167,31 @@ class SchedulingMetrics:
             ["model", "priority"],
             registry=r,
         )
-        self.queue_wait = Histogram(
-            "lockgate_queue_wait_seconds",
-            "Time from arrival to getting a slot (admitted requests).",
-            ["model", "priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_wait = Family(
+            Histogram(
+                "lockgate_queue_wait_seconds",
+                "Time from arrival to getting a slot (admitted requests).",
+                ["model", "priority"],
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.admissions = Counter(
-            "lockgate_admissions",
-            "Requests given a slot, by model and priority class.",
-            ["model", "priority"],
-            registry=r,
+        self.admissions = Family(
+            Counter(
+                "lockgate_admissions",
+                "Requests given a slot, by model and priority class.",
+                ["model", "priority"],
+                registry=r,
+            )
         )
-        self.rejections = Counter(
-            "lockgate_rejections",
-            "Requests refused by admission, by reason (queue_full, queue_timeout, rate_limit_requests, "
-            "rate_limit_tokens, rate_limit_concurrency) and priority class.",
-            ["reason", "priority"],
-            registry=r,
+        self.rejections = Family(
+            Counter(
+                "lockgate_rejections",
+                "Requests refused by admission, by reason (queue_full, queue_timeout, rate_limit_requests, "
+                "rate_limit_tokens, rate_limit_concurrency) and priority class.",
+                ["reason", "priority"],
+                registry=r,
+            )
         )
         self.preemptions = Family(
             Counter(

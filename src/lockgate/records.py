@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 from collections import deque
 from dataclasses import asdict, dataclass, fields
@@ -20,6 +21,8 @@ from typing import Any
 import orjson
 
 from .metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 STATUSES = ("completed", "cancelled", "error", "rejected")
 CANCEL_REASONS = ("client_disconnect", "timeout", "admin", "preempted", "shutdown")
@@ -104,6 +107,7 @@ class RecordWriter:
         self._db: sqlite3.Connection | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._import_failed = False
         self.submitted = 0
         self.written = 0
         metrics.usage_records_pending.set_function(lambda: len(self._queue))
@@ -151,9 +155,12 @@ class RecordWriter:
 
     # --- the writer task -------------------------------------------------------------------------
     async def _run(self) -> None:
-        await asyncio.to_thread(self._import_spill)
+        # A claimed spill file left by a crash mid-import is imported first (INSERT OR REPLACE: a record
+        # imported twice is still one row).
+        await self._import_spill()
         while True:
-            if not self._queue and not self._spilled_in_memory and not self._spill_pending():
+            in_memory = self._spilled_in_memory and not self._import_failed
+            if not self._queue and not in_memory and not self._spill_pending():
                 self._idle.set()
                 if self._closing:
                     return
@@ -164,15 +171,45 @@ class RecordWriter:
                     await asyncio.sleep(self._linger_s)
                 continue
             batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-            batch.extend(self._spilled_in_memory)
-            self._spilled_in_memory = []
+            if not self._import_failed:
+                batch.extend(self._spilled_in_memory)
+                self._spilled_in_memory = []
             if batch:
-                await asyncio.shield(asyncio.to_thread(self._write, batch))
+                try:
+                    await asyncio.shield(asyncio.to_thread(self._write, batch))
+                except (sqlite3.Error, OSError) as exc:
+                    # Never drop: the batch goes to the spill file (counted) and is imported later.
+                    log.error("usage writer: storing %d record(s) failed (%s); spilling them", len(batch), exc)
+                    self._import_failed = True
+                    for record in batch:
+                        self._spill_one(record)
             if self._spill_pending():
-                await asyncio.shield(asyncio.to_thread(self._import_spill))
+                await self._import_spill()
 
     def _spill_pending(self) -> bool:
-        return self._spill is not None and self._spill.exists() and len(self._queue) < self._queue_size
+        return (
+            self._spill is not None
+            and not self._import_failed
+            and self._spill.exists()
+            and len(self._queue) < self._queue_size
+        )
+
+    async def _import_spill(self) -> None:
+        if self._spill is None:
+            return
+        claimed = self._spill.with_suffix(".importing")
+        # Claim in the event loop's thread: `_spill_one` appends from this thread too, so an append can
+        # never land in a file that the import thread has already read (and would then delete).
+        if not claimed.exists():
+            if not self._spill.exists():
+                return
+            self._spill.rename(claimed)
+        try:
+            await asyncio.shield(asyncio.to_thread(self._import_claimed, claimed))
+        except (sqlite3.Error, OSError, ValueError) as exc:
+            # Keep the claimed file for the next start; stop importing until then (no hot loop).
+            log.error("usage writer: importing %s failed (%s); it stays for the next start", claimed, exc)
+            self._import_failed = True
 
     def _write(self, batch: list[UsageRecord]) -> None:
         assert self._db is not None
@@ -183,11 +220,7 @@ class RecordWriter:
         self.written += len(rows)
         self._metrics.usage_records_written.inc(len(rows))
 
-    def _import_spill(self) -> None:
-        if self._spill is None or not self._spill.exists():
-            return
-        claimed = self._spill.with_suffix(".importing")
-        self._spill.rename(claimed)
+    def _import_claimed(self, claimed: Path) -> None:
         records = [UsageRecord(**orjson.loads(line)) for line in claimed.read_bytes().splitlines() if line]
         for start in range(0, len(records), self._batch_size):
             self._write(records[start : start + self._batch_size])
@@ -209,7 +242,12 @@ class RecordWriter:
             batch = list(self._queue) + self._spilled_in_memory
             self._queue.clear()
             self._spilled_in_memory = []
-            await asyncio.to_thread(self._write, batch)
+            try:
+                await asyncio.to_thread(self._write, batch)
+            except (sqlite3.Error, OSError) as exc:
+                log.error("usage writer: storing %d record(s) at close failed (%s); spilling", len(batch), exc)
+                for record in batch:
+                    self._spill_one(record)
         if self._db is not None:
             db, self._db = self._db, None
             await asyncio.to_thread(db.close)

@@ -67,6 +67,7 @@ async def stream_events(
     if final is not None:
         await _write(response.write(sse.encode(final)))
     await _write(response.write(sse.DONE_EVENT))
+    ex.answered = True
     await _write(response.write_eof())
     return response
 

@@ -21,22 +21,25 @@ flag before touching the engine again): a cancellation there would look like a c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncGenerator, Awaitable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
 from .assemble import assemble
+from .attempt import Opened, open_attempts
 from .exchange import Exchange, Phase
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
-from .relay import _open_with_retries
 from .respond import stream_events, whole_body
 from .wire import ApiRequest
 
 if TYPE_CHECKING:
     from .admission import PoolScheduler
+    from .fleet import Lease
     from .scheduler import Ticket
     from .tenants import Tenant
+    from .upstream import UpstreamCall
 
 T = TypeVar("T")
 
@@ -48,8 +51,11 @@ class _Preempted(Exception):
 class Resumable:
     """One preemptible request's generation, across the engine calls it takes."""
 
-    def __init__(self, ex: Exchange, scheduler: PoolScheduler, max_preemptions: int) -> None:
+    def __init__(
+        self, ex: Exchange, scheduler: PoolScheduler, max_preemptions: int, request_headers: Mapping[str, str]
+    ) -> None:
         self.ex = ex
+        self._request_headers = request_headers
         self.ticket: Ticket | None = None
         self.transcript = Transcript(ex.api.endpoint)
         self.preemptions = 0
@@ -98,7 +104,7 @@ class Resumable:
         return plan(self._blocker, self.transcript, self.ex.api.max_tokens, sent=self.ex.response is not None)
 
     # --- the generation ------------------------------------------------------------------------
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         ex = self.ex
         attempt = 0
         while True:
@@ -109,11 +115,12 @@ class Resumable:
             attempt += 1
             self.transcript.start_attempt()
             self._active = True
-            upstream: AsyncIterator[dict[str, Any]] | None = None
+            opened: Opened | None = None
+            upstream: AsyncGenerator[dict[str, Any], None] | None = None
             try:
-                call = await self._engine(_open_with_retries(ex, api=api, upstream_id=upstream_id))
-                self.headers.setdefault("x-lockgate-instance", call.instance.name)
-                upstream = call.events()
+                opened = await self._engine(self._open(api, upstream_id))
+                self.headers.setdefault("x-lockgate-instance", opened.call.instance.name)
+                upstream = opened.events()
                 while True:
                     if self._preempted:
                         raise _Preempted
@@ -132,8 +139,34 @@ class Resumable:
             finally:
                 self._active = False
                 if upstream is not None:
-                    await upstream.aclose()  # type: ignore[attr-defined]
+                    await upstream.aclose()
+                if opened is not None:
+                    await opened.aclose()
             return
+
+    def _open(self, api: ApiRequest, upstream_id: str) -> Awaitable[Opened]:
+        """Route and open one engine call for `api` (retrying elsewhere before its first event);
+        the exchange holds each attempt's lease and call. `upstream_id` is per attempt (`<id>-p<n>`)
+        so that an engine never sees two requests with one id (SGLang aborts by id)."""
+        ex = self.ex
+        gateway = ex.gateway
+
+        def hold(lease: Lease, call: UpstreamCall) -> None:
+            ex.attach(lease, call)
+            ex.phase = Phase.CONNECTING
+
+        return open_attempts(
+            gateway.fleet,
+            gateway.metrics,
+            ex.pool,
+            api,
+            ex.pool.route_request(api, self._request_headers),
+            upstream_id,
+            hold=hold,
+            drop=ex.detach,
+            time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
+            priority=ex.engine_priority,
+        )
 
     async def _engine(self, awaitable: Awaitable[T]) -> T:
         """Await the engine; a preemption's cancellation of this await becomes `_Preempted`."""
@@ -170,7 +203,7 @@ async def admit_and_relay(ex: Exchange, http_request: web.Request, tenant: Tenan
     """Admission and the request path for a request of a preemptible class."""
     gateway = ex.gateway
     admission = gateway.admission
-    run = Resumable(ex, admission.schedulers[ex.api.model], admission.max_preemptions)
+    run = Resumable(ex, admission.schedulers[ex.api.model], admission.max_preemptions, http_request.headers)
     run.ticket = await admission.admit(ex, tenant, klass, tag=run)
     dedup = gateway.dedup
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
@@ -186,4 +219,4 @@ async def admit_and_relay(ex: Exchange, http_request: web.Request, tenant: Tenan
         body = assemble(ex.api.endpoint, run.transcript.events, model=ex.api.model)
         return whole_body(ex, body, run.headers)
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()

@@ -2,22 +2,53 @@
 
 A policy's `choose(request, snapshot)` is synchronous and sees only an immutable snapshot of the pool,
 so it can be unit-tested on crafted snapshots. Policies may keep their own small state (a round-robin
-cursor) but never touch the pool.
+cursor, a seeded random generator, a cached hash ring) but never touch the pool.
+
+The snapshot is built per request (`Pool.snapshot`): each `InstanceView` already merges the instance's
+sources (the gateway's own accounting, and scraped engine metrics when they are fresh) and carries
+`cached_tokens`, how much of *this* request's prompt that instance likely has in its prefix cache.
+
+The policies, by module: `round_robin`, `least_load`, `power_of_two` here; `consistent_hash` in
+`affinity.py`; `score`, `cache_aware` and `predicted_ttft` (the default) in `cost.py`.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .routing_config import RoutingConfig
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceView:
     key: str
     name: str
+    #: Routable: passes health checks and is not ejected.
     healthy: bool
+    #: Requests the gateway has in flight there (own accounting, always current).
     in_flight: int
     max_concurrency: int
+    #: Prompt tokens sent there whose first token has not come back yet: prefill work ahead.
+    queued_prompt_tokens: int = 0
+    #: Requests waiting for a batch slot / in the running batch (engine metrics when fresh, merged
+    #: with own accounting so that what was sent since the last scrape counts).
+    waiting: int = 0
+    running: int = 0
+    #: KV-cache use 0..1 (0 when unknown).
+    kv_usage: float = 0.0
+    #: Observed EWMAs (0.0: not measured yet).
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    #: Mean time a request keeps its batch slot after its first token.
+    decode_s: float = 0.0
+    #: Measured prefill rate, prompt tokens per second (0.0: not measured yet).
+    prefill_tps: float = 0.0
+    #: Tokens of this request's prompt the instance likely has cached (from the prefix index).
+    cached_tokens: int = 0
 
     @property
     def load(self) -> float:
@@ -36,6 +67,12 @@ class RouteRequest:
     prompt: str = ""
     #: Instances already tried for this request (retries go elsewhere).
     exclude: frozenset[str] = field(default_factory=frozenset)
+    #: Estimated prompt tokens (~4 characters a token).
+    prompt_tokens: int = 0
+    #: Session key for affinity (a header or the body's `user`).
+    affinity_key: str | None = None
+    #: Hash chain of the prompt's blocks (see `prefix.py`).
+    blocks: tuple[int, ...] = ()
 
 
 class Policy(Protocol):
@@ -49,19 +86,34 @@ def candidates(request: RouteRequest, snapshot: PoolSnapshot) -> list[InstanceVi
     return [i for i in snapshot.instances if i.healthy and i.key not in request.exclude]
 
 
-class RoundRobin:
-    name = "round_robin"
+class _Cursor:
+    """Round-robin among ties, so an idle fleet spreads instead of piling onto the first instance."""
 
     def __init__(self) -> None:
         self._cursor = 0
 
-    def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
-        options = candidates(request, snapshot)
-        if not options:
-            return None
-        chosen = options[self._cursor % len(options)]
+    def pick(self, tied: Sequence[InstanceView]) -> InstanceView:
+        chosen = tied[self._cursor % len(tied)]
         self._cursor += 1
         return chosen
+
+
+def lowest(options: Sequence[InstanceView], cost: Sequence[float], cursor: _Cursor) -> InstanceView:
+    best = min(cost)
+    # Costs within a relative 1e-9 are ties (floating-point noise must not decide).
+    tied = [o for o, c in zip(options, cost, strict=True) if c <= best + abs(best) * 1e-9]
+    return cursor.pick(tied)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._cursor = _Cursor()
+
+    def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
+        options = candidates(request, snapshot)
+        return self._cursor.pick(options) if options else None
 
 
 class LeastLoad:
@@ -70,22 +122,56 @@ class LeastLoad:
     name = "least_load"
 
     def __init__(self) -> None:
-        self._cursor = 0
+        self._cursor = _Cursor()
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
         options = candidates(request, snapshot)
         if not options:
             return None
-        best = min(i.load for i in options)
-        tied = [i for i in options if i.load == best]
-        chosen = tied[self._cursor % len(tied)]
-        self._cursor += 1
-        return chosen
+        return lowest(options, [i.load for i in options], self._cursor)
 
 
-def make_policy(name: str) -> Policy:
+class PowerOfTwo:
+    """Two random candidates, the less loaded wins: near least-load balance without herding on one."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
+        options = candidates(request, snapshot)
+        if len(options) <= 1:
+            return options[0] if options else None
+        a, b = self._rng.sample(options, 2)
+        return a if occupancy(a) <= occupancy(b) else b
+
+
+def occupancy(view: InstanceView) -> float:
+    """Requests there (in the batch or waiting for it) relative to capacity."""
+    return max(view.in_flight, view.running + view.waiting) / view.max_concurrency
+
+
+def make_policy(config: RoutingConfig | str) -> Policy:
+    from .affinity import ConsistentHash
+    from .cost import CacheAware, PredictedTTFT, Score
+    from .routing_config import RoutingConfig
+
+    if isinstance(config, str):
+        config = RoutingConfig(policy=config)  # type: ignore[arg-type]
+    name = config.policy
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
+    if name == "power_of_two":
+        return PowerOfTwo(config.seed)
+    if name == "consistent_hash":
+        return ConsistentHash(config.consistent_hash)
+    if name == "score":
+        return Score(config.score)
+    if name == "cache_aware":
+        return CacheAware(config.cache_aware)
+    if name == "predicted_ttft":
+        return PredictedTTFT(config.predicted_ttft)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -23,9 +23,13 @@ from aiohttp import web
 
 from .config import Config
 from .embedded import start_simulators
+from .exchange import Phase
 from .gateway import Gateway
 
 log = logging.getLogger(__name__)
+
+#: How long stopped requests may take to write their final error before they are cut off.
+STOP_GRACE_S = 1.0
 
 
 class GatewayServer:
@@ -77,6 +81,10 @@ class GatewayServer:
         if drain_s is None:
             drain_s = self._config.shutdown.drain_ms / 1000
         gateway.draining = True
+        # Queued requests will not be served: they get 503 + Retry-After now, not at the drain deadline.
+        for exchange in gateway.registry.all():
+            if exchange.phase is Phase.QUEUED:
+                exchange.cancel("shutdown")
         if self._site is not None:
             await self._site.stop()  # no new connections
         try:
@@ -86,7 +94,15 @@ class GatewayServer:
             log.info("drain deadline passed; stopping %d request(s)", len(gateway.registry))
         for exchange in gateway.registry.all():
             exchange.cancel("shutdown")
-        await gateway.registry.wait_empty()
+        try:
+            # Ending a stream writes one last SSE event; a client that does not read could block that
+            # write forever and, with it, the exit (and the flush of every record).
+            async with asyncio.timeout(STOP_GRACE_S):
+                await gateway.registry.wait_empty()
+        except TimeoutError:
+            for exchange in gateway.registry.all():
+                exchange.stop_now()
+            await gateway.registry.wait_empty()
         await self._close_runner()
         await self._stack.aclose()
 

@@ -12,7 +12,7 @@ response: the request may be retried elsewhere), `UpstreamStatusError` (the engi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import aiohttp
 import orjson
@@ -58,11 +58,13 @@ class UpstreamCall:
         self._response: aiohttp.ClientResponse | None = None
         self._finished = False
         self.aborted = False
+        # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
+        # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
+        instance.open_calls += 1
 
     async def open(self) -> None:
         """Send the request and wait for the response status; raises on error statuses."""
         instance = self.instance
-        self._metrics.upstream_calls_in_flight.labels(instance.name).inc()
         try:
             response = await instance.session.post(
                 instance.base_url + self._path,
@@ -84,8 +86,10 @@ class UpstreamCall:
             self._fleet.report_failure(instance, "protocol", repr(exc))
             raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
         except BaseException:
-            # Cancelled while connecting or waiting for headers: aiohttp closes the connection.
-            self._finish()
+            # Cancelled while connecting or waiting for headers: aiohttp closes the connection, but the
+            # engine may already be working on the request (prefill), so abort it explicitly too (SGLang's
+            # `/abort_request`): an engine that notices closed connections late must not keep going.
+            self.abort()
             raise
         self._response = response
         if response.status >= 400:
@@ -116,7 +120,7 @@ class UpstreamCall:
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
         return payload
 
-    async def events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncGenerator[dict, None]:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
         response = self._require()
         decoder = SSEDecoder()
@@ -131,12 +135,14 @@ class UpstreamCall:
                 if payload != DONE:
                     yield _parse_event(payload, self.instance.name)
         except (aiohttp.ClientError, OSError) as exc:
-            self.abort()
+            if self.abort():  # not closed by the gateway itself: the engine broke it
+                self._fleet.report_failure(self.instance, "stream", repr(exc))
             raise UpstreamProtocolError(
                 f"Instance {self.instance.name} broke the stream: {exc.__class__.__name__}"
             ) from None
         # The engine ended the body without `[DONE]`: an incomplete stream.
-        self.abort()
+        if self.abort():
+            self._fleet.report_failure(self.instance, "stream", "stream ended without [DONE]")
         raise UpstreamProtocolError(f"Instance {self.instance.name} ended the stream without [DONE].")
 
     def _require(self) -> aiohttp.ClientResponse:
@@ -153,7 +159,7 @@ class UpstreamCall:
     def _finish(self) -> None:
         if not self._finished:
             self._finished = True
-            self._metrics.upstream_calls_in_flight.labels(self.instance.name).dec()
+            self.instance.open_calls -= 1
 
     @property
     def streaming(self) -> bool:

@@ -141,3 +141,28 @@ async def test_non_streaming_disconnect_frees_the_slot(gateway, engine):
                 extra_body={"ignore_eos": True},
             )
     assert await wait_idle(engine.url) < 1.0
+
+
+async def test_fleet_state_shows_the_engines_scraped_metrics(client, gateway, engine):
+    stream = await client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=LONG,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    await gateway.gateway.fleet.scraper.scrape_all()
+    async with aiohttp.ClientSession() as session, session.get(gateway.url + "/admin/fleet") as resp:
+        fleet = await resp.json()
+    await stream.close()
+    (instance,) = fleet["instances"]
+    engine_state = instance["sources"]["engine"]
+    assert instance["engine"] == "llamacpp"
+    assert engine_state is not None and engine_state["scrape_error"] is None
+    assert engine_state["running"] == 1 and engine_state["waiting"] == 0
+    assert engine_state["age_s"] < 1.0 and not engine_state["stale"]
+    assert instance["sources"]["gateway"]["pending_first_token"] == 0
+    assert await wait_idle(engine.url) < 1.0

@@ -194,6 +194,34 @@ async def test_leaving_while_queued_frees_the_place_at_once(start_sim, start_gat
     assert_no_leaks(gw)
 
 
+async def test_shutdown_answers_queued_at_once(start_sim, start_gateway, http):
+    """SIGTERM's path: a queued request gets 503 + Retry-After at once, not at the drain deadline, while
+    the running one may finish; both leave exactly one record."""
+    sim, gw, sched = await busy_pool(start_sim, start_gateway, scheduling=classes())
+    running = asyncio.create_task(post(http, gw.url, chat(0), **{"x-priority": "P2"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    waiting = asyncio.create_task(post(http, gw.url, chat(1), **{"x-priority": "P2"}))
+    await until(sched, lambda core: core.queued(P2) == 1)
+    queued_id = next(e.id for e in gw.gateway.registry.all() if e.phase.value == "queued")
+    shutdown = asyncio.create_task(gw.shutdown(drain_s=30))
+    async with asyncio.timeout(5):
+        status, headers, raw = await waiting
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert orjson.loads(raw)["error"]["type"] == "cancelled"
+    assert not running.done() and not shutdown.done()  # the running request is still draining
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        assert (await running)[0] == 200
+        await shutdown
+    rows = {r["request_id"]: r for r in read_records(gw.gateway.records._path)}
+    assert rows[queued_id]["status"] == "cancelled" and rows[queued_id]["cancel_reason"] == "shutdown"
+    assert sorted(r["status"] for r in rows.values()) == ["cancelled", "completed"]
+    assert sim.stats.requests_started == 1
+    assert_no_leaks(gw)
+
+
 async def test_token_reservation_refunded_on_cancel(start_sim, start_gateway, http):
     sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0)
     limit = 50_000
@@ -286,7 +314,8 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
         body = await request.json()
         seen.append(body.get("priority"))
         if body.get("stream"):  # preemptible (P2) requests are always streamed from the engine
-            chunk = orjson.dumps({"id": "x", "object": "chat.completion.chunk", "model": "m", "choices": []})
+            choice = {"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}
+            chunk = orjson.dumps({"id": "x", "object": "chat.completion.chunk", "model": "m", "choices": [choice]})
             return web.Response(body=b"data: " + chunk + b"\n\ndata: [DONE]\n\n", content_type="text/event-stream")
         return web.json_response({"id": "x", "object": "chat.completion", "model": "m", "choices": [], "usage": None})
 
@@ -302,7 +331,11 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
     await site.start()
     try:
         port = runner.addresses[0][1]
-        gw = await start_gateway([{"name": "m", "instances": [{"url": f"http://127.0.0.1:{port}", "engine": "vllm"}]}])
+        instances = [{"url": f"http://127.0.0.1:{port}", "engine": "vllm"}]
+        quiet = await start_gateway([{"name": "m", "instances": instances}])
+        status, _, _ = await post(http, quiet.url, chat(), **{"x-priority": "P2"})
+        assert status == 200  # off by default: a FCFS vLLM rejects any non-zero priority
+        gw = await start_gateway([{"name": "m", "instances": instances}], scheduling={"engine_priority": True})
         for header in ("P0", "P2", None):
             extra = {"x-priority": header} if header else {}
             status, _, _ = await post(http, gw.url, chat(), **extra)
@@ -311,4 +344,4 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
         assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
     finally:
         await runner.cleanup()
-    assert seen == [0, 2, 1]
+    assert seen == [None, 0, 2, 1]

@@ -17,6 +17,27 @@ def _overhead(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _routing(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import routing
+
+    shape = routing.Shape(rate=args.rate, duration_s=args.duration, instances=args.instances, seed=args.seed)
+
+    async def main() -> int:
+        results = await routing.run(args.traces, args.policies, shape)
+        print(routing.report(results))
+        checks = routing.verdicts(results)
+        if args.index_prompts:
+            used, bound, blocks = routing.index_memory_check(args.index_prompts, args.index_bytes)
+            print(f"prefix index: {args.index_prompts} distinct prompts -> {blocks} blocks held, {used} bytes measured")
+            checks.append((f"prefix index within its {bound} bytes", used <= bound))
+        for text, ok in checks:
+            print(f"{'PASS' if ok else 'MISS'}  {text}")
+        return 0 if all(r.errors == 0 for r in results) else 1
+
+    return run_async(main)
+
+
 def _priority(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import priority
@@ -36,6 +57,18 @@ def _priority(args: argparse.Namespace) -> int:
     async def main() -> int:
         baseline, flood, info = await priority.run(settings)
         print(priority.report(baseline, flood, info, settings))
+        return 0
+
+    return run_async(main)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import cancel
+
+    async def main() -> int:
+        results = await cancel.run(args.trials, args.tpot_ms)
+        print(cancel.report(results, args.target_ms))
         return 0
 
     return run_async(main)
@@ -69,6 +102,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--max-tokens", type=int, default=16)
     over.add_argument("--modes", nargs="+", choices=["nonstream", "stream"], default=["nonstream", "stream"])
     over.set_defaults(func=_overhead)
+    from .routing import POLICIES
+
+    route = benches.add_parser("routing", help="each routing policy on an agent and a skewed trace, sim fleet")
+    route.add_argument("--traces", nargs="+", choices=["agent", "skewed"], default=["agent", "skewed"])
+    route.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    route.add_argument("--rate", type=float, default=65.0, help="requests per second (Poisson)")
+    route.add_argument("--duration", type=float, default=4.0, help="seconds of trace per run")
+    route.add_argument("--instances", type=int, default=4)
+    route.add_argument("--seed", type=int, default=7)
+    route.add_argument("--index-prompts", type=int, default=1_000_000, help="0 skips the index memory check")
+    route.add_argument("--index-bytes", type=int, default=8 * 1024 * 1024)
+    route.set_defaults(func=_routing)
     prio = benches.add_parser("priority", help="P0 TTFT under a P2 flood, P2 progress, shares, rejections")
     prio.add_argument("--duration", type=float, default=8.0, help="seconds per phase (two phases)")
     prio.add_argument("--sims", type=int, default=2)
@@ -89,3 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dd.add_argument("--spread-ms", type=float, default=200.0, help="arrivals spread over this much time")
     dd.add_argument("--tpot-ms", type=float, default=5.0, help="the simulated engine's time per output token")
     dd.set_defaults(func=_dedup)
+    cancel = benches.add_parser(
+        "cancel", help="client disconnect -> engine sees its connection closed, p50/p99 per phase"
+    )
+    cancel.add_argument("--trials", type=int, default=200, help="trials per phase")
+    cancel.add_argument("--tpot-ms", type=float, default=10.0, help="the simulated engine's time per token")
+    cancel.add_argument("--target-ms", type=float, default=5.0, help="the p99 target to report against")
+    cancel.set_defaults(func=_cancel)

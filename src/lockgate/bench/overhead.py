@@ -47,6 +47,8 @@ def child(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 async def wait_http(url: str, proc: subprocess.Popen[bytes], within_s: float = 20.0) -> None:

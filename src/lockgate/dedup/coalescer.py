@@ -103,7 +103,9 @@ class Coalescer:
                     return await self._respond(ex, http_request, "semantic", _Replay(hit.result.events), hit.result)
                 self.metrics.outcome("semantic_shadow")
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
-        flight = self.flights.start(key, ex.pool, upstream_request(ex.api))
+        flight = self.flights.start(
+            key, ex.pool, upstream_request(ex.api), ex.pool.route_request(ex.api, http_request.headers)
+        )
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
         return await self._respond(ex, http_request, "miss", self._subscribe(ex, flight), None)

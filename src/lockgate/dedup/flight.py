@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamError, UpstreamProtocolError
+from ..attempt import Opened, open_attempts
+from ..errors import Cancelled, GatewayError, ShuttingDown
 from ..routing import RouteRequest
 from ..upstream import UpstreamCall
 from .cache import Result
@@ -76,6 +77,7 @@ class Flight:
         key: Fingerprint,
         pool: Pool,
         api: ApiRequest,
+        route: RouteRequest,
         fleet: Fleet,
         metrics: GatewayMetrics,
     ) -> None:
@@ -83,8 +85,9 @@ class Flight:
         self.id = flight_id
         self.key = key
         self.pool = pool
-        #: The upstream request (always streaming).
+        #: The upstream request (always streaming) and how to route it (the leader's prompt and headers).
         self.api = api
+        self.route = route
         self.cancel_policy = pool.config.cancel_policy
         self._fleet = fleet
         self._metrics = metrics
@@ -137,16 +140,14 @@ class Flight:
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
         """The flight's task body: never raises except CancelledError."""
-        events = None
+        opened = events = None
         try:
-            call = await self._open()
-            events = call.events()
+            opened = await self._open()
+            events = opened.events()
             async for event in events:
                 self.events.append(event)
                 self._nbytes += 64 + len(orjson.dumps(event))
                 self._notify()
-            if not self.events:
-                raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")
             self._complete()
         except GatewayError as exc:
             self._fail(exc)
@@ -160,40 +161,25 @@ class Flight:
         finally:
             if events is not None:
                 await events.aclose()
+            if opened is not None:
+                await opened.aclose()
             self._release()
 
-    async def _open(self) -> UpstreamCall:
-        pool, api = self.pool, self.api
-        tried: set[str] = set()
-        attempts = pool.config.retries + 1
-        last_error: UpstreamError | None = None
-        for attempt in range(attempts):
-            try:
-                instance = pool.choose(RouteRequest(api.model, exclude=frozenset(tried)))
-            except GatewayError:
-                if last_error is not None:
-                    raise last_error from None
-                raise
-            body = instance.dialect.upstream_body(
-                api, served_model=pool.served[instance.key], request_id=self.id, stream=True
-            )
-            call = UpstreamCall(
-                self._fleet, self._metrics, instance, api.endpoint.path, orjson.dumps(body), self.id, stream=True
-            )
-            self._lease = self._fleet.lease(instance)
-            self._call = call
-            self.instance = instance
-            try:
-                await call.open()
-                return call
-            except UpstreamError as exc:
-                self._release()
-                if not exc.retryable or attempt + 1 == attempts:
-                    raise
-                last_error = exc
-                tried.add(instance.key)
-                self._metrics.retries.labels(api.model).inc()
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _hold(self, lease: Lease, call: UpstreamCall) -> None:
+        self._lease, self._call, self.instance = lease, call, lease.instance
+
+    async def _open(self) -> Opened:
+        return await open_attempts(
+            self._fleet,
+            self._metrics,
+            self.pool,
+            self.api,
+            self.route,
+            self.id,
+            hold=self._hold,
+            drop=self._release,
+            time_left=lambda: True,
+        )
 
     # --- ending (synchronous, exactly once) ------------------------------------------------------
     def _result(self, *, complete: bool) -> Result:

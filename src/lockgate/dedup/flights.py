@@ -21,6 +21,7 @@ from .flight import Flight
 if TYPE_CHECKING:
     from ..fleet import Fleet, Pool
     from ..metrics import GatewayMetrics
+    from ..routing import RouteRequest
     from ..wire import ApiRequest
 
 
@@ -53,12 +54,12 @@ class Flights:
     def all(self) -> list[Flight]:
         return list(self._live.values())
 
-    def start(self, key: Fingerprint, pool: Pool, api: ApiRequest) -> Flight:
+    def start(self, key: Fingerprint, pool: Pool, api: ApiRequest, route: RouteRequest) -> Flight:
         if self._closed:
             raise ShuttingDown("The gateway is shutting down.", retry_after=1)
         if key.digest in self._live:
             raise RuntimeError("a flight for this fingerprint is already running")
-        flight = Flight(self, "lg-f-" + os.urandom(10).hex(), key, pool, api, self._fleet, self._metrics)
+        flight = Flight(self, "lg-f-" + os.urandom(10).hex(), key, pool, api, route, self._fleet, self._metrics)
         self._live[key.digest] = flight
         task = asyncio.create_task(flight.run(), name=f"lockgate-flight:{flight.id}")
         flight.task = task

@@ -13,7 +13,10 @@ class SimControl:
     fail_status: int | None = None  # answer every generation request with this status
     reset_prob: float = 0.0  # probability that a generation request's connection is reset mid-answer
     delay_first_token_ms: float = 0.0  # extra wait before a request enters the engine
+    # Engine-side fault injection for callers that cannot set request headers (a gateway in front):
+    reset_after_tokens: int | None = None  # like ``x-sim-reset-after-tokens`` on every request
     hold: bool = False  # hold every generation request like ``x-sim-hold: 1`` (until release)
+    hold_next: int = 0  # hold the next N generation requests, like ``x-sim-hold: 1``
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def update(self, changes: dict[str, Any]) -> None:
@@ -30,6 +33,12 @@ class SimControl:
                 if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
                     raise ValueError("reset_prob must be in [0, 1]")
                 value = float(value)
+            elif key == "hold_next":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError("hold_next must be an integer >= 0")
+            elif key == "reset_after_tokens":
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                    raise ValueError("reset_after_tokens must be null or an integer >= 0")
             elif key == "delay_first_token_ms":
                 if not isinstance(value, int | float) or value < 0:
                     raise ValueError("delay_first_token_ms must be >= 0")
@@ -46,8 +55,17 @@ class SimControl:
             "fail_status": self.fail_status,
             "reset_prob": self.reset_prob,
             "delay_first_token_ms": self.delay_first_token_ms,
+            "reset_after_tokens": self.reset_after_tokens,
             "hold": self.hold,
+            "hold_next": self.hold_next,
         }
+
+    def take_hold(self) -> bool:
+        """Whether the arriving request is one of the next ``hold_next`` to hold (consumes one)."""
+        if self.hold_next <= 0:
+            return False
+        self.hold_next -= 1
+        return True
 
     async def wait_released(self) -> None:
         """Wait for the next ``release()``."""

@@ -11,6 +11,8 @@ Fault-injection request headers:
   ``x-sim-hold: 1``                  hold before the first token until ``POST /sim/release`` or disconnect
   ``x-sim-reset-after-tokens: N``    ``transport.abort()`` after N generated tokens
   ``x-sim-delay-ms: MS``             wait MS before entering the engine (like ``delay_first_token_ms``)
+``/sim/control`` fields ``hold_next`` and ``reset_after_tokens`` do the same for requests sent by a gateway,
+which does not forward client headers.
 """
 
 from __future__ import annotations
@@ -252,6 +254,9 @@ class Api:
             self.stats.close_request(rec, "error")
             type_ = "InternalServerError" if status >= 500 else "BadRequestError"
             return _error(status, f"injected failure (status {status})", type_)
+        hold = hold or self.control.take_hold()
+        if reset_after is None:
+            reset_after = self.control.reset_after_tokens
         if reset_after is None and self.control.reset_prob and self._rng.random() < self.control.reset_prob:
             reset_after = self._rng.randrange(req.max_tokens)
         if self.config.fast and not (hold or delay_ms or self.control.delay_first_token_ms or reset_after is not None):

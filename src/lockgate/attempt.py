@@ -1,0 +1,120 @@
+"""Opening an engine call: route, send, and read up to the first event — retrying elsewhere while
+nothing has reached any client.
+
+Shared by the direct path (an `Exchange` holds the attempt) and by flights (a `Flight` holds it):
+the holder receives each attempt's lease and call through `hold` the moment they exist and gives
+them up through `drop`, so whoever owns the request owns the engine call at every `await`.
+
+An attempt may be retried on another instance for a failed connect, a retryable status (502/503),
+and for streams also a stream that breaks or ends before its first event. Retries are bounded by
+the model's `retries` and by the request's deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .assemble import has_content
+from .errors import GatewayError, UpstreamError, UpstreamProtocolError
+from .routing import RouteRequest
+from .upstream import UpstreamCall
+from .wire import ApiRequest
+
+if TYPE_CHECKING:
+    from .fleet import Fleet, Lease, Pool
+    from .metrics import GatewayMetrics
+
+
+@dataclass(slots=True)
+class Opened:
+    call: UpstreamCall
+    lease: Lease
+    #: Stream events already read (up to the first with choices), and the rest of the stream.
+    head: list[dict[str, Any]]
+    rest: AsyncGenerator[dict[str, Any], None] | None
+
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+        """The whole stream (the events read ahead, then the rest), counting tokens for the
+        instance's TPOT. The caller closes both this generator and `rest`."""
+        lease = self.lease
+        for event in self.head:
+            lease.completion_tokens += has_content(event)
+            yield event
+        assert self.rest is not None
+        async for event in self.rest:
+            lease.completion_tokens += has_content(event)
+            yield event
+
+    async def aclose(self) -> None:
+        if self.rest is not None:
+            await self.rest.aclose()
+
+
+async def open_attempts(
+    fleet: Fleet,
+    metrics: GatewayMetrics,
+    pool: Pool,
+    api: ApiRequest,
+    route: RouteRequest,
+    request_id: str,
+    *,
+    hold: Callable[[Lease, UpstreamCall], None],
+    drop: Callable[[], None],
+    time_left: Callable[[], bool],
+    priority: int | None = None,
+) -> Opened:
+    tried: set[str] = set()
+    attempts = pool.config.retries + 1
+    last_error: UpstreamError | None = None
+    for attempt in range(attempts):
+        try:
+            instance, view = pool.choose_view(replace(route, exclude=frozenset(tried)))
+        except GatewayError:
+            if last_error is not None:
+                raise last_error from None
+            raise
+        stream = api.stream or instance.dialect.stream_upstream_always
+        body = instance.dialect.upstream_body(
+            api, served_model=pool.served[instance.key], request_id=request_id, stream=stream, priority=priority
+        )
+        call = UpstreamCall(fleet, metrics, instance, api.endpoint.path, orjson.dumps(body), request_id, stream=stream)
+        lease = fleet.lease(instance, max(0, route.prompt_tokens - view.cached_tokens))
+        hold(lease, call)
+        try:
+            await call.open()
+            if not call.streaming:
+                return Opened(call, lease, [], None)
+            rest = call.events()
+            head = await _first_events(rest, call, lease)
+            return Opened(call, lease, head, rest)
+        except UpstreamError as exc:
+            drop()
+            # Nothing reached a client yet: a stream that broke before its first event may go elsewhere.
+            retryable = exc.retryable or isinstance(exc, UpstreamProtocolError)
+            if not retryable or attempt + 1 == attempts or not time_left():
+                raise
+            last_error = exc
+            tried.add(instance.key)
+            metrics.retries.labels(api.model).inc()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _first_events(
+    events: AsyncGenerator[dict[str, Any], None], call: UpstreamCall, lease: Lease
+) -> list[dict[str, Any]]:
+    """Read the stream up to its first event with choices; nothing has been sent to a client yet."""
+    head: list[dict[str, Any]] = []
+    try:
+        async for event in events:
+            head.append(event)
+            if event.get("choices"):
+                lease.first_token()
+                return head
+    except BaseException:
+        await events.aclose()
+        raise
+    raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")

@@ -1,0 +1,80 @@
+"""Passive outlier ejection for one instance: a sync state machine over failures, probes and time.
+
+Theory of operation: request attempts report their outcome. `consecutive_failures` failures in a row
+(connect errors, broken streams, 5xx) eject the instance for a backoff that doubles with each ejection
+in a row (`base`, `2 base`, `4 base`, ... up to `max`). When the backoff has passed, the health loop
+probes the instance; a successful probe returns it to the pool, a failed one ejects it again for
+twice as long. An instance that stays in the pool for longer than its last backoff starts over at
+`base`. Failures reported while it is ejected (attempts still finishing there) change nothing.
+The caller passes `now` (monotonic seconds), so tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+from .routing_config import EjectionConfig
+
+
+class Ejection:
+    __slots__ = ("_base", "_max", "_threshold", "consecutive_failures", "ejected_until", "ejections", "returned_at")
+
+    def __init__(self, config: EjectionConfig | None = None) -> None:
+        config = config or EjectionConfig()
+        self._threshold = config.consecutive_failures
+        self._base = config.base_ms / 1000
+        self._max = max(config.max_ms, config.base_ms) / 1000
+        self.consecutive_failures = 0
+        self.ejections = 0  # ejections in a row: the backoff's exponent
+        self.ejected_until: float | None = None
+        self.returned_at: float | None = None
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until is not None
+
+    def backoff(self) -> float:
+        """The length of the current (or last) ejection."""
+        return min(self._max, self._base * 2 ** max(0, self.ejections - 1))
+
+    def failure(self, now: float) -> bool:
+        """A request attempt failed. Returns True if this ejected the instance."""
+        if self.ejected:
+            return False
+        self.consecutive_failures += 1
+        if self.consecutive_failures < self._threshold:
+            return False
+        self._eject(now)
+        return True
+
+    def eject_now(self, now: float) -> bool:
+        """A failure that leaves no doubt (nothing listening): eject without waiting for more."""
+        if self.ejected:
+            return False
+        self._eject(now)
+        return True
+
+    def success(self) -> None:
+        if not self.ejected:
+            self.consecutive_failures = 0
+
+    def probe_due(self, now: float) -> bool:
+        return self.ejected_until is not None and now >= self.ejected_until
+
+    def probed(self, ok: bool, now: float) -> bool:
+        """The result of a probe made once `probe_due`. Returns True if the instance is back."""
+        if not self.ejected:
+            return False
+        if ok:
+            self.ejected_until = None
+            self.returned_at = now
+            self.consecutive_failures = 0
+            return True
+        self.ejections += 1
+        self.ejected_until = now + self.backoff()
+        return False
+
+    def _eject(self, now: float) -> None:
+        if self.returned_at is not None and now - self.returned_at > self.backoff():
+            self.ejections = 0  # it behaved for longer than its last time out: start over
+        self.ejections += 1
+        self.ejected_until = now + self.backoff()
+        self.consecutive_failures = 0

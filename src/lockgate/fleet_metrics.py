@@ -1,0 +1,64 @@
+"""Per-instance load state as Prometheus gauges, read from the fleet at scrape time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
+
+_GAUGES = (
+    ("in_flight", "Requests the gateway has in flight on the instance."),
+    ("queued_prompt_tokens", "Prompt tokens sent to the instance whose first token has not come back."),
+    ("ttft_seconds", "Observed time to first token (EWMA)."),
+    ("tpot_seconds", "Observed time per output token (EWMA)."),
+    ("prefill_tokens_per_second", "Measured prefill rate (EWMA)."),
+    ("engine_waiting", "Requests waiting, as last scraped from the engine (-1: unknown)."),
+    ("engine_running", "Requests running, as last scraped from the engine (-1: unknown)."),
+    ("engine_kv_usage", "KV-cache use 0..1, as last scraped from the engine (-1: unknown)."),
+    ("engine_metrics_age_seconds", "Age of the last good scrape of the engine's metrics (-1: never)."),
+    ("ejected", "1 while the instance is ejected as an outlier."),
+    ("errors", "Failed attempts on the instance seen by the gateway."),
+)
+
+
+class FleetCollector(Collector):
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = time.monotonic()
+        families = {
+            name: GaugeMetricFamily(f"lockgate_instance_{name}", doc, labels=["instance"]) for name, doc in _GAUGES
+        }
+        for instance in self._fleet.instances.values():
+            own, load = instance.own, instance.engine_load
+            values = {
+                "in_flight": instance.in_flight,
+                "queued_prompt_tokens": own.queued_prompt_tokens,
+                "ttft_seconds": own.ttft.value,
+                "tpot_seconds": own.tpot.value,
+                "prefill_tokens_per_second": own.prefill_tps.value,
+                "engine_waiting": _known(load.waiting if load else None),
+                "engine_running": _known(load.running if load else None),
+                "engine_kv_usage": _known(load.kv_usage if load else None),
+                "engine_metrics_age_seconds": load.age(now) if load else -1.0,
+                "ejected": 1 if instance.ejection.ejected else 0,
+                "errors": own.errors,
+            }
+            for name, value in values.items():
+                families[name].add_metric([instance.name], float(value))
+        index = GaugeMetricFamily("lockgate_prefix_index_blocks", "Blocks in a model's prefix index.", labels=["model"])
+        for pool in self._fleet.pools.values():
+            index.add_metric([pool.model], float(len(pool.index)))
+        yield from families.values()
+        yield index
+
+
+def _known(value: float | None) -> float:
+    return -1.0 if value is None else value

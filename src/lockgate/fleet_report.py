@@ -1,0 +1,104 @@
+"""`GET /admin/fleet`: each instance's state, its sources and their ages, ejection, prefix-index size."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .fleet import Fleet, Instance
+    from .fleetstate import Ewma
+
+
+def describe_fleet(fleet: Fleet) -> dict[str, Any]:
+    now = time.monotonic()
+    index_blocks: dict[str, int] = {}
+    for pool in fleet.pools.values():
+        for instance in pool.instances:
+            index_blocks[instance.key] = index_blocks.get(instance.key, 0) + pool.index.blocks_of(instance.key)
+    return {
+        "instances": [_instance(i, now, index_blocks.get(i.key, 0), fleet) for i in fleet.instances.values()],
+        "pools": [
+            {
+                "model": pool.model,
+                "policy": pool.policy.name,
+                "instances": [i.name for i in pool.instances],
+                "prefix_index": {
+                    "blocks": len(pool.index),
+                    "max_blocks": pool.index.max_entries,
+                    "approx_bytes": pool.index.approx_bytes,
+                    "block_chars": pool.index.block_chars,
+                    "evictions": pool.index.evictions,
+                },
+            }
+            for pool in fleet.pools.values()
+        ],
+    }
+
+
+def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -> dict[str, Any]:
+    own, load, ejection = instance.own, instance.engine_load, instance.ejection
+    stale_after = min((p.stale_after for p in fleet.pools.values() if instance in p.instances), default=1.0)
+    return {
+        "name": instance.name,
+        "url": instance.url,
+        "engine": instance.dialect.name,
+        "healthy": instance.healthy,
+        "routable": instance.routable,
+        "in_flight": instance.in_flight,
+        "max_concurrency": instance.max_concurrency,
+        "last_error": instance.last_error,
+        "last_probe_age_s": None if instance.last_probe_at is None else round(time.time() - instance.last_probe_at, 3),
+        "ejection": {
+            "ejected": ejection.ejected,
+            "returns_in_s": None
+            if ejection.ejected_until is None
+            else round(max(0.0, ejection.ejected_until - now), 3),
+            "ejections_in_a_row": ejection.ejections,
+            "consecutive_failures": ejection.consecutive_failures,
+        },
+        "sources": {
+            "gateway": {
+                "age_s": _age(own.updated_at, now),
+                "queued_prompt_tokens": own.queued_prompt_tokens,
+                "pending_first_token": own.pending,
+                "ttft_s": _ewma(own.ttft),
+                "tpot_s": _ewma(own.tpot),
+                "decode_s": _ewma(own.decode),
+                "prefill_tps": _ewma(own.prefill_tps),
+                "errors": own.errors,
+            },
+            "engine": None
+            if load is None
+            else {
+                "age_s": round(load.age(now), 3),
+                "stale": load.age(now) > stale_after,
+                "waiting": load.waiting,
+                "running": load.running,
+                "kv_usage": load.kv_usage,
+                "prefix_cache_hits": load.prefix_hits,
+                "prefix_cache_queries": load.prefix_queries,
+                "scrape_error": instance.scrape_error,
+            },
+        },
+        "prefix_index_blocks": index_blocks,
+        "routing_view": _view(instance, now, stale_after),
+    }
+
+
+def _view(instance: Instance, now: float, stale_after: float) -> dict[str, Any]:
+    view = instance.view(now, stale_after)
+    return {
+        "waiting": view.waiting,
+        "running": view.running,
+        "kv_usage": view.kv_usage,
+        "queued_prompt_tokens": view.queued_prompt_tokens,
+    }
+
+
+def _age(at: float | None, now: float) -> float | None:
+    return None if at is None else round(now - at, 3)
+
+
+def _ewma(e: Ewma) -> float | None:
+    return None if not e.samples else round(e.value, 6)

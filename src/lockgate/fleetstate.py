@@ -1,0 +1,168 @@
+"""What the gateway knows about one instance's load, from two sources, each with its age.
+
+- `OwnAccounting`: what the gateway itself sent and saw — requests in flight (kept on `Instance`),
+  prompt tokens queued (sent, first token not back yet), TTFT / TPOT / decode time and the prefill rate
+  as EWMAs, errors. Always current for the gateway's own traffic.
+- `EngineLoad`: the engine's own metrics, scraped on an interval (`scrape.py`). It also sees other
+  clients' traffic, but it is late by up to an interval, and after a failure or a mass cancellation it
+  can be stale (vLLM #29928); past `stale_after` it is not trusted at all.
+
+`merge()` is the one place the two are combined into the `InstanceView` a policy sees. Own accounting is
+never replaced by the scrape, only raised by it (max): a burst sent since the last scrape still counts,
+so policies do not herd onto an instance whose metrics are 200 ms old. Health checks never touch these
+counters (vllm-router #197).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .routing import InstanceView
+
+
+class Ewma:
+    """Exponentially weighted moving average; `value` is 0.0 until the first sample."""
+
+    __slots__ = ("alpha", "samples", "updated_at", "value")
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value = 0.0
+        self.samples = 0
+        self.updated_at: float | None = None
+
+    def add(self, sample: float, now: float) -> None:
+        self.value = sample if self.samples == 0 else self.value + self.alpha * (sample - self.value)
+        self.samples += 1
+        self.updated_at = now
+
+
+class Attempt:
+    """One request attempt's contribution to its instance's accounting (held by its `Lease`)."""
+
+    __slots__ = ("backlog", "first_at", "sent_at", "tokens")
+
+    def __init__(self, tokens: int, backlog: int, sent_at: float) -> None:
+        self.tokens = tokens  # uncached prompt tokens it queued
+        self.backlog = backlog  # prompt tokens queued ahead of it when sent
+        self.sent_at = sent_at
+        self.first_at: float | None = None
+
+
+#: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
+_MIN_RATE_TOKENS = 256
+
+
+class OwnAccounting:
+    def __init__(self) -> None:
+        self.queued_prompt_tokens = 0
+        #: Attempts sent whose first token has not come back (they are queued or in prefill there).
+        self.pending = 0
+        self.ttft = Ewma()
+        self.tpot = Ewma()
+        self.decode = Ewma()
+        self.prefill_tps = Ewma()
+        self.prompt_tokens = Ewma()
+        self.errors = 0
+        self.updated_at: float | None = None
+
+    def start(self, uncached_tokens: int, now: float) -> Attempt:
+        attempt = Attempt(uncached_tokens, self.queued_prompt_tokens, now)
+        self.queued_prompt_tokens += uncached_tokens
+        self.pending += 1
+        self.prompt_tokens.add(uncached_tokens, now)
+        self.updated_at = now
+        return attempt
+
+    def first_token(self, attempt: Attempt, now: float) -> None:
+        if attempt.first_at is not None:
+            return
+        attempt.first_at = now
+        self.queued_prompt_tokens -= attempt.tokens
+        self.pending -= 1
+        ttft = now - attempt.sent_at
+        self.ttft.add(ttft, now)
+        # The instance prefilled what was queued ahead plus this prompt before answering.
+        work = attempt.backlog + attempt.tokens
+        busy = ttft - self.tpot.value
+        if work >= _MIN_RATE_TOKENS and busy > 0:
+            self.prefill_tps.add(work / busy, now)
+        self.updated_at = now
+
+    def end(self, attempt: Attempt, now: float, completion_tokens: int) -> None:
+        """The attempt is over (whichever way). Idempotence is the lease's job."""
+        if attempt.first_at is None:
+            self.queued_prompt_tokens -= attempt.tokens
+            self.pending -= 1
+        else:
+            decode = now - attempt.first_at
+            self.decode.add(decode, now)
+            if completion_tokens > 1:
+                self.tpot.add(decode / (completion_tokens - 1), now)
+        self.updated_at = now
+
+    def error(self, now: float) -> None:
+        self.errors += 1
+        self.updated_at = now
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One scrape of an engine's metrics (None: the engine does not export that signal)."""
+
+    scraped_at: float
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
+
+    def age(self, now: float) -> float:
+        return now - self.scraped_at
+
+
+def merge(
+    *,
+    key: str,
+    name: str,
+    routable: bool,
+    in_flight: int,
+    max_concurrency: int,
+    own: OwnAccounting,
+    engine: EngineLoad | None,
+    now: float,
+    stale_after: float,
+    cached_tokens: int = 0,
+) -> InstanceView:
+    own_running = min(in_flight, max_concurrency)
+    own_waiting = max(0, in_flight - max_concurrency)
+    queued = max(0, own.queued_prompt_tokens)
+    running, waiting, kv = float(own_running), float(own_waiting), 0.0
+    if engine is not None and engine.age(now) <= stale_after:
+        if engine.running is not None:
+            running = max(running, engine.running)
+        if engine.waiting is not None:
+            # Requests waiting there beyond those the gateway sent and has not heard back from are
+            # someone else's: their prompt tokens are unknown; assume this gateway's mean.
+            foreign = engine.waiting - max(0, own.pending)
+            if foreign > 0:
+                queued += int(foreign * own.prompt_tokens.value)
+            waiting = max(waiting, engine.waiting)
+        if engine.kv_usage is not None:
+            kv = engine.kv_usage
+    return InstanceView(
+        key=key,
+        name=name,
+        healthy=routable,
+        in_flight=in_flight,
+        max_concurrency=max_concurrency,
+        queued_prompt_tokens=queued,
+        waiting=int(waiting),
+        running=int(running),
+        kv_usage=kv,
+        ttft_s=own.ttft.value,
+        tpot_s=own.tpot.value,
+        decode_s=own.decode.value,
+        prefill_tps=own.prefill_tps.value,
+        cached_tokens=cached_tokens,
+    )

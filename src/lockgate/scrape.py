@@ -1,0 +1,104 @@
+"""Scraping engine metrics: one concurrent round over the fleet per interval, each call with a timeout.
+
+`parse_load()` is pure: it reads the load signals a dialect names (`engines/*.py`, first name that is
+present wins, series summed over labels such as `model_name`) from Prometheus text. `Scraper.run()` is
+the loop the fleet owns: a round never overlaps the next (it waits for the slowest call, which the
+timeout bounds), so a slow engine is never asked twice at once (llm-d #1842: scraping that stalls the
+engine). A failed scrape keeps the last good one, which then ages past `stale_after` and is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from .engines import MetricNames
+from .fleetstate import EngineLoad
+from .routing_config import ScrapeConfig
+
+if TYPE_CHECKING:
+    from .fleet import Instance
+
+log = logging.getLogger(__name__)
+
+
+def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
+    wanted = names.all()
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = line.find("{")
+        if end < 0:
+            end = line.find(" ")
+        if end <= 0 or line[:end] not in wanted:
+            continue
+        # `name{labels} value [timestamp]`; label values may contain spaces.
+        rest = line[line.rindex("}") + 1 :] if line[end] == "{" else line[end:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        name = line[:end]
+        sums[name] = sums.get(name, 0.0) + value
+
+    def first(options: tuple[str, ...]) -> float | None:
+        for name in options:
+            if name in sums:
+                return sums[name]
+        return None
+
+    return EngineLoad(
+        scraped_at=scraped_at,
+        waiting=first(names.waiting),
+        running=first(names.running),
+        kv_usage=first(names.kv_usage),
+        prefix_hits=first(names.prefix_hits),
+        prefix_queries=first(names.prefix_queries),
+    )
+
+
+class Scraper:
+    def __init__(
+        self,
+        instances: Callable[[], Iterable[Instance]],
+        config: ScrapeConfig,
+        on_result: Callable[[Instance, bool], None],
+    ) -> None:
+        self._instances = instances
+        self._config = config
+        self._on_result = on_result
+
+    async def run(self) -> None:
+        interval = self._config.interval_ms / 1000
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.scrape_all()
+            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+    async def scrape_all(self) -> None:
+        targets = [i for i in self._instances() if i.dialect.metrics_path]
+        await asyncio.gather(*(self._scrape(i) for i in targets))
+
+    async def _scrape(self, instance: Instance) -> None:
+        path = instance.dialect.metrics_path
+        assert path is not None
+        try:
+            async with asyncio.timeout(self._config.timeout_ms / 1000):
+                async with instance.session.get(instance.base_url + path, headers=instance.auth_headers()) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+        except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError) as exc:
+            instance.scrape_error = f"metrics scrape failed: {exc!r}"[:300]
+            self._on_result(instance, False)
+            return
+        instance.engine_load = parse_load(text, instance.dialect.metrics, time.monotonic())
+        instance.scrape_error = None
+        self._on_result(instance, True)

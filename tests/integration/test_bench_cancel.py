@@ -1,0 +1,13 @@
+"""`lockgate bench cancel` runs end to end (a few trials; the figures themselves are not asserted)."""
+
+from __future__ import annotations
+
+from lockgate.bench import cancel
+
+
+async def test_bench_cancel_smoke() -> None:
+    results = await cancel.run(trials=3, tpot_ms=5.0)
+    assert [r.phase for r in results] == list(cancel.PHASES)
+    assert all(len(r.latencies_s) == 3 and all(0 <= x < 1 for x in r.latencies_s) for r in results)
+    text = cancel.report(results)
+    assert "p99" in text and "before_first_byte" in text

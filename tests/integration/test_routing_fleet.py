@@ -1,0 +1,224 @@
+"""Routing against a simulator fleet: ejection and return, retries before the first byte only,
+cache affinity, and what /admin/fleet and /metrics show."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import instance
+
+SYSTEM = "You are the support agent of a large company. Follow the policy carefully. " * 8
+
+
+def chat(content: str = "hi", *, stream: bool = False, max_tokens: int = 4, system: str = SYSTEM) -> dict:
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def post(http, url, body):
+    async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body)) as resp:
+        return resp.status, resp.headers.get("x-lockgate-instance"), await resp.read()
+
+
+async def control(http, sim, **changes):
+    async with http.post(sim.url + "/sim/control", json=changes) as resp:
+        assert resp.status == 200
+
+
+def upstream_errors(gw) -> dict[tuple[str, str], float]:
+    out = {}
+    for family in text_string_to_metric_families(gw.gateway.metrics.render().decode()):
+        if family.name == "lockgate_upstream_errors":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    out[(s.labels["instance"], s.labels["kind"])] = s.value
+    return out
+
+
+async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http):
+    bad, good = await start_sim(), await start_sim()
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "retries": 1,
+                "instances": [instance(bad, name="bad"), instance(good, name="good")],
+            }
+        ],
+        health={"interval_ms": 60000, "ejection": {"consecutive_failures": 2, "base_ms": 50, "max_ms": 400}},
+        scrape={"enabled": False},
+    )
+    fleet = gw.gateway.fleet
+    bad_instance = fleet.instances[bad.url]
+    await control(http, bad, fail_status=503, healthy=False)
+    for _ in range(4):  # each failure on `bad` is retried on `good`: clients see no error
+        status, name, _ = await post(http, gw.url, chat())
+        assert status == 200 and name == "good"
+    assert bad_instance.ejection.ejected
+    seen_by_bad = bad.statistics()["requests_started"]
+    assert seen_by_bad == 2
+    for _ in range(6):
+        status, name, _ = await post(http, gw.url, chat())
+        assert status == 200 and name == "good"
+    assert bad.statistics()["requests_started"] == seen_by_bad  # ejected: no traffic at all
+    async with http.get(gw.url + "/admin/fleet") as resp:
+        described = {i["name"]: i for i in (await resp.json())["instances"]}
+    assert described["bad"]["ejection"]["ejected"] is True and described["bad"]["routable"] is False
+    # The instance recovers; the next probe after its backoff brings it back (no request needed).
+    await control(http, bad, fail_status=None, healthy=True)
+    async with asyncio.timeout(5):
+        await fleet.wait_until(lambda f: bad_instance.routable)
+    names = {(await post(http, gw.url, chat()))[1] for _ in range(4)}
+    assert names == {"bad", "good"}
+
+
+async def test_stream_failing_before_its_first_event_is_retried_on_another_instance(start_sim, start_gateway, http):
+    broken, good = await start_sim(), await start_sim()
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "retries": 1,
+                "instances": [instance(broken, name="broken"), instance(good, name="good")],
+            }
+        ],
+        scrape={"enabled": False},
+    )
+    # The engine answers 200, then its connection drops before the first token.
+    await control(http, broken, reset_after_tokens=0)
+    async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(chat(stream=True))) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-lockgate-instance"] == "good"
+        raw = await resp.read()
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    assert broken.statistics()["requests_started"] == 1
+    assert good.statistics()["requests_finished"] == 1
+    # It broke after its 200 status (a stream error, not a refused connection): retried all the same.
+    assert upstream_errors(gw) == {("broken", "stream"): 1}
+
+
+async def test_error_status_before_first_byte_is_retried_within_the_retry_budget(start_sim, start_gateway, http):
+    a, b, c = await start_sim(), await start_sim(), await start_sim()
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "retries": 1,
+                "instances": [instance(a, name="a"), instance(b, name="b"), instance(c, name="c")],
+            }
+        ],
+        scrape={"enabled": False},
+    )
+    for sim in (a, b, c):
+        await control(http, sim, fail_status=503)
+    # One attempt and one retry (the budget), both failing: the engine's error reaches the client.
+    status, _, raw = await post(http, gw.url, chat())
+    assert status == 503 and b"injected failure" in raw
+    assert sum(s.statistics()["requests_started"] for s in (a, b, c)) == 2
+
+
+async def test_instance_killed_mid_stream_yields_an_sse_error_not_a_retry(start_sim, start_gateway, http):
+    doomed, spare = await start_sim(tpot_ms=30.0), await start_sim()
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "retries": 2,
+                "instances": [instance(doomed, name="doomed"), instance(spare, name="spare")],
+            }
+        ],
+        scrape={"enabled": False},
+    )
+    body = chat(stream=True, max_tokens=200)
+    async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body)) as resp:
+        assert resp.status == 200 and resp.headers["x-lockgate-instance"] == "doomed"
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: {")
+        await doomed.aclose()  # the engine dies mid-stream
+        rest = await resp.content.read()
+    events = [e for e in rest.split(b"\n\n") if e.strip()]
+    assert b"[DONE]" not in rest
+    error = orjson.loads(events[-1].removeprefix(b"data: "))
+    assert error["error"]["type"] == "upstream_error"
+    assert spare.statistics()["requests_started"] == 0
+
+
+async def test_conversation_follows_its_cached_prefix_and_admin_fleet_shows_sources(start_sim, start_gateway, http):
+    sims = [await start_sim(num_kv_blocks=512) for _ in range(3)]
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(s, name=f"s{n}") for n, s in enumerate(sims)]}],
+        scrape={"interval_ms": 60000, "stale_after_ms": 60000},
+    )
+    fleet = gw.gateway.fleet
+    other = "Another product line entirely, with other rules. " * 8
+    _, first_home, _ = await post(http, gw.url, chat("turn one", system=SYSTEM))
+    _, other_home, _ = await post(http, gw.url, chat("turn one", system=other))
+    assert other_home != first_home  # an idle fleet spreads new prefixes
+    for turn in range(4):  # later turns extend the prompt: they follow the cached prefix
+        _, home, _ = await post(http, gw.url, chat(f"turn one. turn {turn}", system=SYSTEM))
+        assert home == first_home
+    sim = next(s for n, s in enumerate(sims) if f"s{n}" == first_home)
+    assert sim.statistics()["prefix_cache_hit_tokens"] > 0
+    await fleet.scraper.scrape_all()
+    async with http.get(gw.url + "/admin/fleet") as resp:
+        report = await resp.json()
+    described = {i["name"]: i for i in report["instances"]}
+    home = described[first_home]
+    assert home["sources"]["gateway"]["age_s"] >= 0
+    assert home["sources"]["gateway"]["ttft_s"] is None  # non-streaming: no first-token time
+    engine = home["sources"]["engine"]
+    assert engine["stale"] is False and engine["age_s"] < 60
+    assert engine["running"] == 0 and engine["waiting"] == 0
+    assert engine["prefix_cache_hits"] > 0
+    assert home["prefix_index_blocks"] > 0
+    pool = report["pools"][0]
+    assert pool["policy"] == "predicted_ttft"
+    assert 0 < pool["prefix_index"]["blocks"] <= pool["prefix_index"]["max_blocks"]
+    metrics = {f.name: f for f in text_string_to_metric_families(gw.gateway.metrics.render().decode())}
+    decisions = {
+        s.labels["instance"]: s.value
+        for s in metrics["lockgate_routing_decisions"].samples
+        if s.name.endswith("_total")
+    }
+    assert decisions[first_home] == 5 and sum(decisions.values()) == 6
+    assert {s.labels["instance"] for s in metrics["lockgate_instance_engine_running"].samples} == {"s0", "s1", "s2"}
+
+
+async def test_health_probe_does_not_reset_load_accounting(start_sim, start_gateway, http):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], scrape={"enabled": False})
+    fleet = gw.gateway.fleet
+    await control(http, sim, delay_first_token_ms=30000)  # the request stays queued there
+    task = asyncio.create_task(post(http, gw.url, chat(stream=True)))
+    try:
+        async with asyncio.timeout(5):
+            await sim.wait_until(lambda s: s.stats.requests_started >= 1)
+        inst = fleet.instances[sim.url]
+        before = (inst.in_flight, inst.own.pending, inst.own.queued_prompt_tokens)
+        await fleet.probe_all()
+        assert (inst.in_flight, inst.own.pending, inst.own.queued_prompt_tokens) == before
+        assert before[:2] == (1, 1) and before[2] > 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

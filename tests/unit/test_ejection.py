@@ -1,0 +1,48 @@
+"""Outlier ejection with exponential backoff, driven by a hand-held clock."""
+
+from __future__ import annotations
+
+from lockgate.ejection import Ejection
+from lockgate.routing_config import EjectionConfig
+
+
+def make() -> Ejection:
+    return Ejection(EjectionConfig(consecutive_failures=3, base_ms=1000, max_ms=5000))
+
+
+def test_consecutive_failures_eject_and_a_success_resets_the_count():
+    e = make()
+    assert not e.failure(0.0) and not e.failure(0.1)
+    e.success()
+    assert not e.failure(0.2) and not e.failure(0.3)
+    assert e.failure(0.4) and e.ejected
+    assert e.ejected_until == 1.4
+    assert not e.failure(0.5)  # failures while ejected change nothing
+    assert e.ejected_until == 1.4
+
+
+def test_backoff_doubles_on_failed_probes_up_to_the_cap_and_returns_after_a_good_probe():
+    e = make()
+    for t in (0.0, 0.0, 0.0):
+        e.failure(t)
+    assert not e.probe_due(0.9) and e.probe_due(1.0)
+    lengths = []
+    now = 1.0
+    for _ in range(4):
+        assert not e.probed(False, now)
+        lengths.append(e.ejected_until - now)
+        now = e.ejected_until
+    assert lengths == [2.0, 4.0, 5.0, 5.0]
+    assert e.probed(True, now) and not e.ejected
+
+
+def test_flapping_instance_keeps_its_backoff_a_behaving_one_starts_over():
+    e = make()
+    e.eject_now(0.0)
+    e.probed(False, 1.0)  # 2 s
+    e.probed(True, 3.0)
+    e.eject_now(3.5)  # back for 0.5 s < last backoff: 4 s now
+    assert e.ejected_until == 7.5
+    e.probed(True, 7.5)
+    e.eject_now(20.0)  # behaved for 12.5 s: starts over at 1 s
+    assert e.ejected_until == 21.0

@@ -1,0 +1,59 @@
+"""The prefix index: hash-chained blocks, per-instance longest match, LRU bound."""
+
+from __future__ import annotations
+
+from lockgate.prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
+
+SYSTEM = "You are a careful assistant. " * 20
+
+
+def test_blocks_are_hash_chained_prefixes():
+    a = prompt_blocks(SYSTEM + "question one", 64)
+    b = prompt_blocks(SYSTEM + "question two, longer", 64)
+    shared = len(SYSTEM) // 64
+    assert a[:shared] == b[:shared]
+    # Same block text at another position hashes differently (the chain carries the prefix).
+    same_text = prompt_blocks("x" * 128, 64)
+    assert same_text[0] != same_text[1]
+    assert prompt_blocks("short", 64) == ()
+
+
+def test_match_counts_leading_blocks_per_instance():
+    index = PrefixIndex(1 << 20, 64)
+    long_conv = prompt_blocks(SYSTEM + "turn one. " * 30, 64)
+    index.insert("a", long_conv)
+    index.insert("b", prompt_blocks(SYSTEM, 64))
+    query = prompt_blocks(SYSTEM + "turn one. " * 30 + "turn two", 64)
+    match = index.match(query)
+    assert match["a"] == len(long_conv)
+    assert match["b"] == len(SYSTEM) // 64
+    assert "c" not in match
+    assert index.match(prompt_blocks("something else entirely " * 10, 64)) == {}
+
+
+def test_lru_eviction_keeps_the_index_within_its_memory_bound():
+    max_bytes = 64 * 1024
+    index = PrefixIndex(max_bytes, 64)
+    hot = prompt_blocks(SYSTEM, 64)
+    for n in range(5000):
+        index.insert(f"i{n % 4}", prompt_blocks(f"distinct prompt number {n} " * 6, 64))
+        if n % 50 == 0:
+            index.insert("i0", hot)  # used again and again: never the least recently used
+    assert len(index) <= index.max_entries == max_bytes // ENTRY_BYTES
+    assert index.evictions > 0
+    assert index.match(hot)["i0"] == len(hot)
+
+
+def test_entry_cost_estimate_is_an_upper_bound():
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        index = PrefixIndex(10 * 1024 * 1024, 64)
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(20_000):
+            index.insert(f"i{n % 8}", (n * 0x9E3779B97F4A7C15 % (1 << 64),))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert used <= len(index) * ENTRY_BYTES

@@ -1,0 +1,75 @@
+"""The usage writer never loses a record: a full queue spills (counted), a failed write spills, a crash
+mid-import leaves a claimed file that the next start imports."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import asdict
+from pathlib import Path
+
+import orjson
+import pytest
+
+from lockgate.metrics import GatewayMetrics
+from lockgate.records import RecordWriter, UsageRecord, read_records
+from tests.integration.cancel_support import total
+
+
+def exists(path: str) -> bool:
+    return Path(path).exists()
+
+
+def spill(path: str, rec: UsageRecord) -> None:
+    Path(path).write_bytes(orjson.dumps(asdict(rec)) + b"\n")
+
+
+def record(n: int) -> UsageRecord:
+    return UsageRecord(request_id=f"r{n}", tenant="t", model="m", endpoint="chat", stream=False, started_at=n)
+
+
+async def test_full_queue_spills_counts_and_everything_lands_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "u.sqlite3")
+    metrics = GatewayMetrics()
+    async with RecordWriter(path, metrics, queue_size=5, batch_size=3) as writer:
+        for n in range(40):  # no await in between: the writer cannot drain, the queue overflows
+            writer.submit(record(n))
+        assert total(metrics.usage_records_spilled, "_total") == 35
+        await writer.wait_flushed()
+        assert [r["request_id"] for r in read_records(path)] == [f"r{n}" for n in range(40)]
+    assert not exists(path + ".spill.jsonl")
+    assert len(read_records(path)) == 40
+
+
+async def test_claimed_spill_left_by_a_crash_is_imported_at_start(tmp_path: Path) -> None:
+    path = str(tmp_path / "u.sqlite3")
+    spill(path + ".spill.importing", record(1))
+    spill(path + ".spill.jsonl", record(2))
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        await writer.wait_flushed()
+    assert {r["request_id"] for r in read_records(path)} == {"r1", "r2"}
+    assert not exists(path + ".spill.importing")
+
+
+async def test_failed_write_spills_the_batch_instead_of_losing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "u.sqlite3")
+    metrics = GatewayMetrics()
+    async with RecordWriter(path, metrics) as writer:
+        original = writer._write
+        failures = [sqlite3.OperationalError("disk I/O error")]
+
+        def flaky(batch: list[UsageRecord]) -> None:
+            if failures:
+                raise failures.pop()
+            original(batch)
+
+        monkeypatch.setattr(writer, "_write", flaky)
+        for n in range(3):
+            writer.submit(record(n))
+        await writer.wait_flushed()
+        assert total(metrics.usage_records_spilled, "_total") == 3
+    # The spilled records wait on disk; the next start imports them.
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        await writer.wait_flushed()
+    assert [r["request_id"] for r in read_records(path)] == ["r0", "r1", "r2"]
