@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lockgate.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
@@ -183,6 +183,7 @@ def test_invariants_hold_under_any_sequence(
 
 @settings(max_examples=100, deadline=None)
 @given(weights=st.lists(st.floats(0.05, 1.0), min_size=2, max_size=4), rounds=st.integers(50, 400))
+@example(weights=[0.875, 0.078, 0.078, 0.078], rounds=52)  # found by hypothesis: 2.197 off with 4 classes
 def test_backlogged_shared_classes_get_their_weighted_shares(weights: list[float], rounds: int) -> None:
     classes = [ClassSpec(f"C{i}", weight=w, max_queue=10_000) for i, w in enumerate(weights)]
     core = SchedulerCore(classes, capacity=1)
@@ -197,8 +198,10 @@ def test_backlogged_shared_classes_get_their_weighted_shares(weights: list[float
         served[current.klass] += 1
     total = sum(weights)
     for k, w in enumerate(weights):
-        # Within about one grant of the exact share (plus the blocker's grant, made alone).
-        assert abs(served[k] - (rounds + 1) * w / total) <= 2.0
+        # Stride scheduling (smallest virtual finish time first) keeps each class within n - 1 grants of
+        # its exact share for n backlogged classes (the lag grows with the number of classes, not with
+        # time), plus the blocker's grant, made alone.
+        assert abs(served[k] - (rounds + 1) * w / total) <= len(weights)
 
 
 def test_strict_class_takes_every_slot_it_wants_but_others_are_not_starved_after() -> None:
