@@ -20,12 +20,12 @@ import orjson
 
 from .assemble import has_content
 from .errors import GatewayError, UpstreamError, UpstreamProtocolError
-from .routing import RouteRequest
+from .routing.policies import RouteRequest
 from .upstream import UpstreamCall
 from .wire import ApiRequest
 
 if TYPE_CHECKING:
-    from .fleet import Fleet, Lease, Pool
+    from .fleet.pool import Fleet, Lease, Pool
     from .metrics import GatewayMetrics
 
 

@@ -53,7 +53,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _hash_key(args: argparse.Namespace) -> int:
-    from .tenants import hash_key
+    from .admission.tenants import hash_key
 
     # Read from stdin by default so the key stays out of shell history and process listings.
     key = args.key if args.key is not None else sys.stdin.readline().strip()

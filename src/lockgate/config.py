@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .admission_config import SchedulingConfig, TenantConfig, check_admission
-from .routing_config import EjectionConfig, RoutingConfig, ScrapeConfig
-from .routing_config import PolicyName as PolicyName
+from .admission.config import SchedulingConfig, TenantConfig, check_admission
+from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
+from .routing.config import PolicyName as PolicyName
 
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
 CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
@@ -80,7 +80,7 @@ class SemanticConfig(_Strict):
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1)]
     instances: Annotated[list[InstanceConfig], Field(min_length=1)]
-    #: A policy name, or a mapping with the policy and its options (see `routing_config.py`).
+    #: A policy name, or a mapping with the policy and its options (see `routing/config.py`).
     routing: RoutingConfig = RoutingConfig()
     #: Default end-to-end deadline for this model's requests (client may lower it per request).
     timeout_ms: Annotated[int, Field(ge=1)] | None = None

@@ -8,7 +8,7 @@
     ├── PayloadTooLarge               413     invalid_request_error
     ├── RateLimited                   429     rate_limit_exceeded      (Retry-After)  [rejected]
     │   ├── QueueFull                 429     code=queue_full
-    │   └── RateLimitExceeded         429     (+ x-ratelimit-* headers; in ratelimit.py)
+    │   └── RateLimitExceeded         429     (+ x-ratelimit-* headers; in admission/ratelimit.py)
     ├── Unavailable                   503     service_unavailable      (Retry-After)
     │   ├── QueueTimeout              503     code=queue_timeout                      [rejected]
     │   └── ShuttingDown              503

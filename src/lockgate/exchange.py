@@ -36,7 +36,7 @@ from .wire import ApiRequest
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from .fleet import Instance, Lease, Pool
+    from .fleet.pool import Instance, Lease, Pool
     from .gateway import Gateway
     from .upstream import UpstreamCall
 

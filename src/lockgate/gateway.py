@@ -13,18 +13,18 @@ import time
 import orjson
 from aiohttp import web
 
-from . import resume
-from .admission import Admission
+from .admission import resume
+from .admission.gate import Admission
+from .admission.tenants import PRIORITY_HEADER, Tenant
 from .config import Config
 from .dedup import Coalescer
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
-from .fleet import Fleet, Instance
-from .fleet_report import describe_fleet
+from .fleet.pool import Fleet, Instance
+from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
 from .records import RecordWriter
 from .relay import relay
-from .tenants import PRIORITY_HEADER, Tenant
 from .wire import Endpoint, parse_request
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"

@@ -13,7 +13,7 @@ from prometheus_client.metrics import MetricWrapperBase
 M = TypeVar("M", bound=MetricWrapperBase)
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
+    from .fleet.pool import Fleet
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -143,7 +143,7 @@ class GatewayMetrics:
 
     def watch_fleet(self, fleet: Fleet) -> None:
         """Per-instance load state, read from the fleet when /metrics is scraped (nothing on the hot path)."""
-        from .fleet_metrics import FleetCollector
+        from .fleet.metrics import FleetCollector
 
         self.registry.register(FleetCollector(fleet))
 
@@ -152,7 +152,7 @@ class GatewayMetrics:
 
 
 class SchedulingMetrics:
-    """Admission, priority queues and tenant rate limits (see `admission.py`)."""
+    """Admission, priority queues and tenant rate limits (see `admission/gate.py`)."""
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.queue_depth = Gauge(

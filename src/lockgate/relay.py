@@ -18,7 +18,7 @@ from .exchange import Exchange, Phase
 from .respond import stream_events, whole_body
 
 if TYPE_CHECKING:
-    from .fleet import Instance, Lease
+    from .fleet.pool import Instance, Lease
     from .upstream import UpstreamCall
 
 

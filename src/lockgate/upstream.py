@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
-from .fleet import Fleet, Instance, upstream_headers
+from .fleet.pool import Fleet, Instance, upstream_headers
 from .metrics import GatewayMetrics
 from .sse import DONE, SSEDecoder
 

@@ -17,8 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
-from lockgate.tenants import hash_key
 from tests.conftest import instance
 
 P0, P1, P2 = 0, 1, 2

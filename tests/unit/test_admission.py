@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from lockgate.admission import PoolScheduler
-from lockgate.admission_config import SchedulingConfig, TenantConfig
+from lockgate.admission.config import SchedulingConfig, TenantConfig
+from lockgate.admission.gate import PoolScheduler
+from lockgate.admission.ratelimit import RateLimiter, RateLimitExceeded, duration
+from lockgate.admission.scheduler import ClassSpec, TicketState
+from lockgate.admission.tenants import TenantBook, hash_key
 from lockgate.config import ConfigError, parse_config
 from lockgate.errors import InvalidRequest, ModelNotFound, QueueFull, QueueTimeout, Unauthorized
 from lockgate.metrics import GatewayMetrics
-from lockgate.ratelimit import RateLimiter, RateLimitExceeded, duration
-from lockgate.scheduler import ClassSpec, TicketState
-from lockgate.tenants import TenantBook, hash_key
 
 
 def book(*tenants: TenantConfig) -> TenantBook:

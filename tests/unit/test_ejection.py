@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lockgate.ejection import Ejection
-from lockgate.routing_config import EjectionConfig
+from lockgate.fleet.ejection import Ejection
+from lockgate.routing.config import EjectionConfig
 
 
 def make() -> Ejection:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lockgate.engines import dialect_for
-from lockgate.fleetstate import EngineLoad, OwnAccounting, merge
-from lockgate.scrape import parse_load
+from lockgate.fleet.scrape import parse_load
+from lockgate.fleet.state import EngineLoad, OwnAccounting, merge
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from lockgate.affinity import ConsistentHash
 from lockgate.config import parse_config
-from lockgate.cost import CacheAware, PredictedTTFT, Score, predict_ttft
-from lockgate.routing import InstanceView, PoolSnapshot, PowerOfTwo, RouteRequest, make_policy
-from lockgate.routing_config import ConsistentHashOptions, ScoreWeights
+from lockgate.routing.affinity import ConsistentHash
+from lockgate.routing.config import ConsistentHashOptions, ScoreWeights
+from lockgate.routing.cost import CacheAware, PredictedTTFT, Score, predict_ttft
+from lockgate.routing.policies import InstanceView, PoolSnapshot, PowerOfTwo, RouteRequest, make_policy
 
 
 def view(n: int, **kw) -> InstanceView:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from lockgate.admission.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
+from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
-from lockgate.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
-from lockgate.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.wire import Endpoint, validate
 
 CLASSES = (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockgate.prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
+from lockgate.routing.prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
 
 SYSTEM = "You are a careful assistant. " * 20
 

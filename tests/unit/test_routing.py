@@ -1,4 +1,4 @@
-from lockgate.routing import InstanceView, LeastLoad, PoolSnapshot, RoundRobin, RouteRequest
+from lockgate.routing.policies import InstanceView, LeastLoad, PoolSnapshot, RoundRobin, RouteRequest
 
 
 def snap(*loads, healthy=None):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lockgate.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
+from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 
 DEFAULT = (
     ClassSpec("P0", weight=0.6, strict=True, max_queue=8),

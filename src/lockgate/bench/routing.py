@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 
 from ..config import parse_config
-from ..prefix import PrefixIndex, prompt_blocks
+from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..server import GatewayServer
 from ..sim import SimConfig, SimServer
 from .load import percentile

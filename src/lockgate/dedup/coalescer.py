@@ -31,7 +31,7 @@ from .metrics import DedupMetrics
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
-    from ..fleet import Fleet
+    from ..fleet.pool import Fleet
     from ..metrics import GatewayMetrics
     from ..semantic import Embedder, Probe, SemanticCache
     from ..wire import ApiRequest

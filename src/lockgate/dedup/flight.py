@@ -37,13 +37,13 @@ import orjson
 
 from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown
-from ..routing import RouteRequest
+from ..routing.policies import RouteRequest
 from ..upstream import UpstreamCall
 from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet import Fleet, Instance, Lease, Pool
+    from ..fleet.pool import Fleet, Instance, Lease, Pool
     from ..metrics import GatewayMetrics
     from ..wire import ApiRequest
 

@@ -19,9 +19,9 @@ from .fingerprint import Fingerprint
 from .flight import Flight
 
 if TYPE_CHECKING:
-    from ..fleet import Fleet, Pool
+    from ..fleet.pool import Fleet, Pool
     from ..metrics import GatewayMetrics
-    from ..routing import RouteRequest
+    from ..routing.policies import RouteRequest
     from ..wire import ApiRequest
 
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from .engines import MetricNames
-from .fleetstate import EngineLoad
-from .routing_config import ScrapeConfig
+from ..engines import MetricNames
+from ..routing.config import ScrapeConfig
+from .state import EngineLoad
 
 if TYPE_CHECKING:
-    from .fleet import Instance
+    from .pool import Instance
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 `Fleet` is an async context manager that owns every background task it starts (health probes, metric
 scrapes, explicit abort calls) and every upstream connection pool; leaving it closes them all.
-An instance's load state (own accounting, scraped engine metrics) is in `fleetstate.py`, its outlier
+An instance's load state (own accounting, scraped engine metrics) is in `state.py`, its outlier
 ejection in `ejection.py`; `Pool.snapshot()` merges them into what the routing policy sees.
 An instance serving several models is one `Instance` (keyed by URL) shared by those pools, so its
 load is counted once.
@@ -18,16 +18,16 @@ from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
-from .config import Config, InstanceConfig, ModelConfig
+from ..config import Config, InstanceConfig, ModelConfig
+from ..engines import AbortCall, Dialect, dialect_for
+from ..errors import Unavailable
+from ..metrics import GatewayMetrics
+from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
+from ..routing.prefix import PrefixIndex, prompt_blocks
+from ..wire import ApiRequest
 from .ejection import Ejection
-from .engines import AbortCall, Dialect, dialect_for
-from .errors import Unavailable
-from .fleetstate import Attempt, EngineLoad, OwnAccounting, merge
-from .metrics import GatewayMetrics
-from .prefix import PrefixIndex, prompt_blocks
-from .routing import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
 from .scrape import Scraper
-from .wire import ApiRequest
+from .state import Attempt, EngineLoad, OwnAccounting, merge
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .fleet import Fleet, Instance
-    from .fleetstate import Ewma
+    from .pool import Fleet, Instance
+    from .state import Ewma
 
 
 def describe_fleet(fleet: Fleet) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .admission_config import SchedulingConfig, TenantConfig
-from .errors import InvalidRequest, ModelNotFound, Unauthorized
+from ..errors import InvalidRequest, ModelNotFound, Unauthorized
+from .config import SchedulingConfig, TenantConfig
 
 DEFAULT_TENANT = "default"
 PRIORITY_HEADER = "x-priority"

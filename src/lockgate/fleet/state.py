@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .routing import InstanceView
+from ..routing.policies import InstanceView
 
 
 class Ewma:

@@ -4,7 +4,7 @@ Theory of operation: a pool has `capacity` slots (the sum of its instances' `max
 request takes a `Ticket` of one priority class; `offer()` either grants it a slot at once, queues it,
 or rejects it (its class queue is full). Whenever a slot frees (`release()`) or capacity grows, the
 core grants queued tickets until no slot is free or nothing eligible waits, and returns the granted
-tickets so that the async shell (`admission.py`) can wake their owners. Nothing here awaits, reads a
+tickets so that the async shell (`gate.py`) can wake their owners. Nothing here awaits, reads a
 clock or touches I/O: the time is passed in, so every decision is a pure state transition.
 
 Order of service:

@@ -11,7 +11,7 @@ The caller passes `now` (monotonic seconds), so tests drive time by hand.
 
 from __future__ import annotations
 
-from .routing_config import EjectionConfig
+from ..routing.config import EjectionConfig
 
 
 class Ejection:

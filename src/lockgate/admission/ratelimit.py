@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import RateLimited
+from ..errors import RateLimited
 from .tenants import Tenant
 
 

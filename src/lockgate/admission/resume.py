@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from .assemble import assemble
-from .attempt import Opened, open_attempts
-from .exchange import Exchange, Phase
+from ..assemble import assemble
+from ..attempt import Opened, open_attempts
+from ..exchange import Exchange, Phase
+from ..respond import stream_events, whole_body
+from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
-from .respond import stream_events, whole_body
-from .wire import ApiRequest
 
 if TYPE_CHECKING:
-    from .admission import PoolScheduler
-    from .fleet import Lease
+    from ..fleet.pool import Lease
+    from ..upstream import UpstreamCall
+    from .gate import PoolScheduler
     from .scheduler import Ticket
     from .tenants import Tenant
-    from .upstream import UpstreamCall
 
 T = TypeVar("T")
 

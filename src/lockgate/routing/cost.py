@@ -23,8 +23,8 @@ the prefill another instance would need, traffic moves, and that instance caches
 
 from __future__ import annotations
 
-from .routing import InstanceView, PoolSnapshot, RouteRequest, _Cursor, candidates, lowest
-from .routing_config import CacheAwareOptions, PredictedTTFTOptions, ScoreWeights
+from .config import CacheAwareOptions, PredictedTTFTOptions, ScoreWeights
+from .policies import InstanceView, PoolSnapshot, RouteRequest, _Cursor, candidates, lowest
 
 
 def predict_ttft(

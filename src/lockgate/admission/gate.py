@@ -24,16 +24,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .errors import QueueFull, QueueTimeout
-from .metrics import SchedulingMetrics
+from ..errors import QueueFull, QueueTimeout
+from ..metrics import SchedulingMetrics
 from .preemption import Preemptee, choose_victim
 from .ratelimit import RateLimiter, RateLimitExceeded, Reservation
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .exchange import Exchange
+    from ..config import Config
+    from ..exchange import Exchange
 
 Clock = Callable[[], float]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .routing_config import RoutingConfig
+    from .config import RoutingConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +154,8 @@ def occupancy(view: InstanceView) -> float:
 
 def make_policy(config: RoutingConfig | str) -> Policy:
     from .affinity import ConsistentHash
+    from .config import RoutingConfig
     from .cost import CacheAware, PredictedTTFT, Score
-    from .routing_config import RoutingConfig
 
     if isinstance(config, str):
         config = RoutingConfig(policy=config)  # type: ignore[arg-type]

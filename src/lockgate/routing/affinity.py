@@ -15,8 +15,8 @@ import math
 
 import xxhash
 
-from .routing import InstanceView, LeastLoad, PoolSnapshot, RouteRequest, candidates
-from .routing_config import ConsistentHashOptions
+from .config import ConsistentHashOptions
+from .policies import InstanceView, LeastLoad, PoolSnapshot, RouteRequest, candidates
 
 
 class HashRing:

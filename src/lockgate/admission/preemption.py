@@ -27,8 +27,8 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ..wire import ApiRequest, Endpoint
 from .scheduler import SchedulerCore, Ticket
-from .wire import ApiRequest, Endpoint
 
 
 class Plan(StrEnum):

@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
+    from .pool import Fleet
 
 _GAUGES = (
     ("in_flight", "Requests the gateway has in flight on the instance."),

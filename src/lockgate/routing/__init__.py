@@ -1,0 +1,7 @@
+"""Routing: which instance serves a request.
+
+`policies` (the `Policy` seam, the snapshot types, round-robin, least-load, power-of-two), `affinity`
+(consistent hashing with bounded load), `cost` (score, cache-aware, predicted TTFT), `prefix` (the
+bounded prefix index), `config` (the `routing:` options). Every policy is a synchronous choice over an
+immutable snapshot.
+"""
