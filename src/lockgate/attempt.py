@@ -41,13 +41,18 @@ class Opened:
         """The whole stream (the events read ahead, then the rest), counting tokens for the
         instance's TPOT. The caller closes both this generator and `rest`."""
         lease = self.lease
-        for event in self.head:
+        while self.head:
+            event = self.head.pop(0)  # popped first: `ready()` sees what is left
             lease.completion_tokens += has_content(event)
             yield event
         assert self.rest is not None
         async for event in self.rest:
             lease.completion_tokens += has_content(event)
             yield event
+
+    def ready(self) -> bool:
+        """Whether the next event is already here (the writer may then coalesce its writes)."""
+        return bool(self.head) or self.call.pending > 0
 
     async def aclose(self) -> None:
         if self.rest is not None:

@@ -77,6 +77,6 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> web.StreamResponse:
 async def _relay_stream(ex: Exchange, http_request: web.Request, opened: Opened) -> web.StreamResponse:
     events = opened.events()
     try:
-        return await stream_events(ex, http_request, events, _headers(ex, opened.call.instance))
+        return await stream_events(ex, http_request, events, _headers(ex, opened.call.instance), ready=opened.ready)
     finally:
         await events.aclose()

@@ -7,7 +7,7 @@ cached results): both hand over the generation's events and the response headers
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -26,13 +26,21 @@ async def stream_events(
     headers: dict[str, str],
     *,
     response_id: str | None = None,
+    ready: Callable[[], bool] | None = None,
 ) -> web.StreamResponse:
     """Relay a generation as SSE. The status line goes out with the first event that has choices:
-    until then, a failure can still be answered with an error status (or retried elsewhere)."""
+    until then, a failure can still be answered with an error status (or retried elsewhere).
+
+    Events that are already here (`ready()`: the source holds more without waiting) are written
+    together, one write (one send) for all of them: an engine or flight that is ahead of this client
+    costs one syscall per batch, not per token. A write still awaits the transport's drain, so a slow
+    client holds its source back (backpressure)."""
     api, record = ex.api, ex.record
     view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
     response: web.StreamResponse | None = None
     delivered = 0
+    batch: list[bytes] = []
+    batch_tokens = 0
     async for event in events:
         out = view.event(event)
         if view.usage is not None:
@@ -54,19 +62,30 @@ async def stream_events(
             ex.response = response
             await _write(response.prepare(http_request))
             ex.phase = Phase.STREAMING
-        if has_content(out):
-            delivered += 1
+        batch.append(sse.encode(out))
+        batch_tokens += has_content(out)
+        if ready is not None and ready():
+            continue
+        await _write(response.write(b"".join(batch) if len(batch) > 1 else batch[0]))
+        batch.clear()
+        if batch_tokens:
+            # Delivered = written to the client's connection.
+            delivered += batch_tokens
+            batch_tokens = 0
             if record.completion_tokens < delivered:
                 record.completion_tokens = delivered
             ex.first_token()
-        await _write(response.write(sse.encode(out)))
     if response is None:
         raise UpstreamProtocolError("The engine sent an empty stream.")
     ex.phase = Phase.FINISHING
     final = view.final()
     if final is not None:
-        await _write(response.write(sse.encode(final)))
-    await _write(response.write(sse.DONE_EVENT))
+        batch.append(sse.encode(final))
+    batch.append(sse.DONE_EVENT)
+    await _write(response.write(b"".join(batch)))
+    if batch_tokens:
+        record.completion_tokens = max(record.completion_tokens, delivered + batch_tokens)
+        ex.first_token()
     ex.answered = True
     await _write(response.write_eof())
     return response

@@ -35,6 +35,7 @@ class UpstreamCall:
         "_stream",
         "aborted",
         "instance",
+        "pending",
     )
 
     def __init__(
@@ -58,6 +59,8 @@ class UpstreamCall:
         self._response: aiohttp.ClientResponse | None = None
         self._finished = False
         self.aborted = False
+        #: Events already received and decoded but not yet yielded by `events()` (ready without waiting).
+        self.pending = 0
         # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
         # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
         instance.open_calls += 1
@@ -126,11 +129,14 @@ class UpstreamCall:
         decoder = SSEDecoder()
         try:
             async for chunk in response.content.iter_any():
-                for payload in decoder.feed(chunk):
+                payloads = decoder.feed(chunk)
+                for index, payload in enumerate(payloads):
                     if payload == DONE:
                         self._release()
                         return
+                    self.pending = len(payloads) - index - 1
                     yield _parse_event(payload, self.instance.name)
+                self.pending = 0
             for payload in decoder.close():
                 if payload != DONE:
                     yield _parse_event(payload, self.instance.name)

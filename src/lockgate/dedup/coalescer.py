@@ -162,7 +162,12 @@ class Coalescer:
         self, ex: Exchange, http_request: web.Request, outcome: str, source: AsyncIterator[dict[str, Any]]
     ) -> web.StreamResponse:
         return await stream_events(
-            ex, http_request, source, self._headers(ex, outcome, source), response_id=new_response_id(ex.api.endpoint)
+            ex,
+            http_request,
+            source,
+            self._headers(ex, outcome, source),
+            response_id=new_response_id(ex.api.endpoint),
+            ready=source.ready,  # type: ignore[attr-defined]
         )
 
     def statistics(self) -> dict[str, Any]:
@@ -187,6 +192,9 @@ class _Replay:
 
     def __aiter__(self) -> _Replay:
         return self
+
+    def ready(self) -> bool:
+        return self._index < len(self._events)
 
     async def __anext__(self) -> dict[str, Any]:
         if self._index >= len(self._events):

@@ -283,6 +283,10 @@ class Subscription:
                 raise Cancelled("The upstream generation was stopped.")
             await flight.wait_changed()
 
+    def ready(self) -> bool:
+        """Whether the next event is already buffered (the writer may then coalesce its writes)."""
+        return self._position < len(self.flight.events)
+
     async def wait_done(self) -> list[dict[str, Any]]:
         """Every event of the generation, once it has completed (non-streaming clients)."""
         flight = self.flight
