@@ -11,6 +11,7 @@ serve: $(VENV)/.core
 
 test: $(VENV)/.dev
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
 lint: $(VENV)/.dev

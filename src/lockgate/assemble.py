@@ -53,7 +53,8 @@ class ClientView:
         """The closing usage chunk, if the client asked for usage and the engine reported it."""
         if not self._include_usage or self.usage is None or self._last is None:
             return None
-        head = {k: self._last[k] for k in ("id", "object", "created", "model", "system_fingerprint") if k in self._last}
+        keys: tuple[str, ...] = ("id", "object", "created", "model", "system_fingerprint")
+        head: dict[str, Any] = {k: self._last[k] for k in keys if k in self._last}
         return {**head, "choices": [], "usage": self.usage}
 
 

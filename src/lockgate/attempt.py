@@ -68,7 +68,7 @@ async def open_attempts(
     request_id: str,
     *,
     hold: Callable[[Lease, UpstreamCall], None],
-    drop: Callable[[], None],
+    drop: Callable[[], object],
     time_left: Callable[[], bool],
     priority: int | None = None,
 ) -> Opened:

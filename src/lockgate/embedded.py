@@ -9,8 +9,12 @@ of every model it serves.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from .config import Config, InstanceConfig, ModelConfig, SimFleetEntry, parse_config
+
+if TYPE_CHECKING:
+    from .sim import SimConfig
 
 DEFAULT_MODELS = ("demo-model", "demo-model-large")
 
@@ -57,7 +61,7 @@ async def start_simulators(config: Config, stack: contextlib.AsyncExitStack) -> 
     return config.model_copy(update={"models": models, "simulate": []})
 
 
-def _sim_config(entry: SimFleetEntry, *, seed: int) -> object:
+def _sim_config(entry: SimFleetEntry, *, seed: int) -> SimConfig:
     from .sim import SimConfig
 
     return SimConfig(

@@ -135,11 +135,11 @@ def _banner(server: GatewayServer) -> str:
         urls = ", ".join(i.name or i.url for i in model.instances)
         lines.append(f"  model {model.name!r}: {len(model.instances)} instance(s): {urls}")
     if config.models and server.url.startswith("http"):
-        model = config.models[0].name
+        example = config.models[0].name
         lines += [
             "Try it:",
             f"  curl -s {server.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-            f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'',
+            f'    -d \'{{"model": "{example}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'',
             f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
         ]
     return "\n".join(lines)

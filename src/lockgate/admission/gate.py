@@ -19,6 +19,7 @@ and `release()` returns the slot (granting the next waiter) or leaves the queue 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 from ..errors import QueueFull, QueueTimeout
 from ..metrics import SchedulingMetrics
 from .preemption import Preemptee, choose_victim
-from .ratelimit import RateLimiter, RateLimitExceeded, Reservation
+from .ratelimit import Bucket, RateLimiter, RateLimitExceeded, Reservation, TenantState
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
 
@@ -63,8 +64,8 @@ class PoolScheduler:
         self._watchers = 0
         core = self.core
         for index, spec in enumerate(core.classes):
-            metrics.queue_depth.labels(model, spec.name).set_function(lambda k=index: core.queued(k))
-            metrics.slots_in_use.labels(model, spec.name).set_function(lambda k=index: core.running(k))
+            metrics.queue_depth.labels(model, spec.name).set_function(functools.partial(core.queued, index))
+            metrics.slots_in_use.labels(model, spec.name).set_function(functools.partial(core.running, index))
 
     def offer(self, klass: int, tag: object = None) -> Ticket:
         """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
@@ -247,17 +248,16 @@ class Admission:
         self._watched.add(tenant.name)
         m, limiter, clock = self._metrics, self.limiter, self._clock
 
-        def state():  # type: ignore[no-untyped-def]
+        def state() -> TenantState:
             return limiter.state(tenant, clock())
 
+        def remaining(bucket: Bucket | None) -> float:
+            return 0.0 if bucket is None else max(0.0, bucket.level)
+
         if tenant.requests_per_minute is not None:
-            m.ratelimit_remaining_requests.labels(tenant.name).set_function(
-                lambda: max(0.0, state().requests.level)  # type: ignore[union-attr]
-            )
+            m.ratelimit_remaining_requests.labels(tenant.name).set_function(lambda: remaining(state().requests))
         if tenant.tokens_per_minute is not None:
-            m.ratelimit_remaining_tokens.labels(tenant.name).set_function(
-                lambda: max(0.0, state().tokens.level)  # type: ignore[union-attr]
-            )
+            m.ratelimit_remaining_tokens.labels(tenant.name).set_function(lambda: remaining(state().tokens))
         m.tenant_in_flight.labels(tenant.name).set_function(lambda: state().in_flight)
         m.tokens_reserved.labels(tenant.name).set_function(lambda: state().reserved_tokens)
 

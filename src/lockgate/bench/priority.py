@@ -164,14 +164,16 @@ async def _observe(
 ) -> None:
     """What the engines and the gateway say about the phase just run."""
     phase.gateway_cpu_s = cpu_seconds(gateway_pid) - cpu_before
-    wanted = {o.request_id for o in phase.outcomes if o.priority == "P0" and o.status == 200}
+    wanted = {
+        o.request_id for o in phase.outcomes if o.priority == "P0" and o.status == 200 and o.request_id is not None
+    }
     for _ in range(40):  # the usage writer batches every 50 ms: a bounded wait for the P0 rows
         rows = {r["request_id"]: r for r in await asyncio.to_thread(read_records, usage_path)}
         if wanted <= rows.keys():
             break
         await asyncio.sleep(0.05)
     for rid in wanted:
-        row = rows.get(rid)  # type: ignore[arg-type]
+        row = rows.get(rid)
         if row is not None and row["first_token_at"] is not None:
             phase.gateway_ttft[rid] = row["first_token_at"] - row["started_at"]
     async with aiohttp.ClientSession() as session:
@@ -333,13 +335,13 @@ def report(baseline: Phase, flood: Phase, info: dict[str, float], settings: Sett
             f"{m.get('preemptions_resumed', 0):.0f}, restarted {m.get('preemptions_restarted', 0):.0f}; "
             f"P0 queued > 5 ms (cumulative): {m.get('p0_queue_wait_count', 0) - m.get('p0_queue_wait_le_5ms', 0):.0f}"
         )
-    ok = Counter(o.priority for o in flood.outcomes if o.status == 200 and o.priority in WEIGHTS)
-    total = sum(ok.values())
+    completed = Counter(o.priority for o in flood.outcomes if o.status == 200 and o.priority in WEIGHTS)
+    total = sum(completed.values())
     if total:
         total_w = sum(WEIGHTS.values())
-        shares = ", ".join(f"{p} {ok[p] / total:.2f} (configured {w / total_w:.2f})" for p, w in WEIGHTS.items())
+        shares = ", ".join(f"{p} {completed[p] / total:.2f} (configured {w / total_w:.2f})" for p, w in WEIGHTS.items())
         lines.append(f"shares of completed P1+P2 under the flood: {shares}")
-    p2_ok = ok["P2"]
+    p2_ok = completed["P2"]
     lines.append(
         f"P2 throughput under the flood: {p2_ok / flood.seconds:.1f} req/s ({'progressing' if p2_ok else 'STARVED'})"
     )

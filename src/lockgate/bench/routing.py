@@ -98,7 +98,8 @@ def _systems(shape: Shape, rng: random.Random) -> list[str]:
 
 
 def _arrivals(shape: Shape, rng: random.Random) -> list[float]:
-    times, t = [], 0.0
+    times: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(shape.rate)
         if t >= shape.duration_s:
