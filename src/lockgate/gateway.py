@@ -52,6 +52,7 @@ class Gateway:
         )
         self.registry = Registry()
         self.admission = Admission(config, self.metrics.scheduling)
+        self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))
         #: De-duplication: flights (shared upstream calls) and the completed-result cache.
         self.dedup = Coalescer(config, self.metrics, self.fleet)
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))

@@ -345,3 +345,37 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
     finally:
         await runner.cleanup()
     assert seen == [None, 0, 2, 1]
+
+
+async def test_capacity_follows_the_routable_instances(start_sim, start_gateway, http):
+    """An instance that goes unhealthy takes its slots out of the pool: a request then queues instead
+    of being pushed onto the busy survivor beyond its max_concurrency; when it returns, it is granted."""
+    a, b = await start_sim(**QUICK), await start_sim(**QUICK)
+    a.control.hold = b.control.hold = True
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(a, max_concurrency=1), instance(b, max_concurrency=1)]}],
+        scheduling=classes(),
+    )
+    fleet, sched = gw.gateway.fleet, gw.gateway.admission.schedulers["m"]
+    b.control.update({"healthy": False})
+    await fleet.probe_all()
+    assert sched.core.capacity == 1
+    first = asyncio.create_task(post(http, gw.url, chat(0)))
+    async with asyncio.timeout(5):
+        await a.wait_held(1)
+    second = asyncio.create_task(post(http, gw.url, chat(1)))
+    await until(sched, lambda core: core.queued_total == 1)
+    assert a.stats.requests_started == 1 and b.stats.requests_started == 0
+    b.control.update({"healthy": True})
+    await fleet.probe_all()  # b is back: the pool grows and the queued request is granted, to b
+    async with asyncio.timeout(5):
+        await b.wait_held(1)
+    assert sched.core.capacity == 2 and sched.core.queued_total == 0
+    a.control.hold = b.control.hold = False
+    a.release()
+    b.release()
+    async with asyncio.timeout(10):
+        assert (await first)[0] == 200 and (await second)[0] == 200
+    async with asyncio.timeout(5):
+        await gw.gateway.registry.wait_empty()
+    assert_no_leaks(gw)

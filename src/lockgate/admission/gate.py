@@ -22,7 +22,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import QueueFull, QueueTimeout
@@ -35,6 +35,7 @@ from .tenants import Tenant, TenantBook
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
+    from ..fleet.pool import Pool
 
 Clock = Callable[[], float]
 
@@ -66,6 +67,15 @@ class PoolScheduler:
         for index, spec in enumerate(core.classes):
             metrics.queue_depth.labels(model, spec.name).set_function(functools.partial(core.queued, index))
             metrics.slots_in_use.labels(model, spec.name).set_function(functools.partial(core.running, index))
+
+    def resize(self, capacity: int, reserve: int) -> None:
+        """The pool grew or shrank (instances ejected, unhealthy or back): grant what now fits."""
+        core = self.core
+        if capacity == core.capacity and reserve == core.reserve:
+            return
+        core.reserve = reserve
+        self._wake(core.set_capacity(capacity, self._clock()))
+        self._notify()
 
     def offer(self, klass: int, tag: object = None) -> Ticket:
         """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
@@ -183,9 +193,9 @@ def class_specs(config: Config) -> tuple[ClassSpec, ...]:
 class Admission:
     """The gateway's admission control: tenants, rate limits and one scheduler per model pool.
 
-    Pool capacity is the sum of the configured `max_concurrency` of the model's instances (an
-    instance shared by several models counts fully in each); `scheduling.strict_headroom` of it is
-    kept for strict classes."""
+    Pool capacity is the sum of the configured `max_concurrency` of the model's routable instances
+    (healthy and not ejected; an instance shared by several models counts fully in each), kept
+    current by `resize()`; `scheduling.strict_headroom` of it is kept for strict classes."""
 
     def __init__(self, config: Config, metrics: SchedulingMetrics, *, clock: Clock = time.monotonic) -> None:
         self.book = TenantBook(config.tenants, config.scheduling)
@@ -197,15 +207,35 @@ class Admission:
         self.max_preemptions = config.scheduling.preemption.max_per_request
         self._metrics = metrics
         self._clock = clock
-        headroom = config.scheduling.strict_headroom
+        self._headroom = config.scheduling.strict_headroom
         self.schedulers: dict[str, PoolScheduler] = {}
         for m in config.models:
             capacity = sum(i.max_concurrency for i in m.instances)
-            reserve = min(max(0, capacity - 1), math.ceil(capacity * headroom)) if headroom else 0
             self.schedulers[m.name] = PoolScheduler(
-                m.name, self.classes, capacity, metrics, reserve=reserve, clock=clock, preemptible=self.preemptible
+                m.name,
+                self.classes,
+                capacity,
+                metrics,
+                reserve=self._reserve(capacity),
+                clock=clock,
+                preemptible=self.preemptible,
             )
         self._watched: set[str] = set()
+
+    def _reserve(self, capacity: int) -> int:
+        headroom = self._headroom
+        return min(max(0, capacity - 1), math.ceil(capacity * headroom)) if headroom else 0
+
+    def resize(self, pools: Mapping[str, Pool]) -> None:
+        """Follow the fleet: each pool's capacity is what its routable instances take. With none
+        routable the configured capacity stays, so requests fail fast (503) instead of queueing."""
+        for name, pool in pools.items():
+            scheduler = self.schedulers.get(name)
+            if scheduler is None:
+                continue
+            live = sum(i.max_concurrency for i in pool.instances if i.routable)
+            capacity = live or sum(i.max_concurrency for i in pool.instances)
+            scheduler.resize(capacity, self._reserve(capacity))
 
     def class_name(self, klass: int) -> str:
         return self.classes[klass].name

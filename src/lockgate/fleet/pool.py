@@ -190,6 +190,8 @@ class Fleet:
         self._scrape_task: asyncio.Task[None] | None = None
         self._health_wake = asyncio.Event()
         self._changed = asyncio.Event()
+        #: Called (synchronously) after every health or ejection change, e.g. to resize admission.
+        self.listeners: list[Callable[[], None]] = []
         self._closed = False
 
     async def __aenter__(self) -> Fleet:
@@ -306,6 +308,8 @@ class Fleet:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        for listener in self.listeners:
+            listener()
 
     async def wait_until(self, predicate: Callable[[Fleet], bool]) -> None:
         """Wait until `predicate(self)` holds, re-checked on every health/ejection change (no polling)."""
