@@ -101,6 +101,7 @@ class Gateway:
         app.router.add_get("/admin/requests", self._admin_list)
         app.router.add_delete("/admin/requests/{id}", self._admin_cancel)
         app.router.add_get("/admin/fleet", self._admin_fleet)
+        app.router.add_get("/admin/flights", self._admin_flights)
         self._known_paths = {r.get_info().get("path") for r in app.router.resources()}
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
@@ -220,6 +221,12 @@ class Gateway:
             return self.error_response(NotFound(f"No request '{request_id}' is in flight."), request_id)
         exchange.cancel("admin")
         return web.json_response({"id": request_id, "cancelled": True})
+
+    async def _admin_flights(self, request: web.Request) -> web.Response:
+        """De-duplication: the shared engine calls in flight and the completed-result cache."""
+        return web.json_response(
+            {"flights": [f.describe() for f in self.dedup.flights.all()], "statistics": self.dedup.statistics()}
+        )
 
     async def _admin_fleet(self, request: web.Request) -> web.Response:
         return web.json_response(describe_fleet(self.fleet))

@@ -120,6 +120,11 @@ async def test_late_joiner_mid_stream_gets_the_full_content(start_sim, start_gat
     body = {**BODY, "max_tokens": 12, "stream": True}
     async with http.post(gw.url + "/v1/chat/completions", json=body) as first:
         await first.content.readuntil(b"\n\n")  # the stream is live
+        async with http.get(gw.url + "/admin/flights") as resp:
+            listing = await resp.json()
+        (flight,) = listing["flights"]
+        assert flight["model"] == "m" and flight["state"] == "running" and flight["subscribers"] == 1
+        assert listing["statistics"]["cache"]["entries"] == 0
         late = await call(http, gw.url, body)
         rest = await first.read()
     assert late[0] == 200 and late[1]["x-lockgate-cache"] in ("coalesced", "hit")
