@@ -150,8 +150,14 @@ class RecordWriter:
         if self._spill is None:
             self._spilled_in_memory.append(record)
             return
-        with self._spill.open("ab") as fh:
-            fh.write(orjson.dumps(asdict(record)) + b"\n")
+        try:
+            with self._spill.open("ab") as fh:
+                fh.write(orjson.dumps(asdict(record)) + b"\n")
+        except OSError as exc:
+            # The disk refused the spill (full, read-only, gone): keep the record in memory rather than
+            # lose it. `submit()` runs in a request's cleanup and must never raise.
+            log.error("usage writer: cannot append to %s (%s); keeping the record in memory", self._spill, exc)
+            self._spilled_in_memory.append(record)
 
     # --- the writer task -------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -73,3 +73,16 @@ async def test_failed_write_spills_the_batch_instead_of_losing_it(
     async with RecordWriter(path, GatewayMetrics()) as writer:
         await writer.wait_flushed()
     assert [r["request_id"] for r in read_records(path)] == ["r0", "r1", "r2"]
+
+
+async def test_a_spill_file_that_cannot_be_written_keeps_records_in_memory(tmp_path: Path) -> None:
+    """Disk full or gone: `submit()` (called from a request's cleanup) never raises and loses nothing."""
+    path = str(tmp_path / "u.sqlite3")
+    metrics = GatewayMetrics()
+    async with RecordWriter(path, metrics, queue_size=2, batch_size=2) as writer:
+        writer._spill = tmp_path / "missing-dir" / "u.spill.jsonl"  # every append fails with an OSError
+        for n in range(10):
+            writer.submit(record(n))
+        assert total(metrics.usage_records_spilled, "_total") == 8
+        await writer.wait_flushed()
+    assert sorted(r["request_id"] for r in read_records(path)) == sorted(f"r{n}" for n in range(10))
