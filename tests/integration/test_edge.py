@@ -162,3 +162,27 @@ async def test_health_ready_metrics_and_unknown_paths(start_sim, start_gateway, 
         assert resp.status == 404 and error_of(await resp.read())["type"] == "invalid_request_error"
     async with http.get(gw.url + "/v1/chat/completions") as resp:
         assert resp.status == 405
+
+
+async def test_gateway_listens_on_a_unix_socket(start_sim, tmp_path):
+    from lockgate.config import parse_config
+    from lockgate.server import GatewayServer
+
+    sim = await start_sim()
+    path = str(tmp_path / "lockgate.sock")
+    config = parse_config(
+        {
+            "listen": {"unix": path},
+            "usage": {"path": str(tmp_path / "u.sqlite3")},
+            "models": [{"name": "m", "instances": [instance(sim)]}],
+        }
+    )
+    async with GatewayServer(config) as gw:
+        assert gw.url == f"unix://{path}"
+        connector = aiohttp.UnixConnector(path=path)
+        async with (
+            aiohttp.ClientSession(connector=connector) as session,
+            session.post("http://localhost/v1/chat/completions", json=CHAT) as resp,
+        ):
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["message"]["content"]
