@@ -7,7 +7,7 @@ passes every other field through untouched (engines have many extensions).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -41,9 +41,16 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None
+    #: `prompt_text()`, computed once (admission, routing and accounting all ask for it).
+    _prompt: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def prompt_text(self) -> str:
         """The prompt as one string (for token estimates and prefix hashing)."""
+        if self._prompt is None:
+            self._prompt = self._join_prompt()
+        return self._prompt
+
+    def _join_prompt(self) -> str:
         if self.endpoint is Endpoint.COMPLETIONS:
             prompt = self.body["prompt"]
             if isinstance(prompt, str):
