@@ -379,3 +379,20 @@ async def test_capacity_follows_the_routable_instances(start_sim, start_gateway,
     async with asyncio.timeout(5):
         await gw.gateway.registry.wait_empty()
     assert_no_leaks(gw)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_preemptible_class_answers_carry_rate_limit_headers(start_sim, start_gateway, http, stream):
+    """A P2 request takes the resumable path; its answer still says how much of the tenant's allowance
+    is left, like every admitted answer."""
+    sim = await start_sim(**QUICK)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "instances": [instance(sim)]}],
+        tenants=[{"name": "acme", "keys": [hash_key("sk-acme")], "requests_per_minute": 5}],
+    )
+    status, headers, _ = await post(
+        http, gw.url, chat(stream=stream), Authorization="Bearer sk-acme", **{"x-priority": "P2"}
+    )
+    assert status == 200
+    assert headers["x-ratelimit-limit-requests"] == "5" and headers["x-ratelimit-remaining-requests"] == "4"
+    assert headers["x-lockgate-instance"]

@@ -205,6 +205,7 @@ async def admit_and_relay(ex: Exchange, http_request: web.Request, tenant: Tenan
     admission = gateway.admission
     run = Resumable(ex, admission.schedulers[ex.api.model], admission.max_preemptions, http_request.headers)
     run.ticket = await admission.admit(ex, tenant, klass, tag=run)
+    run.headers.update(ex.response_headers)  # admission adds the x-ratelimit-* headers
     dedup = gateway.dedup
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
     if key is not None:
