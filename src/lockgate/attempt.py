@@ -51,7 +51,8 @@ class Opened:
             yield event
 
     def ready(self) -> bool:
-        """Whether the next event is already here (the writer may then coalesce its writes)."""
+        """Whether the next step will not wait: an event (or the `[DONE]` that ends the stream) is
+        already here (the writer may then coalesce its writes)."""
         return bool(self.head) or self.call.pending > 0
 
     async def aclose(self) -> None:

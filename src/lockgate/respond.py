@@ -31,10 +31,10 @@ async def stream_events(
     """Relay a generation as SSE. The status line goes out with the first event that has choices:
     until then, a failure can still be answered with an error status (or retried elsewhere).
 
-    Events that are already here (`ready()`: the source holds more without waiting) are written
-    together, one write (one send) for all of them: an engine or flight that is ahead of this client
-    costs one syscall per batch, not per token. A write still awaits the transport's drain, so a slow
-    client holds its source back (backpressure)."""
+    Events that are already here (`ready()`: the source's next step will not wait — another event,
+    or its end) are written together, one write (one send) for all of them: an engine or flight that
+    is ahead of this client costs one syscall per batch, not per token. A write still awaits the
+    transport's drain, so a slow client holds its source back (backpressure)."""
     api, record = ex.api, ex.record
     view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
     response: web.StreamResponse | None = None
@@ -46,26 +46,26 @@ async def stream_events(
         if view.usage is not None:
             record.prompt_tokens = _int(view.usage.get("prompt_tokens"))
             record.completion_tokens = max(delivered, _int(view.usage.get("completion_tokens")))
-        if out is None:
+        if out is not None:
+            if response is None:
+                response = web.StreamResponse(
+                    status=200,
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        "X-Accel-Buffering": "no",
+                        **headers,
+                    },
+                )
+                record.http_status = 200
+                ex.response = response
+                await _write(response.prepare(http_request))
+                ex.phase = Phase.STREAMING
+            batch.append(sse.encode(out))
+            batch_tokens += has_content(out)
+        if not batch or (ready is not None and ready()):
             continue
-        if response is None:
-            response = web.StreamResponse(
-                status=200,
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                    **headers,
-                },
-            )
-            record.http_status = 200
-            ex.response = response
-            await _write(response.prepare(http_request))
-            ex.phase = Phase.STREAMING
-        batch.append(sse.encode(out))
-        batch_tokens += has_content(out)
-        if ready is not None and ready():
-            continue
+        assert response is not None
         await _write(response.write(b"".join(batch) if len(batch) > 1 else batch[0]))
         batch.clear()
         if batch_tokens:

@@ -59,7 +59,8 @@ class UpstreamCall:
         self._response: aiohttp.ClientResponse | None = None
         self._finished = False
         self.aborted = False
-        #: Events already received and decoded but not yet yielded by `events()` (ready without waiting).
+        #: Payloads already received and decoded but not yet consumed by `events()`, `[DONE]` included
+        #: (the next step of the stream will not wait for the network).
         self.pending = 0
         # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
         # owner is cancelled in between), and `abort()` must then leave the gauge balanced.

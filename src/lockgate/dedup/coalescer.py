@@ -194,7 +194,7 @@ class _Replay:
         return self
 
     def ready(self) -> bool:
-        return self._index < len(self._events)
+        return True  # a replay never waits: its next step is an event or the end
 
     async def __anext__(self) -> dict[str, Any]:
         if self._index >= len(self._events):

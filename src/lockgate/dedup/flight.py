@@ -284,8 +284,9 @@ class Subscription:
             await flight.wait_changed()
 
     def ready(self) -> bool:
-        """Whether the next event is already buffered (the writer may then coalesce its writes)."""
-        return self._position < len(self.flight.events)
+        """Whether the next step will not wait: an event is buffered, or the flight has ended (the
+        writer may then coalesce its writes)."""
+        return self._position < len(self.flight.events) or self.flight.state is not FlightState.RUNNING
 
     async def wait_done(self) -> list[dict[str, Any]]:
         """Every event of the generation, once it has completed (non-streaming clients)."""
