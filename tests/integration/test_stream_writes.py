@@ -1,0 +1,79 @@
+"""`respond.stream_events` over a real HTTP connection: events that are already here share one write,
+and nothing written waits for the source when the source would wait."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from lockgate.records import UsageRecord
+from lockgate.respond import stream_events
+from lockgate.wire import Endpoint, validate
+
+
+class FakeExchange:
+    """What the writer touches of an `Exchange`."""
+
+    def __init__(self) -> None:
+        self.api = validate(
+            Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        )
+        self.record = UsageRecord(request_id="r", tenant="t", model="m", endpoint="chat", stream=True)
+        self.response: web.StreamResponse | None = None
+        self.phase: Any = None
+        self.answered = False
+
+    def first_token(self) -> None:
+        pass
+
+
+def chunk(text: str) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+
+
+async def test_a_batch_is_flushed_before_the_source_waits() -> None:
+    gate = asyncio.Event()  # the source's "network": nothing more until the client saw the first batch
+    state = {"ready": True}
+
+    async def source() -> AsyncIterator[dict[str, Any]]:
+        yield chunk("a")
+        yield chunk("b")
+        state["ready"] = False  # the next event (invisible to the client) is the last one at hand
+        yield {"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": {"completion_tokens": 2}}
+        await gate.wait()
+        state["ready"] = True
+        yield chunk("c")
+
+    writes: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        ex = FakeExchange()
+        response = await stream_events(ex, request, source(), {}, ready=lambda: state["ready"])  # type: ignore[arg-type]
+        writes.append(b"done")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as resp:
+            async with asyncio.timeout(5):
+                first = b""
+                while b'"b"' not in first:
+                    first += await resp.content.readany()
+            assert b'"a"' in first and b"[DONE]" not in first  # "a" and "b" arrived while the source waits
+            gate.set()
+            rest = await resp.read()
+        assert b'"c"' in rest and rest.endswith(b"data: [DONE]\n\n")
+    finally:
+        gate.set()  # never leave the handler waiting (a failing run must not hang the cleanup)
+        await runner.cleanup()
+    assert writes == [b"done"]
