@@ -55,8 +55,8 @@ def _priority(args: argparse.Namespace) -> int:
     )
 
     async def main() -> int:
-        baseline, flood, info = await priority.run(settings)
-        print(priority.report(baseline, flood, info, settings))
+        phases, info = await priority.run(settings)
+        print(priority.report(phases, info, settings))
         return 0
 
     return run_async(main)
