@@ -1,4 +1,4 @@
-"""The `lockgate` command: serve, sim, bench, check-config."""
+"""The `lockgate` command: serve, sim, bench, check-config, hash-key."""
 
 from __future__ import annotations
 
