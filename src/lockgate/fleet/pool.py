@@ -57,7 +57,6 @@ class Instance:
         self.open_calls = 0
         self.last_probe_at: float | None = None
         self.last_error: str | None = None
-        self.consecutive_failures = 0
         self.own = OwnAccounting()
         self.engine_load: EngineLoad | None = None
         self.scrape_error: str | None = None
@@ -147,7 +146,7 @@ class Pool:
         if key is None and isinstance(user, str) and user:
             key = user
         blocks = prompt_blocks(text, self.index.block_chars)
-        return RouteRequest(api.model, "", prompt_tokens=max(1, len(text) // 4), affinity_key=key, blocks=blocks)
+        return RouteRequest(api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks)
 
     def snapshot(self, request: RouteRequest | None = None) -> PoolSnapshot:
         now = time.monotonic()
@@ -161,9 +160,6 @@ class Pool:
                 cached = min(request.prompt_tokens, blocks * self.index.block_chars // 4)
             views.append(i.view(now, self.stale_after, cached))
         return PoolSnapshot(self.model, tuple(views))
-
-    def choose(self, request: RouteRequest) -> Instance:
-        return self.choose_view(request)[0]
 
     def choose_view(self, request: RouteRequest) -> tuple[Instance, InstanceView]:
         """The chosen instance and the view it was chosen on (its `cached_tokens` sizes the lease)."""
@@ -278,7 +274,6 @@ class Fleet:
         stream, a 5xx) eject it after `health.ejection.consecutive_failures` in a row. Either way it
         returns after a successful probe."""
         self._metrics.upstream_errors.labels(instance.name, kind).inc()
-        instance.consecutive_failures += 1
         instance.last_error = detail
         now = time.monotonic()
         instance.own.error(now)
@@ -298,7 +293,6 @@ class Fleet:
             self._notify()
 
     def report_success(self, instance: Instance) -> None:
-        instance.consecutive_failures = 0
         instance.ejection.success()
 
     def _scraped(self, instance: Instance, ok: bool) -> None:
