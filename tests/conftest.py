@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from lockgate.config import parse_config
 from lockgate.server import GatewayServer
@@ -41,6 +42,21 @@ def start_gateway(stack: contextlib.AsyncExitStack, tmp_path: Any) -> Callable[.
         return await stack.enter_async_context(server)
 
     return start
+
+
+@pytest.fixture
+def serve_app(stack: contextlib.AsyncExitStack) -> Callable[[web.Application], Awaitable[str]]:
+    """Serve a test's own aiohttp app (a fake engine) on a free loopback port; returns its base URL."""
+
+    async def serve(app: web.Application) -> str:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site.port}"
+
+    return serve
 
 
 def instance(sim: SimServer, **extra: Any) -> dict[str, Any]:

@@ -105,7 +105,7 @@ async def test_upstream_error_status_and_body_pass_through(start_sim, start_gate
     assert error_of(raw)["message"]
 
 
-async def test_authorization_never_forwarded(start_gateway, http):
+async def test_authorization_never_forwarded(start_gateway, serve_app, http):
     seen: list[dict[str, str]] = []
 
     async def engine(request: web.Request) -> web.Response:
@@ -119,20 +119,12 @@ async def test_authorization_never_forwarded(start_gateway, http):
         return web.json_response({"data": []})
 
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        gw = await start_gateway(
-            [{"name": "m", "instances": [{"url": f"http://127.0.0.1:{site.port}", "engine": "openai"}]}]
-        )
-        status, _, _ = await post(http, gw.url, CHAT, Authorization="Bearer client-secret-key")
-        assert status == 200
-        assert seen and "Authorization" not in seen[0]
-        assert all("client-secret-key" not in v for v in seen[0].values())
-    finally:
-        await runner.cleanup()
+    engine_url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": engine_url, "engine": "openai"}]}])
+    status, _, _ = await post(http, gw.url, CHAT, Authorization="Bearer client-secret-key")
+    assert status == 200
+    assert seen and "Authorization" not in seen[0]
+    assert all("client-secret-key" not in v for v in seen[0].values())
 
 
 async def test_unix_socket_instance(start_sim, start_gateway, http, tmp_path):

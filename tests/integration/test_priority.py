@@ -307,7 +307,7 @@ async def test_tenants_keys_models_and_request_limits(start_sim, start_gateway, 
     assert_no_leaks(gw)
 
 
-async def test_engine_receives_the_class_as_priority(start_gateway, http):
+async def test_engine_receives_the_class_as_priority(start_gateway, serve_app, http):
     seen: list[Any] = []
 
     async def engine(request: web.Request) -> web.Response:
@@ -325,25 +325,17 @@ async def test_engine_receives_the_class_as_priority(start_gateway, http):
     app = web.Application()
     app.router.add_post("/v1/chat/completions", engine)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
-        instances = [{"url": f"http://127.0.0.1:{port}", "engine": "vllm"}]
-        quiet = await start_gateway([{"name": "m", "instances": instances}])
-        status, _, _ = await post(http, quiet.url, chat(), **{"x-priority": "P2"})
-        assert status == 200  # off by default: a FCFS vLLM rejects any non-zero priority
-        gw = await start_gateway([{"name": "m", "instances": instances}], scheduling={"engine_priority": True})
-        for header in ("P0", "P2", None):
-            extra = {"x-priority": header} if header else {}
-            status, _, _ = await post(http, gw.url, chat(), **extra)
-            assert status == 200
-        status, _, raw = await post(http, gw.url, chat(), **{"x-priority": "bogus"})
-        assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
-    finally:
-        await runner.cleanup()
+    instances = [{"url": await serve_app(app), "engine": "vllm"}]
+    quiet = await start_gateway([{"name": "m", "instances": instances}])
+    status, _, _ = await post(http, quiet.url, chat(), **{"x-priority": "P2"})
+    assert status == 200  # off by default: a FCFS vLLM rejects any non-zero priority
+    gw = await start_gateway([{"name": "m", "instances": instances}], scheduling={"engine_priority": True})
+    for header in ("P0", "P2", None):
+        extra = {"x-priority": header} if header else {}
+        status, _, _ = await post(http, gw.url, chat(), **extra)
+        assert status == 200
+    status, _, raw = await post(http, gw.url, chat(), **{"x-priority": "bogus"})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
     assert seen == [None, 0, 2, 1]
 
 

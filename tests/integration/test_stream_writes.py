@@ -35,7 +35,7 @@ def chunk(text: str) -> dict[str, Any]:
     return {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
 
 
-async def test_a_batch_is_flushed_before_the_source_waits() -> None:
+async def test_a_batch_is_flushed_before_the_source_waits(serve_app: Any) -> None:
     gate = asyncio.Event()  # the source's "network": nothing more until the client saw the first batch
     state = {"ready": True}
 
@@ -58,13 +58,9 @@ async def test_a_batch_is_flushed_before_the_source_waits() -> None:
 
     app = web.Application()
     app.router.add_get("/", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    url = await serve_app(app)
     try:
-        port = runner.addresses[0][1]
-        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as resp:
+        async with aiohttp.ClientSession() as session, session.get(url + "/") as resp:
             async with asyncio.timeout(5):
                 first = b""
                 while b'"b"' not in first:
@@ -74,6 +70,5 @@ async def test_a_batch_is_flushed_before_the_source_waits() -> None:
             rest = await resp.read()
         assert b'"c"' in rest and rest.endswith(b"data: [DONE]\n\n")
     finally:
-        gate.set()  # never leave the handler waiting (a failing run must not hang the cleanup)
-        await runner.cleanup()
+        gate.set()  # never leave the handler waiting (a failing run must not hang the app's cleanup)
     assert writes == [b"done"]
