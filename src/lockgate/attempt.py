@@ -78,7 +78,7 @@ async def open_attempts(
     last_error: UpstreamError | None = None
     for attempt in range(attempts):
         try:
-            instance, view = pool.choose_view(replace(route, exclude=frozenset(tried)))
+            instance, view = pool.choose_view(replace(route, exclude=frozenset(tried)) if tried else route)
         except GatewayError:
             if last_error is not None:
                 raise last_error from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import sqlite3
 from collections import deque
 from dataclasses import asdict, dataclass, fields
@@ -58,6 +59,8 @@ class UsageRecord:
 
 
 _COLUMNS = [f.name for f in fields(UsageRecord)]
+#: One C call turns a record into its row.
+_ROW = operator.attrgetter(*_COLUMNS)
 _SQL_TYPES = {"bool": "INTEGER", "int": "INTEGER", "float": "REAL"}
 
 
@@ -219,7 +222,7 @@ class RecordWriter:
 
     def _write(self, batch: list[UsageRecord]) -> None:
         assert self._db is not None
-        rows = [tuple(getattr(r, c) for c in _COLUMNS) for r in batch]
+        rows = [_ROW(r) for r in batch]
         self._db.execute("BEGIN")
         self._db.executemany(_INSERT, rows)
         self._db.execute("COMMIT")
