@@ -1,0 +1,461 @@
+"""One client connection: the parser callbacks, the handler task, deadlines, and errors the server answers itself.
+
+Internal to `lockgate.http`; the theory of operation (states, who cancels and closes what) is in `server.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from typing import TYPE_CHECKING, cast
+
+import httptools
+import orjson
+
+from .request import Headers, Request, split_target
+from .response import Response, StreamResponse, render_head, status_line
+
+if TYPE_CHECKING:
+    from .server import HttpServer
+
+log = logging.getLogger("lockgate.http.server")
+
+#: How long a connection that got an error from the server itself keeps reading (and discarding) before it closes.
+LINGER_S = 2.0
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CLOSE = b"Connection: close\r\n"
+_KEEP_ALIVE = b"Connection: keep-alive\r\n"
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
+
+
+def default_error_body(status: int, message: str) -> bytes:
+    """An OpenAI-style error envelope."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+class _Reject(Exception):
+    """Raised in a parser callback to stop parsing and answer with this status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Connection(asyncio.Protocol):
+    """One client connection; its states are described in `lockgate.http.server`."""
+
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "_deadline",
+        "_discarding",
+        "_drain_waiter",
+        "_expect_pending",
+        "_header_bytes_raw",
+        "_in_headers",
+        "_in_message",
+        "_lingering",
+        "_loop",
+        "_parser",
+        "_pipeline",
+        "_raw_headers",
+        "_reading_paused",
+        "_reject",
+        "_request",
+        "_server",
+        "_started",
+        "_stream",
+        "_task",
+        "_timer",
+        "_url",
+        "close_after",
+        "lost",
+        "remote",
+        "transport",
+        "write_paused",
+    )
+
+    transport: asyncio.Transport
+
+    def __init__(self, server: HttpServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        self._loop = loop
+        self._parser = httptools.HttpRequestParser(self)
+        self.remote: str | None = None
+        self.lost = False
+        self.write_paused = False
+        self.close_after = False  # the response in progress said (or must end with) Connection: close
+        self._drain_waiter: asyncio.Future[None] | None = None
+        # The message being read.
+        self._url = b""
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._header_bytes_raw = 0  # bytes received while in the header phase, over several reads
+        self._in_headers = False
+        self._in_message = False
+        self._expect_pending = False
+        self._request: Request | None = None
+        self._reject: _Reject | None = None
+        # The request in progress and those queued behind it.
+        self._task: asyncio.Task[None] | None = None
+        self._pipeline: deque[Request | _Reject] = deque()
+        self._stream: StreamResponse | None = None
+        self._started = False  # bytes of the current response have been written
+        self._reading_paused = False
+        self._discarding = False
+        self._lingering = False
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; they implement its interface.
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.remote = str(peer[0])
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._server._connections.add(self)
+        self._arm(self._loop.time() + self._server._header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._server._connection_gone(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None:
+            self._task.cancel()
+        self._pipeline.clear()
+        waiter = self._drain_waiter
+        if waiter is not None:
+            self._drain_waiter = None
+            if not waiter.done():
+                waiter.set_exception(ConnectionResetError("The client has gone."))
+
+    def eof_received(self) -> bool:
+        # The client half-closed: it is treated as gone. Returning False closes the transport, which calls
+        # connection_lost (and so cancels the handler).
+        return False
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None:
+            self._drain_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
+        in_headers = self._in_headers
+        if in_headers:
+            self._header_bytes_raw += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(_Reject(400, "Protocol upgrades are not supported."))
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(self._reject or _Reject(400, f"Malformed HTTP request: {exc}."))
+            return
+        except Exception:  # a bug in a callback: never let it take the server down
+            log.exception("HTTP request parsing failed")
+            self._fail(_Reject(400, "Malformed HTTP request."))
+            return
+        # A message that began in an earlier read and still has incomplete headers: bound what llhttp buffers.
+        if self._in_headers and in_headers and self._header_bytes_raw > self._server._max_header_bytes:
+            self._fail(_Reject(431, "Request headers are too large."))
+
+    # -- parser callbacks ------------------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._in_headers = True
+        self._url = b""
+        self._raw_headers = []
+        self._header_bytes_raw = 0
+        if self._task is None:
+            self._arm(self._loop.time() + self._server._header_timeout_s)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        server = self._server
+        url = self._url
+        size = len(url)
+        items: dict[str, str] = {}
+        for name, value in self._raw_headers:
+            size += len(name) + len(value) + 4
+            key = name.decode("latin-1").lower()
+            if key in items:
+                items[key] += ", " + value.decode("latin-1")
+            else:
+                items[key] = value.decode("latin-1")
+        if size > server._max_header_bytes:
+            raise self._rejecting(431, "Request headers are too large.")
+        parser = self._parser
+        if parser.should_upgrade():
+            raise self._rejecting(400, "Protocol upgrades are not supported.")
+        content_length: int | None = None
+        length = items.get("content-length")
+        if length is not None:
+            try:
+                content_length = int(length)
+            except ValueError:
+                raise self._rejecting(400, "Invalid Content-Length.") from None
+            if content_length > server._max_body_bytes:
+                raise self._rejecting(413, f"The request body is larger than {server._max_body_bytes} bytes.")
+        try:
+            raw_path, path, query = split_target(url)
+        except httptools.HttpParserError:
+            raise self._rejecting(400, "Invalid request target.") from None
+        method_bytes = parser.get_method()
+        method = _METHODS.get(method_bytes) or method_bytes.decode("ascii", "replace")
+        version = parser.get_http_version()
+        self._request = Request(
+            self, method, raw_path, path, query, Headers(items), version, parser.should_keep_alive(), content_length
+        )
+        self._body = []
+        self._body_size = 0
+        expect = items.get("expect")
+        if expect is not None and expect.lower() == "100-continue" and version != "1.0":
+            if self._task is None:
+                self.transport.write(_CONTINUE)
+            else:
+                self._expect_pending = True  # answered when the request in progress is done
+
+    def on_body(self, chunk: bytes) -> None:
+        self._body_size += len(chunk)
+        if self._body_size > self._server._max_body_bytes:
+            raise self._rejecting(413, f"The request body is larger than {self._server._max_body_bytes} bytes.")
+        self._body.append(chunk)
+        if self._task is None:
+            self._deadline = self._loop.time() + self._server._header_timeout_s
+
+    def on_message_complete(self) -> None:
+        request = self._request
+        assert request is not None
+        self._request = None
+        self._in_message = False
+        self._expect_pending = False
+        body = self._body
+        if body:
+            request.body = body[0] if len(body) == 1 else b"".join(body)
+            self._body = []
+        if self._task is None:
+            self._start(request)
+        else:
+            self._pipeline.append(request)
+            if not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pause_reading()
+
+    def _rejecting(self, status: int, message: str) -> _Reject:
+        self._reject = _Reject(status, message)
+        return self._reject
+
+    # -- requests --------------------------------------------------------------------------------------------------
+
+    def _start(self, request: Request) -> None:
+        self._server._requests_in_progress += 1
+        self._task = self._loop.create_task(self._run(request))
+
+    async def _run(self, request: Request) -> None:
+        try:
+            try:
+                response = await self._server._handler(request)
+                if not self.lost:
+                    if response.__class__ is Response and not self._started:
+                        self._write_whole(response, request)
+                    else:
+                        await self._finish_other(response, request)
+            except asyncio.CancelledError:
+                return  # only a disconnect (or shutdown's hard stop) cancels us: nobody to answer
+            except Exception:
+                self._handler_failed(request)
+            if self.write_paused and self._pipeline and not self.lost:
+                # Do not start the next pipelined request while the client is not reading this answer.
+                with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                    await self.drain()
+        finally:
+            self._request_done()
+
+    async def _finish_other(self, response: Response | StreamResponse, request: Request) -> None:
+        if isinstance(response, StreamResponse) and (self._stream is None or response is self._stream):
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write_eof()
+        elif self._stream is not None:
+            log.error("Handler for %s %s streamed a response but returned %r", request.method, request.path, response)
+            self.close_after = True
+        elif isinstance(response, Response):
+            self._write_whole(response, request)  # a Response subclass
+        else:
+            raise TypeError(f"Handler returned {response!r}, not a Response or StreamResponse")
+
+    def _write_whole(self, response: Response, request: Request) -> None:
+        status = response.status
+        head = render_head(status, response.content_type, response.headers)
+        connection = self.connection_header(request)
+        if status in (204, 304) or status < 200:
+            self.transport.write(head + connection + b"\r\n")
+        elif request.method == "HEAD":
+            self.transport.write(b"%sContent-Length: %d\r\n%s\r\n" % (head, len(response.body), connection))
+        else:
+            body = response.body
+            self.transport.write(b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), connection, body))
+        self._started = True
+
+    def _handler_failed(self, request: Request) -> None:
+        if self.lost:
+            log.debug("Handler for %s %s failed after the client left", request.method, request.path, exc_info=True)
+            return
+        log.exception("Handler for %s %s failed", request.method, request.path)
+        if self._started:
+            self.close_after = True  # mid-stream: the client sees the chunked body end early
+        else:
+            self._write_error(500, "Internal server error.", self.connection_header(request))
+
+    def _request_done(self) -> None:
+        self._task = None
+        self._stream = None
+        self._started = False
+        self._server._requests_in_progress -= 1
+        if self.lost:
+            return
+        if self.close_after or self._server._closing:
+            self.transport.close()
+            return
+        if self._pipeline:
+            item = self._pipeline.popleft()
+            if not self._pipeline and self._reading_paused and not self._discarding:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            if isinstance(item, Request):
+                self._start(item)
+            else:
+                self._send_error(item)
+            return
+        if self._reading_paused and not self._discarding:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if self._expect_pending:
+            self._expect_pending = False
+            self.transport.write(_CONTINUE)
+        timeout = self._server._header_timeout_s if self._in_message else self._server._keepalive_timeout_s
+        self._arm(self._loop.time() + timeout)
+
+    # -- used by StreamResponse ------------------------------------------------------------------------------------
+
+    def connection_header(self, request: Request) -> bytes:
+        """The Connection header line for the response to `request`; decides whether the connection stays."""
+        if not request.keep_alive or self._server._closing or self.close_after:
+            self.close_after = True
+            return _CLOSE
+        return _KEEP_ALIVE if request.version == "1.0" else b""
+
+    def begin_stream(self, stream: StreamResponse, head: bytes) -> None:
+        self._stream = stream
+        self._started = True
+        self.transport.write(head)
+
+    async def drain(self) -> None:
+        """Wait until the transport accepts writes again; ConnectionResetError if the client goes."""
+        if self.lost:
+            raise ConnectionResetError("The client has gone.")
+        waiter = self._drain_waiter
+        if waiter is None:
+            waiter = self._drain_waiter = self._loop.create_future()
+        await waiter
+
+    # -- errors the server answers itself --------------------------------------------------------------------------
+
+    def _fail(self, reject: _Reject) -> None:
+        """Stop parsing; answer `reject` now, or after the requests already in progress or queued."""
+        self._discarding = True
+        self._in_headers = self._in_message = False
+        if self._task is not None:
+            self._pipeline.append(reject)
+        else:
+            self._send_error(reject)
+
+    def _send_error(self, reject: _Reject) -> None:
+        self._write_error(reject.status, reject.message, _CLOSE)
+        self._linger()
+
+    def _write_error(self, status: int, message: str, connection: bytes) -> None:
+        try:
+            body = self._server._error_body(status, message)
+        except Exception:
+            log.exception("error_body failed")
+            body = default_error_body(status, message)
+        self.transport.write(
+            b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (status_line(status), len(body), connection, body)
+        )
+
+    def _linger(self) -> None:
+        self._discarding = self._lingering = True
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._arm(self._loop.time() + LINGER_S)
+
+    # -- deadlines and shutdown ------------------------------------------------------------------------------------
+
+    def _arm(self, deadline: float) -> None:
+        """Set the deadline. One timer per connection, moved only when the deadline gets earlier: most requests
+        only store a float here."""
+        self._deadline = deadline
+        timer = self._timer
+        if timer is None:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+        elif deadline < timer.when():
+            timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.lost or (self._task is not None and not self._lingering):
+            return  # busy: finishing the request sets the next deadline
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._on_timer)
+            return
+        # Idle, headers or body too slow, or the lingering period is over. abort(), not close(): close() would
+        # wait for a client that does not read to take what is still buffered.
+        self.transport.abort()
+
+    def close_if_idle(self) -> None:
+        """Shutdown: close unless a request is in progress or its body is being read."""
+        if self.lost or self._task is not None or (self._in_message and not self._in_headers):
+            return
+        self.transport.close()
+
+    def abort(self) -> None:
+        if not self.lost:
+            self.transport.abort()

@@ -1,0 +1,161 @@
+"""What a handler returns: a whole `Response` (one write) or a `StreamResponse` (chunked, written as it goes).
+
+A `Response` is plain data; the connection renders it (status line, headers, `Content-Length`, body) into one
+`transport.write` after the handler returns, so its headers may still be changed until then.
+
+A `StreamResponse` writes through the connection of the request it was prepared for: `prepare` sends the
+status line and headers, each `write` one chunk (`Transfer-Encoding: chunked`; for an HTTP/1.0 client the raw
+bytes, and the connection closes at the end), `write_eof` the terminating chunk. `write` waits while the
+transport is paused (backpressure) and raises `ConnectionResetError` once the client is gone.
+
+Framing headers (`Content-Length`, `Transfer-Encoding`, `Connection`) belong to the server: those given by a
+handler are dropped. A header name or value containing CR or LF raises `ValueError` (no response splitting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from .connection import Connection
+    from .request import Request
+
+__all__ = ["Response", "StreamResponse", "json_response"]
+
+_STATUS_LINES: dict[int, bytes] = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode() for s in HTTPStatus}
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
+#: Statuses whose responses never have a body (and carry no Content-Length/Transfer-Encoding here).
+_NO_BODY = frozenset({204, 304})
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        if not 100 <= status <= 999:
+            raise ValueError(f"Invalid HTTP status {status}")
+        line = b"HTTP/1.1 %d Unknown\r\n" % status
+    return line
+
+
+def render_head(status: int, content_type: str | None, headers: Mapping[str, str] | None) -> bytes:
+    """Status line and the handler's headers, each line ending in CRLF (the blank line is not included)."""
+    head = status_line(status)
+    if content_type is not None:
+        if "\r" in content_type or "\n" in content_type:
+            raise ValueError("CR or LF in Content-Type")
+        head += b"Content-Type: " + content_type.encode("latin-1") + b"\r\n"
+    if headers:
+        lines = []
+        for name, value in headers.items():
+            line = f"{name}: {value}\r\n"
+            if line.count("\r") != 1 or line.count("\n") != 1:
+                raise ValueError(f"CR or LF in response header {name!r}")
+            if name.lower() not in _FRAMING:
+                lines.append(line)
+        head += "".join(lines).encode("latin-1")
+    return head
+
+
+class Response:
+    """A whole response. `body` is sent as is, with its `Content-Length`."""
+
+    __slots__ = ("body", "content_type", "headers", "status")
+
+    def __init__(
+        self,
+        *,
+        status: int = 200,
+        body: bytes = b"",
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers: Mapping[str, str] = headers if headers is not None else {}
+
+    def __repr__(self) -> str:
+        return f"<Response {self.status} {len(self.body)} bytes>"
+
+
+def json_response(data: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(status=status, body=orjson.dumps(data), content_type="application/json", headers=headers)
+
+
+class StreamResponse:
+    """A response written piece by piece (SSE). See the module docstring for the contract."""
+
+    __slots__ = ("_body_allowed", "_chunked", "_conn", "_eof", "headers", "prepared", "status")
+
+    def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
+        self.status = status
+        self.headers: Mapping[str, str] = headers if headers is not None else {}
+        self.prepared = False
+        self._eof = False
+        self._chunked = True
+        self._body_allowed = True
+        self._conn: Connection | None = None  # set by prepare()
+
+    @property
+    def ended(self) -> bool:
+        """`write_eof` has been called."""
+        return self._eof
+
+    async def prepare(self, request: Request) -> None:
+        """Send the status line and headers. A second call does nothing.
+
+        Raises ConnectionResetError if the client has gone."""
+        if self.prepared:
+            return
+        conn = request._conn
+        if conn.lost:
+            raise ConnectionResetError("The client has gone.")
+        no_body = self.status in _NO_BODY or self.status < 200
+        head = render_head(self.status, None, self.headers)
+        http10 = request.version == "1.0"
+        if no_body:
+            self._chunked = False
+        elif http10:
+            # No chunked encoding in HTTP/1.0: the body ends when the connection closes.
+            self._chunked = False
+            conn.close_after = True
+        else:
+            head += b"Transfer-Encoding: chunked\r\n"
+        self._body_allowed = not no_body and request.method != "HEAD"
+        self._conn = conn
+        conn.begin_stream(self, head + conn.connection_header(request) + b"\r\n")
+        self.prepared = True
+
+    async def write(self, data: bytes) -> None:
+        """Send one chunk (nothing for empty data); waits while the transport is paused."""
+        conn = self._conn
+        if conn is None or self._eof:
+            raise RuntimeError("write() before prepare() or after write_eof()")
+        if conn.lost:
+            raise ConnectionResetError("The client has gone.")
+        if not data or not self._body_allowed:
+            return
+        conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def write_eof(self) -> None:
+        """End the response (the terminating chunk). A second call does nothing."""
+        if self._eof:
+            return
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("write_eof() before prepare()")
+        if conn.lost:
+            raise ConnectionResetError("The client has gone.")
+        self._eof = True
+        if self._chunked and self._body_allowed:
+            conn.transport.write(b"0\r\n\r\n")
+
+    def __repr__(self) -> str:
+        state = "ended" if self._eof else "prepared" if self.prepared else "new"
+        return f"<StreamResponse {self.status} {state}>"

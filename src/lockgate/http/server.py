@@ -1,0 +1,162 @@
+"""A lean HTTP/1.1 server: an asyncio Protocol over llhttp (`httptools.HttpRequestParser`).
+
+Theory of operation
+-------------------
+One `_Connection` per accepted socket. Bytes go straight into the parser, whose callbacks collect a request
+(URL, a list of raw header pairs, body chunks). A connection is always in one of these states:
+
+- **idle**: no request in progress, no bytes of the next one. Deadline: `keepalive_timeout_s` (for a new
+  connection: `header_timeout_s`). When it passes, the connection is closed.
+- **reading**: a request has begun and is incomplete. Deadline: `header_timeout_s` until the headers are
+  complete, then `header_timeout_s` from each body chunk (a stalled body). Limits are checked here: headers
+  over `max_header_bytes` -> 431, a `Content-Length` or a chunked body over `max_body_bytes` -> 413,
+  malformed input or an Upgrade -> 400. `Expect: 100-continue` is answered when the headers are complete.
+- **busy**: the message is complete and one `asyncio.Task` runs the handler on it. No deadline. Bytes that keep
+  arriving are parsed; a request completed meanwhile (pipelining) is queued and reading is paused until the
+  queue is empty again, so a pipelining client cannot make us buffer more than one read.
+- **lingering**: the server answered an error itself (400/413/431) and will not parse more: it shuts down its
+  write side, discards what still arrives for up to `_LINGER_S`, then closes. (Closing at once with unread
+  input makes the kernel send RST, which can destroy the error response before the client reads it.)
+
+Who cancels what: `connection_lost` (and `eof_received`: a half-close counts as the client leaving) cancels the
+handler task at once; this is how a disconnect aborts the work behind a request. Nothing else cancels it except
+the hard stop of `HttpServer.shutdown`, which aborts transports and so goes the same way. The task swallows that
+`CancelledError`; a handler that returns after the client has gone writes nothing.
+
+Who writes what: the task writes the handler's `Response` in one `transport.write`; a `StreamResponse` writes
+itself (the task ends one that the handler left open). A handler exception becomes a 500 if nothing was sent
+yet, otherwise the connection is closed (the client sees a truncated chunked body) — logged either way.
+
+Who closes what: the connection closes itself after a response that said `Connection: close` (client asked,
+HTTP/1.0 without keep-alive, shutdown in progress, a streamed body to an HTTP/1.0 client), after an error it
+produced itself (lingering), and on a deadline. `HttpServer.shutdown` stops listening, closes idle connections,
+lets busy ones finish (their responses say `Connection: close`) and aborts what is left at its timeout.
+
+Headers: names are lower-cased; a repeated header's values are joined with ", " (RFC 9110 list semantics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+from .connection import Connection, default_error_body
+from .request import Headers, Request
+from .response import Response, StreamResponse, json_response
+
+__all__ = [
+    "Handler",
+    "Headers",
+    "HttpServer",
+    "Request",
+    "Response",
+    "StreamResponse",
+    "default_error_body",
+    "json_response",
+]
+
+log = logging.getLogger(__name__)
+
+#: After shutdown's timeout, how long cancelled handlers get to unwind before shutdown returns anyway.
+_CANCEL_GRACE_S = 1.0
+
+Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+
+
+class HttpServer:
+    """Serve `handler` on a TCP or Unix socket. See the module docstring."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int,
+        max_header_bytes: int = 16384,
+        keepalive_timeout_s: float = 75.0,
+        header_timeout_s: float = 30.0,
+        error_body: Callable[[int, str], bytes] | None = None,
+    ) -> None:
+        self._handler = handler
+        self._max_body_bytes = max_body_bytes
+        self._max_header_bytes = max_header_bytes
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._header_timeout_s = header_timeout_s
+        self._error_body = error_body or default_error_body
+        self._server: asyncio.Server | None = None
+        self._connections: set[Connection] = set()
+        self._closing = False
+        self._all_closed: asyncio.Event | None = None
+        self._requests_in_progress = 0
+
+    @property
+    def requests_in_progress(self) -> int:
+        return self._requests_in_progress
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return tuple(self._server.sockets) if self._server is not None else ()
+
+    @property
+    def port(self) -> int:
+        for sock in self.sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return int(sock.getsockname()[1])
+        raise RuntimeError("Not listening on a TCP socket")
+
+    async def start(
+        self, host: str, port: int, *, sock: socket.socket | None = None, unix_path: str | None = None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+
+        def factory() -> Connection:
+            return Connection(self, loop)
+
+        if unix_path is not None:
+            self._server = await loop.create_unix_server(factory, unix_path, backlog=1024)
+        elif sock is not None:
+            self._server = await loop.create_server(factory, sock=sock, backlog=1024)
+        else:
+            self._server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop accepting, close idle connections, let requests in progress finish (their responses say
+        `Connection: close`) for up to `timeout_s`, then abort the rest and wait briefly for their handlers."""
+        self._closing = True
+        self.stop_accepting()
+        self._all_closed = asyncio.Event()
+        for conn in list(self._connections):
+            conn.close_if_idle()
+        if self._connections:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._all_closed.wait()
+        if self._connections:
+            tasks = [c._task for c in self._connections if c._task is not None]
+            log.warning(
+                "Shutdown: aborting %d connections, %d requests in progress", len(self._connections), len(tasks)
+            )
+            for conn in list(self._connections):
+                conn.abort()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CANCEL_GRACE_S):
+                    await self._all_closed.wait()
+                    if tasks:
+                        await asyncio.wait(tasks)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _connection_gone(self, conn: Connection) -> None:
+        self._connections.discard(conn)
+        if not self._connections and self._all_closed is not None:
+            self._all_closed.set()
