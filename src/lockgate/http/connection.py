@@ -72,6 +72,7 @@ class Connection(asyncio.Protocol):
         "_started",
         "_stream",
         "_task",
+        "_task_running",
         "_timer",
         "_url",
         "close_after",
@@ -105,6 +106,7 @@ class Connection(asyncio.Protocol):
         self._reject: _Reject | None = None
         # The request in progress and those queued behind it.
         self._task: asyncio.Task[None] | None = None
+        self._task_running = False  # its coroutine has started (so its `finally` will run)
         self._pipeline: deque[Request | _Reject] = deque()
         self._stream: StreamResponse | None = None
         self._started = False  # bytes of the current response have been written
@@ -135,8 +137,13 @@ class Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._task is not None:
-            self._task.cancel()
+        task = self._task
+        if task is not None:
+            task.cancel()
+            if not self._task_running:
+                # Cancelled before its first step, the coroutine never runs, nor its `finally`: account for it here.
+                self._task = None
+                self._server._requests_in_progress -= 1
         self._pipeline.clear()
         waiter = self._drain_waiter
         if waiter is not None:
@@ -163,9 +170,6 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return
-        in_headers = self._in_headers
-        if in_headers:
-            self._header_bytes_raw += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -178,9 +182,12 @@ class Connection(asyncio.Protocol):
             log.exception("HTTP request parsing failed")
             self._fail(_Reject(400, "Malformed HTTP request."))
             return
-        # A message that began in an earlier read and still has incomplete headers: bound what llhttp buffers.
-        if self._in_headers and in_headers and self._header_bytes_raw > self._server._max_header_bytes:
-            self._fail(_Reject(431, "Request headers are too large."))
+        if self._in_headers:
+            # The headers are still incomplete: what llhttp holds of them is bounded by counting every byte read
+            # since the message began (an upper bound when this read also held the end of a pipelined message).
+            self._header_bytes_raw += len(data)
+            if self._header_bytes_raw > self._server._max_header_bytes:
+                self._fail(_Reject(431, "Request headers are too large."))
 
     # -- parser callbacks ------------------------------------------------------------------------------------------
 
@@ -279,9 +286,11 @@ class Connection(asyncio.Protocol):
 
     def _start(self, request: Request) -> None:
         self._server._requests_in_progress += 1
+        self._task_running = False
         self._task = self._loop.create_task(self._run(request))
 
     async def _run(self, request: Request) -> None:
+        self._task_running = True
         try:
             try:
                 response = await self._server._handler(request)
@@ -341,10 +350,13 @@ class Connection(asyncio.Protocol):
         self._task = None
         self._stream = None
         self._started = False
-        self._server._requests_in_progress -= 1
+        server = self._server
+        server._requests_in_progress -= 1
+        if server._closing:
+            server._check_drained()
         if self.lost:
             return
-        if self.close_after or self._server._closing:
+        if self.close_after or server._closing:
             self.transport.close()
             return
         if self._pipeline:

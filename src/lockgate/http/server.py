@@ -38,7 +38,6 @@ Headers: names are lower-cased; a repeated header's values are joined with ", " 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -88,7 +87,8 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._connections: set[Connection] = set()
         self._closing = False
-        self._all_closed: asyncio.Event | None = None
+        self._drained: asyncio.Event | None = None  # during shutdown: no connection, no request in progress
+        self._port: int | None = None
         self._requests_in_progress = 0
 
     @property
@@ -105,10 +105,10 @@ class HttpServer:
 
     @property
     def port(self) -> int:
-        for sock in self.sockets:
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                return int(sock.getsockname()[1])
-        raise RuntimeError("Not listening on a TCP socket")
+        """The TCP port listened on (still known after `stop_accepting`)."""
+        if self._port is None:
+            raise RuntimeError("Not listening on a TCP socket")
+        return self._port
 
     async def start(
         self, host: str, port: int, *, sock: socket.socket | None = None, unix_path: str | None = None
@@ -124,6 +124,10 @@ class HttpServer:
             self._server = await loop.create_server(factory, sock=sock, backlog=1024)
         else:
             self._server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+        for sock_ in self._server.sockets:
+            if sock_.family in (socket.AF_INET, socket.AF_INET6):
+                self._port = int(sock_.getsockname()[1])
+                break
 
     def stop_accepting(self) -> None:
         if self._server is not None:
@@ -131,32 +135,37 @@ class HttpServer:
 
     async def shutdown(self, timeout_s: float) -> None:
         """Stop accepting, close idle connections, let requests in progress finish (their responses say
-        `Connection: close`) for up to `timeout_s`, then abort the rest and wait briefly for their handlers."""
+        `Connection: close`) for up to `timeout_s`, then abort the rest and wait briefly for their handlers to
+        unwind. Safe to call again (also concurrently)."""
         self._closing = True
         self.stop_accepting()
-        self._all_closed = asyncio.Event()
+        if self._drained is None:
+            self._drained = asyncio.Event()
         for conn in list(self._connections):
             conn.close_if_idle()
-        if self._connections:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout_s):
-                    await self._all_closed.wait()
-        if self._connections:
-            tasks = [c._task for c in self._connections if c._task is not None]
+        self._check_drained()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._drained.wait()
+        except TimeoutError:
             log.warning(
-                "Shutdown: aborting %d connections, %d requests in progress", len(self._connections), len(tasks)
+                "Shutdown: aborting %d connections, %d requests in progress",
+                len(self._connections),
+                self._requests_in_progress,
             )
             for conn in list(self._connections):
                 conn.abort()
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(_CANCEL_GRACE_S):
-                    await self._all_closed.wait()
-                    if tasks:
-                        await asyncio.wait(tasks)
-        if self._server is not None:
-            await self._server.wait_closed()
+                    await self._drained.wait()
+            except TimeoutError:
+                log.error("Shutdown: %d handlers ignored their cancellation", self._requests_in_progress)
+
+    def _check_drained(self) -> None:
+        if self._drained is not None and not self._connections and not self._requests_in_progress:
+            self._drained.set()
 
     def _connection_gone(self, conn: Connection) -> None:
         self._connections.discard(conn)
-        if not self._connections and self._all_closed is not None:
-            self._all_closed.set()
+        if self._closing:
+            self._check_drained()

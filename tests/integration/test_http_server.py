@@ -1,0 +1,687 @@
+"""The lean HTTP server on real loopback sockets: aiohttp's client for normal traffic, raw streams for protocol
+edges, curl for what curl does (Expect: 100-continue, streamed output). Every wait is on an event or on the
+socket itself; the only timeouts are the server's own deadlines, set tiny where a test is about them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import uvloop
+
+from lockgate.http.server import HttpServer, Request, Response, StreamResponse, json_response
+
+Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler, **kwargs: Any) -> AsyncIterator[HttpServer]:
+    kwargs.setdefault("max_body_bytes", 64 * 1024)
+    server = HttpServer(handler, **kwargs)
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        await server.shutdown(1.0)
+        assert server.connections == 0
+        assert server.requests_in_progress == 0
+
+
+@contextlib.asynccontextmanager
+async def connect(server: HttpServer) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def url(server: HttpServer, path: str = "/") -> str:
+    return f"http://127.0.0.1:{server.port}{path}"
+
+
+def http(
+    method: str = "GET", path: str = "/", *, body: bytes = b"", headers: tuple[str, ...] = (), version: str = "1.1"
+) -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "Host: test", *headers]
+    if body or method in ("POST", "PUT"):
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@dataclass
+class Raw:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+async def read_response(reader: asyncio.StreamReader, *, head: bool = False) -> Raw:
+    status = int((await reader.readuntil(b"\r\n")).split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if head or status in (204, 304) or status < 200:
+        body = b""
+    elif "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        parts = []
+        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+            parts.append((await reader.readexactly(size + 2))[:-2])
+        assert await reader.readexactly(2) == b"\r\n"
+        body = b"".join(parts)
+    else:
+        body = await reader.read()
+    return Raw(status, headers, body)
+
+
+async def echo(request: Request) -> Response:
+    return json_response(
+        {
+            "method": request.method,
+            "path": request.path,
+            "raw_path": request.raw_path,
+            "query": request.query_string,
+            "body": request.body.decode(),
+            "content_length": request.content_length,
+            "x_test": request.headers.get("X-TEST"),
+            "remote": request.remote,
+            "version": request.version,
+        },
+        headers={"X-Served-By": "lean"},
+    )
+
+
+# -- whole responses, keep-alive, HTTP/1.0 -----------------------------------------------------------------------
+
+
+async def test_get_and_post_whole_responses() -> None:
+    async with serving(echo) as server, aiohttp.ClientSession() as session:
+        async with session.get(url(server, "/v1/a%20b?x=1&y=%20"), headers={"x-test": "yes"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"] == "application/json"
+            assert resp.headers["X-Served-By"] == "lean"
+            got = await resp.json()
+        assert got == {
+            "method": "GET",
+            "path": "/v1/a b",
+            "raw_path": "/v1/a%20b",
+            "query": "x=1&y=%20",
+            "body": "",
+            "content_length": None,
+            "x_test": "yes",
+            "remote": "127.0.0.1",
+            "version": "1.1",
+        }
+        async with session.post(url(server, "/v1/chat/completions"), data=b'{"model": "m"}') as resp:
+            assert resp.status == 200
+            got = await resp.json()
+        assert (got["method"], got["body"], got["content_length"]) == ("POST", '{"model": "m"}', 14)
+
+
+async def test_keep_alive_serves_two_requests_on_one_connection() -> None:
+    async with serving(echo) as server, connect(server) as (reader, writer):
+        for path in ("/one", "/two"):
+            writer.write(http("POST", path, body=b"hi"))
+            resp = await read_response(reader)
+            assert resp.status == 200 and "connection" not in resp.headers
+            assert orjson.loads(resp.body)["path"] == path
+        assert server.connections == 1
+
+
+async def test_client_connection_close_closes_after_the_response() -> None:
+    async with serving(echo) as server, connect(server) as (reader, writer):
+        writer.write(http(headers=("Connection: close",)))
+        resp = await read_response(reader)
+        assert resp.status == 200 and resp.headers["connection"] == "close"
+        assert await reader.read() == b""
+
+
+async def test_http10_closes_unless_keep_alive_is_asked() -> None:
+    async with serving(echo) as server:
+        async with connect(server) as (reader, writer):
+            writer.write(http(version="1.0"))
+            resp = await read_response(reader)
+            assert resp.status == 200 and resp.headers["connection"] == "close"
+            assert orjson.loads(resp.body)["version"] == "1.0"
+            assert await reader.read() == b""
+        async with connect(server) as (reader, writer):
+            for _ in range(2):
+                writer.write(http(version="1.0", headers=("Connection: keep-alive",)))
+                resp = await read_response(reader)
+                assert resp.status == 200 and resp.headers["connection"] == "keep-alive"
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    release = asyncio.Event()
+    first_started = asyncio.Event()
+    log: list[str] = []
+
+    async def handler(request: Request) -> Response:
+        log.append(f"start {request.path}")
+        if request.path == "/1":
+            first_started.set()
+            await release.wait()
+        log.append(f"end {request.path}")
+        return Response(body=request.path.encode() + request.body)
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http("GET", "/1") + http("POST", "/2", body=b"+body") + http("GET", "/3"))
+        await first_started.wait()
+        assert server.requests_in_progress == 1
+        release.set()
+        bodies = [(await read_response(reader)).body for _ in range(3)]
+        assert bodies == [b"/1", b"/2+body", b"/3"]
+        assert log == ["start /1", "end /1", "start /2", "end /2", "start /3", "end /3"]
+
+
+async def test_duplicate_headers_are_joined_and_iteration_yields_pairs() -> None:
+    seen: list[tuple[str, str]] = []
+
+    async def handler(request: Request) -> Response:
+        seen.extend(request.headers)
+        assert "X-DUP" in request.headers and request.headers["x-dup"] == "a, b"
+        return Response(status=204)
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http(headers=("X-Dup: a", "x-dup: b")))
+        resp = await read_response(reader)
+        assert resp.status == 204 and "content-length" not in resp.headers
+    assert ("x-dup", "a, b") in seen and ("host", "test") in seen
+
+
+async def test_head_keeps_content_length_and_sends_no_body() -> None:
+    async def handler(request: Request) -> Response:
+        return Response(body=b"0123456789", content_type="text/plain")
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http("HEAD", "/x") + http("GET", "/x"))
+        head = await read_response(reader, head=True)
+        assert head.status == 200 and head.headers["content-length"] == "10"
+        # Had a body followed the HEAD response, this would parse it as the next status line.
+        assert (await read_response(reader)).body == b"0123456789"
+
+
+async def test_chunked_request_body_and_expect_100_continue() -> None:
+    async with serving(echo) as server, connect(server) as (reader, writer):
+        writer.write(
+            b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        )
+        assert orjson.loads((await read_response(reader)).body)["body"] == "abcde"
+        writer.write(b"POST /e HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"hello")
+        assert orjson.loads((await read_response(reader)).body)["body"] == "hello"
+
+
+# -- streaming ---------------------------------------------------------------------------------------------------
+
+
+def stepped_stream(steps: list[asyncio.Event]) -> Handler:
+    """Writes `data: i` then waits for steps[i] before the next write."""
+
+    async def handler(request: Request) -> StreamResponse:
+        resp = StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(len(steps) + 1):
+            await resp.write(b"data: %d\n\n" % i)
+            if i < len(steps):
+                await steps[i].wait()
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+async def test_stream_chunks_reach_the_client_before_the_next_write() -> None:
+    steps = [asyncio.Event(), asyncio.Event()]
+    async with (
+        serving(stepped_stream(steps)) as server,
+        aiohttp.ClientSession() as session,
+        session.get(url(server, "/s")) as resp,
+    ):
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers["Transfer-Encoding"] == "chunked"
+        for i in range(3):
+            assert await resp.content.readuntil(b"\n\n") == b"data: %d\n\n" % i
+            if i < 2:
+                assert not steps[i].is_set()
+                steps[i].set()
+        assert await resp.content.read() == b""
+
+
+async def test_stream_left_open_or_unprepared_is_ended_by_the_server() -> None:
+    async def handler(request: Request) -> StreamResponse:
+        resp = StreamResponse(headers={"Content-Type": "text/plain"})
+        if request.path == "/open":
+            await resp.prepare(request)
+            await resp.write(b"partial")
+        return resp
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http("GET", "/open") + http("GET", "/new"))
+        assert (await read_response(reader)).body == b"partial"
+        resp = await read_response(reader)
+        assert resp.status == 200 and resp.body == b""
+
+
+async def test_stream_to_http10_client_is_delimited_by_close() -> None:
+    steps: list[asyncio.Event] = []
+    async with serving(stepped_stream(steps)) as server, connect(server) as (reader, writer):
+        writer.write(http(version="1.0", headers=("Connection: keep-alive",)))
+        resp = await read_response(reader)
+        assert resp.headers["connection"] == "close" and "transfer-encoding" not in resp.headers
+        assert resp.body == b"data: 0\n\n"
+
+
+# -- disconnects cancel handlers ---------------------------------------------------------------------------------
+
+
+def hanging(started: asyncio.Event, cancelled: asyncio.Event, *, stream: bool) -> Handler:
+    async def handler(request: Request) -> Response | StreamResponse:
+        if stream:
+            resp = StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b"first")
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return Response()
+
+    return handler
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("how", ["close", "half-close"])
+async def test_client_disconnect_cancels_the_handler(stream: bool, how: str) -> None:
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    async with serving(hanging(started, cancelled, stream=stream)) as server, connect(server) as (reader, writer):
+        writer.write(http("POST", "/", body=b"x"))
+        await started.wait()
+        if stream:
+            resp_head = await reader.readuntil(b"\r\n\r\n")
+            assert resp_head.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert await reader.readuntil(b"first\r\n") == b"5\r\nfirst\r\n"
+        if how == "close":
+            writer.close()
+        else:
+            writer.write_eof()
+        await cancelled.wait()
+        assert server.requests_in_progress == 0
+
+
+async def test_handler_that_finishes_after_the_client_left_writes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    started, finished = asyncio.Event(), asyncio.Event()
+    write_error: list[BaseException] = []
+
+    async def handler(request: Request) -> Response | StreamResponse:
+        resp = StreamResponse()
+        if request.path == "/stream":
+            await resp.prepare(request)
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):  # a handler that swallows the cancellation, carries on
+            await asyncio.Event().wait()
+        try:
+            if request.path == "/stream":
+                await resp.write(b"too late")
+        except ConnectionResetError as exc:
+            write_error.append(exc)
+        finished.set()
+        return resp if request.path == "/stream" else Response(body=b"too late")
+
+    async with serving(handler) as server:
+        for path in ("/whole", "/stream"):
+            started.clear()
+            finished.clear()
+            async with connect(server) as (_, writer):
+                writer.write(http(path=path))
+                await started.wait()
+            await finished.wait()
+            assert server.requests_in_progress == 0
+    assert len(write_error) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_write_waits_while_the_client_does_not_read() -> None:
+    blocked, resumed = asyncio.Event(), asyncio.Event()
+    chunk = b"x" * (256 * 1024)
+    written = 0
+
+    async def handler(request: Request) -> StreamResponse:
+        nonlocal written
+        resp = StreamResponse()
+        await resp.prepare(request)
+        while True:
+            write = asyncio.ensure_future(resp.write(chunk))
+            await asyncio.sleep(0)  # one step: a write that does not wait for the drain is done by now
+            written += len(chunk)
+            if not write.done():
+                blocked.set()
+                await write
+                break
+            await write
+        resumed.set()
+        await resp.write_eof()
+        return resp
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        await blocked.wait()
+        assert not resumed.is_set()
+        resp = await read_response(reader)
+        assert resumed.is_set()
+        assert len(resp.body) == written and written >= 2 * len(chunk)
+
+
+# -- errors the server answers itself ----------------------------------------------------------------------------
+
+
+def never_called(calls: list[Request]) -> Handler:
+    async def handler(request: Request) -> Response:
+        calls.append(request)
+        return Response()
+
+    return handler
+
+
+async def expect_error(reader: asyncio.StreamReader, status: int) -> dict[str, Any]:
+    resp = await read_response(reader)
+    assert resp.status == status
+    assert resp.headers["connection"] == "close" and resp.headers["content-type"] == "application/json"
+    assert await reader.read() == b""  # the server closed its side
+    error: dict[str, Any] = orjson.loads(resp.body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+async def test_413_by_content_length_before_the_body_and_without_100_continue() -> None:
+    calls: list[Request] = []
+    async with serving(never_called(calls), max_body_bytes=1000) as server:
+        for expect in ((), ("Expect: 100-continue",)):
+            async with connect(server) as (reader, writer):
+                writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1001\r\n" + "".join(expect).encode())
+                writer.write(b"\r\n" if not expect else b"\r\n\r\n")
+                error = await expect_error(reader, 413)
+                assert "1000 bytes" in error["message"]
+    assert calls == []
+
+
+async def test_413_for_a_chunked_body_over_the_limit() -> None:
+    calls: list[Request] = []
+    async with serving(never_called(calls), max_body_bytes=1000) as server, connect(server) as (reader, writer):
+        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"300\r\n" + b"a" * 0x300 + b"\r\n" + b"300\r\n" + b"b" * 0x300 + b"\r\n")
+        await expect_error(reader, 413)
+    assert calls == []
+
+
+async def test_413_reaches_a_client_that_sends_its_body_anyway() -> None:
+    # aiohttp writes the whole body without waiting; the server must not reset the connection under it.
+    calls: list[Request] = []
+    async with (
+        serving(never_called(calls), max_body_bytes=1000) as server,
+        aiohttp.ClientSession() as session,
+        session.post(url(server), data=b"z" * 200_000) as resp,
+    ):
+        assert resp.status == 413
+        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    assert calls == []
+
+
+async def test_431_for_headers_over_the_limit_complete_or_not() -> None:
+    calls: list[Request] = []
+    async with serving(never_called(calls), max_header_bytes=1024) as server:
+        async with connect(server) as (reader, writer):
+            writer.write(http(headers=("X-Big: " + "a" * 2000,)))
+            await expect_error(reader, 431)
+        async with connect(server) as (reader, writer):
+            writer.write(b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 600)
+            writer.write(b"a" * 600)  # still no end of line
+            await expect_error(reader, 431)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"HELLO WORLD\r\n\r\n",
+        b"G@T / HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    ],
+    ids=["garbage", "bad-method", "bad-length", "bad-chunk", "length-and-chunked", "upgrade"],
+)
+async def test_400_for_malformed_requests(payload: bytes) -> None:
+    calls: list[Request] = []
+    async with serving(never_called(calls)) as server, connect(server) as (reader, writer):
+        writer.write(payload)
+        await expect_error(reader, 400)
+    assert calls == []
+
+
+async def test_error_after_pipelined_request_waits_for_its_response() -> None:
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        await release.wait()
+        return Response(body=b"first")
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        await started.wait()
+        writer.write(b"NOT HTTP\r\n\r\n")
+        release.set()
+        assert (await read_response(reader)).body == b"first"
+        await expect_error(reader, 400)
+
+
+async def test_handler_exception_is_a_500_and_the_server_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request) -> Response:
+        if request.path == "/boom":
+            raise RuntimeError("kaput")
+        return Response(body=b"fine")
+
+    def error_body(status: int, message: str) -> bytes:
+        return orjson.dumps({"error": {"message": message, "type": "custom", "param": None, "code": status}})
+
+    async with serving(handler, error_body=error_body) as server:
+        async with aiohttp.ClientSession() as session, session.get(url(server, "/boom")) as resp:
+            assert resp.status == 500
+            assert (await resp.json())["error"] == {
+                "message": "Internal server error.",
+                "type": "custom",
+                "param": None,
+                "code": 500,
+            }
+        assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)
+        async with aiohttp.ClientSession() as session, session.get(url(server, "/ok")) as resp:
+            assert resp.status == 200 and await resp.read() == b"fine"
+
+
+async def test_handler_exception_mid_stream_cuts_the_connection(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request) -> StreamResponse:
+        resp = StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"partial")
+        raise RuntimeError("kaput")
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_response(reader)  # the chunked body never ends
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+async def test_invalid_response_header_is_a_500() -> None:
+    async def handler(request: Request) -> Response:
+        return Response(headers={"X-Evil": "a\r\nSet-Cookie: x=1"})
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        resp = await read_response(reader)
+        assert resp.status == 500 and "set-cookie" not in resp.headers
+
+
+# -- deadlines and shutdown --------------------------------------------------------------------------------------
+
+
+async def test_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
+    async with serving(echo, keepalive_timeout_s=0.05) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        assert (await read_response(reader)).status == 200
+        assert await reader.read() == b""
+
+
+async def test_incomplete_headers_are_cut_off_after_the_header_timeout() -> None:
+    calls: list[Request] = []
+    async with serving(never_called(calls), header_timeout_s=0.05) as server, connect(server) as (reader, writer):
+        writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n")
+        assert await reader.read() == b""
+    assert calls == []
+
+
+async def test_shutdown_closes_idle_finishes_in_progress_and_refuses_new() -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.path == "/slow":
+            started.set()
+            await release.wait()
+        return Response(body=request.path.encode())
+
+    async with serving(handler) as server, connect(server) as (idle_r, idle_w), connect(server) as (busy_r, busy_w):
+        idle_w.write(http(path="/quick"))
+        assert (await read_response(idle_r)).body == b"/quick"
+        busy_w.write(http(path="/slow"))
+        await started.wait()
+
+        shutdown = asyncio.create_task(server.shutdown(10.0))
+        assert await idle_r.read() == b""
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", server.port)
+        assert not shutdown.done()
+
+        release.set()
+        resp = await read_response(busy_r)
+        assert resp.body == b"/slow" and resp.headers["connection"] == "close"
+        assert await busy_r.read() == b""
+        await shutdown
+        assert server.connections == 0 and server.requests_in_progress == 0
+
+
+async def test_shutdown_timeout_cancels_what_is_left() -> None:
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    async with serving(hanging(started, cancelled, stream=False)) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        await started.wait()
+        await server.shutdown(0.05)
+        assert cancelled.is_set()
+        assert server.connections == 0 and server.requests_in_progress == 0
+        assert await reader.read() == b""
+
+
+async def test_unix_socket(tmp_path: Any) -> None:
+    server = HttpServer(echo, max_body_bytes=1024)
+    await server.start("", 0, unix_path=str(tmp_path / "s.sock"))
+    try:
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(tmp_path / "s.sock"))) as session,
+            session.get("http://localhost/u") as resp,
+        ):
+            got = await resp.json()
+        assert got["path"] == "/u" and got["remote"] is None
+    finally:
+        await server.shutdown(1.0)
+
+
+# -- curl --------------------------------------------------------------------------------------------------------
+
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+
+
+@needs_curl
+async def test_curl_post_5kib_gets_100_continue(tmp_path: Any) -> None:
+    seen: list[Request] = []
+
+    async def handler(request: Request) -> Response:
+        seen.append(request)
+        return Response(body=b"%d" % len(request.body))
+
+    body = tmp_path / "body"
+    body.write_bytes(b"q" * 5 * 1024)
+    # curl 7.88 sends Expect by itself only above 1 MiB (older versions: above 1 KiB); ask for it explicitly.
+    async with serving(handler) as server:
+        proc = await asyncio.create_subprocess_exec(
+            *("curl", "-sS", "-v", "--expect100-timeout", "10", "-H", "Expect: 100-continue"),
+            *("--data-binary", f"@{body}", url(server, "/up")),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err
+    assert out == b"5120"
+    assert seen[0].headers.get("expect") == "100-continue"
+    # Without the interim response curl would wait its --expect100-timeout (10 s) before sending the body.
+    assert b"< HTTP/1.1 100 Continue" in err
+
+
+@needs_curl
+async def test_curl_streamed_response_arrives_incrementally() -> None:
+    steps = [asyncio.Event(), asyncio.Event()]
+    async with serving(stepped_stream(steps)) as server:
+        proc = await asyncio.create_subprocess_exec(
+            "curl", "-sS", "-N", url(server, "/s"), stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        for i in range(3):
+            assert await proc.stdout.readuntil(b"\n\n") == b"data: %d\n\n" % i
+            if i < 2:
+                steps[i].set()
+        assert await proc.stdout.read() == b""
+        assert await proc.wait() == 0
+
+
+# -- the same behaviour on uvloop (the gateway's loop) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        test_get_and_post_whole_responses,
+        test_pipelined_requests_are_answered_in_order,
+        test_stream_chunks_reach_the_client_before_the_next_write,
+        test_write_waits_while_the_client_does_not_read,
+        test_413_reaches_a_client_that_sends_its_body_anyway,
+        test_shutdown_closes_idle_finishes_in_progress_and_refuses_new,
+    ],
+    ids=lambda f: f.__name__.removeprefix("test_"),
+)
+def test_on_uvloop(scenario: Callable[[], Awaitable[None]]) -> None:
+    async def run() -> None:
+        await scenario()
+
+    uvloop.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_disconnect_cancels_on_uvloop(stream: bool) -> None:
+    uvloop.run(test_client_disconnect_cancels_the_handler(stream, "close"))
