@@ -17,6 +17,8 @@ import orjson
 import pytest
 import uvloop
 
+from lockgate.http.connection import Connection
+from lockgate.http.request import split_target
 from lockgate.http.server import HttpServer, Request, Response, StreamResponse, json_response
 
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
@@ -685,3 +687,63 @@ def test_on_uvloop(scenario: Callable[[], Awaitable[None]]) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_disconnect_cancels_on_uvloop(stream: bool) -> None:
     uvloop.run(test_client_disconnect_cancels_the_handler(stream, "close"))
+
+
+# -- without sockets: what a loop iteration cannot be made to do on demand ---------------------------------------
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def write(self, data: Any) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def test_request_cancelled_before_its_task_runs_is_accounted() -> None:
+    calls: list[Request] = []
+    server = HttpServer(never_called(calls), max_body_bytes=1024)
+    conn = Connection(server, asyncio.get_running_loop())
+    transport = FakeTransport()
+    conn.connection_made(transport)
+    conn.data_received(http())
+    assert server.requests_in_progress == 1
+    conn.connection_lost(None)  # before the handler task's first step
+    assert server.requests_in_progress == 0 and server.connections == 0
+    await asyncio.sleep(0)
+    assert calls == [] and transport.written == b""
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        (b"/a/b?x=1&y=2", ("/a/b", "/a/b", "x=1&y=2")),
+        (b"/a%2Fb%20c?q=%20", ("/a%2Fb%20c", "/a/b c", "q=%20")),
+        (b"/p#frag", ("/p", "/p", "")),
+        (b"http://example.com:8080/v1/models?a=b", ("/v1/models", "/v1/models", "a=b")),
+        (b"http://example.com", ("/", "/", "")),
+        (b"*", ("*", "*", "")),
+    ],
+)
+def test_request_target_split(target: bytes, expected: tuple[str, str, str]) -> None:
+    assert split_target(target) == expected

@@ -129,6 +129,9 @@ class Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._server._connections.add(self)
+        if self._server._closing:  # accepted in the same loop iteration as the shutdown began
+            self.transport.close()
+            return
         self._arm(self._loop.time() + self._server._header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -317,6 +320,7 @@ class Connection(asyncio.Protocol):
             await response.write_eof()
         elif self._stream is not None:
             log.error("Handler for %s %s streamed a response but returned %r", request.method, request.path, response)
+            self._stream._eof = True  # later writes to it raise instead of landing in another response
             self.close_after = True
         elif isinstance(response, Response):
             self._write_whole(response, request)  # a Response subclass
