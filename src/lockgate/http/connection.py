@@ -65,6 +65,7 @@ class Connection(asyncio.Protocol):
         "_parser",
         "_pipeline",
         "_raw_headers",
+        "_read_size",
         "_reading_paused",
         "_reject",
         "_request",
@@ -98,7 +99,8 @@ class Connection(asyncio.Protocol):
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
-        self._header_bytes_raw = 0  # bytes received while in the header phase, over several reads
+        self._header_bytes_raw = 0  # bytes received while in the header phase, in earlier reads
+        self._read_size = 0  # of the read being parsed
         self._in_headers = False
         self._in_message = False
         self._expect_pending = False
@@ -173,6 +175,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return
+        self._read_size = len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -213,17 +216,18 @@ class Connection(asyncio.Protocol):
         self._in_headers = False
         server = self._server
         url = self._url
-        size = len(url)
         items: dict[str, str] = {}
         for name, value in self._raw_headers:
-            size += len(name) + len(value) + 4
-            key = name.decode("latin-1").lower()
+            key = name.lower().decode()  # llhttp admits only token characters in names
             if key in items:
                 items[key] += ", " + value.decode("latin-1")
             else:
                 items[key] = value.decode("latin-1")
-        if size > server._max_header_bytes:
-            raise self._rejecting(431, "Request headers are too large.")
+        if self._header_bytes_raw + self._read_size > server._max_header_bytes:
+            # The headers may be over the limit (they are not when all reads since the message began fit in it).
+            size = len(url) + sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
+            if size > server._max_header_bytes:
+                raise self._rejecting(431, "Request headers are too large.")
         parser = self._parser
         if parser.should_upgrade():
             raise self._rejecting(400, "Protocol upgrades are not supported.")
