@@ -519,6 +519,19 @@ async def test_handler_exception_is_a_500_and_the_server_keeps_serving(caplog: p
             assert resp.status == 200 and await resp.read() == b"fine"
 
 
+async def test_cancelled_error_escaping_a_handler_is_a_500_not_silence(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request) -> Response:
+        inner = asyncio.ensure_future(asyncio.Event().wait())
+        inner.cancel()
+        await inner  # raises CancelledError although nobody cancelled the request
+        return Response()
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        assert (await read_response(reader)).status == 500
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
 async def test_handler_exception_mid_stream_cuts_the_connection(caplog: pytest.LogCaptureFixture) -> None:
     async def handler(request: Request) -> StreamResponse:
         resp = StreamResponse()

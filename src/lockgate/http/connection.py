@@ -307,7 +307,10 @@ class Connection(asyncio.Protocol):
                     else:
                         await self._finish_other(response, request)
             except asyncio.CancelledError:
-                return  # only a disconnect (or shutdown's hard stop) cancels us: nobody to answer
+                task = asyncio.current_task()
+                if self.lost or (task is not None and task.cancelling()):
+                    return  # a disconnect (or shutdown's hard stop) cancelled us: nobody to answer
+                self._handler_failed(request)  # a CancelledError that escaped from something the handler awaited
             except Exception:
                 self._handler_failed(request)
             if self.write_paused and self._pipeline and not self.lost:
