@@ -9,7 +9,7 @@ from urllib.parse import unquote
 import httptools
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from .protocol import Connection
 
 __all__ = ["Headers", "Request"]
 

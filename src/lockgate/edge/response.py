@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from .protocol import Connection
     from .request import Request
 
 __all__ = ["Response", "StreamResponse", "json_response"]

@@ -42,7 +42,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from .connection import Connection, default_error_body
+from .protocol import Connection, default_error_body
 from .request import Headers, Request
 from .response import Response, StreamResponse, json_response
 

@@ -20,9 +20,9 @@ import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockgate.http.connection import Connection
-from lockgate.http.request import split_target
-from lockgate.http.server import HttpServer, Request, Response, StreamResponse, json_response
+from lockgate.edge.protocol import Connection
+from lockgate.edge.request import split_target
+from lockgate.edge.server import HttpServer, Request, Response, StreamResponse, json_response
 
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 

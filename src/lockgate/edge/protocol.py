@@ -1,6 +1,6 @@
 """One client connection: the parser callbacks, the handler task, deadlines, and errors the server answers itself.
 
-Internal to `lockgate.http`; the theory of operation (states, who cancels and closes what) is in `server.py`.
+Internal to `lockgate.edge`; the theory of operation (states, who cancels and closes what) is in `server.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .response import Response, StreamResponse, render_head, status_line
 if TYPE_CHECKING:
     from .server import HttpServer
 
-log = logging.getLogger("lockgate.http.server")
+log = logging.getLogger("lockgate.edge.server")
 
 #: How long a connection that got an error from the server itself keeps reading (and discarding) before it closes.
 LINGER_S = 2.0
@@ -48,7 +48,7 @@ class _Reject(Exception):
 
 
 class Connection(asyncio.Protocol):
-    """One client connection; its states are described in `lockgate.http.server`."""
+    """One client connection; its states are described in `lockgate.edge.server`."""
 
     __slots__ = (
         "_body",
