@@ -26,9 +26,8 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiohttp import web
-
 from . import sse
+from .edge.server import Reply, Response, StreamResponse
 from .errors import Cancelled, DeadlineExceeded, GatewayError
 from .records import UsageRecord
 from .wire import ApiRequest
@@ -87,7 +86,7 @@ class Exchange:
             priority=priority,
             started_at=time.time(),
         )
-        self.response: web.StreamResponse | None = None
+        self.response: StreamResponse | None = None
         #: Set once the complete answer is on the wire (`[DONE]` written): the request can only complete.
         self.answered = False
         self._ending = False  # how the request ends has been decided (`_set_end` ran)
@@ -208,7 +207,7 @@ class Exchange:
         }
 
     # --- the one place where a request's fate is decided ---------------------------------------
-    async def run(self, work: Callable[[Exchange], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def run(self, work: Callable[[Exchange], Awaitable[Reply]]) -> Reply:
         self._task = asyncio.current_task()
         self.gateway.registry.add(self)
         try:
@@ -245,7 +244,7 @@ class Exchange:
             self._cancel_detected_at = time.perf_counter()
             self.detach()
             self._set_end("cancelled", reason="client_disconnect")
-            return self.response or web.Response(status=499)
+            return self.response or Response(status=499)
         except GatewayError as exc:
             self.detach()
             return await self._end_with("rejected" if exc.rejected else "error", exc)
@@ -278,7 +277,7 @@ class Exchange:
         before it began has sent nothing: the client must get the error status, not an empty 200."""
         return self.response is not None and self.response.prepared
 
-    async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> web.StreamResponse:
+    async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> Reply:
         if self._ending or self.answered:
             # Already ending (a second cause arrived while the first was being written) or complete.
             return self.response or self.gateway.error_response(error, self.id, self.instance)

@@ -1,7 +1,8 @@
-"""The gateway: its parts, and the HTTP edge (aiohttp) that turns requests into exchanges.
+"""The gateway: its parts, and the handler that turns HTTP requests into exchanges.
 
 `Gateway` is an async context manager owning the fleet, the usage-record writer and the registry of
-requests in flight. `Gateway.app()` builds the aiohttp application; `server.py` runs it.
+requests in flight. `Gateway.handle` answers one request of the edge server (`edge/`); `server.py`
+runs that server.
 """
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
-from aiohttp import web
 
 from .admission import resume
 from .admission.gate import Admission
 from .admission.tenants import PRIORITY_HEADER, Tenant
 from .config import Config
 from .dedup import Coalescer
+from .edge.server import Reply, Request, Response, json_response
 from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
 from .exchange import Exchange, Registry
 from .fleet.pool import Fleet, Instance
@@ -28,6 +30,7 @@ from .relay import relay
 from .wire import Endpoint, parse_request
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
+_CANCEL_PREFIX = "/admin/requests/"
 
 
 _ID_PREFIX = "lg-" + os.urandom(6).hex() + "-"
@@ -60,7 +63,8 @@ class Gateway:
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
-        self._max_body = config.limits.max_body_bytes
+        self._route_table = self._routes()
+        self._known_paths = {path for _, path in self._route_table}
         self._model_list = orjson.dumps(
             {
                 "object": "list",
@@ -92,50 +96,71 @@ class Gateway:
         await self.records.aclose()
 
     # --- the HTTP edge -------------------------------------------------------------------------
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self._max_body)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/ready", self._ready)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/admin/requests", self._admin_list)
-        app.router.add_delete("/admin/requests/{id}", self._admin_cancel)
-        app.router.add_get("/admin/fleet", self._admin_fleet)
-        app.router.add_get("/admin/flights", self._admin_flights)
-        self._known_paths = {r.get_info().get("path") for r in app.router.resources()}
-        app.router.add_route("*", "/{tail:.*}", self._unknown)
-        return app
+    def _routes(self) -> dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]]:
+        get = {
+            "/v1/models": self._models,
+            "/health": self._health,
+            "/ready": self._ready,
+            "/metrics": self._metrics,
+            "/admin/requests": self._admin_list,
+            "/admin/fleet": self._admin_fleet,
+            "/admin/flights": self._admin_flights,
+        }
+        routes: dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]] = {
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/completions"): self._completions,
+        }
+        for path, handler in get.items():
+            routes["GET", path] = routes["HEAD", path] = handler
+        return routes
 
-    def error_response(self, error: GatewayError, request_id: str, instance: Instance | None = None) -> web.Response:
+    async def handle(self, request: Request) -> Reply:
+        """The edge server's handler: one dictionary lookup to the endpoint."""
+        handler = self._route_table.get((request.method, request.path))
+        if handler is not None:
+            return await handler(request)
+        if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
+            return self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+        return self._unknown(request)
+
+    @staticmethod
+    def edge_error_body(status: int, message: str) -> bytes:
+        """Errors the edge server answers itself (malformed HTTP, limits), in the OpenAI envelope."""
+        if status == 413:
+            return PayloadTooLarge(message).body_bytes()
+        if status < 500:
+            return InvalidRequest(
+                message, code="headers_too_large" if status == 431 else "bad_http_request"
+            ).body_bytes()
+        return GatewayError(message).body_bytes()
+
+    def error_response(self, error: GatewayError, request_id: str, instance: Instance | None = None) -> Response:
         headers = {"x-request-id": request_id, **error.headers()}
         if instance is not None:
             headers["x-lockgate-instance"] = instance.name
-        return web.Response(
+        return Response(
             status=error.http_status,
             body=error.body_bytes(),
             content_type="application/json",
             headers=headers,
         )
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: Request) -> Reply:
         return await self._serve(request, Endpoint.CHAT)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _completions(self, request: Request) -> Reply:
         return await self._serve(request, Endpoint.COMPLETIONS)
 
-    async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def _serve(self, request: Request, endpoint: Endpoint) -> Reply:
         client_id = request.headers.get("x-request-id")
         if client_id is not None and (len(client_id) > 200 or not client_id.isprintable()):
             client_id = None
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
-            tenant = self.admission.book.authenticate(request.headers.get("Authorization"))
-            raw = await self._read_body(request)
-            # Checked after the last await before the request registers: a drain that started while
-            # the body was being read must not miss it.
+            tenant = self.admission.book.authenticate(request.headers.get("authorization"))
+            # The edge server has read the whole body (within `limits.max_body_bytes`).
+            raw = request.body
             if self.draining:
                 raise ShuttingDown("The gateway is shutting down.", retry_after=1)
             api = parse_request(endpoint, raw)
@@ -163,24 +188,14 @@ class Gateway:
         exchange.record.client_request_id = client_id
         return await exchange.run(lambda ex: self._admit_and_relay(ex, request, tenant, klass))
 
-    async def _admit_and_relay(
-        self, ex: Exchange, request: web.Request, tenant: Tenant, klass: int
-    ) -> web.StreamResponse:
+    async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
         if klass in self.admission.preemptible:
             return await resume.admit_and_relay(ex, request, tenant, klass)
         await self.admission.admit(ex, tenant, klass)
         return await relay(ex, request)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self._max_body:
-            raise PayloadTooLarge(f"The request body is {request.content_length} bytes; the limit is {self._max_body}.")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(f"The request body is larger than the limit of {self._max_body} bytes.") from None
-
     @staticmethod
-    def _deadline(request: web.Request, default_ms: int | None) -> float | None:
+    def _deadline(request: Request, default_ms: int | None) -> float | None:
         raw = request.headers.get(TIMEOUT_HEADER)
         if raw is None:
             return default_ms / 1000 if default_ms else None
@@ -196,46 +211,45 @@ class Gateway:
             value = min(value, default_ms)
         return value / 1000
 
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._model_list, content_type="application/json")
+    async def _models(self, request: Request) -> Response:
+        return Response(body=self._model_list, content_type="application/json")
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def _health(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
 
-    async def _ready(self, request: web.Request) -> web.Response:
+    async def _ready(self, request: Request) -> Response:
         if self.draining:
-            return web.json_response({"status": "draining"}, status=503)
+            return json_response({"status": "draining"}, status=503)
         not_ready = [name for name, pool in self.fleet.pools.items() if not pool.ready()]
         if not_ready:
-            return web.json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)
-        return web.json_response({"status": "ready"})
+            return json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)
+        return json_response({"status": "ready"})
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    async def _metrics(self, request: Request) -> Response:
+        return Response(body=self.metrics.render(), content_type="text/plain; charset=utf-8")
 
-    async def _admin_list(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": [e.describe() for e in self.registry.all()]})
+    async def _admin_list(self, request: Request) -> Response:
+        return json_response({"requests": [e.describe() for e in self.registry.all()]})
 
-    async def _admin_cancel(self, request: web.Request) -> web.Response:
-        request_id = request.match_info["id"]
+    def _admin_cancel(self, request_id: str) -> Response:
         exchange = self.registry.get(request_id)
         if exchange is None:
             return self.error_response(NotFound(f"No request '{request_id}' is in flight."), request_id)
         exchange.cancel("admin")
-        return web.json_response({"id": request_id, "cancelled": True})
+        return json_response({"id": request_id, "cancelled": True})
 
-    async def _admin_flights(self, request: web.Request) -> web.Response:
+    async def _admin_flights(self, request: Request) -> Response:
         """De-duplication: the shared engine calls in flight and the completed-result cache."""
-        return web.json_response(
+        return json_response(
             {"flights": [f.describe() for f in self.dedup.flights.all()], "statistics": self.dedup.statistics()}
         )
 
-    async def _admin_fleet(self, request: web.Request) -> web.Response:
-        return web.json_response(describe_fleet(self.fleet))
+    async def _admin_fleet(self, request: Request) -> Response:
+        return json_response(describe_fleet(self.fleet))
 
-    async def _unknown(self, request: web.Request) -> web.Response:
+    def _unknown(self, request: Request) -> Response:
         if request.path in self._known_paths:
             error = NotFound(f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed")
-            return web.Response(status=405, body=error.body_bytes(), content_type="application/json")
+            return Response(status=405, body=error.body_bytes(), content_type="application/json")
         error = NotFound(f"Unknown path: {request.method} {request.path}")
-        return web.Response(status=404, body=error.body_bytes(), content_type="application/json")
+        return Response(status=404, body=error.body_bytes(), content_type="application/json")

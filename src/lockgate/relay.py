@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from .assemble import assemble
 from .attempt import Opened, open_attempts
+from .edge.server import Reply, Request
 from .exchange import Exchange, Phase
 from .respond import stream_events, whole_body
 
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
     from .upstream import UpstreamCall
 
 
-async def relay(ex: Exchange, http_request: web.Request) -> web.StreamResponse:
+async def relay(ex: Exchange, http_request: Request) -> Reply:
     dedup = ex.gateway.dedup
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
     if key is not None:
@@ -62,7 +61,7 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
     }
 
 
-async def _relay_whole(ex: Exchange, opened: Opened) -> web.StreamResponse:
+async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
     if opened.rest is None:
         body = await opened.call.read_json()
     else:
@@ -74,7 +73,7 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> web.StreamResponse:
     return whole_body(ex, body, _headers(ex, opened.call.instance))
 
 
-async def _relay_stream(ex: Exchange, http_request: web.Request, opened: Opened) -> web.StreamResponse:
+async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
     events = opened.events()
     try:
         return await stream_events(ex, http_request, events, _headers(ex, opened.call.instance), ready=opened.ready)

@@ -11,23 +11,23 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from . import sse
 from .assemble import ClientView, has_content
+from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 
 
 async def stream_events(
     ex: Exchange,
-    http_request: web.Request,
+    http_request: Request,
     events: AsyncIterator[dict[str, Any]],
     headers: dict[str, str],
     *,
     response_id: str | None = None,
     ready: Callable[[], bool] | None = None,
-) -> web.StreamResponse:
+) -> Reply:
     """Relay a generation as SSE. The status line goes out with the first event that has choices:
     until then, a failure can still be answered with an error status (or retried elsewhere).
 
@@ -37,7 +37,7 @@ async def stream_events(
     transport's drain, so a slow client holds its source back (backpressure)."""
     api, record = ex.api, ex.record
     view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
-    response: web.StreamResponse | None = None
+    response: StreamResponse | None = None
     delivered = 0
     batch: list[bytes] = []
     batch_tokens = 0
@@ -48,7 +48,7 @@ async def stream_events(
             record.completion_tokens = max(delivered, _int(view.usage.get("completion_tokens")))
         if out is not None:
             if response is None:
-                response = web.StreamResponse(
+                response = StreamResponse(
                     status=200,
                     headers={
                         "Content-Type": "text/event-stream",
@@ -91,7 +91,7 @@ async def stream_events(
     return response
 
 
-def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> web.Response:
+def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> Response:
     """Answer a non-streaming client with a complete body (from the engine or assembled)."""
     ex.phase = Phase.FINISHING
     ex.first_token()
@@ -101,7 +101,7 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> w
         ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
         ex.record.completion_tokens = _int(usage.get("completion_tokens"))
     ex.record.http_status = 200
-    return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+    return Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
 async def _write(awaitable: Any) -> Any:

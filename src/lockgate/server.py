@@ -19,9 +19,8 @@ import logging
 import signal
 from typing import Any
 
-from aiohttp import web
-
 from .config import Config
+from .edge.server import HttpServer
 from .embedded import start_simulators
 from .exchange import Phase
 from .gateway import Gateway
@@ -38,8 +37,7 @@ class GatewayServer:
         self._port = config.listen.port if port is None else port
         self._usage_path = usage_path
         self._stack = contextlib.AsyncExitStack()
-        self._runner: web.AppRunner | None = None
-        self._site: web.BaseSite | None = None
+        self._http: HttpServer | None = None
         self._stopped = False
         self.gateway: Gateway | None = None
         self.url = ""
@@ -48,22 +46,20 @@ class GatewayServer:
         try:
             config = await start_simulators(self._config, self._stack)
             self.gateway = await self._stack.enter_async_context(Gateway(config, usage_path=self._usage_path))
-            self._runner = web.AppRunner(
-                self.gateway.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+            self._http = HttpServer(
+                self.gateway.handle,
+                max_body_bytes=config.limits.max_body_bytes,
+                error_body=Gateway.edge_error_body,
             )
-            await self._runner.setup()
             listen = config.listen
             if listen.unix:
-                self._site = web.UnixSite(self._runner, listen.unix)
-                await self._site.start()
+                await self._http.start(listen.host, 0, unix_path=listen.unix)
                 self.url = f"unix://{listen.unix}"
             else:
-                site = web.TCPSite(self._runner, listen.host, self._port, reuse_address=True)
-                await site.start()
-                self._site = site
-                self.url = f"http://{listen.host}:{site.port}"
+                await self._http.start(listen.host, self._port)
+                self.url = f"http://{listen.host}:{self._http.port}"
         except BaseException:
-            await self._close_runner()
+            await self._close_http()
             await self._stack.aclose()
             raise
         return self
@@ -85,8 +81,8 @@ class GatewayServer:
         for exchange in gateway.registry.all():
             if exchange.phase is Phase.QUEUED:
                 exchange.cancel("shutdown")
-        if self._site is not None:
-            await self._site.stop()  # no new connections
+        if self._http is not None:
+            self._http.stop_accepting()  # no new connections
         try:
             async with asyncio.timeout(drain_s):
                 await gateway.registry.wait_empty()
@@ -103,13 +99,14 @@ class GatewayServer:
             for exchange in gateway.registry.all():
                 exchange.stop_now()
             await gateway.registry.wait_empty()
-        await self._close_runner()
+        await self._close_http()
         await self._stack.aclose()
 
-    async def _close_runner(self) -> None:
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
+    async def _close_http(self) -> None:
+        """Close the client connections (idle ones at once; every request has ended by now)."""
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.shutdown(timeout_s=5.0)
 
 
 async def serve(config: Config, *, announce: Any = print) -> int:

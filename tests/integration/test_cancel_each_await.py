@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from lockgate.edge.response import StreamResponse
 from lockgate.exchange import Exchange
 from lockgate.gateway import Gateway
 from lockgate.records import read_records
@@ -86,9 +86,9 @@ class Checkpoints:
         for cls, name in (
             (UpstreamCall, "open"),
             (UpstreamCall, "read_json"),
-            (web.StreamResponse, "prepare"),
-            (web.StreamResponse, "write"),
-            (web.StreamResponse, "write_eof"),
+            (StreamResponse, "prepare"),
+            (StreamResponse, "write"),
+            (StreamResponse, "write_eof"),
         ):
             wrap(cls, name)
         original_events: Callable[[UpstreamCall], AsyncIterator[dict]] = UpstreamCall.events

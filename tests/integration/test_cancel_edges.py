@@ -7,8 +7,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from lockgate.edge.response import StreamResponse
 from lockgate.exchange import Exchange
 from lockgate.records import read_records
 from tests.conftest import instance
@@ -87,16 +87,16 @@ async def test_second_cause_while_ending_does_not_relabel_or_write_twice(
     gateway = gw.gateway
     assert gateway is not None
     refused: list[bool] = []
-    original_write = web.StreamResponse.write
+    original_write = StreamResponse.write
 
-    async def write(self: web.StreamResponse, data: Any) -> None:
+    async def write(self: StreamResponse, data: Any) -> None:
         if b'"deadline_exceeded"' in bytes(data):
             for ex in gateway.registry.all():
                 refused.append(ex.cancel("admin"))
             await asyncio.sleep(0)  # let a cancellation land here, if one was requested
         await original_write(self, data)
 
-    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(StreamResponse, "write", write)
     async with asyncio.timeout(5):
         headers = {"x-lockgate-timeout-ms": "60000"}
         async with http.post(gw.url + "/v1/chat/completions", json=body(True), headers=headers) as resp:
@@ -129,16 +129,16 @@ async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     gateway = gw.gateway
     assert gateway is not None
-    original_write = web.StreamResponse.write
+    original_write = StreamResponse.write
     stuck = asyncio.Event()
 
-    async def write(self: web.StreamResponse, data: Any) -> None:
+    async def write(self: StreamResponse, data: Any) -> None:
         if b'"error"' in bytes(data):
             stuck.set()
             await asyncio.Event().wait()  # like a drain() that never returns
         await original_write(self, data)
 
-    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(StreamResponse, "write", write)
     async with asyncio.timeout(5):
         async with http.post(gw.url + "/v1/chat/completions", json=body(True)) as resp:
             reader = StreamReader(resp)

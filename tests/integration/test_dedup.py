@@ -305,19 +305,19 @@ async def test_shutdown_stops_a_detached_flight(start_sim, start_gateway, http):
 async def test_events_already_here_go_out_in_one_write(start_sim, start_gateway, http, monkeypatch):
     """A cached result is all there: its whole stream, [DONE] included, is one write (one send),
     not one per token."""
-    from aiohttp import web
+    from lockgate.edge.response import StreamResponse
 
     sim, gw = await gateway(start_sim, start_gateway)
     status, _, _ = await call(http, gw.url, BODY)  # fills the completed-result cache
     assert status == 200
     writes: list[bytes] = []
-    original = web.StreamResponse.write
+    original = StreamResponse.write
 
-    async def counting(self: web.StreamResponse, data: bytes) -> None:
+    async def counting(self: StreamResponse, data: bytes) -> None:
         writes.append(bytes(data))
         await original(self, data)
 
-    monkeypatch.setattr(web.StreamResponse, "write", counting)
+    monkeypatch.setattr(StreamResponse, "write", counting)
     status, headers, raw = await call(http, gw.url, {**BODY, "stream": True})
     assert status == 200 and headers["x-lockgate-cache"] == "hit"
     text, _ = stream_text(raw)

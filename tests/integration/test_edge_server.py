@@ -535,6 +535,25 @@ async def test_cancelled_error_escaping_a_handler_is_a_500_not_silence(caplog: p
     assert any(r.levelno == logging.ERROR for r in caplog.records)
 
 
+async def test_handler_task_cancelled_by_someone_else_closes_the_connection() -> None:
+    """Nobody will answer a request whose handler was cancelled while its client is still connected
+    (e.g. by the request's owner): the connection is closed, the client is not left waiting."""
+    started = asyncio.Event()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        await asyncio.Event().wait()
+        return Response()
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        await started.wait()
+        [conn] = server._connections
+        assert conn._task is not None
+        conn._task.cancel()
+        assert await reader.read() == b""  # EOF, no response
+
+
 async def test_handler_exception_mid_stream_cuts_the_connection(caplog: pytest.LogCaptureFixture) -> None:
     async def handler(request: Request) -> StreamResponse:
         resp = StreamResponse()

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
+from lockgate.edge.server import HttpServer, Request, StreamResponse
 from lockgate.records import UsageRecord
 from lockgate.respond import stream_events
 from lockgate.wire import Endpoint, validate
@@ -23,7 +23,7 @@ class FakeExchange:
             Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
         )
         self.record = UsageRecord(request_id="r", tenant="t", model="m", endpoint="chat", stream=True)
-        self.response: web.StreamResponse | None = None
+        self.response: StreamResponse | None = None
         self.phase: Any = None
         self.answered = False
 
@@ -35,7 +35,7 @@ def chunk(text: str) -> dict[str, Any]:
     return {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
 
 
-async def test_a_batch_is_flushed_before_the_source_waits(serve_app: Any) -> None:
+async def test_a_batch_is_flushed_before_the_source_waits(stack: Any) -> None:
     gate = asyncio.Event()  # the source's "network": nothing more until the client saw the first batch
     state = {"ready": True}
 
@@ -50,15 +50,16 @@ async def test_a_batch_is_flushed_before_the_source_waits(serve_app: Any) -> Non
 
     writes: list[bytes] = []
 
-    async def handler(request: web.Request) -> web.StreamResponse:
+    async def handler(request: Request) -> StreamResponse:
         ex = FakeExchange()
         response = await stream_events(ex, request, source(), {}, ready=lambda: state["ready"])  # type: ignore[arg-type]
         writes.append(b"done")
         return response
 
-    app = web.Application()
-    app.router.add_get("/", handler)
-    url = await serve_app(app)
+    server = HttpServer(handler, max_body_bytes=1024)
+    await server.start("127.0.0.1", 0)
+    stack.push_async_callback(server.shutdown, 5.0)
+    url = f"http://127.0.0.1:{server.port}"
     try:
         async with aiohttp.ClientSession() as session, session.get(url + "/") as resp:
             async with asyncio.timeout(5):

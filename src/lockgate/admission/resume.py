@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
-
-from aiohttp import web
 
 from ..assemble import assemble
 from ..attempt import Opened, open_attempts
+from ..edge.server import Reply, Request
 from ..exchange import Exchange, Phase
 from ..respond import stream_events, whole_body
 from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
 if TYPE_CHECKING:
-    from ..fleet.pool import Lease
+    from ..fleet.pool import HeaderLookup, Lease
     from ..upstream import UpstreamCall
     from .gate import PoolScheduler
     from .scheduler import Ticket
@@ -52,7 +51,7 @@ class Resumable:
     """One preemptible request's generation, across the engine calls it takes."""
 
     def __init__(
-        self, ex: Exchange, scheduler: PoolScheduler, max_preemptions: int, request_headers: Mapping[str, str]
+        self, ex: Exchange, scheduler: PoolScheduler, max_preemptions: int, request_headers: HeaderLookup
     ) -> None:
         self.ex = ex
         self._request_headers = request_headers
@@ -199,7 +198,7 @@ class Resumable:
         return continuation(self.ex.api, t.text, t.tokens)
 
 
-async def admit_and_relay(ex: Exchange, http_request: web.Request, tenant: Tenant, klass: int) -> web.StreamResponse:
+async def admit_and_relay(ex: Exchange, http_request: Request, tenant: Tenant, klass: int) -> Reply:
     """Admission and the request path for a request of a preemptible class."""
     gateway = ex.gateway
     admission = gateway.admission

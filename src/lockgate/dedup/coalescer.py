@@ -16,9 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from ..assemble import assemble, new_response_id
+from ..edge.server import Reply, Request
 from ..exchange import Phase
 from ..respond import stream_events, whole_body
 from .cache import Result, ResultCache
@@ -86,7 +85,7 @@ class Coalescer:
         return fingerprint(ex.record.tenant, api.endpoint, api.body)
 
     # --- serving ---------------------------------------------------------------------------------
-    async def serve(self, ex: Exchange, http_request: web.Request, key: Fingerprint) -> web.StreamResponse:
+    async def serve(self, ex: Exchange, http_request: Request, key: Fingerprint) -> Reply:
         joined = self._join(ex, key)
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
@@ -130,11 +129,11 @@ class Coalescer:
     async def _respond(
         self,
         ex: Exchange,
-        http_request: web.Request,
+        http_request: Request,
         outcome: str,
         source: Any,
         cached: Result | None,
-    ) -> web.StreamResponse:
+    ) -> Reply:
         ex.record.served_by = outcome
         self.metrics.outcome(outcome)
         if ex.api.stream:
@@ -154,13 +153,13 @@ class Coalescer:
             headers["x-lockgate-instance"] = ex.record.instance = source.flight.instance.name
         return headers
 
-    def _whole(self, ex: Exchange, outcome: str, events: Any, source: Any) -> web.StreamResponse:
+    def _whole(self, ex: Exchange, outcome: str, events: Any, source: Any) -> Reply:
         body = assemble(ex.api.endpoint, events, response_id=new_response_id(ex.api.endpoint), model=ex.api.model)
         return whole_body(ex, body, self._headers(ex, outcome, source))
 
     async def _stream(
-        self, ex: Exchange, http_request: web.Request, outcome: str, source: AsyncIterator[dict[str, Any]]
-    ) -> web.StreamResponse:
+        self, ex: Exchange, http_request: Request, outcome: str, source: AsyncIterator[dict[str, Any]]
+    ) -> Reply:
         return await stream_events(
             ex,
             http_request,

@@ -308,8 +308,13 @@ class Connection(asyncio.Protocol):
                         await self._finish_other(response, request)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self.lost or (task is not None and task.cancelling()):
+                if self.lost:
                     return  # a disconnect (or shutdown's hard stop) cancelled us: nobody to answer
+                if task is not None and task.cancelling():
+                    # Cancelled by someone else while the client waits: it gets no answer, so it must not
+                    # wait for one on this connection (the way a disconnect would have ended it).
+                    self.abort()
+                    return
                 self._handler_failed(request)  # a CancelledError that escaped from something the handler awaited
             except Exception:
                 self._handler_failed(request)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .protocol import Connection
     from .request import Request
 
-__all__ = ["Response", "StreamResponse", "json_response"]
+__all__ = ["Reply", "Response", "StreamResponse", "json_response"]
 
 _STATUS_LINES: dict[int, bytes] = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
@@ -159,3 +159,7 @@ class StreamResponse:
     def __repr__(self) -> str:
         state = "ended" if self._eof else "prepared" if self.prepared else "new"
         return f"<StreamResponse {self.status} {state}>"
+
+
+#: What a handler returns.
+Reply = Response | StreamResponse

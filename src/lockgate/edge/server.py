@@ -44,12 +44,13 @@ from collections.abc import Awaitable, Callable
 
 from .protocol import Connection, default_error_body
 from .request import Headers, Request
-from .response import Response, StreamResponse, json_response
+from .response import Reply, Response, StreamResponse, json_response
 
 __all__ = [
     "Handler",
     "Headers",
     "HttpServer",
+    "Reply",
     "Request",
     "Response",
     "StreamResponse",
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 #: After shutdown's timeout, how long cancelled handlers get to unwind before shutdown returns anyway.
 _CANCEL_GRACE_S = 1.0
 
-Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+Handler = Callable[[Request], Awaitable[Reply]]
 
 
 class HttpServer:

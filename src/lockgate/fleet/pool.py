@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import aiohttp
 
@@ -28,6 +29,13 @@ from ..wire import ApiRequest
 from .ejection import Ejection
 from .scrape import Scraper
 from .state import Attempt, EngineLoad, OwnAccounting, merge
+
+
+class HeaderLookup(Protocol):
+    """Request headers, looked up by name (case-insensitively)."""
+
+    def get(self, name: str, /) -> str | None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +146,7 @@ class Pool:
         options = config.routing.prefix_index
         self.index = PrefixIndex(options.max_bytes, options.block_chars)
 
-    def route_request(self, api: ApiRequest, headers: Mapping[str, str] | None = None) -> RouteRequest:
+    def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
         key = (headers or {}).get(self.config.routing.consistent_hash.header)
