@@ -169,13 +169,13 @@ class Connection(asyncio.Protocol):
         "_received",
         "_response",
         "_until_close",
-        "_write_paused",
         "closed",
         "idle_since",
         "reading_paused",
         "reused",
         "transport",
         "unsent",
+        "writing_paused",
     )
 
     def __init__(self, on_reusable: Callable[[Connection], None], on_closed: Callable[[Connection], None]) -> None:
@@ -188,7 +188,7 @@ class Connection(asyncio.Protocol):
         self.reused = False
         self.idle_since = 0.0
         self.reading_paused = False
-        self._write_paused = False
+        self.writing_paused = False
         self._drain: asyncio.Future[None] | None = None
         #: The part of the request body not yet written (bodies larger than WRITE_PIECE).
         self.unsent: memoryview | None = None
@@ -225,7 +225,7 @@ class Connection(asyncio.Protocol):
         """Write the rest of a large body, waiting while the transport is paused; stops early (and the
         connection will not be reused) if the connection closes or the response head arrives first."""
         while (view := self.unsent) is not None and self._head is not None and not self.closed:
-            if self._write_paused:
+            if self.writing_paused:
                 self._drain = asyncio.get_running_loop().create_future()
                 try:
                     await self._drain
@@ -287,10 +287,10 @@ class Connection(asyncio.Protocol):
         self._on_closed(self)
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.writing_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.writing_paused = False
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:

@@ -39,7 +39,11 @@ from .errors import ConnectError, DisconnectedError
 class PoolStatistics:
     idle: int
     in_use: int
+    #: Requests queued for a connection.
     waiting: int
+    #: Slots taken: connections open or being opened, plus slots just handed to a waiter (= idle + in_use
+    #: whenever no hand-over is in flight).
+    slots: int
     max_connections: int
 
 
@@ -91,7 +95,7 @@ class HttpPool:
         return len(self._in_use)
 
     def statistics(self) -> PoolStatistics:
-        return PoolStatistics(len(self._idle), len(self._in_use), len(self._waiters), self._max)
+        return PoolStatistics(len(self._idle), len(self._in_use), len(self._waiters), self._slots, self._max)
 
     async def request(
         self, method: str, path: str, body: bytes = b"", headers: Iterable[tuple[str, str]] = ()
