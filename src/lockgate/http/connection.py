@@ -1,0 +1,385 @@
+"""One HTTP/1.1 connection (an asyncio Protocol over llhttp) and the `Response` read from it.
+
+Theory of operation
+-------------------
+A `Connection` carries one exchange at a time (no pipelining). Its life, as seen by its owner (the pool):
+
+    connecting ──connection_made──> in use ──response complete, keep-alive, released──> idle ──checkout──> in use
+        │                             │                                                  │
+        └──────── any failure ────────┴─────────── abort() / connection_lost() ──────────┴──> closed (final)
+
+* `send()` writes the request (one `transport.write` for bodies up to 256 KiB; larger ones in pieces through
+  `send_rest()`, which honours `pause_writing`) and returns a future for the response head.
+* `data_received` feeds llhttp; its callbacks resolve that future with a `Response` in `on_headers_complete`
+  and append body pieces to the response's buffer, waking a reader if one waits. No task runs per request.
+* When the message completes the connection is reusable only if llhttp says keep-alive, the whole request
+  body was written, and the request was not HEAD (llhttp cannot be told a response answers a HEAD, so its
+  body framing would be misread; the gateway never sends HEAD). A connection that is not reusable is closed
+  at once, even if the response body is still unread in its buffer.
+* Backpressure: while a response holds more than `HIGH_WATER` unconsumed bytes the transport stops reading;
+  consuming the buffer resumes it. `read()` consumes as it goes, so it never stalls itself.
+
+Who closes what: the connection closes itself on a parse error, on bytes it did not ask for, and when its
+response is complete but not reusable. Otherwise the `Response`'s owner decides: `release()` returns a
+completely received connection to the pool and closes any other; `close()` aborts it unconditionally.
+Every path to "closed" goes through `abort()` or `connection_lost()`, which tell the owner exactly once
+(`on_closed`); a reusable connection is handed back through `on_reusable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import cast
+
+from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
+
+from .errors import DisconnectedError, ProtocolError
+
+#: Unconsumed response bytes above which the transport stops reading.
+HIGH_WATER = 256 * 1024
+#: Request bodies are written in pieces of this size when larger (waiting for the transport to drain).
+WRITE_PIECE = 256 * 1024
+
+
+class Response:
+    """Status and headers of a response, and its body as it arrives.
+
+    Resource handling: the response holds its connection until `release()` or `close()`; `read()` and a
+    `chunks()` iteration that reaches the end release it themselves. Both are idempotent. A response that
+    is never released keeps its connection (and pool slot) forever.
+    """
+
+    __slots__ = ("_body", "_buffered", "_complete", "_conn", "_error", "_waiter", "headers", "status")
+
+    def __init__(self, conn: Connection, status: int, headers: dict[str, str]) -> None:
+        self._conn: Connection | None = conn
+        self.status = status
+        #: Header names are lower-cased; repeated headers are joined with ", ".
+        self.headers = headers
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._complete = False
+        self._error: ProtocolError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def content_type(self) -> str:
+        """The media type only, lower-cased (`application/json`), or "" when absent."""
+        return self.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+    @property
+    def buffered(self) -> int:
+        """Body bytes received and not yet consumed (0: the next read waits, unless the body has ended)."""
+        return self._buffered
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has been received (it may not have been consumed yet)."""
+        return self._complete
+
+    async def read(self) -> bytes:
+        """The whole body (Content-Length, chunked or until close); releases the connection."""
+        parts: list[bytes] = []
+        while True:
+            if self._body:
+                parts += self._take()
+            if self._complete:
+                self.release()
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    def chunks(self) -> Response:
+        """Iterate over the body in de-chunked pieces as they arrive (all that is buffered at each step)."""
+        return self
+
+    def __aiter__(self) -> Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._body:
+            if self._complete:
+                self.release()
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        parts = self._take()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        """Give the connection back: to the pool if the body was completely received, else closed."""
+        conn = self._conn
+        if conn is None:
+            return
+        self._conn = None
+        if self._complete and self._error is None:
+            conn.finish()
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Abort now: the transport is closed (the server sees it at once) and later reads raise."""
+        self._body = []
+        self._buffered = 0
+        self._complete = False
+        if self._error is None:
+            self._error = ProtocolError("response closed")
+        conn = self._conn
+        self._conn = None
+        if conn is not None:
+            conn.abort()
+
+    def _take(self) -> list[bytes]:
+        parts = self._body
+        self._body = []
+        self._buffered = 0
+        conn = self._conn
+        if conn is not None and conn.reading_paused:
+            conn.resume_reading()
+        return parts
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; see the module docstring for its lifecycle."""
+
+    __slots__ = (
+        "_drain",
+        "_head",
+        "_head_only",
+        "_headers",
+        "_on_closed",
+        "_on_reusable",
+        "_parser",
+        "_received",
+        "_response",
+        "_until_close",
+        "closed",
+        "idle_since",
+        "reading_paused",
+        "reused",
+        "transport",
+        "unsent",
+        "writing_paused",
+    )
+
+    def __init__(self, on_reusable: Callable[[Connection], None], on_closed: Callable[[Connection], None]) -> None:
+        self._on_reusable = on_reusable
+        self._on_closed = on_closed
+        self._parser = HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        #: Served a request before the current one (a failure before any response byte may be a stale socket).
+        self.reused = False
+        self.idle_since = 0.0
+        self.reading_paused = False
+        self.writing_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        #: The part of the request body not yet written (bodies larger than WRITE_PIECE).
+        self.unsent: memoryview | None = None
+        # The current exchange: the head future until the head arrives, then the response until it completes.
+        self._head: asyncio.Future[Response] | None = None
+        self._response: Response | None = None
+        self._head_only = False
+        self._received = False
+        self._until_close = False
+        self._headers: dict[str, str] = {}
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes, *, head_only: bool = False) -> asyncio.Future[Response]:
+        """Write a request; the future resolves with the response once its head has arrived."""
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        transport = self.transport
+        if self.closed or transport is None:
+            future.set_exception(DisconnectedError("connection closed before the request was sent"))
+            return future
+        self._head = future
+        self._head_only = head_only
+        self._received = False
+        self._headers = {}
+        if len(body) <= WRITE_PIECE:
+            transport.write(head + body)
+        else:
+            view = memoryview(body)
+            transport.write(head + view[:WRITE_PIECE])
+            self.unsent = view[WRITE_PIECE:]
+        return future
+
+    async def send_rest(self) -> None:
+        """Write the rest of a large body, waiting while the transport is paused; stops early (and the
+        connection will not be reused) if the connection closes or the response head arrives first."""
+        while (view := self.unsent) is not None and self._head is not None and not self.closed:
+            if self.writing_paused:
+                self._drain = asyncio.get_running_loop().create_future()
+                try:
+                    await self._drain
+                finally:
+                    self._drain = None
+                continue
+            assert self.transport is not None
+            self.transport.write(view[:WRITE_PIECE])
+            self.unsent = view[WRITE_PIECE:] if len(view) > WRITE_PIECE else None
+
+    def finish(self) -> None:
+        """The response was completely received and released: hand the connection back for reuse."""
+        if self.closed:
+            return
+        if self.reading_paused:
+            self.resume_reading()
+        self.reused = True
+        self._on_reusable(self)
+
+    def abort(self) -> None:
+        """Close now (write buffer discarded); any reader of the current exchange sees a ProtocolError."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._fail(ProtocolError("connection closed"), DisconnectedError("connection closed"))
+        self._on_closed(self)
+
+    def resume_reading(self) -> None:
+        self.reading_paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    # -- asyncio.Protocol -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        response = self._response
+        if response is not None and self._until_close and exc is None:
+            # A body without length or chunking ends when the server closes: that is its end, not an error.
+            self._response = None
+            response._complete = True
+            response._wake()
+        self._wake_drain()
+        if self.closed:
+            return
+        self.closed = True
+        detail = f": {exc}" if exc is not None else ""
+        self._fail(
+            ProtocolError(f"connection lost during the response{detail}"),
+            DisconnectedError(f"server closed the connection before responding{detail}"),
+        )
+        self._on_closed(self)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self._wake_drain()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head is None and self._response is None:
+            self.abort()  # bytes nobody asked for: the connection's state is unknown
+            return
+        self._received = True
+        try:
+            self._parser.feed_data(data)
+        except (HttpParserError, HttpParserUpgrade) as exc:
+            message = f"malformed response: {exc}" if isinstance(exc, HttpParserError) else "unexpected upgrade"
+            self._fail(ProtocolError(message), ProtocolError(message))
+            self.abort()
+
+    # -- llhttp callbacks (called from inside feed_data) --------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        headers = self._headers
+        text = value.decode("latin-1")
+        headers[key] = headers[key] + ", " + text if key in headers else text
+
+    def on_headers_complete(self) -> None:
+        head = self._head
+        status = self._parser.get_status_code()
+        headers = self._headers
+        self._headers = {}
+        if head is None:  # a response nobody asked for (after a HEAD's, or unsolicited)
+            self.abort()
+            return
+        if 100 <= status < 200:  # informational: llhttp completes it as a message of its own; skip it
+            return
+        self._head = None
+        response = self._response = Response(self, status, headers)
+        if self._head_only:
+            self._complete(response, reusable=False)
+        elif "content-length" not in headers:
+            coding = headers.get("transfer-encoding")
+            self._until_close = coding is None or coding.rpartition(",")[2].strip().lower() != "chunked"
+            if self._until_close and status in (204, 304):
+                self._until_close = False
+        self._wake_drain()
+        if head.done():  # the requester was cancelled; it aborts the connection when it resumes
+            self.abort()
+        else:
+            head.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        response = self._response
+        if response is None:
+            return
+        response._body.append(body)
+        response._buffered += len(body)
+        response._wake()
+        if response._buffered > HIGH_WATER and not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        response = self._response
+        if response is not None:
+            self._complete(response, reusable=self.unsent is None and self._parser.should_keep_alive())
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _complete(self, response: Response, *, reusable: bool) -> None:
+        self._response = None
+        self._until_close = False
+        response._complete = True
+        response._wake()
+        if not reusable:
+            self.abort()
+
+    def _fail(self, broken: ProtocolError, silent: DisconnectedError | ProtocolError) -> None:
+        """End the current exchange (if any) with an error: `silent` if no response byte has arrived yet (for
+        the requester awaiting the head), else `broken` (for it, or for the reader of the body)."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            if not head.done():
+                head.set_exception(broken if self._received else silent)
+        response = self._response
+        if response is not None:
+            self._response = None
+            if response._error is None:
+                response._error = broken
+            response._wake()
+
+    def _wake_drain(self) -> None:
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)

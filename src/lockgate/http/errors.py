@@ -1,0 +1,31 @@
+"""The client's errors, by how far the exchange got (callers decide on retries from the class alone).
+
+    HttpClientError
+    ├── ConnectError        could not connect (refused, unreachable, timeout) or the pool is closed:
+    │                       nothing was sent
+    ├── DisconnectedError   the server closed the connection before any byte of a response: the request
+    │                       may or may not have been processed
+    └── ProtocolError       the response was malformed, or the connection broke (or was closed by us)
+                            after its head arrived
+
+OS errors and httptools' `HttpParserError` are translated into these where they enter (`connection.py`,
+`pool.py`).
+"""
+
+from __future__ import annotations
+
+
+class HttpClientError(Exception):
+    """Base of the client's errors."""
+
+
+class ConnectError(HttpClientError):
+    """No connection could be made (or the pool is closed); nothing was sent."""
+
+
+class DisconnectedError(HttpClientError):
+    """The server closed the connection before sending any byte of a response."""
+
+
+class ProtocolError(HttpClientError):
+    """The response was malformed, or the connection broke after the response started."""

@@ -1,0 +1,283 @@
+"""`HttpPool`: keep-alive HTTP/1.1 connections to one origin (TCP or a unix socket).
+
+Theory of operation
+-------------------
+The pool owns *slots*: at most `max_connections` connections exist at once, counting those still
+connecting. Every slot is in exactly one place:
+
+* `_idle`: a LIFO stack of reusable connections, oldest first (`idle_since` ascending). Checkout pops the
+  newest; when the newest is older than `keepalive_s`, all are, and all are closed. A `call_at` sweep (armed
+  only while connections are idle, one timer at a time) closes expired ones so sockets do not linger.
+* `_in_use`: connections connecting or carrying an exchange (from checkout until the response is released).
+* in flight to a waiter: a request that found no idle connection and no free slot queues a future in
+  `_waiters` (FIFO). A connection handed back, or a slot freed by a closing connection, is given directly to
+  the first waiter (`Connection`, or `None` meaning "the slot is yours, open a new one") instead of going
+  idle or back to the count. A waiter cancelled after being handed something gives it back, so nothing leaks.
+
+A connection tells the pool exactly once that it closed (`_forget`, from `Connection.abort()` or
+`connection_lost`); whoever held it then simply holds a closed connection. `aclose()` aborts every idle and
+in-use connection and fails the waiters.
+
+Stale keep-alive race: a server may close an idle connection just as a request is written on it. If a
+*reused* connection fails before any response byte arrives, the request is sent once more on a fresh
+connection; a fresh connection failing that way raises `DisconnectedError` to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from .connection import Connection, Response
+from .errors import ConnectError, DisconnectedError
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    idle: int
+    in_use: int
+    #: Requests queued for a connection.
+    waiting: int
+    #: Slots taken: connections open or being opened, plus slots just handed to a waiter (= idle + in_use
+    #: whenever no hand-over is in flight).
+    slots: int
+    max_connections: int
+
+
+class HttpPool:
+    """Keep-alive connections to one origin: `http://host[:port][/prefix]` or `unix:///path/to.sock`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_connections: int = 1024,
+        keepalive_s: float = 15.0,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            if not parts.path:
+                raise ValueError(f"no socket path in {url!r}")
+            self._unix: str | None = parts.path
+            self._host, self._port, self._prefix, authority = "", 0, "", "localhost"
+        elif parts.scheme == "http":
+            if not parts.hostname:
+                raise ValueError(f"no host in {url!r}")
+            self._unix = None
+            self._host, self._port = parts.hostname, parts.port or 80
+            self._prefix = parts.path.rstrip("/")
+            authority = parts.netloc.rpartition("@")[2]
+        else:
+            raise ValueError(f"unsupported URL scheme in {url!r} (http:// or unix:// only)")
+        self._host_line = f"Host: {authority}\r\n"
+        self._max = max_connections
+        self._keepalive = keepalive_s
+        self._connect_timeout = connect_timeout_s
+        self._idle: list[Connection] = []
+        self._in_use: set[Connection] = set()
+        self._waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
+        self._slots = 0
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._in_use)
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(len(self._idle), len(self._in_use), len(self._waiters), self._slots, self._max)
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: Iterable[tuple[str, str]] = ()
+    ) -> Response:
+        """Send a request; returns once the response's status line and headers have arrived.
+
+        Sends `Host` and `Content-Length` plus `headers` (names and values must not contain CR or LF).
+        The caller owns the returned response: it must be read to its end, released or closed. If this is
+        cancelled while waiting, the connection is closed at once and never reused.
+        """
+        head = self._render(method, path, len(body), headers)
+        head_only = method == "HEAD"
+        fresh = False
+        while True:
+            conn = await self._checkout(fresh)
+            future = conn.send(head, body, head_only=head_only)
+            try:
+                if conn.unsent is not None:
+                    await conn.send_rest()
+                return await future
+            except DisconnectedError:
+                if fresh or not conn.reused or self._closed:
+                    raise
+                fresh = True  # the stale keep-alive race: once more, on a new connection
+            except BaseException:
+                conn.abort()
+                raise
+
+    async def aclose(self) -> None:
+        """Close every connection, idle and in use (their readers see a ProtocolError); fail waiters."""
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(ConnectError("pool is closed"))
+        conns = [*self._idle, *self._in_use]
+        for conn in conns:
+            conn.abort()
+        # Let the transports finish closing (asyncio closes sockets on the next loop iteration).
+        await asyncio.sleep(0)
+
+    # -- request head ---------------------------------------------------------------------------------------
+
+    def _render(self, method: str, path: str, length: int, headers: Iterable[tuple[str, str]]) -> bytes:
+        if not path.startswith("/") or _unsafe(path) or " " in path or _unsafe(method) or " " in method:
+            raise ValueError(f"invalid request line: {method!r} {path!r}")
+        text = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._host_line}Content-Length: {length}\r\n"
+        for name, value in headers:
+            if _unsafe(name) or _unsafe(value):
+                raise ValueError(f"invalid header {name!r}")
+            text += f"{name}: {value}\r\n"
+        return (text + "\r\n").encode("latin-1")
+
+    # -- slots ------------------------------------------------------------------------------------------------
+
+    async def _checkout(self, fresh: bool) -> Connection:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._closed:
+                raise ConnectError("pool is closed")
+            idle = self._idle
+            if idle and not fresh:
+                conn = idle.pop()
+                if loop.time() - conn.idle_since < self._keepalive:
+                    self._in_use.add(conn)
+                    return conn
+                conn.abort()
+                self._expire(len(idle))  # the newest had expired: so have all the others
+                continue
+            if self._slots < self._max:
+                self._slots += 1
+                return await self._open()
+            if idle:  # `fresh` at the limit: make room by closing the oldest idle connection
+                idle[0].abort()
+                continue
+            waiter: asyncio.Future[Connection | None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                got = await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._give_back(waiter.result())
+                else:
+                    self._remove_waiter(waiter)
+                raise
+            if got is None:
+                return await self._open()  # the slot was handed over with the future
+            if not got.closed:
+                return got
+            # closed between hand-over and now: its slot went on to someone else; queue again
+
+    async def _open(self) -> Connection:
+        """Open a connection on a slot already counted in `_slots`; on failure the slot is released."""
+        conn = Connection(self._checkin, self._forget)
+        self._in_use.add(conn)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                if self._unix is not None:
+                    await loop.create_unix_connection(lambda: conn, self._unix)
+                else:
+                    await loop.create_connection(lambda: conn, self._host, self._port)
+        except TimeoutError as exc:
+            conn.abort()
+            raise ConnectError(f"connect to {self._where()} timed out after {self._connect_timeout}s") from exc
+        except OSError as exc:
+            conn.abort()
+            raise ConnectError(f"cannot connect to {self._where()}: {exc}") from exc
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    def _checkin(self, conn: Connection) -> None:
+        """A released, reusable connection: to the first waiter, else onto the idle stack."""
+        if self._closed:
+            conn.abort()
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)  # stays in `_in_use`
+                return
+        self._in_use.discard(conn)
+        loop = asyncio.get_running_loop()
+        conn.idle_since = loop.time()
+        self._idle.append(conn)
+        if self._sweep is None:
+            self._sweep = loop.call_at(conn.idle_since + self._keepalive, self._sweep_idle)
+
+    def _forget(self, conn: Connection) -> None:
+        """A connection closed (called once per connection): its slot goes to a waiter or back to the count."""
+        if conn in self._in_use:
+            self._in_use.remove(conn)
+        elif conn in self._idle:  # else already taken off the idle stack by whoever closed it
+            self._idle.remove(conn)
+        self._release_slot()
+
+    def _give_back(self, got: Connection | None) -> None:
+        """A cancelled waiter had just been handed `got`: pass it on as if it had been released."""
+        if got is None:
+            self._release_slot()
+        elif not got.closed:
+            self._checkin(got)
+
+    def _release_slot(self) -> None:
+        """A counted slot is free: hand it to the first live waiter, else uncount it."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._slots -= 1
+
+    def _remove_waiter(self, waiter: asyncio.Future[Connection | None]) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+
+    def _expire(self, count: int) -> None:
+        """Close the `count` oldest idle connections."""
+        expired = self._idle[:count]
+        del self._idle[:count]
+        for conn in expired:
+            conn.abort()
+
+    def _sweep_idle(self) -> None:
+        self._sweep = None
+        idle = self._idle
+        deadline = asyncio.get_running_loop().time() - self._keepalive
+        count = 0
+        while count < len(idle) and idle[count].idle_since <= deadline:
+            count += 1
+        self._expire(count)
+        if idle:
+            self._sweep = asyncio.get_running_loop().call_at(idle[0].idle_since + self._keepalive, self._sweep_idle)
+
+    def _where(self) -> str:
+        return self._unix if self._unix is not None else f"{self._host}:{self._port}"
+
+
+def _unsafe(text: str) -> bool:
+    return "\r" in text or "\n" in text
