@@ -5,7 +5,11 @@ body has been read to its end, when the connection goes back to the keep-alive p
 synchronous and idempotent: it closes the connection at once — the engine sees the disconnect
 immediately — and never leaves the response to the garbage collector.
 
-Error handling: aiohttp and OS errors are translated here into `UpstreamConnectError` (before any
+The call goes through the instance's lean keep-alive pool (`lockgate.http`, llhttp parsing): this is the
+hot path, and aiohttp's client costs ~70 us of CPU per request where this one costs a few (see
+docs/decisions.md). aiohttp stays for everything off the hot path (health probes, scrapes, abort calls).
+
+Error handling: the client's errors are translated here into `UpstreamConnectError` (before any
 response: the request may be retried elsewhere), `UpstreamStatusError` (the engine said no) and
 `UpstreamProtocolError` (the stream broke after it started).
 """
@@ -14,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-import aiohttp
 import orjson
 
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
 from .fleet.pool import Fleet, Instance, upstream_headers
+from .http import ConnectError, DisconnectedError, ProtocolError, Response
 from .metrics import GatewayMetrics
 from .sse import DONE, SSEDecoder
 
@@ -56,7 +60,7 @@ class UpstreamCall:
         self._body = body
         self._request_id = request_id
         self._stream = stream
-        self._response: aiohttp.ClientResponse | None = None
+        self._response: Response | None = None
         self._finished = False
         self.aborted = False
         #: Payloads already received and decoded but not yet consumed by `events()`, `[DONE]` included
@@ -70,27 +74,28 @@ class UpstreamCall:
         """Send the request and wait for the response status; raises on error statuses."""
         instance = self.instance
         try:
-            response = await instance.session.post(
-                instance.base_url + self._path,
-                data=self._body,
-                headers=upstream_headers(instance, self._request_id, stream=self._stream),
+            response = await instance.http.request(
+                "POST",
+                self._path,
+                self._body,
+                upstream_headers(instance, self._request_id, stream=self._stream),
             )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        except ConnectError as exc:
             self._finish()
             self._fleet.report_failure(instance, "connect", str(exc))
             raise UpstreamConnectError(f"Cannot connect to instance {instance.name}: {exc}") from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # The engine closed the connection before answering (a dying engine, or a stale
-            # keep-alive connection): it produced nothing, so another instance may be tried.
+        except DisconnectedError as exc:
+            # The engine closed the connection before answering (a dying engine; a stale keep-alive
+            # connection is retried once by the pool): it produced nothing, so another instance may be tried.
             self._finish()
             self._fleet.report_failure(instance, "disconnect", repr(exc))
             raise UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}") from None
-        except aiohttp.ClientError as exc:
+        except ProtocolError as exc:
             self._finish()
             self._fleet.report_failure(instance, "protocol", repr(exc))
             raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
         except BaseException:
-            # Cancelled while connecting or waiting for headers: aiohttp closes the connection, but the
+            # Cancelled while connecting or waiting for headers: the pool closes the connection, but the
             # engine may already be working on the request (prefill), so abort it explicitly too (SGLang's
             # `/abort_request`): an engine that notices closed connections late must not keep going.
             self.abort()
@@ -99,7 +104,7 @@ class UpstreamCall:
         if response.status >= 400:
             try:
                 body = await response.read()
-            except aiohttp.ClientError:
+            except ProtocolError:
                 body = b""
             finally:
                 self.abort()
@@ -112,7 +117,7 @@ class UpstreamCall:
         response = self._require()
         try:
             raw = await response.read()
-        except (aiohttp.ClientError, OSError) as exc:
+        except ProtocolError as exc:
             self.abort()
             raise UpstreamProtocolError(f"Instance {self.instance.name} broke the response: {exc}") from None
         self._release()
@@ -129,7 +134,7 @@ class UpstreamCall:
         response = self._require()
         decoder = SSEDecoder()
         try:
-            async for chunk in response.content.iter_any():
+            async for chunk in response.chunks():
                 payloads = decoder.feed(chunk)
                 for index, payload in enumerate(payloads):
                     if payload == DONE:
@@ -141,7 +146,7 @@ class UpstreamCall:
             for payload in decoder.close():
                 if payload != DONE:
                     yield _parse_event(payload, self.instance.name)
-        except (aiohttp.ClientError, OSError) as exc:
+        except ProtocolError as exc:
             if self.abort():  # not closed by the gateway itself: the engine broke it
                 self._fleet.report_failure(self.instance, "stream", repr(exc))
             raise UpstreamProtocolError(
@@ -152,7 +157,7 @@ class UpstreamCall:
             self._fleet.report_failure(self.instance, "stream", "stream ended without [DONE]")
         raise UpstreamProtocolError(f"Instance {self.instance.name} ended the stream without [DONE].")
 
-    def _require(self) -> aiohttp.ClientResponse:
+    def _require(self) -> Response:
         if self._response is None:
             raise RuntimeError("UpstreamCall.open() was not called or failed")
         return self._response

@@ -22,6 +22,7 @@ import aiohttp
 from ..config import Config, InstanceConfig, ModelConfig
 from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
+from ..http import HttpPool
 from ..metrics import GatewayMetrics
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
 from ..routing.prefix import PrefixIndex, prompt_blocks
@@ -49,6 +50,7 @@ class Instance:
         session: aiohttp.ClientSession,
         base_url: str,
         ejection: Ejection | None = None,
+        http: HttpPool | None = None,
     ) -> None:
         self.key = config.key
         self.name = config.name or config.url
@@ -56,8 +58,11 @@ class Instance:
         self.dialect: Dialect = dialect_for(config.engine)
         self.max_concurrency = config.max_concurrency
         self.api_key = config.api_key
+        #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
         self.session = session
-        #: Where HTTP requests go (for unix sockets the host part is ignored).
+        #: The lean keep-alive pool that carries generation requests (`upstream.py`).
+        self.http = http or HttpPool(config.url)
+        #: Where aiohttp requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
         self.healthy = True
         #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
@@ -248,7 +253,10 @@ class Fleet:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
-        return Instance(spec, session, base_url, Ejection(self._config.health.ejection))
+        http = HttpPool(
+            spec.url, max_connections=limit, keepalive_s=dialect.keepalive_s, connect_timeout_s=connect_timeout
+        )
+        return Instance(spec, session, base_url, Ejection(self._config.health.ejection), http)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -265,6 +273,7 @@ class Fleet:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for instance in self.instances.values():
+            await instance.http.aclose()
             await instance.session.close()
 
     # --- requests ------------------------------------------------------------------------------
@@ -400,9 +409,10 @@ def _auth(instance: Instance) -> dict[str, str]:
     return {"Authorization": f"Bearer {instance.api_key}"} if instance.api_key else {}
 
 
-def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> list[tuple[str, str]]:
+    headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
     if stream and instance.dialect.close_after_stream:
-        headers["Connection"] = "close"
-    headers.update(_auth(instance))
+        headers.append(("Connection", "close"))
+    if instance.api_key:
+        headers.append(("Authorization", f"Bearer {instance.api_key}"))
     return headers
