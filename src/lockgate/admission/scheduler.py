@@ -165,6 +165,8 @@ class SchedulerCore:
             if ticket.granted_at is not None:
                 held = max(0.0, now - ticket.granted_at)
                 self.mean_hold_s += _EWMA * (held - self.mean_hold_s)
+            if not any(self._queues):
+                return []  # nobody waits: the freed slot has no taker (the uncontended common case)
             return self._dispatch(now)
         return []
 
