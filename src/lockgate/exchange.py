@@ -103,7 +103,8 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
-        #: The running deadline (`asyncio.Timeout`) while `run()` is active: inspect or reschedule it.
+        #: The running deadline (`asyncio.Timeout`) while `run()` is active, if the request has one:
+        #: inspect or reschedule it.
         self.timeout: asyncio.Timeout | None = None
 
     # --- resources -----------------------------------------------------------------------------
@@ -212,11 +213,13 @@ class Exchange:
         self.gateway.registry.add(self)
         try:
             try:
+                if self.deadline_s is None:
+                    return await work(self)
                 async with asyncio.timeout(self.deadline_s) as deadline:
                     self.timeout = deadline
                     return await work(self)
             except TimeoutError:
-                if not deadline.expired():
+                if self.timeout is None or not self.timeout.expired():
                     raise
                 self._cancel_detected_at = time.perf_counter()
                 self.detach()

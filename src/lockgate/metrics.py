@@ -130,11 +130,13 @@ class GatewayMetrics:
         )
         self.scheduling = SchedulingMetrics(r)
 
-        self.routing_decisions = Counter(
-            "lockgate_routing_decisions",
-            "Instances chosen, by model and routing policy.",
-            ["model", "policy", "instance"],
-            registry=r,
+        self.routing_decisions = Family(
+            Counter(
+                "lockgate_routing_decisions",
+                "Instances chosen, by model and routing policy.",
+                ["model", "policy", "instance"],
+                registry=r,
+            )
         )
         self.ejections = Counter("lockgate_instance_ejections", "Passive outlier ejections.", ["instance"], registry=r)
         self.scrapes = Counter(

@@ -175,10 +175,12 @@ class RecordWriter:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                if not self._closing and len(self._queue) < self._batch_size:
-                    # Let a batch gather: one transaction and one thread hop for many records.
-                    await asyncio.sleep(self._linger_s)
                 continue
+            if not self._closing and len(self._queue) < self._batch_size:
+                # Let a batch gather: one transaction and one thread hop for many records. Also after a
+                # write: under load, the records that arrived while it ran would otherwise go as a
+                # small batch of their own, paying a transaction and a thread hop for a few records.
+                await asyncio.sleep(self._linger_s)
             batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
             if not self._import_failed:
                 batch.extend(self._spilled_in_memory)

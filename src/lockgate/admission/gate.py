@@ -67,6 +67,11 @@ class PoolScheduler:
         for index, spec in enumerate(core.classes):
             metrics.queue_depth.labels(model, spec.name).set_function(functools.partial(core.queued, index))
             metrics.slots_in_use.labels(model, spec.name).set_function(functools.partial(core.running, index))
+        #: Per class: its admissions counter and queue-wait histogram (looked up once, not per grant).
+        self._granted_metrics = [
+            (metrics.admissions.labels(model, spec.name), metrics.queue_wait.labels(model, spec.name))
+            for spec in core.classes
+        ]
 
     def resize(self, capacity: int, reserve: int) -> None:
         """The pool grew or shrank (instances ejected, unhealthy or back): grant what now fits."""
@@ -158,11 +163,13 @@ class PoolScheduler:
             self._watchers -= 1
 
     def _wake(self, granted: Sequence[Ticket]) -> None:
+        if not granted:
+            return
         now = self._clock()
         for ticket in granted:
-            name = self.core.classes[ticket.klass].name
-            self._metrics.admissions.labels(self.model, name).inc()
-            self._metrics.queue_wait.labels(self.model, name).observe(max(0.0, now - ticket.offered_at))
+            admissions, queue_wait = self._granted_metrics[ticket.klass]
+            admissions.inc()
+            queue_wait.observe(max(0.0, now - ticket.offered_at))
             waiter = self._waiters.get(ticket)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
