@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from .config import RoutingConfig
 
 
-@dataclass(frozen=True, slots=True)
+# The value types below are built for every request (a view per instance): not `frozen`, whose
+# `__init__` costs ~5x more (1.5 us for a view). Never mutate one after construction.
+@dataclass(slots=True)
 class InstanceView:
     key: str
     name: str
@@ -55,13 +57,13 @@ class InstanceView:
         return self.in_flight / self.max_concurrency
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PoolSnapshot:
     model: str
     instances: tuple[InstanceView, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteRequest:
     model: str
     prompt: str = ""
