@@ -216,6 +216,7 @@ class Connection(asyncio.Protocol):
         self._received = False
         self._headers = {}
         if len(body) <= WRITE_PIECE:
+            self.unsent = None
             transport.write(head + body)
         else:
             view = memoryview(body)
