@@ -48,7 +48,8 @@ class Response:
 
     Resource handling: the response holds its connection until `release()` or `close()`; `read()` and a
     `chunks()` iteration that reaches the end release it themselves. Both are idempotent. A response that
-    is never released keeps its connection (and pool slot) forever.
+    is never released keeps its connection (and pool slot) forever; a read cancelled while it waits leaves
+    the response as it was, for its owner to close.
     """
 
     __slots__ = ("_body", "_buffered", "_complete", "_conn", "_error", "_waiter", "headers", "status")
@@ -122,7 +123,8 @@ class Response:
             conn.abort()
 
     def close(self) -> None:
-        """Abort now: the transport is closed (the server sees it at once) and later reads raise."""
+        """Abort now, whatever the state: the transport is aborted (uvloop closes the socket in this call,
+        asyncio at its next loop iteration; unsent data is dropped), and later reads raise ProtocolError."""
         self._body = []
         self._buffered = 0
         self._complete = False
@@ -214,6 +216,7 @@ class Connection(asyncio.Protocol):
         self._received = False
         self._headers = {}
         if len(body) <= WRITE_PIECE:
+            self.unsent = None
             transport.write(head + body)
         else:
             view = memoryview(body)
@@ -253,6 +256,7 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
         self._fail(ProtocolError("connection closed"), DisconnectedError("connection closed"))
+        self._wake_drain()
         self._on_closed(self)
 
     def resume_reading(self) -> None:

@@ -110,7 +110,7 @@ class HttpPool:
         head_only = method == "HEAD"
         fresh = False
         while True:
-            conn = await self._checkout(fresh)
+            conn = (None if fresh else self._checkout_nowait()) or await self._checkout(fresh)
             future = conn.send(head, body, head_only=head_only)
             try:
                 if conn.unsent is not None:
@@ -121,6 +121,7 @@ class HttpPool:
                     raise
                 fresh = True  # the stale keep-alive race: once more, on a new connection
             except BaseException:
+                future.cancel()  # nobody will await it: keep abort() from setting an exception on it
                 conn.abort()
                 raise
 
@@ -143,31 +144,40 @@ class HttpPool:
     # -- request head ---------------------------------------------------------------------------------------
 
     def _render(self, method: str, path: str, length: int, headers: Iterable[tuple[str, str]]) -> bytes:
-        if not path.startswith("/") or _unsafe(path) or " " in path or _unsafe(method) or " " in method:
+        line = f"{method} {self._prefix}{path}"
+        if not path.startswith("/") or line.count(" ") != 1 or "\r" in line or "\n" in line:
             raise ValueError(f"invalid request line: {method!r} {path!r}")
-        text = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._host_line}Content-Length: {length}\r\n"
+        text = f"{line} HTTP/1.1\r\n{self._host_line}Content-Length: {length}\r\n"
         for name, value in headers:
-            if _unsafe(name) or _unsafe(value):
+            field = f"{name}: {value}\r\n"
+            if "\r" in field[:-2] or "\n" in field[:-2]:  # no header injection
                 raise ValueError(f"invalid header {name!r}")
-            text += f"{name}: {value}\r\n"
+            text += field
         return (text + "\r\n").encode("latin-1")
 
     # -- slots ------------------------------------------------------------------------------------------------
+
+    def _checkout_nowait(self) -> Connection | None:
+        """The newest idle connection unless it has expired (then all have, and are closed), else None."""
+        idle = self._idle
+        if not idle or self._closed:
+            return None
+        conn = idle.pop()
+        if asyncio.get_running_loop().time() - conn.idle_since < self._keepalive:
+            self._in_use.add(conn)
+            return conn
+        conn.abort()
+        self._expire(len(idle))
+        return None
 
     async def _checkout(self, fresh: bool) -> Connection:
         loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise ConnectError("pool is closed")
+            if not fresh and (conn := self._checkout_nowait()) is not None:
+                return conn
             idle = self._idle
-            if idle and not fresh:
-                conn = idle.pop()
-                if loop.time() - conn.idle_since < self._keepalive:
-                    self._in_use.add(conn)
-                    return conn
-                conn.abort()
-                self._expire(len(idle))  # the newest had expired: so have all the others
-                continue
             if self._slots < self._max:
                 self._slots += 1
                 return await self._open()
@@ -277,7 +287,3 @@ class HttpPool:
 
     def _where(self) -> str:
         return self._unix if self._unix is not None else f"{self._host}:{self._port}"
-
-
-def _unsafe(text: str) -> bool:
-    return "\r" in text or "\n" in text
