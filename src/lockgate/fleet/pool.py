@@ -158,7 +158,7 @@ class Pool:
         user = api.body.get("user")
         if key is None and isinstance(user, str) and user:
             key = user
-        blocks = prompt_blocks(text, self.index.block_chars)
+        blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
         return RouteRequest(api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks)
 
     def snapshot(self, request: RouteRequest | None = None) -> PoolSnapshot:
@@ -179,7 +179,8 @@ class Pool:
         chosen = self.policy.choose(request, self.snapshot(request))
         if chosen is None:
             raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
-        self.index.insert(chosen.key, request.blocks)
+        if request.blocks:
+            self.index.insert(chosen.key, request.blocks)
         if self._metrics is not None:
             self._metrics.routing_decisions.labels(self.model, self.policy.name, chosen.name).inc()
         return self._by_key[chosen.key], chosen

@@ -44,6 +44,7 @@ class HashRing:
 
 class ConsistentHash:
     name = "consistent_hash"
+    uses_prefix = False
 
     def __init__(self, options: ConsistentHashOptions | None = None) -> None:
         self._options = options or ConsistentHashOptions()

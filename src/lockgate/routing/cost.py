@@ -47,6 +47,7 @@ def _mean_measured(values: list[float]) -> float:
 
 class PredictedTTFT:
     name = "predicted_ttft"
+    uses_prefix = True
 
     def __init__(self, options: PredictedTTFTOptions | None = None) -> None:
         self._default_tps = (options or PredictedTTFTOptions()).default_prefill_tps
@@ -70,6 +71,7 @@ class Score:
     largest value among the candidates (as llm-d's scorers do); the lowest score wins."""
 
     name = "score"
+    uses_prefix = True
 
     def __init__(self, weights: ScoreWeights | None = None) -> None:
         self._w = weights or ScoreWeights()
@@ -102,6 +104,7 @@ class CacheAware:
     "emptiest cache", which is what makes a fresh instance attract everything)."""
 
     name = "cache_aware"
+    uses_prefix = True
 
     def __init__(self, options: CacheAwareOptions | None = None) -> None:
         self._o = options or CacheAwareOptions()

@@ -79,6 +79,9 @@ class RouteRequest:
 
 class Policy(Protocol):
     name: str
+    #: Whether `choose` looks at `InstanceView.cached_tokens`: only then does the pool hash the prompt
+    #: and keep the prefix index (work every request would otherwise pay for nothing).
+    uses_prefix: bool
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None: ...
 
@@ -109,6 +112,7 @@ def lowest(options: Sequence[InstanceView], cost: Sequence[float], cursor: _Curs
 
 class RoundRobin:
     name = "round_robin"
+    uses_prefix = False
 
     def __init__(self) -> None:
         self._cursor = _Cursor()
@@ -122,6 +126,7 @@ class LeastLoad:
     """Fewest requests in flight relative to capacity; ties go round-robin so idle fleets spread."""
 
     name = "least_load"
+    uses_prefix = False
 
     def __init__(self) -> None:
         self._cursor = _Cursor()
@@ -137,6 +142,7 @@ class PowerOfTwo:
     """Two random candidates, the less loaded wins: near least-load balance without herding on one."""
 
     name = "power_of_two"
+    uses_prefix = False
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
