@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +77,8 @@ class Row:
     result: LoadResult
     engine_cpu: float
     gateway_cpu: float
+    #: gateway/direct req/s of each round (the same on both rows of a pair).
+    round_ratios: list[float]
 
 
 def _body(stream: bool, max_tokens: int):
@@ -93,7 +95,17 @@ def _body(stream: bool, max_tokens: int):
     return make
 
 
-async def run(concurrencies: list[int], requests: int, max_tokens: int, modes: list[str]) -> list[Row]:
+async def run(
+    concurrencies: list[int],
+    requests: int,
+    max_tokens: int,
+    modes: list[str],
+    rounds: int = 3,
+    client: str = "lean",
+) -> list[Row]:
+    """Each (mode, concurrency) is measured in `rounds` rounds, direct then gateway in each, so that a
+    drift of the machine (the client, engine and gateway share its cores) weighs on both alike; a row
+    sums its rounds (requests / total time, CPU over all of them) and keeps each round's ratio."""
     engine_port, gateway_port = free_port(), free_port()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,15 +121,49 @@ async def run(concurrencies: list[int], requests: int, max_tokens: int, modes: l
                 stream = mode == "stream"
                 make = _body(stream, max_tokens)
                 for concurrency in concurrencies:
-                    for target, base in (("direct", engine_url), ("gateway", gateway_url)):
-                        url = base + "/v1/chat/completions"
-                        # Warm-up: connections, caches, JIT-free but allocator-warm.
-                        await closed_loop(url, make, concurrency=concurrency, requests=concurrency * 4, stream=stream)
-                        e0, g0 = cpu_seconds(sim.pid), cpu_seconds(gw.pid)
-                        result = await closed_loop(url, make, concurrency=concurrency, requests=requests, stream=stream)
-                        e1, g1 = cpu_seconds(sim.pid), cpu_seconds(gw.pid)
-                        rows.append(Row(mode, concurrency, target, result, e1 - e0, g1 - g0))
+                    parts: dict[str, list[tuple[LoadResult, float, float]]] = {"direct": [], "gateway": []}
+                    for _ in range(rounds):
+                        for target, base in (("direct", engine_url), ("gateway", gateway_url)):
+                            url = base + "/v1/chat/completions"
+                            parts[target].append(
+                                await _measure(url, make, concurrency, requests, stream, sim, gw, client)
+                            )
+                    ratios = [g[0].rps / d[0].rps for d, g in zip(parts["direct"], parts["gateway"], strict=True)]
+                    for target in ("direct", "gateway"):
+                        rows.append(_combine(mode, concurrency, target, parts[target], ratios))
     return rows
+
+
+async def _measure(
+    url: str,
+    make: Callable[[int], dict],
+    concurrency: int,
+    requests: int,
+    stream: bool,
+    sim: subprocess.Popen[bytes],
+    gw: subprocess.Popen[bytes],
+    client: str,
+) -> tuple[LoadResult, float, float]:
+    """One round against one target: its result and the engine's and gateway's CPU seconds."""
+    # Warm-up: connections, caches, allocator.
+    await closed_loop(url, make, concurrency=concurrency, requests=concurrency * 4, stream=stream, client=client)
+    e0, g0 = cpu_seconds(sim.pid), cpu_seconds(gw.pid)
+    result = await closed_loop(url, make, concurrency=concurrency, requests=requests, stream=stream, client=client)
+    return result, cpu_seconds(sim.pid) - e0, cpu_seconds(gw.pid) - g0
+
+
+def _combine(
+    mode: str, concurrency: int, target: str, parts: list[tuple[LoadResult, float, float]], ratios: list[float]
+) -> Row:
+    results = [p[0] for p in parts]
+    combined = LoadResult(
+        requests=sum(r.requests for r in results),
+        errors=sum(r.errors for r in results),
+        seconds=sum(r.seconds for r in results),
+        latencies=[x for r in results for x in r.latencies],
+        ttfts=[x for r in results for x in r.ttfts],
+    )
+    return Row(mode, concurrency, target, combined, sum(p[1] for p in parts), sum(p[2] for p in parts), ratios)
 
 
 def _write_config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> None:
@@ -129,25 +175,42 @@ def _write_config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> 
     )
 
 
+#: The issue's target for small non-streaming completions at concurrency 64.
+TARGET_RATIO = 0.6
+TARGET_CPU_US = 120.0
+
+
 def report(rows: list[Row]) -> str:
     lines = [
-        f"{'mode':<8}{'conc':>5} {'target':<8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'errors':>7}{'engine us/req':>15}{'gateway us/req':>16}{'ratio':>7}"
+        f"{'mode':<10}{'conc':>5} {'target':<8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'errors':>7}{'engine us/req':>15}{'gateway us/req':>16}{'ratio':>7}  rounds"
     ]
     direct: dict[tuple[str, int], Row] = {}
+    verdict = ""
     for row in rows:
         r = row.result
-        ratio = ""
+        ratio = rounds = gateway_us = ""
         if row.target == "direct":
             direct[(row.mode, row.concurrency)] = row
         else:
+            gateway_us = f"{row.gateway_cpu / r.requests * 1e6:.0f}"
+            rounds = " ".join(f"{x:.2f}" for x in row.round_ratios)
             base = direct.get((row.mode, row.concurrency))
             if base is not None and base.result.rps:
-                ratio = f"{r.rps / base.result.rps:.2f}x"
-        gateway_us = "" if row.target == "direct" else f"{row.gateway_cpu / r.requests * 1e6:.0f}"
+                value = r.rps / base.result.rps
+                ratio = f"{value:.2f}x"
+                if row.mode == "nonstream" and row.concurrency == 64:
+                    cpu = row.gateway_cpu / r.requests * 1e6
+                    met = value >= TARGET_RATIO and cpu <= TARGET_CPU_US
+                    verdict = (
+                        f"target (nonstream, concurrency 64): >= {TARGET_RATIO}x direct and <= {TARGET_CPU_US:.0f} us "
+                        f"gateway CPU per request: {value:.2f}x, {cpu:.0f} us: {'met' if met else 'NOT met'}"
+                    )
         lines.append(
-            f"{row.mode:<8}{row.concurrency:>5} {row.target:<8}{r.rps:>9.0f}"
+            f"{row.mode:<10}{row.concurrency:>5} {row.target:<8}{r.rps:>9.0f}"
             f"{percentile(r.latencies, 50) * 1000:>9.2f}{percentile(r.latencies, 99) * 1000:>9.2f}"
-            f"{r.errors:>7}{row.engine_cpu / r.requests * 1e6:>15.0f}{gateway_us:>16}{ratio:>7}"
+            f"{r.errors:>7}{row.engine_cpu / r.requests * 1e6:>15.0f}{gateway_us:>16}{ratio:>7}  {rounds}"
         )
+    if verdict:
+        lines.append(verdict)
     return "\n".join(lines)

@@ -4,27 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
+
+from ..metrics import LoopFamily
 
 OUTCOMES = ("miss", "coalesced", "hit", "semantic", "bypass", "semantic_shadow")
 
 
 class DedupMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.outcomes = Counter(
+        # Updated on every request, from the event loop only: lock-free families.
+        self.outcomes = LoopFamily(
             "lockgate_dedup",
             "Requests by how de-duplication served them (miss: led a new upstream call; coalesced: joined one "
             "in flight; hit/semantic: served from a cache; bypass: not eligible or opted out; semantic_shadow: "
             "a semantic hit recorded but not served).",
             ["outcome"],
-            registry=registry,
+            registry,
         )
         self._by_outcome = {o: self.outcomes.labels(o) for o in OUTCOMES}
-        self.tokens_saved = Counter(
+        self.tokens_saved = LoopFamily(
             "lockgate_dedup_upstream_tokens_saved",
             "Engine tokens not spent because a request was coalesced or served from a cache.",
             ["kind"],
-            registry=registry,
+            registry,
         )
         self._prompt_saved = self.tokens_saved.labels("prompt")
         self._completion_saved = self.tokens_saved.labels("completion")
