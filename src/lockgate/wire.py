@@ -142,16 +142,19 @@ def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "`messages` is required and must be a non-empty array.")
     for index, message in enumerate(messages):
-        where = f"messages[{index}]"
+        # Names for error messages are built only on the error paths: agents send long conversations.
         if not isinstance(message, dict):
-            raise _bad(where, f"`{where}` must be an object.")
+            raise _bad(f"messages[{index}]", f"`messages[{index}]` must be an object.")
         role = message.get("role")
         if role not in _ROLES:
             raise _bad(
-                f"{where}.role",
-                f"`{where}.role` must be one of {', '.join(sorted(_ROLES))}; got {role!r}.",
+                f"messages[{index}].role",
+                f"`messages[{index}].role` must be one of {', '.join(sorted(_ROLES))}; got {role!r}.",
             )
         content = message.get("content")
+        if content.__class__ is str:
+            continue
+        where = f"messages[{index}]"
         if content is None:
             if role not in ("assistant", "tool", "function") or (
                 role == "assistant" and "tool_calls" not in message and "function_call" not in message
