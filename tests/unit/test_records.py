@@ -127,3 +127,28 @@ async def test_records_arriving_during_a_write_wait_for_a_batch_to_gather(
         await writer.wait_flushed()
     assert events == ["linger", "write 1", "linger", "write 1"]
     assert [r["request_id"] for r in read_records(path)] == ["r1", "r2"]
+
+
+async def test_batches_larger_than_one_statement_land_whole(tmp_path: Path) -> None:
+    path = str(tmp_path / "u.sqlite3")
+    async with RecordWriter(path, GatewayMetrics(), batch_size=1200, queue_size=5000) as writer:
+        for n in range(1200):
+            writer.submit(record(n))
+        await writer.wait_flushed()
+    assert len(read_records(path)) == 1200
+
+
+async def test_a_failed_write_is_rolled_back_and_the_next_one_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lockgate.records as records_module
+
+    monkeypatch.setattr(records_module, "_ROWS_PER_STATEMENT", 1)
+    path = str(tmp_path / "u.sqlite3")
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        bad = record(2)
+        bad.error = {"not": "bindable"}  # type: ignore[assignment]
+        with pytest.raises(sqlite3.Error):
+            writer._write([record(1), bad])  # the first statement succeeded, the second failed
+        writer._write([record(3)])  # no transaction left open
+    assert [r["request_id"] for r in read_records(path)] == ["r3"]
