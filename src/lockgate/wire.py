@@ -7,8 +7,10 @@ passes every other field through untouched (engines have many extensions).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 import orjson
@@ -111,19 +113,14 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
         if not isinstance(flag, bool):
             raise _bad("stream_options.include_usage", "`include_usage` must be a boolean.")
         include_usage = flag
-    max_tokens = _opt_int(body, "max_tokens", minimum=1)
-    max_completion = _opt_int(body, "max_completion_tokens", minimum=1)
-    if max_completion is not None:
-        max_tokens = max_completion
-    _opt_number(body, "temperature", 0.0, 2.0)
-    _opt_number(body, "top_p", 0.0, 1.0)
-    _opt_number(body, "presence_penalty", -2.0, 2.0)
-    _opt_number(body, "frequency_penalty", -2.0, 2.0)
-    n = _opt_int(body, "n", minimum=1)
-    if n is not None and n > 128:
-        raise _bad("n", "`n` must be at most 128.")
-    _opt_int(body, "seed", minimum=None)
-    _check_stop(body.get("stop"))
+    for key in body:
+        # Only the fields present are checked (a request carries a handful of the optional ones).
+        check = _FIELD_CHECKS.get(key)
+        if check is not None:
+            check(body)
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     return ApiRequest(
         endpoint=endpoint,
         body=body,
@@ -194,6 +191,12 @@ def _check_stop(stop: Any) -> None:
     raise _bad("stop", "`stop` must be a string or an array of strings.")
 
 
+def _check_n(body: dict[str, Any]) -> None:
+    n = _opt_int(body, "n", minimum=1)
+    if n is not None and n > 128:
+        raise _bad("n", "`n` must be at most 128.")
+
+
 def _opt_int(body: dict[str, Any], key: str, *, minimum: int | None) -> int | None:
     value = body.get(key)
     if value is None:
@@ -213,3 +216,16 @@ def _opt_number(body: dict[str, Any], key: str, low: float, high: float) -> None
         raise _bad(key, f"`{key}` must be a number.")
     if not low <= value <= high:
         raise _bad(key, f"`{key}` must be between {low:g} and {high:g}.")
+
+
+_FIELD_CHECKS: dict[str, Callable[[dict[str, Any]], object]] = {
+    "max_tokens": partial(_opt_int, key="max_tokens", minimum=1),
+    "max_completion_tokens": partial(_opt_int, key="max_completion_tokens", minimum=1),
+    "temperature": partial(_opt_number, key="temperature", low=0.0, high=2.0),
+    "top_p": partial(_opt_number, key="top_p", low=0.0, high=1.0),
+    "presence_penalty": partial(_opt_number, key="presence_penalty", low=-2.0, high=2.0),
+    "frequency_penalty": partial(_opt_number, key="frequency_penalty", low=-2.0, high=2.0),
+    "n": _check_n,
+    "seed": partial(_opt_int, key="seed", minimum=None),
+    "stop": lambda body: _check_stop(body["stop"]),
+}

@@ -27,7 +27,10 @@ class Headers:
     @overload
     def get(self, name: str, default: str) -> str: ...
     def get(self, name: str, default: str | None = None) -> str | None:
-        return self._items.get(name.lower(), default)
+        value = self._items.get(name)  # callers mostly ask in lower case already
+        if value is None:
+            value = self._items.get(name.lower(), default)
+        return value
 
     def __getitem__(self, name: str) -> str:
         return self._items[name.lower()]
