@@ -209,7 +209,7 @@ class Exchange:
 
     # --- the one place where a request's fate is decided ---------------------------------------
     async def run(self, work: Callable[[Exchange], Awaitable[Reply]]) -> Reply:
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(self.gateway.loop)
         self.gateway.registry.add(self)
         try:
             try:

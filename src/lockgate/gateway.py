@@ -7,6 +7,7 @@ runs that server.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import time
@@ -76,6 +77,8 @@ class Gateway:
         )
 
     async def __aenter__(self) -> Gateway:
+        #: Kept for the hot path: on Python 3.11 each `asyncio.get_running_loop()` is a getpid() call.
+        self.loop = asyncio.get_running_loop()
         await self.records.__aenter__()
         try:
             await self.fleet.__aenter__()

@@ -173,6 +173,7 @@ class Connection(asyncio.Protocol):
         "_until_close",
         "closed",
         "idle_since",
+        "loop",
         "reading_paused",
         "reused",
         "transport",
@@ -185,6 +186,8 @@ class Connection(asyncio.Protocol):
         self._on_closed = on_closed
         self._parser = HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
+        # Kept: on Python 3.11, every `asyncio.get_running_loop()` is a getpid() system call.
+        self.loop = asyncio.get_running_loop()
         self.closed = False
         #: Served a request before the current one (a failure before any response byte may be a stale socket).
         self.reused = False
@@ -206,7 +209,7 @@ class Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes, *, head_only: bool = False) -> asyncio.Future[Response]:
         """Write a request; the future resolves with the response once its head has arrived."""
-        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Response] = self.loop.create_future()
         transport = self.transport
         if self.closed or transport is None:
             future.set_exception(DisconnectedError("connection closed before the request was sent"))

@@ -163,7 +163,7 @@ class HttpPool:
         if not idle or self._closed:
             return None
         conn = idle.pop()
-        if asyncio.get_running_loop().time() - conn.idle_since < self._keepalive:
+        if conn.loop.time() - conn.idle_since < self._keepalive:
             self._in_use.add(conn)
             return conn
         conn.abort()
@@ -233,7 +233,7 @@ class HttpPool:
                 waiter.set_result(conn)  # stays in `_in_use`
                 return
         self._in_use.discard(conn)
-        loop = asyncio.get_running_loop()
+        loop = conn.loop
         conn.idle_since = loop.time()
         self._idle.append(conn)
         if self._sweep is None:
