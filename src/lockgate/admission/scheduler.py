@@ -136,6 +136,10 @@ class SchedulerCore:
         queue = self._queues[k]
         if not queue and k in self._shared:
             self._pass[k] = max(self._pass[k], self._vtime)  # rejoin at the current virtual time
+        if self._free_for(k) and not any(self._queues):
+            # Nobody waits and a slot is free for this class: what `_dispatch` would decide, directly.
+            self._grant(k, ticket, now)
+            return Offer(admitted=True, queued=False, granted=(ticket,))
         queue.append(ticket)
         ticket.state = TicketState.QUEUED
         granted = tuple(self._dispatch(now))
@@ -277,6 +281,13 @@ class SchedulerCore:
                     best, best_finish = k, finish
         return best
 
+    def _free_for(self, k: int) -> bool:
+        """A slot is free for class `k` (its own limit, and the strict classes' reserve for the others)."""
+        spec = self.classes[k]
+        if self._running_total >= (self.capacity if spec.strict else self.capacity - self.reserve):
+            return False
+        return spec.max_running is None or len(self._running[k]) < spec.max_running
+
     def _dispatch(self, now: float) -> list[Ticket]:
         granted: list[Ticket] = []
         while self._running_total < self.capacity:
@@ -284,13 +295,16 @@ class SchedulerCore:
             if k is None:
                 break
             ticket = self._queues[k].popleft()
-            if not self.classes[k].strict:
-                self._vtime = self._pass[k]
-                self._pass[k] += 1.0 / self.classes[k].weight
-            ticket.state = TicketState.RUNNING
-            ticket.granted_at = now
-            self._running[k][ticket.seq] = ticket
-            self._running_total += 1
-            self.granted_total[k] += 1
+            self._grant(k, ticket, now)
             granted.append(ticket)
         return granted
+
+    def _grant(self, k: int, ticket: Ticket, now: float) -> None:
+        if not self.classes[k].strict:
+            self._vtime = self._pass[k]
+            self._pass[k] += 1.0 / self.classes[k].weight
+        ticket.state = TicketState.RUNNING
+        ticket.granted_at = now
+        self._running[k][ticket.seq] = ticket
+        self._running_total += 1
+        self.granted_total[k] += 1

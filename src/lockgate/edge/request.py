@@ -27,10 +27,7 @@ class Headers:
     @overload
     def get(self, name: str, default: str) -> str: ...
     def get(self, name: str, default: str | None = None) -> str | None:
-        value = self._items.get(name)  # callers mostly ask in lower case already
-        if value is None:
-            value = self._items.get(name.lower(), default)
-        return value
+        return self._items.get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
         return self._items[name.lower()]
