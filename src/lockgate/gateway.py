@@ -8,6 +8,7 @@ runs that server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import time
@@ -110,18 +111,22 @@ class Gateway:
             "/admin/flights": self._admin_flights,
         }
         routes: dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]] = {
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): functools.partial(self._serve, endpoint=Endpoint.CHAT),
+            ("POST", "/v1/completions"): functools.partial(self._serve, endpoint=Endpoint.COMPLETIONS),
         }
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = handler
         return routes
 
-    async def handle(self, request: Request) -> Reply:
-        """The edge server's handler: one dictionary lookup to the endpoint."""
+    def handle(self, request: Request) -> Awaitable[Reply]:
+        """The edge server's handler: one dictionary lookup to the endpoint, whose coroutine the server
+        awaits directly (no coroutine of its own in between)."""
         handler = self._route_table.get((request.method, request.path))
         if handler is not None:
-            return await handler(request)
+            return handler(request)
+        return self._other(request)
+
+    async def _other(self, request: Request) -> Reply:
         if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
             return self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
         return self._unknown(request)
@@ -147,12 +152,6 @@ class Gateway:
             content_type="application/json",
             headers=headers,
         )
-
-    async def _chat(self, request: Request) -> Reply:
-        return await self._serve(request, Endpoint.CHAT)
-
-    async def _completions(self, request: Request) -> Reply:
-        return await self._serve(request, Endpoint.COMPLETIONS)
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Reply:
         client_id = request.headers.get("x-request-id")
