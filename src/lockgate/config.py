@@ -34,6 +34,12 @@ class ListenConfig(_Strict):
 
 class LimitsConfig(_Strict):
     max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+    #: Request line and headers (larger: 431).
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024
+    #: An idle keep-alive client connection is closed after this long.
+    keepalive_timeout_ms: Annotated[int, Field(ge=100)] = 75_000
+    #: A client has this long to send a request's headers (and between body chunks): slow clients are cut off.
+    header_timeout_ms: Annotated[int, Field(ge=100)] = 30_000
 
 
 class InstanceConfig(_Strict):

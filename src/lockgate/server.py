@@ -47,9 +47,13 @@ class GatewayServer:
         try:
             config = await start_simulators(self._config, self._stack)
             self.gateway = await self._stack.enter_async_context(Gateway(config, usage_path=self._usage_path))
+            limits = config.limits
             self._http = HttpServer(
                 self.gateway.handle,
-                max_body_bytes=config.limits.max_body_bytes,
+                max_body_bytes=limits.max_body_bytes,
+                max_header_bytes=limits.max_header_bytes,
+                keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
+                header_timeout_s=limits.header_timeout_ms / 1000,
                 error_body=Gateway.edge_error_body,
             )
             listen = config.listen

@@ -178,3 +178,31 @@ async def test_gateway_listens_on_a_unix_socket(start_sim, tmp_path):
         ):
             assert resp.status == 200
             assert (await resp.json())["choices"][0]["message"]["content"]
+
+
+async def test_configured_edge_limits_answer_in_the_openai_envelope(start_sim, start_gateway, http):
+    """`limits.max_header_bytes` and `limits.keepalive_timeout_ms` reach the edge server."""
+    import asyncio
+
+    sim = await start_sim()
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        limits={"max_header_bytes": 2048, "keepalive_timeout_ms": 200},
+    )
+    status, _, raw = await post(http, gw.url, CHAT, **{"x-padding": "p" * 3000})
+    assert status == 431
+    assert error_of(raw)["code"] == "headers_too_large"
+    assert sim.statistics()["requests_started"] == 0
+    status, _, _ = await post(http, gw.url, CHAT, **{"x-padding": "p" * 500})
+    assert status == 200
+    # An idle keep-alive connection is closed by the gateway after the configured time.
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+        async with asyncio.timeout(5):
+            rest = await reader.read()  # until the gateway closes the idle connection
+        assert rest.endswith(b'{"status":"ok"}')
+    finally:
+        writer.close()
