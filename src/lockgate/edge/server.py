@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-One `_Connection` per accepted socket. Bytes go straight into the parser, whose callbacks collect a request
-(URL, a list of raw header pairs, body chunks). A connection is always in one of these states:
+One `Connection` (`protocol.py`) per accepted socket. Bytes go straight into the parser, whose callbacks collect a
+request (URL, a list of raw header pairs, body chunks). A connection is always in one of these states:
 
 - **idle**: no request in progress, no bytes of the next one. Deadline: `keepalive_timeout_s` (for a new
   connection: `header_timeout_s`). When it passes, the connection is closed.
