@@ -8,9 +8,10 @@ gateway, its own cost is taken from theirs: the lean one leaves the measurement 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -49,6 +50,11 @@ class LoadResult:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
+#: One request: its HTTP status (0 when the client failed) and, for a stream, when it ended being read
+#: up to its first chunk (None otherwise).
+Post = Callable[[bytes], Awaitable[tuple[int, float | None]]]
+
+
 async def closed_loop(
     url: str,
     make_body: Callable[[int], dict],
@@ -60,60 +66,53 @@ async def closed_loop(
     client: str = "aiohttp",
 ) -> LoadResult:
     """`concurrency` workers send `requests` requests in total, each waiting for its answer."""
+    run = functools.partial(_drive, make_body, concurrency=concurrency, requests=requests, stream=stream)
     if client == "lean":
-        return await _lean_loop(
-            url, make_body, concurrency=concurrency, requests=requests, stream=stream, headers=headers
-        )
-    connector = aiohttp.TCPConnector(limit=concurrency * 2, force_close=False)
-    latencies: list[float] = []
-    ttfts: list[float] = []
-    errors = 0
-    counter = iter(range(requests))
-    base_headers = {"Content-Type": "application/json", **(headers or {})}
+        origin, _, rest = url.partition("://")
+        host, _, path = rest.partition("/")
+        pool = HttpPool(f"{origin}://{host}", max_connections=concurrency * 2)
+        lean_headers = [("Content-Type", "application/json"), *(headers or {}).items()]
 
+        async def lean_post(body: bytes) -> tuple[int, float | None]:
+            try:
+                resp = await pool.request("POST", "/" + path, body, lean_headers)
+                return resp.status, await _read(resp.read, resp.chunks(), stream)
+            except HttpClientError:
+                return 0, None
+
+        try:
+            return await run(lean_post)
+        finally:
+            await pool.aclose()
+    connector = aiohttp.TCPConnector(limit=concurrency * 2, force_close=False)
+    base_headers = {"Content-Type": "application/json", **(headers or {})}
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def worker() -> None:
-            nonlocal errors
-            for n in counter:
-                body = orjson.dumps(make_body(n))
-                start = time.perf_counter()
-                try:
-                    async with session.post(url, data=body, headers=base_headers) as resp:
-                        if stream:
-                            first = None
-                            async for _ in resp.content.iter_any():
-                                if first is None:
-                                    first = time.perf_counter()
-                            ttfts.append((first or time.perf_counter()) - start)
-                        else:
-                            await resp.read()
-                        if resp.status != 200:
-                            errors += 1
-                except aiohttp.ClientError:
-                    errors += 1
-                latencies.append(time.perf_counter() - start)
+        async def aiohttp_post(body: bytes) -> tuple[int, float | None]:
+            try:
+                async with session.post(url, data=body, headers=base_headers) as resp:
+                    return resp.status, await _read(resp.read, resp.content.iter_any(), stream)
+            except aiohttp.ClientError:
+                return 0, None
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return LoadResult(requests, errors, elapsed, latencies, ttfts)
+        return await run(aiohttp_post)
 
 
-async def _lean_loop(
-    url: str,
-    make_body: Callable[[int], dict],
-    *,
-    concurrency: int,
-    requests: int,
-    stream: bool,
-    headers: dict[str, str] | None,
+async def _read(read: Callable[[], Awaitable[bytes]], chunks: AsyncIterator[bytes], stream: bool) -> float | None:
+    """Read a whole answer; for a stream, return when its first chunk arrived."""
+    if not stream:
+        await read()
+        return None
+    first = None
+    async for _ in chunks:
+        if first is None:
+            first = time.perf_counter()
+    return first or time.perf_counter()
+
+
+async def _drive(
+    make_body: Callable[[int], dict], post: Post, *, concurrency: int, requests: int, stream: bool
 ) -> LoadResult:
-    """`closed_loop` over `lockgate.http`'s keep-alive pool."""
-    origin, _, rest = url.partition("://")
-    host, _, path = rest.partition("/")
-    pool = HttpPool(f"{origin}://{host}", max_connections=concurrency * 2)
-    request_headers = [("Content-Type", "application/json"), *(headers or {}).items()]
     latencies: list[float] = []
     ttfts: list[float] = []
     errors = 0
@@ -124,26 +123,13 @@ async def _lean_loop(
         for n in counter:
             body = orjson.dumps(make_body(n))
             start = time.perf_counter()
-            try:
-                resp = await pool.request("POST", "/" + path, body, request_headers)
-                if stream:
-                    first = None
-                    async for _ in resp.chunks():
-                        if first is None:
-                            first = time.perf_counter()
-                    ttfts.append((first or time.perf_counter()) - start)
-                else:
-                    await resp.read()
-                if resp.status != 200:
-                    errors += 1
-            except HttpClientError:
+            status, first = await post(body)
+            if status != 200:
                 errors += 1
+            if first is not None:
+                ttfts.append(first - start)
             latencies.append(time.perf_counter() - start)
 
-    try:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    finally:
-        await pool.aclose()
-    return LoadResult(requests, errors, elapsed, latencies, ttfts)
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return LoadResult(requests, errors, time.perf_counter() - started, latencies, ttfts)
