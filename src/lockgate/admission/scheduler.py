@@ -261,8 +261,9 @@ class SchedulerCore:
 
     # --- the one decision ------------------------------------------------------------------------
     def _eligible(self, k: int) -> bool:
-        if not self._queues[k]:
-            return False
+        return bool(self._queues[k]) and self._below_class_limit(k)
+
+    def _below_class_limit(self, k: int) -> bool:
         limit = self.classes[k].max_running
         return limit is None or len(self._running[k]) < limit
 
@@ -283,10 +284,8 @@ class SchedulerCore:
 
     def _free_for(self, k: int) -> bool:
         """A slot is free for class `k` (its own limit, and the strict classes' reserve for the others)."""
-        spec = self.classes[k]
-        if self._running_total >= (self.capacity if spec.strict else self.capacity - self.reserve):
-            return False
-        return spec.max_running is None or len(self._running[k]) < spec.max_running
+        limit = self.capacity if self.classes[k].strict else self.capacity - self.reserve
+        return self._running_total < limit and self._below_class_limit(k)
 
     def _dispatch(self, now: float) -> list[Ticket]:
         granted: list[Ticket] = []

@@ -414,6 +414,5 @@ def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> li
     headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
     if stream and instance.dialect.close_after_stream:
         headers.append(("Connection", "close"))
-    if instance.api_key:
-        headers.append(("Authorization", f"Bearer {instance.api_key}"))
+    headers.extend(_auth(instance).items())
     return headers
