@@ -78,7 +78,7 @@ async def open_attempts(
     last_error: UpstreamError | None = None
     for attempt in range(attempts):
         try:
-            instance, view = pool.choose_view(replace(route, exclude=frozenset(tried)) if tried else route)
+            instance, cached = pool.choose(replace(route, exclude=frozenset(tried)) if tried else route)
         except GatewayError:
             if last_error is not None:
                 raise last_error from None
@@ -88,7 +88,7 @@ async def open_attempts(
             api, served_model=pool.served[instance.key], request_id=request_id, stream=stream, priority=priority
         )
         call = UpstreamCall(fleet, metrics, instance, api.endpoint.path, orjson.dumps(body), request_id, stream=stream)
-        lease = fleet.lease(instance, max(0, route.prompt_tokens - view.cached_tokens))
+        lease = fleet.lease(instance, max(0, route.prompt_tokens - cached))
         hold(lease, call)
         try:
             await call.open()

@@ -305,8 +305,9 @@ class Registry:
         self._empty.set()
 
     def add(self, exchange: Exchange) -> None:
+        if not self._live:
+            self._empty.clear()
         self._live[exchange.id] = exchange
-        self._empty.clear()
 
     def remove(self, exchange: Exchange) -> None:
         if self._live.get(exchange.id) is exchange:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import operator
 import sqlite3
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,8 @@ def _schema() -> str:
         base = str(f.type).split("|")[0].strip()
         sql_type = _SQL_TYPES.get(base, "TEXT")
         cols.append(f"{f.name} {sql_type}{' PRIMARY KEY' if f.name == 'request_id' else ''}")
-    return f"CREATE TABLE IF NOT EXISTS usage ({', '.join(cols)})"
+    # Keyed by request id alone (no rowid): one B-tree per insert instead of a table and its key index.
+    return f"CREATE TABLE IF NOT EXISTS usage ({', '.join(cols)}) WITHOUT ROWID"
 
 
 def _sql_default(value: Any) -> str:
@@ -85,10 +88,25 @@ def _sql_default(value: Any) -> str:
 
 _INSERT = f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) VALUES "
 _ROW_PLACEHOLDERS = f"({', '.join('?' * len(_COLUMNS))})"
-#: Rows per INSERT statement: one statement, one `sqlite3_step` for many rows. Python's sqlite3 lets
-#: go of the GIL around every step, and with the event loop running each of those is a thread switch:
-#: one statement per row cost ~10 us per record in `bench overhead`. (SQLite allows 32,766 variables.)
-_ROWS_PER_STATEMENT = 500
+#: Most rows per INSERT statement (a power of two): one statement, one `sqlite3_step` for many rows.
+#: Python's sqlite3 lets go of the GIL around every step, and with the event loop running each of those
+#: is a thread switch: one statement per row cost ~10 us per record in `bench overhead`.
+_ROWS_PER_STATEMENT = 256
+
+
+@functools.cache
+def _insert_sql(rows: int) -> str:
+    return _INSERT + ", ".join([_ROW_PLACEHOLDERS] * rows)
+
+
+def _statement_sizes(rows: int) -> Iterator[int]:
+    """Split `rows` into statements of power-of-two sizes (256, 128, ..., 1): a handful of distinct
+    statements, each parsed once and then found in sqlite3's statement cache. Parsing a statement of
+    hundreds of rows cost more than inserting them (~2 us per record when every batch size was new)."""
+    while rows > 0:
+        size = min(_ROWS_PER_STATEMENT, 1 << (rows.bit_length() - 1))
+        yield size
+        rows -= size
 
 
 class RecordWriter:
@@ -145,13 +163,15 @@ class RecordWriter:
     # --- the synchronous, infallible entry point -------------------------------------------------
     def submit(self, record: UsageRecord) -> None:
         self.submitted += 1
-        self._idle.clear()
+        if not self._queue:
+            # The writer may be idle, asleep on `_wakeup` (it sleeps only once the queue is empty, so
+            # while records wait it is busy already: nothing to do for them, the common case).
+            self._idle.clear()
+            self._wakeup.set()
         if len(self._queue) >= self._queue_size or (self._closing and self._task is None):
             self._spill_one(record)
         else:
             self._queue.append(record)
-        if not self._wakeup.is_set():
-            self._wakeup.set()
 
     def _spill_one(self, record: UsageRecord) -> None:
         self._metrics.usage_records_spilled.inc()
@@ -232,10 +252,11 @@ class RecordWriter:
         db = self._db
         db.execute("BEGIN")
         try:
-            for start in range(0, len(batch), _ROWS_PER_STATEMENT):
-                chunk = batch[start : start + _ROWS_PER_STATEMENT]
-                params = [value for record in chunk for value in _ROW(record)]
-                db.execute(_INSERT + ", ".join([_ROW_PLACEHOLDERS] * len(chunk)), params)
+            start = 0
+            for size in _statement_sizes(len(batch)):
+                chunk = batch[start : start + size]
+                start += size
+                db.execute(_insert_sql(size), [value for record in chunk for value in _ROW(record)])
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")  # the next batch can start its own transaction

@@ -152,3 +152,15 @@ async def test_a_failed_write_is_rolled_back_and_the_next_one_works(
             writer._write([record(1), bad])  # the first statement succeeded, the second failed
         writer._write([record(3)])  # no transaction left open
     assert [r["request_id"] for r in read_records(path)] == ["r3"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 255, 256, 257, 700, 1200])
+def test_batches_use_few_distinct_statements(rows: int) -> None:
+    """Each batch is cut into power-of-two statements (parsed once, then cached), never more than
+    `_ROWS_PER_STATEMENT` rows each, covering every row."""
+    from lockgate.records import _ROWS_PER_STATEMENT, _statement_sizes
+
+    sizes = list(_statement_sizes(rows))
+    assert sum(sizes) == rows
+    assert all(size & (size - 1) == 0 and size <= _ROWS_PER_STATEMENT for size in sizes)
+    assert sizes == sorted(sizes, reverse=True)

@@ -253,3 +253,25 @@ def test_bad_specs_are_refused() -> None:
         core.offer(t, 0)
     with pytest.raises(ValueError):
         core.offer(Ticket(7), 0)
+
+
+def test_grant_at_once_only_when_nobody_waits_and_changes_nothing_otherwise() -> None:
+    classes = (ClassSpec("A", strict=True), ClassSpec("B", max_running=1))
+    core = SchedulerCore(classes, capacity=3)
+    b1 = Ticket(1)
+    assert core.grant_at_once(b1, 0.0) and b1.state is TicketState.RUNNING and b1.seq == 1
+    b2 = Ticket(1)
+    assert not core.grant_at_once(b2, 0.0)  # B is at its own limit
+    assert b2.state is None and b2.seq == 0 and core.queued_total == 0
+    assert core.offer(b2, 0.0).queued
+    a1 = Ticket(0)
+    assert not core.grant_at_once(a1, 0.0)  # a slot is free for A, but someone waits: `offer` decides
+    assert a1.state is None
+    assert core.offer(a1, 0.0).granted == (a1,)
+    assert core.release(b1, 1.0) == [b2]
+    with pytest.raises(ValueError):
+        core.grant_at_once(b1, 1.0) or core.offer(b1, 1.0)  # a ticket is offered once
+    stray = Ticket(7)
+    assert not core.grant_at_once(stray, 1.0)
+    with pytest.raises(ValueError):
+        core.offer(stray, 1.0)

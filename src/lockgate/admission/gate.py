@@ -85,7 +85,12 @@ class PoolScheduler:
     def offer(self, klass: int, tag: object = None) -> Ticket:
         """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
         ticket = Ticket(klass, tag)
-        offer = self.core.offer(ticket, self._clock())
+        now = self._clock()
+        if self.core.grant_at_once(ticket, now):
+            self._granted(ticket, now)
+            self._notify()
+            return ticket
+        offer = self.core.offer(ticket, now)
         if ticket.state is TicketState.QUEUED:
             # Only a queued ticket needs a future (the common, uncontended path skips it).
             self._waiters[ticket] = asyncio.get_running_loop().create_future()
@@ -144,7 +149,9 @@ class PoolScheduler:
         waiter = self._waiters.pop(ticket, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
-        self._wake(self.core.release(ticket, self._clock()))
+        granted = self.core.release(ticket, self._clock())
+        if granted:
+            self._wake(granted)
         self._notify()
 
     def _notify(self) -> None:
@@ -167,12 +174,15 @@ class PoolScheduler:
             return
         now = self._clock()
         for ticket in granted:
-            admissions, queue_wait = self._granted_metrics[ticket.klass]
-            admissions.inc()
-            queue_wait.observe(max(0.0, now - ticket.offered_at))
+            self._granted(ticket, now)
             waiter = self._waiters.get(ticket)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+
+    def _granted(self, ticket: Ticket, now: float) -> None:
+        admissions, queue_wait = self._granted_metrics[ticket.klass]
+        admissions.inc()
+        queue_wait.observe(max(0.0, now - ticket.offered_at))
 
     def statistics(self) -> dict[str, object]:
         return {**self.core.statistics(), "waiters": len(self._waiters)}
@@ -261,13 +271,16 @@ class Admission:
             self._metrics.rejections.labels(f"rate_limit_{exc.reason}", self.class_name(klass)).inc()
             raise
         ex.hold(lambda: self._settle(ex, reservation))
-        ex.response_headers.update(self.limiter.headers(tenant, now))
+        limit_headers = self.limiter.headers(tenant, now)
+        if limit_headers:
+            ex.response_headers.update(limit_headers)
         scheduler = self.schedulers[api.model]
         ticket = scheduler.offer(klass, ex.id if tag is None else tag)
         ex.hold(lambda: scheduler.release(ticket))
         if self.engine_priority:
             ex.engine_priority = klass
-        await scheduler.wait_granted(ticket)
+        if ticket.state is not TicketState.RUNNING:  # granted at once: the uncontended common case
+            await scheduler.wait_granted(ticket)
         return ticket
 
     def _settle(self, ex: Exchange, reservation: Reservation) -> None:

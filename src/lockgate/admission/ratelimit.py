@@ -184,8 +184,10 @@ class RateLimiter:
             state.tokens.level = min(state.tokens.capacity, state.tokens.level + reservation.reserved - used)
 
     def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
-        state = self.state(tenant, now)
         out: dict[str, str] = {}
+        if tenant.requests_per_minute is None and tenant.tokens_per_minute is None:
+            return out  # no per-minute limit to report
+        state = self.state(tenant, now)
         if state.requests is not None:
             out["x-ratelimit-limit-requests"] = str(tenant.requests_per_minute)
             out["x-ratelimit-remaining-requests"] = str(max(0, math.floor(state.requests.level)))

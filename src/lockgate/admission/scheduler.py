@@ -124,8 +124,18 @@ class SchedulerCore:
         self.mean_hold_s = _INITIAL_HOLD_S
 
     # --- transitions -----------------------------------------------------------------------------
-    def offer(self, ticket: Ticket, now: float) -> Offer:
-        """A new request asks for a slot. It is granted now, queued, or rejected (queue full)."""
+    def grant_at_once(self, ticket: Ticket, now: float) -> bool:
+        """Offer a new ticket and grant it at once if nobody waits and a slot is free for its class
+        (what `offer` and `_dispatch` would decide): the uncontended common case, without an `Offer`.
+        Returns False, having changed nothing, when the ticket must go through `offer`."""
+        k = ticket.klass
+        if ticket.state is not None or not 0 <= k < len(self.classes) or any(self._queues) or not self._free_for(k):
+            return False
+        self._grant(self._take(ticket, now), ticket, now)
+        return True
+
+    def _take(self, ticket: Ticket, now: float) -> int:
+        """Number a new ticket; a class that was idle rejoins at the current virtual time."""
         if ticket.state is not None:
             raise ValueError(f"{ticket!r} was already offered")
         k = ticket.klass
@@ -133,13 +143,16 @@ class SchedulerCore:
             raise ValueError(f"no priority class {k}")
         ticket.seq = next(self._seq)
         ticket.offered_at = now
-        queue = self._queues[k]
-        if not queue and k in self._shared:
+        if not self._queues[k] and k in self._shared:
             self._pass[k] = max(self._pass[k], self._vtime)  # rejoin at the current virtual time
-        if self._free_for(k) and not any(self._queues):
-            # Nobody waits and a slot is free for this class: what `_dispatch` would decide, directly.
-            self._grant(k, ticket, now)
+        return k
+
+    def offer(self, ticket: Ticket, now: float) -> Offer:
+        """A new request asks for a slot. It is granted now, queued, or rejected (queue full)."""
+        if self.grant_at_once(ticket, now):
             return Offer(admitted=True, queued=False, granted=(ticket,))
+        k = self._take(ticket, now)
+        queue = self._queues[k]
         queue.append(ticket)
         ticket.state = TicketState.QUEUED
         granted = tuple(self._dispatch(now))

@@ -147,7 +147,12 @@ class Pool:
         self.served = served
         self.policy = policy
         self.stale_after = stale_after
-        self._metrics = metrics
+        #: Per instance: its routing-decisions counter (looked up once, not per request).
+        self._decisions = (
+            {i.key: metrics.routing_decisions.labels(self.model, policy.name, i.name) for i in instances}
+            if metrics is not None
+            else None
+        )
         options = config.routing.prefix_index
         self.index = PrefixIndex(options.max_bytes, options.block_chars)
 
@@ -166,24 +171,43 @@ class Pool:
         matched = self.index.match(request.blocks) if request is not None and request.blocks else {}
         views = []
         for i in self.instances:
-            cached = 0
-            blocks = matched.get(i.key)
-            if blocks and request is not None:
-                # Blocks are characters; the share of the prompt they cover, in tokens.
-                cached = min(request.prompt_tokens, blocks * self.index.block_chars // 4)
+            cached = self._cached_tokens(request, matched.get(i.key)) if request is not None else 0
             views.append(i.view(now, self.stale_after, cached))
         return PoolSnapshot(self.model, tuple(views))
 
-    def choose_view(self, request: RouteRequest) -> tuple[Instance, InstanceView]:
-        """The chosen instance and the view it was chosen on (its `cached_tokens` sizes the lease)."""
-        chosen = self.policy.choose(request, self.snapshot(request))
-        if chosen is None:
-            raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
+    def _cached_tokens(self, request: RouteRequest, blocks: int | None) -> int:
+        """Blocks are characters: the share of the prompt they cover, in tokens."""
+        return min(request.prompt_tokens, blocks * self.index.block_chars // 4) if blocks else 0
+
+    def choose(self, request: RouteRequest) -> tuple[Instance, int]:
+        """The instance to try, and how many of the request's prompt tokens it likely has cached (which
+        sizes its lease). With a single candidate every policy would pick it: no snapshot is built."""
+        sole = self._sole_candidate(request)
+        if sole is not None:
+            instance = sole
+            matched = self.index.match(request.blocks).get(sole.key) if request.blocks else None
+            cached = self._cached_tokens(request, matched)
+        else:
+            view = self.policy.choose(request, self.snapshot(request))
+            if view is None:
+                raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
+            instance, cached = self._by_key[view.key], view.cached_tokens
         if request.blocks:
-            self.index.insert(chosen.key, request.blocks)
-        if self._metrics is not None:
-            self._metrics.routing_decisions.labels(self.model, self.policy.name, chosen.name).inc()
-        return self._by_key[chosen.key], chosen
+            self.index.insert(instance.key, request.blocks)
+        if self._decisions is not None:
+            self._decisions[instance.key].inc()
+        return instance, cached
+
+    def _sole_candidate(self, request: RouteRequest) -> Instance | None:
+        """The one routable instance not yet tried, if there is exactly one (what `candidates()` would
+        return to a policy)."""
+        sole = None
+        for i in self.instances:
+            if i.routable and i.key not in request.exclude:
+                if sole is not None:
+                    return None
+                sole = i
+        return sole
 
     def ready(self) -> bool:
         return any(i.routable for i in self.instances)
