@@ -92,7 +92,7 @@ async def open_attempts(
         hold(lease, call)
         try:
             await call.open()
-            if not call.streaming:
+            if not call.stream:
                 return Opened(call, lease, [], None)
             rest = call.events()
             head = await _first_events(rest, call, lease)

@@ -208,16 +208,17 @@ class Exchange:
         }
 
     # --- the one place where a request's fate is decided ---------------------------------------
-    async def run(self, work: Callable[[Exchange], Awaitable[Reply]]) -> Reply:
+    async def run(self, work: Callable[..., Awaitable[Reply]], *args: Any) -> Reply:
+        """Run `work(self, *args)` as this request's work and decide how the request ends."""
         self._task = asyncio.current_task(self.gateway.loop)
         self.gateway.registry.add(self)
         try:
             try:
                 if self.deadline_s is None:
-                    return await work(self)
+                    return await work(self, *args)
                 async with asyncio.timeout(self.deadline_s) as deadline:
                     self.timeout = deadline
-                    return await work(self)
+                    return await work(self, *args)
             except TimeoutError:
                 if self.timeout is None or not self.timeout.expired():
                     raise

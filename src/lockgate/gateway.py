@@ -188,7 +188,7 @@ class Gateway:
             priority=self.admission.class_name(klass),
         )
         exchange.record.client_request_id = client_id
-        return await exchange.run(lambda ex: self._admit_and_relay(ex, request, tenant, klass))
+        return await exchange.run(self._admit_and_relay, request, tenant, klass)
 
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
         if klass in self.admission.preemptible:

@@ -36,10 +36,10 @@ class UpstreamCall:
         "_path",
         "_request_id",
         "_response",
-        "_stream",
         "aborted",
         "instance",
         "pending",
+        "stream",
     )
 
     def __init__(
@@ -59,7 +59,8 @@ class UpstreamCall:
         self._path = path
         self._body = body
         self._request_id = request_id
-        self._stream = stream
+        #: Whether the engine is asked for a stream (SSE) rather than one JSON body.
+        self.stream = stream
         self._response: Response | None = None
         self._finished = False
         self.aborted = False
@@ -78,7 +79,7 @@ class UpstreamCall:
                 "POST",
                 self._path,
                 self._body,
-                upstream_headers(instance, self._request_id, stream=self._stream),
+                upstream_headers(instance, self._request_id, stream=self.stream),
             )
         except ConnectError as exc:
             self._finish()
@@ -172,10 +173,6 @@ class UpstreamCall:
         if not self._finished:
             self._finished = True
             self.instance.open_calls -= 1
-
-    @property
-    def streaming(self) -> bool:
-        return self._stream
 
     @property
     def finished(self) -> bool:

@@ -43,8 +43,10 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None
-    #: `prompt_text()`, computed once (admission, routing and accounting all ask for it).
+    #: `prompt_text()` and `estimated_prompt_tokens()`, computed once (admission, routing and accounting
+    #: all ask for them).
     _prompt: str | None = field(default=None, init=False, repr=False, compare=False)
+    _prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)
 
     def prompt_text(self) -> str:
         """The prompt as one string (for token estimates and prefix hashing)."""
@@ -67,8 +69,10 @@ class ApiRequest:
         return "\n".join(parts)
 
     def estimated_prompt_tokens(self) -> int:
-        # A cheap estimate (~4 bytes a token) good enough for accounting before the engine reports.
-        return max(1, len(self.prompt_text()) // 4)
+        """A cheap estimate (~4 characters a token), good enough for accounting before the engine reports."""
+        if not self._prompt_tokens:
+            self._prompt_tokens = max(1, len(self.prompt_text()) // 4)
+        return self._prompt_tokens
 
 
 def _content_text(content: Any) -> str:

@@ -105,7 +105,9 @@ async def test_upstream_error_status_and_body_pass_through(start_sim, start_gate
     assert error_of(raw)["message"]
 
 
-async def test_authorization_never_forwarded(start_gateway, serve_app, http):
+@pytest.mark.parametrize("engine_key", [None, "engine-key"])
+async def test_authorization_never_forwarded(start_gateway, serve_app, http, engine_key):
+    """The client's key never reaches the engine; an instance's own `api_key` does, as a Bearer token."""
     seen: list[dict[str, str]] = []
 
     async def engine(request: web.Request) -> web.Response:
@@ -120,10 +122,12 @@ async def test_authorization_never_forwarded(start_gateway, serve_app, http):
 
     app.router.add_get("/v1/models", models)
     engine_url = await serve_app(app)
-    gw = await start_gateway([{"name": "m", "instances": [{"url": engine_url, "engine": "openai"}]}])
+    spec = {"url": engine_url, "engine": "openai", **({"api_key": engine_key} if engine_key else {})}
+    gw = await start_gateway([{"name": "m", "instances": [spec]}])
     status, _, _ = await post(http, gw.url, CHAT, Authorization="Bearer client-secret-key")
     assert status == 200
-    assert seen and "Authorization" not in seen[0]
+    assert seen and seen[0].get("Authorization") == (f"Bearer {engine_key}" if engine_key else None)
+    assert seen[0]["Content-Type"] == "application/json"
     assert all("client-secret-key" not in v for v in seen[0].values())
 
 

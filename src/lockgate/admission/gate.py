@@ -263,7 +263,8 @@ class Admission:
         Raises RateLimitExceeded / QueueFull (429) or QueueTimeout (503)."""
         api = ex.api
         reserve = api.estimated_prompt_tokens() + (api.max_tokens or tenant.assumed_max_tokens)
-        self._watch(tenant)
+        if tenant.name not in self._watched:
+            self._watch(tenant)
         now = self._clock()
         try:
             reservation = self.limiter.admit(tenant, reserve, now)
@@ -292,9 +293,7 @@ class Admission:
         reservation.settle(used, self._clock())
 
     def _watch(self, tenant: Tenant) -> None:
-        """Export the tenant's rate-limit state (computed when scraped)."""
-        if tenant.name in self._watched:
-            return
+        """Export the tenant's rate-limit state (computed when scraped), once per tenant."""
         self._watched.add(tenant.name)
         m, limiter, clock = self._metrics, self.limiter, self._clock
 

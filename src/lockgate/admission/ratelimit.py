@@ -176,12 +176,14 @@ class RateLimiter:
         state.rejected[reason] = state.rejected.get(reason, 0) + 1
 
     def _settle(self, reservation: Reservation, used: int, now: float) -> None:
-        state = self.state(reservation.tenant, now)
+        state = self._states[reservation.tenant.name]  # created by `admit`
         state.in_flight -= 1
         state.reserved_tokens -= reservation.reserved
-        if state.tokens is not None:
+        tokens = state.tokens
+        if tokens is not None:
+            tokens.refill(now)
             # Refund the unused part; charge the excess if the estimate was low (a debt, refilled later).
-            state.tokens.level = min(state.tokens.capacity, state.tokens.level + reservation.reserved - used)
+            tokens.level = min(tokens.capacity, tokens.level + reservation.reserved - used)
 
     def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -49,15 +49,19 @@ def render_head(status: int, content_type: str | None, headers: Mapping[str, str
             raise ValueError("CR or LF in Content-Type")
         head += b"Content-Type: " + content_type.encode("latin-1") + b"\r\n"
     if headers:
-        lines = []
-        for name, value in headers.items():
-            line = f"{name}: {value}\r\n"
-            if line.count("\r") != 1 or line.count("\n") != 1:
-                raise ValueError(f"CR or LF in response header {name!r}")
-            if name.lower() not in _FRAMING:
-                lines.append(line)
-        head += "".join(lines).encode("latin-1")
+        block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        # Every line ends in CRLF: any other CR or LF came from a name or a value.
+        if block.count("\r") != len(headers) or block.count("\n") != len(headers):
+            bad = next(name for name, value in headers.items() if _has_crlf(f"{name}{value}"))
+            raise ValueError(f"CR or LF in response header {bad!r}")
+        if not _FRAMING.isdisjoint(map(str.lower, headers)):
+            block = "".join([f"{n}: {v}\r\n" for n, v in headers.items() if n.lower() not in _FRAMING])
+        head += block.encode("latin-1")
     return head
+
+
+def _has_crlf(text: str) -> bool:
+    return "\r" in text or "\n" in text
 
 
 class Response:

@@ -74,6 +74,8 @@ class Instance:
         self.engine_load: EngineLoad | None = None
         self.scrape_error: str | None = None
         self.ejection = ejection or Ejection()
+        #: The headers every generation request carries (`upstream_headers` adds the per-request ones).
+        self.request_headers = [("Content-Type", "application/json"), *_auth(self).items()]
 
     @property
     def routable(self) -> bool:
@@ -159,7 +161,7 @@ class Pool:
     def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
-        key = (headers or {}).get(self.config.routing.consistent_hash.header)
+        key = headers.get(self.config.routing.consistent_hash.header) if headers is not None else None
         user = api.body.get("user")
         if key is None and isinstance(user, str) and user:
             key = user
@@ -435,8 +437,7 @@ def _auth(instance: Instance) -> dict[str, str]:
 
 
 def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> list[tuple[str, str]]:
-    headers = [("Content-Type", "application/json"), ("X-Request-Id", request_id)]
+    headers = [("X-Request-Id", request_id), *instance.request_headers]
     if stream and instance.dialect.close_after_stream:
         headers.append(("Connection", "close"))
-    headers.extend(_auth(instance).items())
     return headers
