@@ -13,6 +13,7 @@ def _overhead(args: argparse.Namespace) -> int:
         rows = await overhead.run(
             args.concurrency, args.requests, args.max_tokens, args.modes, args.rounds, args.client
         )
+        print(overhead.interpreter())
         print(overhead.report(rows))
         return 0 if all(r.result.errors == 0 for r in rows) else 1
 

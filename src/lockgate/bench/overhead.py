@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -173,6 +174,21 @@ def _write_config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> 
         f"models:\n  - name: {MODEL}\n    routing: least_load\n"
         f"    instances:\n      - {{url: 'http://127.0.0.1:{engine_port}', engine: vllm, max_concurrency: 1024}}\n"
     )
+
+
+def interpreter() -> str:
+    """The Python that runs the engine and the gateway (children started with this one's executable). Its
+    build moves CPU per request by ~20%: see docs/decisions.md, "The interpreter"."""
+    line = f"interpreter: {platform.python_implementation()} {platform.python_version()} at {sys.executable}"
+    return line + (" (libpython loaded as a shared library)" if _shared_libpython() else "")
+
+
+def _shared_libpython() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libpython" in line for line in maps)
+    except OSError:  # not Linux
+        return False
 
 
 #: The issue's target for small non-streaming completions at concurrency 64.
