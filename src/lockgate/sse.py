@@ -25,6 +25,22 @@ class SSEDecoder:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         buffer = self._buffer + chunk if self._buffer else chunk
+        if self._data or b"\r" in buffer:
+            return self._feed_lines(buffer)
+        # What engines send: `data: <json>` events ending in a blank line, LF line ends. Whole events are
+        # split off at once; any other shape of event (comments, several fields) goes line by line.
+        blocks = buffer.split(b"\n\n")
+        rest = blocks.pop()  # the incomplete event after the last blank line, kept whole
+        events: list[bytes] = []
+        for block in blocks:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                events.append(block[6:])
+            elif block:
+                events += self._feed_lines(block + b"\n\n")
+        self._buffer = rest
+        return events
+
+    def _feed_lines(self, buffer: bytes) -> list[bytes]:
         events: list[bytes] = []
         start = 0
         while True:

@@ -28,3 +28,39 @@ def test_final_event_without_blank_line_counts_on_close():
     decoder = SSEDecoder()
     assert decoder.feed(b"data: last") == []
     assert decoder.close() == [b"last"]
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                b"data: {}\n\n",
+                b'data: {"x": 1}\n\n',
+                b"data:tight\n\n",
+                b"data: \n\n",
+                b": comment\n\n",
+                b"event: e\ndata: a\ndata: b\n\n",
+                b"\n",
+                b"data: crlf\r\n\r\n",
+                b"id: 7\n\n",
+                b"data: [DONE]\n\n",
+            ]
+        ),
+        max_size=12,
+    ),
+    st.lists(st.integers(min_value=1, max_value=25), max_size=20),
+)
+def test_the_fast_path_decodes_like_the_line_parser(parts, cuts):
+    """Whole `data:` events are split off at once; every other shape goes line by line. Both agree on any
+    stream, however it is cut into chunks."""
+    stream = b"".join(parts)
+    reference = SSEDecoder()
+    expected = reference._feed_lines(stream) + reference.close()
+    decoder = SSEDecoder()
+    out, pos = [], 0
+    for cut in cuts:
+        out += decoder.feed(stream[pos : pos + cut])
+        pos += cut
+    out += decoder.feed(stream[pos:])
+    out += decoder.close()
+    assert out == expected
