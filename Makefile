@@ -1,6 +1,13 @@
 # Two commands: `make serve` (set up, then run the gateway on the embedded default)
 # and `make test` (set up, then run every check). Everything installs into .venv.
-PYTHON ?= python3
+# The interpreter: the distribution's CPython (/usr/bin/python3) when it is 3.11+ and can create a venv, else
+# `python3` from PATH; `make PYTHON=...` picks another. Distributions build CPython with profile-guided
+# optimization and LTO and link libpython statically; pyenv's default build does neither, and the gateway then
+# spends ~20% more CPU per request (docs/decisions.md, "The interpreter").
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' \
+	2>/dev/null && echo /usr/bin/python3 || echo python3)
+endif
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
