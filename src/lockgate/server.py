@@ -54,6 +54,7 @@ class GatewayServer:
                 max_header_bytes=limits.max_header_bytes,
                 keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
                 header_timeout_s=limits.header_timeout_ms / 1000,
+                write_timeout_s=limits.write_timeout_ms / 1000,
                 error_body=Gateway.edge_error_body,
             )
             listen = config.listen

@@ -210,3 +210,39 @@ async def test_configured_edge_limits_answer_in_the_openai_envelope(start_sim, s
         assert rest.endswith(b'{"status":"ok"}')
     finally:
         writer.close()
+
+
+async def test_a_client_that_stops_reading_its_stream_is_gone_and_its_engine_request_aborted(
+    start_sim, start_gateway, tmp_path
+):
+    """`limits.write_timeout_ms`: a streaming client that takes nothing for that long (the gateway's buffers
+    toward it stay full) ends like a disconnect: engine request aborted, slot and records clean."""
+    import asyncio
+
+    from lockgate.records import read_records
+    from tests.integration.cancel_support import assert_gateway_clean, wait_sim_idle
+
+    sim = await start_sim(tpot_ms=0.0, prefill_tps=1e6)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], limits={"write_timeout_ms": 100})
+    payload = orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 30000, "stream": True}
+    )
+    host, port = gw.url.removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, int(port)))
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n\r\n"
+        await loop.sock_sendall(sock, head.encode() + payload)
+        async with asyncio.timeout(30):  # bounds a failure only: the gateway's deadline ends the wait
+            await sim.wait_until(lambda s: s.stats.requests_started == 1)
+            await wait_sim_idle(sim)
+    stats = sim.statistics()
+    assert stats["requests_aborted"] == 1 and stats["requests_finished"] == 0, stats
+    assert gw.gateway is not None
+    assert_gateway_clean(gw.gateway)
+    await gw.gateway.records.wait_flushed()
+    [row] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert (row["status"], row["cancel_reason"]) == ("cancelled", "client_disconnect")
+    assert 0 < row["completion_tokens"] < 30000

@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import logging
 import shutil
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -594,6 +595,45 @@ async def test_incomplete_headers_are_cut_off_after_the_header_timeout() -> None
         writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n")
         assert await reader.read() == b""
     assert calls == []
+
+
+async def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout() -> None:
+    """A response the client takes nothing of for `write_timeout_s` (the transport stays paused) ends like a
+    disconnect: the connection is aborted and the handler cancelled."""
+    gone = asyncio.Event()
+
+    async def flood(request: Request) -> StreamResponse:
+        response = StreamResponse()
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b"x" * 65536)
+        except (asyncio.CancelledError, ConnectionError):
+            gone.set()
+            raise
+
+    loop = asyncio.get_running_loop()
+    async with serving(flood, write_timeout_s=0.05) as server:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", server.port))
+            await loop.sock_sendall(sock, http())
+            async with asyncio.timeout(30):  # bounds a failure only: the server's deadline ends the wait
+                await gone.wait()
+
+
+async def test_a_handler_slower_than_the_write_timeout_is_not_cut_off() -> None:
+    """The write timeout runs only while a write waits for the client; a handler may think for longer."""
+
+    async def slow(request: Request) -> Response:
+        await asyncio.sleep(0.2)
+        return Response(body=b"done")
+
+    async with serving(slow, write_timeout_s=0.05) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        resp = await read_response(reader)
+        assert (resp.status, resp.body) == (200, b"done")
 
 
 async def test_shutdown_closes_idle_finishes_in_progress_and_refuses_new() -> None:

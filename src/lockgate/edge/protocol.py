@@ -163,6 +163,9 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self._task is not None and not self._lingering:
+            # A client that takes nothing more of its response for this long is gone (`_on_timer`).
+            self._arm(self._loop.time() + self._server._write_timeout_s)
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -392,6 +395,8 @@ class Connection(asyncio.Protocol):
             self._expect_pending = False
             self.transport.write(_CONTINUE)
         timeout = self._server._header_timeout_s if self._in_message else self._server._keepalive_timeout_s
+        if self.write_paused:  # the client has not taken the whole response yet
+            timeout = min(timeout, self._server._write_timeout_s)
         self._arm(self._loop.time() + timeout)
 
     # -- used by StreamResponse ------------------------------------------------------------------------------------
@@ -469,13 +474,14 @@ class Connection(asyncio.Protocol):
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self.lost or (self._task is not None and not self._lingering):
+        if self.lost or (self._task is not None and not self._lingering and not self.write_paused):
             return  # busy: finishing the request sets the next deadline
         if self._loop.time() < self._deadline:
             self._timer = self._loop.call_at(self._deadline, self._on_timer)
             return
-        # Idle, headers or body too slow, or the lingering period is over. abort(), not close(): close() would
-        # wait for a client that does not read to take what is still buffered.
+        # Idle, headers or body too slow, a client that stopped reading its response, or the lingering period is
+        # over. abort(), not close(): close() would wait for a client that does not read to take what is still
+        # buffered. A handler in progress is cancelled by the connection_lost that follows.
         self.transport.abort()
 
     def close_if_idle(self) -> None:

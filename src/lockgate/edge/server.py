@@ -11,7 +11,9 @@ request (URL, a list of raw header pairs, body chunks). A connection is always i
   complete, then `header_timeout_s` from each body chunk (a stalled body). Limits are checked here: headers
   over `max_header_bytes` -> 431, a `Content-Length` or a chunked body over `max_body_bytes` -> 413,
   malformed input or an Upgrade -> 400. `Expect: 100-continue` is answered when the headers are complete.
-- **busy**: the message is complete and one `asyncio.Task` runs the handler on it. No deadline. Bytes that keep
+- **busy**: the message is complete and one `asyncio.Task` runs the handler on it. No deadline, except while a
+  response waits for the client to take what was written (the transport paused writing): if it takes nothing
+  for `write_timeout_s`, it counts as gone (the connection is aborted, the handler cancelled). Bytes that keep
   arriving are parsed; a request completed meanwhile (pipelining) is queued and reading is paused until the
   queue is empty again, so a pipelining client cannot make us buffer more than one read.
 - **lingering**: the server answered an error itself (400/413/431) and will not parse more: it shuts down its
@@ -77,6 +79,7 @@ class HttpServer:
         max_header_bytes: int = 16384,
         keepalive_timeout_s: float = 75.0,
         header_timeout_s: float = 30.0,
+        write_timeout_s: float = 60.0,
         error_body: Callable[[int, str], bytes] | None = None,
     ) -> None:
         self._handler = handler
@@ -84,6 +87,7 @@ class HttpServer:
         self._max_header_bytes = max_header_bytes
         self._keepalive_timeout_s = keepalive_timeout_s
         self._header_timeout_s = header_timeout_s
+        self._write_timeout_s = write_timeout_s
         self._error_body = error_body or default_error_body
         self._server: asyncio.Server | None = None
         self._connections: set[Connection] = set()
