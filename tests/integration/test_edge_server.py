@@ -10,8 +10,10 @@ import itertools
 import logging
 import shutil
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import aiohttp
@@ -135,6 +137,28 @@ async def test_get_and_post_whole_responses() -> None:
             assert resp.status == 200
             got = await resp.json()
         assert (got["method"], got["body"], got["content_length"]) == ("POST", '{"model": "m"}', 14)
+
+
+def assert_date(value: str) -> None:
+    """An HTTP date (IMF-fixdate, GMT) of about now."""
+    date = parsedate_to_datetime(value)
+    assert value.endswith(" GMT") and abs(date.timestamp() - time.time()) < 60
+
+
+async def test_every_response_carries_a_date() -> None:
+    async def either(request: Request) -> Response | StreamResponse:
+        if request.path != "/stream":
+            return await echo(request)
+        response = StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data")
+        return response
+
+    async with serving(either) as server, aiohttp.ClientSession() as session:
+        for path in ("/", "/stream"):
+            async with session.get(url(server, path)) as resp:
+                assert resp.status == 200 and await resp.read()
+                assert_date(resp.headers["Date"])
 
 
 async def test_keep_alive_serves_two_requests_on_one_connection() -> None:
@@ -409,6 +433,7 @@ async def expect_error(reader: asyncio.StreamReader, status: int) -> dict[str, A
     resp = await read_response(reader)
     assert resp.status == status
     assert resp.headers["connection"] == "close" and resp.headers["content-type"] == "application/json"
+    assert_date(resp.headers["date"])
     assert await reader.read() == b""  # the server closed its side
     error: dict[str, Any] = orjson.loads(resp.body)["error"]
     assert set(error) == {"message", "type", "param", "code"}

@@ -16,7 +16,7 @@ import httptools
 import orjson
 
 from .request import Headers, Request, split_target
-from .response import Response, StreamResponse, render_head, status_line
+from .response import Response, StreamResponse, render_head
 
 if TYPE_CHECKING:
     from .server import HttpServer
@@ -445,7 +445,7 @@ class Connection(asyncio.Protocol):
             body = default_error_body(status, message)
         self.transport.write(
             b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-            % (status_line(status), len(body), connection, body)
+            % (render_head(status, None, None), len(body), connection, body)
         )
 
     def _linger(self) -> None:

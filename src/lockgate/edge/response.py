@@ -14,7 +14,9 @@ handler are dropped. A header name or value containing CR or LF raises `ValueErr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +43,29 @@ def status_line(status: int) -> bytes:
     return line
 
 
+class _Clock:
+    """The `Date` header line (RFC 9110 asks every origin server with a clock for one), formatted once a second."""
+
+    __slots__ = ("line", "second")
+
+    def __init__(self) -> None:
+        self.second = 0
+        self.line = b""
+
+    def date_line(self) -> bytes:
+        now = int(time.time())
+        if now != self.second:
+            self.second = now
+            self.line = b"Date: " + formatdate(now, usegmt=True).encode("ascii") + b"\r\n"
+        return self.line
+
+
+_clock = _Clock()
+
+
 def render_head(status: int, content_type: str | None, headers: Mapping[str, str] | None) -> bytes:
-    """Status line and the handler's headers, each line ending in CRLF (the blank line is not included)."""
-    head = status_line(status)
+    """Status line, `Date` and the handler's headers, each line ending in CRLF (the blank line is not included)."""
+    head = status_line(status) + _clock.date_line()
     if content_type is not None:
         if "\r" in content_type or "\n" in content_type:
             raise ValueError("CR or LF in Content-Type")
