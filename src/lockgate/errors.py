@@ -22,7 +22,7 @@
 [rejected]: the gateway shed the request before it reached an engine; its usage record says
 `rejected` rather than `error`.
 
-Foreign exceptions (aiohttp, OSError, orjson) are translated where they enter, in `upstream.py` and
+Foreign exceptions (the HTTP client's, OSError, orjson) are translated where they enter, in `upstream.py` and
 `wire.py`; handlers only ever see `GatewayError`.
 """
 

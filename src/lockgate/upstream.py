@@ -1,12 +1,12 @@
 """One HTTP call to an engine, with an explicit, immediate abort.
 
-Resource handling: the call owns one upstream connection from `open()` until `aclose()` (or until the
+Resource handling: the call owns one upstream connection from `open()` until `abort()` (or until the
 body has been read to its end, when the connection goes back to the keep-alive pool). `abort()` is
 synchronous and idempotent: it closes the connection at once — the engine sees the disconnect
 immediately — and never leaves the response to the garbage collector.
 
 The call goes through the instance's lean keep-alive pool (`lockgate.http`, llhttp parsing): this is the
-hot path, and aiohttp's client costs ~70 us of CPU per request where this one costs a few (see
+hot path, and aiohttp's client cost ~90 us of CPU per request where this one costs ~40 (see
 docs/decisions.md). aiohttp stays for everything off the hot path (health probes, scrapes, abort calls).
 
 Error handling: the client's errors are translated here into `UpstreamConnectError` (before any
