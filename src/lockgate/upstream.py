@@ -17,6 +17,7 @@ response: the request may be retried elsewhere), `UpstreamStatusError` (the engi
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import orjson
 
@@ -113,7 +114,7 @@ class UpstreamCall:
             raise UpstreamStatusError(response.status, body, response.content_type)
         self._fleet.report_success(instance)
 
-    async def read_json(self) -> dict:
+    async def read_json(self) -> dict[str, Any]:
         """The whole non-streaming body, parsed."""
         response = self._require()
         try:
@@ -130,7 +131,7 @@ class UpstreamCall:
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
         return payload
 
-    async def events(self) -> AsyncGenerator[dict, None]:
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
         response = self._require()
         decoder = SSEDecoder()
@@ -192,7 +193,7 @@ class UpstreamCall:
         return True
 
 
-def _parse_event(payload: bytes, instance: str) -> dict:
+def _parse_event(payload: bytes, instance: str) -> dict[str, Any]:
     try:
         event = orjson.loads(payload)
     except orjson.JSONDecodeError:

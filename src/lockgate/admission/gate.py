@@ -134,7 +134,7 @@ class PoolScheduler:
             async with asyncio.timeout(spec.queue_timeout_s):
                 await waiter
         except TimeoutError:
-            if ticket.state is TicketState.RUNNING:  # granted in the same loop iteration
+            if ticket.running:  # granted in the same loop iteration
                 return
             self.release(ticket)
             self._metrics.rejections.labels("queue_timeout", spec.name).inc()

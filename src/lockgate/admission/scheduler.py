@@ -71,6 +71,11 @@ class Ticket:
         self.offered_at = 0.0
         self.granted_at: float | None = None
 
+    @property
+    def running(self) -> bool:
+        """It holds a slot (read where a check before an `await` would have narrowed `state`)."""
+        return self.state is TicketState.RUNNING
+
     def __repr__(self) -> str:
         return f"Ticket(klass={self.klass}, seq={self.seq}, state={self.state})"
 

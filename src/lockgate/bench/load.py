@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -57,7 +58,7 @@ Post = Callable[[bytes], Awaitable[tuple[int, float | None]]]
 
 async def closed_loop(
     url: str,
-    make_body: Callable[[int], dict],
+    make_body: Callable[[int], dict[str, Any]],
     *,
     concurrency: int,
     requests: int,
@@ -111,7 +112,7 @@ async def _read(read: Callable[[], Awaitable[bytes]], chunks: AsyncIterator[byte
 
 
 async def _drive(
-    make_body: Callable[[int], dict], post: Post, *, concurrency: int, requests: int, stream: bool
+    make_body: Callable[[int], dict[str, Any]], post: Post, *, concurrency: int, requests: int, stream: bool
 ) -> LoadResult:
     latencies: list[float] = []
     ttfts: list[float] = []

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -82,8 +83,8 @@ class Row:
     round_ratios: list[float]
 
 
-def _body(stream: bool, max_tokens: int):
-    def make(n: int) -> dict:
+def _body(stream: bool, max_tokens: int) -> Callable[[int], dict[str, Any]]:
+    def make(n: int) -> dict[str, Any]:
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": f"Say something short #{n % 97}"}],
@@ -137,7 +138,7 @@ async def run(
 
 async def _measure(
     url: str,
-    make: Callable[[int], dict],
+    make: Callable[[int], dict[str, Any]],
     concurrency: int,
     requests: int,
     stream: bool,

@@ -33,7 +33,7 @@ class Ejection:
 
     def backoff(self) -> float:
         """The length of the current (or last) ejection."""
-        return min(self._max, self._base * 2 ** max(0, self.ejections - 1))
+        return min(self._max, self._base * 2.0 ** max(0, self.ejections - 1))
 
     def failure(self, now: float) -> bool:
         """A request attempt failed. Returns True if this ejected the instance."""
