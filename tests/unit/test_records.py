@@ -164,3 +164,24 @@ def test_batches_use_few_distinct_statements(rows: int) -> None:
     assert sum(sizes) == rows
     assert all(size & (size - 1) == 0 and size <= _ROWS_PER_STATEMENT for size in sizes)
     assert sizes == sorted(sizes, reverse=True)
+
+
+async def test_values_are_stored_with_their_sql_types(tmp_path: Path) -> None:
+    """Booleans are integers 0/1, absent values NULL, times REAL: what sqlite3 binds by itself (the writer
+    registers adapters for None and bool only to spare sqlite3 its failed adapter lookups)."""
+    path = str(tmp_path / "u.sqlite3")
+    rec = UsageRecord(request_id="r1", tenant="t", model="m", endpoint="chat", stream=True, started_at=1.5)
+    rec.attempts, rec.prompt_tokens = 1, 12
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        writer.submit(rec)
+        writer.submit(record(2))
+        await writer.wait_flushed()
+    with sqlite3.connect(path) as db:
+        rows = db.execute(
+            "SELECT request_id, stream, typeof(stream), instance, typeof(instance), started_at, typeof(started_at),"
+            " prompt_tokens FROM usage ORDER BY request_id"
+        ).fetchall()
+    assert rows == [
+        ("r1", 1, "integer", None, "null", 1.5, "real", 12),
+        ("r2", 0, "integer", None, "null", 2.0, "real", 0),
+    ]

@@ -104,7 +104,7 @@ def split_target(url: bytes) -> tuple[str, str, str]:
             return "*", "*", ""
         parsed = httptools.parse_url(url)  # absolute-form; raises HttpParserInvalidURLError
         url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
-    if b"#" in url:
+    if url.find(b"#") >= 0:  # not `in`: on Python 3.11 that raises (and clears) a TypeError first
         url = url.partition(b"#")[0]
     raw, _, query = url.partition(b"?")
     raw_path = raw.decode("utf-8", "replace")
