@@ -40,7 +40,7 @@ class LimitsConfig(_Strict):
     keepalive_timeout_ms: Annotated[int, Field(ge=100)] = 75_000
     #: A client has this long to send a request's headers (and between body chunks): slow clients are cut off.
     header_timeout_ms: Annotated[int, Field(ge=100)] = 30_000
-    #: A client that takes none of its response for this long (the gateway's send buffer stays full) is
+    #: A client that leaves the gateway's send buffer toward it full for this long (it stopped reading) is
     #: treated as gone: its connection is closed and its engine request aborted.
     write_timeout_ms: Annotated[int, Field(ge=100)] = 60_000
 

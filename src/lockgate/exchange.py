@@ -10,7 +10,7 @@ upstream error, client disconnect, deadline, admin cancel or shutdown. Release i
 the background writer (two-phase cleanup: resources now, the durable record right after).
 
 How a request ends is decided in one place, `run()`:
-- the client disconnects (or takes nothing of its response for `limits.write_timeout_ms`): the edge
+- the client disconnects (or stops reading for `limits.write_timeout_ms`): the edge
   server cancels the handler task, or a write fails with a connection error; either way the upstream
   call is closed at once;
 - the deadline passes: `asyncio.timeout` cancels the work; 504, or a final SSE error event;

@@ -164,7 +164,7 @@ class Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         self.write_paused = True
         if self._task is not None and not self._lingering:
-            # A client that takes nothing more of its response for this long is gone (`_on_timer`).
+            # A client that leaves writing paused for this long is gone (`_on_timer`).
             self._arm(self._loop.time() + self._server._write_timeout_s)
 
     def resume_writing(self) -> None:

@@ -12,8 +12,9 @@ request (URL, a list of raw header pairs, body chunks). A connection is always i
   over `max_header_bytes` -> 431, a `Content-Length` or a chunked body over `max_body_bytes` -> 413,
   malformed input or an Upgrade -> 400. `Expect: 100-continue` is answered when the headers are complete.
 - **busy**: the message is complete and one `asyncio.Task` runs the handler on it. No deadline, except while a
-  response waits for the client to take what was written (the transport paused writing): if it takes nothing
-  for `write_timeout_s`, it counts as gone (the connection is aborted, the handler cancelled). Bytes that keep
+  response waits for the client to take what was written (the transport paused writing): if writing stays
+  paused for `write_timeout_s` (the client has not taken enough for the buffer to drain below its low-water
+  mark), it counts as gone (the connection is aborted, the handler cancelled). Bytes that keep
   arriving are parsed; a request completed meanwhile (pipelining) is queued and reading is paused until the
   queue is empty again, so a pipelining client cannot make us buffer more than one read.
 - **lingering**: the server answered an error itself (400/413/431) and will not parse more: it shuts down its
