@@ -64,12 +64,15 @@ def _null(value: None) -> None:
     return None
 
 
-# Python's sqlite3 binds only exact ints, floats and strings directly: for anything else (None and bool included)
-# it looks for an adapter, and on finding none raises and clears two AttributeErrors (`__adapt__`, `__conform__`)
-# per value. A record has about eight None or bool fields: registered adapters (which bind exactly what sqlite3
-# would have bound anyway) took writing from ~4.1 to ~3.3 us per record.
-sqlite3.register_adapter(type(None), _null)
-sqlite3.register_adapter(bool, int)
+def _register_adapters() -> None:
+    """Python's sqlite3 binds only exact ints, floats and strings directly: for anything else (None and bool
+    included) it looks for an adapter, and on finding none raises and clears two AttributeErrors (`__adapt__`,
+    `__conform__`) per value. A record has about eight None or bool fields: these adapters, which bind exactly
+    what sqlite3 binds without them, took writing from ~4.1 to ~3.3 us per record. (sqlite3's adapter registry
+    is process-wide; registering the same two again is harmless.)"""
+    sqlite3.register_adapter(type(None), _null)
+    sqlite3.register_adapter(bool, int)
+
 
 _COLUMNS = [f.name for f in fields(UsageRecord)]
 #: One C call turns a record into its row.
@@ -158,6 +161,7 @@ class RecordWriter:
         await self.aclose()
 
     def _open(self) -> sqlite3.Connection:
+        _register_adapters()
         db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
         if self._path != ":memory:":
             db.execute("PRAGMA journal_mode=WAL")
