@@ -467,7 +467,7 @@ async def test_max_connections_queue_is_fifo_and_cancelled_waiters_leave(serve_a
     done: list[str] = []
 
     async def fetch(name: str) -> bytes:
-        body = await (await pool.request("GET", "/peer", b"")).read()
+        body: bytes = await (await pool.request("GET", "/peer", b"")).read()
         done.append(name)
         return body
 

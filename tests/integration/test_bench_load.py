@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from lockgate.bench.load import closed_loop
 
 
-def body(n: int) -> dict:
+def body(n: int) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": f"hi {n}"}], "max_tokens": 3}
 
 
@@ -16,7 +18,7 @@ def body(n: int) -> dict:
 async def test_closed_loop_counts_every_request(start_sim, client: str, stream: bool) -> None:
     sim = await start_sim(prefill_tps=1e6, tpot_ms=0.5)
 
-    def make(n: int) -> dict:
+    def make(n: int) -> dict[str, Any]:
         return {**body(n), "stream": True} if stream else body(n)
 
     result = await closed_loop(

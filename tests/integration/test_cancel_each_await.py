@@ -12,7 +12,7 @@ with a truthful status.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import aiohttp
@@ -91,9 +91,9 @@ class Checkpoints:
             (StreamResponse, "write_eof"),
         ):
             wrap(cls, name)
-        original_events: Callable[[UpstreamCall], AsyncIterator[dict]] = UpstreamCall.events
+        original_events: Callable[[UpstreamCall], AsyncGenerator[dict[str, Any], None]] = UpstreamCall.events
 
-        async def events(call: UpstreamCall) -> AsyncIterator[dict]:
+        async def events(call: UpstreamCall) -> AsyncGenerator[dict[str, Any], None]:
             inner = original_events(call)
             try:
                 while True:

@@ -155,12 +155,13 @@ async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
 async def test_a_bug_inside_the_request_path_is_an_error_not_completed(
     stream, start_sim, start_gateway, http, tmp_path, monkeypatch, caplog
 ) -> None:
+    import lockgate.assemble
     import lockgate.respond
 
     sim = await start_sim(**SIM)
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     assert gw.gateway is not None
-    original = lockgate.respond.has_content if stream else lockgate.respond._int
+    original = lockgate.assemble.has_content if stream else lockgate.respond._int  # respond imports has_content
 
     def broken(*args: Any) -> Any:
         if len(sim.stats.seen) + len(sim.stats.open) >= 1:

@@ -35,7 +35,8 @@ async def gateway(start_sim, start_gateway, *, tpot_ms: float = 2.0, **model: An
 
 
 def chat_text(raw: bytes) -> str:
-    return orjson.loads(raw)["choices"][0]["message"]["content"]
+    content: str = orjson.loads(raw)["choices"][0]["message"]["content"]
+    return content
 
 
 def stream_text(raw: bytes) -> tuple[str, set[str]]:
@@ -87,7 +88,7 @@ async def test_identical_requests_share_one_engine_call(start_sim, start_gateway
     async with asyncio.timeout(10):
         results = await asyncio.gather(*tasks)
     expected = await solo(sim, http, BODY)
-    ids = set()
+    ids: set[str] = set()
     for stream, (status, _, raw) in zip(kinds, results, strict=True):
         assert status == 200
         assert text_of(raw, stream) == expected

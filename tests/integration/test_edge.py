@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import aiohttp
 import orjson
@@ -24,7 +25,8 @@ async def http():
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 async def post(http, url, body, **headers):
@@ -33,10 +35,11 @@ async def post(http, url, body, **headers):
         return resp.status, resp.headers.copy(), await resp.read()
 
 
-def error_of(raw: bytes) -> dict:
+def error_of(raw: bytes) -> dict[str, Any]:
     body = orjson.loads(raw)
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
+    error: dict[str, Any] = body["error"]
+    return error
 
 
 async def test_malformed_json_is_400_and_never_reaches_engine(start_sim, start_gateway, http):

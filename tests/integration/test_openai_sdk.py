@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import instance
 
@@ -73,10 +74,10 @@ async def test_models_lists_configured(client):
 async def test_typed_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert info.value.body["code"] == "model_not_found"
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
-    assert bad.value.body["param"] == "messages[0].role"
+    assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=9)
     with pytest.raises(openai.APIStatusError) as big:
@@ -97,7 +98,7 @@ async def test_typed_errors_for_fleet_failures(start_sim, start_gateway):
             {"name": "m", "instances": [instance(sim)]},
         ]
     )
-    messages = [{"role": "user", "content": "x"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "x"}]
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as client:
         await gw.gateway.fleet.probe_all()
         gw.gateway.fleet.instances[dead_url].healthy = True

@@ -275,7 +275,7 @@ async def test_preemptions_per_request_are_bounded(start_sim, start_gateway, htt
     assert_no_leaks(gw)
 
 
-async def test_a_dedup_flight_is_not_preempted(start_sim, start_gateway, http):
+async def test_a_dedup_flight_is_not_preempted(start_sim, start_gateway, http: aiohttp.ClientSession):
     sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=1.0)
     sim.control.hold = True
 

@@ -4,6 +4,7 @@ cache affinity, and what /admin/fleet and /metrics show."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import orjson
@@ -15,8 +16,8 @@ from tests.conftest import instance
 SYSTEM = "You are the support agent of a large company. Follow the policy carefully. " * 8
 
 
-def chat(content: str = "hi", *, stream: bool = False, max_tokens: int = 4, system: str = SYSTEM) -> dict:
-    body = {
+def chat(content: str = "hi", *, stream: bool = False, max_tokens: int = 4, system: str = SYSTEM) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": "m",
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
         "max_tokens": max_tokens,

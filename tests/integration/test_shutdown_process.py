@@ -60,7 +60,7 @@ async def test_sigterm_drains_then_stops_and_exits_zero(start_sim, tmp_path) -> 
     )  # fmt: skip
     assert proc.stdout is not None
     url = f"http://127.0.0.1:{port}"
-    tasks: list[asyncio.Task] = []
+    tasks: list[asyncio.Task[None]] = []
     try:
         async with asyncio.timeout(20):
             await read_line_with(proc.stdout, "lockgate listening on")
@@ -113,7 +113,9 @@ async def test_sigterm_drains_then_stops_and_exits_zero(start_sim, tmp_path) -> 
     assert isinstance(short, StreamReader) and isinstance(long, StreamReader)
     assert short.done and short.tokens == 30 and not short.errors()
     assert not long.done and [e["code"] for e in long.errors()] == ["cancelled"]
-    status, retry_after, raw = results["held"]  # type: ignore[misc]
+    held_result = results["held"]
+    assert isinstance(held_result, tuple)
+    status, retry_after, raw = held_result
     assert status == 503 and int(retry_after) >= 1
     assert orjson.loads(raw)["error"]["type"] == "cancelled"
     rows = {(r["stream"], r["completion_tokens"] == 30): r for r in read_records(str(usage))}

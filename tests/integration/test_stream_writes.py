@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from lockgate.edge.server import HttpServer, Request, StreamResponse
+from lockgate.edge.server import HttpServer, Reply, Request, StreamResponse
 from lockgate.records import UsageRecord
 from lockgate.respond import stream_events
 from lockgate.wire import Endpoint, validate
@@ -50,7 +50,7 @@ async def test_a_batch_is_flushed_before_the_source_waits(stack: Any) -> None:
 
     writes: list[bytes] = []
 
-    async def handler(request: Request) -> StreamResponse:
+    async def handler(request: Request) -> Reply:
         ex = FakeExchange()
         response = await stream_events(ex, request, source(), {}, ready=lambda: state["ready"])  # type: ignore[arg-type]
         writes.append(b"done")

@@ -75,7 +75,8 @@ async def test_release_lets_held_requests_run(sim: SimServer, http: aiohttp.Clie
     async def call(i: int) -> dict[str, Any]:
         body = {"model": "m", "prompt": "x", "max_tokens": 3}
         async with http.post(sim.url + "/v1/completions", json=body, headers={"x-sim-hold": "1"}) as resp:
-            return await resp.json()
+            answer: dict[str, Any] = await resp.json()
+            return answer
 
     tasks = [asyncio.create_task(call(i)) for i in range(3)]
     async with asyncio.timeout(5):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.sim import SimServer
@@ -83,8 +85,8 @@ async def test_raw_sse_format(sim: SimServer, http: aiohttp.ClientSession) -> No
 
 
 async def test_stop_and_seed_determinism(client: openai.AsyncOpenAI) -> None:
-    async def text(**kw: object) -> tuple[str, str]:
-        r = await client.completions.create(model="m", prompt="the quick brown fox", **kw)  # type: ignore[call-overload]
+    async def text(**kw: Any) -> tuple[str, str]:
+        r = await client.completions.create(model="m", prompt="the quick brown fox", **kw)
         return r.choices[0].text, r.choices[0].finish_reason
 
     a, _ = await text(max_tokens=20, seed=42, temperature=0.8)
@@ -97,13 +99,13 @@ async def test_stop_and_seed_determinism(client: openai.AsyncOpenAI) -> None:
 
 
 async def test_continue_final_message_continues_exactly(client: openai.AsyncOpenAI) -> None:
-    msgs: list[dict[str, str]] = [{"role": "user", "content": "write"}]
-    full = await client.chat.completions.create(model="m", messages=msgs, max_tokens=12, seed=9)  # type: ignore[arg-type]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write"}]
+    full = await client.chat.completions.create(model="m", messages=msgs, max_tokens=12, seed=9)
     text = full.choices[0].message.content or ""
     head = text[: len(" ".join(text.split(" ")[:6]))]  # the first 5 tokens
     rest = await client.chat.completions.create(
         model="m",
-        messages=[*msgs, {"role": "assistant", "content": head}],  # type: ignore[list-item]
+        messages=[*msgs, {"role": "assistant", "content": head}],
         max_tokens=7,
         seed=9,
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
@@ -126,7 +128,7 @@ async def test_prefix_cache_hits_show_in_usage_and_stats(sim: SimServer, http: a
 
 
 async def test_errors_use_the_openai_envelope(sim: SimServer, http: aiohttp.ClientSession) -> None:
-    async def post(data: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    async def post(data: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict[str, Any]]:
         async with http.post(sim.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
             body = await r.json()
             assert set(body["error"]) == {"message", "type", "param", "code"}
@@ -170,7 +172,7 @@ async def test_metrics_parse_with_vllm_names(sim: SimServer, http: aiohttp.Clien
     assert samples[("vllm:time_to_first_token_seconds_count", (("model_name", "m"),))] == 1
 
 
-async def test_health_models_control_and_reset(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+async def test_health_models_control_and_reset(make_sim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(models=("a", "b"))
     async with http.get(sim.url + "/v1/models") as r:
         assert [m["id"] for m in (await r.json())["data"]] == ["a", "b"]
@@ -205,7 +207,7 @@ async def test_request_id_is_recorded(sim: SimServer, http: aiohttp.ClientSessio
         assert r.status == 200 and (await r.json())["request"]["request_id"] == "abc"
 
 
-async def test_unix_socket(make_sim, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_unix_socket(make_sim, tmp_path) -> None:
     path = str(tmp_path / "sim.sock")
     sim = await make_sim(uds=path)
     async with (
@@ -215,7 +217,7 @@ async def test_unix_socket(make_sim, tmp_path) -> None:  # type: ignore[no-untyp
         assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 3
 
 
-async def test_fast_mode_answers_and_counts(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+async def test_fast_mode_answers_and_counts(make_sim, http: aiohttp.ClientSession) -> None:
     slow = await make_sim(tpot_ms=1.0)
     fast = await make_sim(fast=True, tpot_ms=1000.0)  # timings are ignored in fast mode
     bodies = []
@@ -230,13 +232,14 @@ async def test_fast_mode_answers_and_counts(make_sim, http: aiohttp.ClientSessio
     assert stats["requests_finished"] == 2 and stats["tokens_generated"] == 12
 
 
-async def test_continuous_batching_serves_many_concurrently(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+async def test_continuous_batching_serves_many_concurrently(make_sim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(max_num_seqs=4)
 
     async def one(i: int) -> int:
         body = {"model": "m", "prompt": f"p{i} q", "max_tokens": 5}
         async with http.post(sim.url + "/v1/completions", json=body) as r:
-            return (await r.json())["usage"]["completion_tokens"]
+            tokens: int = (await r.json())["usage"]["completion_tokens"]
+            return tokens
 
     assert await asyncio.gather(*(one(i) for i in range(12))) == [5] * 12
     stats = sim.statistics()
@@ -244,7 +247,7 @@ async def test_continuous_batching_serves_many_concurrently(make_sim, http: aioh
     assert stats["kv_blocks_used"] == 0
 
 
-async def test_first_token_delays_and_prefill_time(make_sim, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+async def test_first_token_delays_and_prefill_time(make_sim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(prefill_tps=4000.0)
     body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(200)), "max_tokens": 1}
     async with http.post(sim.url + "/v1/completions", json=body, headers={"x-request-id": "cold"}) as r:

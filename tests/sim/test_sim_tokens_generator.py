@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +20,7 @@ def test_tokenize_round_trips_text_minus_trailing_whitespace(text: str) -> None:
 
 
 def test_render_chat_template_and_parts() -> None:
-    msgs = [
+    msgs: list[dict[str, Any]] = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
     ]

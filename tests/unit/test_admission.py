@@ -80,6 +80,7 @@ def test_rate_limits_reserve_refund_and_headers() -> None:
     with pytest.raises(RateLimitExceeded) as err:
         limiter.admit(tenant, 500, now=0.0)
     assert err.value.reason == "tokens" and err.value.http_status == 429
+    assert err.value.retry_after is not None
     assert 0 < err.value.retry_after <= 40 and err.value.headers()["x-ratelimit-remaining-tokens"] == "100"
     # Cancelled after 20 tokens: the rest of the reservation comes back.
     r1.settle(20, now=0.0)

@@ -1,9 +1,11 @@
+from typing import Any
+
 from lockgate.assemble import ClientView, assemble
 from lockgate.wire import Endpoint
 
 
 def test_chat_chunks_add_up_to_a_message():
-    events = [
+    events: list[dict[str, Any]] = [
         {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
         {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
         {"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
@@ -40,7 +42,7 @@ def test_tool_call_deltas_merge_by_index():
 
 
 def test_completions_and_several_choices():
-    events = [
+    events: list[dict[str, Any]] = [
         {"choices": [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]},
         {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], "usage": {"completion_tokens": 3}},
     ]
@@ -56,5 +58,6 @@ def test_usage_on_a_finish_chunk_becomes_its_own_final_chunk():
     out = view.event(
         {"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
     )
+    assert out is not None
     assert out["usage"] is None
     assert view.final() == {"id": "x", "model": "m", "choices": [], "usage": {"completion_tokens": 1}}

@@ -22,7 +22,9 @@ models:
     config = load_config(path)
     assert [m.name for m in config.models] == ["demo-model", "other"]
     assert config.models[0].instances[1].url == "unix:///run/engine.sock"
-    assert config.model("other").instances[0].key == config.models[0].instances[0].key
+    other = config.model("other")
+    assert other is not None
+    assert other.instances[0].key == config.models[0].instances[0].key
 
 
 @pytest.mark.parametrize(

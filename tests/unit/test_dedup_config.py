@@ -15,7 +15,9 @@ def test_dedup_defaults_and_keys():
             "models": [{"name": "m", "instances": INST, "dedup": "always", "semantic": {"shadow": True}}],
         }
     )
-    assert config.models[0].semantic.shadow and config.models[0].semantic.threshold == 0.92
+    semantic = config.models[0].semantic
+    assert semantic is not None
+    assert semantic.shadow and semantic.threshold == 0.92
 
 
 @pytest.mark.parametrize(

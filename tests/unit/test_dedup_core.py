@@ -169,6 +169,7 @@ def test_assemble_and_client_events():
     for event in events:
         asking.event(event)
     final = asking.final()
+    assert final is not None
     assert final["choices"] == [] and final["usage"]["total_tokens"] == 5 and final["id"] == "mine"
     completions = [
         {"choices": [{"index": 0, "text": "a"}]},

@@ -26,10 +26,11 @@ def test_backoff_doubles_on_failed_probes_up_to_the_cap_and_returns_after_a_good
     for t in (0.0, 0.0, 0.0):
         e.failure(t)
     assert not e.probe_due(0.9) and e.probe_due(1.0)
-    lengths = []
+    lengths: list[float] = []
     now = 1.0
     for _ in range(4):
         assert not e.probed(False, now)
+        assert e.ejected_until is not None
         lengths.append(e.ejected_until - now)
         now = e.ejected_until
     assert lengths == [2.0, 4.0, 5.0, 5.0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from lockgate.engines import dialect_for
@@ -68,7 +70,14 @@ def test_merge_trusts_fresh_engine_metrics_and_ignores_stale_ones():
     own = OwnAccounting()
     own.start(100, 0.0)
     engine = EngineLoad(scraped_at=10.0, waiting=6, running=16, kv_usage=0.9)
-    args = {"key": "k", "name": "k", "routable": True, "in_flight": 2, "max_concurrency": 16, "own": own}
+    args: dict[str, Any] = {
+        "key": "k",
+        "name": "k",
+        "routable": True,
+        "in_flight": 2,
+        "max_concurrency": 16,
+        "own": own,
+    }
     fresh = merge(**args, engine=engine, now=10.5, stale_after=1.0)
     assert (fresh.running, fresh.waiting, fresh.kv_usage) == (16, 6, 0.9)
     # 5 waiting there that this gateway did not send, at its mean prompt size (100).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -11,11 +12,11 @@ from lockgate.config import parse_config
 from lockgate.routing.affinity import ConsistentHash
 from lockgate.routing.config import ConsistentHashOptions, ScoreWeights
 from lockgate.routing.cost import CacheAware, PredictedTTFT, Score, predict_ttft
-from lockgate.routing.policies import InstanceView, PoolSnapshot, PowerOfTwo, RouteRequest, make_policy
+from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, PowerOfTwo, RouteRequest, make_policy
 
 
-def view(n: int, **kw) -> InstanceView:
-    base = {"healthy": True, "in_flight": 0, "max_concurrency": 16}
+def view(n: int, **kw: Any) -> InstanceView:
+    base: dict[str, Any] = {"healthy": True, "in_flight": 0, "max_concurrency": 16}
     base.update(kw)
     return InstanceView(key=f"i{n}", name=f"i{n}", **base)
 
@@ -24,82 +25,89 @@ def snap(*views: InstanceView) -> PoolSnapshot:
     return PoolSnapshot("m", tuple(views))
 
 
+def pick(policy: Policy, request: RouteRequest, snapshot: PoolSnapshot) -> str:
+    """The key of the instance `policy` chooses (the test fails if it chooses none)."""
+    chosen = policy.choose(request, snapshot)
+    assert chosen is not None
+    return chosen.key
+
+
 REQ = RouteRequest("m", prompt_tokens=1000)
 
 
 def test_power_of_two_prefers_the_less_loaded_of_its_pair_and_skips_excluded():
     policy = PowerOfTwo(seed=1)
     s = snap(view(0, in_flight=10), view(1, in_flight=0), view(2, in_flight=10))
-    picks = Counter(policy.choose(REQ, s).key for _ in range(300))
+    picks = Counter(pick(policy, REQ, s) for _ in range(300))
     # i1 wins every pair it is in (2 of 3 pairs); the busy ones only win against each other.
     assert picks["i1"] > 150
-    assert policy.choose(replace(REQ, exclude=frozenset({"i0", "i1"})), s).key == "i2"
+    assert pick(policy, replace(REQ, exclude=frozenset({"i0", "i1"})), s) == "i2"
     assert policy.choose(replace(REQ, exclude=frozenset({"i0", "i1", "i2"})), s) is None
 
 
 def test_power_of_two_uses_engine_reported_queue():
     policy = PowerOfTwo(seed=3)
     s = snap(view(0, in_flight=1, waiting=30, running=16), view(1, in_flight=2))
-    assert {policy.choose(REQ, s).key for _ in range(20)} == {"i1"}
+    assert {pick(policy, REQ, s) for _ in range(20)} == {"i1"}
 
 
 def test_consistent_hash_keeps_sessions_and_bounds_load():
     policy = ConsistentHash(ConsistentHashOptions(load_factor=1.25))
     idle = snap(view(0), view(1), view(2), view(3))
-    homes = {f"user-{u}": policy.choose(replace(REQ, affinity_key=f"user-{u}"), idle).key for u in range(40)}
+    homes = {f"user-{u}": pick(policy, replace(REQ, affinity_key=f"user-{u}"), idle) for u in range(40)}
     assert len(set(homes.values())) == 4  # sessions spread over the ring
     for user, home in homes.items():  # and stick
-        assert policy.choose(replace(REQ, affinity_key=user), idle).key == home
+        assert pick(policy, replace(REQ, affinity_key=user), idle) == home
     # The home of one hot session is over the bound: its requests spill to another instance.
     user, home = next(iter(homes.items()))
     n = int(home[1])
     loaded = snap(*(view(k, in_flight=20 if k == n else 2) for k in range(4)))
-    assert policy.choose(replace(REQ, affinity_key=user), loaded).key != home
+    assert pick(policy, replace(REQ, affinity_key=user), loaded) != home
     # Removing an instance moves only its own sessions.
     three = snap(*(v for v in idle.instances if v.key != "i3"))
-    moved = [u for u, h in homes.items() if h != "i3" and policy.choose(replace(REQ, affinity_key=u), three).key != h]
+    moved = [u for u, h in homes.items() if h != "i3" and pick(policy, replace(REQ, affinity_key=u), three) != h]
     assert moved == []
 
 
 def test_consistent_hash_without_a_key_is_least_load():
     policy = ConsistentHash()
-    assert policy.choose(REQ, snap(view(0, in_flight=5), view(1, in_flight=1))).key == "i1"
+    assert pick(policy, REQ, snap(view(0, in_flight=5), view(1, in_flight=1))) == "i1"
 
 
 def test_score_weights_come_from_config():
     busy_queue = view(0, waiting=10, kv_usage=0.1)
     full_kv = view(1, waiting=0, kv_usage=0.95)
     s = snap(busy_queue, full_kv)
-    assert Score(ScoreWeights(queue=2, running=0, kv=1, ttft=0)).choose(REQ, s).key == "i1"
-    assert Score(ScoreWeights(queue=1, running=0, kv=5, ttft=0)).choose(REQ, s).key == "i0"
+    assert pick(Score(ScoreWeights(queue=2, running=0, kv=1, ttft=0)), REQ, s) == "i1"
+    assert pick(Score(ScoreWeights(queue=1, running=0, kv=5, ttft=0)), REQ, s) == "i0"
     slow = snap(view(0, ttft_s=2.0), view(1, ttft_s=0.1))
-    assert Score().choose(REQ, slow).key == "i1"
+    assert pick(Score(), REQ, slow) == "i1"
 
 
 def test_cache_aware_follows_the_prefix_but_falls_back_when_imbalanced_or_full():
     policy = CacheAware()
     s = snap(view(0, cached_tokens=900, in_flight=3), view(1, in_flight=1), view(2, in_flight=2))
-    assert policy.choose(REQ, s).key == "i0"
+    assert pick(policy, REQ, s) == "i0"
     # A miss (short match) goes to the least loaded, never to the "emptiest cache".
-    assert policy.choose(replace(REQ, prompt_tokens=5000), s).key == "i1"
+    assert pick(policy, replace(REQ, prompt_tokens=5000), s) == "i1"
     # The favoured instance is full: overload fallback.
     full = snap(view(0, cached_tokens=900, in_flight=16), view(1, in_flight=1))
-    assert policy.choose(REQ, full).key == "i1"
+    assert pick(policy, REQ, full) == "i1"
     # Imbalanced fleet (max - min > 32 and max > 1.5 min): shortest queue wins.
     skew = snap(view(0, cached_tokens=900, in_flight=40, max_concurrency=64), view(1, in_flight=2))
-    assert policy.choose(REQ, skew).key == "i1"
+    assert pick(policy, REQ, skew) == "i1"
 
 
 def test_predicted_ttft_prefers_cached_prefix_on_an_idle_fleet():
     policy = PredictedTTFT()
     s = snap(view(0), view(1, cached_tokens=900), view(2))
-    assert policy.choose(REQ, s).key == "i1"
+    assert pick(policy, REQ, s) == "i1"
 
 
 def test_predicted_ttft_spreads_an_idle_fleet_round_robin():
     policy = PredictedTTFT()
     s = snap(view(0), view(1), view(2))
-    assert {policy.choose(REQ, s).key for _ in range(3)} == {"i0", "i1", "i2"}
+    assert {pick(policy, REQ, s) for _ in range(3)} == {"i0", "i1", "i2"}
 
 
 def test_predicted_ttft_hot_prefix_does_not_attract_everything():
@@ -109,22 +117,22 @@ def test_predicted_ttft_hot_prefix_does_not_attract_everything():
     # Cold prefill of 1000 tokens elsewhere: 0.1 s. Hot instance: queue of 500 tokens -> 0.05 s + 10 uncached.
     hot = view(0, cached_tokens=990, queued_prompt_tokens=500, prefill_tps=rate)
     cold = view(1, prefill_tps=rate)
-    assert policy.choose(REQ, snap(hot, cold)).key == "i0"
+    assert pick(policy, REQ, snap(hot, cold)) == "i0"
     # The queue there grew past what a cold prefill costs: traffic moves.
     hotter = replace(hot, queued_prompt_tokens=1500)
-    assert policy.choose(REQ, snap(hotter, cold)).key == "i1"
+    assert pick(policy, REQ, snap(hotter, cold)) == "i1"
     # Full batch slots cost a share of the decode time, and a slow instance its own prefill rate.
     full = replace(hot, queued_prompt_tokens=0, in_flight=40, decode_s=1.0)
     assert predict_ttft(full, REQ, rate) > predict_ttft(cold, REQ, rate)
-    assert policy.choose(REQ, snap(full, cold)).key == "i1"
+    assert pick(policy, REQ, snap(full, cold)) == "i1"
 
 
 def test_predicted_ttft_uses_each_instances_measured_prefill_rate():
     policy = PredictedTTFT()
     fast, slow = view(0, prefill_tps=20_000), view(1, prefill_tps=2_000)
-    assert policy.choose(REQ, snap(slow, fast)).key == "i0"
+    assert pick(policy, REQ, snap(slow, fast)) == "i0"
     # A long prompt cached on the slow instance still wins if the saving is worth it.
-    assert policy.choose(REQ, snap(replace(slow, cached_tokens=990), fast)).key == "i1"
+    assert pick(policy, REQ, snap(replace(slow, cached_tokens=990), fast)) == "i1"
 
 
 @pytest.mark.parametrize(
@@ -134,7 +142,7 @@ def test_every_policy_skips_unhealthy_and_excluded(name):
     policy = make_policy(name)
     s = snap(view(0, healthy=False), view(1), view(2, cached_tokens=1000))
     for _ in range(5):
-        assert policy.choose(replace(REQ, exclude=frozenset({"i2"}), affinity_key="u"), s).key == "i1"
+        assert pick(policy, replace(REQ, exclude=frozenset({"i2"}), affinity_key="u"), s) == "i1"
     assert policy.choose(replace(REQ, exclude=frozenset({"i1", "i2"})), s) is None
 
 
@@ -172,4 +180,4 @@ def test_predicted_ttft_judges_an_unmeasured_instance_by_its_measured_peers():
     policy = PredictedTTFT()  # default 8000 tokens/s, far below what the fleet measured
     measured = view(0, prefill_tps=50_000, tpot_s=0.003, queued_prompt_tokens=2000, in_flight=2)
     new = view(1)
-    assert policy.choose(REQ, snap(measured, new)).key == "i1"
+    assert pick(policy, REQ, snap(measured, new)) == "i1"

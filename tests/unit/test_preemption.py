@@ -42,7 +42,7 @@ def test_the_newest_preemptible_ticket_of_the_lowest_class_is_chosen() -> None:
     assert choose_victim(core, 0, frozenset({1}), willing) is p1
     assert choose_victim(core, 0, frozenset(), willing) is None
     core.release(newer, 1.0)  # P0 takes that slot
-    assert p0.state is TicketState.RUNNING
+    assert p0.running  # not `p0.state is ...`: mypy would keep the QUEUED narrowing from above
     assert choose_victim(core, 0, LOWEST, willing) is old
     assert unwilling.state is TicketState.RUNNING
 

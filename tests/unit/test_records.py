@@ -97,8 +97,6 @@ async def test_records_arriving_during_a_write_wait_for_a_batch_to_gather(
     import asyncio
     import threading
 
-    import lockgate.records as records_module
-
     events: list[str] = []
     real_sleep = asyncio.sleep
 
@@ -106,7 +104,7 @@ async def test_records_arriving_during_a_write_wait_for_a_batch_to_gather(
         events.append("linger")
         await real_sleep(0)
 
-    monkeypatch.setattr(records_module.asyncio, "sleep", linger)
+    monkeypatch.setattr("lockgate.records.asyncio.sleep", linger)
     writing, release = threading.Event(), threading.Event()
     path = str(tmp_path / "u.sqlite3")
     async with RecordWriter(path, GatewayMetrics(), batch_size=100) as writer:

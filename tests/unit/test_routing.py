@@ -1,4 +1,4 @@
-from lockgate.routing.policies import InstanceView, LeastLoad, PoolSnapshot, RoundRobin, RouteRequest
+from lockgate.routing.policies import InstanceView, LeastLoad, Policy, PoolSnapshot, RoundRobin, RouteRequest
 
 
 def snap(*loads, healthy=None):
@@ -11,22 +11,29 @@ def snap(*loads, healthy=None):
     )
 
 
+def pick(policy: Policy, request: RouteRequest, snapshot: PoolSnapshot) -> str:
+    """The key of the instance `policy` chooses (the test fails if it chooses none)."""
+    chosen = policy.choose(request, snapshot)
+    assert chosen is not None
+    return chosen.key
+
+
 def test_round_robin_cycles_over_healthy():
     policy = RoundRobin()
     s = snap(0, 0, 0, healthy=[True, False, True])
-    picks = [policy.choose(RouteRequest("m"), s).key for _ in range(4)]
+    picks = [pick(policy, RouteRequest("m"), s) for _ in range(4)]
     assert picks == ["i0", "i2", "i0", "i2"]
 
 
 def test_least_load_picks_lowest_and_spreads_ties():
     policy = LeastLoad()
-    assert policy.choose(RouteRequest("m"), snap(5, 1, 3)).key == "i1"
-    ties = {policy.choose(RouteRequest("m"), snap(0, 0)).key for _ in range(2)}
+    assert pick(policy, RouteRequest("m"), snap(5, 1, 3)) == "i1"
+    ties = {pick(policy, RouteRequest("m"), snap(0, 0)) for _ in range(2)}
     assert ties == {"i0", "i1"}
 
 
 def test_excluded_and_unhealthy_are_never_chosen():
     policy = LeastLoad()
     s = snap(9, 0, 0, healthy=[True, True, False])
-    assert policy.choose(RouteRequest("m", exclude=frozenset({"i1"})), s).key == "i0"
+    assert pick(policy, RouteRequest("m", exclude=frozenset({"i1"})), s) == "i0"
     assert policy.choose(RouteRequest("m", exclude=frozenset({"i0", "i1"})), s) is None

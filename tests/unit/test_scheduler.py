@@ -120,7 +120,7 @@ class_lists = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(classes=class_lists, capacity=st.integers(0, 6), reserve=st.integers(0, 2), script=ops)
 def test_invariants_hold_under_any_sequence(
-    classes: list[ClassSpec], capacity: int, reserve: int, script: list
+    classes: list[ClassSpec], capacity: int, reserve: int, script: list[tuple[str, int]]
 ) -> None:
     core = SchedulerCore(classes, capacity, reserve=reserve)
     n = len(classes)
@@ -159,7 +159,8 @@ def test_invariants_hold_under_any_sequence(
         if granted and strict_waiting_before and not classes[granted[0].klass].strict:
             # A shared class went first only if every waiting strict class was at its own limit.
             for k in strict_waiting_before:
-                assert classes[k].max_running is not None and core.running(k) >= classes[k].max_running
+                limit = classes[k].max_running
+                assert limit is not None and core.running(k) >= limit
         # Limits (a shrunk capacity is honoured by granting nothing until below it again).
         if granted:
             assert core.running_total <= core.capacity

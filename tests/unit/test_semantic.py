@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from lockgate.dedup import Result
 from lockgate.semantic import compatible, probe_input, signature
-from lockgate.wire import Endpoint, validate
+from lockgate.wire import ApiRequest, Endpoint, validate
 
 
 def test_guard_keeps_numbers_and_negations_apart():
@@ -20,20 +22,28 @@ def test_guard_keeps_numbers_and_negations_apart():
     assert compatible("Is it not safe?", "Isn't it safe?")
 
 
-def chat(content: str, **extra) -> object:
+def chat(content: str, **extra: Any) -> ApiRequest:
     return validate(
         Endpoint.CHAT,
         {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra},
     )
 
 
+def probe_scope(tenant: str, api: ApiRequest) -> bytes:
+    probed = probe_input(tenant, api)
+    assert probed is not None
+    return probed[0]
+
+
 def test_probe_scope_is_exact_on_everything_but_the_last_message():
-    scope, text = probe_input("t", chat("hello there"))
+    probed = probe_input("t", chat("hello there"))
+    assert probed is not None
+    scope, text = probed
     assert text == "hello there"
-    assert probe_input("t", chat("something else"))[0] == scope
-    assert probe_input("u", chat("hello there"))[0] != scope  # tenant
-    assert probe_input("t", chat("hello there", max_tokens=5))[0] != scope  # sampling parameters
-    assert probe_input("t", chat("hello there", stream=True))[0] == scope
+    assert probe_scope("t", chat("something else")) == scope
+    assert probe_scope("u", chat("hello there")) != scope  # tenant
+    assert probe_scope("t", chat("hello there", max_tokens=5)) != scope  # sampling parameters
+    assert probe_scope("t", chat("hello there", stream=True)) == scope
     with_context = validate(
         Endpoint.CHAT,
         {
@@ -42,7 +52,7 @@ def test_probe_scope_is_exact_on_everything_but_the_last_message():
             "messages": [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello there"}],
         },
     )
-    assert probe_input("t", with_context)[0] != scope  # the conversation before the last message
+    assert probe_scope("t", with_context) != scope  # the conversation before the last message
     assistant_last = validate(Endpoint.CHAT, {"model": "m", "messages": [{"role": "assistant", "content": "x"}]})
     assert probe_input("t", assistant_last) is None
 
@@ -75,6 +85,7 @@ async def cache_with(embedder, *questions: str, threshold: float = 0.9, **kwargs
     cache = SemanticCache(embedder, threshold=threshold, shadow=False, clock=clock, **kwargs)
     for question in questions:
         probe = await cache.probe("t", chat(question))
+        assert probe is not None
         cache.add(probe, answer(question))
     return cache, clock
 
