@@ -77,6 +77,18 @@ def _cancel(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _inprocess(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import inprocess
+
+    async def main() -> int:
+        result = await inprocess.run(args.requests, args.warmup, args.concurrency, args.target)
+        print(inprocess.report(result))
+        return 0 if result.ok == result.requests else 1
+
+    return run_async(main)
+
+
 def _dedup(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import dedup
@@ -112,6 +124,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--max-tokens", type=int, default=16)
     over.add_argument("--modes", nargs="+", choices=["nonstream", "stream"], default=["nonstream", "stream"])
     over.set_defaults(func=_overhead)
+    inproc = benches.add_parser(
+        "inprocess",
+        help="client, gateway and a canned engine in one process: CPU per request the gateway adds "
+        "(exact under valgrind --tool=callgrind)",
+    )
+    inproc.add_argument("--requests", type=int, default=10_000)
+    inproc.add_argument("--warmup", type=int, default=1000)
+    inproc.add_argument("--concurrency", type=int, default=64)
+    inproc.add_argument(
+        "--target", choices=["both", "gateway", "direct"], default="both", help="what to measure (one for callgrind)"
+    )
+    inproc.set_defaults(func=_inprocess)
     from .routing import POLICIES
 
     route = benches.add_parser("routing", help="each routing policy on an agent and a skewed trace, sim fleet")

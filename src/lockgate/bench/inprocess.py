@@ -1,0 +1,192 @@
+"""`lockgate bench inprocess`: the gateway's whole request path in one process, for exact comparisons.
+
+A raw-socket client (`concurrency` keep-alive connections), a real `GatewayServer` and a canned engine (it
+answers every request with the same small completion at once) run on one event loop, on loopback. The result
+is the process's CPU per request, minus the same client against the canned engine directly: what the gateway
+adds.
+
+CPU time drifts with the machine (20-30% on a shared 2-core one); instruction counts do not. Run
+`lockgate bench inprocess --target gateway` under `valgrind --tool=callgrind` at two sizes (`--requests 500` and
+`2500`, `--warmup 300`) and divide the difference of the "Collected" totals by the difference in requests:
+start-up cancels out, and two runs of the same code agree to ~1%. `--target direct` measures the client and
+canned engine alone (~16k instructions per request) the same way (see docs/decisions.md, "The overhead target
+and what it took"). Everything the gateway does per request runs here
+except what only a real engine triggers (scrapes are off, health is probed once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import cast
+
+import httptools
+import orjson
+
+from ..config import parse_config
+from ..server import GatewayServer, tune_gc
+
+_COMPLETION = orjson.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "bench-model",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hello there " * 8}, "finish_reason": "length"}
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28},
+    }
+)
+_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(_COMPLETION),
+    _COMPLETION,
+)
+_BODY = orjson.dumps(
+    {"model": "bench-model", "messages": [{"role": "user", "content": "Say something short"}], "max_tokens": 16}
+)
+
+
+class _Engine(asyncio.Protocol):
+    """Answers every request (health probes included) with the same completion."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._parser = httptools.HttpRequestParser(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self._transport.write(_ANSWER)
+
+
+class _Load:
+    """A closed loop over `connections` keep-alive connections until `requests` have been answered."""
+
+    def __init__(self, port: int, requests: int, connections: int) -> None:
+        self.request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (port, len(_BODY), _BODY)
+        )
+        self.left = requests
+        self.ok = 0
+        self.open = connections
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+class _Client(asyncio.Protocol):
+    def __init__(self, load: _Load) -> None:
+        self._load = load
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._parser = httptools.HttpResponseParser(self)
+        self._send()
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self._load.ok += self._parser.get_status_code() == 200
+        self._send()
+
+    def _send(self) -> None:
+        load = self._load
+        if load.left > 0:
+            load.left -= 1
+            self._transport.write(load.request)
+            return
+        load.open -= 1
+        if load.open == 0 and not load.done.done():
+            load.done.set_result(None)
+
+
+async def _drive(port: int, requests: int, connections: int) -> int:
+    loop = asyncio.get_running_loop()
+    load = _Load(port, requests, connections)
+    transports = [
+        (await loop.create_connection(lambda: _Client(load), "127.0.0.1", port))[0] for _ in range(connections)
+    ]
+    try:
+        await load.done
+    finally:
+        for transport in transports:
+            transport.close()
+    return load.ok
+
+
+@dataclass
+class InProcessResult:
+    requests: int
+    #: Requests answered 200 through the gateway (or straight, when only that was measured).
+    ok: int
+    #: Process CPU (user + system) per request, through the gateway and straight to the canned engine (None: not
+    #: measured).
+    gateway_us: float | None
+    direct_us: float | None
+
+
+async def _measured(port: int, requests: int, connections: int) -> tuple[int, float]:
+    start = time.process_time()
+    ok = await _drive(port, requests, connections)
+    return ok, (time.process_time() - start) / requests * 1e6
+
+
+async def run(
+    requests: int = 10_000, warmup: int = 1000, concurrency: int = 64, target: str = "both"
+) -> InProcessResult:
+    """`target`: "gateway", "direct" (the client and the canned engine alone) or "both"."""
+    loop = asyncio.get_running_loop()
+    engine = await loop.create_server(_Engine, "127.0.0.1", 0)
+    engine_port = engine.sockets[0].getsockname()[1]
+    try:
+        with tempfile.TemporaryDirectory(prefix="lockgate-inprocess-") as tmp:
+            config = parse_config(
+                {
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "usage": {"path": os.path.join(tmp, "usage.sqlite3")},
+                    "scrape": {"enabled": False},
+                    "health": {"interval_ms": 3_600_000},
+                    "models": [
+                        {
+                            "name": "bench-model",
+                            "routing": "least_load",
+                            "instances": [
+                                {"url": f"http://127.0.0.1:{engine_port}", "engine": "vllm", "max_concurrency": 1024}
+                            ],
+                        }
+                    ],
+                },
+                "bench inprocess",
+            )
+            async with GatewayServer(config, port=0) as gateway:
+                gateway_port = int(gateway.url.rsplit(":", 1)[1])
+                tune_gc()  # as `lockgate serve` does
+                ok = 0
+                direct_us = gateway_us = None
+                if target in ("direct", "both"):
+                    await _drive(engine_port, warmup, concurrency)
+                    ok, direct_us = await _measured(engine_port, requests, concurrency)
+                if target in ("gateway", "both"):
+                    await _drive(gateway_port, warmup, concurrency)
+                    ok, gateway_us = await _measured(gateway_port, requests, concurrency)
+    finally:
+        engine.close()
+    return InProcessResult(requests, ok, gateway_us, direct_us)
+
+
+def report(result: InProcessResult) -> str:
+    through, direct = result.gateway_us, result.direct_us
+    head = f"{result.requests} requests, {result.ok} answered 200; CPU per request in this process:"
+    if through is not None and direct is not None:
+        return (
+            f"{head} {through:.1f} us through the gateway, {direct:.1f} us straight to the canned engine: "
+            f"the gateway adds {through - direct:.1f} us"
+        )
+    if through is not None:
+        return f"{head} {through:.1f} us through the gateway (client and canned engine included)"
+    return f"{head} {direct:.1f} us straight to the canned engine (client included)"

@@ -1,0 +1,52 @@
+"""`lockgate bench inprocess` runs as a user runs it and answers every request (the figures are not asserted)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def test_bench_inprocess_answers_every_request_and_reports_what_the_gateway_adds() -> None:
+    args = ["--requests", "300", "--warmup", "50", "--concurrency", "8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lockgate", "bench", "inprocess", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    match = re.fullmatch(
+        r"300 requests, 300 answered 200; CPU per request in this process: "
+        r"([\d.]+) us through the gateway, ([\d.]+) us straight to the canned engine: the gateway adds (-?[\d.]+) us",
+        done.stdout.strip(),
+    )
+    assert match, done.stdout
+    through, direct, added = (float(x) for x in match.groups())
+    assert through > 0 and direct > 0 and abs(through - direct - added) < 0.2
+
+
+def test_one_target_alone_for_instruction_counts() -> None:
+    for target, says in (
+        ("gateway", "through the gateway (client and canned engine included)"),
+        ("direct", "straight to the canned engine (client included)"),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lockgate",
+                "bench",
+                "inprocess",
+                "--requests",
+                "100",
+                "--warmup",
+                "10",
+                "--concurrency",
+                "4",
+                "--target",
+                target,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith("100 requests, 100 answered 200;") and done.stdout.strip().endswith(says)
