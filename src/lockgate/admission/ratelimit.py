@@ -121,47 +121,51 @@ class RateLimiter:
         """Take one request and reserve `tokens`, or raise `RateLimitExceeded` taking nothing."""
         state = self.state(tenant, now)
         if tenant.max_concurrent is not None and state.in_flight >= tenant.max_concurrent:
-            self._reject(state, "concurrency")
-            raise RateLimitExceeded(
+            raise self._refusal(
+                tenant,
+                state,
+                now,
                 "concurrency",
                 f"Tenant '{tenant.name}' already has {state.in_flight} requests in flight "
                 f"(limit {tenant.max_concurrent}).",
                 code="concurrency_limit_exceeded",
                 retry_after=1.0,
-                limit_headers=self.headers(tenant, now),
             )
         if state.requests is not None:
             wait = state.requests.wait_for(1)
             if wait > 0:
-                self._reject(state, "requests")
-                raise RateLimitExceeded(
+                raise self._refusal(
+                    tenant,
+                    state,
+                    now,
                     "requests",
                     f"Rate limit reached for tenant '{tenant.name}': {tenant.requests_per_minute} requests per minute.",
                     code="rate_limit_exceeded",
                     retry_after=wait,
-                    limit_headers=self.headers(tenant, now),
                 )
         if state.tokens is not None:
             if tokens > state.tokens.capacity:
-                self._reject(state, "tokens")
-                raise RateLimitExceeded(
+                raise self._refusal(
+                    tenant,
+                    state,
+                    now,
                     "tokens",
                     f"This request may use {tokens} tokens (prompt + max_tokens), more than tenant "
                     f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens.",
                     code="tokens_exceed_limit",
                     retry_after=60.0,
-                    limit_headers=self.headers(tenant, now),
                 )
             wait = state.tokens.wait_for(tokens)
             if wait > 0:
-                self._reject(state, "tokens")
-                raise RateLimitExceeded(
+                raise self._refusal(
+                    tenant,
+                    state,
+                    now,
                     "tokens",
                     f"Rate limit reached for tenant '{tenant.name}': {tenant.tokens_per_minute} tokens per "
                     f"minute; this request reserves {tokens} (prompt + max_tokens).",
                     code="rate_limit_exceeded",
                     retry_after=wait,
-                    limit_headers=self.headers(tenant, now),
                 )
         if state.requests is not None:
             state.requests.level -= 1
@@ -172,8 +176,22 @@ class RateLimiter:
         state.admitted += 1
         return Reservation(self, tenant, tokens)
 
-    def _reject(self, state: TenantState, reason: str) -> None:
+    def _refusal(
+        self,
+        tenant: Tenant,
+        state: TenantState,
+        now: float,
+        reason: str,
+        message: str,
+        *,
+        code: str,
+        retry_after: float,
+    ) -> RateLimitExceeded:
+        """Count a refusal for `reason` and return the error to raise (with the limit headers as they stand)."""
         state.rejected[reason] = state.rejected.get(reason, 0) + 1
+        return RateLimitExceeded(
+            reason, message, code=code, retry_after=retry_after, limit_headers=self.headers(tenant, now)
+        )
 
     def _settle(self, reservation: Reservation, used: int, now: float) -> None:
         state = self._states[reservation.tenant.name]  # created by `admit`
