@@ -4,6 +4,17 @@ from hypothesis import strategies as st
 from lockgate.sse import SSEDecoder, encode
 
 
+def decode_in_chunks(stream: bytes, cuts: list[int]) -> list[bytes]:
+    """Every event of `stream`, fed to one decoder in pieces of the given sizes (then the rest), then closed."""
+    decoder = SSEDecoder()
+    out, pos = [], 0
+    for cut in cuts:
+        out += decoder.feed(stream[pos : pos + cut])
+        pos += cut
+    out += decoder.feed(stream[pos:])
+    return out + decoder.close()
+
+
 def test_events_split_anywhere_decode_the_same():
     stream = encode({"a": 1}) + b": comment\n\n" + b"event: x\ndata: two\ndata: lines\n\n" + b"data: [DONE]\n\n"
     whole = SSEDecoder().feed(stream)
@@ -13,13 +24,7 @@ def test_events_split_anywhere_decode_the_same():
 @given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30))
 def test_chunking_never_changes_events(cuts):
     stream = b"".join(encode({"i": i, "t": "x" * i}) for i in range(10)).replace(b"\n\n", b"\r\n\r\n", 3)
-    decoder = SSEDecoder()
-    out, pos = [], 0
-    for cut in cuts:
-        out += decoder.feed(stream[pos : pos + cut])
-        pos += cut
-    out += decoder.feed(stream[pos:])
-    out += decoder.close()
+    out = decode_in_chunks(stream, cuts)
     assert out == SSEDecoder().feed(stream)
     assert len(out) == 10
 
@@ -56,11 +61,4 @@ def test_the_fast_path_decodes_like_the_line_parser(parts, cuts):
     stream = b"".join(parts)
     reference = SSEDecoder()
     expected = reference._feed_lines(stream) + reference.close()
-    decoder = SSEDecoder()
-    out, pos = [], 0
-    for cut in cuts:
-        out += decoder.feed(stream[pos : pos + cut])
-        pos += cut
-    out += decoder.feed(stream[pos:])
-    out += decoder.close()
-    assert out == expected
+    assert decode_in_chunks(stream, cuts) == expected
