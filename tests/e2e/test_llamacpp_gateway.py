@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -17,6 +18,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 LONG = 400  # tokens: several seconds of generation on this machine
+
+
+async def long_story(client: openai.AsyncOpenAI, *, stream: bool) -> Any:
+    """A request that generates LONG tokens (EOS ignored) unless it is stopped."""
+    return await client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Write a long story."}],
+        max_tokens=LONG,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +124,7 @@ async def test_text_completion_usage_arrives_as_its_own_chunk(client):
 
 
 async def test_stream_disconnect_frees_the_slot(client, engine):
-    stream = await client.chat.completions.create(
-        model="smol",
-        messages=[{"role": "user", "content": "Write a long story."}],
-        max_tokens=LONG,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = await long_story(client, stream=True)
     seen = 0
     async for chunk in stream:
         seen += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -134,23 +140,12 @@ async def test_non_streaming_disconnect_frees_the_slot(gateway, engine):
     """llama.cpp ignores a disconnect on non-streaming requests; the gateway streams from it instead."""
     async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0, timeout=0.5) as short:
         with pytest.raises(openai.APITimeoutError):
-            await short.chat.completions.create(
-                model="smol",
-                messages=[{"role": "user", "content": "Write a long story."}],
-                max_tokens=LONG,
-                extra_body={"ignore_eos": True},
-            )
+            await long_story(short, stream=False)
     assert await wait_idle(engine.url) < 1.0
 
 
 async def test_fleet_state_shows_the_engines_scraped_metrics(client, gateway, engine):
-    stream = await client.chat.completions.create(
-        model="smol",
-        messages=[{"role": "user", "content": "Write a long story."}],
-        max_tokens=LONG,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = await long_story(client, stream=True)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             break
