@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .. import header_lines
+
 if TYPE_CHECKING:
     from .protocol import Connection
     from .request import Request
@@ -67,23 +69,15 @@ def render_head(status: int, content_type: str | None, headers: Mapping[str, str
     """Status line, `Date` and the handler's headers, each line ending in CRLF (the blank line is not included)."""
     head = status_line(status) + _clock.date_line()
     if content_type is not None:
-        if "\r" in content_type or "\n" in content_type:
+        if header_lines.has_crlf(content_type):
             raise ValueError("CR or LF in Content-Type")
         head += b"Content-Type: " + content_type.encode("latin-1") + b"\r\n"
     if headers:
-        block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-        # Every line ends in CRLF: any other CR or LF came from a name or a value.
-        if block.count("\r") != len(headers) or block.count("\n") != len(headers):
-            bad = next(name for name, value in headers.items() if _has_crlf(f"{name}{value}"))
-            raise ValueError(f"CR or LF in response header {bad!r}")
+        block = header_lines.render(headers.items())  # every header is checked, framing ones included
         if not _FRAMING.isdisjoint(map(str.lower, headers)):
-            block = "".join([f"{n}: {v}\r\n" for n, v in headers.items() if n.lower() not in _FRAMING])
+            block = header_lines.render([(n, v) for n, v in headers.items() if n.lower() not in _FRAMING])
         head += block.encode("latin-1")
     return head
-
-
-def _has_crlf(text: str) -> bool:
-    return "\r" in text or "\n" in text
 
 
 class Response:

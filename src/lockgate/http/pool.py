@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .. import header_lines
 from .connection import Connection, Response
 from .errors import ConnectError, DisconnectedError
 
@@ -98,7 +99,7 @@ class HttpPool:
         return PoolStatistics(len(self._idle), len(self._in_use), len(self._waiters), self._slots, self._max)
 
     async def request(
-        self, method: str, path: str, body: bytes = b"", headers: Iterable[tuple[str, str]] = ()
+        self, method: str, path: str, body: bytes = b"", headers: Collection[tuple[str, str]] = ()
     ) -> Response:
         """Send a request; returns once the response's status line and headers have arrived.
 
@@ -143,17 +144,12 @@ class HttpPool:
 
     # -- request head ---------------------------------------------------------------------------------------
 
-    def _render(self, method: str, path: str, length: int, headers: Iterable[tuple[str, str]]) -> bytes:
+    def _render(self, method: str, path: str, length: int, headers: Collection[tuple[str, str]]) -> bytes:
         line = f"{method} {self._prefix}{path}"
-        if not path.startswith("/") or line.count(" ") != 1 or "\r" in line or "\n" in line:
+        if not path.startswith("/") or line.count(" ") != 1 or header_lines.has_crlf(line):
             raise ValueError(f"invalid request line: {method!r} {path!r}")
-        text = f"{line} HTTP/1.1\r\n{self._host_line}Content-Length: {length}\r\n"
-        for name, value in headers:
-            field = f"{name}: {value}\r\n"
-            if "\r" in field[:-2] or "\n" in field[:-2]:  # no header injection
-                raise ValueError(f"invalid header {name!r}")
-            text += field
-        return (text + "\r\n").encode("latin-1")
+        fields = header_lines.render(headers)
+        return f"{line} HTTP/1.1\r\n{self._host_line}Content-Length: {length}\r\n{fields}\r\n".encode("latin-1")
 
     # -- slots ------------------------------------------------------------------------------------------------
 
