@@ -1,4 +1,4 @@
-"""The `lockgate` command: serve, sim, bench, check-config, hash-key."""
+"""The `lockgate` command: serve, sim, bench, check-config, hash-key; `--version`."""
 
 from __future__ import annotations
 
@@ -25,30 +25,42 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
     from .embedded import default_config
-    from .server import serve
+    from .server import StartupError, serve
 
     try:
         config = load_config(args.config) if args.config else default_config()
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        print(f"lockgate: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    if args.port is not None or args.host is not None:
-        listen = config.listen.model_copy(
-            update={k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None}
+    try:
+        return run_async(
+            lambda: serve(
+                config,
+                config_path=args.config,
+                host=args.host,
+                port=args.port,
+                announce=lambda text: print(text, flush=True),
+            )
         )
-        config = config.model_copy(update={"listen": listen})
-    return run_async(lambda: serve(config, announce=lambda text: print(text, flush=True)))
+    except StartupError as exc:
+        if args.debug:
+            raise
+        print(f"lockgate: cannot start: {exc}", file=sys.stderr)
+        return 1
 
 
 def _check_config(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
+    from .summary import describe_served
 
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        print(f"lockgate: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.config}: OK ({len(config.models)} model(s))")
+    print(f"{args.config}: OK; it serves:")
+    for line in describe_served(config):
+        print(f"  {line}")
     return 0
 
 
@@ -66,7 +78,10 @@ def _hash_key(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockgate", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--version", action="version", version=f"lockgate {_version()}")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="logging level (default WARNING; DEBUG also shows tracebacks)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
@@ -100,10 +115,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lockgate")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    """Run a command. A failure prints one line naming what failed and why (exit status 1, 2 for a
+    configuration error); `--log-level debug` shows the traceback instead."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = str(args.log_level).upper()
+    if not isinstance(logging.getLevelName(level), int):
+        parser.error(f"--log-level: unknown level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR)")
+    args.debug = level == "DEBUG"
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"lockgate: {args.command} failed: {exc!r} (--log-level debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

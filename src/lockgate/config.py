@@ -1,11 +1,14 @@
 """Configuration: one YAML file, validated at load.
 
-Config is loaded once and passed down; nothing reads it from a global. Errors name the offending key
-by its path (``models[0].instances[1].engine``) and say why.
+Config is loaded once and passed down (a reload builds a new one; see `reload.py`); nothing reads it from
+a global. Errors name the offending key by its path (``models[0].instances[1].engine``) and say why.
+String values may take `${VAR}` from the environment (`config_env.py`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .admission.config import SchedulingConfig, TenantConfig, check_admission
+from .config_env import UnsetVariable, substitute
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
 
@@ -88,7 +92,8 @@ class SemanticConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: Annotated[str, Field(min_length=1)]
-    instances: Annotated[list[InstanceConfig], Field(min_length=1)]
+    #: May be empty only for a model a `simulate:` entry serves (its simulated instances are added).
+    instances: list[InstanceConfig] = []
     #: A policy name, or a mapping with the policy and its options (see `routing/config.py`).
     routing: RoutingConfig = RoutingConfig()
     #: Default end-to-end deadline for this model's requests (client may lower it per request).
@@ -179,7 +184,13 @@ class Config(_Strict):
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
         if not self.models and not self.simulate:
             raise ValueError("configure at least one model (or a `simulate` fleet)")
+        simulated = {name for entry in self.simulate for name in entry.models}
         for index, model in enumerate(self.models):
+            if not model.instances and model.name not in simulated:
+                raise ValueError(
+                    f"models[{index}].instances: model {model.name!r} has no instances and no `simulate` entry "
+                    "serves it"
+                )
             urls = [i.url for i in model.instances]
             if len(set(urls)) != len(urls):
                 raise ValueError(f"models[{index}] ({model.name}) lists the same instance URL twice")
@@ -204,10 +215,11 @@ def parse_config(data: Any, source: str = "config") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(describe_validation_error(exc, source)) from None
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    """Read, substitute `${VAR}` from `environ` (default: the process environment), validate."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -217,14 +229,19 @@ def load_config(path: str | Path) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        data = substitute(data, os.environ if environ is None else environ)
+    except UnsetVariable as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return parse_config(data, str(path))
 
 
-def _describe(exc: ValidationError, source: str) -> str:
+def describe_validation_error(exc: ValidationError, source: str) -> str:
+    """A pydantic error as lines naming each key path and the reason (never echoing a secret)."""
     lines = [f"{source}: {exc.error_count()} problem(s):"]
     for err in exc.errors():
         where = _loc(err["loc"]) or "(top level)"
-        message = err["msg"]
+        message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and indentation)"
         elif "keys" in err["loc"] or "api_key" in err["loc"]:

@@ -2,6 +2,7 @@
 
     GatewayError                      status  type
     ├── InvalidRequest                400     invalid_request_error   (param names the field)
+    │   └── InvalidConfig             422     code=invalid_config     (a reload refused the file)
     ├── Unauthorized                  401     authentication_error
     ├── ModelNotFound                 404     invalid_request_error   code=model_not_found
     ├── NotFound                      404     invalid_request_error
@@ -80,6 +81,13 @@ class GatewayError(Exception):
 class InvalidRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
+
+
+class InvalidConfig(InvalidRequest):
+    """`POST /admin/reload` read a configuration file it cannot use; the running one stays."""
+
+    status = 422
+    default_code = "invalid_config"
 
 
 class Unauthorized(GatewayError):

@@ -13,16 +13,26 @@ import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import orjson
 
 from .admission import resume
 from .admission.gate import Admission
 from .admission.tenants import PRIORITY_HEADER, Tenant
-from .config import Config
+from .config import Config, ConfigError
+from .config_diff import ConfigDiff
 from .dedup import Coalescer
 from .edge.server import Reply, Request, Response, json_response
-from .errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PayloadTooLarge, ShuttingDown
+from .errors import (
+    GatewayError,
+    InvalidConfig,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    PayloadTooLarge,
+    ShuttingDown,
+)
 from .exchange import Exchange, Registry
 from .fleet.pool import Fleet, Instance
 from .fleet.report import describe_fleet
@@ -30,6 +40,9 @@ from .metrics import GatewayMetrics
 from .records import RecordWriter
 from .relay import relay
 from .wire import Endpoint, parse_request
+
+if TYPE_CHECKING:
+    from .reload import Reloader
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
 _CANCEL_PREFIX = "/admin/requests/"
@@ -65,9 +78,14 @@ class Gateway:
         self.metrics.client_requests_in_flight.set_function(lambda: len(self.registry))
         self.draining = False
         self.started_at = time.time()
+        #: Re-reads the configuration file and applies it (`reload.py`); None: nothing to reload.
+        self.reloader: Reloader | None = None
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
-        self._model_list = orjson.dumps(
+        self._model_list = self._render_models(config)
+
+    def _render_models(self, config: Config) -> bytes:
+        return orjson.dumps(
             {
                 "object": "list",
                 "data": [
@@ -76,6 +94,15 @@ class Gateway:
                 ],
             }
         )
+
+    def reconfigure(self, config: Config, diff: ConfigDiff) -> None:
+        """Serve `config` from now on (a reload; `config_diff.py` computed `diff`). Synchronous, so
+        every request sees either the old or the new configuration; requests in flight keep the
+        pool, instance, tenant and scheduler ticket they hold."""
+        self.admission.reconfigure(config)
+        self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
+        self.config = config
+        self._model_list = self._render_models(config)
 
     async def __aenter__(self) -> Gateway:
         #: Kept for the hot path: on Python 3.11 each `asyncio.get_running_loop()` is a getpid() call.
@@ -115,7 +142,8 @@ class Gateway:
             ("POST", "/v1/completions"): functools.partial(self._serve, endpoint=Endpoint.COMPLETIONS),
         }
         for path, handler in get.items():
-            routes["GET", path] = routes["HEAD", path] = handler
+            routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
+        routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
         return routes
 
     def handle(self, request: Request) -> Awaitable[Reply]:
@@ -128,8 +156,11 @@ class Gateway:
 
     async def _other(self, request: Request) -> Reply:
         if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
-            return self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
-        return self._unknown(request)
+            reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+        else:
+            reply = self._unknown(request)
+        _set_request_id(reply, request)
+        return reply
 
     @staticmethod
     def edge_error_body(status: int, message: str) -> bytes:
@@ -143,7 +174,7 @@ class Gateway:
         return GatewayError(message).body_bytes()
 
     def error_response(self, error: GatewayError, request_id: str, instance: Instance | None = None) -> Response:
-        headers = {"x-request-id": request_id, **error.headers()}
+        headers = {"x-request-id": request_id, **error.headers()} if request_id else error.headers()
         if instance is not None:
             headers["x-lockgate-instance"] = instance.name
         return Response(
@@ -246,6 +277,22 @@ class Gateway:
             {"flights": [f.describe() for f in self.dedup.flights.all()], "statistics": self.dedup.statistics()}
         )
 
+    async def _admin_reload(self, request: Request) -> Response:
+        """Re-read the configuration file and apply it (what SIGHUP does); an invalid file changes
+        nothing and is answered 422 with the reason."""
+        if self.reloader is None:
+            error = InvalidRequest(
+                "The gateway runs the embedded default configuration (started without --config): "
+                "there is no file to reload.",
+                code="nothing_to_reload",
+            )
+            return self.error_response(error, "")
+        try:
+            diff = await self.reloader.reload()
+        except ConfigError as exc:
+            return self.error_response(InvalidConfig(str(exc)), "")
+        return json_response({"reloaded": True, "changes": diff.describe()})
+
     async def _admin_fleet(self, request: Request) -> Response:
         return json_response(describe_fleet(self.fleet))
 
@@ -255,3 +302,24 @@ class Gateway:
             return Response(status=405, body=error.body_bytes(), content_type="application/json")
         error = NotFound(f"Unknown path: {request.method} {request.path}")
         return Response(status=404, body=error.body_bytes(), content_type="application/json")
+
+
+def _set_request_id(reply: Reply, request: Request) -> None:
+    """Echo the client's `x-request-id`, or give the response a new one (routes other than the
+    generation endpoints, which set theirs with the request's own id)."""
+    client_id = request.headers.get("x-request-id")
+    if client_id is None or len(client_id) > 200 or not client_id.isprintable():
+        client_id = new_request_id()
+    reply.headers = {**reply.headers, "x-request-id": client_id}
+
+
+def _with_request_id(
+    handler: Callable[[Request], Awaitable[Reply]],
+) -> Callable[[Request], Awaitable[Reply]]:
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Reply:
+        reply = await handler(request)
+        _set_request_id(reply, request)
+        return reply
+
+    return wrapped

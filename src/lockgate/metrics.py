@@ -46,6 +46,11 @@ class Family(Generic[M]):
             child = self._children[values] = self.metric.labels(*values)
         return child
 
+    def remove(self, *values: str) -> None:
+        """Drop a child (an instance a reload removed); nothing if there is none."""
+        if self._children.pop(values, None) is not None:
+            self.metric.remove(*values)
+
 
 class LoopCounter:
     """A counter child updated only from the event loop's thread: no lock (prometheus-client takes one

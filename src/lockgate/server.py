@@ -6,9 +6,10 @@
         ... server.url ...
         await server.shutdown()                    # the graceful path a SIGTERM takes
 
-Shutdown: `/ready` fails at once and new requests get 503; the listening socket closes; requests in
-flight may finish until `shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final
-SSE error event for streams); records are flushed; everything is closed.
+Shutdown: `/ready` fails at once; the listening socket closes (new connections are refused) and new
+requests on open keep-alive connections get 503; requests in flight may finish until
+`shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final SSE error event for
+streams); records are flushed; everything is closed. SIGHUP reloads the configuration (`reload.py`).
 """
 
 from __future__ import annotations
@@ -16,15 +17,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import logging
 import signal
-from typing import Any
+import sqlite3
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
-from .config import Config
+from .config import Config, ConfigError, InstanceConfig
 from .edge.server import HttpServer
-from .embedded import start_simulators
+from .embedded import start_simulators, with_instances
 from .exchange import Phase
 from .gateway import Gateway
+from .reload import Reloader, summary
+from .summary import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -32,43 +39,79 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 1.0
 
 
+class StartupError(Exception):
+    """The gateway could not start (a port in use, a usage database it cannot open, ...): one line
+    saying what and why, for the command line."""
+
+
 class GatewayServer:
-    def __init__(self, config: Config, *, port: int | None = None, usage_path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        port: int | None = None,
+        host: str | None = None,
+        usage_path: str | None = None,
+        config_path: str | Path | None = None,
+    ) -> None:
+        """`config` as read from `config_path` (which SIGHUP and `POST /admin/reload` re-read; None:
+        nothing to reload); `host`/`port` override `listen` (the command line's `--host`/`--port`)."""
         self._config = config
         self._port = config.listen.port if port is None else port
+        self._host = config.listen.host if host is None else host
         self._usage_path = usage_path
+        self._config_path = config_path
         self._stack = contextlib.AsyncExitStack()
         self._http: HttpServer | None = None
         self._stopped = False
         self.gateway: Gateway | None = None
+        self.simulated: dict[str, list[InstanceConfig]] = {}
         self.url = ""
 
     async def __aenter__(self) -> GatewayServer:
         try:
-            config = await start_simulators(self._config, self._stack)
-            self.gateway = await self._stack.enter_async_context(Gateway(config, usage_path=self._usage_path))
-            limits = config.limits
-            self._http = HttpServer(
-                self.gateway.handle,
-                max_body_bytes=limits.max_body_bytes,
-                max_header_bytes=limits.max_header_bytes,
-                keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
-                header_timeout_s=limits.header_timeout_ms / 1000,
-                write_timeout_s=limits.write_timeout_ms / 1000,
-                error_body=Gateway.edge_error_body,
-            )
-            listen = config.listen
-            if listen.unix:
-                await self._http.start(listen.host, 0, unix_path=listen.unix)
-                self.url = f"unix://{listen.unix}"
-            else:
-                await self._http.start(listen.host, self._port)
-                self.url = f"http://{listen.host}:{self._http.port}"
+            await self._start()
         except BaseException:
             await self._close_http()
             await self._stack.aclose()
             raise
         return self
+
+    async def _start(self) -> None:
+        try:
+            #: The simulators' instances, by model: a reload adds them to the new config's models.
+            self.simulated = await start_simulators(self._config, self._stack)
+        except OSError as exc:
+            raise StartupError(f"cannot start the simulated engines: {_reason(exc)}") from exc
+        config = with_instances(self._config, self.simulated)
+        usage = self._usage_path or config.usage.path
+        try:
+            self.gateway = await self._stack.enter_async_context(Gateway(config, usage_path=self._usage_path))
+        except (OSError, sqlite3.Error) as exc:
+            raise StartupError(f"cannot open the usage database {usage!r}: {_reason(exc)}") from exc
+        if self._config_path is not None:
+            self.gateway.reloader = Reloader(self._config_path, self._config, self.gateway, self.simulated)
+        limits = config.limits
+        self._http = HttpServer(
+            self.gateway.handle,
+            max_body_bytes=limits.max_body_bytes,
+            max_header_bytes=limits.max_header_bytes,
+            keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
+            header_timeout_s=limits.header_timeout_ms / 1000,
+            write_timeout_s=limits.write_timeout_ms / 1000,
+            error_body=Gateway.edge_error_body,
+        )
+        listen = config.listen
+        where = listen.unix or f"{self._host}:{self._port}"
+        try:
+            if listen.unix:
+                await self._http.start(self._host, 0, unix_path=listen.unix)
+                self.url = f"unix://{listen.unix}"
+            else:
+                await self._http.start(self._host, self._port)
+                self.url = f"http://{self._host}:{self._http.port}"
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {where}: {_reason(exc)}") from exc
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
@@ -115,20 +158,65 @@ class GatewayServer:
             await http.shutdown(timeout_s=5.0)
 
 
-async def serve(config: Config, *, announce: Any = print) -> int:
-    """Run until SIGINT/SIGTERM, then shut down gracefully. Returns the exit status."""
+async def serve(
+    config: Config,
+    *,
+    config_path: str | Path | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    announce: Callable[[str], object] = print,
+) -> int:
+    """Run until SIGINT/SIGTERM, then shut down gracefully; SIGHUP reloads `config_path`. Returns the
+    exit status. Raises `StartupError` if the gateway cannot start."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    hangup = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with GatewayServer(config) as server:
-        assert server.gateway is not None
-        tune_gc()
-        announce(_banner(server))
-        await stop.wait()
-        announce("lockgate: shutting down (draining requests in flight)")
+    loop.add_signal_handler(signal.SIGHUP, hangup.set)
+    try:
+        async with GatewayServer(config, host=host, port=port, config_path=config_path) as server:
+            assert server.gateway is not None
+            tune_gc()
+            announce(_banner(server))
+            reloads = asyncio.create_task(_reload_on_hangup(server.gateway, hangup, announce), name="lockgate-sighup")
+            try:
+                await stop.wait()
+            finally:
+                reloads.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reloads
+            announce("lockgate: shutting down (draining requests in flight)")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
     announce("lockgate: stopped")
     return 0
+
+
+async def _reload_on_hangup(gateway: Gateway, hangup: asyncio.Event, announce: Callable[[str], object]) -> None:
+    """Each SIGHUP reloads the configuration file (signals that arrive during a reload make one more)."""
+    while True:
+        await hangup.wait()
+        hangup.clear()
+        if gateway.reloader is None:
+            announce("lockgate: SIGHUP: nothing to reload (the embedded default runs; start with --config FILE)")
+            continue
+        try:
+            diff = await gateway.reloader.reload()
+        except ConfigError as exc:
+            announce(f"lockgate: reload rejected, the running configuration stays:\n{exc}")
+            continue
+        announce(f"lockgate: configuration reloaded: {summary(diff)}")
+        if diff.restart_required:
+            announce(f"lockgate: changed but kept until a restart: {', '.join(diff.restart_required)}")
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's reason without its class name or errno prefix (`address already in use`)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[0].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
 
 
 #: Container allocations (net) between young-generation collections; CPython's default is 700.
@@ -154,7 +242,7 @@ def _banner(server: GatewayServer) -> str:
     config = server.gateway.config
     lines = [f"lockgate listening on {server.url}"]
     for model in config.models:
-        urls = ", ".join(i.name or i.url for i in model.instances)
+        urls = ", ".join(i.name or redact_url(i.url) for i in model.instances)
         lines.append(f"  model {model.name!r}: {len(model.instances)} instance(s): {urls}")
     if config.models and server.url.startswith("http"):
         example = config.models[0].name
@@ -162,6 +250,11 @@ def _banner(server: GatewayServer) -> str:
             "Try it:",
             f"  curl -s {server.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
             f'    -d \'{{"model": "{example}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'',
+        ]
+        if importlib.util.find_spec("openai") is None:
+            lines.append(f"  OpenAI SDK (not installed here): {sys.executable} -m pip install openai")
+        lines += [
+            f"  from openai import OpenAI; client = OpenAI(base_url='{server.url}/v1', api_key='unused')",
             f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
         ]
     return "\n".join(lines)

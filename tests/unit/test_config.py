@@ -1,7 +1,8 @@
 import pytest
 
 from lockgate.config import ConfigError, load_config, parse_config
-from lockgate.embedded import default_config
+from lockgate.embedded import default_config, simulated_instances, with_instances
+from lockgate.summary import describe_served, redact_url
 
 
 def test_issue_example_shape_loads(tmp_path):
@@ -35,7 +36,8 @@ models:
             "models[0].instances[0].engine",
         ),
         ({"models": [{"name": "m", "instances": [{"url": "ftp://x"}]}]}, "models[0].instances[0].url"),
-        ({"models": [{"name": "m", "instances": []}]}, "models[0].instances"),
+        ({"models": [{"name": "m", "instances": []}]}, "models[0].instances: model 'm' has no instances"),
+        ({"models": [{"name": "m"}], "simulate": [{"models": ["other"]}]}, "no `simulate` entry serves it"),
         (
             {"models": [{"name": "m", "instances": [{"url": "http://x"}], "routng": "x"}]},
             "models[0].routng: unknown key",
@@ -71,3 +73,36 @@ def test_embedded_default_has_two_models_on_simulators():
     served = {m for entry in config.simulate for m in entry.models}
     assert served == {"demo-model", "demo-model-large"}
     assert sum(entry.count for entry in config.simulate) >= 3
+
+
+def test_a_simulated_model_may_be_listed_without_instances():
+    config = parse_config(
+        {
+            "models": [{"name": "demo-model", "retries": 3, "dedup": "off"}],
+            "simulate": [{"models": ["demo-model", "other"], "count": 2}],
+        }
+    )
+    urls = {"sim-1": "http://127.0.0.1:9001", "sim-2": "http://127.0.0.1:9002"}
+    served = with_instances(config, simulated_instances(config, urls))
+    demo = served.model("demo-model")
+    assert demo is not None and demo.retries == 3 and demo.dedup == "off"
+    assert [i.name for i in demo.instances] == ["sim-1", "sim-2"]
+    other = served.model("other")
+    assert other is not None and [i.url for i in other.instances] == list(urls.values())
+    assert not served.simulate
+
+
+def test_check_config_summary_lists_simulated_models_and_redacts_credentials():
+    config = parse_config(
+        {
+            "models": [
+                {"name": "real", "instances": [{"url": "https://user:secret@api.example.com/v1", "api_key": "sk-x"}]}
+            ],
+            "simulate": [{"models": ["demo-model"]}],
+        }
+    )
+    text = "\n".join(describe_served(config))
+    assert "secret" not in text and "sk-x" not in text and "user" not in text
+    assert "https://***@api.example.com/v1" in text and "with api_key" in text
+    assert "model 'demo-model': 1 instance(s), routing predicted_ttft: sim-1 (simulated vllm)" in text
+    assert redact_url("http://127.0.0.1:8001") == "http://127.0.0.1:8001"

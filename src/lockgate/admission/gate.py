@@ -226,18 +226,36 @@ class Admission:
         self._clock = clock
         self._headroom = config.scheduling.strict_headroom
         self.schedulers: dict[str, PoolScheduler] = {}
+        self._add_schedulers(config)
+        self._watched: set[str] = set()
+
+    def _add_schedulers(self, config: Config) -> None:
         for m in config.models:
+            if m.name in self.schedulers:
+                continue
             capacity = sum(i.max_concurrency for i in m.instances)
             self.schedulers[m.name] = PoolScheduler(
                 m.name,
                 self.classes,
                 capacity,
-                metrics,
+                self._metrics,
                 reserve=self._reserve(capacity),
-                clock=clock,
+                clock=self._clock,
                 preemptible=self.preemptible,
             )
-        self._watched: set[str] = set()
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload: new tenants, keys and limits for requests that start from now on (synchronous);
+        a scheduler for each new model, none for removed ones. The `scheduling:` section is the
+        running one (a change there needs a restart). Requests in flight keep the tenant, the
+        reservation and the ticket they hold; a tenant's buckets keep their level within the new limits."""
+        self.book = TenantBook(config.tenants, config.scheduling)
+        self.limiter.reconfigure([*self.book.tenants.values(), self.book.default], self._clock())
+        self._watched.clear()  # export the new limits
+        models = {m.name for m in config.models}
+        for name in [n for n in self.schedulers if n not in models]:
+            del self.schedulers[name]  # requests in flight release the ticket to the object they hold
+        self._add_schedulers(config)
 
     def _reserve(self, capacity: int) -> int:
         headroom = self._headroom

@@ -12,6 +12,7 @@ idempotent. Time is passed in (`now`, monotonic seconds); nothing here awaits.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import RateLimited
@@ -51,6 +52,17 @@ class Bucket:
 
     def reset_s(self) -> float:
         return max(0.0, (self.capacity - self.level) / self.rate)
+
+
+def _resized(bucket: Bucket | None, capacity: int | None, now: float) -> Bucket | None:
+    if capacity is None:
+        return None
+    if bucket is None:
+        return Bucket(capacity, capacity, now)
+    bucket.refill(now)
+    bucket.capacity = capacity
+    bucket.level = min(bucket.level, capacity)
+    return bucket
 
 
 class RateLimitExceeded(RateLimited):
@@ -202,6 +214,15 @@ class RateLimiter:
             tokens.refill(now)
             # Refund the unused part; charge the excess if the estimate was low (a debt, refilled later).
             tokens.level = min(tokens.capacity, tokens.level + reservation.reserved - used)
+
+    def reconfigure(self, tenants: Iterable[Tenant], now: float) -> None:
+        """New limits for the tenants named: each bucket keeps its level (capped by its new capacity);
+        a limit that appears starts full, one that disappears is dropped. In-flight counts are kept."""
+        for tenant in tenants:
+            state = self._states.get(tenant.name)
+            if state is not None:
+                state.requests = _resized(state.requests, tenant.requests_per_minute, now)
+                state.tokens = _resized(state.tokens, tenant.tokens_per_minute, now)
 
     def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
         out: dict[str, str] = {}

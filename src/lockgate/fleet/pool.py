@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import aiohttp
 
 from ..config import Config, InstanceConfig, ModelConfig
+from ..config_diff import ConfigDiff
 from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
 from ..http import HttpPool
@@ -65,6 +66,10 @@ class Instance:
         #: Where aiohttp requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
         self.healthy = True
+        #: Removed (or replaced) by a reload: no new requests; closed once `in_flight` is back to 0.
+        self.retired = False
+        #: Set by the last lease released while someone waits in `wait_idle()`.
+        self.idle: asyncio.Event | None = None
         #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
         self.in_flight = 0
         self.open_calls = 0
@@ -79,7 +84,13 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.ejection.ejected
+        return self.healthy and not self.retired and not self.ejection.ejected
+
+    async def wait_idle(self) -> None:
+        """Wait until no lease is held on the instance (its requests have ended)."""
+        while self.in_flight > 0:
+            self.idle = asyncio.Event()
+            await self.idle.wait()
 
     def auth_headers(self) -> dict[str, str]:
         return _auth(self)
@@ -123,9 +134,13 @@ class Lease:
             return
         self._released = True
         self.instance.own.end(self._attempt, time.monotonic(), self.completion_tokens)
-        self.instance.in_flight -= 1
-        if self.instance.in_flight < 0:
-            self._metrics.leaks.labels("negative_in_flight").inc()
+        instance = self.instance
+        instance.in_flight -= 1
+        if instance.in_flight <= 0:
+            if instance.in_flight < 0:
+                self._metrics.leaks.labels("negative_in_flight").inc()
+            if instance.idle is not None:
+                instance.idle.set()
 
 
 class Pool:
@@ -226,13 +241,27 @@ class Fleet:
         self._scrape_task: asyncio.Task[None] | None = None
         self._health_wake = asyncio.Event()
         self._changed = asyncio.Event()
+        #: Instances a reload removed, each closed by its task once its requests have ended.
+        self._retiring: dict[Instance, asyncio.Task[None]] = {}
         #: Called (synchronously) after every health or ejection change, e.g. to resize admission.
         self.listeners: list[Callable[[], None]] = []
         self._closed = False
 
     async def __aenter__(self) -> Fleet:
-        timeout = self._config.upstream.connect_timeout_ms / 1000
-        for model in self._config.models:
+        self._build(self._config)
+        self._metrics.watch_fleet(self)
+        self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
+        self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
+        if self._config.scrape.enabled:
+            self._scrape_task = asyncio.create_task(self.scraper.run(), name="lockgate-scrape")
+        return self
+
+    def _build(self, config: Config, previous: Mapping[str, Pool] | None = None) -> None:
+        """Create the instances `config` lists that do not exist yet, and a pool for each model
+        (reusing a previous pool's prefix index when its options are the same)."""
+        timeout = config.upstream.connect_timeout_ms / 1000
+        pools: dict[str, Pool] = {}
+        for model in config.models:
             members: list[Instance] = []
             served: dict[str, str] = {}
             for spec in model.instances:
@@ -240,27 +269,82 @@ class Fleet:
                 if instance is None:
                     instance = self._make_instance(spec, timeout)
                     self.instances[spec.key] = instance
+                    self._watch(instance)
                 members.append(instance)
                 served[instance.key] = spec.served_model or model.name
-            self.pools[model.name] = Pool(
+            pool = Pool(
                 model,
                 members,
                 served,
                 make_policy(model.routing),
-                stale_after=self._config.scrape.stale_after_ms / 1000,
+                stale_after=config.scrape.stale_after_ms / 1000,
                 metrics=self._metrics,
             )
-        for instance in self.instances.values():
-            self._metrics.instance_healthy.labels(instance.name).set(1)
-            # Read when scraped: the hot path only moves plain integers.
-            self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
-            self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
-        self._metrics.watch_fleet(self)
-        self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
-        self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
-        if self._config.scrape.enabled:
-            self._scrape_task = asyncio.create_task(self.scraper.run(), name="lockgate-scrape")
-        return self
+            before = (previous or {}).get(model.name)
+            if before is not None and before.config.routing.prefix_index == model.routing.prefix_index:
+                pool.index = before.index  # what the engines have cached did not change
+            pools[model.name] = pool
+        self.pools = pools
+
+    def _watch(self, instance: Instance) -> None:
+        self._metrics.instance_healthy.labels(instance.name).set(1 if instance.healthy else 0)
+        # Read when scraped: the hot path only moves plain integers.
+        self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
+        self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
+
+    # --- reload --------------------------------------------------------------------------------
+    def apply(self, config: Config, diff: ConfigDiff) -> None:
+        """Serve `config` from now on (synchronous: atomic for every request that starts after it).
+
+        Removed and replaced instances retire: no new request reaches them, and each is closed once
+        its requests in flight end (those keep the instance and pool they hold). New instances are
+        probed and scraped with the others. Unchanged pools stay as they are."""
+        for key in (*diff.removed_instances, *diff.changed_instances):
+            self._retire(self.instances.pop(key))
+        previous = self.pools
+        unchanged = {
+            name: pool
+            for name, pool in previous.items()
+            if name not in diff.changed_models and name not in diff.removed_models
+        }
+        self._build(config, previous)
+        self.pools = {name: unchanged.get(name, pool) for name, pool in self.pools.items()}
+        self._config = config
+        if diff.added_instances or diff.changed_instances:
+            self._health_wake.set()
+        self._notify()
+
+    def _retire(self, instance: Instance) -> None:
+        instance.retired = True
+        log.info("instance %s retires (%d request(s) in flight)", instance.name, instance.in_flight)
+        if self._closed:
+            return
+        self._retiring[instance] = asyncio.create_task(self._close_when_idle(instance), name="lockgate-retire")
+
+    async def _close_when_idle(self, instance: Instance) -> None:
+        await instance.wait_idle()
+        # An abort call may still be on its way to the engine (each is bounded by its timeout).
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_instance(instance)
+        self._retiring.pop(instance, None)
+        log.info("instance %s closed", instance.name)
+
+    async def _close_instance(self, instance: Instance) -> None:
+        await instance.http.aclose()
+        await instance.session.close()
+        if all(i.name != instance.name for i in self.instances.values()):
+            for gauge in (
+                self._metrics.instance_healthy,
+                self._metrics.permits_in_use,
+                self._metrics.upstream_calls_in_flight,
+            ):
+                gauge.remove(instance.name)
+
+    async def wait_retired(self) -> None:
+        """Wait until every retired instance has been closed (tests, admin)."""
+        while self._retiring:
+            await asyncio.gather(*self._retiring.values(), return_exceptions=True)
 
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
         limit = self._config.upstream.max_connections
@@ -297,9 +381,14 @@ class Fleet:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        retiring, self._retiring = self._retiring, {}
+        for task in retiring.values():
+            task.cancel()
+        if retiring:
+            await asyncio.gather(*retiring.values(), return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        for instance in self.instances.values():
+        for instance in (*self.instances.values(), *retiring):
             await instance.http.aclose()
             await instance.session.close()
 

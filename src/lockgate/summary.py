@@ -1,0 +1,48 @@
+"""What a configuration serves, in lines for people: `check-config` and the `serve` banner.
+
+Pure. Simulated instances (from `simulate:`) are listed with the models they serve, after the
+instances a model lists itself, exactly as the gateway will add them (`embedded.py`). Credentials
+never appear: a URL's user and password are replaced by `***`, and an `api_key` is only mentioned.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+from .config import Config
+from .embedded import simulator_names
+
+
+def redact_url(url: str) -> str:
+    """`url` with any user/password replaced by `***`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
+
+
+def describe_served(config: Config) -> list[str]:
+    """One line per model: its instances (name, URL, engine) and its routing policy."""
+    simulated: dict[str, list[str]] = {}
+    for name, entry in simulator_names(config):
+        for served in entry.models:
+            simulated.setdefault(served, []).append(f"{name} (simulated vllm)")
+    listed = {m.name: m for m in config.models}
+    lines = []
+    for name in [*listed, *(m for m in simulated if m not in listed)]:
+        model = listed.get(name)
+        parts = []
+        for spec in model.instances if model is not None else []:
+            shown = redact_url(spec.url)
+            label = f"{spec.name} ({shown}, {spec.engine})" if spec.name else f"{shown} ({spec.engine})"
+            parts.append(label + (" with api_key" if spec.api_key else ""))
+        parts += simulated.get(name, [])
+        policy = model.routing.policy if model is not None else "predicted_ttft"
+        lines.append(f"model {name!r}: {len(parts)} instance(s), routing {policy}: {', '.join(parts)}")
+    if config.tenants:
+        keys = sum(len(t.keys) for t in config.tenants)
+        lines.append(f"{len(config.tenants)} tenant(s), {keys} API key(s)")
+    else:
+        lines.append("no API keys: the gateway is open (every request is tenant 'default')")
+    return lines

@@ -1,0 +1,195 @@
+"""Reloading the configuration with traffic in flight (`POST /admin/reload`, in process).
+
+The acceptance test of issue 16: 20 streams are in flight (held by the engine before their first
+token) when a reload adds an instance and a tenant key; every stream completes in full, the new
+instance receives new requests, the new key works at once; a file that cannot be used changes nothing
+and the answer says why. Removed instances are closed once their last request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from lockgate.admission.tenants import hash_key
+from lockgate.config import load_config
+from lockgate.server import GatewayServer
+from lockgate.sim import SimServer
+from tests.integration.cancel_support import StreamReader, assert_gateway_clean
+
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+
+
+def write(
+    path: Path, usage: Path, instances: list[SimServer], keys: dict[str, str], policy: str = "round_robin"
+) -> None:
+    lines = [
+        "listen: {host: 127.0.0.1, port: 0}",
+        f"usage: {{path: '{usage}'}}",
+        "health: {interval_ms: 60000}",
+        "models:",
+        "  - name: m",
+        "    routing: round_robin",
+        "    dedup: 'off'",
+        "    instances:",
+        *(f"      - {{url: '{sim.url}', engine: vllm, name: {'AB'[n]}}}" for n, sim in enumerate(instances)),
+        "tenants:",
+        *(f"  - {{name: {name}, keys: ['{hash_key(key)}']}}" for name, key in keys.items()),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def chat(n: int, stream: bool = True, max_tokens: int = 20) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": f"story number {n}"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+async def gateway(stack: Any, start_sim: Any, tmp_path: Path) -> tuple[GatewayServer, Path, list[SimServer]]:
+    sims = [await start_sim(prefill_tps=1e6, tpot_ms=1.0), await start_sim(prefill_tps=1e6, tpot_ms=1.0)]
+    path = tmp_path / "gw.yaml"
+    write(path, tmp_path / "usage.sqlite3", sims[:1], {"a": KEY_A})
+    server = GatewayServer(load_config(path), config_path=path)
+    await stack.enter_async_context(server)
+    return server, path, sims
+
+
+async def test_reload_with_twenty_streams_in_flight(gateway: Any, tmp_path: Path) -> None:
+    server, path, (sim_a, sim_b) = gateway
+    gw = server.gateway
+    assert gw is not None
+    url = server.url
+    results: list[StreamReader] = []
+
+    async with aiohttp.ClientSession() as http:
+
+        async def stream(n: int) -> None:
+            async with http.post(url + "/v1/chat/completions", json=chat(n), headers=auth(KEY_A)) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-lockgate-instance"] == "A"
+                reader = StreamReader(resp)
+                await reader.read_to_end()
+                results.append(reader)
+
+        async with asyncio.timeout(30):
+            async with http.post(url + "/v1/chat/completions", json=chat(0, False), headers=auth(KEY_B)) as resp:
+                assert resp.status == 401
+            sim_a.control.hold_next = 20
+            tasks = [asyncio.create_task(stream(n)) for n in range(20)]
+            await sim_a.wait_held(20)
+            assert len(gw.registry) == 20
+
+            write(path, tmp_path / "usage.sqlite3", [sim_a, sim_b], {"a": KEY_A, "b": KEY_B})
+            async with http.post(url + "/admin/reload") as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+                assert resp.headers["x-request-id"]
+            assert answer["changes"]["instances"]["added"] == ["B"]
+            assert answer["changes"]["models"]["changed"] == ["m"]
+            assert answer["changes"]["tenants_changed"] is True
+            assert len(gw.registry) == 20 and not any(t.done() for t in tasks)
+
+            # The new key works at once, and new requests reach the new instance.
+            served_by = []
+            for n in range(4):
+                async with http.post(
+                    url + "/v1/chat/completions", json=chat(100 + n, False), headers=auth(KEY_B)
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    served_by.append(resp.headers["x-lockgate-instance"])
+            assert "B" in served_by
+
+            assert sim_a.release() == 20
+            await asyncio.gather(*tasks)
+
+    assert len(results) == 20
+    assert all(r.done and r.tokens == 20 and not r.errors() for r in results)
+    assert sim_b.statistics()["requests_finished"] >= 1
+    assert_gateway_clean(gw)
+
+
+async def test_an_invalid_file_changes_nothing_and_says_why(gateway: Any, tmp_path: Path) -> None:
+    server, path, _ = gateway
+    gw = server.gateway
+    assert gw is not None
+    before = gw.config
+    path.write_text(path.read_text().replace("engine: vllm", "engine: vlm"))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + "/admin/reload") as resp:
+            assert resp.status == 422
+            error = (await resp.json())["error"]
+        assert error["code"] == "invalid_config" and error["type"] == "invalid_request_error"
+        assert "models[0].instances[0].engine" in error["message"]
+        assert gw.config is before
+        async with http.post(server.url + "/v1/chat/completions", json=chat(1, False), headers=auth(KEY_A)) as resp:
+            assert resp.status == 200
+
+        path.write_text("models: [\n")
+        async with http.post(server.url + "/admin/reload") as resp:
+            assert resp.status == 422
+            assert "not valid YAML" in (await resp.json())["error"]["message"]
+        assert gw.config is before
+
+
+async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any, tmp_path: Path) -> None:
+    server, path, (sim_a, sim_b) = gateway
+    gw = server.gateway
+    assert gw is not None
+    usage = tmp_path / "usage.sqlite3"
+    async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+        write(path, usage, [sim_a, sim_b], {"a": KEY_A})
+        async with http.post(server.url + "/admin/reload") as resp:
+            assert resp.status == 200
+        instance_a = gw.fleet.instances[sim_a.url]
+        sim_a.control.hold_next = 1
+        sim_b.control.hold_next = 1
+        statuses: list[int] = []
+
+        async def one(n: int) -> None:
+            async with http.post(server.url + "/v1/chat/completions", json=chat(n, False), headers=auth(KEY_A)) as resp:
+                statuses.append(resp.status)
+                await resp.read()
+
+        tasks = [asyncio.create_task(one(n)) for n in range(2)]  # round robin: one on each instance
+        await asyncio.gather(sim_a.wait_held(1), sim_b.wait_held(1))
+
+        # Only B remains (now under the name C): A and the old B retire; the held requests keep them.
+        path.write_text(path.read_text().replace(f"      - {{url: '{sim_a.url}', engine: vllm, name: A}}\n", ""))
+        path.write_text(path.read_text().replace("name: B}", "name: C}"))
+        async with http.post(server.url + "/admin/reload") as resp:
+            changes = (await resp.json())["changes"]
+        assert changes["instances"] == {"added": [], "removed": ["A"], "replaced": ["C"]}
+        assert instance_a.retired and not instance_a.routable and instance_a.in_flight == 1
+        assert list(gw.fleet.instances) == [sim_b.url]
+
+        sim_a.release()
+        sim_b.release()
+        await asyncio.gather(*tasks)
+        await gw.fleet.wait_retired()
+        assert statuses == [200, 200]
+        assert instance_a.session.closed
+        async with http.post(server.url + "/v1/chat/completions", json=chat(9, False), headers=auth(KEY_A)) as resp:
+            assert resp.headers["x-lockgate-instance"] == "C"
+    assert_gateway_clean(gw)
+
+
+async def test_the_embedded_default_has_nothing_to_reload(start_gateway: Any, start_sim: Any) -> None:
+    sim = await start_sim()
+    server = await start_gateway([{"name": "m", "instances": [{"url": sim.url, "engine": "vllm"}]}])
+    async with aiohttp.ClientSession() as http, http.post(server.url + "/admin/reload") as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["code"] == "nothing_to_reload"
+    assert "--config" in error["message"]
