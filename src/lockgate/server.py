@@ -19,6 +19,7 @@ import contextlib
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import sqlite3
 import sys
@@ -214,8 +215,10 @@ async def _reload_on_hangup(gateway: Gateway, hangup: asyncio.Event, announce: C
 
 def _reason(exc: BaseException) -> str:
     """An error's reason without its class name or errno prefix (`address already in use`)."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror[0].lower() + exc.strerror[1:]
+    if isinstance(exc, OSError) and (exc.errno or exc.strerror):
+        # asyncio's bind error puts the address into `strerror`; the errno's own text is the reason.
+        text = os.strerror(exc.errno) if exc.errno else str(exc.strerror)
+        return text[0].lower() + text[1:]
     return str(exc) or type(exc).__name__
 
 
