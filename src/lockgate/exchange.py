@@ -277,6 +277,10 @@ class Exchange:
             if not self._stream_started():
                 record.http_status = error.http_status
 
+    def _echo_id(self) -> str:
+        """The `x-request-id` a response carries: the client's own if it sent one."""
+        return self.record.client_request_id or self.id
+
     def _stream_started(self) -> bool:
         """Whether the status line may be on the wire. A response whose `prepare()` was interrupted
         before it began has sent nothing: the client must get the error status, not an empty 200."""
@@ -285,10 +289,10 @@ class Exchange:
     async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> Reply:
         if self._ending or self.answered:
             # Already ending (a second cause arrived while the first was being written) or complete.
-            return self.response or self.gateway.error_response(error, self.id, self.instance)
+            return self.response or self.gateway.error_response(error, self._echo_id(), self.record.instance)
         self._set_end(status, reason=reason, error=error)
         if self.response is None or not self._stream_started():
-            return self.gateway.error_response(error, self.id, self.instance)
+            return self.gateway.error_response(error, self._echo_id(), self.record.instance)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
             await self.response.write(sse.encode_error(error.body()))

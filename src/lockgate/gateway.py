@@ -34,7 +34,7 @@ from .errors import (
     ShuttingDown,
 )
 from .exchange import Exchange, Registry
-from .fleet.pool import Fleet, Instance
+from .fleet.pool import Fleet
 from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
 from .records import RecordWriter
@@ -173,10 +173,12 @@ class Gateway:
             ).body_bytes()
         return GatewayError(message).body_bytes()
 
-    def error_response(self, error: GatewayError, request_id: str, instance: Instance | None = None) -> Response:
+    def error_response(self, error: GatewayError, request_id: str, instance: str | None = None) -> Response:
+        """The error in the OpenAI envelope; `instance`: the name of the instance that answered or was
+        tried last (none if the request reached no instance)."""
         headers = {"x-request-id": request_id, **error.headers()} if request_id else error.headers()
-        if instance is not None:
-            headers["x-lockgate-instance"] = instance.name
+        if instance:
+            headers["x-lockgate-instance"] = instance
         return Response(
             status=error.http_status,
             body=error.body_bytes(),

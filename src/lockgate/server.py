@@ -30,7 +30,7 @@ from .config import Config, ConfigError, InstanceConfig
 from .edge.server import HttpServer
 from .embedded import start_simulators, with_instances
 from .exchange import Phase
-from .gateway import Gateway
+from .gateway import Gateway, new_request_id
 from .reload import Reloader, summary
 from .summary import redact_url
 
@@ -101,6 +101,7 @@ class GatewayServer:
             header_timeout_s=limits.header_timeout_ms / 1000,
             write_timeout_s=limits.write_timeout_ms / 1000,
             error_body=Gateway.edge_error_body,
+            error_headers=lambda: {"x-request-id": new_request_id()},
         )
         listen = config.listen
         where = listen.unix or f"{self._host}:{self._port}"

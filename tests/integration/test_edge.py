@@ -69,6 +69,29 @@ async def test_request_id_and_instance_headers(start_sim, start_gateway, http):
     assert status == 404 and headers["x-request-id"] == "r2"
 
 
+async def test_every_response_carries_a_request_id_and_only_served_ones_an_instance(start_sim, start_gateway, http):
+    dead = {"url": f"http://127.0.0.1:{closed_port()}", "engine": "vllm", "name": "dead"}
+    gw = await start_gateway([{"name": "m", "retries": 0, "instances": [dead]}])
+    routes = ["GET /health", "GET /v1/models", "GET /admin/fleet", "GET /nope", "PUT /v1/models"]
+    for route in [*routes, "DELETE /admin/requests/x", "POST /admin/reload"]:
+        method, path = route.split()
+        async with http.request(method, gw.url + path, headers={"x-request-id": "mine"}) as resp:
+            assert resp.headers["x-request-id"] == "mine", route
+            assert "x-lockgate-instance" not in resp.headers
+    async with http.get(gw.url + "/health") as resp:
+        assert resp.headers["x-request-id"].startswith("lg-")
+    # No instance to serve it (the health check found nothing listening): the client's id, no instance.
+    status, headers, _ = await post(http, gw.url, CHAT, **{"x-request-id": "mine"})
+    assert status == 503 and headers["x-request-id"] == "mine" and "x-lockgate-instance" not in headers
+    # Believed healthy but unreachable: the error names the instance tried.
+    gw.gateway.fleet.instances[dead["url"]].healthy = True
+    status, headers, _ = await post(http, gw.url, CHAT, **{"x-request-id": "mine"})
+    assert status == 502 and headers["x-request-id"] == "mine" and headers["x-lockgate-instance"] == "dead"
+    # Errors the edge server answers itself (here: headers too large) carry one too.
+    async with http.get(gw.url + "/health", headers={"x-big": "x" * 20000}) as resp:
+        assert resp.status == 431 and resp.headers["x-request-id"].startswith("lg-")
+
+
 async def test_unhealthy_fleet_503_with_retry_after_and_connect_failure_502(start_gateway, http):
     url = f"http://127.0.0.1:{closed_port()}"
     gw = await start_gateway([{"name": "m", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}])

@@ -443,9 +443,10 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("error_body failed")
             body = default_error_body(status, message)
+        extra = self._server._error_headers
         self.transport.write(
             b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-            % (render_head(status, None, None), len(body), connection, body)
+            % (render_head(status, None, extra() if extra is not None else None), len(body), connection, body)
         )
 
     def _linger(self) -> None:

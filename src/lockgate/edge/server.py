@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from .protocol import Connection, default_error_body
 from .request import Headers, Request
@@ -82,7 +82,10 @@ class HttpServer:
         header_timeout_s: float = 30.0,
         write_timeout_s: float = 60.0,
         error_body: Callable[[int, str], bytes] | None = None,
+        error_headers: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
+        """`error_body(status, message)` renders the body of the errors the server answers itself
+        (malformed HTTP, limits); `error_headers()` gives the extra headers they carry (e.g. a request id)."""
         self._handler = handler
         self._max_body_bytes = max_body_bytes
         self._max_header_bytes = max_header_bytes
@@ -90,6 +93,7 @@ class HttpServer:
         self._header_timeout_s = header_timeout_s
         self._write_timeout_s = write_timeout_s
         self._error_body = error_body or default_error_body
+        self._error_headers = error_headers
         self._server: asyncio.Server | None = None
         self._connections: set[Connection] = set()
         self._closing = False
