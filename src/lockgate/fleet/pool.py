@@ -461,14 +461,16 @@ class Fleet:
 
     # --- health --------------------------------------------------------------------------------
     async def _health_loop(self) -> None:
-        """Active checks every interval, and a probe of each ejected instance when its backoff ends.
+        """Active checks every interval, a probe of each ejected instance when its backoff ends, and of
+        each new instance at once.
         Between them it waits on an event (a new ejection) with a timeout (the next due time)."""
         interval = self._config.health.interval_ms / 1000
         loop = asyncio.get_running_loop()
         next_check = loop.time()
         while True:
             now = time.monotonic()
-            due = [i for i in self.instances.values() if i.ejection.probe_due(now)]
+            # Due: ejected instances whose backoff ended, and instances never probed (added by a reload).
+            due = [i for i in self.instances.values() if i.ejection.probe_due(now) or i.last_probe_at is None]
             if loop.time() >= next_check:
                 next_check = loop.time() + interval
                 await self.probe_all()
