@@ -155,3 +155,12 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"lockgate {version('lockgate')}"
+
+
+def test_a_usage_database_that_cannot_be_opened_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "gw.yaml"
+    usage = tmp_path / "missing-dir" / "usage.sqlite3"
+    path.write_text(config_text(free_port(), usage, "http://127.0.0.1:9", ["k"]))
+    assert main(["serve", "--config", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"lockgate: cannot start: cannot open the usage database '{usage}': unable to open database file"]
