@@ -77,6 +77,9 @@ async def open_attempts(
     attempts = pool.config.retries + 1
     last_error: UpstreamError | None = None
     for attempt in range(attempts):
+        # The model's pool as configured now: a reload since the request arrived (or was queued) may
+        # have replaced it, and its old instances no longer take requests.
+        pool = fleet.pools.get(pool.model, pool)
         try:
             instance, cached = pool.choose(replace(route, exclude=frozenset(tried)) if tried else route)
         except GatewayError:

@@ -24,9 +24,7 @@ from tests.integration.cancel_support import StreamReader, assert_gateway_clean
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 
 
-def write(
-    path: Path, usage: Path, instances: list[SimServer], keys: dict[str, str], policy: str = "round_robin"
-) -> None:
+def write(path: Path, usage: Path, instances: list[SimServer], keys: dict[str, str], extra: str = "") -> None:
     lines = [
         "listen: {host: 127.0.0.1, port: 0}",
         f"usage: {{path: '{usage}'}}",
@@ -36,7 +34,7 @@ def write(
         "    routing: round_robin",
         "    dedup: 'off'",
         "    instances:",
-        *(f"      - {{url: '{sim.url}', engine: vllm, name: {'AB'[n]}}}" for n, sim in enumerate(instances)),
+        *(f"      - {{url: '{sim.url}', engine: vllm, name: {'AB'[n]}{extra}}}" for n, sim in enumerate(instances)),
         "tenants:",
         *(f"  - {{name: {name}, keys: ['{hash_key(key)}']}}" for name, key in keys.items()),
     ]
@@ -182,6 +180,45 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
         assert instance_a.session.closed
         async with http.post(server.url + "/v1/chat/completions", json=chat(9, False), headers=auth(KEY_A)) as resp:
             assert resp.headers["x-lockgate-instance"] == "C"
+    assert_gateway_clean(gw)
+
+
+async def test_a_queued_request_goes_to_the_instance_that_replaced_its_own(gateway: Any, tmp_path: Path) -> None:
+    server, path, (sim_a, _) = gateway
+    gw = server.gateway
+    assert gw is not None
+    usage = tmp_path / "usage.sqlite3"
+    scheduler = gw.admission.schedulers["m"]
+
+    def queued(core: Any) -> int:
+        return sum(core.queued(k) for k in range(len(core.classes)))
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+        write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 1")
+        async with http.post(server.url + "/admin/reload") as resp:
+            assert resp.status == 200
+        statuses: list[int] = []
+
+        async def one(n: int) -> None:
+            async with http.post(server.url + "/v1/chat/completions", json=chat(n, False), headers=auth(KEY_A)) as resp:
+                statuses.append(resp.status)
+                await resp.read()
+
+        sim_a.control.hold_next = 1
+        tasks = [asyncio.create_task(one(0))]
+        await sim_a.wait_held(1)
+        tasks.append(asyncio.create_task(one(1)))
+        await scheduler.wait_until(lambda core: queued(core) == 1)
+
+        # More room on A: the instance is replaced, the queued request starts at once on the new one.
+        write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 2")
+        async with http.post(server.url + "/admin/reload") as resp:
+            assert (await resp.json())["changes"]["instances"]["replaced"] == ["A"]
+        await tasks[1]
+        sim_a.release()
+        await tasks[0]
+        assert statuses == [200, 200]
+    await gw.fleet.wait_retired()
     assert_gateway_clean(gw)
 
 

@@ -297,8 +297,9 @@ class Fleet:
         """Serve `config` from now on (synchronous: atomic for every request that starts after it).
 
         Removed and replaced instances retire: no new request reaches them, and each is closed once
-        its requests in flight end (those keep the instance and pool they hold). New instances are
-        probed and scraped with the others. Unchanged pools stay as they are."""
+        its requests in flight end (those keep the instance they hold; their next attempts route
+        through `pools`, see `attempt.py`). New instances are probed at once and scraped with the
+        others. Unchanged pools stay as they are."""
         for key in (*diff.removed_instances, *diff.changed_instances):
             self._retire(self.instances.pop(key))
         previous = self.pools
