@@ -246,15 +246,13 @@ class Admission:
 
     def reconfigure(self, config: Config) -> None:
         """A reload: new tenants, keys and limits for requests that start from now on (synchronous);
-        a scheduler for each new model, none for removed ones. The `scheduling:` section is the
-        running one (a change there needs a restart). Requests in flight keep the tenant, the
-        reservation and the ticket they hold; a tenant's buckets keep their level within the new limits."""
+        a scheduler for each new model. A removed model's scheduler stays (a request that arrived just
+        before the reload still takes its slot there; a model added again reuses it). The `scheduling:`
+        section is the running one (a change there needs a restart). Requests in flight keep the tenant,
+        the reservation and the ticket they hold; a tenant's buckets keep their level within the new limits."""
         self.book = TenantBook(config.tenants, config.scheduling)
         self.limiter.reconfigure([*self.book.tenants.values(), self.book.default], self._clock())
         self._watched.clear()  # export the new limits
-        models = {m.name for m in config.models}
-        for name in [n for n in self.schedulers if n not in models]:
-            del self.schedulers[name]  # requests in flight release the ticket to the object they hold
         self._add_schedulers(config)
 
     def _reserve(self, capacity: int) -> int:
