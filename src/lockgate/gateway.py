@@ -21,7 +21,6 @@ from .admission import resume
 from .admission.gate import Admission
 from .admission.tenants import PRIORITY_HEADER, Tenant
 from .config import Config, ConfigError
-from .config_diff import ConfigDiff
 from .dedup import Coalescer
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
@@ -42,6 +41,7 @@ from .relay import relay
 from .wire import Endpoint, parse_request
 
 if TYPE_CHECKING:
+    from .config_diff import ConfigDiff
     from .reload import Reloader
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"

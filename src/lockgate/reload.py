@@ -12,10 +12,13 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import Config, ConfigError, InstanceConfig, load_config
 from .config_diff import ConfigDiff, diff_configs, plan_reload
-from .gateway import Gateway
+
+if TYPE_CHECKING:
+    from .gateway import Gateway
 
 log = logging.getLogger(__name__)
 

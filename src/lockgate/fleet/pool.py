@@ -15,12 +15,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
 from ..config import Config, InstanceConfig, ModelConfig
-from ..config_diff import ConfigDiff
 from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
 from ..http import HttpPool
@@ -31,6 +30,9 @@ from ..wire import ApiRequest
 from .ejection import Ejection
 from .scrape import Scraper
 from .state import Attempt, EngineLoad, OwnAccounting, merge
+
+if TYPE_CHECKING:
+    from ..config_diff import ConfigDiff
 
 
 class HeaderLookup(Protocol):
