@@ -15,14 +15,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import aiohttp
 import pytest
 
 from lockgate.admission.tenants import hash_key
 from lockgate.cli import main
-from lockgate.server import StartupError
+from lockgate.gateway import Gateway
+from lockgate.server import StartupError, _reload_on_hangup
 from tests.integration.cancel_support import StreamReader, body, cancel_and_wait
 from tests.integration.test_shutdown_process import free_port, read_line_with
 
@@ -164,3 +166,23 @@ def test_a_usage_database_that_cannot_be_opened_is_one_line(tmp_path: Path, caps
     assert main(["serve", "--config", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"lockgate: cannot start: cannot open the usage database '{usage}': unable to open database file"]
+
+
+async def test_sighup_without_a_config_file_says_there_is_nothing_to_reload() -> None:
+    said: list[str] = []
+    announced = asyncio.Event()
+
+    def announce(text: str) -> None:
+        said.append(text)
+        announced.set()
+
+    hangup = asyncio.Event()
+    hangup.set()
+    gateway = cast(Gateway, SimpleNamespace(reloader=None))  # the embedded default: no file
+    task = asyncio.create_task(_reload_on_hangup(gateway, hangup, announce))
+    try:
+        async with asyncio.timeout(5):
+            await announced.wait()
+    finally:
+        await cancel_and_wait(task)
+    assert said == ["lockgate: SIGHUP: nothing to reload (the embedded default runs; start with --config FILE)"]
