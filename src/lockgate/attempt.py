@@ -86,7 +86,8 @@ async def open_attempts(
             if last_error is not None:
                 raise last_error from None
             raise
-        stream = api.stream or instance.dialect.stream_upstream_always
+        # Embeddings are one body from every engine (nothing to abort mid-way, nothing to stream).
+        stream = api.stream or (instance.dialect.stream_upstream_always and api.endpoint.generates)
         body = instance.dialect.upstream_body(
             api, served_model=pool.served[instance.key], request_id=request_id, stream=stream, priority=priority
         )

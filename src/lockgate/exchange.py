@@ -170,6 +170,7 @@ class Exchange:
         metrics = self.gateway.metrics
         label = record.cancel_reason or record.status
         metrics.requests.labels(record.model, label).inc()
+        metrics.endpoint_requests.labels(record.endpoint, label).inc()
         metrics.request_duration.labels(record.model, label).observe(time.perf_counter() - self.started)
         if record.cancel_reason:
             metrics.cancellations.labels(record.cancel_reason).inc()

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
 _CANCEL_PREFIX = "/admin/requests/"
+#: `GET /v1/models/{id}`: routed by prefix, the rest of the path is the id (ids may contain `/`).
+_MODEL_PREFIX = "/v1/models/"
 
 
 _ID_PREFIX = "lg-" + os.urandom(6).hex() + "-"
@@ -57,6 +59,14 @@ def new_request_id() -> str:
     is zero-padded so that ids sort in creation order: the usage table's key index then grows at its
     end instead of splitting pages at random places."""
     return f"{_ID_PREFIX}{next(_ID_COUNTER):010x}"
+
+
+def _client_request_id(request: Request) -> str | None:
+    """The client's own `x-request-id`, if it sent a usable one (echoed back, kept in the record)."""
+    client_id = request.headers.get("x-request-id")
+    if client_id is not None and (len(client_id) > 200 or not client_id.isprintable()):
+        return None
+    return client_id
 
 
 class Gateway:
@@ -82,18 +92,16 @@ class Gateway:
         self.reloader: Reloader | None = None
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
-        self._model_list = self._render_models(config)
+        self._set_models(config)
 
-    def _render_models(self, config: Config) -> bytes:
-        return orjson.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": m.name, "object": "model", "created": int(self.started_at), "owned_by": "lockgate"}
-                    for m in config.models
-                ],
-            }
-        )
+    def _set_models(self, config: Config) -> None:
+        #: Each configured model in the OpenAI shape, by name (`/v1/models`, `/v1/models/{id}`).
+        self._model_cards = {
+            m.name: {"id": m.name, "object": "model", "created": int(self.started_at), "owned_by": "lockgate"}
+            for m in config.models
+        }
+        #: The whole list, rendered once: what an open gateway (no tenant keys) answers to everyone.
+        self._model_list = orjson.dumps({"object": "list", "data": list(self._model_cards.values())})
 
     def reconfigure(self, config: Config, diff: ConfigDiff) -> None:
         """Serve `config` from now on (a reload; `config_diff.py` computed `diff`). Synchronous, so
@@ -102,7 +110,7 @@ class Gateway:
         self.admission.reconfigure(config)
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
         self.config = config
-        self._model_list = self._render_models(config)
+        self._set_models(config)
 
     async def __aenter__(self) -> Gateway:
         #: Kept for the hot path: on Python 3.11 each `asyncio.get_running_loop()` is a getpid() call.
@@ -140,6 +148,7 @@ class Gateway:
         routes: dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]] = {
             ("POST", "/v1/chat/completions"): functools.partial(self._serve, endpoint=Endpoint.CHAT),
             ("POST", "/v1/completions"): functools.partial(self._serve, endpoint=Endpoint.COMPLETIONS),
+            ("POST", "/v1/embeddings"): functools.partial(self._serve, endpoint=Endpoint.EMBEDDINGS),
         }
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
@@ -157,6 +166,8 @@ class Gateway:
     async def _other(self, request: Request) -> Reply:
         if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
             reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+        elif request.path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
+            reply = self._model(request, request.path[len(_MODEL_PREFIX) :])
         else:
             reply = self._unknown(request)
         _set_request_id(reply, request)
@@ -187,9 +198,7 @@ class Gateway:
         )
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Reply:
-        client_id = request.headers.get("x-request-id")
-        if client_id is not None and (len(client_id) > 200 or not client_id.isprintable()):
-            client_id = None
+        client_id = _client_request_id(request)
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
@@ -210,6 +219,7 @@ class Gateway:
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
         except GatewayError as exc:
             self.metrics.requests.labels("", "rejected").inc()
+            self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
             return self.error_response(exc, echo_id)
         exchange = Exchange(
             self,
@@ -224,7 +234,8 @@ class Gateway:
         return await exchange.run(self._admit_and_relay, request, tenant, klass)
 
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
-        if klass in self.admission.preemptible:
+        # Preemptible requests resume their generation elsewhere; an embedding has none to resume.
+        if klass in self.admission.preemptible and ex.api.endpoint.generates:
             return await resume.admit_and_relay(ex, request, tenant, klass)
         await self.admission.admit(ex, tenant, klass)
         return await relay(ex, request)
@@ -247,7 +258,28 @@ class Gateway:
         return value / 1000
 
     async def _models(self, request: Request) -> Response:
-        return Response(body=self._model_list, content_type="application/json")
+        """The models the caller may use: every configured model on an open gateway, the tenant's
+        allowed ones otherwise (401 without a valid key, as on the chat endpoint)."""
+        if self.admission.book.open:
+            return Response(body=self._model_list, content_type="application/json")
+        try:
+            tenant = self.admission.book.authenticate(request.headers.get("authorization"))
+        except GatewayError as exc:
+            return self.error_response(exc, "")  # `_set_request_id` adds the id
+        data = [card for name, card in self._model_cards.items() if tenant.may_use(name)]
+        return json_response({"object": "list", "data": data})
+
+    def _model(self, request: Request, model_id: str) -> Response:
+        """One model in the OpenAI shape; 404 for an unknown model or one the caller's tenant may not use
+        (the same answer: a tenant learns nothing about models it cannot use)."""
+        try:
+            tenant = self.admission.book.authenticate(request.headers.get("authorization"))
+            card = self._model_cards.get(model_id)
+            if card is None or not tenant.may_use(model_id):
+                raise ModelNotFound(f"The model '{model_id}' does not exist or you do not have access to it.")
+        except GatewayError as exc:
+            return self.error_response(exc, "")  # `_set_request_id` adds the id
+        return json_response(card)
 
     async def _health(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -309,10 +341,7 @@ class Gateway:
 def _set_request_id(reply: Reply, request: Request) -> None:
     """Echo the client's `x-request-id`, or give the response a new one (routes other than the
     generation endpoints, which set theirs with the request's own id)."""
-    client_id = request.headers.get("x-request-id")
-    if client_id is None or len(client_id) > 200 or not client_id.isprintable():
-        client_id = new_request_id()
-    reply.headers = {**reply.headers, "x-request-id": client_id}
+    reply.headers = {**reply.headers, "x-request-id": _client_request_id(request) or new_request_id()}
 
 
 def _with_request_id(

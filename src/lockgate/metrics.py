@@ -149,6 +149,12 @@ class GatewayMetrics:
         self.requests = LoopFamily(
             "lockgate_requests", "Client requests by model and final status.", ["model", "status"], r
         )
+        self.endpoint_requests = LoopFamily(
+            "lockgate_endpoint_requests",
+            "Client requests by endpoint (chat, completions, embeddings) and final status.",
+            ["endpoint", "status"],
+            r,
+        )
         self.request_duration = LoopFamily(
             "lockgate_request_duration_seconds",
             "Time from request arrival to the end of the response.",

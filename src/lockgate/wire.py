@@ -23,14 +23,28 @@ _ROLES = frozenset({"system", "user", "assistant", "tool", "function", "develope
 class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+        return _PATHS[self]
 
     @property
     def object_name(self) -> str:
         return "chat.completion" if self is Endpoint.CHAT else "text_completion"
+
+    @property
+    def generates(self) -> bool:
+        """Whether the endpoint generates tokens (streams, de-duplication, preemption); embeddings
+        answer with one body."""
+        return self is not Endpoint.EMBEDDINGS
+
+
+_PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.EMBEDDINGS: "/v1/embeddings",
+}
 
 
 @dataclass(slots=True)
@@ -55,8 +69,8 @@ class ApiRequest:
         return self._prompt
 
     def _join_prompt(self) -> str:
-        if self.endpoint is Endpoint.COMPLETIONS:
-            prompt = self.body["prompt"]
+        if self.endpoint is not Endpoint.CHAT:
+            prompt = self.body["prompt" if self.endpoint is Endpoint.COMPLETIONS else "input"]
             if isinstance(prompt, str):
                 return prompt
             if prompt and isinstance(prompt[0], str):
@@ -97,6 +111,8 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "`model` is required and must be a non-empty string.")
+    if endpoint is Endpoint.EMBEDDINGS:
+        return _validate_embeddings(model, body)
     if endpoint is Endpoint.CHAT:
         _check_messages(body.get("messages"))
     else:
@@ -132,6 +148,50 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
+    )
+
+
+#: At most this many inputs in one embeddings request (OpenAI's own limit).
+MAX_EMBEDDING_INPUTS = 2048
+
+
+def _validate_embeddings(model: str, body: dict[str, Any]) -> ApiRequest:
+    """`input`: a string, an array of strings, an array of token ids or an array of such arrays (none
+    empty, at most `MAX_EMBEDDING_INPUTS`); `encoding_format`: float | base64; `dimensions` >= 1. An
+    embedding generates no tokens (`max_tokens` 0) and is never streamed."""
+    text = body.get("input")
+    if isinstance(text, str):
+        if not text:
+            raise _bad("input", "`input` must not be an empty string.")
+    elif not isinstance(text, list) or not text:
+        raise _bad("input", "`input` is required: a string, an array of strings, or an array of token ids.")
+    elif len(text) > MAX_EMBEDDING_INPUTS:
+        raise _bad("input", f"`input` may hold at most {MAX_EMBEDDING_INPUTS} items.")
+    elif not all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+        for index, item in enumerate(text):
+            if isinstance(item, str):
+                if item:
+                    continue
+            elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                continue
+            raise _bad(
+                f"input[{index}]",
+                f"`input[{index}]` must be a non-empty string or a non-empty array of token ids "
+                "(all items of `input` of the same kind).",
+            )
+        if len({isinstance(item, str) for item in text}) > 1:
+            raise _bad("input", "`input` must not mix strings and token arrays.")
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in ("float", "base64"):
+        raise _bad("encoding_format", "`encoding_format` must be 'float' or 'base64'.")
+    _opt_int(body, "dimensions", minimum=1)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user", "`user` must be a string.")
+    if body.get("stream"):
+        raise _bad("stream", "Embeddings are not streamed: `stream` must be false or absent.")
+    return ApiRequest(
+        endpoint=Endpoint.EMBEDDINGS, body=body, model=model, stream=False, include_usage=False, max_tokens=0
     )
 
 

@@ -71,6 +71,23 @@ async def test_models_lists_configured(client):
     assert [m.id for m in models.data] == ["m"]
 
 
+async def test_models_retrieve(client):
+    model = await client.models.retrieve("m")
+    assert (model.id, model.object, model.owned_by) == ("m", "model", "lockgate")
+    assert model.created > 0
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.models.retrieve("nope")
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
+
+
+async def test_embeddings_create(client):
+    reply = await client.embeddings.create(model="m", input=["hello", "world"])
+    assert reply.model == "m" and [d.index for d in reply.data] == [0, 1]
+    assert all(len(d.embedding) == 64 for d in reply.data)
+    assert reply.data[0].embedding != reply.data[1].embedding
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens > 0
+
+
 async def test_typed_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])

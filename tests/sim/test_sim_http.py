@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -269,3 +271,29 @@ async def test_first_token_delays_and_prefill_time(make_sim, http: aiohttp.Clien
     assert ttft["cold"] >= 200 / 4000  # prefill of 200 uncached tokens
     assert ttft["warm"] >= 0.030  # injected delay (the cached prompt itself needs only 8 tokens of prefill)
     assert ttft["hdr"] >= 0.040
+
+
+async def test_embeddings_are_deterministic_unit_vectors_in_vllms_shape(
+    make_sim, http: aiohttp.ClientSession
+) -> None:
+    sims = [await make_sim(fast=True), await make_sim()]
+    bodies = []
+    for sim, encoding in zip(sims, ("float", "base64"), strict=True):
+        payload = {"model": "m", "input": ["hello world", [7, 8, 9]], "encoding_format": encoding}
+        async with http.post(sim.url + "/v1/embeddings", json=payload) as r:
+            assert r.status == 200
+            bodies.append(await r.json())
+    floats, encoded = bodies
+    assert floats["object"] == "list" and floats["model"] == "m"
+    assert [d["object"] for d in floats["data"]] == ["embedding", "embedding"]
+    assert floats["usage"]["prompt_tokens"] == floats["usage"]["total_tokens"] > 3
+    first = floats["data"][0]["embedding"]
+    assert len(first) == 64 and sum(v * v for v in first) == pytest.approx(1.0)
+    raw = [base64.b64decode(d["embedding"]) for d in encoded["data"]]
+    decoded = [list(struct.unpack(f"<{len(b) // 4}f", b)) for b in raw]
+    assert decoded == [pytest.approx(d["embedding"], abs=1e-6) for d in floats["data"]]
+    async with http.post(sims[0].url + "/v1/embeddings", json={"model": "m", "input": "x", "dimensions": 0}) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "dimensions"
+    async with http.post(sims[0].url + "/v1/embeddings", json={"model": "zz", "input": "x"}) as r:
+        assert r.status == 404
+    assert sims[0].statistics()["requests_finished"] == 1 and sims[1].statistics()["requests_finished"] == 1

@@ -278,7 +278,8 @@ class Admission:
         taken; returns the granted ticket (tagged with `tag`, e.g. a `Preemptee`, else the request id).
         Raises RateLimitExceeded / QueueFull (429) or QueueTimeout (503)."""
         api = ex.api
-        reserve = api.estimated_prompt_tokens() + (api.max_tokens or tenant.assumed_max_tokens)
+        max_tokens = api.max_tokens if api.max_tokens is not None else tenant.assumed_max_tokens
+        reserve = api.estimated_prompt_tokens() + max_tokens
         if tenant.name not in self._watched:
             self._watch(tenant)
         now = self._clock()

@@ -79,7 +79,8 @@ class Coalescer:
     def plan(self, ex: Exchange, cache_control: str | None) -> Fingerprint | None:
         """The request's fingerprint if it may be de-duplicated, else None (counted as `bypass`)."""
         api = ex.api
-        if not eligible(ex.pool.config.dedup, api.body, cache_control):
+        # Flights share token streams: embeddings (one body) are not coalesced.
+        if not api.endpoint.generates or not eligible(ex.pool.config.dedup, api.body, cache_control):
             self.metrics.outcome("bypass")
             return None
         return fingerprint(ex.record.tenant, api.endpoint, api.body)

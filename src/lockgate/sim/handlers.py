@@ -29,6 +29,7 @@ from aiohttp import web
 
 from .config import SimConfig
 from .control import SimControl
+from .embeddings import embed_response, parse_embed_request
 from .engine import Engine, Generation
 from .generator import GREEDY_SEED, Token, TokenStream, generate
 from .metrics import CONTENT_TYPE, SimMetrics
@@ -104,6 +105,7 @@ class Api:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prom)
@@ -226,6 +228,53 @@ class Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """vLLM's embeddings route (`embeddings.py`). No step loop: the request waits its prefill time
+        (prompt tokens at `prefill_tps`; none with `--fast`), then answers. Honours `x-sim-status`,
+        `x-sim-hold` / `hold_next` and `x-sim-delay-ms`; a client that leaves ends it as `aborted`."""
+        rid = request.headers.get("x-request-id") or secrets.token_hex(8)
+        stats = self.stats
+        try:
+            req = parse_embed_request(parse_body(await request.read()), self.config)
+            status = _int_header(request, "x-sim-status") or self.control.fail_status
+            hold = self.control.hold or request.headers.get("x-sim-hold", "0") not in ("", "0", "false")
+            delay_ms = _int_header(request, "x-sim-delay-ms") or 0
+        except WireError as e:
+            rec = stats.open_request(rid, "", "embedding", False)
+            rec.status = e.status
+            stats.close_request(rec, "error")
+            return web.Response(body=e.body(), status=e.status, content_type=_JSON)
+        rec = stats.open_request(rid, req.model, "embedding", False)
+        rec.prompt_tokens = req.prompt_tokens
+        if status:
+            rec.status = status
+            stats.close_request(rec, "error")
+            return _error(status, f"injected failure (status {status})", "InternalServerError")
+        outcome: Outcome = "aborted"
+        try:
+            if hold or self.control.take_hold():
+                rec.outcome = "held"
+                stats.notify()
+                await self.control.wait_released()
+                rec.outcome = "open"
+            delay_s = (delay_ms + self.control.delay_first_token_ms) / 1000
+            if not self.config.fast:
+                delay_s += req.prompt_tokens / self.config.prefill_tps
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            stats.prompt_tokens += req.prompt_tokens
+            self.metrics.prompt_tokens.inc(req.prompt_tokens)
+            rec.first_token_at = time.monotonic()
+            outcome = "finished"
+            return web.Response(body=embed_response(req, "embd-" + secrets.token_hex(12)), content_type=_JSON)
+        except asyncio.CancelledError:  # handler cancellation: the client went away
+            rec.disconnected_at = time.monotonic()
+            raise
+        finally:
+            if outcome == "aborted":
+                rec.aborted_at = time.monotonic()
+            stats.close_request(rec, outcome)
 
     def _seed(self, req: GenRequest) -> int:
         if req.temperature == 0:
