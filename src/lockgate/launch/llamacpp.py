@@ -111,6 +111,8 @@ class LlamaCppConfig:
     ctx: int = 2048  # total context; each slot gets ctx // parallel tokens
     alias: str = "smollm2"
     threads: int = -1  # -1: llama.cpp's default (all cores)
+    #: Serve `/v1/embeddings` (mean-pooled) instead of generating: llama.cpp's server does one or the other.
+    embedding: bool = False
 
     def argv(self, *, parent_pid: int | None = None) -> list[str]:
         model = self.model_path if self.model_path is not None else find_smollm2_gguf()
@@ -120,6 +122,8 @@ class LlamaCppConfig:
             "--parallel", str(self.parallel), "--ctx", str(self.ctx), "--alias", self.alias,
             "--threads", str(self.threads),
         ]  # fmt: skip
+        if self.embedding:
+            argv.append("--embedding")
         if parent_pid is not None:
             argv += ["--parent-pid", str(parent_pid)]
         return argv
@@ -140,6 +144,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ctx", type=int, default=2048, help="total context size, shared by the slots")
     parser.add_argument("--alias", default=None, help="model id reported by /v1/models")
     parser.add_argument("--threads", type=int, default=-1, help="CPU threads (-1: default)")
+    parser.add_argument(
+        "--embedding",
+        action="store_true",
+        help="serve /v1/embeddings (mean pooling); llama.cpp then refuses completions",
+    )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process dies")
     return parser
 
@@ -182,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     params.port = args.port
     if args.alias:
         params.model_alias = {args.alias}
+    if args.embedding:
+        params.embedding = True
+        # A generative model has no pooling of its own; OpenAI-style embeddings need one vector per input.
+        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
     if args.threads > 0:
         params.cpuparams.n_threads = args.threads
         params.cpuparams_batch.n_threads = args.threads
