@@ -21,6 +21,11 @@ def test_bench_inprocess_answers_every_request_and_reports_what_the_gateway_adds
     assert match, done.stdout
     through, direct, added = (float(x) for x in match.groups())
     assert through > 0 and direct > 0 and abs(through - direct - added) < 0.2
+    # Progress goes to stderr (plain lines: not a terminal), never into the results on stdout.
+    progress = done.stderr.splitlines()
+    phase = "lockgate bench inprocess: through the gateway (50 + 300 requests)"
+    assert any(line.startswith(phase) for line in progress), done.stderr[-2000:]
+    assert progress[-1].startswith("lockgate bench inprocess: finished in"), done.stderr[-2000:]
 
 
 def test_one_target_alone_for_instruction_counts() -> None:

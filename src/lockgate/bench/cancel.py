@@ -23,6 +23,7 @@ import orjson
 from ..sim import SimConfig, SimServer
 from .load import percentile
 from .overhead import child, free_port, wait_http
+from .progress import Progress
 
 PHASES = ("before_first_byte", "mid_stream", "non_streaming")
 MODEL = "bench-model"
@@ -83,7 +84,8 @@ async def _trial(sim: SimServer, port: int, phase: str) -> tuple[float, int]:
     return seen_at - closed_at, int(record["tokens_after_disconnect"])
 
 
-async def run(trials: int, tpot_ms: float) -> list[PhaseResult]:
+async def run(trials: int, tpot_ms: float, progress: Progress | None = None) -> list[PhaseResult]:
+    progress = progress or Progress.silent()
     results = [PhaseResult(phase) for phase in PHASES]
     async with SimServer(SimConfig(models=(MODEL,), prefill_tps=1e6, tpot_ms=tpot_ms)) as sim:
         port = free_port()
@@ -96,15 +98,19 @@ async def run(trials: int, tpot_ms: float) -> list[PhaseResult]:
                 f"models:\n  - name: {MODEL}\n    instances:\n      - {{url: '{sim.url}', engine: vllm}}\n"
             )
             with child(["serve", "--config", str(config)]) as gateway:
+                progress.phase("starting the gateway")
                 await wait_http(f"http://127.0.0.1:{port}/ready", gateway)
+                progress.phase("warm-up")
                 for _ in range(min(10, trials)):  # warm-up: connections, allocators
                     for phase in PHASES:
                         await _trial(sim, port, phase)
+                progress.phase(f"trials of {len(PHASES)} phases", trials)
                 for _ in range(trials):
                     for result in results:  # interleaved, so that drift hits every phase alike
                         latency, after = await asyncio.wait_for(_trial(sim, port, result.phase), 10)
                         result.latencies_s.append(latency)
                         result.tokens_after_disconnect += after
+                    progress.advance()
     return results
 
 

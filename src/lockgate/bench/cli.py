@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from .progress import Progress
+
 
 def _overhead(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import overhead
 
     async def main() -> int:
-        rows = await overhead.run(
-            args.concurrency, args.requests, args.max_tokens, args.modes, args.rounds, args.client
-        )
+        async with Progress("lockgate bench overhead") as progress:
+            rows = await overhead.run(
+                args.concurrency, args.requests, args.max_tokens, args.modes, args.rounds, args.client, progress
+            )
         print(overhead.interpreter())
         print(overhead.report(rows))
         return 0 if all(r.result.errors == 0 for r in rows) else 1
@@ -27,7 +30,8 @@ def _routing(args: argparse.Namespace) -> int:
     shape = routing.Shape(rate=args.rate, duration_s=args.duration, instances=args.instances, seed=args.seed)
 
     async def main() -> int:
-        results = await routing.run(args.traces, args.policies, shape)
+        async with Progress("lockgate bench routing") as progress:
+            results = await routing.run(args.traces, args.policies, shape, progress)
         print(routing.report(results))
         checks = routing.verdicts(results)
         if args.index_prompts:
@@ -58,7 +62,8 @@ def _priority(args: argparse.Namespace) -> int:
     )
 
     async def main() -> int:
-        phases, info = await priority.run(settings)
+        async with Progress("lockgate bench priority") as progress:
+            phases, info = await priority.run(settings, progress)
         print(priority.report(phases, info, settings))
         return 0
 
@@ -70,7 +75,8 @@ def _cancel(args: argparse.Namespace) -> int:
     from . import cancel
 
     async def main() -> int:
-        results = await cancel.run(args.trials, args.tpot_ms)
+        async with Progress("lockgate bench cancel") as progress:
+            results = await cancel.run(args.trials, args.tpot_ms, progress)
         print(cancel.report(results, args.target_ms))
         return 0
 
@@ -82,7 +88,8 @@ def _inprocess(args: argparse.Namespace) -> int:
     from . import inprocess
 
     async def main() -> int:
-        result = await inprocess.run(args.requests, args.warmup, args.concurrency, args.target)
+        async with Progress("lockgate bench inprocess") as progress:
+            result = await inprocess.run(args.requests, args.warmup, args.concurrency, args.target, progress)
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
 
@@ -94,15 +101,17 @@ def _dedup(args: argparse.Namespace) -> int:
     from . import dedup
 
     async def main() -> int:
-        result = await dedup.run(
-            windows=args.windows,
-            burst=args.burst,
-            dup_share=args.dup_share,
-            stream_share=args.stream_share,
-            max_tokens=args.max_tokens,
-            spread_ms=args.spread_ms,
-            tpot_ms=args.tpot_ms,
-        )
+        async with Progress("lockgate bench dedup") as progress:
+            result = await dedup.run(
+                windows=args.windows,
+                burst=args.burst,
+                dup_share=args.dup_share,
+                stream_share=args.stream_share,
+                max_tokens=args.max_tokens,
+                spread_ms=args.spread_ms,
+                tpot_ms=args.tpot_ms,
+                progress=progress,
+            )
         print(dedup.report(result))
         return 0 if result.errors == 0 else 1
 

@@ -27,6 +27,7 @@ from ..config import parse_config
 from ..server import GatewayServer
 from ..sim import SimConfig, SimServer
 from .load import percentile
+from .progress import Progress
 
 MODEL = "bench-model"
 
@@ -57,7 +58,9 @@ async def run(
     spread_ms: float,
     tpot_ms: float,
     seed: int = 1,
+    progress: Progress | None = None,
 ) -> DedupResult:
+    progress = progress or Progress.silent()
     rng = random.Random(seed)
     result = DedupResult()
     sim_config = SimConfig(models=(MODEL,), tpot_ms=tpot_ms, max_num_seqs=256, requests_seen_limit=10)
@@ -78,6 +81,7 @@ async def run(
                 url = gw.url + "/v1/chat/completions"
                 started = time.perf_counter()
                 for window in range(windows):
+                    progress.phase(f"window {window + 1}/{windows} ({burst} requests)")
                     await _window(
                         http, url, sim, rng, window, burst, dup_share, stream_share, max_tokens, spread_ms, result
                     )

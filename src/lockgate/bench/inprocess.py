@@ -28,6 +28,7 @@ import orjson
 
 from ..config import parse_config
 from ..server import GatewayServer, tune_gc
+from .progress import Progress
 
 _COMPLETION = orjson.dumps(
     {
@@ -137,9 +138,14 @@ async def _measured(port: int, requests: int, connections: int) -> tuple[int, fl
 
 
 async def run(
-    requests: int = 10_000, warmup: int = 1000, concurrency: int = 64, target: str = "both"
+    requests: int = 10_000,
+    warmup: int = 1000,
+    concurrency: int = 64,
+    target: str = "both",
+    progress: Progress | None = None,
 ) -> InProcessResult:
     """`target`: "gateway", "direct" (the client and the canned engine alone) or "both"."""
+    progress = progress or Progress.silent()
     loop = asyncio.get_running_loop()
     engine = await loop.create_server(_Engine, "127.0.0.1", 0)
     engine_port = engine.sockets[0].getsockname()[1]
@@ -169,9 +175,11 @@ async def run(
                 ok = 0
                 direct_us = gateway_us = None
                 if target in ("direct", "both"):
+                    progress.phase(f"straight to the canned engine ({warmup} + {requests} requests)")
                     await _drive(engine_port, warmup, concurrency)
                     ok, direct_us = await _measured(engine_port, requests, concurrency)
                 if target in ("gateway", "both"):
+                    progress.phase(f"through the gateway ({warmup} + {requests} requests)")
                     await _drive(gateway_port, warmup, concurrency)
                     ok, gateway_us = await _measured(gateway_port, requests, concurrency)
     finally:

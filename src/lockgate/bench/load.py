@@ -65,9 +65,13 @@ async def closed_loop(
     stream: bool,
     headers: dict[str, str] | None = None,
     client: str = "aiohttp",
+    on_done: Callable[[], object] | None = None,
 ) -> LoadResult:
-    """`concurrency` workers send `requests` requests in total, each waiting for its answer."""
-    run = functools.partial(_drive, make_body, concurrency=concurrency, requests=requests, stream=stream)
+    """`concurrency` workers send `requests` requests in total, each waiting for its answer; `on_done`
+    is called after each answer (progress)."""
+    run = functools.partial(
+        _drive, make_body, concurrency=concurrency, requests=requests, stream=stream, on_done=on_done
+    )
     if client == "lean":
         origin, _, rest = url.partition("://")
         host, _, path = rest.partition("/")
@@ -112,7 +116,13 @@ async def _read(read: Callable[[], Awaitable[bytes]], chunks: AsyncIterator[byte
 
 
 async def _drive(
-    make_body: Callable[[int], dict[str, Any]], post: Post, *, concurrency: int, requests: int, stream: bool
+    make_body: Callable[[int], dict[str, Any]],
+    post: Post,
+    *,
+    concurrency: int,
+    requests: int,
+    stream: bool,
+    on_done: Callable[[], object] | None,
 ) -> LoadResult:
     latencies: list[float] = []
     ttfts: list[float] = []
@@ -130,6 +140,8 @@ async def _drive(
             if first is not None:
                 ttfts.append(first - start)
             latencies.append(time.perf_counter() - start)
+            if on_done is not None:
+                on_done()
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))

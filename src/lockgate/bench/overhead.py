@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from .load import LoadResult, closed_loop, cpu_seconds, percentile
+from .progress import Progress
 
 MODEL = "bench-model"
 
@@ -104,10 +105,12 @@ async def run(
     modes: list[str],
     rounds: int = 3,
     client: str = "lean",
+    progress: Progress | None = None,
 ) -> list[Row]:
     """Each (mode, concurrency) is measured in `rounds` rounds, direct then gateway in each, so that a
     drift of the machine (the client, engine and gateway share its cores) weighs on both alike; a row
     sums its rounds (requests / total time, CPU over all of them) and keeps each round's ratio."""
+    progress = progress or Progress.silent()
     engine_port, gateway_port = free_port(), free_port()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,6 +120,7 @@ async def run(
         with child(sim_args) as sim, child(["serve", "--config", config_path]) as gw:
             engine_url = f"http://127.0.0.1:{engine_port}"
             gateway_url = f"http://127.0.0.1:{gateway_port}"
+            progress.phase("starting the engine and the gateway")
             await wait_http(engine_url + "/health", sim)
             await wait_http(gateway_url + "/ready", gw)
             for mode in modes:
@@ -124,11 +128,12 @@ async def run(
                 make = _body(stream, max_tokens)
                 for concurrency in concurrencies:
                     parts: dict[str, list[tuple[LoadResult, float, float]]] = {"direct": [], "gateway": []}
-                    for _ in range(rounds):
+                    for round_ in range(rounds):
                         for target, base in (("direct", engine_url), ("gateway", gateway_url)):
                             url = base + "/v1/chat/completions"
+                            progress.phase(f"{mode} c={concurrency} round {round_ + 1}/{rounds} {target}", requests)
                             parts[target].append(
-                                await _measure(url, make, concurrency, requests, stream, sim, gw, client)
+                                await _measure(url, make, concurrency, requests, stream, sim, gw, client, progress)
                             )
                     ratios = [g[0].rps / d[0].rps for d, g in zip(parts["direct"], parts["gateway"], strict=True)]
                     for target in ("direct", "gateway"):
@@ -145,12 +150,15 @@ async def _measure(
     sim: subprocess.Popen[bytes],
     gw: subprocess.Popen[bytes],
     client: str,
+    progress: Progress,
 ) -> tuple[LoadResult, float, float]:
     """One round against one target: its result and the engine's and gateway's CPU seconds."""
     # Warm-up: connections, caches, allocator.
     await closed_loop(url, make, concurrency=concurrency, requests=concurrency * 4, stream=stream, client=client)
     e0, g0 = cpu_seconds(sim.pid), cpu_seconds(gw.pid)
-    result = await closed_loop(url, make, concurrency=concurrency, requests=requests, stream=stream, client=client)
+    result = await closed_loop(
+        url, make, concurrency=concurrency, requests=requests, stream=stream, client=client, on_done=progress.advance
+    )
     return result, cpu_seconds(sim.pid) - e0, cpu_seconds(gw.pid) - g0
 
 

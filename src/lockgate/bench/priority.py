@@ -30,6 +30,7 @@ import orjson
 from ..records import read_records
 from .load import cpu_seconds, percentile
 from .overhead import child, free_port, wait_http
+from .progress import Progress
 
 MODEL = "bench-model"
 CLASSES = ("P0", "P1", "P2")
@@ -228,9 +229,10 @@ async def _phase(name: str, url: str, rates: dict[str, float], settings: Setting
     return phase
 
 
-async def run(settings: Settings) -> tuple[list[Phase], dict[str, float]]:
+async def run(settings: Settings, progress: Progress | None = None) -> tuple[list[Phase], dict[str, float]]:
     """Three phases on one fleet: P0 alone (the baseline); P0 under a P2 flood (the issue's benchmark:
     P0's latency must hold); P0 under a P1 + P2 flood (the weighted shares of P1 and P2)."""
+    progress = progress or Progress.silent()
     capacity = settings.sims * settings.slots_per_sim
     service_s = settings.max_tokens * settings.tpot_ms / 1000
     capacity_rps = capacity / service_s
@@ -256,6 +258,7 @@ async def run(settings: Settings) -> tuple[list[Phase], dict[str, float]]:
             for i, p in enumerate(sim_ports)
         ]
         with contextlib.ExitStack() as stack:
+            progress.phase("starting the engines and the gateway")
             procs = [stack.enter_context(child(cmd)) for cmd in [*sim_args, ["serve", "--config", str(config_path)]]]
             for port, proc in zip(sim_ports, procs, strict=False):
                 await wait_http(f"http://127.0.0.1:{port}/health", proc)
@@ -266,6 +269,7 @@ async def run(settings: Settings) -> tuple[list[Phase], dict[str, float]]:
             gateway_pid = procs[-1].pid
             drain = 2.0
             cpu = cpu_seconds(gateway_pid)
+            progress.phase(f"P0 only ({settings.duration_s:g} s)")
             baseline = await _phase("P0 only", url, {"P0": settings.p0_rate}, settings, drain)
             usage_path = os.path.join(tmp, "usage.sqlite3")
             await _observe(baseline, base, sim_urls, gateway_pid, cpu, usage_path)
@@ -282,6 +286,7 @@ async def run(settings: Settings) -> tuple[list[Phase], dict[str, float]]:
                 if rates.get("P1") == 0:
                     continue
                 cpu = cpu_seconds(gateway_pid)
+                progress.phase(f"{name} ({settings.duration_s:g} s)")
                 phase = await _phase(name, url, rates, settings, drain)
                 await _observe(phase, base, sim_urls, gateway_pid, cpu, usage_path)
                 phases.append(phase)

@@ -32,6 +32,7 @@ from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..server import GatewayServer
 from ..sim import SimConfig, SimServer
 from .load import percentile
+from .progress import Progress
 
 MODEL = "bench-model"
 POLICIES = ("round_robin", "least_load", "power_of_two", "consistent_hash", "score", "cache_aware", "predicted_ttft")
@@ -263,12 +264,16 @@ def index_memory_check(prompts: int, max_bytes: int, block_chars: int = 64) -> t
     return used, max_bytes, len(index)
 
 
-async def run(traces: list[str], policies: list[str], shape: Shape) -> list[RunResult]:
+async def run(
+    traces: list[str], policies: list[str], shape: Shape, progress: Progress | None = None
+) -> list[RunResult]:
+    progress = progress or Progress.silent()
     makers = {"agent": agent_trace, "skewed": skewed_trace}
-    results = []
+    results: list[RunResult] = []
     for name in traces:
         trace = makers[name](shape)
         for policy in policies:
+            progress.phase(f"{name} trace, {policy} ({len(results) + 1}/{len(traces) * len(policies)})")
             results.append(await run_policy(name, trace, policy, shape))
     return results
 
