@@ -158,7 +158,8 @@ async def test_tenants_priorities_and_the_model_allow_list(start_sim, start_gate
 
     sim = await start_sim(("m", "other"), **SIM)
     tenants = [
-        {"name": "acme", "keys": [hash_key("k-acme")], "models": ["m"]},
+        # An embedding reserves its prompt alone: no completion tokens (not `assumed_max_tokens`, 1024).
+        {"name": "acme", "keys": [hash_key("k-acme")], "models": ["m"], "tokens_per_minute": 100},
         {"name": "all", "keys": [hash_key("k-all")]},
     ]
     gw = await start_gateway(
