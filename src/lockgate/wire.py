@@ -31,7 +31,8 @@ class Endpoint(StrEnum):
 
     @property
     def object_name(self) -> str:
-        return "chat.completion" if self is Endpoint.CHAT else "text_completion"
+        """The `object` of a whole (non-streamed) answer."""
+        return _OBJECT_NAMES[self]
 
     @property
     def generates(self) -> bool:
@@ -45,6 +46,7 @@ _PATHS = {
     Endpoint.COMPLETIONS: "/v1/completions",
     Endpoint.EMBEDDINGS: "/v1/embeddings",
 }
+_OBJECT_NAMES = {Endpoint.CHAT: "chat.completion", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "list"}
 
 
 @dataclass(slots=True)

@@ -83,32 +83,32 @@ async def _embed(gw: GatewayServer, text: str) -> list[float]:
     return vector
 
 
-@pytest.mark.parametrize(
-    ("payload", "param"),
-    [
-        ({"model": "emb"}, "input"),
-        ({"model": "emb", "input": ""}, "input"),
-        ({"model": "emb", "input": []}, "input"),
-        ({"model": "emb", "input": 7}, "input"),
-        ({"model": "emb", "input": ["ok", 3]}, "input[1]"),
-        ({"model": "emb", "input": ["ok", ""]}, "input[1]"),
-        ({"model": "emb", "input": [[1, 2], []]}, "input[1]"),
-        ({"model": "emb", "input": [[1, "x"]]}, "input[0]"),
-        ({"model": "emb", "input": ["a", [1]]}, "input"),
-        ({"model": "emb", "input": ["x"] * 2049}, "input"),
-        ({"model": "emb", "input": "x", "encoding_format": "int8"}, "encoding_format"),
-        ({"model": "emb", "input": "x", "dimensions": 0}, "dimensions"),
-        ({"model": "emb", "input": "x", "dimensions": "8"}, "dimensions"),
-        ({"model": "emb", "input": "x", "stream": True}, "stream"),
-        ({"input": "x"}, "model"),
-    ],
-)
-async def test_invalid_bodies_get_400_naming_the_field(pair, http, payload, param) -> None:
+INVALID: list[tuple[dict[str, Any], str]] = [
+    ({"model": "emb"}, "input"),
+    ({"model": "emb", "input": ""}, "input"),
+    ({"model": "emb", "input": []}, "input"),
+    ({"model": "emb", "input": 7}, "input"),
+    ({"model": "emb", "input": ["ok", 3]}, "input[1]"),
+    ({"model": "emb", "input": ["ok", ""]}, "input[1]"),
+    ({"model": "emb", "input": [[1, 2], []]}, "input[1]"),
+    ({"model": "emb", "input": [[1, "x"]]}, "input[0]"),
+    ({"model": "emb", "input": ["a", [1]]}, "input"),
+    ({"model": "emb", "input": ["x"] * 2049}, "input"),
+    ({"model": "emb", "input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"model": "emb", "input": "x", "dimensions": 0}, "dimensions"),
+    ({"model": "emb", "input": "x", "dimensions": "8"}, "dimensions"),
+    ({"model": "emb", "input": "x", "stream": True}, "stream"),
+    ({"input": "x"}, "model"),
+]
+
+
+async def test_invalid_bodies_get_400_naming_the_field(pair, http) -> None:
     gw, a, b = pair
-    async with http.post(gw.url + "/v1/embeddings", json=payload) as resp:
-        assert resp.status == 400
-        error = (await resp.json())["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    for payload, param in INVALID:
+        async with http.post(gw.url + "/v1/embeddings", json=payload) as resp:
+            assert resp.status == 400, payload
+            error = (await resp.json())["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", (payload, error)
     assert a.statistics()["requests_started"] == b.statistics()["requests_started"] == 0
 
 
