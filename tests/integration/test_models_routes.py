@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from lockgate.admission.tenants import hash_key
+from lockgate.config import load_config
 from lockgate.server import GatewayServer
 from tests.conftest import instance
 
@@ -57,3 +58,30 @@ async def test_retrieve_ids_with_a_slash_and_hide_models_a_tenant_may_not_use(ga
     assert status == 200 and body["id"] == "org/model-7b" and set(body) == {"id", "object", "created", "owned_by"}
     status, body = await _get(gateway.url + "/v1/models/nope", "k-all")
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+async def test_a_reload_updates_the_models_and_the_allow_lists(stack, start_sim, tmp_path) -> None:
+    sim = await start_sim(("m", "n"))
+    path = tmp_path / "gw.yaml"
+
+    def write(models: list[str]) -> None:
+        lines = [
+            "listen: {host: 127.0.0.1, port: 0}",
+            f"usage: {{path: '{tmp_path / 'usage.sqlite3'}'}}",
+            "health: {interval_ms: 60000}",
+            "models:",
+            *(f"  - {{name: {m}, instances: [{{url: '{sim.url}', engine: vllm}}]}}" for m in models),
+            "tenants:",
+            f"  - {{name: acme, keys: ['{hash_key('k-acme')}'], models: [{', '.join(models)}]}}",
+        ]
+        path.write_text("\n".join(lines) + "\n")
+
+    write(["m"])
+    server = await stack.enter_async_context(GatewayServer(load_config(path), config_path=path))
+    assert (await _get(server.url + "/v1/models/n", "k-acme"))[0] == 404
+    write(["m", "n"])
+    assert server.gateway.reloader is not None
+    await server.gateway.reloader.reload()
+    status, body = await _get(server.url + "/v1/models", "k-acme")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["m", "n"]
+    assert (await _get(server.url + "/v1/models/n", "k-acme"))[0] == 200
