@@ -56,8 +56,9 @@ class InstanceConfig(_Strict):
     name: str | None = None
     #: Model name the engine knows this model by (defaults to the gateway's model name).
     served_model: str | None = None
-    #: How many requests this instance takes at once (used by routing and scheduling).
-    max_concurrency: Annotated[int, Field(ge=1)] = 64
+    #: The most requests this instance is sent at once (a ceiling: below it the limit adapts to what the
+    #: engine runs, see fleet/capacity.py; null: `upstream.max_connections`).
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
     #: Bearer token the gateway sends to this engine (never the client's).
     api_key: str | None = None
 
@@ -76,6 +77,10 @@ class InstanceConfig(_Strict):
     def key(self) -> str:
         """Identity of the engine process: one instance serving several models shares state."""
         return self.url
+
+    def concurrency_ceiling(self, upstream: UpstreamConfig) -> int:
+        """The most requests this instance is ever sent at once."""
+        return self.max_concurrency or upstream.max_connections
 
 
 class SemanticConfig(_Strict):

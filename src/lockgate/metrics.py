@@ -178,6 +178,14 @@ class GatewayMetrics:
         self.permits_in_use = Family(
             Gauge("lockgate_permits_in_use", "Instance leases (routing slots) held.", ["instance"], registry=r)
         )
+        self.concurrency_limit = Family(
+            Gauge(
+                "lockgate_instance_concurrency_limit",
+                "Requests an instance is sent at once: discovered from its engine's queue, below the ceiling.",
+                ["instance"],
+                registry=r,
+            )
+        )
         self.cancellations = Family(
             Counter("lockgate_cancellations", "Requests ended early, by reason.", ["reason"], registry=r)
         )

@@ -118,11 +118,18 @@ class_lists = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(classes=class_lists, capacity=st.integers(0, 6), reserve=st.integers(0, 2), script=ops)
+@given(
+    classes=class_lists,
+    capacity=st.integers(0, 6),
+    reserve=st.integers(0, 2),
+    window=st.one_of(st.none(), st.floats(0.5, 12.0)),
+    script=ops,
+)
 def test_invariants_hold_under_any_sequence(
-    classes: list[ClassSpec], capacity: int, reserve: int, script: list[tuple[str, int]]
+    classes: list[ClassSpec], capacity: int, reserve: int, window: float | None, script: list[tuple[str, int]]
 ) -> None:
-    core = SchedulerCore(classes, capacity, reserve=reserve)
+    core = SchedulerCore(classes, capacity, reserve=reserve, strict_window_s=window)
+    strict = [k for k, c in enumerate(classes) if c.strict]
     n = len(classes)
     live: list[Ticket] = []
     last_granted_seq = [0] * n
@@ -171,10 +178,17 @@ def test_invariants_hold_under_any_sequence(
                 assert core.running(k) <= spec.max_running
         # Work conserving: no free slot while an eligible ticket waits (the headroom is for strict
         # classes only), and the shared classes never take the headroom.
+        # The adaptive reserve never takes more than half the pool, nor its last slot, from the shared classes.
+        shared_running = core.running_total - sum(core.running(k) for k in strict)
+        assert 0 <= core.strict_need <= max(0, core.capacity - 1)
+        assert core.strict_need <= -(-core.capacity // 2)
         if granted and not classes[granted[-1].klass].strict:
             assert core.running_total <= core.capacity - reserve
+            assert shared_running <= core.capacity - core.strict_need
         for k, spec in enumerate(classes):
             free = core.capacity - core.running_total - (0 if spec.strict else reserve)
+            if not spec.strict:
+                free = min(free, core.capacity - core.strict_need - shared_running)
             if core.queued(k) and free > 0:
                 assert spec.max_running is not None and core.running(k) >= spec.max_running
         # States agree with the counts.
@@ -241,6 +255,38 @@ def test_headroom_is_kept_for_the_strict_class() -> None:
     assert [t.state for t in p2] == [TicketState.RUNNING, TicketState.RUNNING, TicketState.QUEUED]
     p0 = offer(core, 0)
     assert p0.state is TicketState.RUNNING  # starts at once, no preemption needed
+
+
+def test_adaptive_reserve_keeps_a_slot_for_a_recent_strict_trickle_and_lapses() -> None:
+    core = SchedulerCore(DEFAULT, capacity=4, strict_window_s=10.0)
+    p2 = [offer(core, 2, now=0.0) for _ in range(6)]
+    assert core.running(2) == 4 and core.strict_need == 0  # no strict traffic yet: the whole pool
+    p0 = offer(core, 0, now=1.0)
+    assert p0.state is TicketState.QUEUED and core.strict_need == 1  # the first P0 learns the demand
+    (granted,) = core.release(p2[0], now=1.5)
+    assert granted is p0  # strict first, as always
+    assert core.release(p2[1], now=2.0) == [p2[4]]  # P2 keeps capacity - need = 3 slots ...
+    assert core.release(p0, now=2.5) == []  # ... and the slot P0 leaves is kept for the next P0
+    assert core.running(2) == 3 and core.queued(2) == 1
+    nxt = offer(core, 0, now=3.0)
+    assert nxt.state is TicketState.RUNNING  # a P0 arrival starts at once, nobody preempted
+    core.release(nxt, now=3.1)
+    # No strict traffic for a whole window: the reserve lapses and P2 gets the pool back.
+    granted_later = core.release(p2[2], now=14.0)
+    assert core.strict_need == 0 and granted_later == [p2[5]]
+    assert core.running(2) == 3 and core.queued(2) == 0
+    p2_more = offer(core, 2, now=14.5)
+    assert p2_more.state is TicketState.RUNNING and core.running(2) == 4
+
+
+def test_adaptive_reserve_follows_the_strict_peak_but_never_more_than_half() -> None:
+    core = SchedulerCore(DEFAULT, capacity=8, strict_window_s=10.0)
+    burst = [offer(core, 0, now=0.0) for _ in range(6)]
+    assert core.strict_need == 4  # peak demand 6, capped at half the pool
+    for ticket in burst:
+        core.release(ticket, now=0.1)
+    p2 = [offer(core, 2, now=0.2) for _ in range(8)]
+    assert sum(t.state is TicketState.RUNNING for t in p2) == 4
 
 
 def test_bad_specs_are_refused() -> None:

@@ -60,6 +60,10 @@ class SchedulingConfig(_Strict):
     #: Fraction of each pool's slots kept free for strict classes (P0), so that they start at once
     #: without preemption; at least one slot is always left to the others.
     strict_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = 0.0
+    #: Adaptive strict reserve: for this long after strict (P0) traffic was last seen, the other classes
+    #: leave its recent peak concurrency free (at most half the pool, never its last slot), so that P0
+    #: starts at once under any flood without preempting anyone; 0 turns it off.
+    strict_reserve_window_ms: Annotated[int, Field(ge=0)] = 30_000
     #: Send the class index as the engine's priority field where the dialect has one (vLLM
     #: `priority`). Off by default: a vLLM running its default FCFS policy rejects every request
     #: with a non-zero priority, so turn it on only for engines started with

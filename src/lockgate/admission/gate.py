@@ -51,11 +51,12 @@ class PoolScheduler:
         metrics: SchedulingMetrics,
         *,
         reserve: int = 0,
+        strict_window_s: float | None = None,
         clock: Clock = time.monotonic,
         preemptible: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
-        self.core = SchedulerCore(classes, capacity, reserve=reserve)
+        self.core = SchedulerCore(classes, capacity, reserve=reserve, strict_window_s=strict_window_s)
         #: Classes whose running requests a strict-class arrival may stop (see `preemption.py`).
         self.preemptible = preemptible
         self._metrics = metrics
@@ -210,9 +211,9 @@ def class_specs(config: Config) -> tuple[ClassSpec, ...]:
 class Admission:
     """The gateway's admission control: tenants, rate limits and one scheduler per model pool.
 
-    Pool capacity is the sum of the configured `max_concurrency` of the model's routable instances
-    (healthy and not ejected; an instance shared by several models counts fully in each), kept
-    current by `resize()`; `scheduling.strict_headroom` of it is kept for strict classes."""
+    Pool capacity is the sum of the concurrency limits of the model's routable instances (healthy and
+    not ejected; an instance shared by several models counts fully in each; each limit discovered from
+    its engine below the configured ceiling, `fleet/capacity.py`), kept current by `resize()`; `scheduling.strict_headroom` of it is kept for strict classes."""
 
     def __init__(self, config: Config, metrics: SchedulingMetrics, *, clock: Clock = time.monotonic) -> None:
         self.book = TenantBook(config.tenants, config.scheduling)
@@ -225,6 +226,8 @@ class Admission:
         self._metrics = metrics
         self._clock = clock
         self._headroom = config.scheduling.strict_headroom
+        window_ms = config.scheduling.strict_reserve_window_ms
+        self._strict_window_s = window_ms / 1000 if window_ms else None
         self.schedulers: dict[str, PoolScheduler] = {}
         self._add_schedulers(config)
         self._watched: set[str] = set()
@@ -233,13 +236,14 @@ class Admission:
         for m in config.models:
             if m.name in self.schedulers:
                 continue
-            capacity = sum(i.max_concurrency for i in m.instances)
+            capacity = sum(i.concurrency_ceiling(config.upstream) for i in m.instances)
             self.schedulers[m.name] = PoolScheduler(
                 m.name,
                 self.classes,
                 capacity,
                 self._metrics,
                 reserve=self._reserve(capacity),
+                strict_window_s=self._strict_window_s,
                 clock=self._clock,
                 preemptible=self.preemptible,
             )

@@ -18,7 +18,14 @@ Order of service:
 - within a class, first come, first served;
 - a class never runs more than its `max_running` slots (None: no limit beyond capacity);
 - `reserve` slots are headroom only strict classes may take: without preemption, this is what lets a
-  P0 arrival start at once while the other classes keep the rest of the pool busy.
+  P0 arrival start at once while the other classes keep the rest of the pool busy;
+- the *adaptive strict reserve* (`strict_window_s`): while strict work was seen within the window,
+  the shared classes together hold at most `capacity - need` slots, where `need` is the peak strict
+  demand (running + queued, counted at each strict arrival) over the last one to two half-windows,
+  capped so that the shared classes keep at least half the pool (and always one slot). A steady P0
+  trickle thus finds its slot free however hard P2 floods, without stopping anyone; preemption is
+  left for bursts beyond the recent peak. When strict traffic stops, the reserve lapses within one
+  window and the shared classes get the whole pool back.
 
 Preemption: `running_newest_first(klass)` lists a class's running tickets, most recently granted
 first; a preemption policy (`preemption.choose_victim`) picks one, its owner stops the work, and
@@ -101,7 +108,14 @@ _EWMA = 0.2
 
 
 class SchedulerCore:
-    def __init__(self, classes: Sequence[ClassSpec], capacity: int, *, reserve: int = 0) -> None:
+    def __init__(
+        self,
+        classes: Sequence[ClassSpec],
+        capacity: int,
+        *,
+        reserve: int = 0,
+        strict_window_s: float | None = None,
+    ) -> None:
         if not classes:
             raise ValueError("at least one priority class")
         if capacity < 0:
@@ -127,6 +141,15 @@ class SchedulerCore:
         self.granted_total = [0] * n
         self.rejected_total = [0] * n
         self.mean_hold_s = _INITIAL_HOLD_S
+        if strict_window_s is not None and strict_window_s <= 0:
+            raise ValueError("strict_window_s must be > 0")
+        #: Adaptive strict reserve (None: off): peak strict demand per half-window, current and previous.
+        self.strict_window_s = strict_window_s
+        self._peak_now = 0
+        self._peak_prev = 0
+        self._bucket_start = 0.0
+        #: Slots the shared classes leave to strict ones right now (see the module docstring).
+        self.strict_need = 0
 
     # --- transitions -----------------------------------------------------------------------------
     def grant_at_once(self, ticket: Ticket, now: float) -> bool:
@@ -134,10 +157,38 @@ class SchedulerCore:
         (what `offer` and `_dispatch` would decide): the uncontended common case, without an `Offer`.
         Returns False, having changed nothing, when the ticket must go through `offer`."""
         k = ticket.klass
-        if ticket.state is not None or not 0 <= k < len(self.classes) or any(self._queues) or not self._free_for(k):
+        if ticket.state is not None or not 0 <= k < len(self.classes):
+            return False
+        if self.strict_window_s is not None:
+            self._observe(k, now)
+        if any(self._queues) or not self._free_for(k):
             return False
         self._grant(self._take(ticket, now), ticket, now)
         return True
+
+    def _observe(self, k: int, now: float) -> None:
+        """Adaptive strict reserve: age the half-window peaks; a strict arrival counts its demand."""
+        self._age(now)
+        if self.classes[k].strict:
+            demand = 1 + sum(len(self._running[s]) + len(self._queues[s]) for s in self._strict)
+            if demand > self._peak_now:
+                self._peak_now = demand
+        self._set_need()
+
+    def _age(self, now: float) -> None:
+        """Start a new half-window when the current one is over (a peak lives one to two half-windows)."""
+        window = self.strict_window_s
+        assert window is not None
+        elapsed = now - self._bucket_start
+        if elapsed >= window / 2:
+            self._peak_prev = self._peak_now if elapsed < window else 0
+            self._peak_now = 0
+            self._bucket_start = now
+
+    def _set_need(self) -> None:
+        peak = max(self._peak_now, self._peak_prev)
+        capacity = self.capacity
+        self.strict_need = max(0, min(peak, capacity - 1, math.ceil(capacity / 2))) if peak else 0
 
     def _take(self, ticket: Ticket, now: float) -> int:
         """Number a new ticket; a class that was idle rejoins at the current virtual time."""
@@ -187,6 +238,9 @@ class SchedulerCore:
             if ticket.granted_at is not None:
                 held = max(0.0, now - ticket.granted_at)
                 self.mean_hold_s += _EWMA * (held - self.mean_hold_s)
+            if self.strict_window_s is not None and now - self._bucket_start >= self.strict_window_s / 2:
+                self._age(now)
+                self._set_need()
             if not any(self._queues):
                 return []  # nobody waits: the freed slot has no taker (the uncontended common case)
             return self._dispatch(now)
@@ -214,6 +268,8 @@ class SchedulerCore:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
+        if self.strict_window_s is not None:
+            self._set_need()
         return self._dispatch(now)
 
     # --- queries ---------------------------------------------------------------------------------
@@ -289,7 +345,7 @@ class SchedulerCore:
         for k in self._strict:
             if self._eligible(k):
                 return k
-        if self._running_total >= self.capacity - self.reserve:
+        if not self._shared_room():
             return None  # only the strict classes' headroom is left
         best: int | None = None
         best_finish = 0.0
@@ -302,8 +358,19 @@ class SchedulerCore:
 
     def _free_for(self, k: int) -> bool:
         """A slot is free for class `k` (its own limit, and the strict classes' reserve for the others)."""
-        limit = self.capacity if self.classes[k].strict else self.capacity - self.reserve
-        return self._running_total < limit and self._below_class_limit(k)
+        if self.classes[k].strict:
+            return self._running_total < self.capacity and self._below_class_limit(k)
+        return self._shared_room() and self._below_class_limit(k)
+
+    def _shared_room(self) -> bool:
+        """The shared classes may take one more slot: the static reserve and the adaptive one allow it."""
+        if self._running_total >= self.capacity - self.reserve:
+            return False
+        need = self.strict_need
+        if not need:
+            return True
+        strict_running = sum(len(self._running[s]) for s in self._strict)
+        return self._running_total - strict_running < self.capacity - need
 
     def _dispatch(self, now: float) -> list[Ticket]:
         granted: list[Ticket] = []

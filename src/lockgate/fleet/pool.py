@@ -27,6 +27,7 @@ from ..metrics import GatewayMetrics
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..wire import ApiRequest
+from .capacity import ConcurrencyLimit
 from .ejection import Ejection
 from .scrape import Scraper
 from .state import Attempt, EngineLoad, OwnAccounting, merge
@@ -54,12 +55,15 @@ class Instance:
         base_url: str,
         ejection: Ejection | None = None,
         http: HttpPool | None = None,
+        *,
+        max_connections: int = 256,
     ) -> None:
         self.key = config.key
         self.name = config.name or config.url
         self.url = config.url
         self.dialect: Dialect = dialect_for(config.engine)
-        self.max_concurrency = config.max_concurrency
+        #: The concurrency limit: at most the configured ceiling, else discovered from the engine's queue.
+        self.concurrency = ConcurrencyLimit(config.max_concurrency or max_connections)
         self.api_key = config.api_key
         #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
         self.session = session
@@ -83,6 +87,11 @@ class Instance:
         self.ejection = ejection or Ejection()
         #: The headers every generation request carries (`upstream_headers` adds the per-request ones).
         self.request_headers = [("Content-Type", "application/json"), *_auth(self).items()]
+
+    @property
+    def max_concurrency(self) -> int:
+        """How many requests this instance takes at once now (routing and scheduling use it)."""
+        return self.concurrency.limit
 
     @property
     def routable(self) -> bool:
@@ -292,6 +301,7 @@ class Fleet:
         self._metrics.instance_healthy.labels(instance.name).set(1 if instance.healthy else 0)
         # Read when scraped: the hot path only moves plain integers.
         self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
+        self._metrics.concurrency_limit.labels(instance.name).set_function(lambda i=instance: i.max_concurrency)
         self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
 
     # --- reload --------------------------------------------------------------------------------
@@ -340,6 +350,7 @@ class Fleet:
             for gauge in (
                 self._metrics.instance_healthy,
                 self._metrics.permits_in_use,
+                self._metrics.concurrency_limit,
                 self._metrics.upstream_calls_in_flight,
             ):
                 gauge.remove(instance.name)
@@ -370,7 +381,9 @@ class Fleet:
         http = HttpPool(
             spec.url, max_connections=limit, keepalive_s=dialect.keepalive_s, connect_timeout_s=connect_timeout
         )
-        return Instance(spec, session, base_url, Ejection(self._config.health.ejection), http)
+        return Instance(
+            spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit
+        )
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -433,6 +446,19 @@ class Fleet:
 
     def _scraped(self, instance: Instance, ok: bool) -> None:
         self._metrics.scrapes.labels(instance.name, "ok" if ok else "error").inc()
+        load = instance.engine_load
+        if ok and load is not None:
+            before = instance.concurrency.limit
+            if instance.concurrency.observe(load.running, load.waiting, instance.in_flight):
+                log.info(
+                    "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",
+                    instance.name,
+                    before,
+                    instance.concurrency.limit,
+                    load.running,
+                    load.waiting,
+                )
+                self._notify()
 
     # --- waiting for state changes (tests, admin) ------------------------------------------------
     def _notify(self) -> None:

@@ -1,0 +1,70 @@
+"""An instance's concurrency limit, discovered from the engine instead of guessed (sync, no I/O).
+
+Theory of operation: the gateway admits at most `limit` requests to an instance at once; the rest wait
+in the gateway's priority queues, where they can be reordered (P0 first) and preempted. A limit above
+what the engine runs in parallel moves that queue into the engine, where it is first come, first served
+and priorities are lost; a limit below it leaves the engine idle. So the limit should sit at the
+engine's real parallelism, and that differs per engine (vLLM's `max_num_seqs` or its KV cache, SGLang's
+`max_running_requests`, llama.cpp's slots) and may change with the workload (longer prompts fit fewer
+sequences in the KV cache).
+
+`ConcurrencyLimit.observe()` is fed each scrape of the engine's own queue signals:
+- **saturation**: requests have waited inside the engine in two scrapes in a row while the number it
+  runs stayed put (within 10%): the engine is at its parallelism, which is what it runs. The limit drops
+  to that number (at once: each scrape interval at a too-high limit costs priority order);
+- **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
+  limit grows by an eighth (at least one) per scrape, up to the ceiling, so a bigger engine (or a
+  lighter workload) is found again;
+- no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is.
+
+It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
+more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
+queueing on a small engine; starting low would queue every request of a large one in the gateway
+while the limit climbs (256 streams to an engine that runs 256 would wait ~1 s for a limit that
+doubles per scrape).
+"""
+
+from __future__ import annotations
+
+#: Consecutive scrapes with requests waiting in the engine before it counts as saturated.
+_SATURATED_SCRAPES = 2
+
+
+class ConcurrencyLimit:
+    __slots__ = ("_prev_running", "_streak", "adaptive", "ceiling", "limit")
+
+    def __init__(self, ceiling: int, *, adaptive: bool = True) -> None:
+        if ceiling < 1:
+            raise ValueError("ceiling must be >= 1")
+        self.ceiling = ceiling
+        #: The current limit (1..ceiling).
+        self.limit = ceiling
+        #: False: the limit is the configured number, whatever the engine says.
+        self.adaptive = adaptive
+        self._streak = 0
+        self._prev_running: float | None = None
+
+    def observe(self, running: float | None, waiting: float | None, in_flight: int) -> bool:
+        """One scrape's signals and the gateway's requests there now; True if the limit changed."""
+        if not self.adaptive or running is None or waiting is None:
+            self._streak = 0
+            return False
+        previous = self._prev_running
+        self._prev_running = running
+        if waiting >= 1 and running >= 1:
+            steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
+            self._streak = self._streak + 1 if steady or self._streak == 0 else 1
+            if self._streak >= _SATURATED_SCRAPES:
+                return self._set(round(running))
+            return False
+        self._streak = 0
+        if waiting < 1 and in_flight >= self.limit:
+            return self._set(self.limit + max(1, self.limit // 8))
+        return False
+
+    def _set(self, value: int) -> bool:
+        value = max(1, min(self.ceiling, value))
+        if value == self.limit:
+            return False
+        self.limit = value
+        return True

@@ -1,0 +1,46 @@
+"""The discovered concurrency limit: settles at what the engine runs, grows back, ignores transients."""
+
+from __future__ import annotations
+
+from lockgate.fleet.capacity import ConcurrencyLimit
+
+
+def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
+    limit = ConcurrencyLimit(256)
+    assert limit.limit == 256
+    # An engine that runs 8: the flood waits inside it, two scrapes in a row.
+    assert not limit.observe(running=8, waiting=120, in_flight=128)
+    assert limit.observe(running=8, waiting=100, in_flight=108)
+    assert limit.limit == 8
+    # At the limit with nothing waiting there: it tries a little more, then learns again.
+    assert limit.observe(running=8, waiting=0, in_flight=8) and limit.limit == 9
+    assert not limit.observe(running=8, waiting=1, in_flight=9)
+    assert limit.observe(running=8, waiting=1, in_flight=9) and limit.limit == 8
+
+
+def test_a_transient_wait_at_low_load_does_not_cut_the_limit() -> None:
+    limit = ConcurrencyLimit(64)
+    # A request waits one engine step at low load; the next scrape sees more running, nothing waiting.
+    for running, waiting in [(3, 1), (5, 0), (2, 1), (6, 1), (12, 1), (20, 0)]:
+        limit.observe(running=running, waiting=waiting, in_flight=running + waiting)
+    assert limit.limit == 64
+
+
+def test_grows_back_when_the_engine_takes_more_up_to_the_ceiling() -> None:
+    limit = ConcurrencyLimit(64)
+    limit.observe(running=16, waiting=5, in_flight=21)
+    limit.observe(running=16, waiting=5, in_flight=21)
+    assert limit.limit == 16
+    for _ in range(40):
+        limit.observe(running=limit.limit, waiting=0, in_flight=limit.limit)
+    assert limit.limit == 64
+    assert not limit.observe(running=64, waiting=0, in_flight=64)  # never above the ceiling
+
+
+def test_no_signal_or_not_adaptive_keeps_the_limit() -> None:
+    limit = ConcurrencyLimit(32)
+    assert not limit.observe(running=None, waiting=None, in_flight=40)
+    fixed = ConcurrencyLimit(32, adaptive=False)
+    fixed.observe(running=4, waiting=9, in_flight=13)
+    fixed.observe(running=4, waiting=9, in_flight=13)
+    assert fixed.limit == 32
