@@ -304,6 +304,15 @@ class SchedulingMetrics:
                 registry=r,
             )
         )
+        self.reprefill_tokens = Family(
+            Counter(
+                "lockgate_preemption_reprefill_tokens",
+                "Tokens engines prefill again because a request was preempted (its prompt, plus for a "
+                "resumption the output so far): the work preemption costs, by model.",
+                ["model"],
+                registry=r,
+            )
+        )
         self.ratelimit_remaining_requests = Gauge(
             "lockgate_ratelimit_remaining_requests",
             "Requests left in the tenant's per-minute allowance (as of its last admission or settlement).",

@@ -12,7 +12,9 @@ def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
     assert not limit.observe(running=8, waiting=120, in_flight=128)
     assert limit.observe(running=8, waiting=100, in_flight=108)
     assert limit.limit == 8
-    # At the limit with nothing waiting there: it tries a little more, then learns again.
+    # At the limit with nothing waiting there: after the cooldown it tries a little more, then learns again.
+    for _ in range(limit.cooldown - 1):
+        assert not limit.observe(running=8, waiting=0, in_flight=8)
     assert limit.observe(running=8, waiting=0, in_flight=8) and limit.limit == 9
     assert not limit.observe(running=8, waiting=1, in_flight=9)
     assert limit.observe(running=8, waiting=1, in_flight=9) and limit.limit == 8
@@ -31,7 +33,7 @@ def test_grows_back_when_the_engine_takes_more_up_to_the_ceiling() -> None:
     limit.observe(running=16, waiting=5, in_flight=21)
     limit.observe(running=16, waiting=5, in_flight=21)
     assert limit.limit == 16
-    for _ in range(40):
+    for _ in range(limit.cooldown + 40):
         limit.observe(running=limit.limit, waiting=0, in_flight=limit.limit)
     assert limit.limit == 64
     assert not limit.observe(running=64, waiting=0, in_flight=64)  # never above the ceiling

@@ -6,9 +6,11 @@ from typing import Any
 
 import pytest
 
+from lockgate.admission.gate import PoolScheduler
 from lockgate.admission.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
 from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
+from lockgate.metrics import GatewayMetrics
 from lockgate.wire import Endpoint, validate
 
 CLASSES = (
@@ -196,3 +198,35 @@ def test_transcript_folds_attempts_into_one_generation() -> None:
     assert (t.text, t.tokens, t.events) == ("", 0, [])
     first = t.take(chunk(delta={"role": "assistant", "content": ""}, id="third"))
     assert first is not None and first["choices"][0]["delta"]["role"] == "assistant"  # a restart starts afresh
+
+
+class _Victim:
+    """A preemptible request's owner as the pool scheduler sees it (the tag of its ticket)."""
+
+    def __init__(self) -> None:
+        self.stopped = 0
+
+    def preemptible(self) -> bool:
+        return True
+
+    def preempt(self) -> Plan:
+        self.stopped += 1
+        return Plan.RESUME
+
+    def redo_tokens(self) -> int:
+        return 10
+
+
+async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one() -> None:
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 6, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    victims = [_Victim() for _ in range(6)]
+    tickets = [scheduler.offer(2, v) for v in victims]
+    assert all(t.running for t in tickets)
+    scheduler.resize(4, 0)  # e.g. the engine's discovered limit fell: 6 running in 4 slots
+    p0 = scheduler.offer(0)
+    # Three stopped (the newest first), not one: otherwise P0 would wait for two others to finish.
+    assert p0.running
+    assert [v.stopped for v in victims] == [0, 0, 0, 1, 1, 1]
+    assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 3
+    assert metrics.reprefill_tokens.labels("m")._value.get() == 30  # reported as the work preemption costs

@@ -110,17 +110,25 @@ class PoolScheduler:
         return ticket
 
     def _preempt_for(self, ticket: Ticket) -> None:
-        """A ticket was queued: if it may, stop one running request so that it gets its slot now.
-        The victim's owner aborts its work synchronously; its ticket goes back to the queue head."""
-        victim = choose_victim(self.core, ticket.klass, self.preemptible, _can_preempt)
-        if victim is None:
-            return
-        assert isinstance(victim.tag, Preemptee)
-        outcome = victim.tag.preempt()
-        self._waiters[victim] = asyncio.get_running_loop().create_future()
-        self._wake(self.core.requeue(victim, self._clock()))
-        victim_class = self.core.classes[victim.klass].name
-        self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
+        """A ticket was queued: if it may, stop running requests so that it gets its slot now — one
+        normally; more only when the pool holds more than its capacity (it just shrank: an instance
+        left, or its discovered limit fell), so that a P0 never waits for the excess to drain.
+        Each victim's owner aborts its work synchronously; its ticket goes back to the queue head."""
+        core = self.core
+        for _ in range(core.running_total - core.capacity + 1):
+            victim = choose_victim(core, ticket.klass, self.preemptible, _can_preempt)
+            if victim is None:
+                return
+            assert isinstance(victim.tag, Preemptee)
+            redo = victim.tag.redo_tokens()
+            outcome = victim.tag.preempt()
+            self._waiters[victim] = asyncio.get_running_loop().create_future()
+            self._wake(core.requeue(victim, self._clock()))
+            victim_class = core.classes[victim.klass].name
+            self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
+            self._metrics.reprefill_tokens.labels(self.model).inc(redo)
+            if ticket.state is not TicketState.QUEUED:
+                return
 
     async def wait_granted(self, ticket: Ticket) -> None:
         """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.
@@ -213,7 +221,8 @@ class Admission:
 
     Pool capacity is the sum of the concurrency limits of the model's routable instances (healthy and
     not ejected; an instance shared by several models counts fully in each; each limit discovered from
-    its engine below the configured ceiling, `fleet/capacity.py`), kept current by `resize()`; `scheduling.strict_headroom` of it is kept for strict classes."""
+    its engine below the configured ceiling, `fleet/capacity.py`), kept current by `resize()`;
+    `scheduling.strict_headroom` of it is kept for strict classes."""
 
     def __init__(self, config: Config, metrics: SchedulingMetrics, *, clock: Clock = time.monotonic) -> None:
         self.book = TenantBook(config.tenants, config.scheduling)

@@ -48,6 +48,11 @@ class Preemptee(Protocol):
         """Stop the work now (the engine call is aborted before this returns)."""
         ...
 
+    def redo_tokens(self) -> int:
+        """Tokens the engine will prefill again when this request goes on (its prompt, and for a
+        resumption the output so far): the price of stopping it, reported as re-prefill work."""
+        ...
+
 
 def choose_victim(
     core: SchedulerCore,

@@ -99,6 +99,9 @@ class Resumable:
             self._task.cancel("lockgate: preempted")
         return how
 
+    def redo_tokens(self) -> int:
+        return self.ex.api.estimated_prompt_tokens() + self.transcript.tokens
+
     def _plan(self) -> Plan | None:
         return plan(self._blocker, self.transcript, self.ex.api.max_tokens, sent=self.ex.response is not None)
 

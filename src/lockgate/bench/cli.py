@@ -57,6 +57,7 @@ def _priority(args: argparse.Namespace) -> int:
         p2_factor=args.p2_factor,
         p1_factor=args.p1_factor,
         headroom=args.headroom,
+        max_concurrency=args.max_concurrency,
         preemption=not args.no_preemption,
         preemptible=tuple(c for c in args.preemptible.split(",") if c),
     )
@@ -164,7 +165,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--p0-rate", type=float, default=4.0, help="P0 requests per second")
     prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")
     prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
-    prio.add_argument("--headroom", type=float, default=0.125, help="scheduling.strict_headroom")
+    prio.add_argument("--headroom", type=float, default=None, help="scheduling.strict_headroom (default: the config's)")
+    prio.add_argument(
+        "--max-concurrency", type=int, default=None, help="instances' max_concurrency (default: discovered)"
+    )
     prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
     prio.set_defaults(func=_priority)

@@ -44,6 +44,8 @@ class Outcome:
     ttft: float | None
     finished_at: float
     request_id: str | None = None
+    #: Send to last byte (seconds).
+    duration: float = 0.0
 
 
 @dataclass
@@ -76,7 +78,10 @@ class Settings:
     p0_rate: float = 4.0
     p2_factor: float = 2.0
     p1_factor: float = 1.0
-    headroom: float = 0.125
+    #: scheduling.strict_headroom (None: the default config's)
+    headroom: float | None = None
+    #: Each instance's max_concurrency (None: discovered from the engine, the default)
+    max_concurrency: int | None = None
     max_queue: int = 64
     seed: int = 1
     preemption: bool = True
@@ -85,10 +90,9 @@ class Settings:
 
 
 def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[int], tmp: str) -> None:
-    instances = "".join(
-        f"      - {{url: 'http://127.0.0.1:{p}', engine: vllm, max_concurrency: {settings.slots_per_sim}}}\n"
-        for p in sim_ports
-    )
+    ceiling = "" if settings.max_concurrency is None else f", max_concurrency: {settings.max_concurrency}"
+    instances = "".join(f"      - {{url: 'http://127.0.0.1:{p}', engine: vllm{ceiling}}}\n" for p in sim_ports)
+    headroom = "" if settings.headroom is None else f"  strict_headroom: {settings.headroom}\n"
     q = settings.max_queue
     pre = {
         c: f", preemptible: {str(c in settings.preemptible).lower()}" if settings.preemptible else "" for c in CLASSES
@@ -97,7 +101,7 @@ def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[i
         f"listen: {{host: 127.0.0.1, port: {gateway_port}}}\n"
         f"usage: {{path: {os.path.join(tmp, 'usage.sqlite3')}}}\n"
         "scheduling:\n"
-        f"  strict_headroom: {settings.headroom}\n"
+        f"{headroom}"
         f"  preemption: {{enabled: {str(settings.preemption).lower()}}}\n"
         "  classes:\n"
         f"    - {{name: P0, strict: true, max_queue: {q}, queue_timeout_ms: 10000}}\n"
@@ -134,7 +138,8 @@ async def _one(session: aiohttp.ClientSession, url: str, priority: str, n: int, 
                     ttft = time.perf_counter() - start
     except aiohttp.ClientError:
         status = 0
-    return Outcome(priority, status, ttft, time.perf_counter(), request_id)
+    end = time.perf_counter()
+    return Outcome(priority, status, ttft, end, request_id, duration=end - start)
 
 
 async def _arrivals(
@@ -194,6 +199,8 @@ async def _observe(
             phase.metrics[f"preemptions_{outcome}"] = phase.metrics.get(f"preemptions_{outcome}", 0) + float(
                 line.rsplit(" ", 1)[1]
             )
+        if line.startswith("lockgate_preemption_reprefill_tokens_total{"):
+            phase.metrics["reprefill_tokens"] = phase.metrics.get("reprefill_tokens", 0) + float(line.rsplit(" ", 1)[1])
         for key, prefix in (
             ("p0_queue_wait_sum", 'lockgate_queue_wait_seconds_sum{model="bench-model",priority="P0"}'),
             ("p0_queue_wait_count", 'lockgate_queue_wait_seconds_count{model="bench-model",priority="P0"}'),
@@ -299,11 +306,13 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
     def ms(values: list[float], q: float) -> str:
         return f"{percentile(values, q) * 1000:8.1f}" if values else "     n/a"
 
+    headroom = "default" if settings.headroom is None else f"{settings.headroom:g}"
+    ceiling = "discovered" if settings.max_concurrency is None else settings.max_concurrency
     lines = [
         f"fleet: {settings.sims} sims x {settings.slots_per_sim} slots = {int(info['capacity'])} slots, "
         f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms; "
         f"P0 {settings.p0_rate:g}/s, P1 {settings.p1_factor:g}x, P2 {settings.p2_factor:g}x capacity; "
-        f"{settings.duration_s:g} s per phase; strict headroom {settings.headroom:g}; "
+        f"{settings.duration_s:g} s per phase; strict headroom {headroom}; max_concurrency {ceiling}; "
         f"preemption {'on' if settings.preemption else 'off'}"
         f" ({'+'.join(settings.preemptible) or 'P2'} preemptible)",
         f"{'phase':<20}{'class':<6}{'sent':>6}{'ok':>6}{'429':>6}{'503':>6}{'left':>6}"
@@ -362,6 +371,15 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
         f"({'progressing' if p2_ok else 'STARVED'})"
     )
     for phase in floods:
+        # Every admitted P2 request finishes: how long it took (queue + preemptions + generation).
+        done = [o.duration for o in phase.outcomes if o.priority == "P2" and o.status == 200]
+        unfinished = sum(1 for o in phase.outcomes if o.priority == "P2" and o.status == 0)
+        if done:
+            lines.append(
+                f"P2 completion under the {phase.name[5:]}: {len(done)} completed, p50 {ms(done, 50).strip()} ms, "
+                f"p99 {ms(done, 99).strip()} ms, max {max(done) * 1000:.1f} ms; still waiting at the phase end: "
+                f"{unfinished}; re-prefilled tokens (preemption) {phase.metrics.get('reprefill_tokens', 0):.0f}"
+            )
         by_status: defaultdict[str, int] = defaultdict(int)
         for o in phase.outcomes:
             if o.status in (429, 503):

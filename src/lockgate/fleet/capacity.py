@@ -14,7 +14,9 @@ sequences in the KV cache).
   to that number (at once: each scrape interval at a too-high limit costs priority order);
 - **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
   limit grows by an eighth (at least one) per scrape, up to the ceiling, so a bigger engine (or a
-  lighter workload) is found again;
+  lighter workload) is found again. After a saturation it first waits `cooldown` scrapes (10 s at the
+  default interval): each probe above the engine's parallelism puts a request in the engine's own
+  queue, where a P0 arriving then would wait behind it;
 - no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is.
 
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
@@ -31,9 +33,9 @@ _SATURATED_SCRAPES = 2
 
 
 class ConcurrencyLimit:
-    __slots__ = ("_prev_running", "_streak", "adaptive", "ceiling", "limit")
+    __slots__ = ("_calm", "_prev_running", "_streak", "adaptive", "ceiling", "cooldown", "limit")
 
-    def __init__(self, ceiling: int, *, adaptive: bool = True) -> None:
+    def __init__(self, ceiling: int, *, adaptive: bool = True, cooldown: int = 50) -> None:
         if ceiling < 1:
             raise ValueError("ceiling must be >= 1")
         self.ceiling = ceiling
@@ -41,8 +43,11 @@ class ConcurrencyLimit:
         self.limit = ceiling
         #: False: the limit is the configured number, whatever the engine says.
         self.adaptive = adaptive
+        #: Scrapes without saturation before the limit may grow again.
+        self.cooldown = cooldown
         self._streak = 0
         self._prev_running: float | None = None
+        self._calm = cooldown  # scrapes since the last saturation (none seen yet: may grow at once)
 
     def observe(self, running: float | None, waiting: float | None, in_flight: int) -> bool:
         """One scrape's signals and the gateway's requests there now; True if the limit changed."""
@@ -55,10 +60,12 @@ class ConcurrencyLimit:
             steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
             if self._streak >= _SATURATED_SCRAPES:
+                self._calm = 0
                 return self._set(round(running))
             return False
         self._streak = 0
-        if waiting < 1 and in_flight >= self.limit:
+        self._calm += 1
+        if waiting < 1 and in_flight >= self.limit and self._calm >= self.cooldown:
             return self._set(self.limit + max(1, self.limit // 8))
         return False
 
