@@ -64,6 +64,10 @@ def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
 async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
     if opened.rest is None:
         body = await opened.call.read_json()
+        usage = body.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, int):
+            opened.lease.whole(tokens)
     else:
         events = opened.events()
         try:

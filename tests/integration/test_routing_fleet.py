@@ -223,3 +223,20 @@ async def test_health_probe_does_not_reset_load_accounting(start_sim, start_gate
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_non_streaming_traffic_alone_feeds_the_instances_ttft_and_tpot(start_sim, start_gateway, http):
+    """Non-streamed answers carry no first-token time; the fleet still learns TTFT/TPOT from them (a
+    fit over answers of different lengths), so load-aware routing works for non-streaming traffic."""
+    sim = await start_sim(tpot_ms=5.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="only")]}], scrape={"enabled": False})
+    for n, tokens in enumerate([4, 24, 8, 32, 12, 40, 6, 20]):
+        status, _, _ = await post(http, gw.url, chat(f"question {n}", max_tokens=tokens))
+        assert status == 200
+    async with http.get(gw.url + "/admin/fleet") as resp:
+        fleet = await resp.json()
+    (entry,) = [i for i in fleet["instances"] if i["name"] == "only"]
+    own = entry["sources"]["gateway"]
+    assert own["ttft_s"] is not None and own["ttft_s"] > 0 and own["decode_s"] is not None
+    own_state = gw.gateway.fleet.instances[sim.url].own
+    assert own_state.whole.slope() > 0  # the per-token time, fitted from the answers' lengths

@@ -101,3 +101,48 @@ def test_merge_never_lowers_own_accounting_below_an_older_scrape():
         stale_after=1,
     )
     assert (view.running, view.waiting) == (16, 4)
+
+
+def _whole(own: OwnAccounting, sent: float, done: float, tokens: int, engine_tpot: float = 0.0) -> None:
+    attempt = own.start(100, sent)
+    own.end(attempt, done, tokens, whole=True, engine_tpot=engine_tpot)
+
+
+def test_a_whole_answer_is_split_with_the_streams_tpot():
+    own = OwnAccounting()
+    streamed = own.start(100, 0.0)
+    own.first_token(streamed, 0.05)
+    own.end(streamed, 0.05 + 9 * 0.01, 10)  # TPOT 10 ms from a stream
+    _whole(own, 1.0, 1.0 + 0.08 + 19 * 0.01, 20)
+    assert own.ttft.samples == 2 and own.ttft.value == pytest.approx(0.05 + 0.2 * (0.08 - 0.05))
+    assert own.pending == 0 and own.queued_prompt_tokens == 0
+
+
+def test_whole_answers_alone_fit_ttft_and_tpot_from_their_lengths():
+    own = OwnAccounting()
+    t = 0.0
+    for tokens in [10, 40, 20, 80, 30, 60, 15, 50]:
+        _whole(own, t, t + 0.1 + (tokens - 1) * 0.02, tokens)  # TTFT 100 ms, TPOT 20 ms
+        t += 1.0
+    assert own.whole.slope() == pytest.approx(0.02, rel=1e-6)
+    assert own.ttft.samples > 0 and own.ttft.value == pytest.approx(0.1, rel=1e-3)
+    assert own.decode.value > 0
+
+
+def test_whole_answers_of_one_length_fall_back_to_the_engines_tpot_or_stay_unknown():
+    own = OwnAccounting()
+    for i in range(6):
+        _whole(own, i, i + 0.5, 16)
+    assert own.ttft.samples == 0  # nothing to split it by: no sample rather than a made-up one
+    _whole(own, 10.0, 10.5, 16, engine_tpot=0.02)
+    assert own.ttft.samples == 1 and own.ttft.value == pytest.approx(0.5 - 15 * 0.02)
+
+
+def test_engine_tpot_is_read_from_the_histograms_sum_and_count():
+    text = (
+        'vllm:time_per_output_token_seconds_sum{model_name="a"} 3.0\n'
+        'vllm:time_per_output_token_seconds_count{model_name="a"} 150\n'
+    )
+    load = parse_load(text, dialect_for("vllm").metrics, 1.0)
+    assert load.tpot_s == pytest.approx(0.02)
+    assert parse_load("", dialect_for("vllm").metrics, 1.0).tpot_s is None

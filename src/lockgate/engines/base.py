@@ -23,9 +23,20 @@ class MetricNames:
     kv_usage: tuple[str, ...] = ()
     prefix_hits: tuple[str, ...] = ()
     prefix_queries: tuple[str, ...] = ()
+    #: Time per output token, cumulative: seconds (a histogram's `_sum`) and tokens (its `_count`).
+    tpot_seconds: tuple[str, ...] = ()
+    tpot_tokens: tuple[str, ...] = ()
 
     def all(self) -> frozenset[str]:
-        return frozenset(self.waiting + self.running + self.kv_usage + self.prefix_hits + self.prefix_queries)
+        return frozenset(
+            self.waiting
+            + self.running
+            + self.kv_usage
+            + self.prefix_hits
+            + self.prefix_queries
+            + self.tpot_seconds
+            + self.tpot_tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)

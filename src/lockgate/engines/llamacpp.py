@@ -14,6 +14,8 @@ LLAMACPP = Dialect(
     metrics=MetricNames(
         waiting=("llamacpp:requests_deferred",),
         running=("llamacpp:requests_processing",),
+        tpot_seconds=("llamacpp:tokens_predicted_seconds_total",),
+        tpot_tokens=("llamacpp:tokens_predicted_total",),
     ),
     stream_upstream_always=True,
     close_after_stream=True,

@@ -15,6 +15,8 @@ VLLM = Dialect(
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
         prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+        tpot_seconds=("vllm:time_per_output_token_seconds_sum", "vllm:inter_token_latency_seconds_sum"),
+        tpot_tokens=("vllm:time_per_output_token_seconds_count", "vllm:inter_token_latency_seconds_count"),
     ),
     priority_field="priority",
     continue_final_message=True,

@@ -124,7 +124,7 @@ class Instance:
 class Lease:
     """A routing slot on one instance, held by one request attempt. `release()` is idempotent."""
 
-    __slots__ = ("_attempt", "_metrics", "_released", "completion_tokens", "instance")
+    __slots__ = ("_attempt", "_metrics", "_released", "_whole", "completion_tokens", "instance")
 
     def __init__(self, instance: Instance, metrics: GatewayMetrics, uncached_tokens: int = 0) -> None:
         self.instance = instance
@@ -132,6 +132,7 @@ class Lease:
         self._released = False
         #: Tokens received so far (for the instance's TPOT), kept current by the relay.
         self.completion_tokens = 0
+        self._whole = False
         instance.in_flight += 1
         self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic())
 
@@ -140,12 +141,24 @@ class Lease:
         if not self._released:
             self.instance.own.first_token(self._attempt, time.monotonic())
 
+    def whole(self, completion_tokens: int) -> None:
+        """A non-streamed answer arrived complete: its timing still feeds the instance's TTFT/TPOT."""
+        self.completion_tokens = completion_tokens
+        self._whole = True
+
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        self.instance.own.end(self._attempt, time.monotonic(), self.completion_tokens)
         instance = self.instance
+        engine = instance.engine_load
+        instance.own.end(
+            self._attempt,
+            time.monotonic(),
+            self.completion_tokens,
+            whole=self._whole,
+            engine_tpot=engine.tpot_s if engine is not None and engine.tpot_s is not None else 0.0,
+        )
         instance.in_flight -= 1
         if instance.in_flight <= 0:
             if instance.in_flight < 0:

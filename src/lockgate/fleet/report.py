@@ -78,6 +78,7 @@ def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -
                 "kv_usage": load.kv_usage,
                 "prefix_cache_hits": load.prefix_hits,
                 "prefix_cache_queries": load.prefix_queries,
+                "tpot_s": load.tpot_s,
                 "scrape_error": instance.scrape_error,
             },
         },

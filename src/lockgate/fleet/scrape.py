@@ -60,6 +60,8 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         kv_usage=first(names.kv_usage),
         prefix_hits=first(names.prefix_hits),
         prefix_queries=first(names.prefix_queries),
+        tpot_seconds=first(names.tpot_seconds),
+        tpot_tokens=first(names.tpot_tokens),
     )
 
 

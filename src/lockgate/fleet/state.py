@@ -37,6 +37,36 @@ class Ewma:
         self.updated_at = now
 
 
+class Moments:
+    """Exponentially weighted first and second moments of (x, y) pairs, for a running linear fit."""
+
+    __slots__ = ("alpha", "mx", "my", "samples", "sxx", "sxy")
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.samples = 0
+        self.mx = self.my = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        if self.samples == 0:
+            self.mx, self.my = x, y
+        else:
+            a = self.alpha
+            dx, dy = x - self.mx, y - self.my
+            self.mx += a * dx
+            self.my += a * dy
+            # West's exponentially weighted (co)variance update.
+            self.sxx = (1 - a) * (self.sxx + a * dx * dx)
+            self.sxy = (1 - a) * (self.sxy + a * dx * dy)
+        self.samples += 1
+
+    def slope(self) -> float:
+        """dy/dx of the fit; 0.0 until x has varied enough (a spread of about one token) to tell."""
+        if self.samples < 4 or self.sxx < 1.0:
+            return 0.0
+        return max(0.0, self.sxy / self.sxx)
+
+
 class Attempt:
     """One request attempt's contribution to its instance's accounting (held by its `Lease`)."""
 
@@ -63,6 +93,8 @@ class OwnAccounting:
         self.decode = Ewma()
         self.prefill_tps = Ewma()
         self.prompt_tokens = Ewma()
+        #: Whole (non-streamed) answers: (tokens, seconds) moments for the TPOT fit.
+        self.whole = Moments()
         self.errors = 0
         self.updated_at: float | None = None
 
@@ -89,17 +121,44 @@ class OwnAccounting:
             self.prefill_tps.add(work / busy, now)
         self.updated_at = now
 
-    def end(self, attempt: Attempt, now: float, completion_tokens: int) -> None:
-        """The attempt is over (whichever way). Idempotence is the lease's job."""
+    def end(
+        self, attempt: Attempt, now: float, completion_tokens: int, *, whole: bool = False, engine_tpot: float = 0.0
+    ) -> None:
+        """The attempt is over (whichever way). Idempotence is the lease's job.
+
+        `whole`: a non-streamed answer of `completion_tokens` tokens arrived complete (no first-token
+        time was seen): its time is split into TTFT and decode by `_split_whole`."""
         if attempt.first_at is None:
             self.queued_prompt_tokens -= attempt.tokens
             self.pending -= 1
+            if whole and completion_tokens >= 1:
+                self._split_whole(attempt, now, completion_tokens, engine_tpot)
         else:
             decode = now - attempt.first_at
             self.decode.add(decode, now)
             if completion_tokens > 1:
                 self.tpot.add(decode / (completion_tokens - 1), now)
         self.updated_at = now
+
+    def _split_whole(self, attempt: Attempt, now: float, tokens: int, engine_tpot: float) -> None:
+        """A non-streamed answer's total time L = TTFT + (tokens - 1) * TPOT, with TPOT from this
+        instance's streams if it has any, else from a least-squares fit of L against the token count
+        over recent whole answers (exponentially weighted moments; needs answers of different
+        lengths), else the engine's own reported mean TPOT (scraped), else unknown (no sample)."""
+        total = now - attempt.sent_at
+        whole = self.whole
+        whole.add(float(tokens), total)
+        tpot = self.tpot.value if self.tpot.samples else whole.slope() or engine_tpot
+        if tpot <= 0:
+            return
+        ttft = max(0.0, total - (tokens - 1) * tpot)
+        attempt.first_at = attempt.sent_at + ttft
+        self.ttft.add(ttft, now)
+        work = attempt.backlog + attempt.tokens
+        busy = ttft - tpot
+        if work >= _MIN_RATE_TOKENS and busy > 0:
+            self.prefill_tps.add(work / busy, now)
+        self.decode.add(total - ttft, now)
 
     def error(self, now: float) -> None:
         self.errors += 1
@@ -116,9 +175,18 @@ class EngineLoad:
     kv_usage: float | None = None
     prefix_hits: float | None = None
     prefix_queries: float | None = None
+    tpot_seconds: float | None = None
+    tpot_tokens: float | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        """The engine's own mean time per output token since it started (None: not exported yet)."""
+        if self.tpot_seconds is None or not self.tpot_tokens:
+            return None
+        return self.tpot_seconds / self.tpot_tokens
 
 
 def merge(
