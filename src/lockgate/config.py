@@ -61,6 +61,9 @@ class InstanceConfig(_Strict):
     max_concurrency: Annotated[int, Field(ge=1)] | None = None
     #: Bearer token the gateway sends to this engine (never the client's).
     api_key: str | None = None
+    #: Tokens its prefix (KV) cache holds, so that routing models its evictions; null: what the engine
+    #: reports (vLLM `cache_config_info`), else unknown.
+    cache_tokens: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("url")
     @classmethod

@@ -186,6 +186,15 @@ class GatewayMetrics:
                 registry=r,
             )
         )
+        self.prefix_hit_rate_gap = Family(
+            Gauge(
+                "lockgate_prefix_hit_rate_gap",
+                "Predicted (prefix index) minus engine-reported prefix-cache hit rate, per instance (EWMA over "
+                "scrape intervals; positive: the index believes more is cached than the engine has).",
+                ["instance"],
+                registry=r,
+            )
+        )
         self.cancellations = Family(
             Counter("lockgate_cancellations", "Requests ended early, by reason.", ["reason"], registry=r)
         )

@@ -240,3 +240,27 @@ async def test_non_streaming_traffic_alone_feeds_the_instances_ttft_and_tpot(sta
     assert own["ttft_s"] is not None and own["ttft_s"] > 0 and own["decode_s"] is not None
     own_state = gw.gateway.fleet.instances[sim.url].own
     assert own_state.whole.slope() > 0  # the per-token time, fitted from the answers' lengths
+
+
+async def test_the_engines_cache_size_is_learned_and_its_evictions_modelled(start_sim, start_gateway, http):
+    """The simulator reports its KV cache like vLLM (`cache_config_info`); the gateway's prefix index then
+    keeps no more of that instance's blocks than its cache holds, and says how far its hit-rate
+    prediction runs from the engine's."""
+    sim = await start_sim(num_kv_blocks=64, block_size=16)  # 1024 tokens: about two of the prompts below
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, name="small")]}], scrape={"interval_ms": 50, "timeout_ms": 500}
+    )
+    fleet = gw.gateway.fleet
+    async with asyncio.timeout(10):
+        await fleet.wait_until(lambda f: f.pools["m"].index.capacity(sim.url) is not None)
+    pool = fleet.pools["m"]
+    assert pool.index.capacity(sim.url) == 1024 // (pool.index.block_chars // 4)
+    for n in range(6):  # six different long system prompts: more than the cache holds
+        status, _, _ = await post(http, gw.url, chat("hi", system=f"Prompt {n}. " + "policy text " * 150))
+        assert status == 200
+    assert pool.index.blocks_of(sim.url) <= pool.index.capacity(sim.url)
+    assert pool.index.engine_evictions > 0
+    async with http.get(gw.url + "/admin/fleet") as resp:
+        entry = next(i for i in (await resp.json())["instances"] if i["name"] == "small")
+    assert entry["prefix_cache"]["tokens"] == 1024
+    assert b"lockgate_prefix_hit_rate_gap{" in gw.gateway.metrics.render()

@@ -8,7 +8,7 @@ import pytest
 
 from lockgate.engines import dialect_for
 from lockgate.fleet.scrape import parse_load
-from lockgate.fleet.state import EngineLoad, OwnAccounting, merge
+from lockgate.fleet.state import EngineLoad, HitRateGap, OwnAccounting, merge
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -146,3 +146,28 @@ def test_engine_tpot_is_read_from_the_histograms_sum_and_count():
     load = parse_load(text, dialect_for("vllm").metrics, 1.0)
     assert load.tpot_s == pytest.approx(0.02)
     assert parse_load("", dialect_for("vllm").metrics, 1.0).tpot_s is None
+
+
+def test_the_engines_cache_size_is_read_from_vllms_cache_config_info():
+    text = (
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+        'num_gpu_blocks="2048",num_cpu_blocks="0"} 1.0\n'
+    )
+    assert parse_load(text, dialect_for("vllm").metrics, 1.0).cache_tokens == 2048 * 16
+    assert (
+        parse_load('vllm:cache_config_info{block_size="16"} 1.0\n', dialect_for("vllm").metrics, 1.0).cache_tokens
+        is None
+    )
+
+
+def test_hit_rate_gap_compares_the_indexs_prediction_with_the_engines_hits_between_scrapes():
+    gap = HitRateGap()
+    gap.observe(0, 0, EngineLoad(scraped_at=0.0, prefix_hits=0.0, prefix_queries=0.0))
+    assert gap.ewma.samples == 0  # needs two scrapes
+    # Between scrapes: 900 of 1000 prompt tokens predicted cached; the engine hit 500 of 1000.
+    gap.observe(900, 1000, EngineLoad(scraped_at=1.0, prefix_hits=500.0, prefix_queries=1000.0))
+    assert gap.value == pytest.approx(0.4)
+    gap.observe(900, 1000, EngineLoad(scraped_at=2.0, prefix_hits=500.0, prefix_queries=1000.0))
+    assert gap.ewma.samples == 1  # no traffic in between: no sample
+    gap.observe(900, 1000, EngineLoad(scraped_at=3.0))  # an engine without prefix-cache counters
+    assert gap.ewma.samples == 1

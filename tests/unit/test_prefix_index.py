@@ -57,3 +57,30 @@ def test_entry_cost_estimate_is_an_upper_bound():
     finally:
         tracemalloc.stop()
     assert used <= len(index) * ENTRY_BYTES
+
+
+def test_an_instance_with_a_known_cache_size_forgets_what_its_engine_evicted() -> None:
+    index = PrefixIndex(max_bytes=1 << 20, block_chars=4)
+    a, b, c = (prompt_blocks(ch * 40, 4) for ch in "abc")  # 10 blocks each
+    index.set_capacity("e1", 25)  # room for two prompts and a half
+    index.insert("e1", a)
+    index.insert("e1", b)
+    assert index.room("e1") == 5 and index.match(a) == {"e1": 10}
+    index.insert("e1", c)  # evicts the least recently used half of `a` ...
+    assert index.room("e1") == 0 and index.engine_evictions == 5
+    assert index.match(a) == {"e1": 5}  # ... its tail first, as vLLM evicts: the leading half still matches
+    assert index.match(b) == {"e1": 10} and index.match(c) == {"e1": 10}
+    # Another instance without a known size keeps the old optimistic behaviour.
+    index.insert("e2", a)
+    assert index.room("e2") is None and index.match(a) == {"e1": 5, "e2": 10}
+    assert index.blocks_of("e1") == 25 and index.capacity("e1") == 25
+
+
+def test_the_memory_bound_counts_the_per_instance_lrus() -> None:
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES, block_chars=4)
+    for n in range(4):
+        index.set_capacity(f"e{n}", 1000)
+    for i in range(200):
+        index.insert(f"e{i % 4}", prompt_blocks(f"{i:04d}" * 5, 4))
+    assert index.approx_bytes <= index.max_bytes
+    assert sum(index.blocks_of(f"e{n}") for n in range(4)) <= len(index)

@@ -26,6 +26,8 @@ class MetricNames:
     #: Time per output token, cumulative: seconds (a histogram's `_sum`) and tokens (its `_count`).
     tpot_seconds: tuple[str, ...] = ()
     tpot_tokens: tuple[str, ...] = ()
+    #: An info metric whose labels `num_gpu_blocks` and `block_size` give the KV cache's size.
+    cache_info: tuple[str, ...] = ()
 
     def all(self) -> frozenset[str]:
         return frozenset(
@@ -36,6 +38,7 @@ class MetricNames:
             + self.prefix_queries
             + self.tpot_seconds
             + self.tpot_tokens
+            + self.cache_info
         )
 
 

@@ -17,6 +17,7 @@ VLLM = Dialect(
         prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
         tpot_seconds=("vllm:time_per_output_token_seconds_sum", "vllm:inter_token_latency_seconds_sum"),
         tpot_tokens=("vllm:time_per_output_token_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        cache_info=("vllm:cache_config_info",),
     ),
     priority_field="priority",
     continue_final_message=True,

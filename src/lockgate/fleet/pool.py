@@ -30,7 +30,7 @@ from ..wire import ApiRequest
 from .capacity import ConcurrencyLimit
 from .ejection import Ejection
 from .scrape import Scraper
-from .state import Attempt, EngineLoad, OwnAccounting, merge
+from .state import Attempt, EngineLoad, HitRateGap, OwnAccounting, merge
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
@@ -65,6 +65,13 @@ class Instance:
         #: The concurrency limit: at most the configured ceiling, else discovered from the engine's queue.
         self.concurrency = ConcurrencyLimit(config.max_concurrency or max_connections)
         self.api_key = config.api_key
+        #: Its prefix cache's size in tokens when configured (else learned from the engine's metrics).
+        self.cache_tokens = config.cache_tokens
+        #: Prompt tokens routed here and those the prefix index predicted cached (`hit_gap` compares
+        #: their ratio with the engine's own prefix-cache hit rate, scrape to scrape).
+        self.predicted_queries = 0
+        self.predicted_hits = 0
+        self.hit_gap = HitRateGap()
         #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
         self.session = session
         #: The lean keep-alive pool that carries generation requests (`upstream.py`).
@@ -106,7 +113,9 @@ class Instance:
     def auth_headers(self) -> dict[str, str]:
         return _auth(self)
 
-    def view(self, now: float | None = None, stale_after: float = 1.0, cached_tokens: int = 0) -> InstanceView:
+    def view(
+        self, now: float | None = None, stale_after: float = 1.0, cached_tokens: int = 0, cache_room: int | None = None
+    ) -> InstanceView:
         return merge(
             key=self.key,
             name=self.name,
@@ -118,6 +127,7 @@ class Instance:
             now=time.monotonic() if now is None else now,
             stale_after=stale_after,
             cached_tokens=cached_tokens,
+            cache_room=cache_room,
         )
 
 
@@ -196,6 +206,18 @@ class Pool:
         )
         options = config.routing.prefix_index
         self.index = PrefixIndex(options.max_bytes, options.block_chars)
+        for spec in config.instances:
+            if spec.cache_tokens is not None:
+                self.set_cache_tokens(spec.key, spec.cache_tokens)
+
+    def set_cache_tokens(self, key: str, tokens: int | None) -> bool:
+        """An instance's prefix-cache size (tokens) became known: the index models its evictions.
+        Returns whether it changed."""
+        blocks = None if tokens is None else max(1, tokens // max(1, self.index.block_chars // 4))
+        if self.index.capacity(key) == blocks:
+            return False
+        self.index.set_capacity(key, blocks)
+        return True
 
     def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
@@ -211,9 +233,12 @@ class Pool:
         now = time.monotonic()
         matched = self.index.match(request.blocks) if request is not None and request.blocks else {}
         views = []
+        index = self.index
+        tokens_per_block = max(1, index.block_chars // 4)
         for i in self.instances:
             cached = self._cached_tokens(request, matched.get(i.key)) if request is not None else 0
-            views.append(i.view(now, self.stale_after, cached))
+            room = index.room(i.key)
+            views.append(i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block))
         return PoolSnapshot(self.model, tuple(views))
 
     def _cached_tokens(self, request: RouteRequest, blocks: int | None) -> int:
@@ -235,6 +260,8 @@ class Pool:
             instance, cached = self._by_key[view.key], view.cached_tokens
         if request.blocks:
             self.index.insert(instance.key, request.blocks)
+            instance.predicted_queries += request.prompt_tokens
+            instance.predicted_hits += cached
         if self._decisions is not None:
             self._decisions[instance.key].inc()
         return instance, cached
@@ -315,6 +342,7 @@ class Fleet:
         # Read when scraped: the hot path only moves plain integers.
         self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
         self._metrics.concurrency_limit.labels(instance.name).set_function(lambda i=instance: i.max_concurrency)
+        self._metrics.prefix_hit_rate_gap.labels(instance.name).set_function(lambda i=instance: i.hit_gap.value)
         self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
 
     # --- reload --------------------------------------------------------------------------------
@@ -364,6 +392,7 @@ class Fleet:
                 self._metrics.instance_healthy,
                 self._metrics.permits_in_use,
                 self._metrics.concurrency_limit,
+                self._metrics.prefix_hit_rate_gap,
                 self._metrics.upstream_calls_in_flight,
             ):
                 gauge.remove(instance.name)
@@ -394,9 +423,7 @@ class Fleet:
         http = HttpPool(
             spec.url, max_connections=limit, keepalive_s=dialect.keepalive_s, connect_timeout_s=connect_timeout
         )
-        return Instance(
-            spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit
-        )
+        return Instance(spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -460,7 +487,17 @@ class Fleet:
     def _scraped(self, instance: Instance, ok: bool) -> None:
         self._metrics.scrapes.labels(instance.name, "ok" if ok else "error").inc()
         load = instance.engine_load
+        if ok and load is not None and load.cache_tokens is not None and instance.cache_tokens is None:
+            # The engine says how large its cache is (and the configuration did not): model its evictions.
+            changed = [
+                pool.set_cache_tokens(instance.key, load.cache_tokens)
+                for pool in self.pools.values()
+                if instance.key in pool.served
+            ]
+            if any(changed):
+                self._notify()
         if ok and load is not None:
+            instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
             if instance.concurrency.observe(load.running, load.waiting, instance.in_flight):
                 log.info(

@@ -83,6 +83,13 @@ def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -
             },
         },
         "prefix_index_blocks": index_blocks,
+        "prefix_cache": {
+            "tokens": instance.cache_tokens or (load.cache_tokens if load is not None else None),
+            "predicted_hit_rate": round(instance.predicted_hits / instance.predicted_queries, 4)
+            if instance.predicted_queries
+            else None,
+            "hit_rate_gap": round(instance.hit_gap.value, 4) if instance.hit_gap.ewma.samples else None,
+        },
         "routing_view": _view(instance, now, stale_after),
     }
 

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
     wanted = names.all()
     sums: dict[str, float] = {}
+    cache_tokens: int | None = None
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -45,6 +46,9 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         except (ValueError, IndexError):
             continue
         name = line[:end]
+        if name in names.cache_info:
+            cache_tokens = _cache_tokens(line) or cache_tokens
+            continue
         sums[name] = sums.get(name, 0.0) + value
 
     def first(options: tuple[str, ...]) -> float | None:
@@ -62,7 +66,22 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         prefix_queries=first(names.prefix_queries),
         tpot_seconds=first(names.tpot_seconds),
         tpot_tokens=first(names.tpot_tokens),
+        cache_tokens=cache_tokens,
     )
+
+
+def _cache_tokens(line: str) -> int | None:
+    """`num_gpu_blocks` x `block_size` from an info metric's labels (vLLM `cache_config_info`)."""
+    labels: dict[str, str] = {}
+    for part in line[line.find("{") + 1 : line.rfind("}")].split(","):
+        name, sep, value = part.partition("=")
+        if sep:
+            labels[name.strip()] = value.strip().strip('"')
+    try:
+        tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
+    return tokens if tokens > 0 else None
 
 
 class Scraper:

@@ -177,6 +177,8 @@ class EngineLoad:
     prefix_queries: float | None = None
     tpot_seconds: float | None = None
     tpot_tokens: float | None = None
+    #: Its KV cache's size in tokens, as the engine reports it (vLLM: num_gpu_blocks x block_size).
+    cache_tokens: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
@@ -187,6 +189,40 @@ class EngineLoad:
         if self.tpot_seconds is None or not self.tpot_tokens:
             return None
         return self.tpot_seconds / self.tpot_tokens
+
+
+class HitRateGap:
+    """How far the prefix index's predicted hit rate runs above the engine's own (positive: the index
+    believes more is cached than the engine has: it does not see all of the engine's evictions, or the
+    engine serves other clients). Computed between scrapes over the prompt tokens of that interval, as an
+    EWMA; 0.0 until both sides have seen prompt tokens."""
+
+    __slots__ = ("_engine", "_predicted", "ewma")
+
+    def __init__(self) -> None:
+        self.ewma = Ewma(alpha=0.2)
+        self._predicted: tuple[int, int] | None = None
+        self._engine: tuple[float, float] | None = None
+
+    @property
+    def value(self) -> float:
+        return self.ewma.value
+
+    def observe(self, predicted_hits: int, predicted_queries: int, load: EngineLoad) -> None:
+        if load.prefix_hits is None or load.prefix_queries is None:
+            return
+        previous, engine_before = self._predicted, self._engine
+        self._predicted = (predicted_hits, predicted_queries)
+        self._engine = (load.prefix_hits, load.prefix_queries)
+        if previous is None or engine_before is None:
+            return
+        queries = predicted_queries - previous[1]
+        engine_queries = load.prefix_queries - engine_before[1]
+        if queries <= 0 or engine_queries <= 0:
+            return
+        predicted = (predicted_hits - previous[0]) / queries
+        engine = (load.prefix_hits - engine_before[0]) / engine_queries
+        self.ewma.add(predicted - engine, load.scraped_at)
 
 
 def merge(
@@ -201,6 +237,7 @@ def merge(
     now: float,
     stale_after: float,
     cached_tokens: int = 0,
+    cache_room: int | None = None,
 ) -> InstanceView:
     own_running = min(in_flight, max_concurrency)
     own_waiting = max(0, in_flight - max_concurrency)
@@ -233,4 +270,5 @@ def merge(
         decode_s=own.decode.value,
         prefill_tps=own.prefill_tps.value,
         cached_tokens=cached_tokens,
+        cache_room=cache_room,
     )

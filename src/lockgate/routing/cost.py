@@ -2,7 +2,7 @@
 
 `predicted_ttft` is a cost model rather than a set of thresholds. For each candidate it predicts
 
-    TTFT = queue wait + uncached prompt tokens / prefill rate + one decode step
+    TTFT = queue wait + uncached prompt tokens / prefill rate + one decode step + eviction cost
 
     queue wait     = prompt tokens already queued there / prefill rate
                      + (when every batch slot is taken) the share of a request's decode time until a
@@ -11,6 +11,11 @@
     prefill rate   = that instance's measured rate (EWMA); until it is measured, the mean of the
                      measured candidates (else a configured default)
     decode step    = its measured time per output token (the same fallback)
+    eviction cost  = (uncached tokens beyond the room left in its prefix cache) / prefill rate: placing
+                     a prompt on an instance whose cache is full evicts other prefixes that will have to
+                     be prefilled again; counting that once keeps a working set larger than one cache
+                     partitioned over the instances instead of spread (and thrashing) over all of them.
+                     Only where the cache size is known (engine-reported or configured).
 
 and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
 next to measured peers, a new instance would never be chosen and so never measured.
@@ -37,6 +42,8 @@ def predict_ttft(
     if over > 0:
         # No free batch slot: on average one frees every decode_s / max_concurrency seconds.
         wait += over * view.decode_s / view.max_concurrency
+    if view.cache_room is not None and uncached > view.cache_room:
+        uncached += uncached - view.cache_room
     return wait + uncached / rate + (view.tpot_s or default_tpot_s)
 
 

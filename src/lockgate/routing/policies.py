@@ -51,6 +51,8 @@ class InstanceView:
     prefill_tps: float = 0.0
     #: Tokens of this request's prompt the instance likely has cached (from the prefix index).
     cached_tokens: int = 0
+    #: Tokens its prefix cache takes before it must evict (None: its cache size is unknown).
+    cache_room: int | None = None
 
     @property
     def load(self) -> float:

@@ -9,8 +9,16 @@ the least recently used blocks are evicted. Memory is therefore bounded whatever
 unbounded router index is a known way to run a router out of memory, vLLM production-stack #687).
 
 `match()` walks a prompt's keys from the start and counts, per instance, how many leading blocks it
-holds — a guess at how much of the prompt that instance has cached. It is only a guess: the engine may
-have evicted the blocks since; the cost model treats it as likely, not certain.
+holds — a guess at how much of the prompt that instance has cached.
+
+Engines evict too. An instance whose prefix-cache size is known (`set_capacity`, in blocks: from the
+engine's own report, vLLM's `cache_config_info`, or the configuration) gets its own LRU of the blocks
+routed to it, trimmed to that size as the engine's LRU would be: a block that engine has most likely
+evicted stops counting as cached there, and `room()` says how much more it takes before evicting.
+Without a known size an instance keeps its blocks until the global bound evicts them (the old
+behaviour: optimistic when the working set outgrows the engine's cache). The per-instance LRUs hold
+the same keys as the global map, so the global `max_bytes` bound (counting their entries too) still
+bounds everything.
 
 Everything here is synchronous; one index per pool, used from the event loop only.
 """
@@ -39,26 +47,90 @@ def prompt_blocks(text: str, block_chars: int) -> tuple[int, ...]:
     return tuple(keys)
 
 
+#: Bytes one block costs in an instance's own LRU (an OrderedDict node with a None value).
+RESIDENT_BYTES = 120
+
+
 class PrefixIndex:
     def __init__(self, max_bytes: int, block_chars: int = 64) -> None:
         self.block_chars = block_chars
+        self.max_bytes = max_bytes
         self.max_entries = max(1, max_bytes // ENTRY_BYTES)
         self._entries: OrderedDict[int, int] = OrderedDict()
         self._slots: dict[str, int] = {}
+        #: Per slot with a known cache size: its blocks in LRU order, and that size (in blocks).
+        self._resident: dict[int, OrderedDict[int, None]] = {}
+        self._capacity: dict[int, int] = {}
+        self._resident_total = 0
         self.evictions = 0
+        #: Blocks dropped from an instance's LRU because its engine's cache is full (modelled evictions).
+        self.engine_evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def approx_bytes(self) -> int:
-        return len(self._entries) * ENTRY_BYTES
+        return len(self._entries) * ENTRY_BYTES + self._resident_total * RESIDENT_BYTES
 
-    def _bit(self, key: str) -> int:
+    def _slot(self, key: str) -> int:
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = len(self._slots)
-        return 1 << slot
+        return slot
+
+    def _bit(self, key: str) -> int:
+        return 1 << self._slot(key)
+
+    def set_capacity(self, instance_key: str, blocks: int | None) -> None:
+        """The instance's prefix cache holds about this many blocks (None: unknown, no per-instance LRU)."""
+        slot = self._slot(instance_key)
+        if blocks is None:
+            dropped = self._resident.pop(slot, None)
+            self._capacity.pop(slot, None)
+            if dropped is not None:
+                self._resident_total -= len(dropped)
+            return
+        self._capacity[slot] = max(1, blocks)
+        if slot not in self._resident:
+            # Start from what the global map says it holds (oldest first, as the map is ordered).
+            bit = 1 << slot
+            self._resident[slot] = OrderedDict((k, None) for k, m in self._entries.items() if m & bit)
+            self._resident_total += len(self._resident[slot])
+        self._trim(slot)
+
+    def capacity(self, instance_key: str) -> int | None:
+        slot = self._slots.get(instance_key)
+        return None if slot is None else self._capacity.get(slot)
+
+    def room(self, instance_key: str) -> int | None:
+        """Blocks the instance takes before its cache evicts (None: its cache size is unknown)."""
+        slot = self._slots.get(instance_key)
+        if slot is None:
+            return None
+        capacity = self._capacity.get(slot)
+        if capacity is None:
+            return None
+        return max(0, capacity - len(self._resident[slot]))
+
+    def _trim(self, slot: int) -> None:
+        resident = self._resident[slot]
+        excess = len(resident) - self._capacity[slot]
+        if excess <= 0:
+            return
+        entries = self._entries
+        clear = ~(1 << slot)
+        for _ in range(excess):
+            key, _ = resident.popitem(last=False)
+            mask = entries.get(key)
+            if mask is not None:
+                mask &= clear
+                if mask:
+                    entries[key] = mask
+                else:
+                    del entries[key]
+        self._resident_total -= excess
+        self.engine_evictions += excess
 
     def match(self, blocks: tuple[int, ...]) -> dict[str, int]:
         """Leading blocks of the prompt each instance (by key) holds; instances holding none are absent."""
@@ -87,7 +159,8 @@ class PrefixIndex:
         """Note that the prompt with these blocks was routed to this instance (most recently used now)."""
         if not blocks:
             return
-        bit = self._bit(instance_key)
+        slot = self._slot(instance_key)
+        bit = 1 << slot
         entries = self._entries
         for key in blocks:
             mask = entries.get(key)
@@ -97,17 +170,43 @@ class PrefixIndex:
                 if not mask & bit:
                     entries[key] = mask | bit
                 entries.move_to_end(key)
+        resident = self._resident.get(slot)
+        if resident is not None:
+            before = len(resident)
+            # Like vLLM's free-block queue, a prompt's tail goes first: touch its blocks last to first.
+            for key in reversed(blocks):
+                resident[key] = None
+                resident.move_to_end(key)
+            self._resident_total += len(resident) - before
+            self._trim(slot)
+        self._bound()
+
+    def _bound(self) -> None:
+        """Evict the least recently used blocks everywhere until the index fits its memory bound."""
+        entries = self._entries
         excess = len(entries) - self.max_entries
-        for _ in range(max(0, excess)):
-            entries.popitem(last=False)
-        if excess > 0:
-            self.evictions += excess
+        if self._resident_total:
+            excess = max(excess, (self.approx_bytes - self.max_bytes + ENTRY_BYTES - 1) // ENTRY_BYTES)
+        if excess <= 0:
+            return
+        residents = self._resident
+        for _ in range(min(excess, len(entries))):
+            key, mask = entries.popitem(last=False)
+            if residents:
+                for slot, resident in residents.items():
+                    if mask >> slot & 1 and resident.pop(key, 0) is None:
+                        self._resident_total -= 1
+        self.evictions += excess
 
     def blocks_of(self, instance_key: str) -> int:
-        """How many indexed blocks this instance holds (for `/admin/fleet`; O(entries))."""
+        """How many indexed blocks this instance holds (for `/admin/fleet`; O(entries) unless its cache
+        size is known)."""
         slot = self._slots.get(instance_key)
         if slot is None:
             return 0
+        resident = self._resident.get(slot)
+        if resident is not None:
+            return len(resident)
         bit = 1 << slot
         return sum(1 for mask in self._entries.values() if mask & bit)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -42,12 +42,28 @@ class _GaugeCollector(Collector):
 
 
 class SimMetrics:
-    def __init__(self, model_name: str, read_gauges: Callable[[], LiveGauges]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        read_gauges: Callable[[], LiveGauges],
+        *,
+        num_gpu_blocks: int | None = None,
+        block_size: int = 16,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         reg = self.registry
         labels = ["model_name"]
         self._model_name = model_name
         reg.register(_GaugeCollector(model_name, read_gauges))
+        if num_gpu_blocks is not None:
+            # As vLLM exports its CacheConfig: an info gauge whose labels carry the values.
+            info = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                ["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+                registry=reg,
+            )
+            info.labels(str(block_size), "True", str(num_gpu_blocks)).set(1)
         self.prefix_queries = Counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels, registry=reg
         ).labels(model_name)

@@ -35,7 +35,12 @@ class SimServer:
         self.stats = SimStats(config.requests_seen_limit)
         self.control = SimControl()
         self.engine: Engine | None = None
-        self.metrics = SimMetrics(config.model_name, self._gauges)
+        self.metrics = SimMetrics(
+            config.model_name,
+            self._gauges,
+            num_gpu_blocks=None if config.fast else config.num_kv_blocks,
+            block_size=config.block_size,
+        )
         if not config.fast:
             self.engine = Engine(config.scheduler_config(), self.stats, self.metrics)
         self.api = Api(config, self.stats, self.metrics, self.control, self.engine)
