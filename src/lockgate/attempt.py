@@ -92,7 +92,7 @@ async def open_attempts(
             api, served_model=pool.served[instance.key], request_id=request_id, stream=stream, priority=priority
         )
         call = UpstreamCall(fleet, metrics, instance, api.endpoint.path, orjson.dumps(body), request_id, stream=stream)
-        lease = fleet.lease(instance, max(0, route.prompt_tokens - cached))
+        lease = fleet.lease(instance, max(0, route.prompt_tokens - cached), route.prompt_tokens)
         hold(lease, call)
         try:
             await call.open()

@@ -143,7 +143,7 @@ class Exchange:
         if aborted and self._cancel_detected_at is not None:
             self.gateway.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
         if lease is not None:
-            lease.release()
+            lease.release(self.record.prompt_tokens)
 
     def hold(self, release: Callable[[], None]) -> None:
         """Own one more resource until the request ends: `release` (synchronous, idempotent) runs

@@ -30,7 +30,7 @@ from ..wire import ApiRequest
 from .capacity import ConcurrencyLimit
 from .ejection import Ejection
 from .scrape import Scraper
-from .state import Attempt, EngineLoad, HitRateGap, OwnAccounting, merge
+from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, merge
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
@@ -72,6 +72,9 @@ class Instance:
         self.predicted_queries = 0
         self.predicted_hits = 0
         self.hit_gap = HitRateGap()
+        #: Engine tokens per token of the gateway's estimate (characters / 4), learned from usage; sizes
+        #: its cache in the prefix index's blocks.
+        self.token_ratio = Ewma(alpha=0.1)
         #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
         self.session = session
         #: The lean keep-alive pool that carries generation requests (`upstream.py`).
@@ -134,10 +137,14 @@ class Instance:
 class Lease:
     """A routing slot on one instance, held by one request attempt. `release()` is idempotent."""
 
-    __slots__ = ("_attempt", "_metrics", "_released", "_whole", "completion_tokens", "instance")
+    __slots__ = ("_attempt", "_estimate", "_metrics", "_released", "_whole", "completion_tokens", "instance")
 
-    def __init__(self, instance: Instance, metrics: GatewayMetrics, uncached_tokens: int = 0) -> None:
+    def __init__(
+        self, instance: Instance, metrics: GatewayMetrics, uncached_tokens: int = 0, prompt_tokens: int = 0
+    ) -> None:
         self.instance = instance
+        #: The gateway's estimate of the prompt's tokens (characters / 4).
+        self._estimate = prompt_tokens
         self._metrics = metrics
         self._released = False
         #: Tokens received so far (for the instance's TPOT), kept current by the relay.
@@ -156,11 +163,15 @@ class Lease:
         self.completion_tokens = completion_tokens
         self._whole = True
 
-    def release(self) -> None:
+    def release(self, engine_prompt_tokens: int = 0) -> None:
+        """End the attempt; `engine_prompt_tokens`: the prompt's size as the engine counted it (usage),
+        which teaches the instance how its tokens relate to the gateway's estimate."""
         if self._released:
             return
         self._released = True
         instance = self.instance
+        if engine_prompt_tokens > 0 and self._estimate > 0:
+            instance.token_ratio.add(engine_prompt_tokens / self._estimate, time.monotonic())
         engine = instance.engine_load
         instance.own.end(
             self._attempt,
@@ -210,10 +221,12 @@ class Pool:
             if spec.cache_tokens is not None:
                 self.set_cache_tokens(spec.key, spec.cache_tokens)
 
-    def set_cache_tokens(self, key: str, tokens: int | None) -> bool:
-        """An instance's prefix-cache size (tokens) became known: the index models its evictions.
+    def set_cache_tokens(self, key: str, tokens: int | None, ratio: float = 1.0) -> bool:
+        """An instance's prefix-cache size (engine tokens) became known: the index models its evictions.
+        `ratio`: engine tokens per estimated token (the index's blocks are characters, 4 to a token).
         Returns whether it changed."""
-        blocks = None if tokens is None else max(1, tokens // max(1, self.index.block_chars // 4))
+        per_block = max(1, self.index.block_chars // 4) * (round(ratio, 2) or 1.0)
+        blocks = None if tokens is None else max(1, int(tokens / per_block))
         if self.index.capacity(key) == blocks:
             return False
         self.index.set_capacity(key, blocks)
@@ -452,8 +465,8 @@ class Fleet:
     def pool(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def lease(self, instance: Instance, uncached_tokens: int = 0) -> Lease:
-        return Lease(instance, self._metrics, uncached_tokens)
+    def lease(self, instance: Instance, uncached_tokens: int = 0, prompt_tokens: int = 0) -> Lease:
+        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens)
 
     def ready(self) -> bool:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())
@@ -487,10 +500,14 @@ class Fleet:
     def _scraped(self, instance: Instance, ok: bool) -> None:
         self._metrics.scrapes.labels(instance.name, "ok" if ok else "error").inc()
         load = instance.engine_load
-        if ok and load is not None and load.cache_tokens is not None and instance.cache_tokens is None:
-            # The engine says how large its cache is (and the configuration did not): model its evictions.
+        tokens = instance.cache_tokens or (load.cache_tokens if ok and load is not None else None)
+        if tokens is not None and instance.token_ratio.samples:
+            # The cache's size (configured, else as the engine reports it), in the index's blocks with
+            # what the engine's usage taught about its tokens (not before: a wrong guess of the engine's
+            # tokenizer would make the index forget prefixes the engine still holds): model its evictions.
+            ratio = instance.token_ratio.value
             changed = [
-                pool.set_cache_tokens(instance.key, load.cache_tokens)
+                pool.set_cache_tokens(instance.key, tokens, ratio)
                 for pool in self.pools.values()
                 if instance.key in pool.served
             ]
