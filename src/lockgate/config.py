@@ -142,6 +142,18 @@ class ResultCacheConfig(_Strict):
     ttl_ms: Annotated[int, Field(ge=0)] = 10000
 
 
+class DashboardConfig(_Strict):
+    """The live dashboard at `/dashboard` (see `lockgate.dashboard`)."""
+
+    enabled: bool = True
+    #: Per-second samples kept for the latency/TTFT plots (the ring's bound: one sample a second).
+    history_s: Annotated[int, Field(ge=10, le=86400)] = 600
+    #: Dashboards open at once (`/dashboard/events` streams); more get 503.
+    max_clients: Annotated[int, Field(ge=1, le=1000)] = 16
+    #: How often a sample is taken and a snapshot sent.
+    interval_ms: Annotated[int, Field(ge=100, le=60000)] = 1000
+
+
 class SimFleetEntry(_Strict):
     """An engine simulator started inside the gateway process (the embedded default)."""
 
@@ -163,6 +175,7 @@ class Config(_Strict):
     usage: UsageConfig = UsageConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
     result_cache: ResultCacheConfig = ResultCacheConfig()
+    dashboard: DashboardConfig = DashboardConfig()
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []

@@ -21,6 +21,8 @@ from .admission import resume
 from .admission.gate import Admission
 from .admission.tenants import PRIORITY_HEADER, Tenant
 from .config import Config, ConfigError
+from .dashboard import Dashboard, SloProvider
+from .dashboard.assets import STATIC_PREFIX
 from .dedup import Coalescer
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
@@ -80,6 +82,9 @@ class Gateway:
         self.started_at = time.time()
         #: Re-reads the configuration file and applies it (`reload.py`); None: nothing to reload.
         self.reloader: Reloader | None = None
+        #: Fills the dashboard's SLO panel: returns what `GET /admin/slo` answers, or None (nothing evaluated).
+        self.slo_provider: SloProvider | None = None
+        self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
         self._model_list = self._render_models(config)
@@ -113,12 +118,16 @@ class Gateway:
         except BaseException:
             await self.records.aclose()
             raise
+        if self.dashboard is not None:
+            await self.dashboard.__aenter__()  # starts one task; nothing in it can fail before that
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self.dashboard is not None:
+            await self.dashboard.aclose()
         for exchange in self.registry.all():
             exchange.cancel("shutdown")
         await self.registry.wait_empty()
@@ -141,6 +150,9 @@ class Gateway:
             ("POST", "/v1/chat/completions"): functools.partial(self._serve, endpoint=Endpoint.CHAT),
             ("POST", "/v1/completions"): functools.partial(self._serve, endpoint=Endpoint.COMPLETIONS),
         }
+        if self.dashboard is not None:
+            get["/dashboard"] = get["/dashboard/"] = self.dashboard.page
+            routes["GET", "/dashboard/events"] = self.dashboard.events
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
         routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
@@ -157,6 +169,12 @@ class Gateway:
     async def _other(self, request: Request) -> Reply:
         if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
             reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+        elif (
+            self.dashboard is not None
+            and request.path.startswith(STATIC_PREFIX)
+            and request.method in ("GET", "HEAD")
+        ):
+            reply = self.dashboard.static(request)
         else:
             reply = self._unknown(request)
         _set_request_id(reply, request)

@@ -150,6 +150,10 @@ class GatewayServer:
             for exchange in gateway.registry.all():
                 exchange.stop_now()
             await gateway.registry.wait_empty()
+        # Open dashboards kept watching the drain; their streams end now, or the connections would hold
+        # the HTTP server's shutdown until its timeout.
+        if gateway.dashboard is not None:
+            gateway.dashboard.close()
         await self._close_http()
         await self._stack.aclose()
 
