@@ -9,7 +9,8 @@
 Shutdown: `/ready` fails at once; the listening socket closes (new connections are refused) and new
 requests on open keep-alive connections get 503; requests in flight may finish until
 `shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final SSE error event for
-streams); records are flushed; everything is closed. SIGHUP reloads the configuration (`reload.py`).
+streams); open dashboards' streams end; records are flushed; everything is closed. SIGHUP reloads the
+configuration (`reload.py`).
 """
 
 from __future__ import annotations

@@ -132,7 +132,11 @@
     if (digits !== undefined) return n.toFixed(digits);
     return Math.round(n).toLocaleString("en-US");
   }
-  function fmtPct(x) { return x === null || x === undefined ? "–" : (x * 100).toFixed(x >= 0.995 || x === 0 ? 0 : 1) + "%"; }
+  function fmtPct(x) {
+    if (x === null || x === undefined) return "–";
+    if (x > 0 && x < 0.001) return "<0.1%";
+    return (x * 100).toFixed(x >= 0.995 || x === 0 ? 0 : 1) + "%";
+  }
   function fmtAge(s) {
     if (s === null || s === undefined) return "–";
     return s < 1 ? Math.round(s * 1000) + " ms" : s < 120 ? s.toFixed(1) + " s" : Math.round(s / 60) + " min";
@@ -241,9 +245,9 @@
     setText("kpi-errors", last ? fmtNum(last[column("errors_ps")], 2) : "–");
     setText("kpi-rejected", last ? fmtNum(last[column("rejected_ps")], 2) + " rejected/s" : "");
     setText("kpi-lat", fmtSeconds(latest("latency_p99")));
-    setText("kpi-lat-note", "p50 " + fmtSeconds(latest("latency_p50")) + " · 5 min peak " + fmtSeconds(windowMax("latency_p99", WINDOW_S)));
+    setText("kpi-lat-note", "p50 " + fmtSeconds(latest("latency_p50")) + " · peak " + fmtSeconds(windowMax("latency_p99", WINDOW_S)));
     setText("kpi-ttft", fmtSeconds(latest("ttft_p99")));
-    setText("kpi-ttft-note", "p50 " + fmtSeconds(latest("ttft_p50")) + " · 5 min peak " + fmtSeconds(windowMax("ttft_p99", WINDOW_S)));
+    setText("kpi-ttft-note", "p50 " + fmtSeconds(latest("ttft_p50")) + " · peak " + fmtSeconds(windowMax("ttft_p99", WINDOW_S)));
     setText("kpi-dedup", fmtPct(snap.dedup.hit_ratio));
     setText("kpi-dedup-note", fmtNum(snap.dedup.flights_in_flight) + " shared calls in flight");
   }
@@ -263,7 +267,7 @@
       { name: "rps", label: "finished", color: "var(--accent)", area: true },
       { name: "errors_ps", label: "errors", color: "var(--bad)" },
       { name: "rejected_ps", label: "rejected", color: "var(--warn)" },
-    ], (v) => fmtNum(v, v < 10 ? 1 : 0), true);
+    ], (v) => (v === 0 ? "0" : fmtNum(v, v < 10 ? 1 : 0)), true);
   }
 
   function svg(tag, attrs, text) {
@@ -309,18 +313,23 @@
     let drawn = false;
     series.forEach((s, index) => {
       const i = column(s.name);
-      let d = "", open = false, first = null, lastX = null;
+      let d = "", run = [], first = null, lastX = null;
+      const dots = [];
+      const endRun = () => { if (run.length === 1) dots.push(run[0]); run = []; };
       for (const r of rows) {
         let v = r[i];
         if (v === null && zeroForMissing) v = 0;
-        if (v === null) { open = false; continue; }
+        if (v === null) { endRun(); continue; }
         const px = x(r[0]).toFixed(1), py = y(v).toFixed(1);
-        d += (open ? "L" : "M") + px + " " + py;
+        d += (run.length ? "L" : "M") + px + " " + py;
+        run.push([px, py]);
         if (first === null) first = px;
         lastX = px;
-        open = true;
         drawn = true;
       }
+      endRun();
+      // A value with no neighbour (one busy second between idle ones) is a dot, not an invisible segment.
+      for (const [px, py] of dots) root.appendChild(svg("circle", { cx: px, cy: py, r: 2.2, fill: s.color }));
       if (s.area && d && first !== null) {
         root.appendChild(svg("path", { class: "area", d: d + `L${lastX} ${top + h}L${first} ${top + h}Z`, fill: s.color, "fill-opacity": "0.12" }));
       }
