@@ -68,13 +68,25 @@ def test_metric_families_are_read_by_label_whatever_other_labels_they_have() -> 
     m.request_duration.labels("b", "error").observe(500.0)  # beyond the last bound: +Inf
     b = histogram(m.request_duration)
     assert sum(b.counts) == 3 and len(b.counts) == len(b.bounds) + 1 and b.counts[-1] == 1
-    assert histogram(m.ttft) == Buckets((), (0,))  # no label set yet: no bounds known, nothing counted
+    assert histogram(m.ttft) == Buckets(b.bounds, (0,) * len(b.counts))  # no label set yet: nothing counted
     m.requests.labels("a", "completed").inc(3)
     m.requests.labels("b", "completed").inc()
     m.requests.labels("b", "error").inc()
     assert counter_by(m.requests, "status") == {"completed": 4.0, "error": 1.0}
     m.cancellations.labels("admin").inc()  # a prometheus-client Counter (with `_created` samples)
     assert counter_by(m.cancellations, "reason") == {"admin": 1.0}
+
+    class Exposed:  # the same family seen only through prometheus-client's `collect()`
+        def __init__(self, family: Any) -> None:
+            self.collect = family.collect
+
+    # The direct reading of the lock-free families and the generic one agree, label filters included.
+    assert histogram(Exposed(m.request_duration)) == b
+    assert histogram(m.request_duration, exclude={"status": "error"}).counts == histogram(
+        Exposed(m.request_duration), exclude={"status": "error"}
+    ).counts
+    assert sum(histogram(m.request_duration, exclude={"model": "b"}).counts) == 1
+    assert counter_by(Exposed(m.requests), "status") == counter_by(m.requests, "status")
 
 
 def _instance(name: str, **over: Any) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 `read_totals` reads the cumulative metrics a `Sample` is computed from; `gather` reads everything a
 snapshot shows (registry, fleet, admission and de-duplication statistics, counters, the SLO provider) into a
 `GatewayState`, which `snapshot.build_snapshot` turns into the JSON the page renders. Metric families are
-read through prometheus-client's `collect()` interface, by label name: adding labels to a family (the SLI
-work adds `priority`) changes nothing here.
+read by label name (the gateway's lock-free `LoopFamily` directly, others through prometheus-client's
+`collect()`): adding labels to a family (the SLI work adds `priority`) changes nothing here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..fleet.report import describe_fleet
+from ..metrics import LoopFamily
 from .history import Buckets, Totals
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ def _samples(family: _Collectable) -> Iterator[tuple[str, Mapping[str, str], flo
 
 def histogram(family: _Collectable, *, exclude: Mapping[str, str] | None = None) -> Buckets:
     """All label sets of a histogram family added up, skipping those whose labels match `exclude`."""
+    if isinstance(family, LoopFamily) and family.bounds is not None:
+        return _loop_histogram(family, exclude or {})
     cumulative: dict[float, float] = {}
     for name, labels, value in _samples(family):
         if not name.endswith("_bucket"):
@@ -82,9 +85,30 @@ def histogram(family: _Collectable, *, exclude: Mapping[str, str] | None = None)
     return Buckets(finite, tuple(counts))
 
 
+def _loop_histogram(family: LoopFamily, exclude: Mapping[str, str]) -> Buckets:
+    """`histogram()` read straight from a `LoopFamily`'s children (the sampler runs this every tick: a sample
+    costs ~25 us this way, ~0.7 ms through `collect()`)."""
+    bounds = family.bounds
+    assert bounds is not None
+    names = family.labelnames
+    skip = [(names.index(k), v) for k, v in exclude.items() if k in names]
+    totals = [0] * (len(bounds) + 1)
+    for values, child in family.children():
+        if any(values[i] == v for i, v in skip):
+            continue
+        for i, count in enumerate(child.counts):
+            totals[i] += count
+    return Buckets(bounds, tuple(totals))
+
+
 def counter_by(family: _Collectable, label: str) -> dict[str, float]:
     """A counter family's totals grouped by one label's value."""
     out: dict[str, float] = {}
+    if isinstance(family, LoopFamily) and family.bounds is None and label in family.labelnames:
+        at = family.labelnames.index(label)
+        for values, child in family.children():
+            out[values[at]] = out.get(values[at], 0.0) + child.value
+        return out
     for name, labels, value in _samples(family):
         if not name.endswith("_total"):
             continue
