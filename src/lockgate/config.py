@@ -146,8 +146,8 @@ class DashboardConfig(_Strict):
     """The live dashboard at `/dashboard` (see `lockgate.dashboard`)."""
 
     enabled: bool = True
-    #: Per-second samples kept for the latency/TTFT plots (the ring's bound: one sample a second).
-    history_s: Annotated[int, Field(ge=10, le=86400)] = 600
+    #: Seconds of samples kept for the plots: a ring of history_s * 1000 / interval_ms samples (at most 3,600).
+    history_s: Annotated[int, Field(ge=10, le=3600)] = 600
     #: Dashboards open at once (`/dashboard/events` streams); more get 503.
     max_clients: Annotated[int, Field(ge=1, le=1000)] = 16
     #: How often a sample is taken and a snapshot sent.

@@ -83,6 +83,7 @@ class Gateway:
         #: Re-reads the configuration file and applies it (`reload.py`); None: nothing to reload.
         self.reloader: Reloader | None = None
         #: Fills the dashboard's SLO panel: returns what `GET /admin/slo` answers, or None (nothing evaluated).
+        #: Called once per dashboard tick while a dashboard is open (so it should return a cached evaluation).
         self.slo_provider: SloProvider | None = None
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
         self._route_table = self._routes()

@@ -76,9 +76,19 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
             page = await browser.new_page(viewport={"width": 1440, "height": 1300})
             page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
             page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-            page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url} {r.failure}"))
+            page.on(
+                "requestfailed",  # but the page's own abort of its feed (it reconnects with a new key) is fine
+                lambda r: None if r.failure == "net::ERR_ABORTED" else problems.append(f"failed: {r.url} {r.failure}"),
+            )
+
+            sent: dict[str, str | None] = {}  # the Authorization header of the page's requests, by path
+            page.on("request", lambda r: sent.__setitem__(r.url.removeprefix(gw.url), r.headers.get("authorization")))
 
             await page.goto(gw.url + "/dashboard")
+            # The admin key typed once is kept for the tab and sent as a header, never in a URL.
+            await page.locator("#adminkey").fill("admin-secret")
+            await page.locator("#keyform button[type=submit]").click()
+            await page.wait_for_function("() => sessionStorage.getItem('lockgate.adminKey') === 'admin-secret'")
             rows = page.locator("tr[data-testid=instance]")
             await page.wait_for_function("() => document.querySelectorAll('tr[data-testid=instance]').length === 4")
             assert await rows.evaluate_all("rows => rows.map(r => r.dataset.name)") == [
@@ -123,6 +133,9 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
                 async for _ in chunks:
                     pass
 
+            assert sent[f"/admin/requests/{live}"] == "Bearer admin-secret"
+            assert sent["/dashboard/events"] == "Bearer admin-secret"
+            assert all("admin-secret" not in url for url in sent)
             with pytest.raises(openai.APIError) as ended:
                 async with asyncio.timeout(10):  # bounds a failure only
                     await drain()
@@ -138,6 +151,17 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
             await page.screenshot(path=str(shot), full_page=True)
             print(f"\ndashboard screenshot: {shot}")
             seen = list(problems)  # before closing the browser, which aborts the page's feed
+
+            # When the gateway refuses the key (another branch adds admin auth), the page asks for one.
+            refused = await browser.new_page()
+            await refused.route(
+                "**/dashboard/events",
+                lambda route: route.fulfill(status=401, content_type="application/json", body=b'{"error": {}}'),
+            )
+            await refused.goto(gw.url + "/dashboard")
+            await refused.wait_for_function(
+                "() => document.getElementById('conn').textContent === 'admin key required'", timeout=REFLECT_MS
+            )
         finally:
             await browser.close()
     assert seen == []

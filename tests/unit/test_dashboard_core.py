@@ -7,9 +7,12 @@ import asyncio
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from lockgate.config import DashboardConfig
 from lockgate.dashboard.feed import TAIL_ROWS, Feed
 from lockgate.dashboard.history import SAMPLE_FIELDS, Buckets, History, Sample, Totals, quantile, sample_between
+from lockgate.dashboard.routes import MAX_SAMPLES, history_samples
 from lockgate.dashboard.snapshot import build_snapshot, instance_status
 from lockgate.dashboard.sources import GatewayState, counter_by, histogram
 from lockgate.metrics import GatewayMetrics
@@ -47,6 +50,14 @@ def test_a_sample_is_the_difference_of_two_readings() -> None:
     assert len(s.row()) == len(SAMPLE_FIELDS)
     idle = sample_between(now, Totals(103.0, now.latency, now.ttft, now.finished))
     assert idle.rps == 0 and idle.latency == (None, None, None)
+
+
+def test_the_ring_covers_history_s_at_the_configured_interval_within_a_hard_bound() -> None:
+    assert history_samples(DashboardConfig()) == 600
+    assert history_samples(DashboardConfig(history_s=60, interval_ms=250)) == 240
+    assert history_samples(DashboardConfig(history_s=3600, interval_ms=100)) == MAX_SAMPLES
+    with pytest.raises(ValidationError):
+        DashboardConfig(history_s=86400)
 
 
 def test_the_history_ring_is_bounded() -> None:
@@ -212,7 +223,7 @@ class _Source:
 
 async def test_the_feed_samples_without_rendering_until_someone_subscribes() -> None:
     src = _Source()
-    async with Feed(read_totals=src.totals, render=src.render, history_s=60, max_clients=2, interval_s=3600) as feed:
+    async with Feed(read_totals=src.totals, render=src.render, history_size=60, max_clients=2, interval_s=3600) as feed:
         for _ in range(20):
             feed.tick()
         assert len(feed.history) == 20 and src.renders == []  # nothing built while nobody watches
@@ -236,7 +247,7 @@ async def test_the_feed_samples_without_rendering_until_someone_subscribes() -> 
 
 async def test_the_feed_bounds_its_clients_and_ends_every_stream_on_close() -> None:
     src = _Source()
-    feed = Feed(read_totals=src.totals, render=src.render, history_s=60, max_clients=2, interval_s=3600)
+    feed = Feed(read_totals=src.totals, render=src.render, history_size=60, max_clients=2, interval_s=3600)
     async with feed:
         a, b = feed.subscribe(), feed.subscribe()
         assert a is not None and b is not None and feed.subscribe() is None
@@ -264,7 +275,7 @@ async def test_the_feed_ticks_on_its_own_and_survives_a_failing_render(caplog: p
             raise RuntimeError("boom")
         return b"ok %d" % calls
 
-    async with Feed(read_totals=src.totals, render=render, history_s=60, max_clients=1, interval_s=0.01) as feed:
+    async with Feed(read_totals=src.totals, render=render, history_size=60, max_clients=1, interval_s=0.01) as feed:
         with feed.subscribe() as sub:  # type: ignore[union-attr]
             assert await sub.next() == b"ok 1"
             async with asyncio.timeout(10):

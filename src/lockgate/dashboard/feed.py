@@ -44,13 +44,13 @@ class Feed:
         *,
         read_totals: Callable[[], Totals],
         render: Render,
-        history_s: int,
+        history_size: int,
         max_clients: int,
         interval_s: float = 1.0,
     ) -> None:
         self._read_totals = read_totals
         self._render = render
-        self.history = History(history_s)
+        self.history = History(history_size)
         self.max_clients = max_clients
         self.interval_s = interval_s
         self._clients: set[Subscription] = set()

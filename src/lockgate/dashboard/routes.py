@@ -42,6 +42,15 @@ EVENT_HEADERS = {
 END_EVENT = b'event: end\ndata: {"reason": "shutdown"}\n\n'
 
 
+#: The ring's hard bound, whatever the configuration (a client's first event carries the whole ring).
+MAX_SAMPLES = 3600
+
+
+def history_samples(config: DashboardConfig) -> int:
+    """How many samples cover `history_s` at one sample per `interval_ms`, at most MAX_SAMPLES."""
+    return min(MAX_SAMPLES, -(-config.history_s * 1000 // config.interval_ms))
+
+
 def encode_event(snapshot: object) -> bytes:
     """One SSE event named `snapshot` (orjson writes no newline, so the JSON is one `data:` line)."""
     return b"event: snapshot\ndata: " + orjson.dumps(snapshot) + b"\n\n"
@@ -54,7 +63,7 @@ class Dashboard:
         self.feed = Feed(
             read_totals=lambda: read_totals(gateway),
             render=self._render,
-            history_s=config.history_s,
+            history_size=history_samples(config),
             max_clients=config.max_clients,
             interval_s=config.interval_ms / 1000,
         )

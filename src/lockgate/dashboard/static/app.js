@@ -14,7 +14,7 @@
   const SVG = "http://www.w3.org/2000/svg";
 
   const $ = (id) => document.getElementById(id);
-  const state = { rows: [], fields: [], backoff: 1000, controller: null, authFailed: false, snapshots: 0, lastAt: 0 };
+  const state = { rows: [], fields: [], backoff: 1000, controller: null, generation: 0, retryTimer: null, snapshots: 0, lastAt: 0 };
 
   // --- admin key ------------------------------------------------------------------------------------------------
   function adminKey() {
@@ -50,16 +50,19 @@
     document.body.dataset.state = text.split(" ")[0];
   }
 
+  // One stream at a time: each connect() takes a new generation; an older one that ends does nothing more.
   function reconnect() {
-    state.authFailed = false;
     state.backoff = 1000;
-    if (state.controller) state.controller.abort();
-    else connect();
+    connect();
   }
 
   async function connect() {
+    const generation = ++state.generation;
+    clearTimeout(state.retryTimer);
+    if (state.controller) state.controller.abort();
     const controller = new AbortController();
     state.controller = controller;
+    const current = () => generation === state.generation;
     setConnection("wait", "connecting");
     let retry = true;
     try {
@@ -69,8 +72,7 @@
         signal: controller.signal,
       });
       if (response.status === 401 || response.status === 403) {
-        state.authFailed = true;
-        retry = false;
+        retry = false;  // until a key is entered (reconnect)
         setConnection("bad", "admin key required");
         $("adminkey").focus();
         return;
@@ -79,21 +81,32 @@
       setConnection("ok", "live");
       state.backoff = 1000;
       await readEvents(response.body.getReader(), (name, data) => {
-        if (name === "snapshot") render(JSON.parse(data));
+        if (!current()) return;
+        if (name === "snapshot") renderSafely(JSON.parse(data));
         else if (name === "end") setConnection("warn", "gateway stopping");
       });
-      if (!controller.signal.aborted) setConnection("warn", "disconnected");
+      if (current()) setConnection("warn", "disconnected");
     } catch (err) {
-      if (!controller.signal.aborted) setConnection("warn", "reconnecting");
+      if (current()) setConnection("warn", "reconnecting");
     } finally {
-      if (state.controller === controller) state.controller = null;
-      if (controller.signal.aborted) {
-        connect();  // aborted by reconnect(): at once
-      } else if (retry && !state.authFailed) {
-        const delay = state.backoff;
-        state.backoff = Math.min(state.backoff * 2, 10000);
-        setTimeout(connect, delay);
+      if (current()) {
+        state.controller = null;
+        if (retry) {
+          const delay = state.backoff;
+          state.backoff = Math.min(state.backoff * 2, 10000);
+          state.retryTimer = setTimeout(connect, delay);
+        }
       }
+    }
+  }
+
+  // A snapshot the page cannot render is logged and the stream goes on (no reconnect loop over it).
+  function renderSafely(snapshot) {
+    try {
+      render(snapshot);
+    } catch (err) {
+      console.error("lockgate dashboard: cannot render a snapshot", err);
+      setConnection("warn", "render error");
     }
   }
 
