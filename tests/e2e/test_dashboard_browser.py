@@ -127,6 +127,9 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
                 "() => document.querySelector('tr[data-testid=request] td:nth-child(5)').textContent === 'streaming'",
                 timeout=REFLECT_MS,
             )
+            shot = tmp_path / "dashboard.png"  # with traffic behind it and a stream in flight
+            await page.screenshot(path=str(shot), full_page=True)
+            print(f"\ndashboard screenshot: {shot}")
             await row.locator("button[data-testid=cancel]").click()
 
             async def drain() -> None:
@@ -147,9 +150,6 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
                 "() => document.querySelector('#cancellations [data-key=admin] dd').textContent === '1'",
                 timeout=REFLECT_MS,
             )
-            shot = tmp_path / "dashboard.png"
-            await page.screenshot(path=str(shot), full_page=True)
-            print(f"\ndashboard screenshot: {shot}")
             seen = list(problems)  # before closing the browser, which aborts the page's feed
 
             # When the gateway refuses the key (another branch adds admin auth), the page asks for one.

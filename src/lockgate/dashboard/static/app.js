@@ -9,6 +9,7 @@
 (() => {
   const KEY_STORAGE = "lockgate.adminKey";
   const WINDOW_S = 300;             // what the plots show
+  const RATE_S = 5;                 // the rates in the top row are means over this many seconds
   const KEEP_S = 3600;              // history rows kept in the page (the gateway's ring is the real bound)
   const MAX_EVENT_BYTES = 8 << 20;  // a stream that sends more than this without an event boundary is dropped
   const SVG = "http://www.w3.org/2000/svg";
@@ -239,6 +240,13 @@
     }
     return null;
   }
+  // The mean of a rate over the newest `seconds` of samples (a steadier figure than one sample).
+  function windowMean(name, seconds) {
+    const i = column(name), since = state.lastAt - seconds;
+    let sum = 0, n = 0;
+    for (let r = state.rows.length - 1; r >= 0 && state.rows[r][0] > since; r--) { sum += state.rows[r][i]; n++; }
+    return n ? sum / n : 0;
+  }
   function windowMax(name, seconds) {
     const i = column(name), since = state.lastAt - seconds;
     let best = null;
@@ -252,11 +260,11 @@
     const queued = snap.pools.reduce((n, p) => n + p.queued, 0);
     setText("kpi-inflight-note", queued ? queued + " queued" : "none queued");
     const last = state.rows.length ? state.rows[state.rows.length - 1] : null;
-    setText("kpi-rps", last ? fmtNum(last[column("rps")], 1) : "–");
+    setText("kpi-rps", last ? fmtNum(windowMean("rps", RATE_S), 1) : "–");
     const finished = Object.values(snap.finished).reduce((a, b) => a + b, 0);
     setText("kpi-finished", fmtNum(finished) + " finished");
-    setText("kpi-errors", last ? fmtNum(last[column("errors_ps")], 2) : "–");
-    setText("kpi-rejected", last ? fmtNum(last[column("rejected_ps")], 2) + " rejected/s" : "");
+    setText("kpi-errors", last ? fmtNum(windowMean("errors_ps", RATE_S), 2) : "–");
+    setText("kpi-rejected", last ? fmtNum(windowMean("rejected_ps", RATE_S), 2) + " rejected/s" : "");
     setText("kpi-lat", fmtSeconds(latest("latency_p99")));
     setText("kpi-lat-note", "p50 " + fmtSeconds(latest("latency_p50")) + " · peak " + fmtSeconds(windowMax("latency_p99", WINDOW_S)));
     setText("kpi-ttft", fmtSeconds(latest("ttft_p99")));
