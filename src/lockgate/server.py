@@ -266,4 +266,6 @@ def _banner(server: GatewayServer) -> str:
             f"  from openai import OpenAI; client = OpenAI(base_url='{server.url}/v1', api_key='unused')",
             f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
         ]
+        if server.gateway.dashboard is not None:
+            lines.append(f"Dashboard: {server.url}/dashboard")
     return "\n".join(lines)

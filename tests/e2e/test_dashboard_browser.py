@@ -31,6 +31,26 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-quic",
 ]
+SLOS = {
+    "objectives": [
+        {
+            "name": "p0_success",
+            "objective": "P0 success rate",
+            "target": 0.999,
+            "status": "met",
+            "budget_remaining": 0.82,
+            "windows": {},
+        },
+        {
+            "name": "p0_ttft",
+            "objective": "P0 TTFT p99 < 2 s",
+            "target": 0.99,
+            "status": "burning",
+            "budget_remaining": 0.12,
+            "windows": {},
+        },
+    ]
+}
 #: How soon the page must show what happened (its feed ticks every 250 ms here).
 REFLECT_MS = 2000
 
@@ -96,6 +116,12 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
             ]
             assert await page.locator("#conn").text_content() == "live"
             assert await page.locator("#slo").text_content() == "No SLOs evaluated."
+            gw.gateway.slo_provider = lambda: SLOS  # what `GET /admin/slo` will answer (another branch)
+            await page.wait_for_function(
+                "() => Array.from(document.querySelectorAll('#slo [data-testid=objective] .badge'))"
+                ".map(b => b.textContent).join() === 'met,burning'",
+                timeout=REFLECT_MS,
+            )
 
             # Traffic: the finished count and the plots follow within REFLECT_MS.
             await asyncio.gather(
