@@ -157,6 +157,9 @@ async def test_a_dashboard_that_goes_away_leaves_the_feed(start_sim, start_gatew
     built = feed.events_built
     feed.tick()
     assert feed.events_built == built  # nobody watching: no snapshot is built
+    stats = feed.statistics()
+    assert stats["clients"] == 0 and stats["history_capacity"] == 3600  # 600 s at 100 ms is 6,000: capped
+    assert 1 <= stats["history_samples"] <= stats["history_capacity"]
 
 
 async def test_open_dashboards_end_at_shutdown_without_holding_it(start_sim, start_gateway, caplog) -> None:
