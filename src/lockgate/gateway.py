@@ -171,9 +171,7 @@ class Gateway:
         if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
             reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
         elif (
-            self.dashboard is not None
-            and request.path.startswith(STATIC_PREFIX)
-            and request.method in ("GET", "HEAD")
+            self.dashboard is not None and request.path.startswith(STATIC_PREFIX) and request.method in ("GET", "HEAD")
         ):
             reply = self.dashboard.static(request)
         else:
