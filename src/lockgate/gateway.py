@@ -153,7 +153,7 @@ class Gateway:
         }
         if self.dashboard is not None:
             get["/dashboard"] = get["/dashboard/"] = self.dashboard.page
-            routes["GET", "/dashboard/events"] = self.dashboard.events
+            routes["GET", "/dashboard/events"] = self._dashboard_events
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
         routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
@@ -312,6 +312,12 @@ class Gateway:
             return self.error_response(InvalidConfig(str(exc)), "")
         return json_response({"reloaded": True, "changes": diff.describe()})
 
+    def _dashboard_events(self, request: Request) -> Awaitable[Reply]:
+        """The dashboard's SSE feed; its id header is given before the stream starts (`_with_request_id`
+        sets it after the handler returns, too late for a stream)."""
+        assert self.dashboard is not None
+        return self.dashboard.events(request, headers={"x-request-id": _response_request_id(request)})
+
     async def _admin_fleet(self, request: Request) -> Response:
         return json_response(describe_fleet(self.fleet))
 
@@ -323,13 +329,18 @@ class Gateway:
         return Response(status=404, body=error.body_bytes(), content_type="application/json")
 
 
-def _set_request_id(reply: Reply, request: Request) -> None:
-    """Echo the client's `x-request-id`, or give the response a new one (routes other than the
-    generation endpoints, which set theirs with the request's own id)."""
+def _response_request_id(request: Request) -> str:
+    """The client's `x-request-id` if usable, else a new one."""
     client_id = request.headers.get("x-request-id")
     if client_id is None or len(client_id) > 200 or not client_id.isprintable():
         client_id = new_request_id()
-    reply.headers = {**reply.headers, "x-request-id": client_id}
+    return client_id
+
+
+def _set_request_id(reply: Reply, request: Request) -> None:
+    """Echo the client's `x-request-id`, or give the response a new one (routes other than the
+    generation endpoints, which set theirs with the request's own id)."""
+    reply.headers = {**reply.headers, "x-request-id": _response_request_id(request)}
 
 
 def _with_request_id(

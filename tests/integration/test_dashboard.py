@@ -81,6 +81,10 @@ async def test_the_page_and_its_files_have_their_types_and_cache_headers(start_s
                 assert (await r.json())["error"]["type"] == "invalid_request_error"
         async with http.post("/dashboard/events") as r:
             assert r.status == 405
+        # Every response carries an x-request-id (the client's own if it sent one), the stream's too.
+        for path in ("/dashboard", urls[0], "/dashboard/static/nope.js", "/dashboard/events"):
+            async with http.get(path, headers={"x-request-id": "mine"}) as r:
+                assert r.headers["x-request-id"] == "mine", path
 
 
 async def test_the_feed_sends_the_fleet_at_once_then_reflects_traffic(start_sim, start_gateway) -> None:
@@ -183,6 +187,7 @@ async def test_more_dashboards_than_allowed_get_503(start_sim, start_gateway) ->
         await anext(_events(first))
         async with http.get("/dashboard/events") as second:
             assert second.status == 503 and "Retry-After" in second.headers
+            assert second.headers["x-request-id"].startswith("lg-")
             error = (await second.json())["error"]
             assert error["code"] == "too_many_dashboards" and "max_clients" in error["message"]
 

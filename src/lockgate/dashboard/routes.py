@@ -16,7 +16,7 @@ At most `dashboard.max_clients` streams are open at once (503 beyond). No authen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -93,22 +93,25 @@ class Dashboard:
         name = request.path[len(STATIC_PREFIX) :]
         response = self.assets.static_response(request, name)
         if response is None:
-            return _error(NotFound(f"Unknown path: {request.method} {request.path}"))
+            return _error(NotFound(f"Unknown path: {request.method} {request.path}"), {})
         return response
 
-    async def events(self, request: Request) -> Reply:
+    async def events(self, request: Request, *, headers: Mapping[str, str] | None = None) -> Reply:
+        """The SSE feed; `headers` are added to the response (the stream's or an error's)."""
+        extra = dict(headers or {})
         subscription = self.feed.subscribe()
         if subscription is None:
             if self.feed.closed:
-                return _error(ShuttingDown("The gateway is shutting down.", retry_after=1))
+                return _error(ShuttingDown("The gateway is shutting down.", retry_after=1), extra)
             return _error(
                 Unavailable(
                     f"Too many dashboards are open (dashboard.max_clients = {self.feed.max_clients}).",
                     code="too_many_dashboards",
                     retry_after=5,
-                )
+                ),
+                extra,
             )
-        stream = StreamResponse(headers=EVENT_HEADERS)
+        stream = StreamResponse(headers={**EVENT_HEADERS, **extra})
         with subscription:
             event = await subscription.next()  # built before the status line: a failure is still a 500
             try:
@@ -123,7 +126,10 @@ class Dashboard:
         return stream
 
 
-def _error(error: GatewayError) -> Response:
+def _error(error: GatewayError, headers: Mapping[str, str]) -> Response:
     return Response(
-        status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=error.headers()
+        status=error.http_status,
+        body=error.body_bytes(),
+        content_type="application/json",
+        headers={**error.headers(), **headers},
     )
