@@ -150,6 +150,18 @@ class ResultCacheConfig(_Strict):
     ttl_ms: Annotated[int, Field(ge=0)] = 10000
 
 
+class DashboardConfig(_Strict):
+    """The live dashboard at `/dashboard` (see `lockgate.dashboard`)."""
+
+    enabled: bool = True
+    #: Seconds of samples kept for the plots: a ring of history_s * 1000 / interval_ms samples (at most 3,600).
+    history_s: Annotated[int, Field(ge=10, le=3600)] = 600
+    #: Dashboards open at once (`/dashboard/events` streams); more get 503.
+    max_clients: Annotated[int, Field(ge=1, le=1000)] = 16
+    #: How often a sample is taken and a snapshot sent.
+    interval_ms: Annotated[int, Field(ge=100, le=60000)] = 1000
+
+
 class SimFleetEntry(_Strict):
     """An engine simulator started inside the gateway process (the embedded default)."""
 
@@ -171,6 +183,7 @@ class Config(_Strict):
     usage: UsageConfig = UsageConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
     result_cache: ResultCacheConfig = ResultCacheConfig()
+    dashboard: DashboardConfig = DashboardConfig()
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []

@@ -21,6 +21,8 @@ from .admission import resume
 from .admission.gate import Admission
 from .admission.tenants import PRIORITY_HEADER, Tenant
 from .config import Config, ConfigError
+from .dashboard import Dashboard, SloProvider
+from .dashboard.assets import STATIC_PREFIX
 from .dedup import Coalescer
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
@@ -90,6 +92,10 @@ class Gateway:
         self.started_at = time.time()
         #: Re-reads the configuration file and applies it (`reload.py`); None: nothing to reload.
         self.reloader: Reloader | None = None
+        #: Fills the dashboard's SLO panel: returns what `GET /admin/slo` answers, or None (nothing evaluated).
+        #: Called once per dashboard tick while a dashboard is open (so it should return a cached evaluation).
+        self.slo_provider: SloProvider | None = None
+        self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
         self._set_models(config)
@@ -121,12 +127,16 @@ class Gateway:
         except BaseException:
             await self.records.aclose()
             raise
+        if self.dashboard is not None:
+            await self.dashboard.__aenter__()  # starts one task; nothing in it can fail before that
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self.dashboard is not None:
+            await self.dashboard.aclose()
         for exchange in self.registry.all():
             exchange.cancel("shutdown")
         await self.registry.wait_empty()
@@ -150,6 +160,9 @@ class Gateway:
             ("POST", "/v1/completions"): functools.partial(self._serve, endpoint=Endpoint.COMPLETIONS),
             ("POST", "/v1/embeddings"): functools.partial(self._serve, endpoint=Endpoint.EMBEDDINGS),
         }
+        if self.dashboard is not None:
+            get["/dashboard"] = get["/dashboard/"] = self.dashboard.page
+            routes["GET", "/dashboard/events"] = self._dashboard_events
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
         routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
@@ -168,6 +181,10 @@ class Gateway:
             reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
         elif request.path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
             reply = self._model(request, request.path[len(_MODEL_PREFIX) :])
+        elif (
+            self.dashboard is not None and request.path.startswith(STATIC_PREFIX) and request.method in ("GET", "HEAD")
+        ):
+            reply = self.dashboard.static(request)
         else:
             reply = self._unknown(request)
         _set_request_id(reply, request)
@@ -326,6 +343,12 @@ class Gateway:
         except ConfigError as exc:
             return self.error_response(InvalidConfig(str(exc)), "")
         return json_response({"reloaded": True, "changes": diff.describe()})
+
+    def _dashboard_events(self, request: Request) -> Awaitable[Reply]:
+        """The dashboard's SSE feed; its id header is given before the stream starts (`_with_request_id`
+        sets it after the handler returns, too late for a stream)."""
+        assert self.dashboard is not None
+        return self.dashboard.events(request, headers={"x-request-id": _client_request_id(request) or new_request_id()})
 
     async def _admin_fleet(self, request: Request) -> Response:
         return json_response(describe_fleet(self.fleet))

@@ -113,6 +113,20 @@ class LoopFamily(Collector):
             self._children[values] = child
         return child
 
+    @property
+    def labelnames(self) -> tuple[str, ...]:
+        return tuple(self._labelnames)
+
+    @property
+    def bounds(self) -> tuple[float, ...] | None:
+        """A histogram's finite bucket bounds (its children's `counts` have one more: +Inf); None for a counter."""
+        return self._bounds
+
+    def children(self) -> list[tuple[tuple[str, ...], Any]]:
+        """(label values, child) for each label set so far: `LoopCounter`s or `LoopHistogram`s, to read only.
+        Cheaper than `collect()` for a reader that wants the numbers, not the exposition format."""
+        return list(self._children.items())
+
     def describe(self) -> Iterator[Metric]:
         yield from self._families({})
 

@@ -9,7 +9,8 @@
 Shutdown: `/ready` fails at once; the listening socket closes (new connections are refused) and new
 requests on open keep-alive connections get 503; requests in flight may finish until
 `shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final SSE error event for
-streams); records are flushed; everything is closed. SIGHUP reloads the configuration (`reload.py`).
+streams); open dashboards' streams end; records are flushed; everything is closed. SIGHUP reloads the
+configuration (`reload.py`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ class GatewayServer:
             for exchange in gateway.registry.all():
                 exchange.stop_now()
             await gateway.registry.wait_empty()
+        # Open dashboards kept watching the drain; their streams end now, or the connections would hold
+        # the HTTP server's shutdown until its timeout.
+        if gateway.dashboard is not None:
+            gateway.dashboard.close()
         await self._close_http()
         await self._stack.aclose()
 
@@ -261,4 +266,6 @@ def _banner(server: GatewayServer) -> str:
             f"  from openai import OpenAI; client = OpenAI(base_url='{server.url}/v1', api_key='unused')",
             f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
         ]
+        if server.gateway.dashboard is not None:
+            lines.append(f"Dashboard: {server.url}/dashboard")
     return "\n".join(lines)

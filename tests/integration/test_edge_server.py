@@ -419,6 +419,34 @@ async def test_write_waits_while_the_client_does_not_read() -> None:
         assert len(resp.body) == written and written >= 2 * len(chunk)
 
 
+async def test_write_nowait_skips_while_the_client_does_not_read_and_never_waits() -> None:
+    """The live-view write: nothing is sent (False) while the transport is paused, so what the server holds for a
+    client that stops reading is bounded by the transport's buffer plus one chunk; the stream stays well-formed."""
+    skipped, done = asyncio.Event(), asyncio.Event()
+    chunk = b"x" * (256 * 1024)
+    sent = 0
+
+    async def handler(request: Request) -> StreamResponse:
+        nonlocal sent
+        resp = StreamResponse()
+        await resp.prepare(request)
+        while resp.write_nowait(chunk):  # never awaits: the loop would spin forever if it did not skip
+            sent += len(chunk)
+        buffered = request._conn.transport.get_write_buffer_size()
+        assert buffered <= request._conn.transport.get_write_buffer_limits()[1] + len(chunk) + 16
+        skipped.set()
+        await done.wait()
+        await resp.write_eof()
+        return resp
+
+    async with serving(handler) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        await skipped.wait()
+        done.set()
+        resp = await read_response(reader)
+        assert len(resp.body) == sent and sent >= len(chunk)
+
+
 # -- errors the server answers itself ----------------------------------------------------------------------------
 
 

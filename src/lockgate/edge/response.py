@@ -6,7 +6,8 @@ A `Response` is plain data; the connection renders it (status line, headers, `Co
 A `StreamResponse` writes through the connection of the request it was prepared for: `prepare` sends the
 status line and headers, each `write` one chunk (`Transfer-Encoding: chunked`; for an HTTP/1.0 client the raw
 bytes, and the connection closes at the end), `write_eof` the terminating chunk. `write` waits while the
-transport is paused (backpressure) and raises `ConnectionResetError` once the client is gone.
+transport is paused (backpressure) and raises `ConnectionResetError` once the client is gone; `write_nowait`
+sends nothing (and returns False) while it is paused.
 
 Framing headers (`Content-Length`, `Transfer-Encoding`, `Connection`) belong to the server: those given by a
 handler are dropped. A header name or value containing CR or LF raises `ValueError` (no response splitting).
@@ -162,6 +163,22 @@ class StreamResponse:
         conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         if conn.write_paused:
             await conn.drain()
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Send one chunk unless the transport is paused (the client has not taken what was sent before):
+        then send nothing and return False. Never waits, so a sender that would rather skip data than queue
+        it (a live view: the next update supersedes this one) holds at most what the transport buffers.
+        Raises ConnectionResetError once the client is gone."""
+        conn = self._conn
+        if conn is None or self._eof:
+            raise RuntimeError("write_nowait() before prepare() or after write_eof()")
+        if conn.lost:
+            raise ConnectionResetError("The client has gone.")
+        if conn.write_paused:
+            return False
+        if data and self._body_allowed:
+            conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        return True
 
     async def write_eof(self) -> None:
         """End the response (the terminating chunk). A second call does nothing."""
