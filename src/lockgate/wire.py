@@ -17,6 +17,11 @@ import orjson
 
 from .errors import InvalidRequest
 
+#: How deep a request body may nest (the body object is level 1). orjson parses 1024 levels but serialises
+#: only 254, and the gateway re-serialises every body (to the engine, inside a fingerprint's wrapper). Real
+#: requests (tool schemas, structured-output schemas) nest a few dozen levels.
+MAX_DEPTH = 128
+
 _ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
 
 
@@ -106,7 +111,25 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ApiRequest:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    # Each level needs an opening bracket: most bodies are shown shallow enough by one count in C.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        _check_depth(body)
     return validate(endpoint, body)
+
+
+def _check_depth(body: dict[str, Any]) -> None:
+    """InvalidRequest naming the top-level field under which `body` nests deeper than `MAX_DEPTH`."""
+    for key, value in body.items():
+        if value.__class__ is not dict and value.__class__ is not list:
+            continue
+        stack: list[tuple[Any, int]] = [(value, 2)]
+        while stack:
+            node, level = stack.pop()
+            if level > MAX_DEPTH:
+                raise _bad(key, f"`{key}` nests deeper than the {MAX_DEPTH} levels a request body may have.")
+            for child in node.values() if node.__class__ is dict else node:
+                if child.__class__ is dict or child.__class__ is list:
+                    stack.append((child, level + 1))
 
 
 def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
@@ -209,10 +232,10 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise _bad(f"messages[{index}]", f"`messages[{index}]` must be an object.")
         role = message.get("role")
-        if role not in _ROLES:
+        if role.__class__ is not str or role not in _ROLES:
             raise _bad(
                 f"messages[{index}].role",
-                f"`messages[{index}].role` must be one of {', '.join(sorted(_ROLES))}; got {role!r}.",
+                f"`messages[{index}].role` must be one of {', '.join(sorted(_ROLES))}; got {repr(role)[:80]}.",
             )
         content = message.get("content")
         if content.__class__ is str:
@@ -293,5 +316,7 @@ _FIELD_CHECKS: dict[str, Callable[[dict[str, Any]], object]] = {
     "frequency_penalty": partial(_opt_number, key="frequency_penalty", low=-2.0, high=2.0),
     "n": _check_n,
     "seed": partial(_opt_int, key="seed", minimum=None),
+    # vLLM's and SGLang's extension (-1: off).
+    "top_k": partial(_opt_int, key="top_k", minimum=-1),
     "stop": lambda body: _check_stop(body["stop"]),
 }

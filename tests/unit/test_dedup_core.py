@@ -56,6 +56,15 @@ def test_fingerprint_keeps_apart_anything_that_may_change_the_output(change):
     assert fp({**BASE, **change}) != fp(BASE)
 
 
+def test_fingerprint_of_whole_numbers_beyond_64_bits():
+    """A whole-number float beyond what an integer holds keeps its float form (it once broke the digest)."""
+    for big in (1e20, -1e300, 2.0**64, -(2.0**63) - 4096):
+        assert fp({**BASE, "top_k": big}) == fp({**BASE, "top_k": big})
+    assert fp({**BASE, "x": 2.0**64 - 2048}) == fp({**BASE, "x": 2**64 - 2048})
+    assert fp({**BASE, "x": -(2.0**63)}) == fp({**BASE, "x": -(2**63)})
+    assert fp({**BASE, "x": 1e20}) != fp({**BASE, "x": 1e21})
+
+
 def test_fingerprint_isolates_tenants_and_endpoints():
     assert fp(BASE, tenant="a") != fp(BASE, tenant="b")
     prompt = {"model": "m", "prompt": "hi", "temperature": 0}

@@ -4,7 +4,7 @@ from lockgate.errors import InvalidRequest
 from lockgate.wire import Endpoint, parse_request
 
 
-def chat(**extra):
+def chat(**extra) -> bytes:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
     import orjson
 
@@ -35,6 +35,12 @@ def test_valid_chat_passes_unknown_fields_through():
         (chat(stop=[1]), "stop"),
         (chat(n=0), "n"),
         (chat(top_p=1.5), "top_p"),
+        (b'{"model": "m", "messages": [{"role": ["user"], "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "messages": [{"role": {}, "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": {}}]}', "messages[0].content"),
+        (chat(top_k=1e20), "top_k"),
+        (chat(top_k=-2), "top_k"),
+        (chat(seed=1.5), "seed"),
     ],
 )
 def test_chat_errors_name_the_field(raw, param):
@@ -72,3 +78,29 @@ def test_assistant_tool_call_without_content_is_valid():
         ],
     }
     assert parse_request(Endpoint.CHAT, orjson.dumps(body)).model == "m"
+
+
+def test_nesting_deeper_than_the_limit_names_the_top_level_field():
+    import orjson
+
+    from lockgate.wire import MAX_DEPTH
+
+    def body(levels: int, where: str) -> bytes:
+        # `levels` is the depth of the whole body: the object itself is level 1.
+        value = b"[" * (levels - 1) + b"]" * (levels - 1)
+        return chat()[:-1] + b',"%s":%s}' % (where.encode(), value)
+
+    assert parse_request(Endpoint.CHAT, body(MAX_DEPTH, "x")).body["x"]
+    for where in ("x", "tools"):
+        with pytest.raises(InvalidRequest) as info:
+            parse_request(Endpoint.CHAT, body(MAX_DEPTH + 1, where))
+        assert info.value.param == where
+    # Many brackets but shallow (the count alone is not a verdict), and brackets inside strings.
+    wide = {"model": "m", "messages": [{"role": "user", "content": "[{" * 500}] * 300}
+    assert parse_request(Endpoint.CHAT, orjson.dumps(wide)).model == "m"
+    deep_in_messages = b'{"model":"m","messages":[{"role":"user","content":"x","y":%s}]}' % (
+        b"[" * MAX_DEPTH + b"]" * MAX_DEPTH
+    )
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(Endpoint.CHAT, deep_in_messages)
+    assert info.value.param == "messages"

@@ -7,7 +7,9 @@ that cannot change the generated content are left out (`EXCLUDED`), so a streami
 client share one upstream call.
 
 Canonical form: JSON with sorted keys; top-level `null` fields dropped (the same as absent); integral
-floats written as integers (`0.0` == `0`); a single `stop` string written as a one-element list.
+floats written as integers (`0.0` == `0`) when they fit in 64 bits (a JSON integer beyond that already
+parses as a float, so `1e20` and `100000000000000000000` stay equal); a single `stop` string written as a
+one-element list.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import xxhash
 
 from ..wire import Endpoint
 
+#: The integers orjson reads and writes: JSON integers outside this range parse as floats.
+_INT_MIN = -(2**63)
+_UINT_END = 2**64
 #: Body fields that never change the generated content.
 EXCLUDED = frozenset({"stream", "stream_options", "user"})
 #: Body fields that hold the input (left out of the sampling scope).
@@ -40,7 +45,7 @@ def canonical_params(body: dict[str, Any]) -> dict[str, Any]:
     for key, value in body.items():
         if key in EXCLUDED or key in INPUT_FIELDS or value is None:
             continue
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and _INT_MIN <= value < _UINT_END:
             value = int(value)
         elif key == "stop" and isinstance(value, str):
             value = [value]
