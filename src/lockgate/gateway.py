@@ -195,10 +195,9 @@ class Gateway:
         """Errors the edge server answers itself (malformed HTTP, limits), in the OpenAI envelope."""
         if status == 413:
             return PayloadTooLarge(message).body_bytes()
-        if status < 500:
-            return InvalidRequest(
-                message, code="headers_too_large" if status == 431 else "bad_http_request"
-            ).body_bytes()
+        if status < 500 or status == 505:
+            code = {431: "headers_too_large", 505: "http_version_not_supported"}.get(status, "bad_http_request")
+            return InvalidRequest(message, code=code).body_bytes()
         return GatewayError(message).body_bytes()
 
     def error_response(self, error: GatewayError, request_id: str, instance: str | None = None) -> Response:

@@ -536,6 +536,39 @@ async def test_400_for_malformed_requests(payload: bytes) -> None:
     assert calls == []
 
 
+@pytest.mark.parametrize(
+    ("payload", "status"),
+    [
+        (b"GET / HTTP/1.1\r\nAccept: */*\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nhost: a\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nHOST: b\r\n\r\nhi", 400),
+        (b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", 505),
+        (b"GET / HTTP/0.9\r\nHost: a\r\n\r\n", 505),
+        (b"GET / HTTP/1.2\r\nHost: a\r\n\r\n", 400),
+    ],
+    ids=["no-host", "two-hosts", "two-hosts-same-value", "two-hosts-around-length", "http-2.0", "http-0.9", "http-1.2"],
+)
+async def test_host_rules_and_http_version_of_rfc_9112(payload: bytes, status: int) -> None:
+    """RFC 9112 section 3.2: an HTTP/1.1 request has exactly one Host; only HTTP/1.0 and 1.1 are served. The
+    answer closes the connection: what follows on it cannot be trusted to be framed as the client meant."""
+    calls: list[Request] = []
+    async with serving(never_called(calls)) as server, connect(server) as (reader, writer):
+        writer.write(payload + http())  # a request pipelined behind is never served
+        error = await expect_error(reader, status)
+        assert error["type"] == "invalid_request_error"
+    assert calls == []
+
+
+async def test_http10_without_host_is_served() -> None:
+    calls: list[Request] = []
+    async with serving(never_called(calls)) as server, connect(server) as (reader, writer):
+        writer.write(b"GET /old HTTP/1.0\r\n\r\n")
+        assert (await read_response(reader)).status == 200
+        assert await reader.read() == b""  # HTTP/1.0 without keep-alive: closed after the answer
+    assert [c.path for c in calls] == ["/old"]
+
+
 async def test_error_after_pipelined_request_waits_for_its_response() -> None:
     release = asyncio.Event()
     started = asyncio.Event()
@@ -888,7 +921,7 @@ def test_request_target_split(target: bytes, expected: tuple[str, str, str]) -> 
 _PIECES = [
     http("GET", "/a?q=1"),
     http("POST", "/b", body=b"xyz", headers=("X-Dup: 1", "X-Dup: 2")),
-    b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nwiki\r\n5\r\npedia\r\n0\r\n\r\n",
+    b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nwiki\r\n5\r\npedia\r\n0\r\n\r\n",
     http("HEAD", "/d"),
     http("POST", "/e", body=b"12345", headers=("Expect: 100-continue",)),
     http("GET", "/f", version="1.0", headers=("Connection: keep-alive",)),

@@ -34,7 +34,7 @@ _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPT
 
 def default_error_body(status: int, message: str) -> bytes:
     """An OpenAI-style error envelope."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = "invalid_request_error" if status < 500 or status == 505 else "server_error"
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
 
@@ -219,19 +219,27 @@ class Connection(asyncio.Protocol):
         self._in_headers = False
         server = self._server
         url = self._url
+        parser = self._parser
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            # llhttp also reads HTTP/0.9 and HTTP/2.0 request lines; neither may be answered as HTTP/1.1.
+            raise self._rejecting(505, f"HTTP/{version} is not supported; use HTTP/1.1.")
         items: dict[str, str] = {}
         for name, value in self._raw_headers:
             key = name.lower().decode()  # llhttp admits only token characters in names
             if key in items:
+                if key == "host":  # RFC 9112 section 3.2: which one would name the target?
+                    raise self._rejecting(400, "A request must not carry more than one Host header.")
                 items[key] += ", " + value.decode("latin-1")
             else:
                 items[key] = value.decode("latin-1")
+        if "host" not in items and version == "1.1":
+            raise self._rejecting(400, "An HTTP/1.1 request must carry a Host header.")
         if self._header_bytes_raw + self._read_size > server._max_header_bytes:
             # The headers may be over the limit (they are not when all reads since the message began fit in it).
             size = len(url) + sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
             if size > server._max_header_bytes:
                 raise self._rejecting(431, "Request headers are too large.")
-        parser = self._parser
         if parser.should_upgrade():
             raise self._rejecting(400, "Protocol upgrades are not supported.")
         content_length: int | None = None
@@ -249,7 +257,6 @@ class Connection(asyncio.Protocol):
             raise self._rejecting(400, "Invalid request target.") from None
         method_bytes = parser.get_method()
         method = _METHODS.get(method_bytes) or method_bytes.decode("ascii", "replace")
-        version = parser.get_http_version()
         self._request = Request(
             self, method, raw_path, path, query, Headers(items), version, parser.should_keep_alive(), content_length
         )
