@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .admission.config import SchedulingConfig, TenantConfig, check_admission
 from .config_env import UnsetVariable, substitute
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
+from .userinfo import redact, split
 
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
 CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
@@ -50,9 +51,11 @@ class LimitsConfig(_Strict):
 
 
 class InstanceConfig(_Strict):
+    #: Where the engine listens. Userinfo (`http://user:password@host`) is taken out at validation: the URL
+    #: kept here has none, and the credential becomes `basic_authorization`.
     url: str
     engine: EngineName = "openai"
-    #: Display name; defaults to the URL.
+    #: Display name; defaults to the URL (without userinfo).
     name: str | None = None
     #: Model name the engine knows this model by (defaults to the gateway's model name).
     served_model: str | None = None
@@ -75,6 +78,21 @@ class InstanceConfig(_Strict):
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http://, https:// or unix://")
         return value.rstrip("/")
+
+    _basic_authorization: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _take_userinfo(self) -> InstanceConfig:
+        url, authorization = split(self.url)
+        if authorization is not None:
+            object.__setattr__(self, "url", url)  # the model is frozen; this runs once, inside validation
+            self._basic_authorization = authorization
+        return self
+
+    @property
+    def basic_authorization(self) -> str | None:
+        """`Authorization` value (HTTP Basic) from the URL's userinfo, if it had one."""
+        return self._basic_authorization
 
     @property
     def key(self) -> str:
@@ -215,6 +233,15 @@ class Config(_Strict):
             urls = [i.url for i in model.instances]
             if len(set(urls)) != len(urls):
                 raise ValueError(f"models[{index}] ({model.name}) lists the same instance URL twice")
+        credentials: dict[str, tuple[str | None, str | None]] = {}
+        for model in self.models:
+            for spec in model.instances:
+                # One URL is one engine (one connection pool): it cannot log in two ways.
+                if credentials.setdefault(spec.url, (spec.api_key, spec.basic_authorization)) != (
+                    spec.api_key,
+                    spec.basic_authorization,
+                ):
+                    raise ValueError(f"instance {spec.url} is listed with different credentials")
         return self
 
     def model(self, name: str) -> ModelConfig | None:
@@ -249,7 +276,8 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        # PyYAML quotes the offending line, which may hold an instance URL with a password.
+        raise ConfigError(redact(f"{path}: not valid YAML: {exc}")) from None
     try:
         data = substitute(data, os.environ if environ is None else environ)
     except UnsetVariable as exc:
@@ -270,7 +298,7 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
         lines.append(f"  {where}: {message}")
-    return "\n".join(lines)
+    return redact("\n".join(lines))  # the input quoted may be an instance URL with a password
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -35,6 +35,9 @@ def describe_served(config: Config) -> list[str]:
         parts = []
         for spec in model.instances if model is not None else []:
             shown = redact_url(spec.url)
+            if spec.basic_authorization is not None:  # the userinfo was taken out of the URL at validation
+                scheme, _, rest = shown.partition("://")
+                shown = f"{scheme}://***@{rest}"
             label = f"{spec.name} ({shown}, {spec.engine})" if spec.name else f"{shown} ({spec.engine})"
             parts.append(label + (" with api_key" if spec.api_key else ""))
         parts += simulated.get(name, [])

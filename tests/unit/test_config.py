@@ -106,3 +106,41 @@ def test_check_config_summary_lists_simulated_models_and_redacts_credentials():
     assert "https://***@api.example.com/v1" in text and "with api_key" in text
     assert "model 'demo-model': 1 instance(s), routing predicted_ttft: sim-1 (simulated vllm)" in text
     assert redact_url("http://127.0.0.1:8001") == "http://127.0.0.1:8001"
+
+
+def test_userinfo_becomes_a_basic_credential_and_leaves_the_url():
+    import base64
+
+    data = {"models": [{"name": "m", "instances": [{"url": "http://us%40er:p%3As@127.0.0.1:9/v/", "engine": "vllm"}]}]}
+    spec = parse_config(data).models[0].instances[0]
+    assert spec.url == spec.key == "http://127.0.0.1:9/v"
+    assert spec.basic_authorization == "Basic " + base64.b64encode(b"us@er:p:s").decode()
+    assert "p:s" not in repr(spec) and "p%3As" not in repr(spec)
+    plain = parse_config({"models": [{"name": "m", "instances": [{"url": "http://h:1"}]}]}).models[0].instances[0]
+    assert (plain.url, plain.basic_authorization) == ("http://h:1", None)
+
+
+def test_one_engine_cannot_log_in_two_ways():
+    def listed(*urls: str) -> dict[str, object]:
+        return {"models": [{"name": f"m{i}", "instances": [{"url": url}]} for i, url in enumerate(urls)]}
+
+    parse_config(listed("http://a:b@h:1", "http://a:b@h:1"))
+    with pytest.raises(ConfigError, match="different credentials") as info:
+        parse_config(listed("http://a:b@h:1", "http://a:c@h:1"))
+    assert ":b@" not in str(info.value) and ":c@" not in str(info.value)
+
+
+def test_config_errors_never_quote_a_password(tmp_path, capsys):
+    from lockgate.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text('models: [{name: m, instances: [{url: "ftp://admin:hunter2@h:1", engine: vllm}]}]\n')
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "models[0].instances[0].url" in err and "ftp://***@h:1" in err
+    assert "hunter2" not in err and "admin" not in err
+    # PyYAML quotes the line it could not parse.
+    path.write_text('u: "http://admin:hunter2@h:1" x\n')
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML" in err and "hunter2" not in err

@@ -75,6 +75,7 @@ class Instance:
         #: Engine tokens per token of the gateway's estimate (characters / 4), learned from usage; sizes
         #: its cache in the prefix index's blocks.
         self.token_ratio = Ewma(alpha=0.1)
+        self.basic_authorization = config.basic_authorization
         #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
         self.session = session
         #: The lean keep-alive pool that carries generation requests (`upstream.py`).
@@ -550,7 +551,9 @@ class Fleet:
     async def _abort(self, instance: Instance, call: AbortCall) -> None:
         try:
             async with asyncio.timeout(2.0):
-                async with instance.session.request(call.method, instance.base_url + call.path, json=call.json) as resp:
+                async with instance.session.request(
+                    call.method, instance.base_url + call.path, json=call.json, headers=_auth(instance)
+                ) as resp:
                     await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("abort call to %s failed: %s", instance.name, exc)
@@ -620,7 +623,13 @@ class Fleet:
 
 
 def _auth(instance: Instance) -> dict[str, str]:
-    return {"Authorization": f"Bearer {instance.api_key}"} if instance.api_key else {}
+    """The gateway's own credential for an engine: its `api_key` as a Bearer token, else the Basic
+    credential of its URL's userinfo, else none."""
+    if instance.api_key:
+        return {"Authorization": f"Bearer {instance.api_key}"}
+    if instance.basic_authorization:
+        return {"Authorization": instance.basic_authorization}
+    return {}
 
 
 def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> list[tuple[str, str]]:

@@ -1,0 +1,41 @@
+"""Credentials in instance URLs (`http://user:password@host:port`).
+
+The userinfo of an instance URL is the gateway's HTTP Basic credential for that engine (an explicit
+`api_key` wins: it is sent as a Bearer token instead). It is taken out of the URL when the configuration
+is validated, so the URL every other part of the gateway sees, shows and connects to has none: names,
+metrics labels, `/admin/fleet`, the startup banner, usage rows and logs cannot leak it. `redact` hides
+userinfo in text the gateway did not build itself (configuration errors quote the input).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from urllib.parse import unquote
+
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
+
+
+def split(url: str) -> tuple[str, str | None]:
+    """`url` without its userinfo, and the `Authorization` value (HTTP Basic) the userinfo stands for (None
+    without userinfo). User and password are percent-decoded, then sent as UTF-8 (RFC 7617)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url, None
+    end = len(rest)
+    for delimiter in "/?#":
+        index = rest.find(delimiter)
+        if index != -1:
+            end = min(end, index)
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode("ascii")
+    return f"{scheme}://{host}{rest[end:]}", f"Basic {token}"
+
+
+def redact(text: str) -> str:
+    """`text` with the userinfo of every URL in it replaced by `***` (`http://***@host`): a user name alone
+    may be a token too."""
+    return _USERINFO.sub(r"\g<scheme>***@", text)
