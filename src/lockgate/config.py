@@ -62,8 +62,8 @@ class InstanceConfig(_Strict):
     #: The most requests this instance is sent at once (a ceiling: below it the limit adapts to what the
     #: engine runs, see fleet/capacity.py; null: `upstream.max_connections`).
     max_concurrency: Annotated[int, Field(ge=1)] | None = None
-    #: Bearer token the gateway sends to this engine (never the client's).
-    api_key: str | None = None
+    #: Bearer token the gateway sends to this engine (never the client's); kept out of `repr`.
+    api_key: str | None = Field(default=None, repr=False)
     #: Tokens its prefix (KV) cache holds, so that routing models its evictions; null: what the engine
     #: reports (vLLM `cache_config_info`), else unknown.
     cache_tokens: Annotated[int, Field(ge=1)] | None = None

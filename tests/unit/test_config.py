@@ -115,7 +115,9 @@ def test_userinfo_becomes_a_basic_credential_and_leaves_the_url():
     spec = parse_config(data).models[0].instances[0]
     assert spec.url == spec.key == "http://127.0.0.1:9/v"
     assert spec.basic_authorization == "Basic " + base64.b64encode(b"us@er:p:s").decode()
-    assert "p:s" not in repr(spec) and "p%3As" not in repr(spec)
+    assert "p:s" not in repr(spec) and "p%3As" not in repr(spec) and "Basic" not in repr(spec)
+    keyed = {"models": [{"name": "m", "instances": [{"url": "http://h:1", "api_key": "sk-engine"}]}]}
+    assert "sk-engine" not in repr(parse_config(keyed))
     plain = parse_config({"models": [{"name": "m", "instances": [{"url": "http://h:1"}]}]}).models[0].instances[0]
     assert (plain.url, plain.basic_authorization) == ("http://h:1", None)
 
