@@ -212,7 +212,7 @@ def _settings(examples: int) -> Callable[[Any], Any]:
         deadline=None,
         derandomize=True,
         database=None,
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )
 
 
