@@ -17,10 +17,11 @@ import orjson
 
 from .errors import InvalidRequest
 
-#: How deep a request body may nest (the body object is level 1). orjson parses 1024 levels but serialises
-#: only 254, and the gateway re-serialises every body (to the engine, inside a fingerprint's wrapper). Real
-#: requests (tool schemas, structured-output schemas) nest a few dozen levels.
-MAX_DEPTH = 128
+#: How deep a request body may nest (the body object is level 1): what the gateway can pass on. orjson parses
+#: 1024 levels but serialises only 254, and the gateway re-serialises every body, to the engine and inside
+#: the wrappers of fingerprints and semantic scopes (at most 2 levels more). Real requests (tool and
+#: structured-output schemas) nest a few dozen levels.
+MAX_DEPTH = 252
 
 _ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
 
@@ -111,9 +112,13 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ApiRequest:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    # Each level needs an opening bracket: most bodies are shown shallow enough by one count in C.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
-        _check_depth(body)
+    try:
+        # Serialising it as deep as the gateway's deepest wrapper proves it can be passed on: at C speed, about
+        # a tenth of the cost of counting the body's brackets with `bytes.count`, let alone walking it.
+        orjson.dumps([[body]])
+    except orjson.JSONEncodeError:
+        _check_depth(body)  # names the field
+        raise InvalidRequest("The request body cannot be passed on.", code="invalid_json") from None
     return validate(endpoint, body)
 
 

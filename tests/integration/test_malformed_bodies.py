@@ -34,12 +34,12 @@ def with_field(endpoint: str, field: bytes) -> bytes:
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
 CASES: list[tuple[bytes, str]] = [
     # Deep nesting, in a field nobody checks and in one the gateway reads (orjson parses 1024 levels; every
-    # re-serialisation of the body failed from 254 levels on; the limit is MAX_DEPTH for the whole body).
+    # re-serialisation of the body failed from 254 levels on, fingerprints from 252; MAX_DEPTH is for the body).
     (b'"x":' + nested(300), "x"),
     (b'"x":' + nested(1020), "x"),
     (b'"x":' + nested(MAX_DEPTH), "x"),  # the body is one level more than the limit
     (b'"temperature":0,"x":' + nested(300), "x"),  # a de-duplicated request: the fingerprint's serialisation
-    (b'"logit_bias":{"a":' + nested(250) + b"}", "logit_bias"),
+    (b'"logit_bias":{"a":' + nested(MAX_DEPTH - 1) + b"}", "logit_bias"),
     # A whole-number float too big for an integer in the fingerprint of a deterministic request.
     (b'"temperature":0,"top_k":1e20', "top_k"),
     (b'"temperature":0,"top_k":-1e300', "top_k"),
@@ -71,15 +71,17 @@ async def test_malformed_bodies_are_400_naming_the_field(start_sim, start_gatewa
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
     # Just inside the limit is served (the engine gets the field as it came), and so is a huge number in a
     # field the gateway does not know, de-duplicated or not.
-    for field in (b'"x":' + nested(MAX_DEPTH - 1), b'"temperature":0,"x":1e20', b'"seed":2,"x":-1e300'):
+    deepest = nested(MAX_DEPTH - 1)
+    served = (b'"x":' + deepest, b'"temperature":0,"x":' + deepest, b'"temperature":0,"x":1e20', b'"seed":2,"x":-1e300')
+    for field in served:
         status, body = await post(http, url, with_field(endpoint, field))
         assert status == 200, body
     # Rejected before they were accepted: like every invalid request, no usage record; each served one has one.
-    assert sim.statistics()["requests_started"] == 3
+    assert sim.statistics()["requests_started"] == len(served)
     assert gw.gateway is not None
     assert_gateway_clean(gw.gateway)
     await gw.gateway.records.wait_flushed()
-    assert [row["status"] for row in read_records(str(tmp_path / "usage.sqlite3"))] == ["completed"] * 3
+    assert [row["status"] for row in read_records(str(tmp_path / "usage.sqlite3"))] == ["completed"] * len(served)
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,12 @@ def test_nesting_deeper_than_the_limit_names_the_top_level_field():
         with pytest.raises(InvalidRequest) as info:
             parse_request(Endpoint.CHAT, body(MAX_DEPTH + 1, where))
         assert info.value.param == where
-    # Many brackets but shallow (the count alone is not a verdict), and brackets inside strings.
+    # Objects count as arrays do; brackets inside strings do not count.
+    objects = chat()[:-1] + b',"x":' + b'{"a":' * (MAX_DEPTH - 1) + b"1" + b"}" * (MAX_DEPTH - 1) + b"}"
+    assert parse_request(Endpoint.CHAT, objects).body["x"]
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(Endpoint.CHAT, objects[:-1] + b',"y":' + b'{"a":' * MAX_DEPTH + b"1" + b"}" * MAX_DEPTH + b"}")
+    assert info.value.param == "y"
     wide = {"model": "m", "messages": [{"role": "user", "content": "[{" * 500}] * 300}
     assert parse_request(Endpoint.CHAT, orjson.dumps(wide)).model == "m"
     deep_in_messages = b'{"model":"m","messages":[{"role":"user","content":"x","y":%s}]}' % (
