@@ -22,8 +22,10 @@ from typing import Any
 import orjson
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.admission.tenants import hash_key
+from lockgate.records import read_records
 from lockgate.wire import MAX_DEPTH
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, total
@@ -237,7 +239,7 @@ def fuzz(port: int) -> None:
     garbage_bodies()
 
 
-async def test_fuzzed_requests_get_answers_never_a_gateway_error(start_sim, start_gateway, caplog):
+async def test_fuzzed_requests_get_answers_never_a_gateway_error(start_sim, start_gateway, caplog, tmp_path):
     caplog.set_level(logging.WARNING)
     sims = [await start_sim(("m", "h"), fast=True, max_model_len=512, seed=n) for n in range(2)]
     gw = await start_gateway(
@@ -268,6 +270,17 @@ async def test_fuzzed_requests_get_answers_never_a_gateway_error(start_sim, star
     assert [
         r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("lockgate")
     ] == []
+    # Exactly one usage record per accepted request (those refused before acceptance count under model "").
+    accepted = sum(
+        sample.value
+        for family in text_string_to_metric_families(gw.gateway.metrics.render().decode())
+        if family.name == "lockgate_requests"
+        for sample in family.samples
+        if sample.name == "lockgate_requests_total" and sample.labels["model"]
+    )
+    await gw.gateway.records.wait_flushed()
+    rows = read_records(str(tmp_path / "usage.sqlite3"))
+    assert accepted > 50 and len(rows) == accepted == len({r["request_id"] for r in rows})
     # Still serving.
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     answer = await asyncio.to_thread(exchange, port, ENDPOINTS[0], body, {"authorization": f"Bearer {KEY}"}, "{n}")
