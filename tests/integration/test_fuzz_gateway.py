@@ -121,7 +121,7 @@ def bodies(draw: st.DrawFn) -> Body:
     raw = _encode(body, draw(st.integers(0, 3)) > 0)
     splice = draw(st.sampled_from(["", "", "", "", "deep", "duplicate", "garbage"]))
     if splice == "deep":
-        levels = draw(st.sampled_from([MAX_DEPTH - 2, MAX_DEPTH, 253, 254, 255, 600, 1023, 1030]))
+        levels = draw(st.sampled_from([MAX_DEPTH - 2, MAX_DEPTH - 1, MAX_DEPTH, 254, 255, 600, 1023, 1030]))
         raw = b'{"deep":' + b"[" * levels + b"]" * levels + b"," + raw[1:]
     elif splice == "duplicate":
         raw = b'{"model":' + _encode(draw(_json), True) + b"," + raw[1:]
