@@ -112,13 +112,14 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ApiRequest:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    try:
-        # Serialising it as deep as the gateway's deepest wrapper proves it can be passed on: at C speed, about
-        # a tenth of the cost of counting the body's brackets with `bytes.count`, let alone walking it.
-        orjson.dumps([[body]])
-    except orjson.JSONEncodeError:
-        _check_depth(body)  # names the field
-        raise InvalidRequest("The request body cannot be passed on.", code="invalid_json") from None
+    if len(raw) > 2 * MAX_DEPTH:  # shorter bodies cannot hold MAX_DEPTH + 1 pairs of brackets
+        try:
+            # Serialising it as deep as the gateway's deepest wrapper proves it can be passed on: at C speed,
+            # ~60% of the `loads` above and an eighth of counting its brackets with `bytes.count`.
+            orjson.dumps([[body]])
+        except orjson.JSONEncodeError:
+            _check_depth(body)  # names the field
+            raise InvalidRequest("The request body cannot be passed on.", code="invalid_json") from None
     return validate(endpoint, body)
 
 
