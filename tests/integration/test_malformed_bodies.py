@@ -106,3 +106,33 @@ async def test_wrong_types_in_messages_are_400_naming_the_field(start_sim, start
         assert status == 400, answer
         assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
     assert sim.statistics()["requests_started"] == 0
+
+
+async def test_siblings_json_itself_refuses_are_400_invalid_json(start_sim, start_gateway, http):
+    """Input orjson refuses (so nothing downstream ever sees it): one 400 each, in the envelope."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    url = gw.url + "/v1/chat/completions"
+    chat = with_field("/v1/chat/completions", b'"x":%s')
+    for raw in [
+        chat % b"NaN",
+        chat % b"Infinity",
+        chat % b"-1e400",  # beyond a double
+        chat % b'"\\ud800"',  # a lone surrogate, escaped
+        chat % b'"\xed\xa0\x80"',  # ... and as bytes (not UTF-8)
+        chat % b'"\xff"',
+        b"\xef\xbb\xbf" + chat % b"1",  # a byte-order mark
+        b"[" + chat % b"1" + b"]",
+        b'"a string"',
+        b"null",
+        b"",
+    ]:
+        status, body = await post(http, url, raw)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", (raw[:60], body)
+        assert body["error"]["code"] == "invalid_json"
+    # Duplicate keys: the last one counts, as in most JSON parsers (and the engine gets only that one).
+    status, body = await post(
+        http, url, b'{"model":"nope","model":"m","max_tokens":1,"messages":' + b'[{"role":"user","content":"x"}]}'
+    )
+    assert status == 200, body
+    assert sim.statistics()["requests_started"] == 1
