@@ -13,13 +13,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from .admission.config import SchedulingConfig, TenantConfig, check_admission
 from .config_env import UnsetVariable, substitute
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
-from .userinfo import redact, split
+from .userinfo import basic_credential, join, redact, split
 
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
 CancelPolicy = Literal["immediate", "finish_and_cache", "cache_partial"]
@@ -79,20 +88,26 @@ class InstanceConfig(_Strict):
             raise ValueError("must start with http://, https:// or unix://")
         return value.rstrip("/")
 
-    _basic_authorization: str | None = PrivateAttr(default=None)
+    #: The URL's userinfo as written (compared by `==`, so a reload sees a changed credential).
+    _userinfo: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _take_userinfo(self) -> InstanceConfig:
-        url, authorization = split(self.url)
-        if authorization is not None:
+        url, userinfo = split(self.url)
+        if userinfo is not None:
             object.__setattr__(self, "url", url)  # the model is frozen; this runs once, inside validation
-            self._basic_authorization = authorization
+            self._userinfo = userinfo
         return self
+
+    @field_serializer("url")
+    def _url_as_written(self, url: str) -> str:
+        # `model_dump()` feeds revalidation (a reload): the credential must survive the round trip.
+        return url if self._userinfo is None else join(url, self._userinfo)
 
     @property
     def basic_authorization(self) -> str | None:
         """`Authorization` value (HTTP Basic) from the URL's userinfo, if it had one."""
-        return self._basic_authorization
+        return None if self._userinfo is None else basic_credential(self._userinfo)
 
     @property
     def key(self) -> str:

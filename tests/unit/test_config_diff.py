@@ -111,3 +111,17 @@ def test_rate_limits_take_new_capacities_and_keep_levels() -> None:
     assert limiter.state(smaller, 0.0).in_flight == 0
     limiter.reconfigure([dataclasses.replace(smaller, requests_per_minute=None)], 0.0)
     assert limiter.state(smaller, 0.0).requests is None
+
+
+def test_a_url_credential_survives_a_reload_and_changing_it_replaces_the_instance() -> None:
+    """Userinfo is taken out of the URL at validation; the revalidation a reload does must keep it."""
+    secret = "http://u:p%40ss@127.0.0.1:9001"
+    old = config([{"name": "m", "instances": [{"url": secret}]}])
+    plan = plan_reload(old, old, old, {})
+    [spec] = plan.served.models[0].instances
+    assert spec.url == A and spec.basic_authorization == old.models[0].instances[0].basic_authorization
+    assert spec.basic_authorization is not None
+    assert diff_configs(old, plan.served).applies_nothing
+    rotated = config([{"name": "m", "instances": [{"url": secret.replace("p%40ss", "new")}]}])
+    diff = diff_configs(old, plan_reload(old, rotated, old, {}).served)
+    assert diff.changed_instances == (A,) and diff.changed_models == ("m",)
