@@ -1,6 +1,6 @@
 """The standing guard against malformed input: hypothesis drives one real gateway (two simulated engines, a
 tenant with a key, a de-duplicated model and a session-affinity one) over loopback with near-valid bodies of
-both endpoints, raw garbage, and odd values of every header lockgate reads.
+every endpoint (chat, completions, embeddings), raw garbage, and odd values of every header lockgate reads.
 
 Whatever comes in: never a 5xx of the gateway's own making (no traceback in the log), every error in the
 OpenAI envelope, every answer framed; and afterwards the gateway is clean (nothing in flight, every leak gauge at
@@ -31,7 +31,7 @@ from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, total
 
 KEY = "sk-fuzz"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MODELS = ("m", "h")
 #: Statuses the gateway may answer for a bad or unlucky request; 5xx only as its documented outcomes.
 ALLOWED = {200, 400, 401, 404, 405, 413, 429, 431, 504, 505}
@@ -67,7 +67,7 @@ _weird_message = st.one_of(
 _FIELDS = [
     "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "n", "seed", "stop", "logit_bias", "presence_penalty", "frequency_penalty", "user", "tools",
-    "response_format", "logprobs", "best_of", "x-unknown",
+    "response_format", "logprobs", "best_of", "input", "encoding_format", "dimensions", "x-unknown",
 ]  # fmt: skip
 _plausible = {
     "model": st.sampled_from(MODELS),
@@ -79,6 +79,8 @@ _plausible = {
     "stop": st.sampled_from(["x", ["a", "b"]]),
     "n": st.integers(1, 2),
     "user": st.sampled_from(["u1", "u2"]),
+    "encoding_format": st.sampled_from(["float", "base64"]),
+    "dimensions": st.integers(1, 8),
 }
 
 
@@ -102,6 +104,10 @@ def bodies(draw: st.DrawFn) -> Body:
         body["stream"] = True
     if endpoint == ENDPOINTS[0]:
         body["messages"] = draw(st.lists(_message, min_size=1, max_size=3))
+    elif endpoint == ENDPOINTS[2]:
+        del body["max_tokens"]
+        body.pop("stream", None)
+        body["input"] = draw(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.text(min_size=1), max_size=3)))
     else:
         # Token-id prompts are valid OpenAI input, which the simulator refuses (its own 400): a few suffice.
         tokens = st.lists(st.integers(0, 50), min_size=1, max_size=5)
@@ -205,7 +211,8 @@ def check(answer: Answer | None, what: object) -> None:
         events = [line for line in answer.body.split(b"\n") if line.startswith(b"data: ")]
         assert events and (events[-1] == b"data: [DONE]" or b'"error"' in events[-1]), (answer, what)
     else:
-        assert orjson.loads(answer.body)["choices"], (answer, what)
+        answer_body = orjson.loads(answer.body)
+        assert answer_body.get("choices") or answer_body.get("data"), (answer, what)
 
 
 def _settings(examples: int) -> Callable[[Any], Any]:

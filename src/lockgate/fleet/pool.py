@@ -65,6 +65,7 @@ class Instance:
         #: The concurrency limit: at most the configured ceiling, else discovered from the engine's queue.
         self.concurrency = ConcurrencyLimit(config.max_concurrency or max_connections)
         self.api_key = config.api_key
+        self.basic_authorization = config.basic_authorization
         #: Its prefix cache's size in tokens when configured (else learned from the engine's metrics).
         self.cache_tokens = config.cache_tokens
         #: Prompt tokens routed here and those the prefix index predicted cached (`hit_gap` compares
@@ -75,7 +76,6 @@ class Instance:
         #: Engine tokens per token of the gateway's estimate (characters / 4), learned from usage; sizes
         #: its cache in the prefix index's blocks.
         self.token_ratio = Ewma(alpha=0.1)
-        self.basic_authorization = config.basic_authorization
         #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
         self.session = session
         #: The lean keep-alive pool that carries generation requests (`upstream.py`).
