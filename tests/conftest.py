@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from aiohttp import web
 from lockgate.config import parse_config
 from lockgate.server import GatewayServer
 from lockgate.sim import SimConfig, SimServer
+from tests.etcd_support import EtcdServer
 
 
 @pytest.fixture
@@ -61,3 +63,27 @@ def serve_app(stack: contextlib.AsyncExitStack) -> Callable[[web.Application], A
 
 def instance(sim: SimServer, **extra: Any) -> dict[str, Any]:
     return {"url": sim.url, "engine": "vllm", **extra}
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for the session (tests keep apart by cluster name); tests that stop etcd start their own."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_binary() -> None:
+    """The test starts etcd itself (e.g. through a benchmark): skipped without one, failed under CI=true."""
+    from lockgate.cluster.etcd_server import EtcdMissing, etcd_binary
+
+    try:
+        etcd_binary()
+    except EtcdMissing as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))

@@ -1,4 +1,4 @@
-"""The `lockgate` command: serve, sim, bench, check-config, hash-key; `--version`."""
+"""The `lockgate` command: serve, sidecar, sim, bench, check-config, hash-key; `--version`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 
 def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
@@ -32,6 +32,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lockgate: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    role: Literal["central", "sidecar"] = "sidecar" if getattr(args, "role", None) == "sidecar" else "central"
+    if role == "sidecar" and config.cluster is None:
+        print(f"{args.config}: a sidecar needs a `cluster:` section (etcd endpoints, cluster name)", file=sys.stderr)
+        return 2
     try:
         return run_async(
             lambda: serve(
@@ -40,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 announce=lambda text: print(text, flush=True),
+                role=role,
             )
         )
     except StartupError as exc:
@@ -91,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
     serve.set_defaults(func=_serve)
+
+    sidecar = commands.add_parser(
+        "sidecar", help="run the gateway of one engine node and publish its engines to etcd (`cluster:` section)"
+    )
+    sidecar.add_argument("--config", "-c", required=True, help="YAML configuration file with a `cluster:` section")
+    sidecar.add_argument("--host", help="override listen.host")
+    sidecar.add_argument("--port", type=int, help="override listen.port")
+    sidecar.set_defaults(func=_serve, role="sidecar")
 
     check = commands.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("config")

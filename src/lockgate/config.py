@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from .admission.config import SchedulingConfig, TenantConfig, check_admission
+from .cluster.config import ClusterConfig
 from .config_env import UnsetVariable, substitute
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
@@ -224,6 +225,8 @@ class Config(_Strict):
     scheduling: SchedulingConfig = SchedulingConfig()
     #: Tenants and their API keys; with no keys configured the gateway is open (tenant "default").
     tenants: list[TenantConfig] = []
+    #: etcd and this process's cluster (`lockgate sidecar` publishes, `lockgate serve` discovers); absent = alone.
+    cluster: ClusterConfig | None = None
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:
@@ -236,11 +239,11 @@ class Config(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
-        if not self.models and not self.simulate:
-            raise ValueError("configure at least one model (or a `simulate` fleet)")
+        if not self.models and not self.simulate and self.cluster is None:
+            raise ValueError("configure at least one model (or a `simulate` fleet, or a `cluster` to discover them)")
         simulated = {name for entry in self.simulate for name in entry.models}
         for index, model in enumerate(self.models):
-            if not model.instances and model.name not in simulated:
+            if not model.instances and model.name not in simulated and self.cluster is None:
                 raise ValueError(
                     f"models[{index}].instances: model {model.name!r} has no instances and no `simulate` entry "
                     "serves it"

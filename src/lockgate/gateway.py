@@ -101,10 +101,14 @@ class Gateway:
         self._set_models(config)
 
     def _set_models(self, config: Config) -> None:
-        #: Each configured model in the OpenAI shape, by name (`/v1/models`, `/v1/models/{id}`).
+        #: The fleet generation the lists were made at: a cluster's central gateway also serves the models
+        #: its sidecars publish, which come and go (`Fleet.generation`).
+        self._models_generation = self.fleet.generation
+        names = dict.fromkeys([*(m.name for m in config.models), *self.fleet.pools])
+        #: Each configured (or discovered) model in the OpenAI shape, by name (`/v1/models`, `/v1/models/{id}`).
         self._model_cards = {
-            m.name: {"id": m.name, "object": "model", "created": int(self.started_at), "owned_by": "lockgate"}
-            for m in config.models
+            name: {"id": name, "object": "model", "created": int(self.started_at), "owned_by": "lockgate"}
+            for name in names
         }
         #: The whole list, rendered once: what an open gateway (no tenant keys) answers to everyone.
         self._model_list = orjson.dumps({"object": "list", "data": list(self._model_cards.values())})
@@ -276,6 +280,8 @@ class Gateway:
     async def _models(self, request: Request) -> Response:
         """The models the caller may use: every configured model on an open gateway, the tenant's
         allowed ones otherwise (401 without a valid key, as on the chat endpoint)."""
+        if self.fleet.generation != self._models_generation:
+            self._set_models(self.config)
         if self.admission.book.open:
             return Response(body=self._model_list, content_type="application/json")
         try:
@@ -288,6 +294,8 @@ class Gateway:
     def _model(self, request: Request, model_id: str) -> Response:
         """One model in the OpenAI shape; 404 for an unknown model or one the caller's tenant may not use
         (the same answer: a tenant learns nothing about models it cannot use)."""
+        if self.fleet.generation != self._models_generation:
+            self._set_models(self.config)
         try:
             tenant = self.admission.book.authenticate(request.headers.get("authorization"))
             card = self._model_cards.get(model_id)

@@ -6,6 +6,11 @@
         ... server.url ...
         await server.shutdown()                    # the graceful path a SIGTERM takes
 
+With a `cluster:` section the server also joins that cluster once it listens: as a central gateway
+(`role="central"`, `lockgate serve`: it discovers the sidecars' engines) or as a sidecar
+(`role="sidecar"`, `lockgate sidecar`: it publishes its own engines and takes the engine a central
+gateway names in `x-lockgate-engine`). See `lockgate.cluster`.
+
 Shutdown: `/ready` fails at once; the listening socket closes (new connections are refused) and new
 requests on open keep-alive connections get 503; requests in flight may finish until
 `shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final SSE error event for
@@ -26,6 +31,7 @@ import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError, InstanceConfig
 from .edge.server import HttpServer
@@ -34,6 +40,9 @@ from .exchange import Phase
 from .gateway import Gateway, new_request_id
 from .reload import Reloader, summary
 from .summary import redact_url
+
+if TYPE_CHECKING:
+    from .cluster.member import Role
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +64,12 @@ class GatewayServer:
         host: str | None = None,
         usage_path: str | None = None,
         config_path: str | Path | None = None,
+        role: Role = "central",
     ) -> None:
         """`config` as read from `config_path` (which SIGHUP and `POST /admin/reload` re-read; None:
         nothing to reload); `host`/`port` override `listen` (the command line's `--host`/`--port`)."""
         self._config = config
+        self._role: Role = role
         self._port = config.listen.port if port is None else port
         self._host = config.listen.host if host is None else host
         self._usage_path = usage_path
@@ -68,6 +79,8 @@ class GatewayServer:
         self._stopped = False
         self.gateway: Gateway | None = None
         self.simulated: dict[str, list[InstanceConfig]] = {}
+        #: The cluster role's state (`Discovery` or `Publisher`) when the config has a `cluster:` section.
+        self.cluster: Any = None
         self.url = ""
 
     async def __aenter__(self) -> GatewayServer:
@@ -87,8 +100,16 @@ class GatewayServer:
             raise StartupError(f"cannot start the simulated engines: {_reason(exc)}") from exc
         config = with_instances(self._config, self.simulated)
         usage = self._usage_path or config.usage.path
+        gateway = Gateway(config, usage_path=self._usage_path)
+        if config.cluster is not None and self._role == "sidecar":
+            from .cluster.keys import ENGINE_HEADER
+
+            gateway.fleet.pin_header = ENGINE_HEADER
+        elif config.cluster is not None:
+            gateway.fleet.placement_blocks = config.cluster.placement_blocks
+            gateway.fleet.shared_residency = True
         try:
-            self.gateway = await self._stack.enter_async_context(Gateway(config, usage_path=self._usage_path))
+            self.gateway = await self._stack.enter_async_context(gateway)
         except (OSError, sqlite3.Error) as exc:
             raise StartupError(f"cannot open the usage database {usage!r}: {_reason(exc)}") from exc
         if self._config_path is not None:
@@ -115,6 +136,12 @@ class GatewayServer:
                 self.url = f"http://{self._host}:{self._http.port}"
         except OSError as exc:
             raise StartupError(f"cannot listen on {where}: {_reason(exc)}") from exc
+        if config.cluster is not None:
+            from .cluster.member import join
+
+            self.cluster = await self._stack.enter_async_context(
+                join(self._role, config.cluster, self.gateway, self.url)
+            )
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
@@ -172,6 +199,7 @@ async def serve(
     host: str | None = None,
     port: int | None = None,
     announce: Callable[[str], object] = print,
+    role: Role = "central",
 ) -> int:
     """Run until SIGINT/SIGTERM, then shut down gracefully; SIGHUP reloads `config_path`. Returns the
     exit status. Raises `StartupError` if the gateway cannot start."""
@@ -182,7 +210,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, hangup.set)
     try:
-        async with GatewayServer(config, host=host, port=port, config_path=config_path) as server:
+        async with GatewayServer(config, host=host, port=port, config_path=config_path, role=role) as server:
             assert server.gateway is not None
             tune_gc()
             announce(_banner(server))

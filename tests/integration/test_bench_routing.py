@@ -35,3 +35,12 @@ async def test_a_short_run_reports_hits_and_latencies():
 def test_index_memory_check_stays_within_bound():
     used, bound, blocks = routing.index_memory_check(20_000, 256 * 1024)
     assert used <= bound and blocks == 256 * 1024 // 200
+
+
+async def test_a_short_run_through_two_replicas_and_sidecars(etcd_binary: None) -> None:
+    """`--replicas 2`: the same trace through a local etcd, two sidecars and two central replicas."""
+    shape = routing.Shape(rate=25, duration_s=0.8, system_words=300, users=8)
+    results = await routing.run(["agent"], ["predicted_ttft"], shape, replicas=(1, 2))
+    assert [(r.replicas, r.errors) for r in results] == [(1, 0), (2, 0)]
+    assert all(0 < r.hit_rate < 1 for r in results)
+    assert next(text for text, _ in routing.verdicts(results)).startswith("agent: predicted_ttft with 2 replicas")

@@ -276,11 +276,20 @@ class Admission:
         """Follow the fleet: each pool's capacity is what its routable instances take. With none
         routable the configured capacity stays, so requests fail fast (503) instead of queueing."""
         for name, pool in pools.items():
-            scheduler = self.schedulers.get(name)
-            if scheduler is None:
-                continue
             live = sum(i.max_concurrency for i in pool.instances if i.routable)
             capacity = live or sum(i.max_concurrency for i in pool.instances)
+            scheduler = self.schedulers.get(name)
+            if scheduler is None:  # a model discovered at run time (cluster mode)
+                self.schedulers[name] = PoolScheduler(
+                    name,
+                    self.classes,
+                    max(1, capacity),
+                    self._metrics,
+                    reserve=self._reserve(max(1, capacity)),
+                    clock=self._clock,
+                    preemptible=self.preemptible,
+                )
+                continue
             scheduler.resize(capacity, self._reserve(capacity))
 
     def class_name(self, klass: int) -> str:

@@ -7,6 +7,10 @@ enough would be back (`Retry-After`) and the limit headers clients expect. When 
 completed, failed or cancelled — its owner settles the reservation with the tokens actually used;
 the unused part flows back, so a cancelled request costs only what was delivered. Settling is
 idempotent. Time is passed in (`now`, monotonic seconds); nothing here awaits.
+
+In a cluster each central replica holds a *share* of every tenant's per-minute limits (`set_share`,
+kept current by `lockgate.cluster`): its buckets hold and refill `share` of the allowance, so the
+replicas together admit the tenant's limit. Concurrency limits stay per replica.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Bucket:
         return max(0.0, (self.capacity - self.level) / self.rate)
 
 
-def _resized(bucket: Bucket | None, capacity: int | None, now: float) -> Bucket | None:
+def _resized(bucket: Bucket | None, capacity: float | None, now: float) -> Bucket | None:
     if capacity is None:
         return None
     if bucket is None:
@@ -114,14 +118,36 @@ class Reservation:
 class RateLimiter:
     def __init__(self) -> None:
         self._states: dict[str, TenantState] = {}
+        #: Tenant -> this gateway's fraction of its per-minute limits (absent: all of them).
+        self._shares: dict[str, float] = {}
+
+    def share(self, tenant: str) -> float:
+        return self._shares.get(tenant, 1.0)
+
+    def set_share(self, tenant: Tenant, share: float, now: float) -> None:
+        """This gateway's fraction (0..1] of the tenant's per-minute limits; the rest belongs to other
+        replicas of the cluster. Buckets are resized keeping the fraction they hold (so shares moving
+        between replicas neither lose nor mint allowance)."""
+        share = min(1.0, max(1e-6, share))
+        self._shares[tenant.name] = share
+        state = self._states.get(tenant.name)
+        if state is None:
+            return
+        for bucket, limit in ((state.requests, tenant.requests_per_minute), (state.tokens, tenant.tokens_per_minute)):
+            if bucket is not None and limit is not None:
+                bucket.refill(now)
+                capacity = limit * share
+                bucket.level = bucket.level * capacity / bucket.capacity if bucket.capacity > 0 else capacity
+                bucket.capacity = capacity
 
     def state(self, tenant: Tenant, now: float) -> TenantState:
         state = self._states.get(tenant.name)
         if state is None:
+            share = self._shares.get(tenant.name, 1.0)
             rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
             state = TenantState(
-                requests=None if rpm is None else Bucket(rpm, rpm, now),
-                tokens=None if tpm is None else Bucket(tpm, tpm, now),
+                requests=None if rpm is None else Bucket(rpm * share, rpm * share, now),
+                tokens=None if tpm is None else Bucket(tpm * share, tpm * share, now),
             )
             self._states[tenant.name] = state
         for bucket in (state.requests, state.tokens):
@@ -156,7 +182,7 @@ class RateLimiter:
                     retry_after=wait,
                 )
         if state.tokens is not None:
-            if tokens > state.tokens.capacity:
+            if tokens > (tenant.tokens_per_minute or 0):
                 raise self._refusal(
                     tenant,
                     state,
@@ -221,8 +247,10 @@ class RateLimiter:
         for tenant in tenants:
             state = self._states.get(tenant.name)
             if state is not None:
-                state.requests = _resized(state.requests, tenant.requests_per_minute, now)
-                state.tokens = _resized(state.tokens, tenant.tokens_per_minute, now)
+                share = self._shares.get(tenant.name, 1.0)  # this replica's part (cluster mode)
+                rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
+                state.requests = _resized(state.requests, None if rpm is None else rpm * share, now)
+                state.tokens = _resized(state.tokens, None if tpm is None else tpm * share, now)
 
     def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
         out: dict[str, str] = {}

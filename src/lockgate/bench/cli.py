@@ -30,8 +30,9 @@ def _routing(args: argparse.Namespace) -> int:
     shape = routing.Shape(rate=args.rate, duration_s=args.duration, instances=args.instances, seed=args.seed)
 
     async def main() -> int:
+        replicas = (1, args.replicas) if args.replicas > 1 else (1,)
         async with Progress("lockgate bench routing") as progress:
-            results = await routing.run(args.traces, args.policies, shape, progress)
+            results = await routing.run(args.traces, args.policies, shape, progress, replicas)
         print(routing.report(results))
         checks = routing.verdicts(results)
         if args.index_prompts:
@@ -155,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--duration", type=float, default=4.0, help="seconds of trace per run")
     route.add_argument("--instances", type=int, default=4)
     route.add_argument("--seed", type=int, default=7)
+    route.add_argument(
+        "--replicas", type=int, default=1, help="also run N central replicas + sidecars through a local etcd"
+    )
     route.add_argument("--index-prompts", type=int, default=1_000_000, help="0 skips the index memory check")
     route.add_argument("--index-bytes", type=int, default=8 * 1024 * 1024)
     route.set_defaults(func=_routing)

@@ -11,6 +11,11 @@ Traces (seeded, identical for every policy):
   prompt extends the previous turn's.
 - `skewed`: one system prompt takes 80% of the traffic; single-turn questions.
 
+With `--replicas N` (N >= 2) each policy also runs on the cluster shape (`lockgate.cluster`): a local
+etcd, one sidecar per two simulators, N central gateways, the trace's requests alternating between the
+centrals; the same trace and fleet, so hit rate and TTFT compare with the single gateway's (the cluster
+adds a hop: central -> sidecar -> engine, all in this one process).
+
 Finally the prefix index is filled with a million distinct prompts and its memory measured with
 tracemalloc against its configured bound.
 """
@@ -20,9 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import tempfile
 import time
 import tracemalloc
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -149,13 +157,17 @@ class RunResult:
     hit_rate: float
     ttfts: list[float] = field(default_factory=list)
     e2es: list[float] = field(default_factory=list)
+    #: 1: one gateway in front of the engines; N: N central replicas and sidecars through etcd.
+    replicas: int = 1
 
     @property
     def throughput(self) -> float:
         return (self.requests - self.errors) / self.seconds if self.seconds else 0.0
 
 
-async def run_policy(trace_name: str, trace: list[TraceRequest], policy: str, shape: Shape) -> RunResult:
+async def run_policy(
+    trace_name: str, trace: list[TraceRequest], policy: str, shape: Shape, replicas: int = 1
+) -> RunResult:
     async with contextlib.AsyncExitStack() as stack:
         sims = [
             await stack.enter_async_context(
@@ -173,43 +185,72 @@ async def run_policy(trace_name: str, trace: list[TraceRequest], policy: str, sh
             )
             for n in range(shape.instances)
         ]
-        config = parse_config(
-            {
-                "listen": {"host": "127.0.0.1", "port": 0},
-                "usage": {"path": ":memory:"},
-                "scrape": {"interval_ms": 100},
-                "models": [
-                    {
-                        "name": MODEL,
-                        # The gateway counts ~4 characters a token, the simulator a word (~2 of those).
-                        "routing": {
-                            "policy": policy,
-                            "predicted_ttft": {"default_prefill_tps": shape.prefill_tps * 2},
-                        },
-                        "instances": [
-                            {"url": s.url, "engine": "vllm", "name": f"sim-{n}", "max_concurrency": shape.max_num_seqs}
-                            for n, s in enumerate(sims)
-                        ],
-                    }
-                ],
-            },
-            "bench",
-        )
-        server = await stack.enter_async_context(GatewayServer(config, port=0))
-        result = await _replay(server.url, trace, shape)
+        # The gateway counts ~4 characters a token, the simulator a word (~2 of those).
+        routing = {"policy": policy, "predicted_ttft": {"default_prefill_tps": shape.prefill_tps * 2}}
+        base: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "usage": {"path": ":memory:"},
+            "scrape": {"interval_ms": 100},
+        }
+
+        def model(members: list[tuple[int, SimServer]]) -> dict[str, Any]:
+            instances = [
+                {"url": s.url, "engine": "vllm", "name": f"sim-{n}", "max_concurrency": shape.max_num_seqs}
+                for n, s in members
+            ]
+            return {"name": MODEL, "routing": routing, "instances": instances}
+
+        if replicas <= 1:
+            config = parse_config({**base, "models": [model(list(enumerate(sims)))]}, "bench")
+            urls = [(await stack.enter_async_context(GatewayServer(config, port=0))).url]
+        else:
+            urls = await _cluster(stack, base, model, routing, list(enumerate(sims)), replicas)
+        result = await _replay(urls, trace, shape)
         queries = sum(s.stats.prefix_cache_query_tokens for s in sims)
         hits = sum(s.stats.prefix_cache_hit_tokens for s in sims)
-        result.trace, result.policy = trace_name, policy
+        result.trace, result.policy, result.replicas = trace_name, policy, replicas
         result.hit_rate = hits / queries if queries else 0.0
         return result
 
 
-async def _replay(url: str, trace: list[TraceRequest], shape: Shape) -> RunResult:
+async def _cluster(
+    stack: contextlib.AsyncExitStack,
+    base: dict[str, Any],
+    model: Any,
+    routing: dict[str, Any],
+    sims: list[tuple[int, SimServer]],
+    replicas: int,
+) -> list[str]:
+    """A local etcd, one sidecar per two simulators, `replicas` central gateways; their URLs once every
+    central routes to every engine."""
+    from ..cluster.etcd_server import LocalEtcd
+
+    directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lockgate-bench-etcd-")))
+    etcd = LocalEtcd(directory / "data")
+    await asyncio.to_thread(etcd.start)
+    stack.callback(etcd.stop)
+    cluster = {"endpoints": [etcd.url], "name": "bench", "lease_ttl_ms": 2000, "routing": routing}
+    for node in range(0, len(sims), 2):
+        config = {**base, "models": [model(sims[node : node + 2])], "cluster": {**cluster, "node": f"node-{node // 2}"}}
+        await stack.enter_async_context(GatewayServer(parse_config(config, "bench sidecar"), port=0, role="sidecar"))
+    urls = []
+    for _ in range(replicas):
+        server = await stack.enter_async_context(GatewayServer(parse_config({**base, "cluster": cluster}), port=0))
+        assert server.gateway is not None
+        async with asyncio.timeout(30):
+            await server.gateway.fleet.wait_until(
+                lambda f: MODEL in f.pools and sum(i.routable for i in f.pools[MODEL].instances) == len(sims)
+            )
+        urls.append(server.url)
+    return urls
+
+
+async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape) -> RunResult:
     result = RunResult("", "", len(trace), 0, 0.0, 0.0)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def one(request: TraceRequest, start: float) -> None:
+        async def one(request: TraceRequest, start: float, url: str) -> None:
             body = orjson.dumps(
                 {
                     "model": MODEL,
@@ -241,11 +282,11 @@ async def _replay(url: str, trace: list[TraceRequest], shape: Shape) -> RunResul
         began = loop.time()
         started = time.perf_counter()
         async with asyncio.timeout(shape.duration_s + 30.0), asyncio.TaskGroup() as group:
-            for request in trace:
+            for n, request in enumerate(trace):
                 delay = began + request.at - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the trace's own (Poisson) arrival times
-                group.create_task(one(request, time.perf_counter()))
+                group.create_task(one(request, time.perf_counter(), urls[n % len(urls)]))
         result.seconds = time.perf_counter() - started
     return result
 
@@ -265,7 +306,11 @@ def index_memory_check(prompts: int, max_bytes: int, block_chars: int = 64) -> t
 
 
 async def run(
-    traces: list[str], policies: list[str], shape: Shape, progress: Progress | None = None
+    traces: list[str],
+    policies: list[str],
+    shape: Shape,
+    progress: Progress | None = None,
+    replicas: tuple[int, ...] = (1,),
 ) -> list[RunResult]:
     progress = progress or Progress.silent()
     makers = {"agent": agent_trace, "skewed": skewed_trace}
@@ -273,19 +318,23 @@ async def run(
     for name in traces:
         trace = makers[name](shape)
         for policy in policies:
-            progress.phase(f"{name} trace, {policy} ({len(results) + 1}/{len(traces) * len(policies)})")
-            results.append(await run_policy(name, trace, policy, shape))
+            for count in replicas:
+                where = f", {count} replicas" if count > 1 else ""
+                progress.phase(
+                    f"{name} trace, {policy}{where} ({len(results) + 1}/{len(traces) * len(policies) * len(replicas)})"
+                )
+                results.append(await run_policy(name, trace, policy, shape, count))
     return results
 
 
 def report(results: list[RunResult]) -> str:
     lines = [
-        f"{'trace':<8}{'policy':<17}{'reqs':>6}{'err':>5}{'hit rate':>10}{'TTFT p50 ms':>13}"
+        f"{'trace':<8}{'policy':<17}{'repl':>5}{'reqs':>6}{'err':>5}{'hit rate':>10}{'TTFT p50 ms':>13}"
         f"{'TTFT p99 ms':>13}{'e2e p99 ms':>12}{'req/s':>8}"
     ]
     for r in results:
         lines.append(
-            f"{r.trace:<8}{r.policy:<17}{r.requests:>6}{r.errors:>5}{r.hit_rate:>10.1%}"
+            f"{r.trace:<8}{r.policy:<17}{r.replicas:>5}{r.requests:>6}{r.errors:>5}{r.hit_rate:>10.1%}"
             f"{percentile(r.ttfts, 50) * 1000:>13.1f}{percentile(r.ttfts, 99) * 1000:>13.1f}"
             f"{percentile(r.e2es, 99) * 1000:>12.1f}{r.throughput:>8.1f}"
         )
@@ -294,8 +343,24 @@ def report(results: list[RunResult]) -> str:
 
 def verdicts(results: list[RunResult]) -> list[tuple[str, bool]]:
     """The issue's targets, for the runs that were made."""
-    by = {(r.trace, r.policy): r for r in results}
+    by = {(r.trace, r.policy): r for r in results if r.replicas == 1}
     out: list[tuple[str, bool]] = []
+    for many in results:
+        single = by.get((many.trace, many.policy))
+        if many.replicas > 1 and single is not None:
+            label = f"{many.trace}: {many.policy} with {many.replicas} replicas"
+            out.append(
+                (
+                    f"{label}: hit rate within 5 points of one gateway's",
+                    abs(many.hit_rate - single.hit_rate) <= 0.05,
+                )
+            )
+            out.append(
+                (
+                    f"{label}: TTFT p99 within 10% of one gateway's",
+                    percentile(many.ttfts, 99) <= 1.1 * percentile(single.ttfts, 99),
+                )
+            )
     rr = by.get(("agent", "round_robin"))
     for policy in ("predicted_ttft", "cache_aware"):
         r = by.get(("agent", policy))

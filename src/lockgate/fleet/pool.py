@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -24,13 +24,16 @@ from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
+from ..routing.config import RoutingConfig
+from ..routing.placement import anchor_depth, rendezvous_top
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
 from ..routing.prefix import PrefixIndex, prompt_blocks
+from ..routing.residency import Residency
 from ..wire import ApiRequest
 from .capacity import ConcurrencyLimit
 from .ejection import Ejection
 from .scrape import Scraper
-from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, merge
+from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
@@ -57,8 +60,9 @@ class Instance:
         http: HttpPool | None = None,
         *,
         max_connections: int = 256,
+        key: str | None = None,
     ) -> None:
-        self.key = config.key
+        self.key = key or config.key
         self.name = config.name or config.url
         self.url = config.url
         self.dialect: Dialect = dialect_for(config.engine)
@@ -95,6 +99,8 @@ class Instance:
         self.own = OwnAccounting()
         self.engine_load: EngineLoad | None = None
         self.scrape_error: str | None = None
+        #: Set for an engine behind a sidecar (cluster mode): its state comes from etcd, not from probes.
+        self.published: Published | None = None
         self.ejection = ejection or Ejection()
         #: The headers every generation request carries (`upstream_headers` adds the per-request ones).
         self.request_headers = [("Content-Type", "application/json"), *_auth(self).items()]
@@ -216,8 +222,21 @@ class Pool:
             if metrics is not None
             else None
         )
+        self._metrics = metrics
         options = config.routing.prefix_index
         self.index = PrefixIndex(options.max_bytes, options.block_chars)
+        #: Sidecars only: the request header naming the engine a central gateway chose (preferred when
+        #: it can take the request).
+        self.pin_header: str | None = None
+        #: Created for instances discovered at run time (cluster mode), not configured.
+        self.discovered = False
+        #: Central replicas (cluster mode): the anchor depth of the shared default placement
+        #: (`routing/placement.py`); 0 = off.
+        self.placement_blocks = 0
+        #: Central replicas: what the sidecars report their engines hold (`routing/residency.py`).
+        self.residency: Residency | None = None
+        #: Sidecars: told of every routing decision (instance key, prompt blocks), to report residency.
+        self.report_routed: Callable[[str, tuple[int, ...]], None] | None = None
         for spec in config.instances:
             if spec.cache_tokens is not None:
                 self.set_cache_tokens(spec.key, spec.cache_tokens)
@@ -233,6 +252,24 @@ class Pool:
         self.index.set_capacity(key, blocks)
         return True
 
+    def add(self, instance: Instance, served_model: str) -> None:
+        """Add an instance discovered at run time (a no-op if it is a member)."""
+        if instance.key in self._by_key:
+            return
+        self.instances = [*self.instances, instance]
+        self._by_key[instance.key] = instance
+        self.served[instance.key] = served_model
+        if self._decisions is not None and self._metrics is not None:
+            self._decisions[instance.key] = self._metrics.routing_decisions.labels(
+                self.model, self.policy.name, instance.name
+            )
+
+    def discard(self, key: str) -> None:
+        """Remove an instance (requests already on it keep their lease); its prefix index entries age
+        out by LRU."""
+        if self._by_key.pop(key, None) is not None:
+            self.instances = [i for i in self.instances if i.key != key]
+
     def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
@@ -241,11 +278,20 @@ class Pool:
         if key is None and isinstance(user, str) and user:
             key = user
         blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
-        return RouteRequest(api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks)
+        pin = headers.get(self.pin_header) if self.pin_header is not None and headers is not None else None
+        return RouteRequest(
+            api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks, pin=pin
+        )
 
     def snapshot(self, request: RouteRequest | None = None) -> PoolSnapshot:
         now = time.monotonic()
         matched = self.index.match(request.blocks) if request is not None and request.blocks else {}
+        if self.residency is not None and request is not None and request.blocks:
+            for key, depth in self.residency.match(request.blocks).items():
+                if depth > matched.get(key, 0):
+                    matched[key] = depth
+        if self.placement_blocks and request is not None and request.blocks:
+            self._place(request, matched)
         views = []
         index = self.index
         tokens_per_block = max(1, index.block_chars // 4)
@@ -255,6 +301,18 @@ class Pool:
             views.append(i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block))
         return PoolSnapshot(self.model, tuple(views))
 
+    def _place(self, request: RouteRequest, matched: dict[str, int]) -> None:
+        """Unless this replica's own index knows the prompt beyond its anchor, count the whole prompt as
+        cached on the anchor's rendezvous winner among the routable instances: what every replica
+        computes alike, and where earlier turns of the conversation went from any replica that also
+        knew nothing better. The cost policy still weighs it against that instance's load."""
+        depth = anchor_depth(request.blocks, self.placement_blocks)
+        if max(matched.values(), default=0) > depth:
+            return
+        top = rendezvous_top(request.blocks[depth - 1], (i.key for i in self.instances if i.routable))
+        if top is not None:
+            matched[top] = len(request.blocks)
+
     def _cached_tokens(self, request: RouteRequest, blocks: int | None) -> int:
         """Blocks are characters: the share of the prompt they cover, in tokens."""
         return min(request.prompt_tokens, blocks * self.index.block_chars // 4) if blocks else 0
@@ -262,7 +320,9 @@ class Pool:
     def choose(self, request: RouteRequest) -> tuple[Instance, int]:
         """The instance to try, and how many of the request's prompt tokens it likely has cached (which
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built."""
-        sole = self._sole_candidate(request)
+        sole = self._pinned(request.pin, request) if request.pin is not None else None
+        if sole is None:
+            sole = self._sole_candidate(request)
         if sole is not None:
             instance = sole
             matched = self.index.match(request.blocks).get(sole.key) if request.blocks else None
@@ -276,9 +336,18 @@ class Pool:
             self.index.insert(instance.key, request.blocks)
             instance.predicted_queries += request.prompt_tokens
             instance.predicted_hits += cached
+            if self.report_routed is not None:
+                self.report_routed(instance.key, request.blocks)
         if self._decisions is not None:
             self._decisions[instance.key].inc()
         return instance, cached
+
+    def _pinned(self, key: str, request: RouteRequest) -> Instance | None:
+        """The engine a central gateway chose for this request, if it can take it here."""
+        instance = self._by_key.get(key)
+        if instance is not None and instance.routable and key not in request.exclude:
+            return instance
+        return None
 
     def _sole_candidate(self, request: RouteRequest) -> Instance | None:
         """The one routable instance not yet tried, if there is exactly one (what `candidates()` would
@@ -311,6 +380,20 @@ class Fleet:
         #: Called (synchronously) after every health or ejection change, e.g. to resize admission.
         self.listeners: list[Callable[[], None]] = []
         self._closed = False
+        #: Sidecars: the header naming the engine chosen by a central gateway (set before entering).
+        self.pin_header: str | None = None
+        #: Central replicas: anchor depth of the shared default placement of prefixes (0 = off), and
+        #: whether pools keep the residency the sidecars report (set before entering).
+        self.placement_blocks = 0
+        self.shared_residency = False
+        #: Sidecars: told of every routing decision, to report residency (set by the publisher).
+        self.report_routed: Callable[[str, tuple[int, ...]], None] | None = None
+        #: Bumped when the set of models or their members changes (instances discovered or gone).
+        self.generation = 0
+        #: Instances discovered at run time (cluster mode): key -> (spec, models, routing of new pools).
+        self._discovered: dict[str, tuple[InstanceConfig, tuple[str, ...], RoutingConfig | None]] = {}
+        #: Extra sections of `GET /admin/fleet` (cluster mode adds the etcd view), by name.
+        self.reports: dict[str, Callable[[], Any]] = {}
 
     async def __aenter__(self) -> Fleet:
         self._build(self._config)
@@ -345,11 +428,23 @@ class Fleet:
                 stale_after=config.scrape.stale_after_ms / 1000,
                 metrics=self._metrics,
             )
+            self._share(pool)
             before = (previous or {}).get(model.name)
             if before is not None and before.config.routing.prefix_index == model.routing.prefix_index:
                 pool.index = before.index  # what the engines have cached did not change
+                pool.residency = before.residency
             pools[model.name] = pool
         self.pools = pools
+        for key, (_, models, routing) in self._discovered.items():
+            self._adopt(self.instances[key], models, routing)
+
+    def _share(self, pool: Pool) -> None:
+        """The cluster roles' settings of a pool (see the attributes set before entering)."""
+        pool.pin_header = self.pin_header
+        pool.report_routed = self.report_routed
+        pool.placement_blocks = self.placement_blocks
+        if self.shared_residency:
+            pool.residency = Residency(max(1024, pool.index.max_entries))
 
     def _watch(self, instance: Instance) -> None:
         self._metrics.instance_healthy.labels(instance.name).set(1 if instance.healthy else 0)
@@ -358,6 +453,89 @@ class Fleet:
         self._metrics.concurrency_limit.labels(instance.name).set_function(lambda i=instance: i.max_concurrency)
         self._metrics.prefix_hit_rate_gap.labels(instance.name).set_function(lambda i=instance: i.hit_gap.value)
         self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
+
+    # --- instances discovered at run time (cluster mode) ------------------------------------------
+    def attach(
+        self,
+        spec: InstanceConfig,
+        models: Sequence[str],
+        *,
+        key: str,
+        headers: Sequence[tuple[str, str]] = (),
+        routing: RoutingConfig | None = None,
+    ) -> Instance:
+        """Add the instance `key` to the pools of `models` (and only those), creating the pool of a model
+        nobody configured (with `routing`). `headers` go on every generation request sent to it.
+        Idempotent. A reload keeps discovered instances in their pools."""
+        instance = self.instances.get(key)
+        if instance is None:
+            instance = self._make_instance(spec, self._config.upstream.connect_timeout_ms / 1000, key)
+            instance.request_headers = [*instance.request_headers, *headers]
+            self.instances[key] = instance
+            self._watch(instance)
+            self._health_wake.set()
+        self._discovered[key] = (spec, tuple(models), routing)
+        if self._adopt(instance, models, routing):
+            self.generation += 1
+            self._notify()
+        return instance
+
+    def _adopt(self, instance: Instance, models: Sequence[str], routing: RoutingConfig | None) -> bool:
+        """Make `instance` a member of exactly the pools of `models`; whether anything changed."""
+        changed = False
+        for model in models:
+            pool = self.pools.get(model)
+            if pool is None:
+                config = ModelConfig(name=model, instances=[], routing=routing or RoutingConfig())
+                pool = Pool(
+                    config,
+                    [],
+                    {},
+                    make_policy(config.routing),
+                    stale_after=self._config.scrape.stale_after_ms / 1000,
+                    metrics=self._metrics,
+                )
+                pool.discovered = True
+                self._share(pool)
+                self.pools[model] = pool
+            if instance.key not in pool.served:
+                pool.add(instance, model)
+                changed = True
+        for name, pool in list(self.pools.items()):
+            if name not in models and instance.key in pool.served:
+                self._leave(pool, instance.key)
+                changed = True
+        return changed
+
+    def detach(self, key: str) -> None:
+        """Take a discovered instance out of every pool: no new requests reach it, and it is closed
+        once its requests in flight end. A model only discovered instances served goes with its last."""
+        if self._discovered.pop(key, None) is None:
+            return
+        instance = self.instances.pop(key)
+        for pool in list(self.pools.values()):
+            self._leave(pool, key)
+        self._retire(instance)
+        self.generation += 1
+        self._notify()
+
+    def _leave(self, pool: Pool, key: str) -> None:
+        pool.discard(key)
+        if pool.discovered and not pool.instances:
+            del self.pools[pool.model]
+
+    def set_health(self, instance: Instance, healthy: bool) -> None:
+        """Health from another source (a sidecar's publication): applied and announced like a probe's."""
+        if instance.healthy != healthy:
+            self._set_health(instance, healthy)
+            self._notify()
+
+    def set_concurrency(self, instance: Instance, limit: int) -> None:
+        """A concurrency limit from another source (what a sidecar publishes for its engine): fixed,
+        not discovered here from scrapes."""
+        if instance.concurrency.limit != limit or instance.concurrency.adaptive:
+            instance.concurrency = ConcurrencyLimit(max(1, limit), adaptive=False)
+            self._notify()
 
     # --- reload --------------------------------------------------------------------------------
     def apply(self, config: Config, diff: ConfigDiff) -> None:
@@ -416,7 +594,7 @@ class Fleet:
         while self._retiring:
             await asyncio.gather(*self._retiring.values(), return_exceptions=True)
 
-    def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
+    def _make_instance(self, spec: InstanceConfig, connect_timeout: float, key: str | None = None) -> Instance:
         limit = self._config.upstream.max_connections
         dialect = dialect_for(spec.engine)
         connector: aiohttp.BaseConnector
@@ -437,7 +615,9 @@ class Fleet:
         http = HttpPool(
             spec.url, max_connections=limit, keepalive_s=dialect.keepalive_s, connect_timeout_s=connect_timeout
         )
-        return Instance(spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit)
+        return Instance(
+            spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit, key=key
+        )
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -483,6 +663,12 @@ class Fleet:
         if kind == "connect":
             self._set_health(instance, False)
             ejected = instance.ejection.eject_now(now)
+            if instance.published is not None:
+                # Engines behind one sidecar share its address: none of them can be reached either.
+                for other in self.instances.values():
+                    if other.url == instance.url and other is not instance and not other.ejection.ejected:
+                        self._set_health(other, False)
+                        other.ejection.eject_now(now)
         elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5"):
             ejected = instance.ejection.failure(now)
         else:
@@ -569,10 +755,15 @@ class Fleet:
         while True:
             now = time.monotonic()
             # Due: ejected instances whose backoff ended, and instances never probed (added by a reload).
-            due = [i for i in self.instances.values() if i.ejection.probe_due(now) or i.last_probe_at is None]
+            # An engine behind a sidecar (cluster mode) has its health published: probed only when ejected.
+            due = [
+                i
+                for i in self.instances.values()
+                if i.ejection.probe_due(now) or (i.last_probe_at is None and i.published is None)
+            ]
             if loop.time() >= next_check:
                 next_check = loop.time() + interval
-                await self.probe_all()
+                await self.probe_all([i for i in self.instances.values() if i.published is None or i in due])
             elif due:
                 await self.probe_all(due)
             now = time.monotonic()

@@ -17,6 +17,7 @@ def describe_fleet(fleet: Fleet) -> dict[str, Any]:
         for instance in pool.instances:
             index_blocks[instance.key] = index_blocks.get(instance.key, 0) + pool.index.blocks_of(instance.key)
     return {
+        **{name: report() for name, report in fleet.reports.items()},
         "instances": [_instance(i, now, index_blocks.get(i.key, 0), fleet) for i in fleet.instances.values()],
         "pools": [
             {
@@ -37,7 +38,7 @@ def describe_fleet(fleet: Fleet) -> dict[str, Any]:
 
 
 def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -> dict[str, Any]:
-    own, load, ejection = instance.own, instance.engine_load, instance.ejection
+    own, load, ejection, published = instance.own, instance.engine_load, instance.ejection, instance.published
     stale_after = min((p.stale_after for p in fleet.pools.values() if instance in p.instances), default=1.0)
     return {
         "name": instance.name,
@@ -80,6 +81,19 @@ def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -
                 "prefix_cache_queries": load.prefix_queries,
                 "tpot_s": load.tpot_s,
                 "scrape_error": instance.scrape_error,
+            },
+            "sidecar": None
+            if published is None
+            else {
+                "node": published.node,
+                "engine": published.engine_id,
+                "age_s": round(published.age(now), 3),
+                "seq": published.seq,
+                "in_flight": published.in_flight,
+                "queued_prompt_tokens": published.queued_prompt_tokens,
+                "ttft_s": published.ttft_s,
+                "tpot_s": published.tpot_s,
+                "prefill_tps": published.prefill_tps,
             },
         },
         "prefix_index_blocks": index_blocks,

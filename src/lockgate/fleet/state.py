@@ -6,6 +6,8 @@
 - `EngineLoad`: the engine's own metrics, scraped on an interval (`scrape.py`). It also sees other
   clients' traffic, but it is late by up to an interval, and after a failure or a mass cancellation it
   can be stale (vLLM #29928); past `stale_after` it is not trusted at all.
+- `Published`: for an engine behind a sidecar (cluster mode), what that sidecar published through etcd;
+  its load numbers (which count every replica's traffic) arrive as the instance's `EngineLoad`.
 
 `merge()` is the one place the two are combined into the `InstanceView` a policy sees. Own accounting is
 never replaced by the scrape, only raised by it (max): a burst sent since the last scrape still counts,
@@ -223,6 +225,27 @@ class HitRateGap:
         predicted = (predicted_hits - previous[0]) / queries
         engine = (load.prefix_hits - engine_before[0]) / engine_queries
         self.ewma.add(predicted - engine, load.scraped_at)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """The third source: what the sidecar in front of a remote engine published about it through etcd
+    (`lockgate.cluster`), received at `received_at` (this process's monotonic clock: ages never depend
+    on another host's clock). Its load numbers reach routing as the instance's `EngineLoad`."""
+
+    node: str
+    #: The engine's key at its sidecar (sent back in `x-lockgate-engine`).
+    engine_id: str
+    seq: int
+    received_at: float
+    in_flight: int = 0
+    queued_prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    prefill_tps: float = 0.0
+
+    def age(self, now: float) -> float:
+        return now - self.received_at
 
 
 def merge(

@@ -77,6 +77,8 @@ class RouteRequest:
     affinity_key: str | None = None
     #: Hash chain of the prompt's blocks (see `prefix.py`).
     blocks: tuple[int, ...] = ()
+    #: At a sidecar: the engine a central gateway chose (taken when it can serve the request).
+    pin: str | None = None
 
 
 class Policy(Protocol):

@@ -1,0 +1,58 @@
+"""The `cluster:` section: where etcd is, which cluster this process belongs to, how it keeps its lease.
+
+The same section serves both roles; the command picks the role (`lockgate sidecar` publishes its
+engines, `lockgate serve` discovers the sidecars' engines). Kept apart from `config.py` so that the
+cluster's keys live next to the code that reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..routing.config import RoutingConfig
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: etcd client URLs (`http://host:port`), tried in order; the first that answers is used.
+    endpoints: Annotated[list[str], Field(min_length=1)] = ["http://127.0.0.1:2379"]
+    #: Every key lives under `/lockgate/<name>/`: several clusters can share one etcd.
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")] = "default"
+    #: Lease TTL: a process that stops refreshing its lease (killed, cut off) drops out after this long.
+    #: etcd rounds TTLs up to its own minimum (1.5 election timeouts: 2 s with etcd's defaults).
+    lease_ttl_ms: Annotated[int, Field(ge=1000, le=60_000)] = 3000
+    #: How often a sidecar publishes its engines' state.
+    publish_interval_ms: Annotated[int, Field(ge=10, le=10_000)] = 100
+    #: Each etcd call's deadline; a watch that stays silent is checked by the lease's keepalive instead.
+    timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 1000
+    #: Sidecar: this node's name in etcd (unique in the cluster); defaults to its advertised URL's host:port.
+    node: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    #: Sidecar: the URL central gateways use to reach it; defaults to its listen address.
+    advertise_url: str | None = None
+    #: Central: the bearer token it sends to sidecars (a key of a sidecar tenant; none for open sidecars).
+    api_key: str | None = None
+    #: Central: the routing of a model that only etcd knows about (a model also configured under
+    #: `models:` keeps its own settings and gets the discovered instances added).
+    routing: RoutingConfig = RoutingConfig()
+    #: Central: prompts whose first this-many blocks (`prefix_index.block_chars` each) agree get the same
+    #: default instance on every replica (rendezvous hashing over the live instances; load still
+    #: decides). 0 turns the shared placement off.
+    placement_blocks: Annotated[int, Field(ge=0, le=4096)] = 8
+
+    @field_validator("endpoints")
+    @classmethod
+    def _check_endpoints(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"etcd endpoint must start with http:// or https:// (got {url!r})")
+        return [url.rstrip("/") for url in value]
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _check_advertise(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return None if value is None else value.rstrip("/")

@@ -1,0 +1,285 @@
+"""The central role: discover sidecars and their engines by watching etcd, and keep the fleet in step.
+
+Theory of operation. `Discovery.run()` reads every node record under `/lockgate/<cluster>/nodes/` once,
+makes the fleet match it (engines attached, gone ones detached), then watches the prefix from the next
+revision: each put updates that node's engines (load, health; membership when it changed), each
+delete (the sidecar's lease expired, or it stopped cleanly) detaches them. Nothing polls: between
+events the loop waits on the watch stream. When the watch breaks (etcd stopped, cut off, history
+compacted) the fleet keeps the last-known state and the loop starts over with a fresh read as soon as
+etcd answers, which also drops the sidecars that left meanwhile.
+
+A central gateway also registers itself (`/lockgate/<cluster>/replicas/<id>`, under its own lease,
+with its per-tenant demand) and watches the other replicas' records in the same watch (the whole
+cluster prefix): `limits.py` splits each tenant's limits among the live replicas. The lease's keepalive
+also notices an etcd that went silent without closing the watch. `connected` needs both the watch and
+the keepalive; `confirmed_at` is when etcd last confirmed this view.
+
+A remote engine is an `Instance` whose URL is its sidecar's and whose key is `<sidecar URL>#<engine id>`;
+its generation requests carry `x-lockgate-engine: <engine id>` so the sidecar uses that exact engine.
+Published load becomes the instance's `EngineLoad` (received time as its age: stale numbers are ignored
+by routing like stale scrapes), published health its health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from ..config import InstanceConfig
+from ..fleet.pool import Fleet
+from ..fleet.state import EngineLoad, Published
+from .config import ClusterConfig
+from .keys import (
+    ENGINE_HEADER,
+    NodeRecord,
+    ReplicaRecord,
+    cluster_prefix,
+    decode_node,
+    decode_replica,
+    nodes_prefix,
+    replica_key,
+    replicas_prefix,
+)
+from .lease import Registration
+from .limits import ClusterLimits
+from .store import Etcd, KeyValue, StoreUnavailable, WatchEvent
+
+log = logging.getLogger(__name__)
+
+
+def new_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def remote_key(record: NodeRecord, engine_id: str) -> str:
+    return f"{record.url}#{engine_id}"
+
+
+class Discovery:
+    def __init__(self, config: ClusterConfig, fleet: Fleet, limits: ClusterLimits | None = None) -> None:
+        self.config = config
+        self._fleet = fleet
+        self.etcd = Etcd(config.endpoints, timeout_s=config.timeout_ms / 1000)
+        self.replica = limits.replica if limits is not None else new_replica_id()
+        self.limits = limits
+        started = time.time()
+        self.registration = Registration(
+            self.etcd,
+            replica_key(config.name, self.replica),
+            limits.record if limits is not None else lambda: orjson.dumps({"id": self.replica, "started_at": started}),
+            ttl_s=config.lease_ttl_ms / 1000,
+            republish_s=config.publish_interval_ms / 1000 if limits is not None else None,
+        )
+        self.prefix = cluster_prefix(config.name)
+        self._nodes_prefix = nodes_prefix(config.name)
+        self._replicas_prefix = replicas_prefix(config.name)
+        #: etcd key -> a live central replica's record (this one's included once it is written).
+        self.replicas: dict[str, ReplicaRecord] = {}
+        #: etcd key -> (record, monotonic time it was received).
+        self.nodes: dict[str, tuple[NodeRecord, float]] = {}
+        #: etcd key -> the instance keys that node's engines have here; instance key -> its models.
+        self._owned: dict[str, set[str]] = {}
+        self._models: dict[str, tuple[str, ...]] = {}
+        self.watching = False
+        self.synced_at: float | None = None
+        self.resyncs = 0
+        self.events = 0
+        self.last_error: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Discovery:
+        await self.etcd.__aenter__()
+        self._tasks = [
+            asyncio.create_task(self.registration.run(), name="lockgate-cluster-replica"),
+            asyncio.create_task(self.run(), name="lockgate-cluster-watch"),
+        ]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if tasks:
+            await self.registration.aclose()
+        await self.etcd.aclose()
+
+    # --- state -----------------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self.watching and self.registration.connected
+
+    @property
+    def confirmed_at(self) -> float | None:
+        times = [t for t in (self.synced_at, self.registration.confirmed_at) if t is not None]
+        return max(times) if times else None
+
+    # --- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        retry = min(0.25, self.config.lease_ttl_ms / 4000)
+        while True:
+            try:
+                revision, kvs = await self.etcd.get_prefix(self.prefix)
+                self.resync(kvs, time.monotonic())
+                self.watching = True
+                async for events in self.etcd.watch_prefix(self.prefix, revision + 1):
+                    self.apply(events, time.monotonic())
+            except StoreUnavailable as exc:
+                if self.watching or self.last_error is None:
+                    log.warning("etcd watch lost (%s): serving on the last-known fleet", exc)
+                self.last_error = str(exc)
+            self.watching = False
+            await asyncio.sleep(retry)
+
+    def resync(self, kvs: list[KeyValue], now: float) -> None:
+        """Make the fleet match a full read of the prefix."""
+        self.resyncs += 1
+        self.synced_at = now
+        seen = set()
+        for kv in kvs:
+            seen.add(kv.key)
+            self._put(kv.key, kv.value, now)
+        for key in [k for k in [*self.nodes, *self.replicas] if k not in seen]:
+            self._delete(key)
+        self._replicas_changed()
+
+    def apply(self, events: list[WatchEvent], now: float) -> None:
+        self.synced_at = now
+        replicas = False
+        for event in events:
+            self.events += 1
+            if event.key.startswith(self._replicas_prefix):
+                replicas = True
+            if event.kind == "put":
+                self._put(event.key, event.value, now)
+            else:
+                self._delete(event.key)
+        if replicas:
+            self._replicas_changed()
+
+    def _replicas_changed(self) -> None:
+        if self.limits is not None:
+            self.limits.apply(self.replicas)
+
+    def _put(self, key: str, raw: bytes, now: float) -> None:
+        if key.startswith(self._replicas_prefix):
+            replica = decode_replica(raw)
+            if replica is not None:
+                self.replicas[key] = replica
+            return
+        if not key.startswith(self._nodes_prefix):
+            return  # a key of a later layout
+        record = decode_node(raw)
+        if record is None:
+            log.warning("etcd key %s does not hold a node record; ignored", key)
+            return
+        fleet = self._fleet
+        if key not in self.nodes:
+            log.info("sidecar %s (%s) joined with %d engine(s)", record.node, record.url, len(record.engines))
+        self.nodes[key] = (record, now)
+        owned = self._owned.setdefault(key, set())
+        current = set()
+        for engine in record.engines:
+            ikey = remote_key(record, engine.id)
+            instance = fleet.instances.get(ikey)
+            if instance is None or self._models.get(ikey) != engine.models:
+                try:
+                    spec = InstanceConfig(
+                        url=record.url,
+                        engine="openai",
+                        name=f"{record.node}/{engine.name}",
+                        max_concurrency=engine.max_concurrency,
+                        api_key=self.config.api_key,
+                    )
+                except ValidationError:
+                    log.warning("sidecar %s publishes an unusable URL %r; ignored", record.node, record.url)
+                    return
+                instance = fleet.attach(
+                    spec, engine.models, key=ikey, headers=[(ENGINE_HEADER, engine.id)], routing=self.config.routing
+                )
+                self._models[ikey] = engine.models
+            current.add(ikey)
+            fleet.set_concurrency(instance, engine.max_concurrency)
+            instance.published = Published(
+                node=record.node,
+                engine_id=engine.id,
+                seq=record.seq,
+                received_at=now,
+                in_flight=engine.in_flight,
+                queued_prompt_tokens=engine.queued_prompt_tokens,
+                ttft_s=engine.ttft_s,
+                tpot_s=engine.tpot_s,
+                prefill_tps=engine.prefill_tps,
+            )
+            instance.engine_load = EngineLoad(
+                scraped_at=now,
+                waiting=engine.waiting,
+                running=engine.running,
+                kv_usage=engine.kv_usage,
+                prefix_hits=engine.prefix_hits,
+                prefix_queries=engine.prefix_queries,
+            )
+            fleet.set_health(instance, engine.routable and not record.draining)
+            if engine.resident:
+                for model in engine.models:
+                    pool = fleet.pools.get(model)
+                    if pool is not None and pool.residency is not None:
+                        pool.residency.add(ikey, engine.resident)
+        for gone in owned - current:
+            self._forget(gone)
+        self._owned[key] = current
+
+    def _delete(self, key: str) -> None:
+        if self.replicas.pop(key, None) is not None:
+            return
+        entry = self.nodes.pop(key, None)
+        if entry is not None:
+            log.info("sidecar %s left (its key is gone)", entry[0].node)
+        for ikey in self._owned.pop(key, set()):
+            self._forget(ikey)
+
+    def _forget(self, ikey: str) -> None:
+        self._models.pop(ikey, None)
+        self._fleet.detach(ikey)
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        confirmed = self.confirmed_at
+        return {
+            "role": "central",
+            "cluster": self.config.name,
+            "replica": self.replica,
+            "connected": self.connected,
+            "watching": self.watching,
+            "etcd_endpoint": self.etcd.endpoint,
+            "last_confirmed_age_s": None if confirmed is None else round(now - confirmed, 3),
+            "replicas": sorted(r.id for r in self.replicas.values()),
+            "tenant_shares": self.limits.shares() if self.limits is not None else {},
+            "resyncs": self.resyncs,
+            "events": self.events,
+            "last_error": self.last_error if not self.connected else None,
+            "nodes": [
+                {
+                    "node": record.node,
+                    "url": record.url,
+                    "age_s": round(now - received, 3),
+                    "seq": record.seq,
+                    "draining": record.draining,
+                    "engines": [e.name for e in record.engines],
+                }
+                for record, received in self.nodes.values()
+            ],
+        }

@@ -1,0 +1,106 @@
+"""A key this process owns in etcd, written under a lease that it keeps alive.
+
+`Registration.run()` is one loop: grant a lease and write the key; then rewrite the key every
+`republish_s` (a sidecar's state, every 100 ms) and refresh the lease every third of its TTL. When etcd
+cannot be reached it retries every `retry_s`; when the lease is gone (etcd was away longer than the
+TTL) it grants a new one and writes the key again. Nothing else is needed to come back after an etcd
+restart or a network cut.
+
+`connected` is True from the first successful write until a call fails; `confirmed_at` is when etcd
+last answered (monotonic). `aclose()` revokes the lease, so a process that stops cleanly leaves the
+cluster at once instead of after its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from .store import Etcd, LeaseLost, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Registration:
+    def __init__(
+        self,
+        etcd: Etcd,
+        key: str,
+        value: Callable[[], bytes],
+        *,
+        ttl_s: float,
+        republish_s: float | None = None,
+        on_change: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.key = key
+        self._value = value
+        self.ttl_s = max(1, math.ceil(ttl_s))
+        self.republish_s = republish_s
+        self.retry_s = min(0.25, self.ttl_s / 4)
+        self._on_change = on_change
+        self.lease: int | None = None
+        self.connected = False
+        self.confirmed_at: float | None = None
+        self.writes = 0
+        self.last_error: str | None = None
+
+    async def run(self) -> None:
+        """Keep the key in etcd until cancelled."""
+        loop = asyncio.get_running_loop()
+        next_write = next_refresh = loop.time()
+        while True:
+            try:
+                now = loop.time()
+                if self.lease is None:
+                    self.lease, granted = await self.etcd.grant(self.ttl_s)
+                    next_refresh = now + granted / 3
+                    next_write = now
+                if (self.republish_s is not None and now >= next_write) or self.writes == 0:
+                    await self.etcd.put(self.key, self._value(), lease=self.lease)
+                    self.writes += 1
+                    next_write = max(next_write + (self.republish_s or 0.0), now)
+                if now >= next_refresh:
+                    await self.etcd.keepalive(self.lease)
+                    next_refresh = now + self.ttl_s / 3
+                self._confirmed()
+                wake = next_refresh if self.republish_s is None else min(next_refresh, next_write)
+                delay = wake - loop.time()
+            except LeaseLost as exc:
+                log.info("etcd lease for %s lost (%s): granting a new one", self.key, exc)
+                self.lease = None
+                self.writes = 0
+                self.last_error = str(exc)
+                continue
+            except StoreUnavailable as exc:
+                self._failed(str(exc))
+                delay = self.retry_s
+            await asyncio.sleep(max(0.0, delay))
+
+    def _confirmed(self) -> None:
+        self.confirmed_at = time.monotonic()
+        self.last_error = None
+        if not self.connected:
+            self.connected = True
+            log.info("etcd: %s registered", self.key)
+            if self._on_change is not None:
+                self._on_change(True)
+
+    def _failed(self, error: str) -> None:
+        self.last_error = error
+        if self.connected:
+            self.connected = False
+            log.warning("etcd unreachable (%s); retrying every %.2fs", error, self.retry_s)
+            if self._on_change is not None:
+                self._on_change(False)
+
+    async def aclose(self) -> None:
+        """Revoke the lease (its keys go at once); best effort, bounded by the client's timeout."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            with contextlib.suppress(StoreUnavailable):
+                await self.etcd.revoke(lease)

@@ -1,0 +1,105 @@
+"""Tenant rate limits that hold cluster-wide: each central replica enforces a share of every limit.
+
+Every replica publishes, in its replica record, the demand it sees per rate-limited tenant (requests
+offered per second, admitted or refused, an average over ~`TAU_S`); every replica reads all the records
+(the central role's watch) and computes the same shares from them:
+
+    share(me) = (1 - w) / n + w * demand(me) / total demand
+    w         = (1 - EQUAL_PART) * min(1, requests in the window / MIN_EVIDENCE)
+
+so the shares of the live replicas add up to one: together they admit the tenant's limit, wherever its
+clients connect. Demand counts only once there is enough of it to measure (a handful of requests would
+make the ratio noise), and never entirely (`EQUAL_PART`), so that a replica with no traffic for a tenant
+can take its first requests. A replica that joins or leaves (its lease expires) changes `n` and the
+shares at once; shares move only by more than `HYSTERESIS` (each move resizes the buckets).
+While etcd is unreachable the last shares stay (a replica that died meanwhile keeps its share until
+etcd returns: conservative). `share_of` is pure; `ClusterLimits` applies it to the rate limiter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+
+from ..admission.ratelimit import RateLimiter
+from ..admission.tenants import Tenant
+from .keys import ReplicaRecord, encode_replica
+
+EQUAL_PART = 0.2
+#: Time constant of the demand average (seconds).
+TAU_S = 10.0
+#: Requests in the window before the demand ratio gets its full weight.
+MIN_EVIDENCE = 200.0
+#: Smallest share change applied.
+HYSTERESIS = 0.02
+
+
+def share_of(me: str, demand: Mapping[str, float]) -> float:
+    """This replica's share of one tenant's limits, from every live replica's demand for it (requests
+    per second; `me` included; a replica absent from `demand` counts as none)."""
+    n = len(set(demand) | {me})
+    total = sum(max(0.0, d) for d in demand.values())
+    if total <= 0:
+        return 1.0 / n
+    weight = (1 - EQUAL_PART) * min(1.0, total * TAU_S / MIN_EVIDENCE)
+    return (1 - weight) / n + weight * max(0.0, demand.get(me, 0.0)) / total
+
+
+class ClusterLimits:
+    def __init__(self, replica: str, limiter: RateLimiter, tenants: Callable[[], Mapping[str, Tenant]]) -> None:
+        """`tenants()`: the current tenants by name (a reload may change them)."""
+        self.replica = replica
+        self.started_at = time.time()
+        self._limiter = limiter
+        self._tenants_now = tenants
+        self._offered: dict[str, int] = {}
+        self._rate: dict[str, float] = {}
+        self._sampled_at: float | None = None
+        #: Replica id -> its demand per tenant, as last read from etcd.
+        self.replicas: dict[str, dict[str, float]] = {}
+        #: Per tenant: the number of replicas its share was last computed for (a change applies at once).
+        self._count: dict[str, int] = {}
+
+    @property
+    def _tenants(self) -> dict[str, Tenant]:
+        """Only tenants with a per-minute limit take part."""
+        return {
+            name: t
+            for name, t in self._tenants_now().items()
+            if t.requests_per_minute is not None or t.tokens_per_minute is not None
+        }
+
+    def record(self) -> bytes:
+        """This replica's record, with its demand measured since the previous one."""
+        now = time.monotonic()
+        states = self._limiter.tenants()
+        elapsed = None if self._sampled_at is None else now - self._sampled_at
+        self._sampled_at = now
+        for name in self._tenants:
+            state = states.get(name)
+            offered = 0 if state is None else state.admitted + sum(state.rejected.values())
+            previous = self._offered.get(name, offered)
+            self._offered[name] = offered
+            if elapsed:
+                # An exponential average in time: each sample weighs by how long it covers.
+                alpha = 1.0 - math.exp(-elapsed / TAU_S)
+                old = self._rate.get(name, 0.0)
+                self._rate[name] = old + alpha * ((offered - previous) / elapsed - old)
+        demand = tuple(sorted((name, round(rate, 3)) for name, rate in self._rate.items()))
+        return encode_replica(ReplicaRecord(self.replica, self.started_at, demand))
+
+    def apply(self, replicas: Mapping[str, ReplicaRecord]) -> None:
+        """The live replicas changed (or their demand did): recompute and apply this replica's shares."""
+        self.replicas = {r.id: dict(r.demand) for r in replicas.values()}
+        now = time.monotonic()
+        for name, tenant in self._tenants.items():
+            demand = {rid: d.get(name, 0.0) for rid, d in self.replicas.items()}
+            share = share_of(self.replica, demand)
+            current = self._limiter.share(name)
+            if abs(share - current) > HYSTERESIS or (share != current and len(demand) != self._count.get(name)):
+                self._count[name] = len(demand)
+                self._limiter.set_share(tenant, share, now)
+
+    def shares(self) -> dict[str, float]:
+        return {name: round(self._limiter.share(name), 4) for name in self._tenants}

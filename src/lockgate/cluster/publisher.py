@@ -1,0 +1,163 @@
+"""The sidecar role: publish this node's engines to etcd, every `publish_interval_ms`, under a lease.
+
+A sidecar is a full lockgate in front of its node's engines (de-duplication, cancellation, admission,
+usage records); `Publisher` adds one thing: the node's record (`keys.NodeRecord`: its URL and each
+engine's health and load as this sidecar sees them) rewritten under the sidecar's lease. A sidecar that
+dies stops refreshing the lease and its record disappears within the TTL; one that drains publishes
+`draining` so central gateways stop sending at once.
+
+`node_record()` is pure over the fleet's current state; `Publisher` is the async shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..fleet.pool import Fleet
+from ..routing.residency import anchors
+from .config import ClusterConfig
+from .keys import MAX_RESIDENT, EngineRecord, NodeRecord, encode_node, node_key
+from .lease import Registration
+from .store import Etcd
+
+
+def node_record(
+    fleet: Fleet,
+    *,
+    node: str,
+    url: str,
+    seq: int,
+    draining: bool,
+    now: float,
+    resident: Mapping[str, tuple[int, ...]] | None = None,
+) -> NodeRecord:
+    """This node's engines as published: every instance the sidecar routes to (not those it discovered),
+    with the prefix anchors routed to each since the last publication (`resident`)."""
+    models: dict[str, list[str]] = {}
+    stale_after = 1.0
+    for pool in fleet.pools.values():
+        stale_after = pool.stale_after
+        for instance in pool.instances:
+            models.setdefault(instance.key, []).append(pool.model)
+    engines = []
+    for instance in fleet.instances.values():
+        if instance.published is not None or instance.key not in models:
+            continue
+        view = instance.view(now, stale_after)
+        load = instance.engine_load
+        fresh = load is not None and load.age(now) <= stale_after
+        own = instance.own
+        engines.append(
+            EngineRecord(
+                id=instance.key,
+                name=instance.name,
+                models=tuple(models[instance.key]),
+                engine=instance.dialect.name,
+                routable=instance.routable and not draining,
+                max_concurrency=instance.max_concurrency,
+                in_flight=instance.in_flight,
+                waiting=view.waiting,
+                running=view.running,
+                queued_prompt_tokens=view.queued_prompt_tokens,
+                kv_usage=view.kv_usage,
+                prefix_hits=load.prefix_hits if fresh and load is not None else None,
+                prefix_queries=load.prefix_queries if fresh and load is not None else None,
+                ttft_s=own.ttft.value,
+                tpot_s=own.tpot.value,
+                prefill_tps=own.prefill_tps.value,
+                resident=(resident or {}).get(instance.key, ()),
+            )
+        )
+    return NodeRecord(node=node, url=url, engines=tuple(engines), seq=seq, published_at=time.time(), draining=draining)
+
+
+class Publisher:
+    """Owns the etcd client and the publishing task; `async with` starts and stops both."""
+
+    def __init__(self, config: ClusterConfig, fleet: Fleet, url: str, draining: Callable[[], bool]) -> None:
+        self.config = config
+        self.url = config.advertise_url or url
+        self.node = config.node or self.url.split("://", 1)[-1].replace("/", "_")
+        self._fleet = fleet
+        self._draining = draining
+        self.etcd = Etcd(config.endpoints, timeout_s=config.timeout_ms / 1000)
+        self.seq = 0
+        self.registration = Registration(
+            self.etcd,
+            node_key(config.name, self.node),
+            self._value,
+            ttl_s=config.lease_ttl_ms / 1000,
+            republish_s=config.publish_interval_ms / 1000,
+        )
+        self._task: asyncio.Task[None] | None = None
+        #: Per engine: anchors of the prompts routed to it since the last publication (newest kept).
+        self._resident: dict[str, deque[int]] = {}
+
+    def _routed(self, key: str, blocks: tuple[int, ...]) -> None:
+        pending = self._resident.get(key)
+        if pending is None:
+            pending = self._resident[key] = deque(maxlen=MAX_RESIDENT)
+        pending.extend(anchors(blocks))
+
+    def _value(self) -> bytes:
+        self.seq += 1
+        resident = {key: tuple(pending) for key, pending in self._resident.items() if pending}
+        for pending in self._resident.values():
+            pending.clear()
+        record = node_record(
+            self._fleet,
+            node=self.node,
+            url=self.url,
+            seq=self.seq,
+            draining=self._draining(),
+            now=time.monotonic(),
+            resident=resident,
+        )
+        return encode_node(record)
+
+    async def __aenter__(self) -> Publisher:
+        self._fleet.report_routed = self._routed  # pools a reload creates get it too
+        for pool in self._fleet.pools.values():
+            pool.report_routed = self._routed
+        await self.etcd.__aenter__()
+        self._task = asyncio.create_task(self.registration.run(), name="lockgate-cluster-publish")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            task, self._task = self._task, None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self.registration.aclose()
+        await self.etcd.aclose()
+
+    @property
+    def connected(self) -> bool:
+        return self.registration.connected
+
+    @property
+    def confirmed_at(self) -> float | None:
+        return self.registration.confirmed_at
+
+    def describe(self) -> dict[str, Any]:
+        confirmed = self.registration.confirmed_at
+        return {
+            "role": "sidecar",
+            "cluster": self.config.name,
+            "node": self.node,
+            "url": self.url,
+            "connected": self.connected,
+            "etcd_endpoint": self.etcd.endpoint,
+            "last_confirmed_age_s": None if confirmed is None else round(time.monotonic() - confirmed, 3),
+            "publications": self.seq,
+            "last_error": self.registration.last_error,
+        }

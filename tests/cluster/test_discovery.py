@@ -1,0 +1,204 @@
+"""A central gateway discovers a sidecar's engines through a real etcd and routes to each exact engine
+through the sidecar; it keeps serving while etcd is down and resynchronises when etcd returns."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lockgate.config import parse_config
+from lockgate.fleet.pool import Fleet
+from lockgate.server import GatewayServer
+from lockgate.sim import SimConfig, SimServer
+from tests.cluster.support import central_config, eventually, sidecar_config, unique_cluster
+from tests.etcd_support import EtcdServer
+
+
+def chat(content: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 3}
+
+
+def routable(fleet: Fleet, model: str = "m") -> int:
+    pool = fleet.pools.get(model)
+    return 0 if pool is None else sum(1 for i in pool.instances if i.routable)
+
+
+def metric(text: str, name: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise AssertionError(f"no metric {name}")
+
+
+async def start_sims(stack: contextlib.AsyncExitStack, n: int) -> list[SimServer]:
+    return [await stack.enter_async_context(SimServer(SimConfig(models=("m",), seed=i))) for i in range(n)]
+
+
+async def test_central_routes_to_each_engine_through_its_sidecar(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    name = unique_cluster("discovery")
+    sims = await start_sims(stack, 2)
+    sidecar = GatewayServer(
+        parse_config(sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-a")),
+        role="sidecar",
+    )
+    await stack.enter_async_context(sidecar)
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"), routing="round_robin")))
+    )
+    assert central.gateway is not None
+    fleet = central.gateway.fleet
+    await fleet.wait_until(lambda f: routable(f) == 2)
+    names = sorted(i.name for i in fleet.pools["m"].instances)
+    assert names == ["node-a/engine-0", "node-a/engine-1"]
+
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    async with session.get(central.url + "/v1/models") as resp:
+        assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
+    seen = []
+    for i in range(4):
+        async with session.post(central.url + "/v1/chat/completions", json=chat(f"hello {i}")) as resp:
+            assert resp.status == 200, await resp.text()
+            seen.append(resp.headers["x-lockgate-instance"])
+            assert (await resp.json())["choices"][0]["message"]["content"]
+    # Round-robin at the central gateway; the sidecar honoured each choice (x-lockgate-engine).
+    assert sorted(seen) == ["node-a/engine-0"] * 2 + ["node-a/engine-1"] * 2
+    assert [s.statistics()["requests_started"] for s in sims] == [2, 2]
+
+    async with session.get(central.url + "/admin/fleet") as resp:
+        report = await resp.json()
+    assert report["cluster"]["connected"] is True
+    assert [n["node"] for n in report["cluster"]["nodes"]] == ["node-a"]
+    sources = report["instances"][0]["sources"]
+    assert sources["sidecar"]["node"] == "node-a" and sources["sidecar"]["age_s"] < 5
+    async with session.get(central.url + "/metrics") as resp:
+        text = await resp.text()
+    assert metric(text, "lockgate_cluster_connected") == 1.0
+    assert metric(text, "lockgate_cluster_nodes") == 1.0
+
+    # A sidecar that stops cleanly revokes its lease: its engines leave at once, and so does the model
+    # nobody configured at the central gateway.
+    await sidecar.shutdown(drain_s=1)
+    await fleet.wait_until(lambda f: "m" not in f.pools)
+    async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["param"] == "model"
+
+
+async def test_central_serves_through_an_etcd_outage_and_resyncs(
+    stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    etcd = EtcdServer(tmp_path / "etcd")
+    etcd.start()
+    stack.callback(etcd.stop)
+    name = unique_cluster("outage")
+    sims = await start_sims(stack, 1)
+    await stack.enter_async_context(
+        GatewayServer(
+            parse_config(sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-b")),
+            role="sidecar",
+        )
+    )
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))))
+    )
+    assert central.gateway is not None
+    discovery = central.cluster
+    fleet = central.gateway.fleet
+    await fleet.wait_until(lambda f: routable(f) == 1)
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+
+    async def ask(content: str) -> int:
+        async with session.post(central.url + "/v1/chat/completions", json=chat(content)) as resp:
+            await resp.read()
+            return resp.status
+
+    etcd.stop()
+    await eventually(lambda: not discovery.connected, what="the central gateway to notice etcd is gone")
+    assert await ask("during the outage") == 200  # last-known state
+    async with session.get(central.url + "/metrics") as resp:
+        text = await resp.text()
+    assert metric(text, "lockgate_cluster_connected") == 0.0
+    assert metric(text, "lockgate_cluster_state_age_seconds") > 0
+    async with session.get(central.url + "/admin/fleet") as resp:
+        report = await resp.json()
+    assert report["cluster"]["connected"] is False
+    assert report["cluster"]["nodes"][0]["age_s"] > 0
+
+    resyncs = discovery.resyncs
+    etcd.start()
+    await eventually(lambda: discovery.connected and discovery.resyncs > resyncs, what="resynchronisation")
+    assert routable(fleet) == 1
+    assert await ask("after the outage") == 200
+
+
+@pytest.mark.parametrize("bad", [b"not json", b'{"node": "x"}', b'{"node": "x", "url": "ftp://h", "engines": []}'])
+def test_unusable_records_are_ignored(bad: bytes) -> None:
+    from lockgate.cluster.keys import decode_node
+
+    record = decode_node(bad)
+    assert record is None or record.engines == ()
+
+
+async def test_a_central_authenticates_at_sidecars_with_tenants(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    from lockgate.admission.tenants import hash_key
+
+    name = unique_cluster("auth")
+    sims = await start_sims(stack, 1)
+    sidecar = sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-k")
+    sidecar["tenants"] = [{"name": "centrals", "keys": [hash_key("sk-central")]}]
+    await stack.enter_async_context(GatewayServer(parse_config(sidecar), role="sidecar"))
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"), api_key="sk-central")))
+    )
+    assert central.gateway is not None
+    await central.gateway.fleet.wait_until(lambda f: routable(f) == 1)
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    async with session.post(central.url + "/v1/chat/completions", json=chat("with a key")) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_reload_keeps_the_discovered_engines_and_the_limit_shares(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """A central replica's configuration reload (issue 16) rebuilds its pools from the file: the engines
+    it discovered stay in theirs, and a tenant added by the reload takes part in the limit split."""
+    import yaml
+
+    from lockgate.admission.tenants import hash_key
+
+    name = unique_cluster("reload")
+    sims = await start_sims(stack, 2)
+    await stack.enter_async_context(
+        GatewayServer(
+            parse_config(sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-r")),
+            role="sidecar",
+        )
+    )
+    data = central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))
+    path = tmp_path / "central.yaml"
+    path.write_text(yaml.safe_dump(data))
+    central = await stack.enter_async_context(GatewayServer(parse_config(data), config_path=path))
+    assert central.gateway is not None
+    fleet = central.gateway.fleet
+    await fleet.wait_until(lambda f: routable(f) == 2)
+
+    data["tenants"] = [{"name": "acme", "keys": [hash_key("sk-acme")], "requests_per_minute": 60}]
+    path.write_text(yaml.safe_dump(data))
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    async with session.post(central.url + "/admin/reload") as resp:
+        assert resp.status == 200, await resp.text()
+    assert routable(fleet) == 2
+    headers = {"Authorization": "Bearer sk-acme"}
+    async with session.post(central.url + "/v1/chat/completions", json=chat("after"), headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    assert central.cluster.limits.shares() == {"acme": 1.0}

@@ -1,0 +1,128 @@
+"""Two central replicas behave as one: the same prefix goes to the same engine whichever replica a
+request reaches (shared rendezvous placement), the load one replica sends is visible to the other
+through the sidecar's published accounting, and a duplicate that reaches the other replica shares the
+first one's engine call at the sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from lockgate.config import parse_config
+from lockgate.fleet.pool import Fleet
+from lockgate.routing.placement import rendezvous_top
+from lockgate.server import GatewayServer
+from lockgate.sim import SimConfig, SimServer
+from tests.cluster.support import central_config, eventually, sidecar_config, unique_cluster
+from tests.etcd_support import EtcdServer
+
+SYSTEM = "You are a careful assistant for the accounts team; follow the written policy exactly. " * 24
+
+
+def chat(content: str, question: str = "go on", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": content + ": " + SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 3,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def test_rendezvous_is_stable_and_moves_only_the_leavers_share() -> None:
+    keys = [f"http://node-{n}:8080#engine" for n in range(5)]
+    anchors = range(2000)
+    before = {a: rendezvous_top(a, keys) for a in anchors}
+    assert before == {a: rendezvous_top(a, list(reversed(keys))) for a in anchors}  # order does not matter
+    assert min(list(before.values()).count(k) for k in keys) > 300  # spread (2000 / 5 = 400 each)
+    after = {a: rendezvous_top(a, keys[1:]) for a in anchors}
+    moved = [a for a in anchors if before[a] != after[a]]
+    assert all(before[a] == keys[0] for a in moved)
+    assert rendezvous_top(1, []) is None
+
+
+async def test_replicas_agree_share_load_and_coalesce_at_the_sidecar(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    name = unique_cluster("replicas")
+    sims = [await stack.enter_async_context(SimServer(SimConfig(models=("m",), seed=n))) for n in range(2)]
+    sidecars = []
+    for n, sim in enumerate(sims):
+        sidecars.append(
+            await stack.enter_async_context(
+                GatewayServer(
+                    parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / f"s{n}.sqlite3"), f"node-{n}")),
+                    role="sidecar",
+                )
+            )
+        )
+    centrals = [
+        await stack.enter_async_context(
+            GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / f"c{n}.sqlite3"))))
+        )
+        for n in range(2)
+    ]
+    fleets: list[Fleet] = []
+    for central in centrals:
+        assert central.gateway is not None
+        fleets.append(central.gateway.fleet)
+        await central.gateway.fleet.wait_until(
+            lambda f: "m" in f.pools and sum(i.routable for i in f.pools["m"].instances) == 2
+        )
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+
+    async def ask(central: GatewayServer, body: dict[str, Any]) -> str:
+        async with session.post(central.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            return resp.headers["x-lockgate-instance"]
+
+    def idle() -> bool:
+        """Both replicas see every engine idle. (Right after a request, a publication made while it ran
+        shows it queued there for up to one publishing interval: load, rightly, and the same for both
+        replicas only once both have received the same publication.)"""
+        return all(
+            i.engine_load is not None and not (i.engine_load.waiting or i.engine_load.running)
+            for f in fleets
+            for i in f.pools["m"].instances
+        )
+
+    # Agreement: a conversation's turns alternate between the replicas and stay on one engine.
+    chosen = set()
+    for n in range(6):
+        await eventually(idle, what="idle engines")
+        first = await ask(centrals[0], chat(f"conversation {n}"))
+        await eventually(idle, what="idle engines")
+        second = await ask(centrals[1], chat(f"conversation {n}", "and then?"))
+        assert first == second
+        chosen.add(first)
+    assert len(chosen) == 2  # different conversations spread over both engines
+
+    # A duplicate through the other replica: held at the engine, the second joins at the sidecar.
+    body = chat("a duplicate question")
+    for sim in sims:
+        sim.control.hold_next = 1
+    leader = asyncio.create_task(ask(centrals[0], body))
+    waits = [asyncio.create_task(s.wait_held(1)) for s in sims]
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    held = waits.index(done.pop())
+    for sim in sims:
+        sim.control.hold_next = 0
+    engine = sidecars[held].gateway
+    assert engine is not None
+    # The other replica sees the load the first one sent, through the sidecar's publication.
+    other = next(i for i in fleets[1].pools["m"].instances if i.name.startswith(f"node-{held}/"))
+    await eventually(lambda: other.published is not None and other.published.in_flight == 1, what="shared load")
+    follower = asyncio.create_task(ask(centrals[1], body))
+    await eventually(
+        lambda: [f.subscribers for f in engine.dedup.flights.all()] == [2], what="the duplicate to join at the sidecar"
+    )
+    sims[held].release()
+    assert await leader == await follower
+    assert sum(s.statistics()["requests_started"] for s in sims) == 12 + 1
