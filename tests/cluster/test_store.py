@@ -9,6 +9,7 @@ import pytest
 
 from lockgate.cluster.lease import Registration
 from lockgate.cluster.store import Etcd, LeaseLost, StoreUnavailable, prefix_end
+from tests.cluster.support import eventually
 from tests.etcd_support import EtcdServer, free_port
 
 
@@ -81,16 +82,18 @@ async def test_registration_regrants_a_lost_lease(etcd: EtcdServer) -> None:
         reg = Registration(client, key, lambda: b"here", ttl_s=1, republish_s=0.05)
         task = asyncio.create_task(reg.run())
         try:
-            revision, _ = await client.get_prefix(key)
             async for batch in client.watch_prefix(key, 1):
                 if any(e.kind == "put" for e in batch):
                     break
+            await eventually(lambda: reg.connected, what="the registration to confirm its write")
             first = reg.lease
-            assert first is not None and reg.connected
+            assert first is not None
             await client.revoke(first)
+            revision, _ = await client.get_prefix(key)  # read after the revoke: later puts use a new lease
             async for batch in client.watch_prefix(key, revision + 1):
-                if reg.lease not in (None, first) and any(e.kind == "put" for e in batch):
+                if any(e.kind == "put" for e in batch):
                     break
+            assert reg.lease not in (None, first)
             _, kvs = await client.get_prefix(key)
             assert [kv.value for kv in kvs] == [b"here"]
         finally:
