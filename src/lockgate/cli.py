@@ -36,6 +36,19 @@ def _serve(args: argparse.Namespace) -> int:
     if role == "sidecar" and config.cluster is None:
         print(f"{args.config}: a sidecar needs a `cluster:` section (etcd endpoints, cluster name)", file=sys.stderr)
         return 2
+    workers = getattr(args, "workers", 1)
+    if workers > 1:
+        from .workers import WorkersError, run_workers
+
+        try:
+            return run_workers(config, args.config, workers, host=args.host, port=args.port)
+        except WorkersError as exc:
+            print(f"lockgate: {exc}", file=sys.stderr)
+            return 2
+    worker = getattr(args, "worker", None)
+    usage_path = None
+    if worker is not None and config.usage.path != ":memory:":
+        usage_path = f"{config.usage.path}.worker-{worker}"  # one SQLite writer per file
     try:
         return run_async(
             lambda: serve(
@@ -45,6 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 announce=lambda text: print(text, flush=True),
                 role=role,
+                usage_path=usage_path,
+                reuse_port=worker is not None,
             )
         )
     except StartupError as exc:
@@ -95,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", "-c", help="YAML configuration file")
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument(
+        "--workers", type=int, default=1, help="N processes sharing the port, replicas of the config's cluster"
+    )
+    serve.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # set by --workers for each child
     serve.set_defaults(func=_serve)
 
     sidecar = commands.add_parser(

@@ -65,11 +65,14 @@ class GatewayServer:
         usage_path: str | None = None,
         config_path: str | Path | None = None,
         role: Role = "central",
+        reuse_port: bool = False,
     ) -> None:
         """`config` as read from `config_path` (which SIGHUP and `POST /admin/reload` re-read; None:
-        nothing to reload); `host`/`port` override `listen` (the command line's `--host`/`--port`)."""
+        nothing to reload); `host`/`port` override `listen` (the command line's `--host`/`--port`);
+        `reuse_port`: share the port with other processes (`--workers`)."""
         self._config = config
         self._role: Role = role
+        self._reuse_port = reuse_port
         self._port = config.listen.port if port is None else port
         self._host = config.listen.host if host is None else host
         self._usage_path = usage_path
@@ -132,7 +135,7 @@ class GatewayServer:
                 await self._http.start(self._host, 0, unix_path=listen.unix)
                 self.url = f"unix://{listen.unix}"
             else:
-                await self._http.start(self._host, self._port)
+                await self._http.start(self._host, self._port, reuse_port=self._reuse_port)
                 self.url = f"http://{self._host}:{self._http.port}"
         except OSError as exc:
             raise StartupError(f"cannot listen on {where}: {_reason(exc)}") from exc
@@ -200,6 +203,8 @@ async def serve(
     port: int | None = None,
     announce: Callable[[str], object] = print,
     role: Role = "central",
+    usage_path: str | None = None,
+    reuse_port: bool = False,
 ) -> int:
     """Run until SIGINT/SIGTERM, then shut down gracefully; SIGHUP reloads `config_path`. Returns the
     exit status. Raises `StartupError` if the gateway cannot start."""
@@ -210,7 +215,15 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, hangup.set)
     try:
-        async with GatewayServer(config, host=host, port=port, config_path=config_path, role=role) as server:
+        async with GatewayServer(
+            config,
+            host=host,
+            port=port,
+            config_path=config_path,
+            role=role,
+            usage_path=usage_path,
+            reuse_port=reuse_port,
+        ) as server:
             assert server.gateway is not None
             tune_gc()
             announce(_banner(server))

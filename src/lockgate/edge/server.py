@@ -121,8 +121,16 @@ class HttpServer:
         return self._port
 
     async def start(
-        self, host: str, port: int, *, sock: socket.socket | None = None, unix_path: str | None = None
+        self,
+        host: str,
+        port: int,
+        *,
+        sock: socket.socket | None = None,
+        unix_path: str | None = None,
+        reuse_port: bool = False,
     ) -> None:
+        """Listen. `reuse_port`: SO_REUSEPORT, so that several processes share the port (the kernel
+        spreads new connections among them: `lockgate serve --workers`)."""
         loop = asyncio.get_running_loop()
 
         def factory() -> Connection:
@@ -133,7 +141,9 @@ class HttpServer:
         elif sock is not None:
             self._server = await loop.create_server(factory, sock=sock, backlog=1024)
         else:
-            self._server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+            self._server = await loop.create_server(
+                factory, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024
+            )
         for sock_ in self._server.sockets:
             if sock_.family in (socket.AF_INET, socket.AF_INET6):
                 self._port = int(sock_.getsockname()[1])
