@@ -32,8 +32,9 @@ class ClusterConfig(BaseModel):
     node: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     #: Sidecar: the URL central gateways use to reach it; defaults to its listen address.
     advertise_url: str | None = None
-    #: Central: the bearer token it sends to sidecars (a key of a sidecar tenant; none for open sidecars).
-    api_key: str | None = None
+    #: Central: the bearer token it sends to sidecars (a key of a sidecar tenant; none for open sidecars);
+    #: kept out of `repr`.
+    api_key: str | None = Field(default=None, repr=False)
     #: Central: the routing of a model that only etcd knows about (a model also configured under
     #: `models:` keeps its own settings and gets the discovered instances added).
     routing: RoutingConfig = RoutingConfig()
