@@ -6,6 +6,12 @@ An instance's load state (own accounting, scraped engine metrics) is in `state.p
 ejection in `ejection.py`; `Pool.snapshot()` merges them into what the routing policy sees.
 An instance serving several models is one `Instance` (keyed by URL) shared by those pools, so its
 load is counted once.
+
+Health: an instance is out of rotation when it fails an active health check (or a connection to it
+fails: what a check would see) or when passive signals eject it. Passive ejection never empties a pool
+(`health.ejection.max_ejection_percent`, checked over every pool of a shared instance), and if a pool has
+no routable instance left while some pass their health checks (ejected, then the others failed their
+checks), it panics: it routes over those, ignoring ejection, rather than answering 503.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest,
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..wire import ApiRequest
 from .capacity import ConcurrencyLimit
-from .ejection import Ejection
+from .ejection import Ejection, ejection_allowed
 from .scrape import Scraper
 from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, merge
 
@@ -105,6 +111,11 @@ class Instance:
         return self.concurrency.limit
 
     @property
+    def in_service(self) -> bool:
+        """Passes its health checks and is configured: what a panicking pool routes over (ejection aside)."""
+        return self.healthy and not self.retired
+
+    @property
     def routable(self) -> bool:
         return self.healthy and not self.retired and not self.ejection.ejected
 
@@ -118,12 +129,19 @@ class Instance:
         return _auth(self)
 
     def view(
-        self, now: float | None = None, stale_after: float = 1.0, cached_tokens: int = 0, cache_room: int | None = None
+        self,
+        now: float | None = None,
+        stale_after: float = 1.0,
+        cached_tokens: int = 0,
+        cache_room: int | None = None,
+        *,
+        panic: bool = False,
     ) -> InstanceView:
+        """What routing sees; in `panic` an instance that passes its health checks is routable even if ejected."""
         return merge(
             key=self.key,
             name=self.name,
-            routable=self.routable,
+            routable=self.in_service if panic else self.routable,
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
             own=self.own,
@@ -216,6 +234,7 @@ class Pool:
             if metrics is not None
             else None
         )
+        self._panics = metrics.routing_panics.labels(self.model) if metrics is not None else None
         options = config.routing.prefix_index
         self.index = PrefixIndex(options.max_bytes, options.block_chars)
         for spec in config.instances:
@@ -243,7 +262,7 @@ class Pool:
         blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
         return RouteRequest(api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks)
 
-    def snapshot(self, request: RouteRequest | None = None) -> PoolSnapshot:
+    def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:
         now = time.monotonic()
         matched = self.index.match(request.blocks) if request is not None and request.blocks else {}
         views = []
@@ -252,7 +271,9 @@ class Pool:
         for i in self.instances:
             cached = self._cached_tokens(request, matched.get(i.key)) if request is not None else 0
             room = index.room(i.key)
-            views.append(i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block))
+            views.append(
+                i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block, panic=panic)
+            )
         return PoolSnapshot(self.model, tuple(views))
 
     def _cached_tokens(self, request: RouteRequest, blocks: int | None) -> int:
@@ -269,6 +290,10 @@ class Pool:
             cached = self._cached_tokens(request, matched)
         else:
             view = self.policy.choose(request, self.snapshot(request))
+            if view is None and self.panicking():
+                view = self.policy.choose(request, self.snapshot(request, panic=True))
+                if view is not None and self._panics is not None:
+                    self._panics.inc()
             if view is None:
                 raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
             instance, cached = self._by_key[view.key], view.cached_tokens
@@ -291,8 +316,21 @@ class Pool:
                 sole = i
         return sole
 
+    def panicking(self) -> bool:
+        """No instance is routable, yet some pass their health checks (they are only ejected): route over
+        those rather than over nothing."""
+        return not any(i.routable for i in self.instances) and any(i.in_service for i in self.instances)
+
     def ready(self) -> bool:
-        return any(i.routable for i in self.instances)
+        return any(i.in_service for i in self.instances)
+
+    def may_eject(self, instance: Instance, max_percent: int) -> bool:
+        """Whether passive signals may take `instance` out of this pool now (see `ejection_allowed`)."""
+        ejected = routable_others = 0
+        for i in self.instances:
+            ejected += i.ejection.ejected
+            routable_others += i is not instance and i.routable
+        return ejection_allowed(len(self.instances), ejected, routable_others, max_percent)
 
 
 class Fleet:
@@ -473,9 +511,10 @@ class Fleet:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())
 
     def report_failure(self, instance: Instance, kind: str, detail: str) -> None:
-        """Passive health: nothing listening takes the instance out at once; other failures (a broken
-        stream, a 5xx) eject it after `health.ejection.consecutive_failures` in a row. Either way it
-        returns after a successful probe."""
+        """Passive health: nothing listening takes the instance out at once (a failed connection is what
+        an active check would see); other failures (a broken stream, a 5xx) eject it after
+        `health.ejection.consecutive_failures` in a row, unless its pools need it (`may_eject`). Either
+        way it returns after a successful probe."""
         self._metrics.upstream_errors.labels(instance.name, kind).inc()
         instance.last_error = detail
         now = time.monotonic()
@@ -484,7 +523,10 @@ class Fleet:
             self._set_health(instance, False)
             ejected = instance.ejection.eject_now(now)
         elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5"):
-            ejected = instance.ejection.failure(now)
+            held_back = instance.ejection.held_back
+            ejected = instance.ejection.failure(now, lambda: self.may_eject(instance))
+            if instance.ejection.held_back != held_back:
+                self._metrics.ejections_held_back.labels(instance.name).inc()
         else:
             ejected = False  # the engine refused this request (4xx): says nothing about its health
         if ejected:
@@ -494,6 +536,13 @@ class Fleet:
             self._metrics.ejections.labels(instance.name).inc()
             self._health_wake.set()
             self._notify()
+
+    def may_eject(self, instance: Instance) -> bool:
+        """Passive signals may take `instance` out only if every pool it serves can spare it."""
+        limit = self._config.health.ejection.max_ejection_percent
+        # Looked up when asked (only when failures call for an ejection): a reload may have regrouped the pools.
+        pools = [pool for pool in self.pools.values() if instance in pool.instances]
+        return all(pool.may_eject(instance, limit) for pool in pools)
 
     def report_success(self, instance: Instance) -> None:
         instance.ejection.success()
