@@ -88,6 +88,8 @@ class Instance:
         self.http = http or HttpPool(config.url)
         #: Where aiohttp requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
+        #: SNI (and the name checked) for the aiohttp calls when `tls.server_name` overrides the URL's host.
+        self.server_name = config.tls.server_name if config.tls is not None else None
         self.healthy = True
         #: Removed (or replaced) by a reload: no new requests; closed once `in_flight` is back to 0.
         self.retired = False
@@ -457,6 +459,9 @@ class Fleet:
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float) -> Instance:
         limit = self._config.upstream.max_connections
         dialect = dialect_for(spec.engine)
+        # One TLS context per https:// instance, shared by its engine client and its aiohttp session.
+        tls = spec.tls_context()
+        server_name = spec.tls.server_name if spec.tls is not None else None
         connector: aiohttp.BaseConnector
         if spec.url.startswith("unix://"):
             connector = aiohttp.UnixConnector(
@@ -464,7 +469,9 @@ class Fleet:
             )
             base_url = "http://localhost"
         else:
-            connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=dialect.keepalive_s)
+            connector = aiohttp.TCPConnector(
+                limit=limit, ttl_dns_cache=300, keepalive_timeout=dialect.keepalive_s, ssl=tls or True
+            )
             base_url = spec.url
         session = aiohttp.ClientSession(
             connector=connector,
@@ -473,7 +480,12 @@ class Fleet:
             skip_auto_headers=("User-Agent",),
         )
         http = HttpPool(
-            spec.url, max_connections=limit, keepalive_s=dialect.keepalive_s, connect_timeout_s=connect_timeout
+            spec.url,
+            max_connections=limit,
+            keepalive_s=dialect.keepalive_s,
+            connect_timeout_s=connect_timeout,
+            ssl_context=tls,
+            server_name=server_name,
         )
         return Instance(spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit)
 
@@ -601,7 +613,11 @@ class Fleet:
         try:
             async with asyncio.timeout(2.0):
                 async with instance.session.request(
-                    call.method, instance.base_url + call.path, json=call.json, headers=_auth(instance)
+                    call.method,
+                    instance.base_url + call.path,
+                    json=call.json,
+                    headers=_auth(instance),
+                    server_hostname=instance.server_name,
                 ) as resp:
                     await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -653,7 +669,9 @@ class Fleet:
         try:
             async with asyncio.timeout(timeout):
                 async with instance.session.get(
-                    instance.base_url + instance.dialect.health_path, headers=_auth(instance)
+                    instance.base_url + instance.dialect.health_path,
+                    headers=_auth(instance),
+                    server_hostname=instance.server_name,
                 ) as resp:
                     await resp.read()
                     ok = resp.status == 200
