@@ -135,7 +135,9 @@ def _config(port: int, proxies: list[FaultProxy], usage_path: str) -> str:
     return (
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"usage: {{path: '{usage_path}', batch_size: 64}}\n"
-        "health: {interval_ms: 500}\n"
+        # Generous probe timeouts: the faults under test are on the request path, and a probe that times out
+        # on a busy machine would take instances out for reasons the run is not about.
+        "health: {interval_ms: 500, timeout_ms: 5000}\n"
         "scrape: {interval_ms: 200}\n"
         "shutdown: {drain_ms: 5000}\n"
         f"models:\n  - name: {MODEL}\n    retries: 1\n    dedup: deterministic\n    instances:\n{instances}"
