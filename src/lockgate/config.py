@@ -8,6 +8,7 @@ String values may take `${VAR}` from the environment (`config_env.py`).
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -60,6 +61,43 @@ class LimitsConfig(_Strict):
     write_timeout_ms: Annotated[int, Field(ge=100)] = 60_000
 
 
+class TlsConfig(_Strict):
+    """TLS toward an `https://` instance. The certificate is verified against `ca_file` (default: the system's
+    trust store) and the name the client asks for (SNI), which is the URL's host unless `server_name` says
+    otherwise; `verify: false` accepts any certificate (encryption without authentication)."""
+
+    ca_file: str | None = None
+    verify: bool = True
+    #: SNI and the name the certificate must carry, when the URL's host is not it (an IP address, a tunnel).
+    server_name: Annotated[str, Field(min_length=1)] | None = None
+    #: A client certificate (mutual TLS), PEM; `key_file` when the key is not in `cert_file`.
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _check_files(self) -> TlsConfig:
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("key_file needs cert_file")
+        self.client_context()  # a missing or unreadable file is a configuration error, reported at load
+        return self
+
+    def client_context(self) -> ssl.SSLContext:
+        """A new client context with these options; raises ValueError naming the file that cannot be used."""
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot use ca_file {self.ca_file!r}: {exc.strerror or exc}") from None
+        if not self.verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if self.cert_file is not None:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot use cert_file/key_file: {exc.strerror or exc}") from None
+        return context
+
+
 class InstanceConfig(_Strict):
     #: Where the engine listens. Userinfo (`http://user:password@host`) is taken out at validation: the URL
     #: kept here has none, and the credential becomes `basic_authorization`.
@@ -77,6 +115,9 @@ class InstanceConfig(_Strict):
     #: Tokens its prefix (KV) cache holds, so that routing models its evictions; null: what the engine
     #: reports (vLLM `cache_config_info`), else unknown.
     cache_tokens: Annotated[int, Field(ge=1)] | None = None
+    #: TLS options of an `https://` instance (an `https://` instance without them verifies against the
+    #: system's trust store).
+    tls: TlsConfig | None = None
 
     @field_validator("url")
     @classmethod
@@ -110,6 +151,12 @@ class InstanceConfig(_Strict):
         """`Authorization` value (HTTP Basic) from the URL's userinfo, if it had one."""
         return None if self._userinfo is None else basic_credential(self._userinfo)
 
+    @model_validator(mode="after")
+    def _check_tls(self) -> InstanceConfig:
+        if self.tls is not None and not self.url.startswith("https://"):
+            raise ValueError("tls applies to https:// instances only")
+        return self
+
     @property
     def key(self) -> str:
         """Identity of the engine process: one instance serving several models shares state."""
@@ -118,6 +165,12 @@ class InstanceConfig(_Strict):
     def concurrency_ceiling(self, upstream: UpstreamConfig) -> int:
         """The most requests this instance is ever sent at once."""
         return self.max_concurrency or upstream.max_connections
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The client TLS context for an `https://` instance (None for http:// and unix://)."""
+        if not self.url.startswith("https://"):
+            return None
+        return (self.tls or TlsConfig()).client_context()
 
 
 class SemanticConfig(_Strict):

@@ -269,6 +269,18 @@ class GatewayMetrics:
             r,
         )
         self.ejections = Counter("lockgate_instance_ejections", "Passive outlier ejections.", ["instance"], registry=r)
+        self.ejections_held_back = Counter(
+            "lockgate_instance_ejections_held_back",
+            "Passive ejections refused because the pool needed the instance (health.ejection.max_ejection_percent).",
+            ["instance"],
+            registry=r,
+        )
+        self.routing_panics = Counter(
+            "lockgate_routing_panics",
+            "Requests routed over passively ejected instances because no instance of the pool was routable.",
+            ["model"],
+            registry=r,
+        )
         self.scrapes = Counter(
             "lockgate_engine_scrapes", "Engine metric scrapes by result.", ["instance", "result"], registry=r
         )

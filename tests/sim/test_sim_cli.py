@@ -15,6 +15,9 @@ def test_arguments_map_to_config() -> None:
     args = p.parse_args(["--port", "0", "--model", "a", "--model", "b", "--fast", "--tpot-ms", "3", "--kv-blocks", "9"])
     cfg = config_from_args(args)
     assert cfg.models == ("a", "b") and cfg.fast and cfg.tpot_ms == 3.0 and cfg.num_kv_blocks == 9
+    assert cfg.tls_cert is None
+    tls = config_from_args(p.parse_args(["--tls-cert", "engine.pem", "--tls-key", "engine.key"]))
+    assert (tls.tls_cert, tls.tls_key) == ("engine.pem", "engine.key")
 
 
 def test_runs_until_sigterm_and_exits_0() -> None:

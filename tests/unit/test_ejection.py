@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockgate.fleet.ejection import Ejection
+from lockgate.fleet.ejection import Ejection, ejection_allowed
 from lockgate.routing.config import EjectionConfig
 
 
@@ -47,3 +47,41 @@ def test_flapping_instance_keeps_its_backoff_a_behaving_one_starts_over():
     e.probed(True, 7.5)
     e.eject_now(20.0)  # behaved for 12.5 s: starts over at 1 s
     assert e.ejected_until == 21.0
+
+
+def test_ejection_allowed_never_takes_the_last_routable_instance_nor_more_than_the_share():
+    # A pool of one is never ejected, whatever the share.
+    assert not ejection_allowed(members=1, ejected=0, routable_others=0, max_percent=50)
+    assert not ejection_allowed(members=1, ejected=0, routable_others=0, max_percent=100)
+    # 50% of two or three: one at a time.
+    assert ejection_allowed(members=2, ejected=0, routable_others=1, max_percent=50)
+    assert not ejection_allowed(members=2, ejected=1, routable_others=0, max_percent=50)
+    assert ejection_allowed(members=3, ejected=0, routable_others=2, max_percent=50)
+    assert not ejection_allowed(members=3, ejected=1, routable_others=1, max_percent=50)
+    assert ejection_allowed(members=4, ejected=1, routable_others=2, max_percent=50)
+    # 100% still keeps one routable instance; 0% turns passive ejection off.
+    assert ejection_allowed(members=2, ejected=0, routable_others=1, max_percent=100)
+    assert not ejection_allowed(members=3, ejected=1, routable_others=0, max_percent=100)
+    assert not ejection_allowed(members=4, ejected=0, routable_others=3, max_percent=0)
+    # The others are out for another reason (failed health checks): this one stays.
+    assert not ejection_allowed(members=4, ejected=0, routable_others=0, max_percent=50)
+
+
+def test_refused_ejection_keeps_the_instance_in_and_the_next_failure_asks_again():
+    e = make()
+    answers = iter([False, False, True])
+    asked = 0
+
+    def may_eject() -> bool:
+        nonlocal asked
+        asked += 1
+        return next(answers)
+
+    assert not e.failure(0.0, may_eject) and not e.failure(0.1, may_eject)
+    assert asked == 0  # not asked before the threshold
+    assert not e.failure(0.2, may_eject) and not e.ejected and e.held_back == 1
+    assert not e.failure(0.3, may_eject) and e.held_back == 2
+    assert e.failure(0.4, may_eject) and e.ejected and asked == 3
+    assert e.ejected_until == 1.4
+    e.probed(True, 1.4)
+    assert e.consecutive_failures == 0

@@ -120,6 +120,34 @@ def _dedup(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import chaos
+
+    settings = chaos.Settings(
+        requests=args.requests,
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        engines=args.engines,
+        reset=args.reset,
+        disconnect=args.disconnect,
+        slow=args.slow,
+        repeat_share=args.repeat,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        quiesce_s=args.quiesce,
+        rss_slack_mb=args.rss_slack_mb,
+        fd_slack=args.fd_slack,
+    )
+
+    async def main() -> int:
+        result = await chaos.run(settings)
+        print(chaos.report(result))
+        return 0 if result.ok else 1
+
+    return run_async(main)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     over = benches.add_parser("overhead", help="gateway vs direct: throughput, latency, CPU per request")
@@ -192,3 +220,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cancel.add_argument("--tpot-ms", type=float, default=10.0, help="the simulated engine's time per token")
     cancel.add_argument("--target-ms", type=float, default=5.0, help="the p99 target to report against")
     cancel.set_defaults(func=_cancel)
+    from .chaos import Settings as ChaosSettings
+
+    d = ChaosSettings()
+    ch = benches.add_parser(
+        "chaos",
+        help="faults (upstream resets, client disconnects, slow readers) then checks: quiescence, one usage record "
+        "per accepted request, RSS and fds back near their baseline; exits 1 on a violation",
+    )
+    ch.add_argument("--requests", type=int, default=d.requests)
+    ch.add_argument("--duration", type=float, default=None, help="run this many seconds instead (a soak)")
+    ch.add_argument("--concurrency", type=int, default=d.concurrency)
+    ch.add_argument("--engines", type=int, default=d.engines)
+    ch.add_argument("--reset", type=float, default=d.reset, help="share of engine requests reset by the proxies")
+    ch.add_argument("--disconnect", type=float, default=d.disconnect, help="share of clients leaving early")
+    ch.add_argument("--slow", type=float, default=d.slow, help="share of (staying) clients reading slowly")
+    ch.add_argument("--repeat", type=float, default=d.repeat_share, help="share of deterministic repeats (dedup)")
+    ch.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ch.add_argument("--seed", type=int, default=d.seed)
+    ch.add_argument("--quiesce", type=float, default=d.quiesce_s, help="seconds allowed to become quiescent")
+    ch.add_argument("--rss-slack-mb", type=float, default=d.rss_slack_mb)
+    ch.add_argument("--fd-slack", type=int, default=d.fd_slack)
+    ch.set_defaults(func=_chaos)

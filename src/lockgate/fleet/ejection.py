@@ -7,15 +7,39 @@ probes the instance; a successful probe returns it to the pool, a failed one eje
 twice as long. An instance that stays in the pool for longer than its last backoff starts over at
 `base`. Failures reported while it is ejected (attempts still finishing there) change nothing.
 The caller passes `now` (monotonic seconds), so tests drive time by hand.
+
+Passive signals never empty a pool (like Envoy's `max_ejection_percent`): when the failures call for an
+ejection, the caller's `may_eject` decides (see `ejection_allowed`, evaluated over every pool the instance
+serves). Refused, the instance stays in with its failure count at the threshold, so the next failure asks
+again (and is counted in `held_back`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..routing.config import EjectionConfig
 
 
+def ejection_allowed(members: int, ejected: int, routable_others: int, max_percent: int) -> bool:
+    """Whether one more instance of a pool of `members` may be ejected on passive signals, with `ejected`
+    of them ejected already and `routable_others` others still taking traffic: never the last routable
+    one, and never more than `max_percent` of the pool (rounded down: a pool of one is never ejected,
+    of two or three at most one at a time at 50%)."""
+    return routable_others >= 1 and (ejected + 1) * 100 <= members * max_percent
+
+
 class Ejection:
-    __slots__ = ("_base", "_max", "_threshold", "consecutive_failures", "ejected_until", "ejections", "returned_at")
+    __slots__ = (
+        "_base",
+        "_max",
+        "_threshold",
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "held_back",
+        "returned_at",
+    )
 
     def __init__(self, config: EjectionConfig | None = None) -> None:
         config = config or EjectionConfig()
@@ -26,6 +50,8 @@ class Ejection:
         self.ejections = 0  # ejections in a row: the backoff's exponent
         self.ejected_until: float | None = None
         self.returned_at: float | None = None
+        #: Ejections the failures called for but `may_eject` refused (the pool needed the capacity).
+        self.held_back = 0
 
     @property
     def ejected(self) -> bool:
@@ -35,12 +61,16 @@ class Ejection:
         """The length of the current (or last) ejection."""
         return min(self._max, self._base * 2.0 ** max(0, self.ejections - 1))
 
-    def failure(self, now: float) -> bool:
-        """A request attempt failed. Returns True if this ejected the instance."""
+    def failure(self, now: float, may_eject: Callable[[], bool] | None = None) -> bool:
+        """A request attempt failed. Returns True if this ejected the instance. `may_eject` is asked only
+        when the failures call for an ejection; if it says no, the instance stays in."""
         if self.ejected:
             return False
-        self.consecutive_failures += 1
+        self.consecutive_failures = min(self.consecutive_failures + 1, self._threshold)
         if self.consecutive_failures < self._threshold:
+            return False
+        if may_eject is not None and not may_eject():
+            self.held_back += 1
             return False
         self._eject(now)
         return True

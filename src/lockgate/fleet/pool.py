@@ -6,6 +6,12 @@ An instance's load state (own accounting, scraped engine metrics) is in `state.p
 ejection in `ejection.py`; `Pool.snapshot()` merges them into what the routing policy sees.
 An instance serving several models is one `Instance` (keyed by URL) shared by those pools, so its
 load is counted once.
+
+Health: an instance is out of rotation when it fails an active health check (or a connection to it
+fails: what a check would see) or when passive signals eject it. Passive ejection never empties a pool
+(`health.ejection.max_ejection_percent`, checked over every pool of a shared instance), and if a pool has
+no routable instance left while some pass their health checks (ejected, then the others failed their
+checks), it panics: it routes over those, ignoring ejection, rather than answering 503.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
 from ..wire import ApiRequest
 from .capacity import ConcurrencyLimit
-from .ejection import Ejection
+from .ejection import Ejection, ejection_allowed
 from .scrape import Scraper
 from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
 
@@ -86,6 +92,8 @@ class Instance:
         self.http = http or HttpPool(config.url)
         #: Where aiohttp requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
+        #: SNI (and the name checked) for the aiohttp calls when `tls.server_name` overrides the URL's host.
+        self.server_name = config.tls.server_name if config.tls is not None else None
         self.healthy = True
         #: Removed (or replaced) by a reload: no new requests; closed once `in_flight` is back to 0.
         self.retired = False
@@ -111,6 +119,11 @@ class Instance:
         return self.concurrency.limit
 
     @property
+    def in_service(self) -> bool:
+        """Passes its health checks and is configured: what a panicking pool routes over (ejection aside)."""
+        return self.healthy and not self.retired
+
+    @property
     def routable(self) -> bool:
         return self.healthy and not self.retired and not self.ejection.ejected
 
@@ -124,12 +137,19 @@ class Instance:
         return _auth(self)
 
     def view(
-        self, now: float | None = None, stale_after: float = 1.0, cached_tokens: int = 0, cache_room: int | None = None
+        self,
+        now: float | None = None,
+        stale_after: float = 1.0,
+        cached_tokens: int = 0,
+        cache_room: int | None = None,
+        *,
+        panic: bool = False,
     ) -> InstanceView:
+        """What routing sees; in `panic` an instance that passes its health checks is routable even if ejected."""
         return merge(
             key=self.key,
             name=self.name,
-            routable=self.routable,
+            routable=self.in_service if panic else self.routable,
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
             own=self.own,
@@ -223,6 +243,7 @@ class Pool:
             else None
         )
         self._metrics = metrics
+        self._panics = metrics.routing_panics.labels(self.model) if metrics is not None else None
         options = config.routing.prefix_index
         self.index = PrefixIndex(options.max_bytes, options.block_chars)
         #: Sidecars only: the request header naming the engine a central gateway chose (preferred when
@@ -283,7 +304,7 @@ class Pool:
             api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks, pin=pin
         )
 
-    def snapshot(self, request: RouteRequest | None = None) -> PoolSnapshot:
+    def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:
         now = time.monotonic()
         matched = self.index.match(request.blocks) if request is not None and request.blocks else {}
         if self.residency is not None and request is not None and request.blocks:
@@ -298,7 +319,9 @@ class Pool:
         for i in self.instances:
             cached = self._cached_tokens(request, matched.get(i.key)) if request is not None else 0
             room = index.room(i.key)
-            views.append(i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block))
+            views.append(
+                i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block, panic=panic)
+            )
         return PoolSnapshot(self.model, tuple(views))
 
     def _place(self, request: RouteRequest, matched: dict[str, int]) -> None:
@@ -329,6 +352,10 @@ class Pool:
             cached = self._cached_tokens(request, matched)
         else:
             view = self.policy.choose(request, self.snapshot(request))
+            if view is None and self.panicking():
+                view = self.policy.choose(request, self.snapshot(request, panic=True))
+                if view is not None and self._panics is not None:
+                    self._panics.inc()
             if view is None:
                 raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
             instance, cached = self._by_key[view.key], view.cached_tokens
@@ -360,8 +387,21 @@ class Pool:
                 sole = i
         return sole
 
+    def panicking(self) -> bool:
+        """No instance is routable, yet some pass their health checks (they are only ejected): route over
+        those rather than over nothing."""
+        return not any(i.routable for i in self.instances) and any(i.in_service for i in self.instances)
+
     def ready(self) -> bool:
-        return any(i.routable for i in self.instances)
+        return any(i.in_service for i in self.instances)
+
+    def may_eject(self, instance: Instance, max_percent: int) -> bool:
+        """Whether passive signals may take `instance` out of this pool now (see `ejection_allowed`)."""
+        ejected = routable_others = 0
+        for i in self.instances:
+            ejected += i.ejection.ejected
+            routable_others += i is not instance and i.routable
+        return ejection_allowed(len(self.instances), ejected, routable_others, max_percent)
 
 
 class Fleet:
@@ -597,6 +637,9 @@ class Fleet:
     def _make_instance(self, spec: InstanceConfig, connect_timeout: float, key: str | None = None) -> Instance:
         limit = self._config.upstream.max_connections
         dialect = dialect_for(spec.engine)
+        # One TLS context per https:// instance, shared by its engine client and its aiohttp session.
+        tls = spec.tls_context()
+        server_name = spec.tls.server_name if spec.tls is not None else None
         connector: aiohttp.BaseConnector
         if spec.url.startswith("unix://"):
             connector = aiohttp.UnixConnector(
@@ -604,7 +647,9 @@ class Fleet:
             )
             base_url = "http://localhost"
         else:
-            connector = aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=dialect.keepalive_s)
+            connector = aiohttp.TCPConnector(
+                limit=limit, ttl_dns_cache=300, keepalive_timeout=dialect.keepalive_s, ssl=tls or True
+            )
             base_url = spec.url
         session = aiohttp.ClientSession(
             connector=connector,
@@ -613,7 +658,12 @@ class Fleet:
             skip_auto_headers=("User-Agent",),
         )
         http = HttpPool(
-            spec.url, max_connections=limit, keepalive_s=dialect.keepalive_s, connect_timeout_s=connect_timeout
+            spec.url,
+            max_connections=limit,
+            keepalive_s=dialect.keepalive_s,
+            connect_timeout_s=connect_timeout,
+            ssl_context=tls,
+            server_name=server_name,
         )
         return Instance(
             spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit, key=key
@@ -653,9 +703,10 @@ class Fleet:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())
 
     def report_failure(self, instance: Instance, kind: str, detail: str) -> None:
-        """Passive health: nothing listening takes the instance out at once; other failures (a broken
-        stream, a 5xx) eject it after `health.ejection.consecutive_failures` in a row. Either way it
-        returns after a successful probe."""
+        """Passive health: nothing listening takes the instance out at once (a failed connection is what
+        an active check would see); other failures (a broken stream, a 5xx) eject it after
+        `health.ejection.consecutive_failures` in a row, unless its pools need it (`may_eject`). Either
+        way it returns after a successful probe."""
         self._metrics.upstream_errors.labels(instance.name, kind).inc()
         instance.last_error = detail
         now = time.monotonic()
@@ -670,7 +721,10 @@ class Fleet:
                         self._set_health(other, False)
                         other.ejection.eject_now(now)
         elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5"):
-            ejected = instance.ejection.failure(now)
+            held_back = instance.ejection.held_back
+            ejected = instance.ejection.failure(now, lambda: self.may_eject(instance))
+            if instance.ejection.held_back != held_back:
+                self._metrics.ejections_held_back.labels(instance.name).inc()
         else:
             ejected = False  # the engine refused this request (4xx): says nothing about its health
         if ejected:
@@ -680,6 +734,13 @@ class Fleet:
             self._metrics.ejections.labels(instance.name).inc()
             self._health_wake.set()
             self._notify()
+
+    def may_eject(self, instance: Instance) -> bool:
+        """Passive signals may take `instance` out only if every pool it serves can spare it."""
+        limit = self._config.health.ejection.max_ejection_percent
+        # Looked up when asked (only when failures call for an ejection): a reload may have regrouped the pools.
+        pools = [pool for pool in self.pools.values() if instance in pool.instances]
+        return all(pool.may_eject(instance, limit) for pool in pools)
 
     def report_success(self, instance: Instance) -> None:
         instance.ejection.success()
@@ -738,7 +799,11 @@ class Fleet:
         try:
             async with asyncio.timeout(2.0):
                 async with instance.session.request(
-                    call.method, instance.base_url + call.path, json=call.json, headers=_auth(instance)
+                    call.method,
+                    instance.base_url + call.path,
+                    json=call.json,
+                    headers=_auth(instance),
+                    server_hostname=instance.server_name,
                 ) as resp:
                     await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -795,7 +860,9 @@ class Fleet:
         try:
             async with asyncio.timeout(timeout):
                 async with instance.session.get(
-                    instance.base_url + instance.dialect.health_path, headers=_auth(instance)
+                    instance.base_url + instance.dialect.health_path,
+                    headers=_auth(instance),
+                    server_hostname=instance.server_name,
                 ) as resp:
                     await resp.read()
                     ok = resp.status == 200

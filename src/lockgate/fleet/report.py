@@ -57,6 +57,7 @@ def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -
             else round(max(0.0, ejection.ejected_until - now), 3),
             "ejections_in_a_row": ejection.ejections,
             "consecutive_failures": ejection.consecutive_failures,
+            "held_back": ejection.held_back,
         },
         "sources": {
             "gateway": {

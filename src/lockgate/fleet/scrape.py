@@ -112,7 +112,9 @@ class Scraper:
         assert path is not None
         try:
             async with asyncio.timeout(self._config.timeout_ms / 1000):
-                async with instance.session.get(instance.base_url + path, headers=instance.auth_headers()) as resp:
+                async with instance.session.get(
+                    instance.base_url + path, headers=instance.auth_headers(), server_hostname=instance.server_name
+                ) as resp:
                     text = await resp.text()
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)

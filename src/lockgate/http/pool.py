@@ -1,4 +1,4 @@
-"""`HttpPool`: keep-alive HTTP/1.1 connections to one origin (TCP or a unix socket).
+"""`HttpPool`: keep-alive HTTP/1.1 connections to one origin (TCP, TLS over TCP, or a unix socket).
 
 Theory of operation
 -------------------
@@ -21,12 +21,17 @@ in-use connection and fails the waiters.
 Stale keep-alive race: a server may close an idle connection just as a request is written on it. If a
 *reused* connection fails before any response byte arrives, the request is sent once more on a fresh
 connection; a fresh connection failing that way raises `DisconnectedError` to the caller.
+
+TLS (`https://`): asyncio's TLS transport under the same protocol; the handshake is part of connecting (within
+the connect timeout) and its failures, a rejected certificate included, are `ConnectError`s. Plain-HTTP
+connections take no TLS step at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import Collection
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -49,7 +54,11 @@ class PoolStatistics:
 
 
 class HttpPool:
-    """Keep-alive connections to one origin: `http://host[:port][/prefix]` or `unix:///path/to.sock`."""
+    """Keep-alive connections to one origin: `http[s]://host[:port][/prefix]` or `unix:///path/to.sock`.
+
+    For `https://`, `ssl_context` (default: `ssl.create_default_context()`, the system's trust store) verifies
+    the server, and `server_name` is sent as SNI and checked against the certificate (default: the URL's host).
+    """
 
     def __init__(
         self,
@@ -58,24 +67,32 @@ class HttpPool:
         max_connections: int = 1024,
         keepalive_s: float = 15.0,
         connect_timeout_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         parts = urlsplit(url)
+        self._ssl: ssl.SSLContext | None = None
+        self._server_name: str | None = None
         if parts.scheme == "unix":
             if not parts.path:
                 raise ValueError(f"no socket path in {url!r}")
             self._unix: str | None = parts.path
             self._host, self._port, self._prefix, authority = "", 0, "", "localhost"
-        elif parts.scheme == "http":
+        elif parts.scheme in ("http", "https"):
             if not parts.hostname:
                 raise ValueError(f"no host in {url!r}")
             self._unix = None
-            self._host, self._port = parts.hostname, parts.port or 80
+            tls = parts.scheme == "https"
+            self._host, self._port = parts.hostname, parts.port or (443 if tls else 80)
             self._prefix = parts.path.rstrip("/")
             authority = parts.netloc.rpartition("@")[2]
+            if tls:
+                self._ssl = ssl_context or ssl.create_default_context()
+                self._server_name = server_name or parts.hostname
         else:
-            raise ValueError(f"unsupported URL scheme in {url!r} (http:// or unix:// only)")
+            raise ValueError(f"unsupported URL scheme in {url!r} (http://, https:// or unix:// only)")
         self._host_line = f"Host: {authority}\r\n"
         self._max = max_connections
         self._keepalive = keepalive_s
@@ -205,11 +222,24 @@ class HttpPool:
             async with asyncio.timeout(self._connect_timeout):
                 if self._unix is not None:
                     await loop.create_unix_connection(lambda: conn, self._unix)
-                else:
+                elif self._ssl is None:
                     await loop.create_connection(lambda: conn, self._host, self._port)
+                else:
+                    await loop.create_connection(
+                        lambda: conn, self._host, self._port, ssl=self._ssl, server_hostname=self._server_name
+                    )
         except TimeoutError as exc:
             conn.abort()
             raise ConnectError(f"connect to {self._where()} timed out after {self._connect_timeout}s") from exc
+        except ssl.SSLCertVerificationError as exc:
+            conn.abort()
+            raise ConnectError(
+                f"TLS: the certificate of {self._where()} was rejected ({exc.verify_message}; "
+                f"server name {self._server_name!r})"
+            ) from exc
+        except ssl.SSLError as exc:
+            conn.abort()
+            raise ConnectError(f"TLS handshake with {self._where()} failed: {exc.reason or exc}") from exc
         except OSError as exc:
             conn.abort()
             raise ConnectError(f"cannot connect to {self._where()}: {exc}") from exc

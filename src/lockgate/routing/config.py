@@ -100,3 +100,6 @@ class EjectionConfig(_Strict):
     consecutive_failures: Annotated[int, Field(ge=1)] = 3
     base_ms: Annotated[int, Field(ge=1)] = 1000
     max_ms: Annotated[int, Field(ge=1)] = 60000
+    #: At most this share of a pool's instances is ejected on passive signals at once (rounded down, so a
+    #: pool of one is never ejected), and never its last routable one; 0 turns passive ejection off.
+    max_ejection_percent: Annotated[int, Field(ge=0, le=100)] = 50

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-tokens-default", type=int, default=d.default_max_tokens)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate (chain)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's key, if not in --tls-cert")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -53,6 +55,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         block_size=args.block_size,
         default_max_tokens=args.max_tokens_default,
         max_model_len=args.max_model_len,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
 

@@ -26,6 +26,8 @@ class SimConfig:
     default_max_tokens: int = 64
     max_model_len: int = 32768
     requests_seen_limit: int = 1000  # how many finished request records /sim/stats keeps
+    tls_cert: str | None = None  # serve HTTPS with this PEM certificate (chain) ...
+    tls_key: str | None = None  # ... and this key (when it is not in ``tls_cert``)
 
     def __post_init__(self) -> None:
         models = (self.models,) if isinstance(self.models, str) else tuple(self.models)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,23 @@ class SimServer:
         self._loop_task: asyncio.Task[None] | None = None
         self._port: int | None = None
         self._closed = False
+        #: With TLS: the server name (SNI) the last client asked for, and how many handshakes asked for one.
+        self.last_server_name: str | None = None
+        self.server_name_handshakes = 0
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        cfg = self.config
+        if cfg.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        context.sni_callback = self._server_name_seen
+        return context
+
+    def _server_name_seen(self, _conn: ssl.SSLObject, name: str | None, _context: ssl.SSLContext) -> None:
+        if name is not None:
+            self.last_server_name = name
+            self.server_name_handshakes += 1
 
     def _gauges(self) -> LiveGauges:
         if self.engine is None:
@@ -73,7 +91,7 @@ class SimServer:
                 sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=1024)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._port = sock.getsockname()[1]
-                site = web.SockSite(runner, sock, backlog=1024)
+                site = web.SockSite(runner, sock, backlog=1024, ssl_context=self._tls_context())
             await site.start()
             if self.engine is not None:
                 self._loop_task = asyncio.create_task(self.engine.run(), name=f"sim-step-loop:{self.url}")
@@ -118,7 +136,8 @@ class SimServer:
         host = self.config.host
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.config.tls_cert is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     @property
     def uds(self) -> str | None:
