@@ -207,6 +207,11 @@ class UpstreamConfig(_Strict):
     connect_timeout_ms: Annotated[int, Field(ge=1)] = 2000
     #: Connections kept per instance (keep-alive pool size).
     max_connections: Annotated[int, Field(ge=1)] = 256
+    #: An engine's answer the gateway holds whole (a non-streaming body, or a stream assembled for a
+    #: non-streaming client) may not be larger than this: 502 beyond it.
+    max_response_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    #: One SSE event (or line) from an engine may not be larger than this: the stream breaks (502) beyond it.
+    max_event_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
 
 
 class HealthConfig(_Strict):
@@ -235,6 +240,19 @@ class ResultCacheConfig(_Strict):
     max_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
     #: How long a completed result is served; 0 turns the cache off (flights still coalesce).
     ttl_ms: Annotated[int, Field(ge=0)] = 10000
+    #: A result larger than this is not cached (its clients are still served).
+    max_entry_bytes: Annotated[int, Field(ge=0)] = 4 * 1024 * 1024
+
+
+class FlightsConfig(_Strict):
+    """The buffers of a flight (one engine call shared by identical requests, de-duplication)."""
+
+    #: The flight stops reading its engine while its slowest client is this far behind (backpressure).
+    max_lag_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
+    #: Replay history kept for late joiners: past this size the flight takes no new clients (an identical
+    #: request starts its own engine call), keeps only what its clients have not read yet, and its result is
+    #: not cached.
+    max_history_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
 
 
 class DashboardConfig(_Strict):
@@ -271,6 +289,7 @@ class Config(_Strict):
     shutdown: ShutdownConfig = ShutdownConfig()
     result_cache: ResultCacheConfig = ResultCacheConfig()
     dashboard: DashboardConfig = DashboardConfig()
+    flights: FlightsConfig = FlightsConfig()
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []

@@ -1,6 +1,9 @@
 """The completed-result cache: exact fingerprint -> finished generation.
 
-Bounded by entries and by bytes, entries expire after a TTL, least recently used go first. Purely
+Bounded by entries, by bytes, and per entry (`max_entry_bytes`: a larger result is not stored);
+least recently used go first. Entries expire after a TTL and are dropped eagerly: every entry has the
+same TTL, so insertion order is expiry order, and `sweep()` (run on every `put()`, and by the
+coalescer's timer at `next_expiry()`) drops the expired ones from the front without a lookup. Purely
 synchronous, with an injectable clock so tests control time. Partial results (a flight stopped under
 the `cache_partial` policy) are kept apart: `get()` never serves them; `get_partial()` returns them
 for a later continuation.
@@ -8,6 +11,7 @@ for a later continuation.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,18 +40,27 @@ class ResultCache:
         max_entries: int,
         max_bytes: int,
         ttl_ms: int,
+        max_entry_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_stored: Callable[[], None] | None = None,
     ) -> None:
+        """`on_stored` is called after each stored result (the coalescer arms its expiry timer)."""
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_entry_bytes = max_bytes if max_entry_bytes is None else min(max_entry_bytes, max_bytes)
         self.ttl_s = ttl_ms / 1000
         self._clock = clock
-        self._entries: OrderedDict[bytes, tuple[Result, float]] = OrderedDict()
+        self._on_stored = on_stored
+        #: digest -> (result, expires_at), in insertion (= expiry) order.
+        self._entries: dict[bytes, tuple[Result, float]] = {}
+        #: The same digests, least recently used first.
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.expirations = 0
+        self.too_large = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -77,12 +90,16 @@ class ResultCache:
             self._drop(key.digest)
             self.expirations += 1
             return None
-        self._entries.move_to_end(key.digest)
+        self._lru.move_to_end(key.digest)
         return result
 
     def put(self, key: Fingerprint, result: Result) -> bool:
-        """Store a result; False when it cannot be stored (cache off, or larger than the byte bound)."""
-        if not self.enabled or result.nbytes > self.max_bytes:
+        """Store a result; False when it is not stored (cache off, or larger than `max_entry_bytes`)."""
+        if not self.enabled:
+            return False
+        self.sweep()
+        if result.nbytes > self.max_entry_bytes:
+            self.too_large += 1
             return False
         existing = self._entries.get(key.digest)
         if existing is not None:
@@ -90,19 +107,44 @@ class ResultCache:
                 return False  # never replace a complete answer with a partial one
             self._drop(key.digest)
         self._entries[key.digest] = (result, self._clock() + self.ttl_s)
+        self._lru[key.digest] = None
         self.nbytes += result.nbytes
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-            oldest = next(iter(self._entries))
+            oldest = next(iter(self._lru))
             self._drop(oldest)
             self.evictions += 1
+        if self._on_stored is not None:
+            self._on_stored()
         return True
+
+    def sweep(self) -> int:
+        """Drop every expired entry (oldest first, stopping at the first live one); returns how many."""
+        now = self._clock()
+        dropped = 0
+        for _, expires_at in self._entries.values():
+            if expires_at > now:
+                break
+            dropped += 1
+        if dropped:
+            for digest in list(itertools.islice(self._entries, dropped)):
+                self._drop(digest)
+            self.expirations += dropped
+        return dropped
+
+    def next_expiry(self) -> float | None:
+        """When the oldest entry expires (on the cache's clock), or None when the cache is empty."""
+        for _, expires_at in self._entries.values():
+            return expires_at
+        return None
 
     def _drop(self, digest: bytes) -> None:
         result, _ = self._entries.pop(digest)
+        del self._lru[digest]
         self.nbytes -= result.nbytes
 
     def clear(self) -> None:
         self._entries.clear()
+        self._lru.clear()
         self.nbytes = 0
 
     def statistics(self) -> dict[str, Any]:
@@ -113,4 +155,5 @@ class ResultCache:
             "misses": self.misses,
             "evictions": self.evictions,
             "expirations": self.expirations,
+            "too_large": self.too_large,
         }

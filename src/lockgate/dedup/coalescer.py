@@ -10,6 +10,7 @@ engine call.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -49,8 +50,20 @@ class Coalescer:
         embedder: Embedder | None = None,
     ) -> None:
         rc = config.result_cache
-        self.cache = ResultCache(max_entries=rc.max_entries, max_bytes=rc.max_bytes, ttl_ms=rc.ttl_ms, clock=clock)
-        self.flights = Flights(fleet, metrics, self.cache)
+        self._clock = clock
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.cache = ResultCache(
+            max_entries=rc.max_entries,
+            max_bytes=rc.max_bytes,
+            ttl_ms=rc.ttl_ms,
+            max_entry_bytes=rc.max_entry_bytes,
+            clock=clock,
+            on_stored=self._arm_sweep,
+        )
+        self.flights = Flights(fleet, metrics, self.cache, config.flights)
+        #: A non-streaming client's answer, assembled from a flight's events, may not be larger than this.
+        self.max_response_bytes = config.upstream.max_response_bytes
         self.metrics = DedupMetrics(metrics.registry)
         self.metrics.bind(lambda: len(self.flights), lambda: len(self.cache), lambda: self.cache.nbytes)
         #: Semantic caches of the models that configure one (loading the embedding model once).
@@ -73,7 +86,27 @@ class Coalescer:
                 )
 
     async def aclose(self) -> None:
+        self._closed = True
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
         await self.flights.aclose()
+
+    # --- expiry of cached results ----------------------------------------------------------------
+    def _arm_sweep(self) -> None:
+        """Make sure a timer drops the cache's oldest entry when it expires (one timer at a time)."""
+        if self._sweep_timer is not None or self._closed:
+            return
+        expiry = self.cache.next_expiry()
+        if expiry is not None:
+            delay = max(0.0, expiry - self._clock())
+            self._sweep_timer = asyncio.get_running_loop().call_later(delay, self.sweep)
+
+    def sweep(self) -> None:
+        """Drop the expired results now (the timer's callback), and wait for the next expiry."""
+        self._sweep_timer = None
+        self.cache.sweep()
+        self._arm_sweep()
 
     # --- the decision (synchronous, on every request) -------------------------------------------
     def plan(self, ex: Exchange, cache_control: str | None) -> Fingerprint | None:
@@ -140,7 +173,7 @@ class Coalescer:
         if ex.api.stream:
             response = await self._stream(ex, http_request, outcome, source)
         else:
-            events = cached.events if cached is not None else await source.wait_done()
+            events = cached.events if cached is not None else await source.wait_done(self.max_response_bytes)
             response = self._whole(ex, outcome, events, source)
         if outcome != "miss":
             self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)

@@ -3,10 +3,22 @@
 Theory of operation
 -------------------
 A `Flight` owns its engine call — the routing lease, the `UpstreamCall` and the task that reads the
-stream — and keeps every event it has read in a broadcast buffer (`events`). Clients hold a
+stream — and keeps the events it has read in a broadcast buffer (`events`). Clients hold a
 `Subscription`: an async iterator that replays the buffer from the start and then follows the live
 tail, so a late joiner ends with exactly the content of a solo run. The call never belongs to a client:
 a subscriber leaving (the leader included) only removes its subscription.
+
+Bounds (memory a client or the engine could otherwise grow without limit), in bytes of events:
+- backpressure: after each event, while the slowest current subscriber is more than `max_lag_bytes`
+  behind, the flight stops reading the engine (its connection's buffers fill, so the engine is held
+  back too) until that subscriber reads on or leaves;
+- history: the buffer keeps every event, for late joiners and for the result, until it holds more
+  than `max_history_bytes`. Then the flight closes to joiners (its registry forgets it, so an
+  identical request leads a flight of its own), keeps only the events some subscriber has not read
+  yet, and yields no result (nothing cached, no partial).
+The lag is checked against a floor (what the slowest subscriber had read when last computed); the
+minimum over the subscribers is only recomputed when the floor is `max_lag_bytes` behind, so the
+common per-event cost is one addition and one comparison.
 
 Subscribing and unsubscribing are synchronous. When the last subscriber leaves a running flight, the
 model's cancel policy decides, at once:
@@ -20,8 +32,6 @@ running flight, or (after success) its cached result, or (after failure/abort) n
 error fails every subscriber with that same error. Nothing but the flight itself removes it from the
 registry (the "waiter removes the entry" bug cannot happen).
 
-The buffer is not bounded beyond the generation itself (max_tokens): slow subscribers never slow the
-engine down; they read from the buffer at their own pace.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from ..attempt import Opened, open_attempts
-from ..errors import Cancelled, GatewayError, ShuttingDown
+from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..routing.policies import RouteRequest
 from ..upstream import UpstreamCall
 from .cache import Result
@@ -60,7 +70,9 @@ class FlightState(StrEnum):
 class FlightOwner(Protocol):
     """What a flight tells its registry (synchronously) when it ends."""
 
-    def flight_completed(self, flight: Flight, result: Result) -> None: ...
+    def flight_completed(self, flight: Flight, result: Result | None) -> None: ...
+
+    def flight_closed_to_joiners(self, flight: Flight) -> None: ...
 
     def flight_failed(self, flight: Flight) -> None: ...
 
@@ -80,6 +92,9 @@ class Flight:
         route: RouteRequest,
         fleet: Fleet,
         metrics: GatewayMetrics,
+        *,
+        max_lag_bytes: int = 1 << 20,
+        max_history_bytes: int = 4 << 20,
     ) -> None:
         self.owner = owner
         self.id = flight_id
@@ -92,7 +107,24 @@ class Flight:
         self._fleet = fleet
         self._metrics = metrics
         self.state = FlightState.RUNNING
+        #: The events kept: the whole generation while `joinable`, afterwards what is still unread.
         self.events: list[dict[str, Any]] = []
+        #: Cumulative bytes at the end of each kept event (parallel to `events`).
+        self._ends: list[int] = []
+        #: Index (in the whole generation) and byte offset of `events[0]`.
+        self._base = 0
+        self._base_bytes = 0
+        self.max_lag_bytes = max_lag_bytes
+        self.max_history_bytes = max_history_bytes
+        #: New subscribers are accepted (the buffer still holds the whole generation).
+        self.joinable = True
+        self._subscriptions: set[Subscription] = set()
+        #: Bytes the slowest subscriber had read when last computed, and its position.
+        self._floor_bytes = 0
+        self._floor_position = 0
+        #: Set while the reader waits for the slowest subscriber (backpressure).
+        self._reader_waiter: asyncio.Future[None] | None = None
+        self.waits = 0
         self.error: GatewayError | None = None
         self.subscribers = 0
         self.subscribed_total = 0
@@ -108,14 +140,23 @@ class Flight:
 
     # --- subscribers (synchronous) -------------------------------------------------------------
     def subscribe(self) -> Subscription:
+        """A new subscriber, replaying from the start. Only while `joinable`."""
+        if not self.joinable:
+            raise RuntimeError("this flight takes no new subscribers")
         self.subscribers += 1
         self.subscribed_total += 1
+        subscription = Subscription(self)
+        self._subscriptions.add(subscription)
+        if self._floor_bytes:
+            self._floor_bytes = self._floor_position = 0  # the slowest subscriber now starts at 0
         self.owner.flight_changed(self)
-        return Subscription(self)
+        return subscription
 
-    def _unsubscribe(self) -> bool:
+    def _unsubscribe(self, subscription: Subscription) -> bool:
         """A subscriber left. Returns True if this aborted the engine call."""
         self.subscribers -= 1
+        self._subscriptions.discard(subscription)
+        self._wake_reader()
         self.owner.flight_changed(self)
         if self.subscribers > 0 or self.state is not FlightState.RUNNING:
             return False
@@ -145,9 +186,14 @@ class Flight:
             opened = await self._open()
             events = opened.events()
             async for event in events:
-                self.events.append(event)
                 self._nbytes += 64 + len(orjson.dumps(event))
+                self.events.append(event)
+                self._ends.append(self._nbytes)
                 self._notify()
+                if self._nbytes - self._floor_bytes > self.max_lag_bytes or (
+                    self.joinable and self._nbytes > self.max_history_bytes
+                ):
+                    await self._keep_within_bounds()
             self._complete()
         except GatewayError as exc:
             self._fail(exc)
@@ -164,6 +210,68 @@ class Flight:
             if opened is not None:
                 await opened.aclose()
             self._release()
+
+    # --- the bounds (see the module docstring) -------------------------------------------------------
+    def _consumed(self, position: int) -> int:
+        """Bytes of the generation before event `position` (which must be kept, or the end)."""
+        index = position - self._base
+        return self._ends[index - 1] if index > 0 else self._base_bytes
+
+    def _update_floor(self) -> None:
+        position = min((s._position for s in self._subscriptions), default=self._base + len(self.events))
+        self._floor_position = position
+        self._floor_bytes = self._consumed(position)
+        if not self.joinable:
+            self._drop_read(position)
+
+    def _drop_read(self, position: int) -> None:
+        """Forget the events before `position` (every subscriber has read them)."""
+        count = position - self._base
+        if count > 0:
+            self._base_bytes = self._ends[count - 1]
+            del self.events[:count]
+            del self._ends[:count]
+            self._base = position
+
+    async def _keep_within_bounds(self) -> None:
+        """Close to joiners past the history bound; wait while the slowest subscriber lags too far."""
+        if self.joinable and self._nbytes > self.max_history_bytes:
+            self.joinable = False
+            self.owner.flight_closed_to_joiners(self)
+        self._update_floor()
+        while self._nbytes - self._floor_bytes > self.max_lag_bytes and self.state is FlightState.RUNNING:
+            self.waits += 1
+            waiter = self._reader_waiter = asyncio.get_running_loop().create_future()
+            self.owner.flight_changed(self)
+            try:
+                await waiter
+            finally:
+                self._reader_waiter = None
+            self._update_floor()
+
+    def _wake_reader(self) -> None:
+        waiter = self._reader_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def waiting_for_readers(self) -> bool:
+        """The flight has stopped reading its engine until its slowest subscriber catches up."""
+        return self._reader_waiter is not None
+
+    def statistics(self) -> dict[str, Any]:
+        """The flight's buffer: `buffered_bytes` kept now, `lag_bytes` of the slowest subscriber (as last
+        computed), events and bytes of the whole generation so far."""
+        return {
+            "events_total": self._base + len(self.events),
+            "bytes_total": self._nbytes,
+            "events_buffered": len(self.events),
+            "buffered_bytes": self._nbytes - self._base_bytes,
+            "lag_bytes": self._nbytes - self._floor_bytes,
+            "joinable": self.joinable,
+            "waiting_for_readers": self.waiting_for_readers,
+            "waits": self.waits,
+        }
 
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call, self.instance = lease, call, lease.instance
@@ -182,7 +290,10 @@ class Flight:
         )
 
     # --- ending (synchronous, exactly once) ------------------------------------------------------
-    def _result(self, *, complete: bool) -> Result:
+    def _result(self, *, complete: bool) -> Result | None:
+        """The generation as a result; None once the history bound dropped part of it."""
+        if not self.joinable:
+            return None
         usage = next((e["usage"] for e in reversed(self.events) if isinstance(e.get("usage"), dict)), None)
         prompt = completion = 0
         if usage is not None:
@@ -201,6 +312,7 @@ class Flight:
         if self.state is not FlightState.RUNNING:
             return
         self.state = FlightState.COMPLETED
+        self._wake_reader()
         self._release()
         self.owner.flight_completed(self, self._result(complete=True))
         self._notify()
@@ -210,6 +322,7 @@ class Flight:
             return
         self.state = FlightState.FAILED
         self.error = error
+        self._wake_reader()
         self._release()
         self.owner.flight_failed(self)
         self._notify()
@@ -247,7 +360,10 @@ class Flight:
             "model": self.api.model,
             "state": self.state.value,
             "subscribers": self.subscribers,
-            "events": len(self.events),
+            "events": self._base + len(self.events),
+            "buffered_bytes": self._nbytes - self._base_bytes,
+            "joinable": self.joinable,
+            "waiting_for_readers": self.waiting_for_readers,
             "instance": self.instance.name if self.instance is not None else None,
             "age_ms": round((time.perf_counter() - self.started) * 1000, 1),
         }
@@ -271,8 +387,11 @@ class Subscription:
         while True:
             if self._closed:
                 raise Cancelled("The subscription was closed.")
-            if self._position < len(flight.events):
-                event = flight.events[self._position]
+            index = self._position - flight._base
+            if index < len(flight.events):
+                event = flight.events[index]
+                if flight._reader_waiter is not None and self._position == flight._floor_position:
+                    flight._wake_reader()  # the slowest subscriber reads on
                 self._position += 1
                 return event
             if flight.state is FlightState.COMPLETED:
@@ -286,23 +405,31 @@ class Subscription:
     def ready(self) -> bool:
         """Whether the next step will not wait: an event is buffered, or the flight has ended (the
         writer may then coalesce its writes)."""
-        return self._position < len(self.flight.events) or self.flight.state is not FlightState.RUNNING
-
-    async def wait_done(self) -> list[dict[str, Any]]:
-        """Every event of the generation, once it has completed (non-streaming clients)."""
         flight = self.flight
-        while flight.state is FlightState.RUNNING:
-            await flight.wait_changed()
-        if flight.state is FlightState.COMPLETED:
-            return flight.events
-        raise flight.error or Cancelled("The upstream generation was stopped.")
+        return self._position - flight._base < len(flight.events) or flight.state is not FlightState.RUNNING
+
+    async def wait_done(self, max_bytes: int | None = None) -> list[dict[str, Any]]:
+        """Every event of the generation, once it has completed (non-streaming clients). The events are
+        read as they come (so this subscriber never holds the flight back); more than `max_bytes` of
+        them is an `UpstreamProtocolError` (502) for this subscriber."""
+        flight = self.flight
+        start = flight._consumed(self._position)
+        events: list[dict[str, Any]] = []
+        async for event in self:
+            events.append(event)
+            if max_bytes is not None and flight._consumed(self._position) - start > max_bytes:
+                raise UpstreamProtocolError(
+                    f"The engine's answer is larger than upstream.max_response_bytes ({max_bytes} bytes).",
+                    code="upstream_response_too_large",
+                )
+        return events
 
     def close(self) -> bool:
         """Leave the flight. Returns True if this aborted the engine call (last subscriber, `immediate`)."""
         if self._closed:
             return False
         self._closed = True
-        return self.flight._unsubscribe()
+        return self.flight._unsubscribe(self)
 
 
 def _int(value: Any) -> int:

@@ -3,7 +3,9 @@
 `Flights` is an async context manager (the `Gateway` holds it): `start()` creates a flight's task and
 keeps it; `aclose()` stops the flights still running (detached `finish_and_cache` ones, or any left at
 shutdown) and awaits every task. Lookups and starts are synchronous, so "is there a flight for this
-fingerprint? if not, start one" cannot interleave with another request doing the same.
+fingerprint? if not, start one" cannot interleave with another request doing the same. A flight that
+closes to joiners (its history bound) leaves the lookup table at once but stays owned here (`all()`,
+`aclose()`) until it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .fingerprint import Fingerprint
 from .flight import Flight
 
 if TYPE_CHECKING:
+    from ..config import FlightsConfig
     from ..fleet.pool import Fleet, Pool
     from ..metrics import GatewayMetrics
     from ..routing.policies import RouteRequest
@@ -26,11 +29,17 @@ if TYPE_CHECKING:
 
 
 class Flights:
-    def __init__(self, fleet: Fleet, metrics: GatewayMetrics, cache: ResultCache) -> None:
+    def __init__(
+        self, fleet: Fleet, metrics: GatewayMetrics, cache: ResultCache, config: FlightsConfig | None = None
+    ) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self.cache = cache
+        self._max_lag_bytes = config.max_lag_bytes if config is not None else 1 << 20
+        self._max_history_bytes = config.max_history_bytes if config is not None else 4 << 20
+        #: Joinable flights by fingerprint, and every flight still running (joinable or not).
         self._live: dict[bytes, Flight] = {}
+        self._running: set[Flight] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._changed = asyncio.Event()
@@ -38,6 +47,7 @@ class Flights:
         self.completed = 0
         self.failed = 0
         self.abandoned = 0
+        self.closed_to_joiners = 0
 
     async def __aenter__(self) -> Flights:
         return self
@@ -46,21 +56,33 @@ class Flights:
         await self.aclose()
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self._running)
 
     def get(self, key: Fingerprint) -> Flight | None:
         return self._live.get(key.digest)
 
     def all(self) -> list[Flight]:
-        return list(self._live.values())
+        return list(self._running)
 
     def start(self, key: Fingerprint, pool: Pool, api: ApiRequest, route: RouteRequest) -> Flight:
         if self._closed:
             raise ShuttingDown("The gateway is shutting down.", retry_after=1)
         if key.digest in self._live:
             raise RuntimeError("a flight for this fingerprint is already running")
-        flight = Flight(self, "lg-f-" + os.urandom(10).hex(), key, pool, api, route, self._fleet, self._metrics)
+        flight = Flight(
+            self,
+            "lg-f-" + os.urandom(10).hex(),
+            key,
+            pool,
+            api,
+            route,
+            self._fleet,
+            self._metrics,
+            max_lag_bytes=self._max_lag_bytes,
+            max_history_bytes=self._max_history_bytes,
+        )
         self._live[key.digest] = flight
+        self._running.add(flight)
         task = asyncio.create_task(flight.run(), name=f"lockgate-flight:{flight.id}")
         flight.task = task
         self._tasks.add(task)
@@ -76,15 +98,24 @@ class Flights:
     def _forget(self, flight: Flight) -> None:
         if self._live.get(flight.key.digest) is flight:
             del self._live[flight.key.digest]
+        self._running.discard(flight)
         self._notify()
 
     # --- FlightOwner: called synchronously by a flight as it ends ---------------------------------
-    def flight_completed(self, flight: Flight, result: Result) -> None:
+    def flight_completed(self, flight: Flight, result: Result | None) -> None:
         self.completed += 1
-        self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
+        if result is not None:
+            self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
         self._forget(flight)
-        if flight.on_completed is not None:
+        if flight.on_completed is not None and result is not None:
             flight.on_completed(result)
+
+    def flight_closed_to_joiners(self, flight: Flight) -> None:
+        """The flight's history outgrew its bound: identical requests no longer find it."""
+        if self._live.get(flight.key.digest) is flight:
+            del self._live[flight.key.digest]
+        self.closed_to_joiners += 1
+        self._notify()
 
     def flight_failed(self, flight: Flight) -> None:
         self.failed += 1
@@ -112,18 +143,20 @@ class Flights:
 
     def statistics(self) -> dict[str, Any]:
         return {
-            "in_flight": len(self._live),
+            "in_flight": len(self._running),
+            "joinable": len(self._live),
             "tasks": len(self._tasks),
-            "subscribers": sum(f.subscribers for f in self._live.values()),
+            "subscribers": sum(f.subscribers for f in self._running),
             "started": self.started,
             "completed": self.completed,
             "failed": self.failed,
             "abandoned": self.abandoned,
+            "closed_to_joiners": self.closed_to_joiners,
         }
 
     async def aclose(self) -> None:
         self._closed = True
-        for flight in list(self._live.values()):
+        for flight in list(self._running):
             flight.abort(ShuttingDown("The gateway is shutting down; the request was stopped."))
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,264 @@
+"""Memory bounds of de-duplication: a flight's backpressure and history, the result cache's per-entry
+cap and its eager expiry. The engine is a fake (`Opened`-like) stream; time is a controlled clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lockgate.config import parse_config
+from lockgate.dedup import Coalescer, Result, ResultCache, fingerprint
+from lockgate.dedup.flight import Flight, FlightState
+from lockgate.metrics import GatewayMetrics
+from lockgate.wire import Endpoint
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def key(n: int):
+    return fingerprint("t", Endpoint.CHAT, {**BASE, "max_tokens": n})
+
+
+def result(nbytes: int) -> Result:
+    return Result(events=({"choices": [{"index": 0, "text": "x"}]},), nbytes=nbytes)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- the result cache ---------------------------------------------------------------------------------
+
+
+def test_a_result_larger_than_the_entry_cap_is_not_cached():
+    cache = ResultCache(max_entries=10, max_bytes=10_000, ttl_ms=5000, max_entry_bytes=1000, clock=Clock())
+    assert not cache.put(key(1), result(1001))
+    assert cache.get(key(1)) is None and len(cache) == 0 and cache.nbytes == 0
+    assert cache.statistics()["too_large"] == 1
+    assert cache.put(key(2), result(1000))  # at the cap: stored
+    assert cache.get(key(2)) is not None
+
+
+def test_expired_entries_are_dropped_without_a_lookup():
+    clock = Clock()
+    cache = ResultCache(max_entries=10, max_bytes=10_000, ttl_ms=5000, clock=clock)
+    cache.put(key(1), result(10))
+    clock.now += 1
+    cache.put(key(2), result(10))
+    cache.get(key(1))  # a hit does not extend the TTL, nor change the expiry order
+    clock.now += 4.5  # key(1) expired, key(2) not
+    assert cache.put(key(3), result(10))  # an insert sweeps
+    assert len(cache) == 2 and cache.nbytes == 20 and cache.statistics()["expirations"] == 1
+    assert cache.next_expiry() == 101 + 5
+    clock.now += 10
+    assert cache.sweep() == 2  # the timer's sweep: nothing is looked up
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.next_expiry() is None
+
+
+def test_replacing_an_entry_moves_it_to_the_end_of_the_expiry_order():
+    clock = Clock()
+    cache = ResultCache(max_entries=10, max_bytes=10_000, ttl_ms=5000, clock=clock)
+    cache.put(key(1), result(10))
+    clock.now += 1
+    cache.put(key(2), result(10))
+    clock.now += 1
+    cache.put(key(1), result(20))  # stored again: expires 5 s from now
+    clock.now += 4.5  # key(2) expired (at 106), key(1) not (107)
+    assert cache.sweep() == 1
+    assert cache.get(key(1)) is not None and cache.get(key(2)) is None
+
+
+async def test_the_coalescers_timer_drops_expired_results(monkeypatch):
+    clock = Clock()
+    config = parse_config(
+        {"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9"}]}], "result_cache": {"ttl_ms": 50}}
+    )
+    coalescer = Coalescer(config, GatewayMetrics(), None, clock=clock)  # type: ignore[arg-type]
+    try:
+        coalescer.cache.put(key(1), result(10))
+        timer = coalescer._sweep_timer
+        assert timer is not None  # armed for the entry's expiry
+        assert timer.when() - asyncio.get_running_loop().time() == pytest.approx(0.05, abs=0.04)
+        clock.now += 0.05
+        coalescer.sweep()  # what the timer runs when it fires
+        assert len(coalescer.cache) == 0 and coalescer._sweep_timer is None
+        # Fired for real: the entry is dropped when it expires, with no lookup.
+        swept = asyncio.Event()
+        sweep = coalescer.cache.sweep
+
+        def watched_sweep() -> int:
+            dropped = sweep()
+            if dropped:
+                swept.set()
+            return dropped
+
+        monkeypatch.setattr(coalescer.cache, "sweep", watched_sweep)
+        coalescer.cache.put(key(2), result(10))
+        clock.now += 0.05
+        async with asyncio.timeout(5):
+            await swept.wait()
+        assert len(coalescer.cache) == 0
+        assert coalescer.cache.statistics()["expirations"] == 2
+    finally:
+        await coalescer.aclose()
+    assert coalescer._sweep_timer is None
+
+
+# --- a flight's backpressure and history -----------------------------------------------------------------
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, Result | None]] = []
+        self.closed: list[Flight] = []
+        self.changed = asyncio.Event()
+
+    def flight_completed(self, flight: Flight, result: Result | None) -> None:
+        self.ended.append(("completed", result))
+
+    def flight_failed(self, flight: Flight) -> None:
+        self.ended.append(("failed", None))
+
+    def flight_abandoned(self, flight: Flight, partial: Result | None) -> None:
+        self.ended.append(("abandoned", partial))
+
+    def flight_closed_to_joiners(self, flight: Flight) -> None:
+        self.closed.append(flight)
+
+    def flight_changed(self, flight: Flight) -> None:
+        self.changed.set()
+
+    async def wait_until(self, predicate: Any) -> None:
+        async with asyncio.timeout(10):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def event(n: int) -> dict[str, Any]:
+    return {"id": "up", "choices": [{"index": 0, "delta": {"content": f"token {n} " + "x" * 100}}]}
+
+
+class FakeEngine:
+    """What `open_attempts` returns: a stream of `count` events, as fast as they are taken."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.produced = 0
+
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+        for n in range(self.count):
+            self.produced += 1
+            yield event(n)
+            await asyncio.sleep(0)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def start_flight(
+    monkeypatch: pytest.MonkeyPatch, owner: Owner, engine: FakeEngine, *, lag: int, history: int, policy: str
+) -> Flight:
+    pool = SimpleNamespace(config=SimpleNamespace(cancel_policy=policy))
+    flight = Flight(
+        owner,
+        "f",
+        key(1),
+        pool,  # type: ignore[arg-type]
+        SimpleNamespace(model="m"),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        max_lag_bytes=lag,
+        max_history_bytes=history,
+    )
+
+    async def fake_open() -> FakeEngine:
+        return engine
+
+    monkeypatch.setattr(flight, "_open", fake_open)
+    return flight
+
+
+async def test_a_flight_waits_for_its_slowest_subscriber_and_keeps_within_its_bounds(monkeypatch):
+    owner = Owner()
+    engine = FakeEngine(20_000)
+    flight = start_flight(monkeypatch, owner, engine, lag=8 * 1024, history=32 * 1024, policy="immediate")
+    fast, slow = flight.subscribe(), flight.subscribe()
+    task = asyncio.create_task(flight.run())
+    try:
+        assert await anext(slow) == event(0)  # ... and then it stops reading
+
+        async def read_fast() -> int:
+            n = 0
+            async for _ in fast:
+                n += 1
+            return n
+
+        reader = asyncio.create_task(read_fast())
+        await owner.wait_until(lambda: flight.waiting_for_readers or flight.done)
+        stats = flight.statistics()
+        assert stats["waiting_for_readers"], stats
+        # Held back by `slow` (1 event read) while the history still holds everything: within the lag bound.
+        assert stats["lag_bytes"] <= 8 * 1024 + 1024 and stats["bytes_total"] <= 8 * 1024 + 1024, stats
+        assert engine.produced < 100
+        # The slow one reads on: the flight follows, past its history bound it closes to joiners and keeps only
+        # what is unread.
+        for _ in range(400):
+            await anext(slow)
+        await owner.wait_until(lambda: flight.waiting_for_readers and not flight.joinable)
+        stats = flight.statistics()
+        assert owner.closed == [flight] and stats["events_total"] > 400
+        assert stats["buffered_bytes"] <= 8 * 1024 + 1024 and stats["events_buffered"] < 60, stats
+        with pytest.raises(RuntimeError):
+            flight.subscribe()
+        # The slow subscriber leaves: nothing holds the flight back any more.
+        slow.close()
+        async with asyncio.timeout(30):
+            assert await reader == 20_000
+        await task
+    finally:
+        task.cancel()
+    assert flight.state is FlightState.COMPLETED
+    assert owner.ended == [("completed", None)]  # part of the history is gone: no result to cache
+    assert flight.statistics()["buffered_bytes"] <= 8 * 1024 + 1024
+
+
+async def test_a_detached_flight_keeps_no_more_than_its_history(monkeypatch):
+    """`finish_and_cache` with every client gone: the flight finishes with nobody reading; its buffer
+    stays within the history bound (and then holds nothing unread)."""
+    owner = Owner()
+    engine = FakeEngine(2000)
+    flight = start_flight(monkeypatch, owner, engine, lag=4 * 1024, history=16 * 1024, policy="finish_and_cache")
+    flight.subscribe().close()
+    peak = 0
+
+    async with asyncio.timeout(30):
+        task = asyncio.create_task(flight.run())
+        while not task.done():
+            peak = max(peak, flight.statistics()["buffered_bytes"])
+            await asyncio.sleep(0)
+    assert engine.produced == 2000 and flight.state is FlightState.COMPLETED
+    assert peak <= 16 * 1024 + 1024
+    assert owner.ended == [("completed", None)]
+
+
+async def test_a_small_flight_is_replayed_to_late_joiners_and_yields_its_result(monkeypatch):
+    owner = Owner()
+    engine = FakeEngine(20)
+    flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
+    first = flight.subscribe()
+    await flight.run()
+    late = flight.subscribe()  # still joinable: replayed from the start
+    assert [e async for e in late] == [event(n) for n in range(20)]
+    assert await first.wait_done() == [event(n) for n in range(20)]
+    [(how, res)] = owner.ended
+    assert how == "completed" and res is not None and len(res.events) == 20
