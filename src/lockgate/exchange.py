@@ -16,6 +16,11 @@ How a request ends is decided in one place, `run()`:
 - the deadline passes: `asyncio.timeout` cancels the work; 504, or a final SSE error event;
 - an admin or the shutdown drain calls `cancel(reason)`: the task is cancelled with the reason noted,
   the cancellation is absorbed and the client gets an error saying why.
+
+A whole (non-streaming) answer is written by the edge server after `run()` has returned it, so its usage
+record waits for the edge's word (`Response.on_sent` -> `body_sent`): taken by the client, the request
+completed; not taken (the client left, or stopped reading for `limits.write_timeout_ms`), it was cancelled
+(`client_disconnect`) with no completion token delivered. Everything else is released at once.
 """
 
 from __future__ import annotations
@@ -97,6 +102,10 @@ class Exchange:
         self._call: UpstreamCall | None = None
         self._subscription: Subscription | None = None
         self._released = False
+        #: The whole answer built by `whole_response()`, and whether `run()` returned it (its record then
+        #: waits for `body_sent`).
+        self._whole: Response | None = None
+        self._record_waits = False
         self._cancel_detected_at: float | None = None
         #: Release callbacks of resources handed over with `hold()`, run once by `_release()`.
         self._holds: list[Callable[[], None]] = []
@@ -165,6 +174,30 @@ class Exchange:
                 log.exception("releasing a resource of request %s failed", self.id)
                 self.gateway.metrics.leaks.labels("release_failed").inc()
         self.gateway.registry.remove(self)
+        if self._record_waits:
+            return  # the record is finished by `body_sent`, once the edge has written the answer
+        if self._whole is not None:
+            self._whole.on_sent = None  # built, but not the answer: it will never be written
+        self._finish_record()
+
+    def whole_response(self, body: bytes, headers: dict[str, str]) -> Response:
+        """The whole (non-streaming) answer; the usage record learns from the edge whether the client
+        took it (`body_sent`)."""
+        self._whole = Response(body=body, content_type="application/json", headers=headers, on_sent=self.body_sent)
+        return self._whole
+
+    def body_sent(self, delivered: bool) -> None:
+        """The edge server wrote the whole answer (`delivered`: the client took it) or could not."""
+        if not self._record_waits:
+            return
+        self._record_waits = False
+        if not delivered and self.record.status == "completed":
+            self.record.status = "cancelled"
+            self.record.cancel_reason = "client_disconnect"
+            self.record.completion_tokens = 0  # as for streams: delivered = taken by the client's connection
+        self._finish_record()
+
+    def _finish_record(self) -> None:
         record = self.record
         record.finished_at = time.time()
         metrics = self.gateway.metrics
@@ -217,10 +250,14 @@ class Exchange:
         try:
             try:
                 if self.deadline_s is None:
-                    return await work(self, *args)
-                async with asyncio.timeout(self.deadline_s) as deadline:
-                    self.timeout = deadline
-                    return await work(self, *args)
+                    reply = await work(self, *args)
+                else:
+                    async with asyncio.timeout(self.deadline_s) as deadline:
+                        self.timeout = deadline
+                        reply = await work(self, *args)
+                # Returned to the edge server at once (no await in between): it will write this answer.
+                self._record_waits = reply is self._whole
+                return reply
             except TimeoutError:
                 if self.timeout is None or not self.timeout.expired():
                     raise

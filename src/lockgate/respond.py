@@ -101,7 +101,7 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> R
         ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
         ex.record.completion_tokens = _int(usage.get("completion_tokens"))
     ex.record.http_status = 200
-    return Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+    return ex.whole_response(orjson.dumps(body), headers)
 
 
 async def _write(awaitable: Any) -> Any:

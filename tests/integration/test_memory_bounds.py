@@ -16,7 +16,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
+from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, wait_sim_idle
 
@@ -95,3 +97,51 @@ async def test_a_late_joiner_past_the_history_bound_gets_its_own_engine_call(sta
     cache = gw.gateway.dedup.cache.statistics()
     assert cache["entries"] == 0, cache
     assert gw.gateway.dedup.flights.statistics()["closed_to_joiners"] == 2
+
+
+async def test_an_answer_the_client_never_reads_is_recorded_as_cancelled_with_nothing_delivered(
+    start_gateway, serve_app, tmp_path, monkeypatch
+):
+    """A large non-streaming answer whose client never takes the body: closed after the write timeout, and
+    its record says so (not `completed` with every token delivered)."""
+    content = "word " * 1_600_000  # 8 MB: more than the socket buffers between the gateway and the client
+
+    async def engine(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1_600_000, "total_tokens": 1_600_003},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "instances": [{"url": url, "engine": "vllm"}]}],
+        limits={"write_timeout_ms": 100},
+    )
+    assert gw.gateway is not None
+    records = gw.gateway.records
+    submitted = asyncio.Event()
+    submit = records.submit
+
+    def watched_submit(record: Any) -> None:
+        submit(record)
+        submitted.set()
+
+    monkeypatch.setattr(records, "submit", watched_submit)
+    async with silent_client(gw.url, {**DETERMINISTIC, "max_tokens": 1_600_000}):
+        async with asyncio.timeout(30):  # bounds a failure only: the write timeout ends the wait
+            await submitted.wait()
+    await records.wait_flushed()
+    [row] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert (row["status"], row["cancel_reason"]) == ("cancelled", "client_disconnect")
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (3, 0)
+    assert_gateway_clean(gw.gateway)

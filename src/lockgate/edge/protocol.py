@@ -10,6 +10,7 @@ import contextlib
 import logging
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import httptools
@@ -75,6 +76,7 @@ class Connection(asyncio.Protocol):
         "_task",
         "_task_running",
         "_timer",
+        "_unsent",
         "_url",
         "close_after",
         "lost",
@@ -117,6 +119,8 @@ class Connection(asyncio.Protocol):
         self._lingering = False
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        #: `on_sent` callbacks of whole responses written while the transport was paused (not yet taken).
+        self._unsent: list[Callable[[bool], None]] = []
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------------------
 
@@ -150,6 +154,8 @@ class Connection(asyncio.Protocol):
                 self._task = None
                 self._server._requests_in_progress -= 1
         self._pipeline.clear()
+        if self._unsent:
+            self._tell_sent(False)
         waiter = self._drain_waiter
         if waiter is not None:
             self._drain_waiter = None
@@ -169,6 +175,8 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._unsent:
+            self._tell_sent(True)
         waiter = self._drain_waiter
         if waiter is not None:
             self._drain_waiter = None
@@ -308,6 +316,7 @@ class Connection(asyncio.Protocol):
 
     async def _run(self, request: Request) -> None:
         self._task_running = True
+        response: Response | StreamResponse | None = None
         try:
             try:
                 response = await self._server._handler(request)
@@ -333,6 +342,10 @@ class Connection(asyncio.Protocol):
                 with contextlib.suppress(ConnectionError, asyncio.CancelledError):
                     await self.drain()
         finally:
+            if isinstance(response, Response) and response.on_sent is not None:
+                # Never written (the client left first, or writing it failed): the client has none of it.
+                on_sent, response.on_sent = response.on_sent, None
+                self._call_on_sent(on_sent, False)
             self._request_done()
 
     async def _finish_other(self, response: Response | StreamResponse, request: Request) -> None:
@@ -361,6 +374,25 @@ class Connection(asyncio.Protocol):
             body = response.body
             self.transport.write(b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), connection, body))
         self._started = True
+        on_sent = response.on_sent
+        if on_sent is not None:
+            response.on_sent = None
+            if self.write_paused:  # the client has not taken it yet: told on resume_writing or connection_lost
+                self._unsent.append(on_sent)
+            else:
+                self._call_on_sent(on_sent, True)
+
+    def _tell_sent(self, delivered: bool) -> None:
+        callbacks, self._unsent = self._unsent, []
+        for on_sent in callbacks:
+            self._call_on_sent(on_sent, delivered)
+
+    @staticmethod
+    def _call_on_sent(on_sent: Callable[[bool], None], delivered: bool) -> None:
+        try:
+            on_sent(delivered)
+        except Exception:
+            log.exception("a response's on_sent callback failed")
 
     def _handler_failed(self, request: Request) -> None:
         if self.lost:

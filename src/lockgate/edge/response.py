@@ -1,7 +1,10 @@
 """What a handler returns: a whole `Response` (one write) or a `StreamResponse` (chunked, written as it goes).
 
 A `Response` is plain data; the connection renders it (status line, headers, `Content-Length`, body) into one
-`transport.write` after the handler returns, so its headers may still be changed until then.
+`transport.write` after the handler returns, so its headers may still be changed until then. Its optional
+`on_sent(delivered)` is called exactly once: True when the client has taken the body (the write left the
+transport below its high-water mark, or it drained below its low-water mark later — the same test a stream's
+`write` passes), False when the client went first or the response was never written.
 
 A `StreamResponse` writes through the connection of the request it was prepared for: `prepare` sends the
 status line and headers, each `write` one chunk (`Transfer-Encoding: chunked`; for an HTTP/1.0 client the raw
@@ -16,7 +19,7 @@ handler are dropped. A header name or value containing CR or LF raises `ValueErr
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -84,7 +87,7 @@ def render_head(status: int, content_type: str | None, headers: Mapping[str, str
 class Response:
     """A whole response. `body` is sent as is, with its `Content-Length`."""
 
-    __slots__ = ("body", "content_type", "headers", "status")
+    __slots__ = ("body", "content_type", "headers", "on_sent", "status")
 
     def __init__(
         self,
@@ -93,11 +96,14 @@ class Response:
         body: bytes = b"",
         content_type: str | None = None,
         headers: Mapping[str, str] | None = None,
+        on_sent: Callable[[bool], None] | None = None,
     ) -> None:
         self.status = status
         self.body = body
         self.content_type = content_type
         self.headers: Mapping[str, str] = headers if headers is not None else {}
+        #: Told whether the client took the body (see the module docstring); called once, then cleared.
+        self.on_sent = on_sent
 
     def __repr__(self) -> str:
         return f"<Response {self.status} {len(self.body)} bytes>"
