@@ -8,13 +8,14 @@ request ends; nothing here needs to clean up after itself on cancellation.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .assemble import assemble
 from .attempt import Opened, open_attempts
 from .edge.server import Reply, Request
 from .exchange import Exchange, Phase
 from .respond import stream_events, whole_body
+from .upstream import too_large
 
 if TYPE_CHECKING:
     from .fleet.pool import Instance, Lease
@@ -69,9 +70,18 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
         if isinstance(tokens, int):
             opened.lease.whole(tokens)
     else:
+        # An engine read as a stream for a non-streaming client: the events are held until the end, within
+        # `upstream.max_response_bytes` (counted in event payload bytes).
         events = opened.events()
+        call, limit = opened.call, ex.gateway.config.upstream.max_response_bytes
+        held: list[dict[str, Any]] = []
         try:
-            body = assemble(ex.api.endpoint, [event async for event in events], model=ex.api.model)
+            async for event in events:
+                held.append(event)
+                if call.received > limit:
+                    call.abort()
+                    raise too_large(call.instance.name, limit)
+            body = assemble(ex.api.endpoint, held, model=ex.api.model)
         finally:
             await events.aclose()
     return whole_body(ex, body, _headers(ex, opened.call.instance))

@@ -18,6 +18,9 @@ from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 
+#: The most a stream gathers into one write (events already here are written together).
+MAX_BATCH_BYTES = 64 * 1024
+
 
 async def stream_events(
     ex: Exchange,
@@ -33,13 +36,15 @@ async def stream_events(
 
     Events that are already here (`ready()`: the source's next step will not wait — another event,
     or its end) are written together, one write (one send) for all of them: an engine or flight that
-    is ahead of this client costs one syscall per batch, not per token. A write still awaits the
-    transport's drain, so a slow client holds its source back (backpressure)."""
+    is ahead of this client costs one syscall per batch, not per token. A batch stops at `MAX_BATCH_BYTES`,
+    and a write still awaits the transport's drain, so a slow client holds its source back (backpressure)
+    and what waits for it is at most the transport's high-water mark plus one batch."""
     api, record = ex.api, ex.record
     view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
     response: StreamResponse | None = None
     delivered = 0
     batch: list[bytes] = []
+    batch_bytes = 0
     batch_tokens = 0
     async for event in events:
         out = view.event(event)
@@ -61,13 +66,16 @@ async def stream_events(
                 ex.response = response
                 await _write(response.prepare(http_request))
                 ex.phase = Phase.STREAMING
-            batch.append(sse.encode(out))
+            data = sse.encode(out)
+            batch.append(data)
+            batch_bytes += len(data)
             batch_tokens += has_content(out)
-        if not batch or (ready is not None and ready()):
+        if not batch or (ready is not None and batch_bytes < MAX_BATCH_BYTES and ready()):
             continue
         assert response is not None
         await _write(response.write(b"".join(batch) if len(batch) > 1 else batch[0]))
         batch.clear()
+        batch_bytes = 0
         if batch_tokens:
             # Delivered = written to the client's connection.
             delivered += batch_tokens

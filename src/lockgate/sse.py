@@ -14,31 +14,43 @@ DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
+class EventTooLarge(ValueError):
+    """An event (or a line) is larger than the decoder's bound."""
+
+
 class SSEDecoder:
-    """Accumulates bytes and returns the data payloads of every complete event."""
+    """Accumulates bytes and returns the data payloads of every complete event.
 
-    __slots__ = ("_buffer", "_data")
+    Bounded: the incomplete event kept between feeds (and the data lines of one event) may not exceed
+    `max_event_bytes`; beyond it `feed` raises `EventTooLarge`."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_buffer", "_data", "_data_bytes", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int = 1 << 20) -> None:
         self._buffer = b""
         self._data: list[bytes] = []
+        self._data_bytes = 0
+        self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
         buffer = self._buffer + chunk if self._buffer else chunk
         # `find`, not `in`: on Python 3.11 `bytes in bytes` raises (and clears) a TypeError before searching.
         if self._data or buffer.find(b"\r") >= 0:
-            return self._feed_lines(buffer)
-        # What engines send: `data: <json>` events ending in a blank line, LF line ends. Whole events are
-        # split off at once; any other shape of event (comments, several fields) goes line by line.
-        blocks = buffer.split(b"\n\n")
-        rest = blocks.pop()  # the incomplete event after the last blank line, kept whole
-        events: list[bytes] = []
-        for block in blocks:
-            if block.startswith(b"data: ") and block.find(b"\n") < 0:
-                events.append(block[6:])
-            elif block:
-                events += self._feed_lines(block + b"\n\n")
-        self._buffer = rest
+            events = self._feed_lines(buffer)
+        else:
+            # What engines send: `data: <json>` events ending in a blank line, LF line ends. Whole events are
+            # split off at once; any other shape of event (comments, several fields) goes line by line.
+            blocks = buffer.split(b"\n\n")
+            rest = blocks.pop()  # the incomplete event after the last blank line, kept whole
+            events = []
+            for block in blocks:
+                if block.startswith(b"data: ") and block.find(b"\n") < 0:
+                    events.append(block[6:])
+                elif block:
+                    events += self._feed_lines(block + b"\n\n")
+            self._buffer = rest
+        if len(self._buffer) + self._data_bytes > self.max_event_bytes:
+            raise EventTooLarge(f"an event is larger than {self.max_event_bytes} bytes")
         return events
 
     def _feed_lines(self, buffer: bytes) -> list[bytes]:
@@ -56,12 +68,14 @@ class SSEDecoder:
                 if self._data:
                     events.append(b"\n".join(self._data))
                     self._data = []
+                    self._data_bytes = 0
                 continue
             if line.startswith(b"data:"):
                 value = line[5:]
                 if value.startswith(b" "):
                     value = value[1:]
                 self._data.append(value)
+                self._data_bytes += len(value) + 1
         self._buffer = buffer[start:]
         return events
 
@@ -69,6 +83,8 @@ class SSEDecoder:
         """End of stream: a final event without its blank line still counts."""
         events = self.feed(b"\n\n") if self._buffer or self._data else []
         self._buffer = b""
+        self._data = []
+        self._data_bytes = 0
         return events
 
 

@@ -11,7 +11,8 @@ docs/decisions.md). aiohttp stays for everything off the hot path (health probes
 
 Error handling: the client's errors are translated here into `UpstreamConnectError` (before any
 response: the request may be retried elsewhere), `UpstreamStatusError` (the engine said no) and
-`UpstreamProtocolError` (the stream broke after it started).
+`UpstreamProtocolError` (the stream broke after it started, or the engine sent more than the gateway
+holds: a body over `upstream.max_response_bytes`, an SSE event over `upstream.max_event_bytes`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import orjson
 
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
 from .fleet.pool import Fleet, Instance, upstream_headers
-from .http import ConnectError, DisconnectedError, ProtocolError, Response
+from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
 from .metrics import GatewayMetrics
-from .sse import DONE, SSEDecoder
+from .sse import DONE, EventTooLarge, SSEDecoder
 
 
 class UpstreamCall:
@@ -40,6 +41,7 @@ class UpstreamCall:
         "aborted",
         "instance",
         "pending",
+        "received",
         "stream",
     )
 
@@ -68,6 +70,8 @@ class UpstreamCall:
         #: Payloads already received and decoded but not yet consumed by `events()`, `[DONE]` included
         #: (the next step of the stream will not wait for the network).
         self.pending = 0
+        #: Bytes of event payloads yielded by `events()` so far (bounds what a caller assembles).
+        self.received = 0
         # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
         # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
         instance.open_calls += 1
@@ -105,7 +109,7 @@ class UpstreamCall:
         self._response = response
         if response.status >= 400:
             try:
-                body = await response.read()
+                body = await response.read(self._fleet.upstream.max_response_bytes)
             except ProtocolError:
                 body = b""
             finally:
@@ -117,8 +121,12 @@ class UpstreamCall:
     async def read_json(self) -> dict[str, Any]:
         """The whole non-streaming body, parsed."""
         response = self._require()
+        limit = self._fleet.upstream.max_response_bytes
         try:
-            raw = await response.read()
+            raw = await response.read(limit)
+        except ResponseTooLarge:
+            self.abort()
+            raise too_large(self.instance.name, limit) from None
         except ProtocolError as exc:
             self.abort()
             raise UpstreamProtocolError(f"Instance {self.instance.name} broke the response: {exc}") from None
@@ -134,7 +142,7 @@ class UpstreamCall:
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
         response = self._require()
-        decoder = SSEDecoder()
+        decoder = SSEDecoder(self._fleet.upstream.max_event_bytes)
         try:
             async for chunk in response.chunks():
                 payloads = decoder.feed(chunk)
@@ -143,6 +151,7 @@ class UpstreamCall:
                         self._release()
                         return
                     self.pending = len(payloads) - index - 1
+                    self.received += len(payload)
                     yield _parse_event(payload, self.instance.name)
                 self.pending = 0
             for payload in decoder.close():
@@ -153,6 +162,14 @@ class UpstreamCall:
                 self._fleet.report_failure(self.instance, "stream", repr(exc))
             raise UpstreamProtocolError(
                 f"Instance {self.instance.name} broke the stream: {exc.__class__.__name__}"
+            ) from None
+        except EventTooLarge:
+            if self.abort():
+                self._fleet.report_failure(self.instance, "stream", "event too large")
+            raise UpstreamProtocolError(
+                f"Instance {self.instance.name} sent an SSE event larger than upstream.max_event_bytes "
+                f"({decoder.max_event_bytes} bytes).",
+                code="upstream_response_too_large",
             ) from None
         # The engine ended the body without `[DONE]`: an incomplete stream.
         if self.abort():
@@ -191,6 +208,14 @@ class UpstreamCall:
         if call is not None:
             self._fleet.send_abort(self.instance, call)
         return True
+
+
+def too_large(instance: str, limit: int) -> UpstreamProtocolError:
+    """The error for an engine answer larger than `upstream.max_response_bytes` (502)."""
+    return UpstreamProtocolError(
+        f"Instance {instance} sent an answer larger than upstream.max_response_bytes ({limit} bytes).",
+        code="upstream_response_too_large",
+    )
 
 
 def _parse_event(payload: bytes, instance: str) -> dict[str, Any]:

@@ -145,3 +145,158 @@ async def test_an_answer_the_client_never_reads_is_recorded_as_cancelled_with_no
     assert (row["status"], row["cancel_reason"]) == ("cancelled", "client_disconnect")
     assert (row["prompt_tokens"], row["completion_tokens"]) == (3, 0)
     assert_gateway_clean(gw.gateway)
+
+
+# --- what an engine sends ----------------------------------------------------------------------------------
+
+
+def chat_answer(content: str) -> dict[str, Any]:
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+
+
+def upstream_error(raw: bytes) -> dict[str, Any]:
+    error: dict[str, Any] = orjson.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_an_engine_answer_over_max_response_bytes_is_a_502(start_gateway, serve_app, http, framing):
+    sent_all = asyncio.Event()
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        if framing == "content-length":
+            return web.json_response(chat_answer("x" * 200_000))
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            for _ in range(1000):  # 16 MB, if nobody stops it
+                await response.write(b" " * 16384)
+            sent_all.set()
+        except ConnectionError:
+            pass
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}],
+        upstream={"max_response_bytes": 65536},
+    )
+    async with http.post(gw.url + "/v1/chat/completions", json={**DETERMINISTIC, "max_tokens": 5}) as resp:
+        assert resp.status == 502
+        error = upstream_error(await resp.read())
+    assert error["code"] == "upstream_response_too_large" and "max_response_bytes" in error["message"]
+    assert not sent_all.is_set()  # the gateway closed the connection instead of reading it all
+    assert gw.gateway is not None
+    assert_gateway_clean(gw.gateway)
+
+
+async def test_an_engine_event_over_max_event_bytes_is_a_502(start_gateway, serve_app, http):
+    """An SSE line that never ends (no newline, ever): the gateway stops at `upstream.max_event_bytes`."""
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            await response.write(b"data: ")
+            for _ in range(1000):
+                await response.write(b"x" * 16384)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}],
+        upstream={"max_event_bytes": 65536},
+    )
+    body = {**DETERMINISTIC, "max_tokens": 5, "stream": True}
+    async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 502
+        error = upstream_error(await resp.read())
+    assert error["code"] == "upstream_response_too_large" and "max_event_bytes" in error["message"]
+
+
+async def test_an_engine_response_head_that_never_ends_is_a_502(start_gateway, stack, http):
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            while not head.startswith(b"POST"):  # health checks and scrapes get a plain answer
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readuntil(b"}")  # the body (JSON)
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
+            while True:  # until the gateway hangs up
+                writer.write(b"a" * 16384)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}]
+    )
+    async with asyncio.timeout(30):  # bounds a failure only
+        async with http.post(gw.url + "/v1/chat/completions", json={**DETERMINISTIC, "max_tokens": 5}) as resp:
+            assert resp.status == 502
+            assert "head is larger than" in upstream_error(await resp.read())["message"]
+
+
+@pytest.mark.parametrize("path", ["flight", "llamacpp"])
+async def test_an_answer_assembled_from_a_stream_is_bounded_too(start_sim, start_gateway, http, path):
+    """A non-streaming client served from a stream (a flight; an engine always read as a stream) gets a 502
+    past `upstream.max_response_bytes`; the events are not all held first."""
+    sim = await start_sim(tpot_ms=0.0)
+    model = {"name": "m", "instances": [instance(sim)]}
+    if path == "llamacpp":
+        model = {"name": "m", "dedup": "off", "instances": [{"url": sim.url, "engine": "llamacpp"}]}
+    gw = await start_gateway([model], upstream={"max_response_bytes": 8192})
+    body = {**DETERMINISTIC, "max_tokens": 2000}
+    async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 502
+        error = upstream_error(await resp.read())
+    assert error["code"] == "upstream_response_too_large"
+    async with http.post(gw.url + "/v1/chat/completions", json={**body, "max_tokens": 10}) as resp:
+        assert resp.status == 200  # small answers are served as before
+    assert gw.gateway is not None
+    async with asyncio.timeout(30):
+        await wait_sim_idle(sim)
+        await gw.gateway.registry.wait_empty()
+    assert_gateway_clean(gw.gateway)
+
+
+async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim, start_gateway, http, monkeypatch):
+    """A cached result is all there at once; it still goes out in writes of bounded size."""
+    from lockgate.edge.response import StreamResponse
+    from lockgate.respond import MAX_BATCH_BYTES
+
+    sim = await start_sim(tpot_ms=0.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    body = {**DETERMINISTIC, "max_tokens": 2000}
+    async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200  # fills the result cache
+    writes: list[int] = []
+    original = StreamResponse.write
+
+    async def counting(self: StreamResponse, data: bytes) -> None:
+        writes.append(len(data))
+        await original(self, data)
+
+    monkeypatch.setattr(StreamResponse, "write", counting)
+    async with http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        assert resp.headers["x-lockgate-cache"] == "hit"
+        raw = await resp.read()
+    assert raw.endswith(b"data: [DONE]\n\n") and sum(writes) == len(raw)
+    assert len(writes) > 1 and max(writes) <= MAX_BATCH_BYTES + 1024, writes

@@ -1,7 +1,8 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockgate.sse import SSEDecoder, encode
+from lockgate.sse import EventTooLarge, SSEDecoder, encode
 
 
 def decode_in_chunks(stream: bytes, cuts: list[int]) -> list[bytes]:
@@ -62,3 +63,15 @@ def test_the_fast_path_decodes_like_the_line_parser(parts, cuts):
     reference = SSEDecoder()
     expected = reference._feed_lines(stream) + reference.close()
     assert decode_in_chunks(stream, cuts) == expected
+
+
+def test_an_event_larger_than_the_bound_raises():
+    decoder = SSEDecoder(max_event_bytes=1024)
+    assert decoder.feed(b"data: " + b"x" * 1000 + b"\n\n") == [b"x" * 1000]  # within the bound
+    with pytest.raises(EventTooLarge):
+        for _ in range(10):  # a line that never ends
+            decoder.feed(b"y" * 200)
+    lines = SSEDecoder(max_event_bytes=1024)  # many short data lines of one event count together
+    with pytest.raises(EventTooLarge):
+        for _ in range(100):
+            lines.feed(b"data: abcdefghij\r\n")

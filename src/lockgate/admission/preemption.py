@@ -178,12 +178,25 @@ class Transcript:
 
     `take(event)` returns the event as the client must see it — the first attempt's `id` and
     `created`, no second assistant-role chunk, usage counted against the original prompt — or None
-    when nothing is left of it. The events taken are kept (`events`) for non-streaming clients."""
+    when nothing is left of it. With `keep_events` (non-streaming clients) the events taken are kept
+    (`events`), to be assembled at the end; a streaming client's are not."""
 
-    __slots__ = ("_created", "_id", "_offset", "_role_seen", "chat", "events", "text", "tokens", "tool_calls")
+    __slots__ = (
+        "_created",
+        "_id",
+        "_keep",
+        "_offset",
+        "_role_seen",
+        "chat",
+        "events",
+        "text",
+        "tokens",
+        "tool_calls",
+    )
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, *, keep_events: bool = True) -> None:
         self.chat = endpoint is Endpoint.CHAT
+        self._keep = keep_events
         self.reset()
 
     def reset(self) -> None:
@@ -220,7 +233,8 @@ class Transcript:
         usage = event.get("usage")
         if self._offset and isinstance(usage, dict):
             event["usage"] = self._usage(usage)
-        self.events.append(event)
+        if self._keep:
+            self.events.append(event)
         return event
 
     def _choice(self, choice: dict[str, Any]) -> bool:

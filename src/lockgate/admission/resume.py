@@ -30,6 +30,7 @@ from ..attempt import Opened, open_attempts
 from ..edge.server import Reply, Request
 from ..exchange import Exchange, Phase
 from ..respond import stream_events, whole_body
+from ..upstream import too_large
 from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
@@ -56,7 +57,10 @@ class Resumable:
         self.ex = ex
         self._request_headers = request_headers
         self.ticket: Ticket | None = None
-        self.transcript = Transcript(ex.api.endpoint)
+        # Only a non-streaming client needs the events kept (to assemble its answer at the end).
+        self.transcript = Transcript(ex.api.endpoint, keep_events=not ex.api.stream)
+        #: Bytes of event payloads read from the engine, over every attempt (bounds a non-streaming answer).
+        self.received = 0
         self.preemptions = 0
         #: Response headers, completed when the first engine call opens (read when the client's
         #: response starts).
@@ -119,6 +123,7 @@ class Resumable:
             self._active = True
             opened: Opened | None = None
             upstream: AsyncGenerator[dict[str, Any], None] | None = None
+            received_before = self.received
             try:
                 opened = await self._engine(self._open(api, upstream_id))
                 self.headers.setdefault("x-lockgate-instance", opened.call.instance.name)
@@ -130,6 +135,7 @@ class Resumable:
                         event = await self._engine(anext(upstream))
                     except StopAsyncIteration:
                         break
+                    self.received = received_before + opened.call.received
                     out = self.transcript.take(event)
                     if out is None:
                         continue
@@ -217,8 +223,10 @@ async def admit_and_relay(ex: Exchange, http_request: Request, tenant: Tenant, k
     try:
         if ex.api.stream:
             return await stream_events(ex, http_request, events, run.headers)
+        limit = gateway.config.upstream.max_response_bytes
         async for _ in events:
-            pass
+            if run.received > limit:
+                raise too_large(run.headers.get("x-lockgate-instance", "?"), limit)
         body = assemble(ex.api.endpoint, run.transcript.events, model=ex.api.model)
         return whole_body(ex, body, run.headers)
     finally:

@@ -408,6 +408,8 @@ class Fleet:
     def __init__(self, config: Config, metrics: GatewayMetrics) -> None:
         self._config = config
         self._metrics = metrics
+        #: What an engine may send (`max_response_bytes`, `max_event_bytes`), read by `UpstreamCall`.
+        self.upstream = config.upstream
         self.instances: dict[str, Instance] = {}
         self.pools: dict[str, Pool] = {}
         self._tasks: set[asyncio.Task[None]] = set()

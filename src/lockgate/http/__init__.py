@@ -6,7 +6,7 @@ read with `read()` or `chunks()`, and the connection is given back with `release
 """
 
 from .connection import Response
-from .errors import ConnectError, DisconnectedError, HttpClientError, ProtocolError
+from .errors import ConnectError, DisconnectedError, HttpClientError, ProtocolError, ResponseTooLarge
 from .pool import HttpPool, PoolStatistics
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "PoolStatistics",
     "ProtocolError",
     "Response",
+    "ResponseTooLarge",
 ]

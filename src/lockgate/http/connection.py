@@ -18,6 +18,8 @@ A `Connection` carries one exchange at a time (no pipelining). Its life, as seen
   at once, even if the response body is still unread in its buffer.
 * Backpressure: while a response holds more than `HIGH_WATER` unconsumed bytes the transport stops reading;
   consuming the buffer resumes it. `read()` consumes as it goes, so it never stalls itself.
+* Bounds: a response head (status line and headers) over `MAX_HEAD_BYTES` is a `ProtocolError`; `read()`
+  takes a `max_bytes` beyond which the body is refused (`ResponseTooLarge`) and the connection closed.
 
 Who closes what: the connection closes itself on a parse error, on bytes it did not ask for, and when its
 response is complete but not reusable. Otherwise the `Response`'s owner decides: `release()` returns a
@@ -35,12 +37,14 @@ from typing import cast
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
-from .errors import DisconnectedError, ProtocolError
+from .errors import DisconnectedError, ProtocolError, ResponseTooLarge
 
 #: Unconsumed response bytes above which the transport stops reading.
 HIGH_WATER = 256 * 1024
 #: Request bodies are written in pieces of this size when larger (waiting for the transport to drain).
 WRITE_PIECE = 256 * 1024
+#: A response's status line and headers may not be larger than this.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class Response:
@@ -80,11 +84,23 @@ class Response:
         """The whole body has been received (it may not have been consumed yet)."""
         return self._complete
 
-    async def read(self) -> bytes:
-        """The whole body (Content-Length, chunked or until close); releases the connection."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body (Content-Length, chunked or until close); releases the connection. A body larger
+        than `max_bytes` raises `ResponseTooLarge` (as soon as that is known) and closes the connection."""
         parts: list[bytes] = []
+        size = 0
+        if max_bytes is not None:
+            length = self.headers.get("content-length", "")
+            if length.isdigit() and int(length) > max_bytes:
+                self.close()
+                raise ResponseTooLarge(f"the response body ({length} bytes) is larger than {max_bytes} bytes")
         while True:
             if self._body:
+                if max_bytes is not None:
+                    size += self._buffered
+                    if size > max_bytes:
+                        self.close()
+                        raise ResponseTooLarge(f"the response body is larger than {max_bytes} bytes")
                 parts += self._take()
             if self._complete:
                 self.release()
@@ -163,6 +179,7 @@ class Connection(asyncio.Protocol):
     __slots__ = (
         "_drain",
         "_head",
+        "_head_bytes",
         "_head_only",
         "_headers",
         "_on_closed",
@@ -201,6 +218,7 @@ class Connection(asyncio.Protocol):
         self._head: asyncio.Future[Response] | None = None
         self._response: Response | None = None
         self._head_only = False
+        self._head_bytes = 0
         self._received = False
         self._until_close = False
         self._headers: dict[str, str] = {}
@@ -216,6 +234,7 @@ class Connection(asyncio.Protocol):
             return future
         self._head = future
         self._head_only = head_only
+        self._head_bytes = 0
         self._received = False
         self._headers = {}
         if len(body) <= WRITE_PIECE:
@@ -305,10 +324,18 @@ class Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection's state is unknown
             return
         self._received = True
+        if self._head is not None:
+            self._head_bytes += len(data)  # an upper bound of the head received so far
         try:
             self._parser.feed_data(data)
         except (HttpParserError, HttpParserUpgrade) as exc:
             message = f"malformed response: {exc}" if isinstance(exc, HttpParserError) else "unexpected upgrade"
+            self._fail(ProtocolError(message), ProtocolError(message))
+            self.abort()
+            return
+        if self._head is not None and self._head_bytes > MAX_HEAD_BYTES:
+            # Still no complete head after this much: the status line and headers are too large.
+            message = f"the response head is larger than {MAX_HEAD_BYTES} bytes"
             self._fail(ProtocolError(message), ProtocolError(message))
             self.abort()
 

@@ -6,7 +6,8 @@
     ├── DisconnectedError   the server closed the connection before any byte of a response: the request
     │                       may or may not have been processed
     └── ProtocolError       the response was malformed, or the connection broke (or was closed by us)
-                            after its head arrived
+        │                   after its head arrived
+        └── ResponseTooLarge  the body is larger than the reader's bound (the connection is closed)
 
 OS errors and httptools' `HttpParserError` are translated into these where they enter (`connection.py`,
 `pool.py`).
@@ -29,3 +30,7 @@ class DisconnectedError(HttpClientError):
 
 class ProtocolError(HttpClientError):
     """The response was malformed, or the connection broke after the response started."""
+
+
+class ResponseTooLarge(ProtocolError):
+    """The response body is larger than the reader accepts; the connection was closed."""
