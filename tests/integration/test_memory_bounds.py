@@ -300,3 +300,33 @@ async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim
         raw = await resp.read()
     assert raw.endswith(b"data: [DONE]\n\n") and sum(writes) == len(raw)
     assert len(writes) > 1 and max(writes) <= MAX_BATCH_BYTES + 1024, writes
+
+
+async def test_oversized_metrics_and_health_answers_are_failed_calls(start_gateway, serve_app):
+    """The gateway's side calls to an engine (metrics scrape, health check) read a bounded answer."""
+    from lockgate.fleet.bounded import MAX_METRICS_BYTES, MAX_SIDE_BODY_BYTES
+
+    sizes = {"metrics": 100, "health": 2}
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 1\n" + "#" * sizes["metrics"] + "\n")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="x" * sizes["health"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    assert gw.gateway is not None
+    fleet = gw.gateway.fleet
+    [engine] = fleet.instances.values()
+    await fleet.scraper.scrape_all()
+    await fleet.probe_all()
+    assert engine.scrape_error is None and engine.healthy  # normal answers
+    sizes.update(metrics=MAX_METRICS_BYTES + 1, health=MAX_SIDE_BODY_BYTES + 1)
+    await fleet.scraper.scrape_all()
+    await fleet.probe_all()
+    assert engine.scrape_error is not None and "larger than" in engine.scrape_error
+    assert not engine.healthy

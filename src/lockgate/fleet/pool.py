@@ -36,6 +36,7 @@ from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest,
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
 from ..wire import ApiRequest
+from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
 from .capacity import ConcurrencyLimit
 from .ejection import Ejection, ejection_allowed
 from .scrape import Scraper
@@ -807,7 +808,7 @@ class Fleet:
                     headers=_auth(instance),
                     server_hostname=instance.server_name,
                 ) as resp:
-                    await resp.read()
+                    await read_bounded(resp, MAX_SIDE_BODY_BYTES)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("abort call to %s failed: %s", instance.name, exc)
 
@@ -866,7 +867,7 @@ class Fleet:
                     headers=_auth(instance),
                     server_hostname=instance.server_name,
                 ) as resp:
-                    await resp.read()
+                    await read_bounded(resp, MAX_SIDE_BODY_BYTES)
                     ok = resp.status == 200
                     if not ok:
                         instance.last_error = f"health check answered HTTP {resp.status}"

@@ -19,6 +19,7 @@ import aiohttp
 
 from ..engines import MetricNames
 from ..routing.config import ScrapeConfig
+from .bounded import MAX_METRICS_BYTES, read_bounded
 from .state import EngineLoad
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class Scraper:
                 async with instance.session.get(
                     instance.base_url + path, headers=instance.auth_headers(), server_hostname=instance.server_name
                 ) as resp:
-                    text = await resp.text()
+                    text = (await read_bounded(resp, MAX_METRICS_BYTES)).decode()
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError) as exc:
