@@ -182,6 +182,8 @@ class SemanticConfig(_Strict):
     #: Record would-be hits (metric `lockgate_dedup_total{outcome="semantic_shadow"}`) without serving them.
     shadow: bool = False
     max_entries: Annotated[int, Field(ge=0)] = 10000
+    #: Bytes of cached results held (per model); least recently used go first.
+    max_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
     ttl_ms: Annotated[int, Field(ge=0)] = 300000
 
 

@@ -130,3 +130,23 @@ async def test_scope_ttl_bounds_and_long_texts(embedder):
         cache.add(await cache.probe("t", chat(question)), answer(question))
     assert len(cache.index) == 2
     assert await cache.probe("t", chat("word " * 300)) is None  # longer than the model reads
+
+
+def test_the_index_is_bounded_by_bytes_of_results():
+    pytest.importorskip("usearch")
+    import numpy as np
+
+    from lockgate.semantic.index import SemanticIndex
+
+    index = SemanticIndex(4, max_entries=100, ttl_ms=1000, max_bytes=100, clock=Clock())
+
+    def sized(nbytes: int) -> Result:
+        return Result(events=(), nbytes=nbytes)
+
+    rng = np.random.default_rng(1)
+    for n in range(10):
+        index.add(b"s", rng.random(4, dtype=np.float32), f"q{n}", sized(30))
+        assert index.nbytes <= 100
+    assert len(index) == 3 and index.nbytes == 90
+    index.add(b"s", rng.random(4, dtype=np.float32), "big", sized(101))  # larger than the bound: not added
+    assert len(index) == 3 and index.nbytes == 90

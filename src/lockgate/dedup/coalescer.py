@@ -82,6 +82,7 @@ class Coalescer:
                     shadow=sc.shadow,
                     max_entries=sc.max_entries,
                     ttl_ms=sc.ttl_ms,
+                    max_bytes=sc.max_bytes,
                     clock=clock,
                 )
 

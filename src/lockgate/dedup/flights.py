@@ -107,8 +107,8 @@ class Flights:
         if result is not None:
             self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
         self._forget(flight)
-        if flight.on_completed is not None and result is not None:
-            flight.on_completed(result)
+        if flight.on_completed is not None and result is not None and result.nbytes <= self.cache.max_entry_bytes:
+            flight.on_completed(result)  # the semantic cache: the same per-entry bound
 
     def flight_closed_to_joiners(self, flight: Flight) -> None:
         """The flight's history outgrew its bound: identical requests no longer find it."""

@@ -69,12 +69,15 @@ class SemanticCache:
         shadow: bool,
         max_entries: int,
         ttl_ms: int,
+        max_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.embedder = embedder
         self.threshold = threshold
         self.shadow = shadow
-        self.index = SemanticIndex(embedder.dim, max_entries=max_entries, ttl_ms=ttl_ms, clock=clock)
+        self.index = SemanticIndex(
+            embedder.dim, max_entries=max_entries, ttl_ms=ttl_ms, max_bytes=max_bytes, clock=clock
+        )
         #: Recent would-be hits in shadow mode: (probe text, cached text, similarity).
         self.shadow_log: deque[tuple[str, str, float]] = deque(maxlen=256)
 

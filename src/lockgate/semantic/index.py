@@ -40,14 +40,19 @@ class SemanticIndex:
         *,
         max_entries: int,
         ttl_ms: int,
+        max_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         candidates: int = 4,
     ) -> None:
+        """Bounded by `max_entries` and by `max_bytes` of results (None: entries only); least recently
+        used go first, and a result larger than `max_bytes` is not added."""
         from usearch.index import Index
 
         self._index_type = Index
         self.dim = dim
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.ttl_s = ttl_ms / 1000
         self._clock = clock
         self._candidates = candidates
@@ -87,6 +92,8 @@ class SemanticIndex:
     def add(self, scope: bytes, vector: Any, text: str, result: Result) -> None:
         if self.max_entries <= 0 or self.ttl_s <= 0:
             return
+        if self.max_bytes is not None and result.nbytes > self.max_bytes:
+            return
         index = self._scopes.get(scope)
         if index is None:
             index = self._scopes[scope] = self._index_type(ndim=self.dim, metric="cos", dtype="f32")
@@ -94,11 +101,13 @@ class SemanticIndex:
         self._next_key += 1
         index.add(key, vector)
         self._entries[key] = _Entry(scope, text, result, self._clock() + self.ttl_s)
-        while len(self._entries) > self.max_entries:
+        self.nbytes += result.nbytes
+        while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
             self._remove(next(iter(self._entries)))
 
     def _remove(self, key: int) -> None:
         entry = self._entries.pop(key)
+        self.nbytes -= entry.result.nbytes
         index = self._scopes.get(entry.scope)
         if index is None:
             return
