@@ -86,14 +86,10 @@ class Response:
 
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body (Content-Length, chunked or until close); releases the connection. A body larger
-        than `max_bytes` raises `ResponseTooLarge` (as soon as that is known) and closes the connection."""
+        than `max_bytes` raises `ResponseTooLarge` (once more than that has arrived: at most one read beyond
+        it is held) and closes the connection."""
         parts: list[bytes] = []
         size = 0
-        if max_bytes is not None:
-            length = self.headers.get("content-length", "")
-            if length.isdigit() and int(length) > max_bytes:
-                self.close()
-                raise ResponseTooLarge(f"the response body ({length} bytes) is larger than {max_bytes} bytes")
         while True:
             if self._body:
                 if max_bytes is not None:
