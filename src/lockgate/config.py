@@ -28,6 +28,7 @@ from pydantic import (
 from .admission.config import SchedulingConfig, TenantConfig, check_admission
 from .cluster.config import ClusterConfig
 from .config_env import UnsetVariable, substitute
+from .observe.config import AccessLogConfig, AdminConfig, MetricsConfig, TracingConfig
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
 from .userinfo import basic_credential, join, redact, split
@@ -301,6 +302,11 @@ class Config(_Strict):
     tenants: list[TenantConfig] = []
     #: etcd and this process's cluster (`lockgate sidecar` publishes, `lockgate serve` discovers); absent = alone.
     cluster: ClusterConfig | None = None
+    metrics: MetricsConfig = MetricsConfig()
+    #: Admin API keys; see README "Admin access".
+    admin: AdminConfig = AdminConfig()
+    access_log: AccessLogConfig = AccessLogConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:

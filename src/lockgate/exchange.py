@@ -201,12 +201,19 @@ class Exchange:
         record = self.record
         record.finished_at = time.time()
         metrics = self.gateway.metrics
-        label = record.cancel_reason or record.status
-        metrics.requests.labels(record.model, label).inc()
-        metrics.endpoint_requests.labels(record.endpoint, label).inc()
-        metrics.request_duration.labels(record.model, label).observe(time.perf_counter() - self.started)
-        if record.cancel_reason:
-            metrics.cancellations.labels(record.cancel_reason).inc()
+        priority = record.priority or ""
+        reason = record.cancel_reason
+        metrics.request_duration.labels(record.model, priority, reason or record.status).observe(
+            time.perf_counter() - self.started
+        )
+        metrics.endpoint_requests.labels(record.endpoint, reason or record.status).inc()
+        if reason:
+            metrics.cancellations.labels(record.model, priority, reason).inc()
+        tokens = metrics.tokens.child(record.model, record.tenant)
+        tokens.prompt += record.prompt_tokens
+        tokens.completion += record.completion_tokens
+        if self.response is not None:
+            metrics.backpressure.labels(record.model).observe(self.response.backpressure_s)
         self.gateway.records.submit(record)
 
     # --- control -------------------------------------------------------------------------------
@@ -227,7 +234,9 @@ class Exchange:
     def first_token(self) -> None:
         if self.record.first_token_at is None:
             self.record.first_token_at = time.time()
-            self.gateway.metrics.ttft.labels(self.api.model).observe(time.perf_counter() - self.started)
+            self.gateway.metrics.ttft.labels(
+                self.api.model, self.record.priority or "", "true" if self.api.stream else "false"
+            ).observe(time.perf_counter() - self.started)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,7 @@ import orjson
 
 from .admission import resume
 from .admission.gate import Admission
-from .admission.tenants import PRIORITY_HEADER, Tenant
+from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
 from .config import Config, ConfigError
 from .dashboard import Dashboard, SloProvider
 from .dashboard.assets import STATIC_PREFIX
@@ -74,7 +74,11 @@ def _client_request_id(request: Request) -> str | None:
 class Gateway:
     def __init__(self, config: Config, *, usage_path: str | None = None) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(
+            # Configured tenants first: with keys configured, "default" is never a request's tenant.
+            tenants=[*(t.name for t in config.tenants), DEFAULT_TENANT],
+            max_tenant_labels=config.metrics.max_tenant_labels,
+        )
         self.fleet = Fleet(config, self.metrics)
         self.records = RecordWriter(
             usage_path or config.usage.path,
@@ -238,7 +242,7 @@ class Gateway:
             deadline_s = self._deadline(request, pool.config.timeout_ms)
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
         except GatewayError as exc:
-            self.metrics.requests.labels("", "rejected").inc()
+            self.metrics.request_duration.labels("", "", "rejected").observe(0.0)
             self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
             return self.error_response(exc, echo_id)
         exchange = Exchange(

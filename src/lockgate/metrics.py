@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: A stream's total wait on its client: mostly 0 (observed too), then anything up to the write timeout.
+_BACKPRESSURE_BUCKETS = (0.0, 0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0)
+#: Tenants beyond `metrics.max_tenant_labels` share this label value.
+OTHER_TENANTS = "other"
 
 
 class Family(Generic[M]):
@@ -156,33 +160,127 @@ def _bound(value: float) -> str:
     return repr(float(value))
 
 
-class GatewayMetrics:
+class CountOf(Collector):
+    """A counter rendered from a `LoopFamily` histogram's observation counts (same labels): the request
+    path pays one child lookup for both the histogram and the counter."""
+
+    def __init__(self, name: str, documentation: str, histogram: LoopFamily, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._histogram = histogram
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation, labels=self._histogram._labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._histogram._labelnames)
+        for values, child in list(self._histogram._children.items()):
+            family.add_metric(list(values), float(sum(child.counts)))
+        yield family
+
+
+class TokenCount:
+    """Prompt and completion tokens of one (model, tenant label), updated from the event loop only."""
+
+    __slots__ = ("completion", "prompt")
+
     def __init__(self) -> None:
+        self.prompt = 0
+        self.completion = 0
+
+
+class TokenCounters(Collector):
+    """`lockgate_prompt_tokens_total` and `lockgate_completion_tokens_total` by model and tenant.
+
+    Tenant label values are bounded: the first `max_tenant_labels` tenants in `tenant_order` (the
+    configuration's order) keep their name, every other tenant is counted under `other`. `child()` is
+    one dict lookup on the request path (tenant names come from the configuration, so the cache of
+    (model, tenant) pairs is bounded too)."""
+
+    def __init__(self, registry: CollectorRegistry, tenant_order: Sequence[str], max_tenant_labels: int) -> None:
+        self._labels = {name: name for name in list(dict.fromkeys(tenant_order))[:max_tenant_labels]}
+        self._by_label: dict[tuple[str, str], TokenCount] = {}
+        self._children: dict[tuple[str, str], TokenCount] = {}
+        registry.register(self)
+
+    def tenant_label(self, tenant: str) -> str:
+        return self._labels.get(tenant, OTHER_TENANTS)
+
+    def child(self, model: str, tenant: str) -> TokenCount:
+        child = self._children.get((model, tenant))
+        if child is None:
+            key = (model, self.tenant_label(tenant))
+            child = self._by_label.get(key)
+            if child is None:
+                child = self._by_label[key] = TokenCount()
+            self._children[model, tenant] = child
+        return child
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def _families(self) -> Iterator[Metric]:
+        labels = ["model", "tenant"]
+        prompt = CounterMetricFamily("lockgate_prompt_tokens", "Prompt tokens of finished requests.", labels=labels)
+        completion = CounterMetricFamily(
+            "lockgate_completion_tokens", "Completion tokens delivered to clients.", labels=labels
+        )
+        for (model, tenant), child in list(self._by_label.items()):
+            prompt.add_metric([model, tenant], float(child.prompt))
+            completion.add_metric([model, tenant], float(child.completion))
+        yield prompt
+        yield completion
+
+
+class GatewayMetrics:
+    """Every metric of one gateway. `tenants` (configuration order) and `max_tenant_labels` bound the
+    tenant label of the token counters."""
+
+    def __init__(self, *, tenants: Sequence[str] = (), max_tenant_labels: int = 100) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = LoopFamily(
-            "lockgate_requests", "Client requests by model and final status.", ["model", "status"], r
-        )
         self.endpoint_requests = LoopFamily(
             "lockgate_endpoint_requests",
             "Client requests by endpoint (chat, completions, embeddings) and final status.",
             ["endpoint", "status"],
             r,
         )
+        #: Labels: model, priority class, status (completed, error, rejected, or the cancel reason).
+        #: `lockgate_requests_total` is rendered from its counts (one lookup per request for both).
         self.request_duration = LoopFamily(
             "lockgate_request_duration_seconds",
-            "Time from request arrival to the end of the response.",
-            ["model", "status"],
+            "Time from request arrival to the end of the response, by model, priority and final status "
+            "(completed, error, rejected, or the cancel reason).",
+            ["model", "priority", "status"],
             r,
             buckets=_LATENCY_BUCKETS,
+        )
+        self.requests = CountOf(
+            "lockgate_requests",
+            "Client requests by model, priority and final status.",
+            self.request_duration,
+            r,
         )
         self.ttft = LoopFamily(
             "lockgate_time_to_first_token_seconds",
-            "Time from request arrival to the first byte of content sent to the client.",
-            ["model"],
+            "Time from request arrival to the first content sent to the client, by model, priority and "
+            "stream (false: a whole response, whose first token is its last).",
+            ["model", "priority", "stream"],
             r,
             buckets=_LATENCY_BUCKETS,
         )
+        self.backpressure = LoopFamily(
+            "lockgate_stream_backpressure_seconds",
+            "Per stream, the total time its writes waited for the client to take data (0: never waited).",
+            ["model"],
+            r,
+            buckets=_BACKPRESSURE_BUCKETS,
+        )
+        self.tokens = TokenCounters(r, tenants, max_tenant_labels)
         self.client_requests_in_flight = Gauge(
             "lockgate_client_requests_in_flight", "Client requests being served.", registry=r
         )
@@ -210,7 +308,14 @@ class GatewayMetrics:
             )
         )
         self.cancellations = Family(
-            Counter("lockgate_cancellations", "Requests ended early, by reason.", ["reason"], registry=r)
+            Counter(
+                "lockgate_cancellations",
+                "Engine generations stopped early, by model, priority and reason: client_disconnect, timeout, "
+                "admin, shutdown (the request ended) or preempted (stopped for a more urgent request, then "
+                "resumed or restarted; details in lockgate_preemptions_total).",
+                ["model", "priority", "reason"],
+                registry=r,
+            )
         )
         self.abort_latency = Histogram(
             "lockgate_upstream_abort_seconds",
@@ -260,7 +365,7 @@ class GatewayMetrics:
             "Usage records written to the spill file because the writer queue was full.",
             registry=r,
         )
-        self.scheduling = SchedulingMetrics(r)
+        self.scheduling = SchedulingMetrics(r, self.cancellations)
 
         self.routing_decisions = LoopFamily(
             "lockgate_routing_decisions",
@@ -298,7 +403,9 @@ class GatewayMetrics:
 class SchedulingMetrics:
     """Admission, priority queues and tenant rate limits (see `admission/gate.py`)."""
 
-    def __init__(self, r: CollectorRegistry) -> None:
+    def __init__(self, r: CollectorRegistry, cancellations: Family[Counter]) -> None:
+        #: The gateway's cancellations counter (a preemption counts as one, reason `preempted`).
+        self.cancellations = cancellations
         self.queue_depth = Gauge(
             "lockgate_queue_depth",
             "Requests waiting for a slot, by model and priority class.",

@@ -178,7 +178,7 @@ async def test_health_ready_metrics_and_unknown_paths(start_sim, start_gateway, 
         text = await resp.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples = families["lockgate_requests"].samples
-    assert any(s.labels == {"model": "m", "status": "completed"} and s.value == 1 for s in samples)
+    assert any(s.labels == {"model": "m", "priority": "P1", "status": "completed"} and s.value == 1 for s in samples)
     assert "lockgate_request_duration_seconds" in families
     async with http.get(gw.url + "/nope") as resp:
         assert resp.status == 404 and error_of(await resp.read())["type"] == "invalid_request_error"
@@ -272,3 +272,8 @@ async def test_a_client_that_stops_reading_its_stream_is_gone_and_its_engine_req
     [row] = read_records(str(tmp_path / "usage.sqlite3"))
     assert (row["status"], row["cancel_reason"]) == ("cancelled", "client_disconnect")
     assert 0 < row["completion_tokens"] < 30000
+    # The stream's send waited on the client (until the write timeout gave up): the backpressure SLI.
+    families = {f.name: f for f in text_string_to_metric_families(gw.gateway.metrics.render().decode())}
+    samples = {s.name: s.value for s in families["lockgate_stream_backpressure_seconds"].samples}
+    assert samples["lockgate_stream_backpressure_seconds_count"] == 1
+    assert samples["lockgate_stream_backpressure_seconds_sum"] >= 0.09

@@ -181,6 +181,8 @@ async def test_streaming_p2_is_preempted_and_resumed_seamlessly(start_sim, start
     assert row["attempts"] == 2
     metrics = gw.gateway.metrics.render().decode()
     assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 1.0' in metrics
+    # A preemption is a cancellation of the engine generation, by reason `preempted`.
+    assert 'lockgate_cancellations_total{model="m",priority="P2",reason="preempted"} 1.0' in metrics
     assert_no_leaks(gw)
 
 
@@ -296,6 +298,7 @@ async def test_a_dedup_flight_is_not_preempted(start_sim, start_gateway, http: a
         assert await flight == 200
         assert (await urgent)[0] == 200
     assert "lockgate_preemptions_total{" not in gw.gateway.metrics.render().decode()
+    assert 'reason="preempted"' not in gw.gateway.metrics.render().decode()
     assert_no_leaks(gw)
 
 

@@ -126,6 +126,7 @@ class PoolScheduler:
             self._wake(core.requeue(victim, self._clock()))
             victim_class = core.classes[victim.klass].name
             self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
+            self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
             self._metrics.reprefill_tokens.labels(self.model).inc(redo)
             if ticket.state is not TicketState.QUEUED:
                 return

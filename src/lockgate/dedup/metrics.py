@@ -23,6 +23,14 @@ class DedupMetrics:
             registry,
         )
         self._by_outcome = {o: self.outcomes.labels(o) for o in OUTCOMES}
+        self.hit_ratio = Gauge(
+            "lockgate_dedup_hit_ratio",
+            "Share of requests served without an engine call of their own since start: (coalesced + hit + "
+            "semantic) / (miss + coalesced + hit + semantic + bypass); 0 before any request. For a window, use "
+            "rate() of lockgate_dedup_total.",
+            registry=registry,
+        )
+        self.hit_ratio.set_function(self._hit_ratio)
         self.tokens_saved = LoopFamily(
             "lockgate_dedup_upstream_tokens_saved",
             "Engine tokens not spent because a request was coalesced or served from a cache.",
@@ -43,6 +51,12 @@ class DedupMetrics:
         self.flights_in_flight.set_function(flights)
         self.cache_entries.set_function(entries)
         self.cache_bytes.set_function(nbytes)
+
+    def _hit_ratio(self) -> float:
+        count = {outcome: child.value for outcome, child in self._by_outcome.items()}
+        saved = count["coalesced"] + count["hit"] + count["semantic"]
+        total = saved + count["miss"] + count["bypass"]
+        return saved / total if total else 0.0
 
     def outcome(self, outcome: str) -> None:
         self._by_outcome[outcome].inc()

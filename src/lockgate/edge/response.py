@@ -9,8 +9,8 @@ transport below its high-water mark, or it drained below its low-water mark late
 A `StreamResponse` writes through the connection of the request it was prepared for: `prepare` sends the
 status line and headers, each `write` one chunk (`Transfer-Encoding: chunked`; for an HTTP/1.0 client the raw
 bytes, and the connection closes at the end), `write_eof` the terminating chunk. `write` waits while the
-transport is paused (backpressure) and raises `ConnectionResetError` once the client is gone; `write_nowait`
-sends nothing (and returns False) while it is paused.
+transport is paused (backpressure; the waits add up in `backpressure_s`) and raises `ConnectionResetError` once
+the client is gone; `write_nowait` sends nothing (and returns False) while it is paused.
 
 Framing headers (`Content-Length`, `Transfer-Encoding`, `Connection`) belong to the server: those given by a
 handler are dropped. A header name or value containing CR or LF raises `ValueError` (no response splitting).
@@ -116,10 +116,12 @@ def json_response(data: Any, *, status: int = 200, headers: Mapping[str, str] | 
 class StreamResponse:
     """A response written piece by piece (SSE). See the module docstring for the contract."""
 
-    __slots__ = ("_body_allowed", "_chunked", "_conn", "_eof", "headers", "prepared", "status")
+    __slots__ = ("_body_allowed", "_chunked", "_conn", "_eof", "backpressure_s", "headers", "prepared", "status")
 
     def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
+        #: Total time `write` waited for the client to take data (the transport was paused).
+        self.backpressure_s = 0.0
         self.headers: Mapping[str, str] = headers if headers is not None else {}
         self.prepared = False
         self._eof = False
@@ -168,7 +170,11 @@ class StreamResponse:
             return
         conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         if conn.write_paused:
-            await conn.drain()
+            started = time.perf_counter()
+            try:
+                await conn.drain()
+            finally:
+                self.backpressure_s += time.perf_counter() - started
 
     def write_nowait(self, data: bytes) -> bool:
         """Send one chunk unless the transport is paused (the client has not taken what was sent before):

@@ -21,6 +21,7 @@ class MetricNames:
     running: tuple[str, ...] = ()
     #: KV-cache use as a fraction 0..1.
     kv_usage: tuple[str, ...] = ()
+    #: Prefix-cache counters (cumulative, in tokens), from which the hit rate is computed.
     prefix_hits: tuple[str, ...] = ()
     prefix_queries: tuple[str, ...] = ()
     #: Time per output token, cumulative: seconds (a histogram's `_sum`) and tokens (its `_count`).
@@ -28,6 +29,8 @@ class MetricNames:
     tpot_tokens: tuple[str, ...] = ()
     #: An info metric whose labels `num_gpu_blocks` and `block_size` give the KV cache's size.
     cache_info: tuple[str, ...] = ()
+    #: A prefix-cache hit rate 0..1 the engine computes itself (for engines without the counters).
+    prefix_hit_rate: tuple[str, ...] = ()
 
     def all(self) -> frozenset[str]:
         return frozenset(
@@ -39,6 +42,7 @@ class MetricNames:
             + self.tpot_seconds
             + self.tpot_tokens
             + self.cache_info
+            + self.prefix_hit_rate
         )
 
 

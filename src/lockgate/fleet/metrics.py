@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from .state import EngineLoad
 
 if TYPE_CHECKING:
     from .pool import Fleet
@@ -54,10 +56,42 @@ class FleetCollector(Collector):
             for name, value in values.items():
                 families[name].add_metric([instance.name], float(value))
         index = GaugeMetricFamily("lockgate_prefix_index_blocks", "Blocks in a model's prefix index.", labels=["model"])
+        hit_rate = GaugeMetricFamily(
+            "lockgate_kv_cache_hit_rate",
+            "Engine prefix-cache hit rate 0..1 per model: prefix-cache hit tokens / queried tokens summed over the "
+            "model's instances since they started (vLLM counters), else the mean of the engines' own hit-rate "
+            "gauges (SGLang). Absent while no instance of the model exports either.",
+            labels=["model"],
+        )
         for pool in self._fleet.pools.values():
             index.add_metric([pool.model], float(len(pool.index)))
+            rate = kv_cache_hit_rate(i.engine_load for i in pool.instances)
+            if rate is not None:
+                hit_rate.add_metric([pool.model], rate)
         yield from families.values()
         yield index
+        yield hit_rate
+
+
+def kv_cache_hit_rate(loads: Iterable[EngineLoad | None]) -> float | None:
+    """A model's prefix-cache hit rate from its instances' last scrapes (None: no instance exports one).
+    Counters (hits and queries, in tokens) win over the engines' own rate gauges: they weigh each
+    instance by its traffic."""
+    hits = queries = 0.0
+    rates: list[float] = []
+    for load in loads:
+        if load is None:
+            continue
+        if load.prefix_hits is not None and load.prefix_queries is not None:
+            hits += load.prefix_hits
+            queries += load.prefix_queries
+        elif load.prefix_hit_rate is not None:
+            rates.append(load.prefix_hit_rate)
+    if queries > 0:
+        return hits / queries
+    if rates:
+        return sum(rates) / len(rates)
+    return None
 
 
 def _known(value: float | None) -> float:

@@ -68,6 +68,7 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         tpot_seconds=first(names.tpot_seconds),
         tpot_tokens=first(names.tpot_tokens),
         cache_tokens=cache_tokens,
+        prefix_hit_rate=first(names.prefix_hit_rate),
     )
 
 

@@ -181,6 +181,7 @@ class EngineLoad:
     tpot_tokens: float | None = None
     #: Its KV cache's size in tokens, as the engine reports it (vLLM: num_gpu_blocks x block_size).
     cache_tokens: int | None = None
+    prefix_hit_rate: float | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at

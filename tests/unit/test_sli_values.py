@@ -1,0 +1,47 @@
+"""SLI values computed from scraped engine metrics and from the gateway's own counters."""
+
+from __future__ import annotations
+
+from lockgate.engines.sglang import SGLANG
+from lockgate.engines.vllm import VLLM
+from lockgate.fleet.metrics import kv_cache_hit_rate
+from lockgate.fleet.scrape import parse_load
+from lockgate.fleet.state import EngineLoad
+from lockgate.metrics import GatewayMetrics
+
+
+def test_kv_cache_hit_rate_weighs_instances_by_their_queried_tokens() -> None:
+    vllm = "vllm:prefix_cache_hits_total{model_name=\"m\"} 30\nvllm:prefix_cache_queries_total{model_name=\"m\"} 40\n"
+    busy = parse_load(vllm, VLLM.metrics, 0.0)
+    idle = EngineLoad(scraped_at=0.0, prefix_hits=0.0, prefix_queries=60.0)
+    assert kv_cache_hit_rate([busy, idle, None]) == 0.3
+
+
+def test_kv_cache_hit_rate_falls_back_to_the_engines_own_rate_and_is_absent_without_one() -> None:
+    sglang = parse_load("sglang:cache_hit_rate 0.5\n", SGLANG.metrics, 0.0)
+    assert sglang.prefix_hit_rate == 0.5
+    assert kv_cache_hit_rate([sglang, EngineLoad(scraped_at=0.0, prefix_hit_rate=0.25)]) == 0.375
+    assert kv_cache_hit_rate([EngineLoad(scraped_at=0.0, waiting=1.0), None]) is None
+
+
+def test_token_counters_bound_the_tenant_label() -> None:
+    metrics = GatewayMetrics(tenants=["a", "b", "c"], max_tenant_labels=1)
+    tokens = metrics.tokens
+    assert tokens.child("m", "b") is tokens.child("m", "c")  # both `other`
+    tokens.child("m", "a").prompt += 3
+    tokens.child("m", "b").prompt += 2
+    tokens.child("m", "c").completion += 5
+    text = metrics.render().decode()
+    assert 'lockgate_prompt_tokens_total{model="m",tenant="a"} 3.0' in text
+    assert 'lockgate_prompt_tokens_total{model="m",tenant="other"} 2.0' in text
+    assert 'lockgate_completion_tokens_total{model="m",tenant="other"} 5.0' in text
+    assert 'tenant="b"' not in text and 'tenant="c"' not in text
+
+
+def test_the_request_counter_is_the_latency_histograms_count() -> None:
+    metrics = GatewayMetrics()
+    metrics.request_duration.labels("m", "P0", "completed").observe(0.2)
+    metrics.request_duration.labels("m", "P0", "completed").observe(0.3)
+    text = metrics.render().decode()
+    assert 'lockgate_requests_total{model="m",priority="P0",status="completed"} 2.0' in text
+    assert 'lockgate_request_duration_seconds_count{model="m",priority="P0",status="completed"} 2.0' in text
