@@ -311,6 +311,9 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check_admission(self) -> Config:
         check_admission(self.tenants, self.scheduling)
+        tenant_keys = {key for tenant in self.tenants for key in tenant.keys}
+        if tenant_keys.intersection(self.admin.keys):
+            raise ValueError("admin.keys: a key is also a tenant's key; use different keys")
         return self
 
     @model_validator(mode="after")

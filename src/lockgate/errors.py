@@ -4,6 +4,7 @@
     ├── InvalidRequest                400     invalid_request_error   (param names the field)
     │   └── InvalidConfig             422     code=invalid_config     (a reload refused the file)
     ├── Unauthorized                  401     authentication_error
+    ├── Forbidden                     403     permission_error         (a valid key without the right)
     ├── ModelNotFound                 404     invalid_request_error   code=model_not_found
     ├── NotFound                      404     invalid_request_error
     ├── PayloadTooLarge               413     invalid_request_error
@@ -94,6 +95,12 @@ class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
     default_code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    default_code = "permission_denied"
 
 
 class NotFound(GatewayError):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from .admission import resume
+from .admission.admin import AdminGate
 from .admission.gate import Admission
 from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
 from .config import Config, ConfigError
@@ -100,6 +101,8 @@ class Gateway:
         #: Called once per dashboard tick while a dashboard is open (so it should return a cached evaluation).
         self.slo_provider: SloProvider | None = None
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
+        #: Who may use `/admin/*`, `/dashboard` and (if configured) `/metrics`.
+        self.admin_gate = AdminGate(config.admin, self.admission.book)
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
         self._set_models(config)
@@ -174,7 +177,32 @@ class Gateway:
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
         routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
+        if not self.admin_gate.open:
+            # Operator routes are gated by path prefix, so routes added later are covered too.
+            for key, inner in list(routes.items()):
+                if self.admin_gate.protects(key[1]):
+                    routes[key] = self._guarded(inner)
         return routes
+
+    def _guarded(self, handler: Callable[[Request], Awaitable[Reply]]) -> Callable[[Request], Awaitable[Reply]]:
+        """`handler` behind the admin gate (401/403 in the OpenAI envelope without an admin key)."""
+
+        async def guarded(request: Request) -> Reply:
+            denied = self._denied(request)
+            return denied if denied is not None else await handler(request)
+
+        return guarded
+
+    def _denied(self, request: Request) -> Response | None:
+        try:
+            self.admin_gate.check(request.headers.get("authorization"))
+        except GatewayError as exc:
+            denied = Response(
+                status=exc.http_status, body=exc.body_bytes(), content_type="application/json", headers=exc.headers()
+            )
+            _set_request_id(denied, request)
+            return denied
+        return None
 
     def handle(self, request: Request) -> Awaitable[Reply]:
         """The edge server's handler: one dictionary lookup to the endpoint, whose coroutine the server
@@ -185,7 +213,10 @@ class Gateway:
         return self._other(request)
 
     async def _other(self, request: Request) -> Reply:
-        if request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
+        denied = self._denied(request) if self.admin_gate.protects(request.path) else None
+        if denied is not None:
+            reply: Reply = denied
+        elif request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
             reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
         elif request.path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
             reply = self._model(request, request.path[len(_MODEL_PREFIX) :])

@@ -1,0 +1,67 @@
+"""Who may use the operator routes: `/admin/*`, `/dashboard` (and what is under it) and, if configured,
+`/metrics`.
+
+The rules, in order (`AdminGate.check`):
+- admin keys configured (`admin.keys`, sha256 digests like tenant keys): the request must carry one as
+  `Authorization: Bearer <key>`; a tenant's key gets 403, no key or an unknown key 401;
+- no admin key but tenant keys configured: the routes are closed (403, saying to configure `admin.keys`).
+  Answering loopback clients only was rejected: behind a reverse proxy on the same host every client is
+  loopback, and in the sidecar shape tenants' clients may be too;
+- neither (an open gateway, the embedded demo): the routes are open, as every other route is.
+
+Pure lookups, no I/O; errors never echo the key.
+"""
+
+from __future__ import annotations
+
+from ..errors import Forbidden, Unauthorized
+from ..observe.config import AdminConfig
+from .tenants import TenantBook, hash_key
+
+#: Path prefixes of the operator routes (existing and future ones: gated by prefix, not route by route).
+PROTECTED_PREFIXES = ("/admin", "/dashboard")
+METRICS_PATH = "/metrics"
+
+
+class AdminGate:
+    def __init__(self, config: AdminConfig, tenants: TenantBook) -> None:
+        self._digests = frozenset(config.keys)
+        self._tenants = tenants
+        self._metrics = config.metrics_require_key
+        #: Nothing to check: no admin key and an open gateway.
+        self.open = not self._digests and tenants.open
+
+    def protects(self, path: str) -> bool:
+        """Whether `path` is an operator route (with `metrics_require_key`, `/metrics` is one)."""
+        return path.startswith(PROTECTED_PREFIXES) or (self._metrics and path == METRICS_PATH)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise `Unauthorized` (401) or `Forbidden` (403) unless the request may use an operator route."""
+        if self.open:
+            return
+        if not self._digests:
+            raise Forbidden(
+                "The admin API is closed: tenant keys are configured but no admin key. Add one to `admin.keys` "
+                "(`lockgate hash-key` prints its digest).",
+                code="admin_keys_not_configured",
+            )
+        if not authorization:
+            raise Unauthorized(
+                "This route needs an admin key. Send it as 'Authorization: Bearer <key>'.", code="missing_api_key"
+            )
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthorized("The Authorization header must be 'Bearer <key>'.", code="invalid_api_key")
+        if hash_key(key) in self._digests:
+            return
+        if not self._tenants.open and self._is_tenant_key(authorization):
+            raise Forbidden("This route needs an admin key; a tenant's key is not one.")
+        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+
+    def _is_tenant_key(self, authorization: str) -> bool:
+        try:
+            self._tenants.authenticate(authorization)
+        except Unauthorized:
+            return False
+        return True

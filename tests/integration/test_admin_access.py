@@ -1,0 +1,98 @@
+"""Admin access: `/admin/*`, `/dashboard` and (if configured) `/metrics` need an admin key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+
+from lockgate.admission.tenants import hash_key
+from tests.conftest import instance
+
+TENANTS = [{"name": "acme", "keys": [hash_key("tenant-key")]}]
+ADMIN = {"keys": [hash_key("admin-key")]}
+
+
+def admin_routes(gateway: Any) -> list[tuple[str, str]]:
+    """Every operator route the gateway serves (from its route table: routes added later are covered),
+    plus the cancel route and the dashboard."""
+    routes = [(m, p) for m, p in gateway._route_table if p.startswith("/admin") and m != "HEAD"]
+    assert ("GET", "/admin/requests") in routes
+    return [*routes, ("DELETE", "/admin/requests/lg-unknown"), ("GET", "/dashboard"), ("GET", "/dashboard/x.js")]
+
+
+async def call(http: aiohttp.ClientSession, method: str, url: str, key: str | None) -> tuple[int, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    async with http.request(method, url, headers=headers) as resp:
+        raw = await resp.read()
+        is_json = resp.content_type == "application/json"
+        return resp.status, orjson.loads(raw) if is_json else {}
+
+
+async def test_tenant_keys_get_403_and_the_admin_key_200_on_every_admin_route(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=TENANTS, admin=ADMIN)
+    assert gw.gateway is not None
+    async with aiohttp.ClientSession() as http:
+        for method, path in admin_routes(gw.gateway):
+            url = gw.url + path
+            status, body = await call(http, method, url, "tenant-key")
+            assert status == 403 and body["error"]["type"] == "permission_error", (path, body)
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+            for key in (None, "wrong-key"):
+                status, body = await call(http, method, url, key)
+                assert status == 401 and body["error"]["type"] == "authentication_error", (path, key, body)
+            status, body = await call(http, method, url, "admin-key")
+            if method == "GET" and path.startswith("/admin"):
+                assert status == 200, (path, status, body)
+            else:  # past the gate: the route's own answer (no such request, nothing to reload, no dashboard)
+                assert status in (400, 404), (path, status, body)
+        # The admin key is not a tenant key; /metrics stays open unless configured otherwise.
+        assert (await call(http, "GET", gw.url + "/metrics", "tenant-key"))[0] == 200
+        async with http.post(
+            gw.url + "/v1/chat/completions",
+            data=orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            headers={"Authorization": "Bearer admin-key"},
+        ) as resp:
+            assert resp.status == 401
+
+
+async def test_metrics_can_require_an_admin_key(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=TENANTS,
+        admin={**ADMIN, "metrics_require_key": True},
+    )
+    async with aiohttp.ClientSession() as http:
+        assert (await call(http, "GET", gw.url + "/metrics", None))[0] == 401
+        assert (await call(http, "GET", gw.url + "/metrics", "tenant-key"))[0] == 403
+        async with http.get(gw.url + "/metrics", headers={"Authorization": "Bearer admin-key"}) as resp:
+            assert resp.status == 200 and "lockgate_requests" in await resp.text()
+        assert (await call(http, "GET", gw.url + "/health", None))[0] == 200
+
+
+async def test_tenant_keys_without_an_admin_key_close_the_admin_api(start_sim, start_gateway):
+    """The safe default: no one (tenant or anonymous, loopback or not) may list or cancel requests."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=TENANTS)
+    async with aiohttp.ClientSession() as http:
+        for key in (None, "tenant-key"):
+            for method, path in [("GET", "/admin/requests"), ("DELETE", "/admin/requests/x"), ("GET", "/dashboard")]:
+                status, body = await call(http, method, gw.url + path, key)
+                assert status == 403 and body["error"]["code"] == "admin_keys_not_configured", (path, body)
+                assert "admin.keys" in body["error"]["message"]
+
+
+async def test_an_admin_key_alone_guards_admin_routes_of_an_open_gateway(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], admin=ADMIN)
+    async with aiohttp.ClientSession() as http:
+        assert (await call(http, "GET", gw.url + "/admin/fleet", None))[0] == 401
+        assert (await call(http, "GET", gw.url + "/admin/fleet", "admin-key"))[0] == 200
+        async with http.post(
+            gw.url + "/v1/chat/completions",
+            data=orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ) as resp:
+            assert resp.status == 200
