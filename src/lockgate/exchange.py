@@ -209,6 +209,9 @@ class Exchange:
         metrics.endpoint_requests.labels(record.endpoint, reason or record.status).inc()
         if reason:
             metrics.cancellations.labels(record.model, priority, reason).inc()
+        if self.gateway.log_prompts:
+            body = self.api.body
+            record.log_prompt = body.get("messages", body.get("prompt"))
         tokens = metrics.tokens.child(record.model, record.tenant)
         tokens.prompt += record.prompt_tokens
         tokens.completion += record.completion_tokens

@@ -39,6 +39,7 @@ from .exchange import Exchange, Registry
 from .fleet.pool import Fleet
 from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
+from .observe.access_log import AccessLog
 from .records import RecordWriter
 from .relay import relay
 from .wire import Endpoint, parse_request
@@ -86,7 +87,10 @@ class Gateway:
             self.metrics,
             batch_size=config.usage.batch_size,
             queue_size=config.usage.queue_size,
+            access_log=AccessLog(config.access_log) if config.access_log.enabled else None,
         )
+        #: Records keep the prompt for the access log only when it asks for prompts.
+        self.log_prompts = config.access_log.enabled and config.access_log.include_prompts
         self.registry = Registry()
         self.admission = Admission(config, self.metrics.scheduling)
         self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))

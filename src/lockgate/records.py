@@ -17,13 +17,14 @@ import operator
 import sqlite3
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from .metrics import GatewayMetrics
+from .observe.access_log import AccessLog
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class UsageRecord:
     started_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+    #: The client's W3C `traceparent`, when it sent a valid one (forwarded to the engine as well).
+    traceparent: str | None = None
+    #: The request's messages or prompt, kept only for an access log with `include_prompts`; never stored.
+    log_prompt: Any = field(default=None, metadata={"column": False}, compare=False, repr=False)
 
 
 def _null(value: None) -> None:
@@ -74,7 +79,12 @@ def _register_adapters() -> None:
     sqlite3.register_adapter(bool, int)
 
 
-_COLUMNS = [f.name for f in fields(UsageRecord)]
+def _column_fields() -> list[Field[Any]]:
+    """The record's fields stored as columns (and in spill files)."""
+    return [f for f in fields(UsageRecord) if f.metadata.get("column", True)]
+
+
+_COLUMNS = [f.name for f in _column_fields()]
 #: One C call turns a record into its row.
 _ROW = operator.attrgetter(*_COLUMNS)
 _SQL_TYPES = {"bool": "INTEGER", "int": "INTEGER", "float": "REAL"}
@@ -82,7 +92,7 @@ _SQL_TYPES = {"bool": "INTEGER", "int": "INTEGER", "float": "REAL"}
 
 def _schema() -> str:
     cols = []
-    for f in fields(UsageRecord):
+    for f in _column_fields():
         base = str(f.type).split("|")[0].strip()
         sql_type = _SQL_TYPES.get(base, "TEXT")
         cols.append(f"{f.name} {sql_type}{' PRIMARY KEY' if f.name == 'request_id' else ''}")
@@ -132,8 +142,11 @@ class RecordWriter:
         batch_size: int = 256,
         queue_size: int = 10000,
         linger_s: float = 0.05,
+        access_log: AccessLog | None = None,
     ) -> None:
         self._path = path
+        #: Stored batches are handed to it, in the writer's thread (see `observe/access_log.py`).
+        self._access_log = access_log
         self._metrics = metrics
         self._batch_size = batch_size
         self._queue_size = queue_size
@@ -166,10 +179,12 @@ class RecordWriter:
         if self._path != ":memory:":
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
+        if self._access_log is not None:
+            self._access_log.open()
         db.execute(_schema())
         # Files written by an older lockgate lack the newer columns: add them (with their defaults).
         have = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
-        for f in fields(UsageRecord):
+        for f in _column_fields():
             if f.name not in have:
                 sql_type = _SQL_TYPES.get(str(f.type).split("|")[0].strip(), "TEXT")
                 db.execute(f"ALTER TABLE usage ADD COLUMN {f.name} {sql_type} DEFAULT {_sql_default(f.default)}")
@@ -195,7 +210,7 @@ class RecordWriter:
             return
         try:
             with self._spill.open("ab") as fh:
-                fh.write(orjson.dumps(asdict(record)) + b"\n")
+                fh.write(orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))) + b"\n")
         except OSError as exc:
             # The disk refused the spill (full, read-only, gone): keep the record in memory rather than
             # lose it. `submit()` runs in a request's cleanup and must never raise.
@@ -279,6 +294,8 @@ class RecordWriter:
         db.execute("COMMIT")
         self.written += len(batch)
         self._metrics.usage_records_written.inc(len(batch))
+        if self._access_log is not None:
+            self._access_log.write(batch)
 
     def _import_claimed(self, claimed: Path) -> None:
         records = [UsageRecord(**orjson.loads(line)) for line in claimed.read_bytes().splitlines() if line]
@@ -311,6 +328,8 @@ class RecordWriter:
         if self._db is not None:
             db, self._db = self._db, None
             await asyncio.to_thread(db.close)
+        if self._access_log is not None:
+            await asyncio.to_thread(self._access_log.close)
 
     def statistics(self) -> dict[str, Any]:
         return {

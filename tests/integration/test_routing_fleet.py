@@ -4,6 +4,7 @@ cache affinity, and what /admin/fleet and /metrics show."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -53,7 +54,8 @@ def upstream_errors(gw) -> dict[tuple[str, str], float]:
     return out
 
 
-async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http):
+async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http, caplog):
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
     bad, good = await start_sim(), await start_sim()
     gw = await start_gateway(
         [
@@ -89,6 +91,10 @@ async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start
         await fleet.wait_until(lambda f: bad_instance.routable)
     names = {(await post(http, gw.url, chat()))[1] for _ in range(4)}
     assert names == {"bad", "good"}
+    # Operators see both in the log, at WARNING.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("instance bad ejected") for m in warnings), warnings
+    assert "instance bad returns after a successful probe" in warnings
 
 
 async def test_stream_failing_before_its_first_event_is_retried_on_another_instance(start_sim, start_gateway, http):

@@ -853,7 +853,7 @@ class Fleet:
         ok = await self._check(instance)
         now = time.monotonic()
         if instance.ejection.probe_due(now) and instance.ejection.probed(ok, now):
-            log.info("instance %s returns after a successful probe", instance.name)
+            log.warning("instance %s returns after a successful probe", instance.name)
         self._set_health(instance, ok)
         self._notify()
 
@@ -878,7 +878,7 @@ class Fleet:
 
     def _set_health(self, instance: Instance, healthy: bool) -> None:
         if instance.healthy != healthy:
-            log.info("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
+            log.warning("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
         instance.healthy = healthy
         self._metrics.instance_healthy.labels(instance.name).set(1 if healthy else 0)
 
