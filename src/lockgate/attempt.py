@@ -91,7 +91,16 @@ async def open_attempts(
         body = instance.dialect.upstream_body(
             api, served_model=pool.served[instance.key], request_id=request_id, stream=stream, priority=priority
         )
-        call = UpstreamCall(fleet, metrics, instance, api.endpoint.path, orjson.dumps(body), request_id, stream=stream)
+        call = UpstreamCall(
+            fleet,
+            metrics,
+            instance,
+            api.endpoint.path,
+            orjson.dumps(body),
+            request_id,
+            stream=stream,
+            headers=api.trace_headers,
+        )
         lease = fleet.lease(instance, max(0, route.prompt_tokens - cached), route.prompt_tokens)
         hold(lease, call)
         try:

@@ -40,6 +40,7 @@ from .fleet.pool import Fleet
 from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
 from .observe.access_log import AccessLog
+from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter
 from .relay import relay
 from .wire import Endpoint, parse_request
@@ -274,6 +275,9 @@ class Gateway:
                     f"The model '{api.model}' does not exist or you do not have access to it.",
                     param="model",
                 )
+            traceparent = request.headers.get(TRACEPARENT)
+            if traceparent is not None:
+                api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
         except GatewayError as exc:
@@ -290,6 +294,8 @@ class Gateway:
             priority=self.admission.class_name(klass),
         )
         exchange.record.client_request_id = client_id
+        if api.trace_headers:
+            exchange.record.traceparent = api.trace_headers[0][1]
         return await exchange.run(self._admit_and_relay, request, tenant, klass)
 
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:

@@ -32,6 +32,7 @@ from .sse import DONE, EventTooLarge, SSEDecoder
 class UpstreamCall:
     __slots__ = (
         "_body",
+        "_extra_headers",
         "_finished",
         "_fleet",
         "_metrics",
@@ -55,8 +56,11 @@ class UpstreamCall:
         request_id: str,
         *,
         stream: bool,
+        headers: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._fleet = fleet
+        #: Request headers beyond the instance's own (trace context).
+        self._extra_headers = headers
         self._metrics = metrics
         self.instance = instance
         self._path = path
@@ -84,7 +88,7 @@ class UpstreamCall:
                 "POST",
                 self._path,
                 self._body,
-                upstream_headers(instance, self._request_id, stream=self.stream),
+                upstream_headers(instance, self._request_id, stream=self.stream, extra=self._extra_headers),
             )
         except ConnectError as exc:
             self._finish()

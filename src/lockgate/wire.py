@@ -65,6 +65,8 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None
+    #: W3C trace-context headers (`traceparent`, `tracestate`) to forward to the engine, once validated.
+    trace_headers: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     #: `prompt_text()` and `estimated_prompt_tokens()`, computed once (admission, routing and accounting
     #: all ask for them).
     _prompt: str | None = field(default=None, init=False, repr=False, compare=False)

@@ -893,8 +893,12 @@ def _auth(instance: Instance) -> dict[str, str]:
     return {}
 
 
-def upstream_headers(instance: Instance, request_id: str, *, stream: bool) -> list[tuple[str, str]]:
+def upstream_headers(
+    instance: Instance, request_id: str, *, stream: bool, extra: tuple[tuple[str, str], ...] = ()
+) -> list[tuple[str, str]]:
     headers = [("X-Request-Id", request_id), *instance.request_headers]
     if stream and instance.dialect.close_after_stream:
         headers.append(("Connection", "close"))
+    if extra:
+        headers.extend(extra)
     return headers
