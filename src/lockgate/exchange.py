@@ -113,6 +113,8 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
+        #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).
+        self.span: Any = None
         #: The running deadline (`asyncio.Timeout`) while `run()` is active, if the request has one:
         #: inspect or reschedule it.
         self.timeout: asyncio.Timeout | None = None
@@ -217,6 +219,8 @@ class Exchange:
         tokens.completion += record.completion_tokens
         if self.response is not None:
             metrics.backpressure.labels(record.model).observe(self.response.backpressure_s)
+        if self.span is not None and self.gateway.tracer is not None:
+            self.gateway.tracer.end(self.span, record)
         self.gateway.records.submit(record)
 
     # --- control -------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from .fleet.pool import Fleet
 from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
 from .observe.access_log import AccessLog
+from .observe.otel import Tracer
 from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter
 from .relay import relay
@@ -90,6 +91,8 @@ class Gateway:
             queue_size=config.usage.queue_size,
             access_log=AccessLog(config.access_log) if config.access_log.enabled else None,
         )
+        #: One OpenTelemetry span per request (`tracing.otel`), else None.
+        self.tracer: Tracer | None = Tracer(config.tracing) if config.tracing.otel else None
         #: Records keep the prompt for the access log only when it asks for prompts.
         self.log_prompts = config.access_log.enabled and config.access_log.include_prompts
         self.registry = Registry()
@@ -159,6 +162,8 @@ class Gateway:
         await self.dedup.aclose()
         await self.fleet.aclose()
         await self.records.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
     # --- the HTTP edge -------------------------------------------------------------------------
     def _routes(self) -> dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]]:
@@ -296,6 +301,9 @@ class Gateway:
         exchange.record.client_request_id = client_id
         if api.trace_headers:
             exchange.record.traceparent = api.trace_headers[0][1]
+        if self.tracer is not None:
+            # The engine is told the gateway's span as its parent.
+            exchange.span, api.trace_headers = self.tracer.start(f"{api.endpoint.value} {api.model}", api.trace_headers)
         return await exchange.run(self._admit_and_relay, request, tenant, klass)
 
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:

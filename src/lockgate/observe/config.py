@@ -5,6 +5,7 @@ Kept apart from `config.py` (which embeds these sections) so the feature owns it
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Annotated
 
@@ -69,3 +70,17 @@ class TracingConfig(_Strict):
     service_name: Annotated[str, Field(min_length=1)] = "lockgate"
     #: OTLP/HTTP traces endpoint; null: the exporter's default (`OTEL_EXPORTER_OTLP_*` environment variables).
     endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _sdk_present(self) -> TracingConfig:
+        if self.otel and not sdk_installed():
+            raise ValueError("otel needs the OpenTelemetry SDK: pip install 'lockgate[otel]'")
+        return self
+
+
+def sdk_installed() -> bool:
+    """Whether the `otel` extra is installed (looked up without importing the SDK)."""
+    try:
+        return importlib.util.find_spec("opentelemetry.sdk.trace") is not None
+    except (ImportError, ValueError):
+        return False
