@@ -64,6 +64,9 @@ async def test_every_sli_is_in_metrics_with_its_labels(start_sim, start_gateway)
     # KV-cache hit rate per model, from the engines' prefix-cache counters.
     [rate] = families["lockgate_kv_cache_hit_rate"].samples
     assert rate.labels == {"model": "m"} and 0.0 <= rate.value <= 1.0
+    [queried] = families["lockgate_instance_engine_prefix_cache_queries"].samples
+    [hits] = families["lockgate_instance_engine_prefix_cache_hits"].samples
+    assert queried.value > 0 and hits.value / queried.value == rate.value
     # De-duplication: the outcomes and the hit ratio computed from them.
     assert {s.labels["outcome"] for s in families["lockgate_dedup"].samples if s.name == "lockgate_dedup_total"}
     [ratio] = families["lockgate_dedup_hit_ratio"].samples

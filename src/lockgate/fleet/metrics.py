@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .state import EngineLoad
@@ -33,7 +33,7 @@ class FleetCollector(Collector):
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = time.monotonic()
         families = {
             name: GaugeMetricFamily(f"lockgate_instance_{name}", doc, labels=["instance"]) for name, doc in _GAUGES
@@ -63,6 +63,22 @@ class FleetCollector(Collector):
             "gauges (SGLang). Absent while no instance of the model exports either.",
             labels=["model"],
         )
+        # The engines' own counters, for windowed hit rates in PromQL (a restarted engine is a counter reset).
+        prefix_hits = CounterMetricFamily(
+            "lockgate_instance_engine_prefix_cache_hits",
+            "Prefix-cache hit tokens, as last scraped from the engine (engines that export the counter).",
+            labels=["instance"],
+        )
+        prefix_queries = CounterMetricFamily(
+            "lockgate_instance_engine_prefix_cache_queries",
+            "Prefix-cache queried tokens, as last scraped from the engine (engines that export the counter).",
+            labels=["instance"],
+        )
+        for instance in self._fleet.instances.values():
+            load = instance.engine_load
+            if load is not None and load.prefix_hits is not None and load.prefix_queries is not None:
+                prefix_hits.add_metric([instance.name], load.prefix_hits)
+                prefix_queries.add_metric([instance.name], load.prefix_queries)
         for pool in self._fleet.pools.values():
             index.add_metric([pool.model], float(len(pool.index)))
             rate = kv_cache_hit_rate(i.engine_load for i in pool.instances)
@@ -71,6 +87,8 @@ class FleetCollector(Collector):
         yield from families.values()
         yield index
         yield hit_rate
+        yield prefix_hits
+        yield prefix_queries
 
 
 def kv_cache_hit_rate(loads: Iterable[EngineLoad | None]) -> float | None:
