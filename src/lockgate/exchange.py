@@ -214,7 +214,8 @@ class Exchange:
         if self.gateway.log_prompts:
             body = self.api.body
             record.log_prompt = body.get("messages", body.get("prompt"))
-        tokens = metrics.tokens.child(record.model, record.tenant)
+        counters = metrics.tokens
+        tokens = counters.children.get((record.model, record.tenant)) or counters.child(record.model, record.tenant)
         tokens.prompt += record.prompt_tokens
         tokens.completion += record.completion_tokens
         if self.response is not None:

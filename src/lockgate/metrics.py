@@ -201,20 +201,21 @@ class TokenCounters(Collector):
     def __init__(self, registry: CollectorRegistry, tenant_order: Sequence[str], max_tenant_labels: int) -> None:
         self._labels = {name: name for name in list(dict.fromkeys(tenant_order))[:max_tenant_labels]}
         self._by_label: dict[tuple[str, str], TokenCount] = {}
-        self._children: dict[tuple[str, str], TokenCount] = {}
+        #: (model, tenant) -> its counts; the request path reads it directly (no call when present).
+        self.children: dict[tuple[str, str], TokenCount] = {}
         registry.register(self)
 
     def tenant_label(self, tenant: str) -> str:
         return self._labels.get(tenant, OTHER_TENANTS)
 
     def child(self, model: str, tenant: str) -> TokenCount:
-        child = self._children.get((model, tenant))
+        child = self.children.get((model, tenant))
         if child is None:
             key = (model, self.tenant_label(tenant))
             child = self._by_label.get(key)
             if child is None:
                 child = self._by_label[key] = TokenCount()
-            self._children[model, tenant] = child
+            self.children[model, tenant] = child
         return child
 
     def describe(self) -> Iterator[Metric]:
