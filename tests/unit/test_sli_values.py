@@ -45,3 +45,5 @@ def test_the_request_counter_is_the_latency_histograms_count() -> None:
     text = metrics.render().decode()
     assert 'lockgate_requests_total{model="m",priority="P0",status="completed"} 2.0' in text
     assert 'lockgate_request_duration_seconds_count{model="m",priority="P0",status="completed"} 2.0' in text
+    [family] = metrics.requests.collect()  # readable on its own, like any collector
+    assert [(s.name, s.value) for s in family.samples] == [("lockgate_requests_total", 2.0)]
