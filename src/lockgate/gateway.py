@@ -19,6 +19,7 @@ import orjson
 
 from .admission import resume
 from .admission.admin import AdminGate
+from .admission.admin import challenge as admin_challenge
 from .admission.gate import Admission
 from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
 from .config import Config, ConfigError
@@ -207,9 +208,11 @@ class Gateway:
         try:
             self.admin_gate.check(request.headers.get("authorization"))
         except GatewayError as exc:
-            denied = Response(
-                status=exc.http_status, body=exc.body_bytes(), content_type="application/json", headers=exc.headers()
-            )
+            headers = exc.headers()
+            if exc.http_status == 401:
+                headers["WWW-Authenticate"] = admin_challenge(request.path)
+            body = exc.body_bytes()
+            denied = Response(status=exc.http_status, body=body, content_type="application/json", headers=headers)
             _set_request_id(denied, request)
             return denied
         return None

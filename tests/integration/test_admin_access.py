@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,10 @@ def admin_routes(gateway: Any) -> list[tuple[str, str]]:
     routes = [(m, p) for m, p in gateway._route_table if p.startswith("/admin") and m != "HEAD"]
     assert ("GET", "/admin/requests") in routes
     return [*routes, ("DELETE", "/admin/requests/lg-unknown"), ("GET", "/dashboard"), ("GET", "/dashboard/x.js")]
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 async def call(http: aiohttp.ClientSession, method: str, url: str, key: str | None) -> tuple[int, dict[str, Any]]:
@@ -96,3 +101,22 @@ async def test_an_admin_key_alone_guards_admin_routes_of_an_open_gateway(start_s
             data=orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
         ) as resp:
             assert resp.status == 200
+
+
+async def test_a_browser_is_asked_for_basic_credentials_and_may_send_the_key_as_password(start_sim, start_gateway):
+    """A browser cannot send a bearer token when it opens /dashboard: its 401 asks for Basic credentials, which
+    the browser then sends with the page's own requests (/admin/* included)."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=TENANTS, admin=ADMIN)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/dashboard") as resp:
+            assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Basic ")
+        async with http.get(gw.url + "/admin/fleet") as resp:
+            assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Bearer ")
+        for user, password in [("ops", "admin-key"), ("admin-key", "")]:
+            async with http.get(gw.url + "/admin/fleet", headers=basic(user, password)) as resp:
+                assert resp.status == 200
+        async with http.get(gw.url + "/dashboard", headers=basic("ops", "tenant-key")) as resp:
+            assert resp.status == 403
+        async with http.get(gw.url + "/admin/fleet", headers={"Authorization": "Basic !!not-base64"}) as resp:
+            assert resp.status == 401

@@ -9,10 +9,19 @@ The rules, in order (`AdminGate.check`):
   loopback, and in the sidecar shape tenants' clients may be too;
 - neither (an open gateway, the embedded demo): the routes are open, as every other route is.
 
+The key is accepted as `Authorization: Bearer <key>` (API clients) or as the password of HTTP Basic
+authentication (`Basic base64(any-user:<key>)`, or the user name when the password is empty, as `curl -u KEY:`
+sends it): a browser opening `/dashboard` cannot send a bearer token, but answers a 401 that carries
+`WWW-Authenticate: Basic` with its own login prompt and then sends the credentials with every same-origin request
+the page makes, `/dashboard/*` and `/admin/*` included.
+
 Pure lookups, no I/O; errors never echo the key.
 """
 
 from __future__ import annotations
+
+import base64
+import binascii
 
 from ..errors import Forbidden, Unauthorized
 from ..observe.config import AdminConfig
@@ -21,6 +30,35 @@ from .tenants import TenantBook, hash_key
 #: Path prefixes of the operator routes (existing and future ones: gated by prefix, not route by route).
 PROTECTED_PREFIXES = ("/admin", "/dashboard")
 METRICS_PATH = "/metrics"
+#: Pages a person opens in a browser: their 401 asks for Basic credentials (the browser's login prompt).
+BROWSER_PREFIX = "/dashboard"
+_REALM = 'realm="lockgate admin"'
+
+
+def challenge(path: str) -> str:
+    """The `WWW-Authenticate` value of a 401 on an operator route."""
+    if path.startswith(BROWSER_PREFIX):
+        return f'Basic {_REALM}, charset="UTF-8"'
+    return f"Bearer {_REALM}"
+
+
+def presented_key(authorization: str) -> str | None:
+    """The key in an `Authorization` header (Bearer, or Basic's password / user name), None if malformed."""
+    scheme, _, credentials = authorization.strip().partition(" ")
+    credentials = credentials.strip()
+    if not credentials:
+        return None
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return credentials
+    if scheme != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(credentials, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, _, password = decoded.partition(":")
+    return password or user or None
 
 
 class AdminGate:
@@ -49,19 +87,21 @@ class AdminGate:
             raise Unauthorized(
                 "This route needs an admin key. Send it as 'Authorization: Bearer <key>'.", code="missing_api_key"
             )
-        scheme, _, key = authorization.strip().partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise Unauthorized("The Authorization header must be 'Bearer <key>'.", code="invalid_api_key")
+        key = presented_key(authorization)
+        if key is None:
+            raise Unauthorized(
+                "The Authorization header must be 'Bearer <key>' (or Basic with the key as password).",
+                code="invalid_api_key",
+            )
         if hash_key(key) in self._digests:
             return
-        if not self._tenants.open and self._is_tenant_key(authorization):
+        if not self._tenants.open and self._is_tenant_key(key):
             raise Forbidden("This route needs an admin key; a tenant's key is not one.")
         raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
-    def _is_tenant_key(self, authorization: str) -> bool:
+    def _is_tenant_key(self, key: str) -> bool:
         try:
-            self._tenants.authenticate(authorization)
+            self._tenants.authenticate(f"Bearer {key}")
         except Unauthorized:
             return False
         return True
