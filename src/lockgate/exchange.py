@@ -213,7 +213,7 @@ class Exchange:
             metrics.cancellations.labels(record.model, priority, reason).inc()
         if self.gateway.log_prompts:
             body = self.api.body
-            record.log_prompt = body.get("messages", body.get("prompt"))
+            record.log_prompt = body.get("messages", body.get("prompt", body.get("input")))
         counters = metrics.tokens
         tokens = counters.children.get((record.model, record.tenant)) or counters.child(record.model, record.tenant)
         tokens.prompt += record.prompt_tokens

@@ -80,8 +80,7 @@ class Gateway:
     def __init__(self, config: Config, *, usage_path: str | None = None) -> None:
         self.config = config
         self.metrics = GatewayMetrics(
-            # Configured tenants first: with keys configured, "default" is never a request's tenant.
-            tenants=[*(t.name for t in config.tenants), DEFAULT_TENANT],
+            tenants=_tenant_order(config),
             max_tenant_labels=config.metrics.max_tenant_labels,
         )
         self.fleet = Fleet(config, self.metrics)
@@ -111,7 +110,7 @@ class Gateway:
         self.slo_provider: SloProvider | None = None
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
         #: Who may use `/admin/*`, `/dashboard` and (if configured) `/metrics`.
-        self.admin_gate = AdminGate(config.admin, self.admission.book)
+        self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
         self._set_models(config)
@@ -134,6 +133,7 @@ class Gateway:
         every request sees either the old or the new configuration; requests in flight keep the
         pool, instance, tenant and scheduler ticket they hold."""
         self.admission.reconfigure(config)
+        self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
         self.config = config
         self._set_models(config)
@@ -188,11 +188,11 @@ class Gateway:
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
         routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
-        if not self.admin_gate.open:
-            # Operator routes are gated by path prefix, so routes added later are covered too.
-            for key, inner in list(routes.items()):
-                if self.admin_gate.protects(key[1]):
-                    routes[key] = self._guarded(inner)
+        # Operator routes are gated by path prefix, so routes added later are covered too. Always: a reload
+        # may add tenant keys to an open gateway (the gate is then checked per request, off the hot path).
+        for key, inner in list(routes.items()):
+            if self.admin_gate.protects(key[1]):
+                routes[key] = self._guarded(inner)
         return routes
 
     def _guarded(self, handler: Callable[[Request], Awaitable[Reply]]) -> Callable[[Request], Awaitable[Reply]]:
@@ -440,3 +440,9 @@ def _with_request_id(
         return reply
 
     return wrapped
+
+
+def _tenant_order(config: Config) -> list[str]:
+    """Tenants in the order they get their own metric label: configured tenants first (with keys
+    configured, "default" is never a request's tenant)."""
+    return [*(t.name for t in config.tenants), DEFAULT_TENANT]

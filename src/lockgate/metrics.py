@@ -200,11 +200,18 @@ class TokenCounters(Collector):
     (model, tenant) pairs is bounded too)."""
 
     def __init__(self, registry: CollectorRegistry, tenant_order: Sequence[str], max_tenant_labels: int) -> None:
-        self._labels = {name: name for name in list(dict.fromkeys(tenant_order))[:max_tenant_labels]}
+        self._max = max_tenant_labels
+        self._labels: dict[str, str] = {}
         self._by_label: dict[tuple[str, str], TokenCount] = {}
         #: (model, tenant) -> its counts; the request path reads it directly (no call when present).
         self.children: dict[tuple[str, str], TokenCount] = {}
+        self.set_tenants(tenant_order)
         registry.register(self)
+
+    def set_tenants(self, tenant_order: Sequence[str]) -> None:
+        """The configured tenants changed (a reload): label them anew. Counts already made stay where they are."""
+        self._labels = {name: name for name in list(dict.fromkeys(tenant_order))[: self._max]}
+        self.children = {}
 
     def tenant_label(self, tenant: str) -> str:
         return self._labels.get(tenant, OTHER_TENANTS)

@@ -23,6 +23,10 @@ def admin_routes(gateway: Any) -> list[tuple[str, str]]:
     return [*routes, ("DELETE", "/admin/requests/lg-unknown"), ("GET", "/dashboard"), ("GET", "/dashboard/x.js")]
 
 
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 def basic(user: str, password: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
@@ -120,3 +124,29 @@ async def test_a_browser_is_asked_for_basic_credentials_and_may_send_the_key_as_
             assert resp.status == 403
         async with http.get(gw.url + "/admin/fleet", headers={"Authorization": "Basic !!not-base64"}) as resp:
             assert resp.status == 401
+
+
+async def test_a_reload_that_adds_tenant_keys_closes_the_admin_api_at_once(stack, start_sim, tmp_path):
+    """The gate reads the tenant book in force: an open gateway that gains tenant keys by a reload is no longer
+    open to anyone; the new tenant's tokens are counted under its own name."""
+    from lockgate.config import load_config
+    from lockgate.server import GatewayServer
+
+    sim = await start_sim()
+    path = tmp_path / "gw.yaml"
+    head = f"listen: {{host: 127.0.0.1, port: 0}}\nusage: {{path: '{tmp_path / 'u.sqlite3'}'}}\n"
+    head += f"models: [{{name: m, instances: [{{url: '{sim.url}', engine: vllm}}]}}]\n"
+    path.write_text(head)
+    server = await stack.enter_async_context(GatewayServer(load_config(path), config_path=path))
+    assert server.gateway is not None
+    async with aiohttp.ClientSession() as http:
+        assert (await call(http, "GET", server.url + "/admin/requests", None))[0] == 200
+        path.write_text(head + f"tenants: [{{name: newco, keys: ['{hash_key('newco-key')}']}}]\n")
+        assert (await call(http, "POST", server.url + "/admin/reload", None))[0] == 200
+        status, body = await call(http, "GET", server.url + "/admin/requests", None)
+        assert status == 403 and body["error"]["code"] == "admin_keys_not_configured"
+        assert (await call(http, "GET", server.url + "/admin/requests", "newco-key"))[0] == 403
+        data = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        async with http.post(server.url + "/v1/chat/completions", data=data, headers=bearer("newco-key")) as resp:
+            assert resp.status == 200
+    assert 'lockgate_completion_tokens_total{model="m",tenant="newco"} 2.0' in server.gateway.metrics.render().decode()

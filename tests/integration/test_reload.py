@@ -22,6 +22,8 @@ from lockgate.sim import SimServer
 from tests.integration.cancel_support import StreamReader, assert_gateway_clean
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+#: With tenant keys configured, the admin API (reload included) needs an admin key.
+ADMIN_KEY = "sk-admin"
 
 
 def write(path: Path, usage: Path, instances: list[SimServer], keys: dict[str, str], extra: str = "") -> None:
@@ -37,6 +39,7 @@ def write(path: Path, usage: Path, instances: list[SimServer], keys: dict[str, s
         *(f"      - {{url: '{sim.url}', engine: vllm, name: {'AB'[n]}{extra}}}" for n, sim in enumerate(instances)),
         "tenants:",
         *(f"  - {{name: {name}, keys: ['{hash_key(key)}']}}" for name, key in keys.items()),
+        f"admin: {{keys: ['{hash_key(ADMIN_KEY)}']}}",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -90,7 +93,7 @@ async def test_reload_with_twenty_streams_in_flight(gateway: Any, tmp_path: Path
             assert len(gw.registry) == 20
 
             write(path, tmp_path / "usage.sqlite3", [sim_a, sim_b], {"a": KEY_A, "b": KEY_B})
-            async with http.post(url + "/admin/reload") as resp:
+            async with http.post(url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
                 assert resp.status == 200, await resp.text()
                 answer = await resp.json()
                 assert resp.headers["x-request-id"]
@@ -125,7 +128,7 @@ async def test_an_invalid_file_changes_nothing_and_says_why(gateway: Any, tmp_pa
     before = gw.config
     path.write_text(path.read_text().replace("engine: vllm", "engine: vlm"))
     async with aiohttp.ClientSession() as http:
-        async with http.post(server.url + "/admin/reload") as resp:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert resp.status == 422
             error = (await resp.json())["error"]
         assert error["code"] == "invalid_config" and error["type"] == "invalid_request_error"
@@ -135,7 +138,7 @@ async def test_an_invalid_file_changes_nothing_and_says_why(gateway: Any, tmp_pa
             assert resp.status == 200
 
         path.write_text("models: [\n")
-        async with http.post(server.url + "/admin/reload") as resp:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert resp.status == 422
             assert "not valid YAML" in (await resp.json())["error"]["message"]
         assert gw.config is before
@@ -148,7 +151,7 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
     usage = tmp_path / "usage.sqlite3"
     async with aiohttp.ClientSession() as http, asyncio.timeout(30):
         write(path, usage, [sim_a, sim_b], {"a": KEY_A})
-        async with http.post(server.url + "/admin/reload") as resp:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert resp.status == 200
         instance_a = gw.fleet.instances[sim_a.url]
         sim_a.control.hold_next = 1
@@ -166,7 +169,7 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
         # Only B remains (now under the name C): A and the old B retire; the held requests keep them.
         path.write_text(path.read_text().replace(f"      - {{url: '{sim_a.url}', engine: vllm, name: A}}\n", ""))
         path.write_text(path.read_text().replace("name: B}", "name: C}"))
-        async with http.post(server.url + "/admin/reload") as resp:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             changes = (await resp.json())["changes"]
         assert changes["instances"] == {"added": [], "removed": ["A"], "replaced": ["C"]}
         assert instance_a.retired and not instance_a.routable and instance_a.in_flight == 1
@@ -195,7 +198,7 @@ async def test_a_queued_request_goes_to_the_instance_that_replaced_its_own(gatew
 
     async with aiohttp.ClientSession() as http, asyncio.timeout(30):
         write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 1")
-        async with http.post(server.url + "/admin/reload") as resp:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert resp.status == 200
         statuses: list[int] = []
 
@@ -212,7 +215,7 @@ async def test_a_queued_request_goes_to_the_instance_that_replaced_its_own(gatew
 
         # More room on A: the instance is replaced, the queued request starts at once on the new one.
         write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 2")
-        async with http.post(server.url + "/admin/reload") as resp:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert (await resp.json())["changes"]["instances"]["replaced"] == ["A"]
         await tasks[1]
         sim_a.release()

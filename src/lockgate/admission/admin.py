@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 
 from ..errors import Forbidden, Unauthorized
 from ..observe.config import AdminConfig
@@ -62,12 +63,18 @@ def presented_key(authorization: str) -> str | None:
 
 
 class AdminGate:
-    def __init__(self, config: AdminConfig, tenants: TenantBook) -> None:
+    """`tenants` returns the tenant book in force (a reload replaces it: a gateway that gains tenant keys
+    closes its operator routes at once)."""
+
+    def __init__(self, config: AdminConfig, tenants: Callable[[], TenantBook]) -> None:
         self._digests = frozenset(config.keys)
         self._tenants = tenants
         self._metrics = config.metrics_require_key
-        #: Nothing to check: no admin key and an open gateway.
-        self.open = not self._digests and tenants.open
+
+    @property
+    def open(self) -> bool:
+        """Nothing to check: no admin key and an open gateway."""
+        return not self._digests and self._tenants().open
 
     def protects(self, path: str) -> bool:
         """Whether `path` is an operator route (with `metrics_require_key`, `/metrics` is one)."""
@@ -95,13 +102,13 @@ class AdminGate:
             )
         if hash_key(key) in self._digests:
             return
-        if not self._tenants.open and self._is_tenant_key(key):
+        if not self._tenants().open and self._is_tenant_key(key):
             raise Forbidden("This route needs an admin key; a tenant's key is not one.")
         raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
     def _is_tenant_key(self, key: str) -> bool:
         try:
-            self._tenants.authenticate(f"Bearer {key}")
+            self._tenants().authenticate(f"Bearer {key}")
         except Unauthorized:
             return False
         return True
