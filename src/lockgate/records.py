@@ -175,12 +175,12 @@ class RecordWriter:
 
     def _open(self) -> sqlite3.Connection:
         _register_adapters()
+        if self._access_log is not None:
+            self._access_log.open()  # first: nothing to close if it cannot be opened
         db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
         if self._path != ":memory:":
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-        if self._access_log is not None:
-            self._access_log.open()
         db.execute(_schema())
         # Files written by an older lockgate lack the newer columns: add them (with their defaults).
         have = {row[1] for row in db.execute("PRAGMA table_info(usage)")}

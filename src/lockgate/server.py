@@ -38,6 +38,7 @@ from .edge.server import HttpServer
 from .embedded import start_simulators, with_instances
 from .exchange import Phase
 from .gateway import Gateway, new_request_id
+from .observe.access_log import AccessLogUnavailable
 from .reload import Reloader, summary
 from .summary import redact_url
 
@@ -113,6 +114,8 @@ class GatewayServer:
             gateway.fleet.shared_residency = True
         try:
             self.gateway = await self._stack.enter_async_context(gateway)
+        except AccessLogUnavailable as exc:
+            raise StartupError(str(exc)) from exc
         except (OSError, sqlite3.Error) as exc:
             raise StartupError(f"cannot open the usage database {usage!r}: {_reason(exc)}") from exc
         if self._config_path is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
+import pytest
 
 from lockgate.admission.tenants import hash_key
 from tests.conftest import instance
@@ -56,3 +57,23 @@ async def test_prompts_are_logged_only_when_enabled(start_sim, start_gateway, tm
     await gw.gateway.records.wait_flushed()
     [line] = [orjson.loads(x) for x in path.read_text().splitlines()]
     assert line["prompt"] == messages
+
+
+async def test_an_access_log_that_cannot_be_opened_stops_the_start_with_one_line(start_sim, tmp_path):
+    from lockgate.config import parse_config
+    from lockgate.server import GatewayServer, StartupError
+
+    sim = await start_sim()
+    path = tmp_path / "missing-dir" / "access.log"
+    config = parse_config(
+        {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "usage": {"path": str(tmp_path / "usage.sqlite3")},
+            "models": [{"name": "m", "instances": [instance(sim)]}],
+            "access_log": {"enabled": True, "path": str(path)},
+        }
+    )
+    with pytest.raises(StartupError) as info:
+        async with GatewayServer(config):
+            pass
+    assert str(info.value) == f"cannot open the access log {str(path)!r}: No such file or directory"

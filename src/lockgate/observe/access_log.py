@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 STDOUT = "-"
 
 
+class AccessLogUnavailable(Exception):
+    """The access-log file cannot be opened (at start); the message names it and says why."""
+
+
 def entry(record: UsageRecord, *, include_prompts: bool = False) -> dict[str, Any]:
     """The access-log entry of one finished request (pure)."""
     finished = record.finished_at if record.finished_at is not None else record.started_at
@@ -83,9 +87,13 @@ class AccessLog:
         return self._include_prompts
 
     def open(self) -> None:
-        """Open the file (appending); raises OSError naming it if that is impossible."""
+        """Open the file (appending); `AccessLogUnavailable` if that is impossible."""
         if self._path != STDOUT and self._out is None:
-            self._out = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            try:
+                self._out = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                raise AccessLogUnavailable(f"cannot open the access log {self._path!r}: {reason}") from exc
 
     def write(self, records: Iterable[UsageRecord]) -> None:
         sample, rng = self._sample, self._rng
