@@ -205,10 +205,10 @@ class Exchange:
         metrics = self.gateway.metrics
         priority = record.priority or ""
         reason = record.cancel_reason
-        metrics.request_duration.labels(record.model, priority, reason or record.status).observe(
-            time.perf_counter() - self.started
-        )
-        metrics.endpoint_requests.labels(record.endpoint, reason or record.status).inc()
+        status = reason or record.status
+        metrics.requests.labels(record.model, priority, status).inc()
+        metrics.request_duration.labels(record.model, priority, status).observe(time.perf_counter() - self.started)
+        metrics.endpoint_requests.labels(record.endpoint, status).inc()
         if reason:
             metrics.cancellations.labels(record.model, priority, reason).inc()
         if self.gateway.log_prompts:

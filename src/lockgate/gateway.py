@@ -289,7 +289,7 @@ class Gateway:
             deadline_s = self._deadline(request, pool.config.timeout_ms)
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
         except GatewayError as exc:
-            self.metrics.request_duration.labels("", "", "rejected").observe(0.0)
+            self.metrics.requests.labels("", "", "rejected").inc()
             self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
             return self.error_response(exc, echo_id)
         exchange = Exchange(

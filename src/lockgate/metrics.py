@@ -161,26 +161,6 @@ def _bound(value: float) -> str:
     return repr(float(value))
 
 
-class CountOf(Collector):
-    """A counter rendered from a `LoopFamily` histogram's observation counts (same labels): the request
-    path pays one child lookup for both the histogram and the counter."""
-
-    def __init__(self, name: str, documentation: str, histogram: LoopFamily, registry: CollectorRegistry) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._histogram = histogram
-        registry.register(self)
-
-    def describe(self) -> Iterator[Metric]:
-        yield CounterMetricFamily(self._name, self._documentation, labels=self._histogram._labelnames)
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._name, self._documentation, labels=self._histogram._labelnames)
-        for values, child in list(self._histogram._children.items()):
-            family.add_metric(list(values), float(sum(child.counts)))
-        yield family
-
-
 class TokenCount:
     """Prompt and completion tokens of one (model, tenant label), updated from the event loop only."""
 
@@ -259,7 +239,6 @@ class GatewayMetrics:
             r,
         )
         #: Labels: model, priority class, status (completed, error, rejected, or the cancel reason).
-        #: `lockgate_requests_total` is rendered from its counts (one lookup per request for both).
         self.request_duration = LoopFamily(
             "lockgate_request_duration_seconds",
             "Time from request arrival to the end of the response, by model, priority and final status "
@@ -268,10 +247,10 @@ class GatewayMetrics:
             r,
             buckets=_LATENCY_BUCKETS,
         )
-        self.requests = CountOf(
+        self.requests = LoopFamily(
             "lockgate_requests",
             "Client requests by model, priority and final status.",
-            self.request_duration,
+            ["model", "priority", "status"],
             r,
         )
         self.ttft = LoopFamily(

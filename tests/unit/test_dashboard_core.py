@@ -74,17 +74,17 @@ def test_the_history_ring_is_bounded() -> None:
 
 def test_metric_families_are_read_by_label_whatever_other_labels_they_have() -> None:
     m = GatewayMetrics()
-    m.request_duration.labels("a", "completed").observe(0.05)
-    m.request_duration.labels("b", "error").observe(0.3)
-    m.request_duration.labels("b", "error").observe(500.0)  # beyond the last bound: +Inf
+    m.request_duration.labels("a", "P1", "completed").observe(0.05)
+    m.request_duration.labels("b", "P0", "error").observe(0.3)
+    m.request_duration.labels("b", "P0", "error").observe(500.0)  # beyond the last bound: +Inf
     b = histogram(m.request_duration)
     assert sum(b.counts) == 3 and len(b.counts) == len(b.bounds) + 1 and b.counts[-1] == 1
     assert histogram(m.ttft) == Buckets(b.bounds, (0,) * len(b.counts))  # no label set yet: nothing counted
-    m.requests.labels("a", "completed").inc(3)
-    m.requests.labels("b", "completed").inc()
-    m.requests.labels("b", "error").inc()
+    m.requests.labels("a", "P1", "completed").inc(3)
+    m.requests.labels("b", "P0", "completed").inc()
+    m.requests.labels("b", "P0", "error").inc()
     assert counter_by(m.requests, "status") == {"completed": 4.0, "error": 1.0}
-    m.cancellations.labels("admin").inc()  # a prometheus-client Counter (with `_created` samples)
+    m.cancellations.labels("a", "P1", "admin").inc()  # a prometheus-client Counter (with `_created` samples)
     assert counter_by(m.cancellations, "reason") == {"admin": 1.0}
 
     class Exposed:  # the same family seen only through prometheus-client's `collect()`

@@ -36,14 +36,3 @@ def test_token_counters_bound_the_tenant_label() -> None:
     assert 'lockgate_prompt_tokens_total{model="m",tenant="other"} 2.0' in text
     assert 'lockgate_completion_tokens_total{model="m",tenant="other"} 5.0' in text
     assert 'tenant="b"' not in text and 'tenant="c"' not in text
-
-
-def test_the_request_counter_is_the_latency_histograms_count() -> None:
-    metrics = GatewayMetrics()
-    metrics.request_duration.labels("m", "P0", "completed").observe(0.2)
-    metrics.request_duration.labels("m", "P0", "completed").observe(0.3)
-    text = metrics.render().decode()
-    assert 'lockgate_requests_total{model="m",priority="P0",status="completed"} 2.0' in text
-    assert 'lockgate_request_duration_seconds_count{model="m",priority="P0",status="completed"} 2.0' in text
-    [family] = metrics.requests.collect()  # readable on its own, like any collector
-    assert [(s.name, s.value) for s in family.samples] == [("lockgate_requests_total", 2.0)]
