@@ -878,7 +878,7 @@ class Fleet:
 
     def _set_health(self, instance: Instance, healthy: bool) -> None:
         if instance.healthy != healthy:
-            log.warning("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
+            log.info("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
         instance.healthy = healthy
         self._metrics.instance_healthy.labels(instance.name).set(1 if healthy else 0)
 
