@@ -1,4 +1,4 @@
-"""The `lockgate` command: serve, sidecar, sim, bench, check-config, hash-key; `--version`."""
+"""The `lockgate` command: serve, sidecar, sim, bench, slo, check-config, hash-key; `--version`."""
 
 from __future__ import annotations
 
@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim = commands.add_parser("sim", help="run an engine simulator that behaves like a vLLM instance")
     sim_cli.add_arguments(sim)
     sim.set_defaults(func=sim_cli.run)
+
+    from .slo import cli as slo_cli
+
+    slo = commands.add_parser(
+        "slo", help="evaluate the SLOs (usage records or a running gateway), or write Prometheus rules for them"
+    )
+    slo_cli.add_arguments(slo)
 
     from .bench import cli as bench_cli
 

@@ -31,6 +31,7 @@ from .config_env import UnsetVariable, substitute
 from .observe.config import AccessLogConfig, AdminConfig, MetricsConfig, TracingConfig
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
+from .slo.config import SloConfig
 from .userinfo import basic_credential, join, redact, split
 
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
@@ -307,6 +308,8 @@ class Config(_Strict):
     admin: AdminConfig = AdminConfig()
     access_log: AccessLogConfig = AccessLogConfig()
     tracing: TracingConfig = TracingConfig()
+    #: Service-level objectives (`GET /admin/slo`, `lockgate slo`); defaults: the design's table.
+    slo: SloConfig = SloConfig()
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:
@@ -314,6 +317,9 @@ class Config(_Strict):
         tenant_keys = {key for tenant in self.tenants for key in tenant.keys}
         if tenant_keys.intersection(self.admin.keys):
             raise ValueError("admin.keys: a key is also a tenant's key; use different keys")
+        if self.scheduling.class_index(self.slo.priority) is None:
+            names = ", ".join(c.name for c in self.scheduling.classes)
+            raise ValueError(f"slo.priority: {self.slo.priority!r} is not a priority class ({names})")
         return self
 
     @model_validator(mode="after")

@@ -45,6 +45,7 @@ from .observe.otel import Tracer
 from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter
 from .relay import relay
+from .slo import SloService
 from .wire import Endpoint, parse_request
 
 if TYPE_CHECKING:
@@ -108,6 +109,14 @@ class Gateway:
         #: Fills the dashboard's SLO panel: returns what `GET /admin/slo` answers, or None (nothing evaluated).
         #: Called once per dashboard tick while a dashboard is open (so it should return a cached evaluation).
         self.slo_provider: SloProvider | None = None
+        #: The SLOs (`GET /admin/slo`): cached evaluations over the usage records and the engines' busy signals.
+        self.slo = SloService(
+            config.slo,
+            usage_path or config.usage.path,
+            self.fleet,
+            stale_after_s=config.scrape.stale_after_ms / 1000,
+        )
+        self.slo_provider = self.slo.cached
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
         #: Who may use `/admin/*`, `/dashboard` and (if configured) `/metrics`.
         self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
@@ -147,6 +156,7 @@ class Gateway:
         except BaseException:
             await self.records.aclose()
             raise
+        await self.slo.__aenter__()  # starts one task; nothing in it can fail before that
         if self.dashboard is not None:
             await self.dashboard.__aenter__()  # starts one task; nothing in it can fail before that
         return self
@@ -161,6 +171,7 @@ class Gateway:
             exchange.cancel("shutdown")
         await self.registry.wait_empty()
         await self.dedup.aclose()
+        await self.slo.aclose()
         await self.fleet.aclose()
         await self.records.aclose()
         if self.tracer is not None:
@@ -176,6 +187,7 @@ class Gateway:
             "/admin/requests": self._admin_list,
             "/admin/fleet": self._admin_fleet,
             "/admin/flights": self._admin_flights,
+            "/admin/slo": self._admin_slo,
         }
         routes: dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]] = {
             ("POST", "/v1/chat/completions"): functools.partial(self._serve, endpoint=Endpoint.CHAT),
@@ -412,6 +424,11 @@ class Gateway:
         sets it after the handler returns, too late for a stream)."""
         assert self.dashboard is not None
         return self.dashboard.events(request, headers={"x-request-id": _client_request_id(request) or new_request_id()})
+
+    async def _admin_slo(self, request: Request) -> Response:
+        """Each objective's status, error budget, windows and burn-rate alerts (`slo/objectives.py`),
+        at most `slo.cache_ms` old."""
+        return json_response(await self.slo.evaluate())
 
     async def _admin_fleet(self, request: Request) -> Response:
         return json_response(describe_fleet(self.fleet))

@@ -1,0 +1,147 @@
+"""SLO evaluation, pure: counts of good and bad events per window in, the `/admin/slo` answer out.
+
+Theory of operation: every objective is a ratio SLI, `good / valid events`, with a target share of good
+events; the error budget is `1 - target`. Over a window, the burn rate is the share of bad events divided
+by the budget (1: the budget lasts exactly the period; 14.4 over an hour: 2% of a 30-day budget gone in
+that hour). An alert (`config.alerts`) fires while both its windows burn faster than its rate. The budget
+left is `1 - burn rate` over the period's window, clipped to 0..1. Status: `unknown` with no events in any
+window, `burning` while an alert fires or the period's budget is spent, `met` otherwise.
+
+What the events of each objective are (the usage records, `slo/usage.py`, and the idle sampler,
+`slo/idle.py`, count them; `slo/rules.py` says the same in PromQL):
+- `p0_success`: requests of the configured class, except those their client (or an admin) ended; bad:
+  `error`, a `timeout` or `shutdown` cancellation, or a rejection with a 5xx status (queue timeout, no instance).
+- `p0_ttft`: completed streams of that class; bad: the first token later than the threshold.
+- `engine_idle`: engine samples (each engine with a fresh busy signal, once per sample); bad: it ran nothing.
+- `cancel_rate`: finished requests (not rejected); bad: cancelled.
+- `dedup_saving`: completed requests; good: served without an engine call of their own (coalesced or a cache hit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .config import SloConfig
+
+OBJECTIVES = ("p0_success", "p0_ttft", "engine_idle", "cancel_rate", "dedup_saving")
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """Valid events in a window, and how many of them were bad."""
+
+    events: float
+    bad: float
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    name: str
+    #: Human text, e.g. "P0 success >= 99.9%".
+    text: str
+    #: Target share of good events.
+    target: float
+
+
+def objectives(config: SloConfig) -> list[Objective]:
+    """The configured objectives, in the design's order."""
+    p = config.priority
+    return [
+        Objective("p0_success", f"{p} success >= {_pct(config.success_target)}", config.success_target),
+        Objective(
+            "p0_ttft",
+            f"{p} TTFT p{_pct(config.ttft_target, sign=False)} < {config.ttft_threshold_ms / 1000:g} s (streams)",
+            config.ttft_target,
+        ),
+        Objective("engine_idle", f"engine idle < {_pct(config.engine_idle_max)}", 1 - config.engine_idle_max),
+        Objective("cancel_rate", f"cancel rate < {_pct(config.cancel_rate_max)}", 1 - config.cancel_rate_max),
+        Objective(
+            "dedup_saving",
+            f"de-duplication saving >= {_pct(config.dedup_saving_min)} of requests",
+            config.dedup_saving_min,
+        ),
+    ]
+
+
+def _pct(share: float, *, sign: bool = True) -> str:
+    return f"{round(share * 100, 4):g}" + ("%" if sign else "")
+
+
+def budget(target: float) -> float:
+    """The error budget of a target share, rounded against float noise (1 - 0.999 = 0.0010000000000000009)."""
+    return round(1 - target, 12)
+
+
+def burn_rate(counts: Counts | None, target: float) -> float | None:
+    """Bad share / error budget over a window; None without events."""
+    if counts is None or counts.events <= 0:
+        return None
+    return (counts.bad / counts.events) / budget(target)
+
+
+def evaluate(config: SloConfig, counts: Mapping[str, Mapping[str, Counts]]) -> dict[str, Any]:
+    """The `/admin/slo` answer from `counts[objective][window]` (a window missing: unknown there).
+
+    Shape: `{"objectives": [{"name", "objective", "target", "status", "budget_remaining", "windows":
+    {window: {"events", "bad", "sli", "burn_rate"}}, "alerts": [{"severity", "windows", "burn_rate",
+    "firing"}]}], "period": window name}`."""
+    windows = config.windows()
+    out = []
+    for objective in objectives(config):
+        by_window = counts.get(objective.name, {})
+        rates = {w: burn_rate(by_window.get(w), objective.target) for w in windows}
+        alerts = []
+        for alert in config.alerts:
+            long_rate, short_rate = rates[alert.long_window], rates[alert.short_window]
+            firing = (
+                long_rate is not None
+                and short_rate is not None
+                and long_rate > alert.burn_rate
+                and short_rate > alert.burn_rate
+            )
+            alerts.append(
+                {
+                    "severity": alert.severity,
+                    "windows": [alert.long_window, alert.short_window],
+                    "burn_rate": alert.burn_rate,
+                    "firing": firing,
+                }
+            )
+        period_rate = rates[config.period]
+        remaining = None if period_rate is None else min(1.0, max(0.0, 1.0 - period_rate))
+        if all(rate is None for rate in rates.values()):
+            status = "unknown"
+        elif any(a["firing"] for a in alerts) or remaining == 0.0:
+            status = "burning"
+        else:
+            status = "met"
+        out.append(
+            {
+                "name": objective.name,
+                "objective": objective.text,
+                "target": objective.target,
+                "status": status,
+                "budget_remaining": None if remaining is None else round(remaining, 6),
+                "windows": {w: _window(by_window.get(w), rates[w]) for w in windows},
+                "alerts": alerts,
+            }
+        )
+    return {"period": config.period, "objectives": out}
+
+
+def _window(counts: Counts | None, rate: float | None) -> dict[str, Any]:
+    if counts is None:
+        return {"events": None, "bad": None, "sli": None, "burn_rate": None}
+    sli = None if counts.events <= 0 else round(1 - counts.bad / counts.events, 6)
+    return {
+        "events": _number(counts.events),
+        "bad": _number(counts.bad),
+        "sli": sli,
+        "burn_rate": None if rate is None else round(rate, 4),
+    }
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else round(value, 3)

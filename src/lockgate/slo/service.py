@@ -1,0 +1,146 @@
+"""The gateway's SLO evaluator: cached evaluations for `GET /admin/slo` and the dashboard.
+
+Theory of operation: one task, owned by `SloService` (an async context manager), samples the engines'
+busy signals every `slo.idle_sample_ms` (a loop over the instances: nothing per request) and, when the
+dashboard asked for a fresh evaluation, makes one. An evaluation queries the usage records in a worker
+thread (one indexed range query per window; windows longer than an hour at most once a minute) and is
+reused for `slo.cache_ms`: however many dashboards and `/admin/slo` callers there are, the records are
+read at most that often. `cached()` never waits: it returns the last evaluation and asks for a new one
+when it is stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import sqlite3
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .config import SloConfig
+from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
+from .objectives import Counts, evaluate
+from .usage import UsageUnavailable, connect_readonly, count_windows
+
+if TYPE_CHECKING:
+    from ..fleet.pool import Fleet
+
+log = logging.getLogger(__name__)
+
+#: Windows longer than this are re-queried at most every `_LONG_WINDOW_REFRESH_S`.
+_SHORT_WINDOW_S = 3600
+_LONG_WINDOW_REFRESH_S = 60.0
+
+
+class SloService:
+    def __init__(self, config: SloConfig, usage_path: str, fleet: Fleet, *, stale_after_s: float) -> None:
+        self.config = config
+        self._usage_path = usage_path
+        self._fleet = fleet
+        self._stale_after_s = stale_after_s
+        self._windows = config.windows()
+        horizon = max((s for s in self._windows.values() if s <= MAX_HORIZON_S), default=3600)
+        self._interval_s = config.idle_sample_ms / 1000
+        self.idle = IdleSamples(horizon, self._interval_s)
+        self._db: sqlite3.Connection | None = None
+        self._evaluation: dict[str, Any] | None = None
+        self._evaluated_at = -math.inf
+        self._long_counts: dict[str, dict[str, Counts]] = {}
+        self._long_at = -math.inf
+        self._lock = asyncio.Lock()
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        #: Evaluations made (for tests and statistics).
+        self.evaluations = 0
+
+    async def __aenter__(self) -> SloService:
+        self._task = asyncio.create_task(self._run(), name="lockgate-slo")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop sampling and close the records connection; safe to call twice."""
+        if self._task is not None:
+            task, self._task = self._task, None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        async with self._lock:
+            if self._db is not None:
+                db, self._db = self._db, None
+                await asyncio.to_thread(db.close)
+
+    def cached(self) -> Mapping[str, Any] | None:
+        """The last evaluation (None before the first); asks the service's task for a new one when it is
+        older than `slo.cache_ms`. For `Gateway.slo_provider`: never waits, never reads the records itself."""
+        if time.monotonic() - self._evaluated_at > self.config.cache_ms / 1000:
+            self._wanted.set()
+        return self._evaluation
+
+    async def evaluate(self) -> dict[str, Any]:
+        """An evaluation at most `slo.cache_ms` old (`objectives.evaluate`'s shape, plus `records_error`
+        when the usage records cannot be read: their objectives are then unknown)."""
+        async with self._lock:
+            now = time.monotonic()
+            if self._evaluation is not None and now - self._evaluated_at <= self.config.cache_ms / 1000:
+                return self._evaluation
+            counts: dict[str, dict[str, Counts]] = {}
+            error: str | None = None
+            try:
+                counts.update(await asyncio.to_thread(self._count_records, now, time.time()))
+            except UsageUnavailable as exc:
+                error = str(exc)
+            counts["engine_idle"] = self.idle.counts(now, self._windows)
+            evaluation = evaluate(self.config, counts)
+            if error is not None:
+                evaluation["records_error"] = error
+            self._evaluation, self._evaluated_at = evaluation, now
+            self.evaluations += 1
+            return evaluation
+
+    def _count_records(self, now: float, wall: float) -> dict[str, dict[str, Counts]]:
+        """In a worker thread: every window's counts; the long windows' from the last minute's query."""
+        if self._db is None:
+            self._db = connect_readonly(self._usage_path)
+        long_due = now - self._long_at >= _LONG_WINDOW_REFRESH_S
+        windows = {w: s for w, s in self._windows.items() if s <= _SHORT_WINDOW_S or long_due}
+        counts = count_windows(self._db, self.config, wall, windows)
+        if long_due:
+            self._long_counts = {
+                name: {w: c for w, c in by_window.items() if self._windows[w] > _SHORT_WINDOW_S}
+                for name, by_window in counts.items()
+            }
+            self._long_at = now
+        for name, by_window in self._long_counts.items():
+            for window, c in by_window.items():
+                counts[name].setdefault(window, c)
+        return counts
+
+    def sample(self) -> None:
+        """Sample the engines' busy signals once (the task does this every `slo.idle_sample_ms`)."""
+        now = time.monotonic()
+        busy, idle = busy_and_idle(self._fleet.instances.values(), now, self._stale_after_s)
+        self.idle.add(now, busy, idle)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_sample = loop.time()
+        while True:
+            if loop.time() >= next_sample:
+                self.sample()
+                next_sample = loop.time() + self._interval_s
+            if self._wanted.is_set():
+                self._wanted.clear()
+                try:
+                    await self.evaluate()
+                except Exception:  # a bug must not stop the sampling; the dashboard shows the last evaluation
+                    log.warning("SLO evaluation failed", exc_info=True)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(next_sample):
+                    await self._wanted.wait()

@@ -1,0 +1,163 @@
+"""SLO evaluation end to end: a real gateway in front of a simulator serves P0 traffic, one request in a
+hundred failing at the engine (the simulator's `fail_status`), and `lockgate slo` (from the usage records,
+and from the running gateway with --url) and `GET /admin/slo` report the success objective as burning with
+its budget numbers; without the failure, as met. Engine idle comes from the scraped busy signal."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+
+from lockgate.cli import main
+from lockgate.server import GatewayServer
+from lockgate.sim import SimServer
+from tests.conftest import instance
+
+REQUESTS = 100
+
+
+def chat(n: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": f"q {n}"}], "max_tokens": 2, "stream": stream}
+
+
+async def _run(start_sim: Any, start_gateway: Any, *, failures: int) -> tuple[SimServer, GatewayServer]:
+    """`REQUESTS` P0 requests through a gateway (half of them streams), the first `failures` of them
+    answered 500 by the engine (no retry: the failure reaches the client)."""
+    sim = await start_sim(tpot_ms=0.0, prefill_tps=1e6)
+    gw: GatewayServer = await start_gateway(
+        [{"name": "m", "retries": 0, "dedup": "off", "instances": [instance(sim, name="e0")]}],
+        health={"interval_ms": 60000, "ejection": {"consecutive_failures": 100}},
+    )
+    headers = {"x-priority": "P0"}
+    async with aiohttp.ClientSession(gw.url) as http:
+        sim.control.fail_status = 500
+        for n in range(failures):
+            async with http.post("/v1/chat/completions", data=orjson.dumps(chat(n)), headers=headers) as r:
+                assert r.status == 500
+        sim.control.fail_status = None
+
+        async def one(n: int) -> int:
+            async with http.post("/v1/chat/completions", data=orjson.dumps(chat(n, n % 2 == 1)), headers=headers) as r:
+                await r.read()
+                return r.status
+
+        statuses = await asyncio.gather(*(one(n) for n in range(failures, REQUESTS)))
+        assert set(statuses) == {200}
+    assert gw.gateway is not None
+    await gw.gateway.records.wait_flushed()
+    return sim, gw
+
+
+def _config_file(tmp_path: Path, gw: GatewayServer) -> Path:
+    """A configuration naming the gateway's usage file (what an operator passes to `lockgate slo`)."""
+    path = tmp_path / "lockgate.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "usage": {"path": str(tmp_path / "usage.sqlite3")},
+                "models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9", "engine": "vllm"}]}],
+            }
+        )
+    )
+    return path
+
+
+def _objective(evaluation: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(o for o in evaluation["objectives"] if o["name"] == name)
+
+
+async def test_one_percent_of_p0_failing_burns_the_success_budget(
+    start_sim: Any, start_gateway: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, gw = await _run(start_sim, start_gateway, failures=1)
+    config = _config_file(tmp_path, gw)
+
+    # From the usage records, as JSON.
+    assert main(["slo", "--config", str(config), "--json"]) == 0
+    evaluation = orjson.loads(capsys.readouterr().out)
+    success = _objective(evaluation, "p0_success")
+    assert success["status"] == "burning" and success["target"] == 0.999
+    assert success["budget_remaining"] == 0.0  # 1% bad of a 0.1% budget: 10 budgets spent
+    for window in ("5m", "1h", "30d"):
+        assert success["windows"][window] == {"events": 100, "bad": 1, "sli": 0.99, "burn_rate": 10.0}
+    firing = {a["severity"]: a["firing"] for a in success["alerts"]}
+    assert firing == {"page": False, "ticket": True}  # 10x: under the page's 14.4x, over the ticket's 6x
+    assert _objective(evaluation, "p0_ttft")["windows"]["1h"]["events"] == 50  # the completed streams
+    assert _objective(evaluation, "p0_ttft")["status"] == "met"
+    assert _objective(evaluation, "engine_idle")["status"] == "unknown"  # the records know nothing of it
+
+    # For a person: the status and the budget numbers.
+    assert main(["slo", "--config", str(config)]) == 0
+    text = capsys.readouterr().out
+    assert "p0_success: P0 success >= 99.9% (target 0.999): BURNING, budget left 0.0%" in text
+    assert "1h 1/100 bad, SLI 99.000%, burn 10x" in text and "ALERT ticket" in text
+
+    # The running gateway says the same, at /admin/slo and through `lockgate slo --url`.
+    async with aiohttp.ClientSession(gw.url) as http, http.get("/admin/slo") as r:
+        assert r.status == 200
+        live = await r.json()
+    assert _objective(live, "p0_success") == success
+    assert await asyncio.to_thread(main, ["slo", "--url", gw.url]) == 0
+    assert "BURNING, budget left 0.0%" in capsys.readouterr().out
+
+
+async def test_without_failures_the_success_objective_is_met(
+    start_sim: Any, start_gateway: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, gw = await _run(start_sim, start_gateway, failures=0)
+    assert main(["slo", "--config", str(_config_file(tmp_path, gw)), "--json"]) == 0
+    success = _objective(orjson.loads(capsys.readouterr().out), "p0_success")
+    assert success["status"] == "met" and success["budget_remaining"] == 1.0
+    assert success["windows"]["30d"] == {"events": 100, "bad": 0, "sli": 1.0, "burn_rate": 0.0}
+    assert not any(a["firing"] for a in success["alerts"])
+
+
+async def test_engine_idle_comes_from_the_scraped_busy_signal(start_sim: Any, start_gateway: Any) -> None:
+    sim = await start_sim(tpot_ms=20.0, prefill_tps=1e6)
+    gw: GatewayServer = await start_gateway([{"name": "m", "instances": [instance(sim, name="e0")]}])
+    assert gw.gateway is not None
+    slo, scraper = gw.gateway.slo, gw.gateway.fleet.scraper
+    await scraper.scrape_all()
+    slo.sample()  # idle: nothing runs
+    long_stream = {**chat(0, stream=True), "max_tokens": 2000}
+    async with (
+        aiohttp.ClientSession(gw.url) as http,
+        http.post("/v1/chat/completions", data=orjson.dumps(long_stream)) as r,
+    ):
+        await r.content.readline()  # the first token came: the engine runs the request
+        await scraper.scrape_all()
+        slo.sample()  # busy
+        slo.sample()  # busy
+    # Leaving mid-stream aborts it at the engine.
+    evaluation = await slo.evaluate()
+    idle = _objective(evaluation, "engine_idle")
+    # Samples also come from the service's own timer: at least the three above, a third of them idle or more.
+    window = idle["windows"]["5m"]
+    assert window["events"] >= 3 and window["bad"] >= 1 and window["events"] - window["bad"] >= 2
+    assert idle["windows"]["30d"]["events"] is None  # beyond the in-memory samples: unknown
+    assert idle["budget_remaining"] is None
+
+
+async def test_admin_slo_with_unreadable_records_reports_unknown(start_sim: Any, stack: Any) -> None:
+    from lockgate.config import parse_config
+
+    sim = await start_sim()
+    config = parse_config(
+        {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "usage": {"path": ":memory:"},
+            "models": [{"name": "m", "instances": [instance(sim)]}],
+        }
+    )
+    gw = await stack.enter_async_context(GatewayServer(config, port=0))
+    async with aiohttp.ClientSession(gw.url) as http, http.get("/admin/slo") as r:
+        assert r.status == 200
+        evaluation = await r.json()
+    assert "no usage records" in evaluation["records_error"]
+    assert _objective(evaluation, "p0_success")["status"] == "unknown"

@@ -1,0 +1,146 @@
+"""SLO evaluation, pure: burn rates, budgets, multi-window alerts, statuses; the `slo:` section; the idle
+sampler's ring; the Prometheus rules."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from lockgate.config import ConfigError, parse_config
+from lockgate.fleet.state import EngineLoad
+from lockgate.slo import OBJECTIVES, Counts, SloConfig, evaluate
+from lockgate.slo.config import duration_s
+from lockgate.slo.idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
+from lockgate.slo.rules import prometheus_rules, rules_yaml
+
+WINDOWS = ("5m", "30m", "1h", "6h", "30d")
+
+
+def _success(config: SloConfig, **by_window: Counts) -> dict[str, Any]:
+    evaluation = evaluate(config, {"p0_success": by_window})
+    return next(o for o in evaluation["objectives"] if o["name"] == "p0_success")
+
+
+def test_defaults_are_the_designs_table() -> None:
+    evaluation = evaluate(SloConfig(), {})
+    assert [(o["name"], o["objective"], o["target"]) for o in evaluation["objectives"]] == [
+        ("p0_success", "P0 success >= 99.9%", 0.999),
+        ("p0_ttft", "P0 TTFT p99 < 2 s (streams)", 0.99),
+        ("engine_idle", "engine idle < 5%", 0.95),
+        ("cancel_rate", "cancel rate < 1%", 0.99),
+        ("dedup_saving", "de-duplication saving >= 15% of requests", 0.15),
+    ]
+    assert tuple(o["name"] for o in evaluation["objectives"]) == OBJECTIVES
+    assert list(SloConfig().windows()) == list(WINDOWS)
+    # Nothing counted anywhere: unknown, no budget figure.
+    assert {o["status"] for o in evaluation["objectives"]} == {"unknown"}
+    assert {o["budget_remaining"] for o in evaluation["objectives"]} == {None}
+
+
+def test_a_fast_burn_pages_and_a_slow_one_opens_a_ticket() -> None:
+    config = SloConfig()
+    quiet = Counts(events=100_000, bad=0)
+    # 2% bad in the last hour and 5 minutes: 20x the 0.1% budget, over the page's 14.4x.
+    fast = _success(config, **{"5m": Counts(1000, 20), "30m": Counts(5000, 100), "1h": Counts(10_000, 200),
+                               "6h": Counts(60_000, 200), "30d": Counts(1_000_000, 200)})  # fmt: skip
+    assert {a["severity"]: a["firing"] for a in fast["alerts"]} == {"page": True, "ticket": False}
+    assert fast["status"] == "burning" and fast["budget_remaining"] == 0.8  # 200 of the 1,000 bad allowed
+    assert fast["windows"]["1h"] == {"events": 10_000, "bad": 200, "sli": 0.98, "burn_rate": 20.0}
+    # The page stops as soon as the short window recovers, though the hour still burns.
+    recovered = _success(config, **{"5m": quiet, "1h": Counts(10_000, 200)})
+    assert not any(a["firing"] for a in recovered["alerts"])
+    # 0.7% over 6 h and 30 min: 7x, a ticket.
+    slow = _success(config, **{"30m": Counts(10_000, 70), "6h": Counts(100_000, 700), "30d": Counts(10**7, 700)})
+    assert {a["severity"]: a["firing"] for a in slow["alerts"]} == {"page": False, "ticket": True}
+    assert slow["budget_remaining"] == pytest.approx(0.93)
+
+
+def test_status_met_burning_unknown() -> None:
+    config = SloConfig()
+    met = _success(config, **{"30d": Counts(10_000, 5)})  # half the budget spent, no alert
+    assert met["status"] == "met" and met["budget_remaining"] == 0.5
+    spent = _success(config, **{"30d": Counts(10_000, 10)})  # all of it: burning even without an alert
+    assert spent["status"] == "burning" and spent["budget_remaining"] == 0.0
+    empty = _success(config, **{"30d": Counts(0, 0)})
+    assert empty["status"] == "unknown" and empty["windows"]["30d"] == {
+        "events": 0,
+        "bad": 0,
+        "sli": None,
+        "burn_rate": None,
+    }
+    assert empty["windows"]["5m"] == {"events": None, "bad": None, "sli": None, "burn_rate": None}
+
+
+def test_the_slo_section_is_validated() -> None:
+    models = [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]
+    config = parse_config({"models": models, "slo": {"success_target": 0.99, "alerts": []}})
+    assert config.slo.success_target == 0.99 and list(config.slo.windows()) == ["5m", "1h", "30d"]
+    bad = [
+        ({"priority": "P9"}, "slo.priority: 'P9' is not a priority class (P0, P1, P2)"),
+        ({"period": "a month"}, "slo.period: 'a month' is not a duration like 30s, 5m, 1h or 30d"),
+        ({"success_target": 1.0}, "slo.success_target: Input should be less than 1"),
+        (
+            {"alerts": [{"severity": "page", "long_window": "1h", "short_window": "5", "burn_rate": 14.4}]},
+            "short_window",
+        ),
+        ({"colour": "red"}, "slo.colour: unknown key"),
+    ]
+    for section, message in bad:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            parse_config({"models": models, "slo": section})
+    assert duration_s("30d") == 30 * 86400 and duration_s("90s") == 90
+
+
+def test_idle_samples_are_bounded_and_windowed() -> None:
+    samples = IdleSamples(horizon_s=60, interval_s=1)
+    for t in range(1000):
+        samples.add(float(t), busy=1, idle=t % 2)
+    assert len(samples) == 61  # the ring holds the horizon, not the history
+    counts = samples.counts(999.0, {"10s": 10, "1m": 60, "1h": 3600})
+    assert counts["10s"] == Counts(events=11 + 6, bad=6)  # samples at 989..999: 11 busy, 6 (the odd ones) idle
+    assert "1h" not in counts  # beyond the horizon: unknown
+    assert IdleSamples(horizon_s=10**9, interval_s=5).horizon_s == MAX_HORIZON_S
+
+
+def test_busy_and_idle_counts_engines_with_a_fresh_signal_in_service() -> None:
+    def engine(running: float | None, scraped_at: float = 100.0, healthy: bool = True) -> Any:
+        load = EngineLoad(scraped_at=scraped_at, running=running)
+        return SimpleNamespace(engine_load=load, healthy=healthy, retired=False)
+
+    fleet = [
+        engine(3),  # busy
+        engine(0),  # idle
+        engine(0, scraped_at=90.0),  # stale: not counted
+        engine(None),  # exports no running count (an OpenAI-compatible server): not counted
+        engine(0, healthy=False),  # out of service: not counted
+        SimpleNamespace(engine_load=None, healthy=True, retired=False),  # never scraped
+    ]
+    assert busy_and_idle(fleet, now=100.5, stale_after_s=1.0) == (1, 1)
+
+
+def test_prometheus_rules_match_the_objectives_and_alerts() -> None:
+    config = SloConfig()
+    text = rules_yaml(config)
+    assert yaml.safe_load(text) == prometheus_rules(config)
+    recording, alerting = prometheus_rules(config)["groups"]
+    records = {r["record"] for r in recording["rules"]}
+    for name in OBJECTIVES:
+        assert {f"lockgate_slo:{name}:error_ratio_rate{w}" for w in WINDOWS} <= records
+        assert f"lockgate_slo:{name}:budget_remaining" in records
+    alerts = {a["alert"]: a for a in alerting["rules"]}
+    assert len(alerts) == len(OBJECTIVES) * 2
+    page = alerts["LockgateSloP0SuccessBurnPage"]
+    assert page["labels"] == {"severity": "page", "slo": "p0_success"}
+    assert page["expr"] == (
+        "lockgate_slo:p0_success:error_ratio_rate1h > (14.4 * 0.001)\n"
+        "and\nlockgate_slo:p0_success:error_ratio_rate5m > (14.4 * 0.001)"
+    )
+    ttft = next(r["expr"] for r in recording["rules"] if r["record"] == "lockgate_slo:p0_ttft:error_ratio_rate5m")
+    assert 'le="2.0"' in ttft and 'priority="P0",stream="true"' in ttft
+    # Another class and threshold follow the configuration.
+    custom = prometheus_rules(SloConfig(priority="gold", ttft_threshold_ms=500))
+    exprs = " ".join(r["expr"] for r in custom["groups"][0]["rules"])
+    assert 'priority="gold"' in exprs and 'le="0.5"' in exprs and 'priority="P0"' not in exprs
