@@ -17,6 +17,7 @@ import yaml
 from lockgate.cli import main
 from lockgate.server import GatewayServer
 from lockgate.sim import SimServer
+from lockgate.slo import OBJECTIVES
 from tests.conftest import instance
 
 REQUESTS = 100
@@ -161,3 +162,28 @@ async def test_admin_slo_with_unreadable_records_reports_unknown(start_sim: Any,
         evaluation = await r.json()
     assert "no usage records" in evaluation["records_error"]
     assert _objective(evaluation, "p0_success")["status"] == "unknown"
+
+
+async def test_evaluations_are_cached_and_reach_the_dashboard(start_sim: Any, start_gateway: Any) -> None:
+    sim = await start_sim(tpot_ms=0.0, prefill_tps=1e6)
+    gw: GatewayServer = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        dashboard={"interval_ms": 100},
+        slo={"cache_ms": 60000},
+    )
+    assert gw.gateway is not None
+    async with aiohttp.ClientSession(gw.url) as http:
+        for _ in range(3):
+            async with http.get("/admin/slo") as r:
+                assert r.status == 200
+        assert gw.gateway.slo.evaluations == 1  # the records were read once
+        # The dashboard's SLO panel gets the cached evaluation in its snapshots.
+        async with http.get("/dashboard/events") as feed:
+            async with asyncio.timeout(10):  # bounds a failure only: snapshots come every 100 ms
+                async for line in feed.content:
+                    if line.startswith(b"data:"):
+                        snap = orjson.loads(line[5:])
+                        if snap.get("slo"):
+                            break
+    assert [o["name"] for o in snap["slo"]["objectives"]] == list(OBJECTIVES)
+    assert gw.gateway.slo.evaluations == 1

@@ -80,7 +80,7 @@ class SloConfig(_Strict):
     #: How long an evaluation is reused (the usage records are queried at most this often).
     cache_ms: Annotated[int, Field(ge=100, le=600_000)] = 5000
     #: How often the engines' busy signals are sampled for the idle objective.
-    idle_sample_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+    idle_sample_ms: Annotated[int, Field(ge=100, le=60_000)] = 5000
     alerts: list[BurnAlert] = Field(default_factory=_default_alerts)
 
     @field_validator("period")
