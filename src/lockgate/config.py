@@ -317,6 +317,14 @@ class Config(_Strict):
         tenant_keys = {key for tenant in self.tenants for key in tenant.keys}
         if tenant_keys.intersection(self.admin.keys):
             raise ValueError("admin.keys: a key is also a tenant's key; use different keys")
+        return self
+
+    @model_validator(mode="after")
+    def _check_slo(self) -> Config:
+        """`slo.priority` names a class; unset, it is the most urgent one (the first)."""
+        if self.slo.priority is None:
+            slo = self.slo.model_copy(update={"priority": self.scheduling.classes[0].name})
+            return self.model_copy(update={"slo": slo})
         if self.scheduling.class_index(self.slo.priority) is None:
             names = ", ".join(c.name for c in self.scheduling.classes)
             raise ValueError(f"slo.priority: {self.slo.priority!r} is not a priority class ({names})")

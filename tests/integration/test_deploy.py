@@ -51,7 +51,7 @@ def _exprs() -> list[str]:
 def _exported(text: str) -> set[str]:
     """Every sample name in a Prometheus text exposition, plus the samples a declared family will have
     (a labelled counter or histogram without children yet shows only its `# TYPE` line)."""
-    names = set()
+    names: set[str] = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ")

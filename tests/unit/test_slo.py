@@ -92,6 +92,9 @@ def test_the_slo_section_is_validated() -> None:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             parse_config({"models": models, "slo": section})
     assert duration_s("30d") == 30 * 86400 and duration_s("90s") == 90
+    # Unset, the class is the most urgent one, whatever its name.
+    classes = {"classes": [{"name": "gold", "strict": True}, {"name": "bronze"}]}
+    assert parse_config({"models": models, "scheduling": classes}).slo.priority == "gold"
 
 
 def test_idle_samples_are_bounded_and_windowed() -> None:

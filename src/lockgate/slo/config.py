@@ -62,8 +62,14 @@ _Share = Annotated[float, Field(gt=0, lt=1)]
 class SloConfig(_Strict):
     """The design's SLO table (section 8) as defaults."""
 
-    #: The priority class the P0 objectives (success, TTFT) look at.
-    priority: Annotated[str, Field(min_length=1)] = "P0"
+    #: The priority class the P0 objectives (success, TTFT) look at (null: the most urgent, the first of
+    #: `scheduling.classes`; the configuration fills it in at load).
+    priority: Annotated[str, Field(min_length=1)] | None = None
+
+    @property
+    def klass(self) -> str:
+        """The class the P0 objectives look at (P0 for a section not loaded with a configuration)."""
+        return self.priority or "P0"
     #: Share of that class's requests that succeed.
     success_target: _Share = 0.999
     #: Share of that class's streams whose first token comes within `ttft_threshold_ms` (p99 < 2 s).

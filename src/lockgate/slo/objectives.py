@@ -47,7 +47,7 @@ class Objective:
 
 def objectives(config: SloConfig) -> list[Objective]:
     """The configured objectives, in the design's order."""
-    p = config.priority
+    p = config.klass
     return [
         Objective("p0_success", f"{p} success >= {_pct(config.success_target)}", config.success_target),
         Objective(

@@ -34,7 +34,7 @@ def _sum_rate(selector: str, window: str) -> str:
 
 def _error_ratio(name: str, config: SloConfig, window: str) -> str:
     """The share of bad events of objective `name` over `window`, in PromQL."""
-    p = config.priority
+    p = config.klass
     if name == "p0_success":
         bad = _sum_rate(f'lockgate_requests_total{{priority="{p}",status=~"error|timeout|shutdown"}}', window)
         bad += " + " + _sum_rate(f'lockgate_rejections_total{{priority="{p}",reason="queue_timeout"}}', window)

@@ -64,7 +64,7 @@ def count_windows(
 ) -> dict[str, dict[str, Counts]]:
     """`result[objective][window]` for the record-based objectives, each window ending at `now` (wall clock)."""
     out: dict[str, dict[str, Counts]] = {name: {} for name in RECORD_OBJECTIVES}
-    params: dict[str, float | str] = {"p": config.priority, "ttft": config.ttft_threshold_ms / 1000, "now": now}
+    params: dict[str, float | str] = {"p": config.klass, "ttft": config.ttft_threshold_ms / 1000, "now": now}
     for window, seconds in windows.items():
         try:
             row = db.execute(_SELECT, {**params, "since": now - seconds}).fetchone()
