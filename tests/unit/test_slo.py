@@ -1,20 +1,23 @@
 """SLO evaluation, pure: burn rates, budgets, multi-window alerts, statuses; the `slo:` section; the idle
-sampler's ring; the Prometheus rules."""
+sampler's ring; long windows from per-bucket aggregates of the usage records; the Prometheus rules."""
 
 from __future__ import annotations
 
+import sqlite3
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
 
+from lockgate import records
 from lockgate.config import ConfigError, parse_config
 from lockgate.fleet.state import EngineLoad
 from lockgate.slo import OBJECTIVES, Counts, SloConfig, evaluate
 from lockgate.slo.config import duration_s
 from lockgate.slo.idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
 from lockgate.slo.rules import prometheus_rules, rules_yaml
+from lockgate.slo.usage import BucketedWindows, connect_readonly, count_windows
 
 WINDOWS = ("5m", "30m", "1h", "6h", "30d")
 
@@ -147,3 +150,53 @@ def test_prometheus_rules_match_the_objectives_and_alerts() -> None:
     custom = prometheus_rules(SloConfig(priority="gold", ttft_threshold_ms=500))
     exprs = " ".join(r["expr"] for r in custom["groups"][0]["rules"])
     assert 'priority="gold"' in exprs and 'le="0.5"' in exprs and 'priority="P0"' not in exprs
+
+
+class _UsageFile:
+    """A usage database written directly (the writer's schema and index), one P0 record at a time."""
+
+    def __init__(self, path: str) -> None:
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA synchronous=OFF")  # a test file: no fsync per insert
+        self.db.execute(records._schema())
+        self.db.execute("CREATE INDEX usage_finished_at ON usage (finished_at)")
+        self.count = 0
+
+    def add(self, finished_at: float, status: str = "completed", n: int = 1) -> None:
+        for _ in range(n):
+            self.count += 1
+            record = records.UsageRecord(
+                request_id=f"r{self.count:08d}", tenant="t", model="m", endpoint="chat", stream=False,
+                priority="P0", status=status, started_at=finished_at - 1, finished_at=finished_at,
+            )  # fmt: skip
+            marks = ", ".join("?" * len(records._COLUMNS))
+            self.db.execute(f"INSERT INTO usage ({', '.join(records._COLUMNS)}) VALUES ({marks})", records._ROW(record))
+
+
+def test_long_windows_re_read_only_recent_buckets_and_agree_with_exact_counts(tmp_path: Any) -> None:
+    path = str(tmp_path / "usage.sqlite3")
+    add = _UsageFile(path).add
+    now = 300.0 * 6_000_000 + 7  # a wall-clock time 7 s into a 5-minute bucket
+    for hour in range(48):  # two days: one success every hour, an error every 6th hour
+        add(now - hour * 3600 - 100, "completed" if hour % 6 else "error")
+    config = SloConfig(priority="P0")
+    long = {"6h": 6 * 3600, "30d": 30 * 86400}
+    windows = BucketedWindows(config, long, bucket_s=300, settle_s=900)
+    db = connect_readonly(path)
+    windows.refresh(db, now)
+
+    def agree(at: float) -> None:
+        exact = count_windows(db, config, at, long)
+        assert windows.counts(at)["p0_success"] == exact["p0_success"]
+
+    agree(now)
+    assert windows.counts(now)["p0_success"]["30d"] == Counts(events=48, bad=8)
+    # New records, and one of a request that ended 10 minutes before the last refresh but was written after it.
+    add(now + 200, "error", n=3)
+    add(now - 600, "completed")
+    # A record older than the settle time (15 min) written now is not re-read: the refresh reads recent buckets only.
+    add(now - 3 * 3600 - 100, "completed")
+    windows.refresh(db, now + 300)
+    counts = windows.counts(now + 300)["p0_success"]
+    assert counts["6h"] == Counts(events=6 + 3 + 1, bad=1 + 3)  # 6 hourly ones, the 3 new errors, the late one
+    assert len(windows) <= 30 * 86400 // 300 + 2

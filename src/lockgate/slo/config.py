@@ -70,6 +70,7 @@ class SloConfig(_Strict):
     def klass(self) -> str:
         """The class the P0 objectives look at (P0 for a section not loaded with a configuration)."""
         return self.priority or "P0"
+
     #: Share of that class's requests that succeed.
     success_target: _Share = 0.999
     #: Share of that class's streams whose first token comes within `ttft_threshold_ms` (p99 < 2 s).

@@ -2,11 +2,12 @@
 
 Theory of operation: one task, owned by `SloService` (an async context manager), samples the engines'
 busy signals every `slo.idle_sample_ms` (a loop over the instances: nothing per request) and, when the
-dashboard asked for a fresh evaluation, makes one. An evaluation queries the usage records in a worker
-thread (one indexed range query per window; windows longer than an hour at most once a minute) and is
-reused for `slo.cache_ms`: however many dashboards and `/admin/slo` callers there are, the records are
-read at most that often. `cached()` never waits: it returns the last evaluation and asks for a new one
-when it is stale.
+dashboard asked for a fresh evaluation, makes one. An evaluation reads the usage records in a worker
+thread into per-bucket aggregates kept in memory (`usage.BucketedWindows`), re-reading only recent buckets:
+windows up to an hour in 1-minute buckets, the last 2 minutes re-read each time; longer ones (the period)
+in 5-minute buckets, the last 15 minutes re-read at most once a minute. It is reused for `slo.cache_ms`:
+however many dashboards and `/admin/slo` callers there are, the records are read at most that often.
+`cached()` never waits: it returns the last evaluation and asks for a new one when it is stale.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 from .config import SloConfig
 from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
 from .objectives import Counts, evaluate
-from .usage import UsageUnavailable, connect_readonly, count_windows
+from .usage import BucketedWindows, UsageUnavailable, connect_readonly
 
 if TYPE_CHECKING:
     from ..fleet.pool import Fleet
 
 log = logging.getLogger(__name__)
 
-#: Windows longer than this are re-queried at most every `_LONG_WINDOW_REFRESH_S`.
+#: Windows up to this long are refreshed at every evaluation; longer ones at most every `_LONG_WINDOW_REFRESH_S`.
 _SHORT_WINDOW_S = 3600
 _LONG_WINDOW_REFRESH_S = 60.0
 
@@ -48,7 +49,10 @@ class SloService:
         self._db: sqlite3.Connection | None = None
         self._evaluation: dict[str, Any] | None = None
         self._evaluated_at = -math.inf
-        self._long_counts: dict[str, dict[str, Counts]] = {}
+        short = {w: s for w, s in self._windows.items() if s <= _SHORT_WINDOW_S}
+        long = {w: s for w, s in self._windows.items() if s > _SHORT_WINDOW_S}
+        self._short = BucketedWindows(config, short, bucket_s=60, settle_s=120)
+        self._long = BucketedWindows(config, long, bucket_s=300, settle_s=900)
         self._long_at = -math.inf
         self._lock = asyncio.Lock()
         self._wanted = asyncio.Event()
@@ -104,21 +108,16 @@ class SloService:
             return evaluation
 
     def _count_records(self, now: float, wall: float) -> dict[str, dict[str, Counts]]:
-        """In a worker thread: every window's counts; the long windows' from the last minute's query."""
+        """In a worker thread: every window's counts, from buckets brought up to date."""
         if self._db is None:
             self._db = connect_readonly(self._usage_path)
-        long_due = now - self._long_at >= _LONG_WINDOW_REFRESH_S
-        windows = {w: s for w, s in self._windows.items() if s <= _SHORT_WINDOW_S or long_due}
-        counts = count_windows(self._db, self.config, wall, windows)
-        if long_due:
-            self._long_counts = {
-                name: {w: c for w, c in by_window.items() if self._windows[w] > _SHORT_WINDOW_S}
-                for name, by_window in counts.items()
-            }
+        if now - self._long_at >= _LONG_WINDOW_REFRESH_S:
+            self._long.refresh(self._db, wall)
             self._long_at = now
-        for name, by_window in self._long_counts.items():
-            for window, c in by_window.items():
-                counts[name].setdefault(window, c)
+        self._short.refresh(self._db, wall)
+        counts = self._short.counts(wall)
+        for name, by_window in self._long.counts(wall).items():
+            counts[name].update(by_window)
         return counts
 
     def sample(self) -> None:
