@@ -1,6 +1,7 @@
 """`deploy/`: the Prometheus rules file is what `lockgate slo --prometheus-rules` generates, and every
 metric the rules and the Grafana dashboard reference exists in a running gateway's `/metrics` after some
-traffic (streams, a duplicate served from the cache, a client leaving mid-stream)."""
+traffic (streams, a duplicate served from the cache, a client leaving mid-stream), with the labels their
+selectors match on."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ FROM_OPS_SLI = {
     "lockgate_instance_engine_prefix_cache_hits_total",
     "lockgate_instance_engine_prefix_cache_queries_total",
 }
+#: Labels the ops-sli branch adds to metrics main already has (and the label `model` its new metrics carry);
+#: empty this set too once it is merged.
+LABELS_FROM_OPS_SLI = {
+    ("lockgate_requests_total", "priority"),
+    ("lockgate_time_to_first_token_seconds_bucket", "priority"),
+    ("lockgate_time_to_first_token_seconds_bucket", "stream"),
+    ("lockgate_time_to_first_token_seconds_count", "priority"),
+    ("lockgate_time_to_first_token_seconds_count", "stream"),
+    ("lockgate_cancellations_total", "model"),
+    ("lockgate_kv_cache_hit_rate", "model"),
+    ("lockgate_stream_backpressure_seconds_bucket", "model"),
+    ("lockgate_prompt_tokens_total", "model"),
+    ("lockgate_completion_tokens_total", "model"),
+}
+#: `name{...}`: a selector, and the label names its matchers use.
+_SELECTOR = re.compile(r"\b(lockgate_[a-z0-9_]+)\{([^}]*)\}")
+_MATCHER = re.compile(r"([a-z_]+)\s*(?:=~|!~|!=|=)")
 #: A metric name not followed by `:` (recording rules, `lockgate_slo:...`, are not metrics of the gateway).
 _NAME = re.compile(r"\b(lockgate_[a-z0-9_]+)\b(?!:)")
 
@@ -46,6 +64,18 @@ def _exprs() -> list[str]:
         exprs.extend(target["expr"] for target in panel.get("targets", []))
     exprs.extend(v["definition"] for v in dashboard["templating"]["list"] if "definition" in v)
     return exprs
+
+
+def _labels(text: str) -> dict[str, set[str]]:
+    """The label names each sample name of an exposition carries."""
+    labels: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            if not rest:
+                name = name.split(" ")[0]
+            labels.setdefault(name, set()).update(re.findall(r'([a-zA-Z_]+)="', rest.rpartition("}")[0]))
+    return labels
 
 
 def _exported(text: str) -> set[str]:
@@ -98,8 +128,21 @@ async def test_every_referenced_metric_exists_in_a_running_gateway(start_sim: An
             await gw.gateway.registry.wait_empty()
         await gw.gateway.fleet.scraper.scrape_all()
         async with http.get("/metrics") as r:
-            exported = _exported(await r.text())
+            text = await r.text()
+    exported = _exported(text)
     referenced = {name for expr in _exprs() for name in _NAME.findall(expr)}
     assert len(referenced) > 25
     missing = referenced - exported
     assert missing <= FROM_OPS_SLI, f"not in /metrics: {sorted(missing - FROM_OPS_SLI)}"
+    # The labels the selectors match on exist on the samples (where there are samples: a labelled family
+    # without children yet, like rejections, has none to look at).
+    labels = _labels(text)
+    unknown = {
+        (name, label)
+        for expr in _exprs()
+        for name, matchers in _SELECTOR.findall(expr)
+        if name in labels
+        for label in _MATCHER.findall(matchers)
+        if label != "le" and label not in labels[name]
+    }
+    assert unknown <= LABELS_FROM_OPS_SLI, f"labels not in /metrics: {sorted(unknown - LABELS_FROM_OPS_SLI)}"
