@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,10 @@ class SloService:
         self._interval_s = config.idle_sample_ms / 1000
         self.idle = IdleSamples(horizon, self._interval_s)
         self._db: sqlite3.Connection | None = None
+        #: Held by the worker thread reading the records: a caller cancelled while it runs (a client gone from
+        #: `/admin/slo`, shutdown) releases the asyncio lock, not the connection and the buckets.
+        self._reading = threading.Lock()
+        self._closed = False
         self._evaluation: dict[str, Any] | None = None
         self._evaluated_at = -math.inf
         short = {w: s for w, s in self._windows.items() if s <= _SHORT_WINDOW_S}
@@ -75,9 +80,14 @@ class SloService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         async with self._lock:
+            await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        with self._reading:
+            self._closed = True
             if self._db is not None:
                 db, self._db = self._db, None
-                await asyncio.to_thread(db.close)
+                db.close()
 
     def cached(self) -> Mapping[str, Any] | None:
         """The last evaluation (None before the first); asks the service's task for a new one when it is
@@ -109,16 +119,19 @@ class SloService:
 
     def _count_records(self, now: float, wall: float) -> dict[str, dict[str, Counts]]:
         """In a worker thread: every window's counts, from buckets brought up to date."""
-        if self._db is None:
-            self._db = connect_readonly(self._usage_path)
-        if now - self._long_at >= _LONG_WINDOW_REFRESH_S:
-            self._long.refresh(self._db, wall)
-            self._long_at = now
-        self._short.refresh(self._db, wall)
-        counts = self._short.counts(wall)
-        for name, by_window in self._long.counts(wall).items():
-            counts[name].update(by_window)
-        return counts
+        with self._reading:
+            if self._closed:
+                raise UsageUnavailable("the gateway is shutting down")
+            if self._db is None:
+                self._db = connect_readonly(self._usage_path)
+            if now - self._long_at >= _LONG_WINDOW_REFRESH_S:
+                self._long.refresh(self._db, wall)
+                self._long_at = now
+            self._short.refresh(self._db, wall)
+            counts = self._short.counts(wall)
+            for name, by_window in self._long.counts(wall).items():
+                counts[name].update(by_window)
+            return counts
 
     def sample(self) -> None:
         """Sample the engines' busy signals once (the task does this every `slo.idle_sample_ms`)."""
