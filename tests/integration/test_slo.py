@@ -187,3 +187,16 @@ async def test_evaluations_are_cached_and_reach_the_dashboard(start_sim: Any, st
                             break
     assert [o["name"] for o in snap["slo"]["objectives"]] == list(OBJECTIVES)
     assert gw.gateway.slo.evaluations == 1
+
+
+async def test_an_evaluation_cancelled_mid_read_leaves_the_evaluator_usable(start_sim: Any, start_gateway: Any) -> None:
+    _, gw = await _run(start_sim, start_gateway, failures=1)
+    assert gw.gateway is not None
+    slo = gw.gateway.slo
+    reading = asyncio.create_task(slo.evaluate())
+    await asyncio.sleep(0)  # one step: it is now waiting for its worker thread
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    evaluation = await slo.evaluate()  # its thread waits for the first one's, then reads on the same connection
+    assert _objective(evaluation, "p0_success")["windows"]["5m"]["bad"] == 1
