@@ -200,3 +200,23 @@ async def test_an_evaluation_cancelled_mid_read_leaves_the_evaluator_usable(star
         await reading
     evaluation = await slo.evaluate()  # its thread waits for the first one's, then reads on the same connection
     assert _objective(evaluation, "p0_success")["windows"]["5m"]["bad"] == 1
+
+
+async def test_lockgate_slo_url_sends_the_admin_key(
+    start_sim: Any, start_gateway: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lockgate.admission.tenants import hash_key
+
+    sim = await start_sim()
+    gw: GatewayServer = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "acme", "keys": [hash_key("tenant-key")]}],
+        admin={"keys": [hash_key("admin-key")]},
+    )
+    assert await asyncio.to_thread(main, ["slo", "--url", gw.url]) == 1
+    assert f"{gw.url}/admin/slo answered 401: " in capsys.readouterr().err
+    assert await asyncio.to_thread(main, ["slo", "--url", gw.url, "--admin-key", "tenant-key"]) == 1
+    assert "answered 403" in capsys.readouterr().err
+    monkeypatch.setenv("LOCKGATE_ADMIN_KEY", "admin-key")
+    assert await asyncio.to_thread(main, ["slo", "--url", gw.url, "--json"]) == 0
+    assert [o["name"] for o in orjson.loads(capsys.readouterr().out)["objectives"]] == list(OBJECTIVES)
