@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -15,9 +15,6 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 M = TypeVar("M", bound=MetricWrapperBase)
-
-if TYPE_CHECKING:
-    from .fleet.pool import Fleet
 
 #: 2.0 is a bound because the design's P0 TTFT objective is "p99 < 2 s": its burn rate reads that bucket exactly.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -377,12 +374,6 @@ class GatewayMetrics:
         self.scrapes = Counter(
             "lockgate_engine_scrapes", "Engine metric scrapes by result.", ["instance", "result"], registry=r
         )
-
-    def watch_fleet(self, fleet: Fleet) -> None:
-        """Per-instance load state, read from the fleet when /metrics is scraped (nothing on the hot path)."""
-        from .fleet.metrics import FleetCollector
-
-        self.registry.register(FleetCollector(fleet))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,6 +39,7 @@ from ..wire import ApiRequest
 from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
 from .capacity import ConcurrencyLimit
 from .ejection import Ejection, ejection_allowed
+from .metrics import FleetCollector
 from .scrape import Scraper
 from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
 
@@ -440,7 +441,8 @@ class Fleet:
 
     async def __aenter__(self) -> Fleet:
         self._build(self._config)
-        self._metrics.watch_fleet(self)
+        # Per-instance load state, read from the fleet when /metrics is scraped (nothing on the hot path).
+        self._metrics.registry.register(FleetCollector(self))
         self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
         self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
         if self._config.scrape.enabled:
