@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .progress import Progress
 
@@ -11,14 +12,27 @@ def _overhead(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import overhead
 
+    settings = overhead.Settings(
+        modes=args.modes,
+        concurrency=args.concurrency,
+        stream_concurrency=args.stream_concurrency,
+        max_tokens=args.max_tokens,
+        chunks=args.chunks,
+        rounds=args.rounds,
+        generator=args.generator,
+        duration_s=args.duration,
+        requests=args.requests,
+        client=args.client,
+        compare=args.compare,
+    )
+
     async def main() -> int:
+        for line in overhead.header(settings):
+            print(line, flush=True)
         async with Progress("lockgate bench overhead") as progress:
-            rows = await overhead.run(
-                args.concurrency, args.requests, args.max_tokens, args.modes, args.rounds, args.client, progress
-            )
-        print(overhead.interpreter())
+            rows = await overhead.run(settings, progress)
         print(overhead.report(rows))
-        return 0 if all(r.result.errors == 0 for r in rows) else 1
+        return 0 if all(r.errors == 0 for r in rows) else 1
 
     return run_async(main)
 
@@ -148,19 +162,88 @@ def _chaos(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+def _overload(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import overload
+
+    settings = overload.Settings(
+        levels=args.levels,
+        duration_s=args.duration,
+        slots=args.slots,
+        tpot_ms=args.tpot_ms,
+        max_tokens=args.max_tokens,
+        max_queue=args.max_queue,
+    )
+
+    async def main() -> int:
+        async with Progress("lockgate bench overload") as progress:
+            result = await overload.run(settings, progress)
+        print(overload.report(result))
+        _write(Path(args.svg), overload.svg(result))
+        print(f"curve written to {args.svg}")
+        return 0 if all(level.failed == 0 for level in result.levels) else 1
+
+    return run_async(main)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import soak
+
+    settings = soak.Settings(
+        duration_s=args.duration,
+        interval_s=args.interval,
+        warmup_s=args.warmup,
+        concurrency=args.concurrency,
+        rss_tolerance_mb=args.rss_tolerance_mb,
+        fd_tolerance=args.fd_tolerance,
+    )
+
+    async def main() -> int:
+        async with Progress("lockgate bench soak") as progress:
+            result = await soak.run(settings, progress)
+        print(soak.report(result))
+        return 0 if result.passed() else 1
+
+    return run_async(main)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
-    over = benches.add_parser("overhead", help="gateway vs direct: throughput, latency, CPU per request")
-    over.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    over.add_argument("--requests", type=int, default=5000, help="requests per target and round")
-    over.add_argument("--rounds", type=int, default=3, help="rounds of direct-then-gateway per measurement")
+    over = benches.add_parser(
+        "overhead", help="gateway vs direct (and peers): throughput, latency, CPU per request and per chunk"
+    )
+    over.add_argument("--concurrency", type=int, nargs="+", default=[64], help="connections, non-streaming")
+    over.add_argument("--stream-concurrency", type=int, nargs="+", default=[256], help="concurrent streams")
+    over.add_argument(
+        "--generator",
+        choices=["auto", "wrk", "builtin"],
+        default="auto",
+        help="load generator: wrk (an external process) when installed, else the built-in client",
+    )
+    over.add_argument("--duration", type=float, default=5.0, help="seconds per target and round (wrk)")
+    over.add_argument("--requests", type=int, default=5000, help="requests per target and round (built-in client)")
+    over.add_argument("--rounds", type=int, default=3, help="rounds of direct, gateway, peers per measurement")
     over.add_argument(
         "--client",
         choices=["lean", "aiohttp"],
         default="lean",
-        help="load generator's HTTP client: lockgate's lean pool (~40 us/request) or aiohttp's (~90)",
+        help="the built-in generator's HTTP client: lockgate's lean pool (~40 us/request) or aiohttp's (~90)",
     )
-    over.add_argument("--max-tokens", type=int, default=16)
+    over.add_argument("--max-tokens", type=int, default=16, help="tokens of a non-streaming answer")
+    over.add_argument("--chunks", type=int, default=20, help="token chunks of each stream")
+    over.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="URL_OR_COMMAND",
+        help="a peer router measured in the same rounds: a URL, or a command started per round with {engine} "
+        "and {port} replaced (e.g. 'vllm-router --worker-urls {engine} --port {port} --policy round_robin')",
+    )
     over.add_argument("--modes", nargs="+", choices=["nonstream", "stream"], default=["nonstream", "stream"])
     over.set_defaults(func=_overhead)
     inproc = benches.add_parser(
@@ -242,3 +325,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ch.add_argument("--rss-slack-mb", type=float, default=d.rss_slack_mb)
     ch.add_argument("--fd-slack", type=int, default=d.fd_slack)
     ch.set_defaults(func=_chaos)
+    over_load = benches.add_parser(
+        "overload", help="offered load swept past the engine's capacity: throughput and p99, drawn as an SVG"
+    )
+    over_load.add_argument(
+        "--levels", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5], help="x capacity"
+    )
+    over_load.add_argument("--duration", type=float, default=5.0, help="seconds per level")
+    over_load.add_argument("--slots", type=int, default=8, help="the engine's sequence slots (= max_concurrency)")
+    over_load.add_argument("--tpot-ms", type=float, default=10.0)
+    over_load.add_argument("--max-tokens", type=int, default=8)
+    over_load.add_argument("--max-queue", type=int, default=0, help="each priority class's max_queue")
+    over_load.add_argument("--svg", default="overload.svg", help="where to write the curve")
+    over_load.set_defaults(func=_overload)
+    soak = benches.add_parser("soak", help="mixed load for a long time: RSS and open fds must stay flat")
+    soak.add_argument("--duration", type=float, default=3600.0, help="seconds")
+    soak.add_argument("--interval", type=float, default=60.0, help="seconds between samples")
+    soak.add_argument("--warmup", type=float, default=None, help="seconds (default: min(300, duration / 3))")
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--rss-tolerance-mb", type=float, default=16.0, help="allowed RSS growth after warm-up")
+    soak.add_argument("--fd-tolerance", type=int, default=16, help="allowed growth of open fds after warm-up")
+    soak.set_defaults(func=_soak)

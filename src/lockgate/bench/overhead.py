@@ -1,9 +1,18 @@
-"""`lockgate bench overhead`: the gateway's cost, measured against the engine alone in one run.
+"""`lockgate bench overhead`: the gateway's cost, measured against the engine alone and against peer routers
+in the same interleaved rounds.
 
-A simulator in `--fast` mode (no generation delays) and a gateway in front of it run as child
-processes; this process drives load straight at the simulator, then through the gateway, with the
-same requests, for each mode and concurrency, and prints throughput, latency and the CPU each
-process used per request (read from /proc), with the ratios gateway/direct.
+A simulator in `--fast` mode (no generation delays) and a gateway in front of it run as child processes,
+the gateway with every feature of the request path on (default routing policy, priority scheduler, metrics,
+usage records, and requests eligible for de-duplication: temperature 0, each prompt unique so that none is
+served from a cache). Each round loads, one after the other, the engine directly, the gateway, and each
+`--compare` peer (a command started afresh for the round, or a URL), with the same requests. The load
+generator is wrk (`bench/wrk.py`: a C program in its own process) when it is installed, else the built-in
+client (lockgate's lean pool, in this process; the report says which).
+
+Figures: requests per second (ratio to direct, per round), latency p50/p99 (median over rounds), and the CPU
+each process used (from /proc): per request and, for streams, per chunk (a chunk: one token event of the
+`--chunks` each stream carries). CPU is the figure that travels: req/s on a shared machine swings with its
+other load, and the rounds interleave so that a drift weighs on every target alike.
 """
 
 from __future__ import annotations
@@ -11,23 +20,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from .load import LoadResult, closed_loop, cpu_seconds, percentile
+from .load import closed_loop, cpu_seconds, percentile
+from .machine import build, interpreter, machine
+from .peer import Peer
 from .progress import Progress
+from .wrk import body_template, run_wrk, wrk_path
 
 MODEL = "bench-model"
+
+#: The issue's targets (per small non-streaming request at concurrency 64; per streamed chunk).
+TARGET_US_PER_REQUEST = 80.0
+TARGET_US_PER_CHUNK = 40.0
+
+__all__ = ["MODEL", "Settings", "build", "free_port", "interpreter", "machine", "report", "run"]
 
 
 def free_port() -> int:
@@ -73,44 +91,91 @@ async def wait_http(url: str, proc: subprocess.Popen[bytes], within_s: float = 2
 
 
 @dataclass
+class Settings:
+    modes: list[str] = field(default_factory=lambda: ["nonstream", "stream"])
+    #: Connections for non-streaming requests, and for streams.
+    concurrency: list[int] = field(default_factory=lambda: [64])
+    stream_concurrency: list[int] = field(default_factory=lambda: [256])
+    #: Tokens of a non-streaming answer; token chunks of each stream.
+    max_tokens: int = 16
+    chunks: int = 20
+    rounds: int = 3
+    #: "wrk", "builtin", or "auto" (wrk when installed).
+    generator: str = "auto"
+    #: Seconds per target and round (wrk).
+    duration_s: float = 5.0
+    #: Requests per target and round (built-in client).
+    requests: int = 5000
+    #: The built-in client's HTTP stack: "lean" or "aiohttp".
+    client: str = "lean"
+    compare: list[str] = field(default_factory=list)
+
+    def resolved_generator(self) -> str:
+        if self.generator == "auto":
+            return "wrk" if wrk_path() is not None else "builtin"
+        return self.generator
+
+
+@dataclass
+class Sample:
+    """One target in one round."""
+
+    requests: int
+    errors: int
+    seconds: float
+    p50_s: float
+    p99_s: float
+    engine_cpu_s: float
+    #: The loaded process's CPU (None: a peer given by URL, whose process is not ours).
+    target_cpu_s: float | None
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+@dataclass
 class Row:
     mode: str
     concurrency: int
     target: str
-    result: LoadResult
-    engine_cpu: float
-    gateway_cpu: float
-    #: gateway/direct req/s of each round (the same on both rows of a pair).
+    samples: list[Sample]
+    #: This target's req/s over direct's in each round (empty for direct).
     round_ratios: list[float]
+    #: Token chunks per request (streams) or 0.
+    chunks: int
+
+    @property
+    def requests(self) -> int:
+        return sum(s.requests for s in self.samples)
+
+    @property
+    def errors(self) -> int:
+        return sum(s.errors for s in self.samples)
+
+    @property
+    def rps(self) -> float:
+        seconds = sum(s.seconds for s in self.samples)
+        return self.requests / seconds if seconds else 0.0
+
+    def median(self, value: Callable[[Sample], float | None]) -> float | None:
+        values = [v for v in (value(s) for s in self.samples) if v is not None]
+        return statistics.median(values) if values else None
+
+    def engine_us(self) -> float | None:
+        return self.median(lambda s: s.engine_cpu_s / s.requests * 1e6 if s.requests else None)
+
+    def target_us(self) -> float | None:
+        if self.target == "direct":
+            return None
+        return self.median(lambda s: s.target_cpu_s / s.requests * 1e6 if s.requests and s.target_cpu_s else None)
 
 
-def _body(stream: bool, max_tokens: int) -> Callable[[int], dict[str, Any]]:
-    def make(n: int) -> dict[str, Any]:
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"Say something short #{n % 97}"}],
-            "max_tokens": max_tokens,
-        }
-        if stream:
-            body["stream"] = True
-        return body
-
-    return make
-
-
-async def run(
-    concurrencies: list[int],
-    requests: int,
-    max_tokens: int,
-    modes: list[str],
-    rounds: int = 3,
-    client: str = "lean",
-    progress: Progress | None = None,
-) -> list[Row]:
-    """Each (mode, concurrency) is measured in `rounds` rounds, direct then gateway in each, so that a
-    drift of the machine (the client, engine and gateway share its cores) weighs on both alike; a row
-    sums its rounds (requests / total time, CPU over all of them) and keeps each round's ratio."""
+async def run(settings: Settings, progress: Progress | None = None) -> list[Row]:
+    """Every (mode, concurrency) in `settings.rounds` rounds of direct, gateway, then each peer."""
     progress = progress or Progress.silent()
+    generator = settings.resolved_generator()
+    peers = [Peer(spec) for spec in settings.compare]
     engine_port, gateway_port = free_port(), free_port()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,119 +188,149 @@ async def run(
             progress.phase("starting the engine and the gateway")
             await wait_http(engine_url + "/health", sim)
             await wait_http(gateway_url + "/ready", gw)
-            for mode in modes:
+            runs = 0
+            for mode in settings.modes:
                 stream = mode == "stream"
-                make = _body(stream, max_tokens)
-                for concurrency in concurrencies:
-                    parts: dict[str, list[tuple[LoadResult, float, float]]] = {"direct": [], "gateway": []}
-                    for round_ in range(rounds):
-                        for target, base in (("direct", engine_url), ("gateway", gateway_url)):
-                            url = base + "/v1/chat/completions"
-                            progress.phase(f"{mode} c={concurrency} round {round_ + 1}/{rounds} {target}", requests)
-                            parts[target].append(
-                                await _measure(url, make, concurrency, requests, stream, sim, gw, client, progress)
-                            )
-                    ratios = [g[0].rps / d[0].rps for d, g in zip(parts["direct"], parts["gateway"], strict=True)]
-                    for target in ("direct", "gateway"):
-                        rows.append(_combine(mode, concurrency, target, parts[target], ratios))
+                tokens = settings.chunks if stream else settings.max_tokens
+                for concurrency in settings.stream_concurrency if stream else settings.concurrency:
+                    parts: dict[str, list[Sample]] = {"direct": [], "gateway": [], **{p.name: [] for p in peers}}
+                    for round_ in range(settings.rounds):
+                        label = f"{mode} c={concurrency} round {round_ + 1}/{settings.rounds}"
+                        targets: list[tuple[str, str, int | None, Peer | None]] = [
+                            ("direct", engine_url, None, None),
+                            ("gateway", gateway_url, gw.pid, None),
+                            *((p.name, "", None, p) for p in peers),
+                        ]
+                        for name, base, pid, peer in targets:
+                            runs += 1
+                            progress.phase(f"{label} {name}")
+                            measure = _Measure(generator, settings, stream, tokens, concurrency, sim.pid, runs)
+                            if peer is None:
+                                parts[name].append(await measure(base + "/v1/chat/completions", pid))
+                                continue
+                            async with peer.started(engine_url, free_port(), MODEL) as running:
+                                parts[name].append(await measure(running.url + "/v1/chat/completions", running.pid))
+                    direct = parts["direct"]
+                    for name, samples in parts.items():
+                        ratios = (
+                            []
+                            if name == "direct"
+                            else [s.rps / d.rps if d.rps else 0.0 for d, s in zip(direct, samples, strict=True)]
+                        )
+                        rows.append(Row(mode, concurrency, name, samples, ratios, tokens if stream else 0))
     return rows
 
 
-async def _measure(
-    url: str,
-    make: Callable[[int], dict[str, Any]],
-    concurrency: int,
-    requests: int,
-    stream: bool,
-    sim: subprocess.Popen[bytes],
-    gw: subprocess.Popen[bytes],
-    client: str,
-    progress: Progress,
-) -> tuple[LoadResult, float, float]:
-    """One round against one target: its result and the engine's and gateway's CPU seconds."""
-    # Warm-up: connections, caches, allocator.
-    await closed_loop(url, make, concurrency=concurrency, requests=concurrency * 4, stream=stream, client=client)
-    e0, g0 = cpu_seconds(sim.pid), cpu_seconds(gw.pid)
-    result = await closed_loop(
-        url, make, concurrency=concurrency, requests=requests, stream=stream, client=client, on_done=progress.advance
-    )
-    return result, cpu_seconds(sim.pid) - e0, cpu_seconds(gw.pid) - g0
+@dataclass
+class _Measure:
+    generator: str
+    settings: Settings
+    stream: bool
+    tokens: int
+    concurrency: int
+    engine_pid: int
+    run_id: int
 
+    async def __call__(self, url: str, pid: int | None) -> Sample:
+        """Warm up (connections, caches, allocator: the built-in client, a few requests a connection), then
+        one measured run; CPU read around it."""
+        await self._builtin(url, "warm", self.concurrency * 4)
+        e0 = cpu_seconds(self.engine_pid)
+        t0 = cpu_seconds(pid) if pid is not None else 0.0
+        if self.generator == "wrk":
+            requests, errors, seconds, p50, p99 = await self._wrk(url, "run", self.settings.duration_s)
+        else:
+            requests, errors, seconds, p50, p99 = await self._builtin(url, "run", self.settings.requests)
+        target_cpu = cpu_seconds(pid) - t0 if pid is not None else None
+        return Sample(requests, errors, seconds, p50, p99, cpu_seconds(self.engine_pid) - e0, target_cpu)
 
-def _combine(
-    mode: str, concurrency: int, target: str, parts: list[tuple[LoadResult, float, float]], ratios: list[float]
-) -> Row:
-    results = [p[0] for p in parts]
-    combined = LoadResult(
-        requests=sum(r.requests for r in results),
-        errors=sum(r.errors for r in results),
-        seconds=sum(r.seconds for r in results),
-        latencies=[x for r in results for x in r.latencies],
-        ttfts=[x for r in results for x in r.ttfts],
-    )
-    return Row(mode, concurrency, target, combined, sum(p[1] for p in parts), sum(p[2] for p in parts), ratios)
+    def _tag(self, phase: str) -> str:
+        # Unique per run: a prompt of one run never repeats one of another (the result cache keeps answers).
+        return f"{phase}{self.run_id}-{os.getpid()}"
+
+    async def _wrk(self, url: str, phase: str, duration_s: float) -> tuple[int, int, float, float, float]:
+        head, tail = body_template(MODEL, self.tokens, stream=self.stream)
+        head = head.replace("Say something short #", f"Say something short {self._tag(phase)} #")
+        result = await run_wrk(url, head, tail, connections=self.concurrency, duration_s=duration_s)
+        return result.requests, result.errors, result.seconds, result.p50_s, result.p99_s
+
+    async def _builtin(self, url: str, phase: str, requests: int) -> tuple[int, int, float, float, float]:
+        tag, tokens, stream = self._tag(phase), self.tokens, self.stream
+
+        def make(n: int) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Say something short {tag} #{n}"}],
+                "max_tokens": tokens,
+                "temperature": 0,
+            }
+            if stream:
+                body["stream"] = True
+            return body
+
+        result = await closed_loop(
+            url, make, concurrency=self.concurrency, requests=requests, stream=stream, client=self.settings.client
+        )
+        return (
+            result.requests,
+            result.errors,
+            result.seconds,
+            percentile(result.latencies, 50),
+            percentile(result.latencies, 99),
+        )
 
 
 def _write_config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> None:
+    # Every feature on: the default routing policy, de-duplication (deterministic requests), the default
+    # priority classes, usage records, metrics. The instance's limit is above any concurrency measured.
     path.write_text(
         f"listen: {{host: 127.0.0.1, port: {gateway_port}}}\n"
         f"usage: {{path: {os.path.join(tmp, 'usage.sqlite3')}}}\n"
-        f"models:\n  - name: {MODEL}\n    routing: least_load\n"
-        f"    instances:\n      - {{url: 'http://127.0.0.1:{engine_port}', engine: vllm, max_concurrency: 1024}}\n"
+        f"models:\n  - name: {MODEL}\n    dedup: deterministic\n"
+        f"    instances:\n      - {{url: 'http://127.0.0.1:{engine_port}', engine: vllm, max_concurrency: 2048}}\n"
     )
 
 
-def interpreter() -> str:
-    """The Python that runs the engine and the gateway (children started with this one's executable). Its
-    build moves CPU per request by ~20%: see docs/decisions.md, "The interpreter"."""
-    line = f"interpreter: {platform.python_implementation()} {platform.python_version()} at {sys.executable}"
-    return line + (" (libpython loaded as a shared library)" if _shared_libpython() else "")
-
-
-def _shared_libpython() -> bool:
-    try:
-        with open("/proc/self/maps") as maps:
-            return any("libpython" in line for line in maps)
-    except OSError:  # not Linux
-        return False
-
-
-#: The issue's target for small non-streaming completions at concurrency 64.
-TARGET_RATIO = 0.6
-TARGET_CPU_US = 120.0
+def header(settings: Settings) -> list[str]:
+    """The lines printed before the table: machine, interpreter, build, load generator."""
+    generator = settings.resolved_generator()
+    if generator == "wrk":
+        gen = f"load generator: wrk ({wrk_path()}), {settings.duration_s:g} s per target and round"
+    else:
+        why = " (wrk is not installed)" if settings.generator == "auto" else ""
+        gen = f"load generator: built-in ({settings.client} client, in the benchmark's process){why}"
+    return [interpreter(), machine(), build(), gen]
 
 
 def report(rows: list[Row]) -> str:
     lines = [
-        f"{'mode':<10}{'conc':>5} {'target':<8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'errors':>7}{'engine us/req':>15}{'gateway us/req':>16}{'ratio':>7}  rounds"
+        f"{'mode':<10}{'conc':>5} {'target':<14}{'req/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'errors':>7}"
+        f"{'engine us/req':>14}{'us/req':>8}{'us/chunk':>9}{'ratio':>7}  rounds"
     ]
-    direct: dict[tuple[str, int], Row] = {}
-    verdict = ""
+    verdicts: list[str] = []
     for row in rows:
-        r = row.result
-        ratio = rounds = gateway_us = ""
-        if row.target == "direct":
-            direct[(row.mode, row.concurrency)] = row
-        else:
-            gateway_us = f"{row.gateway_cpu / r.requests * 1e6:.0f}"
-            rounds = " ".join(f"{x:.2f}" for x in row.round_ratios)
-            base = direct.get((row.mode, row.concurrency))
-            if base is not None and base.result.rps:
-                value = r.rps / base.result.rps
-                ratio = f"{value:.2f}x"
-                if row.mode == "nonstream" and row.concurrency == 64:
-                    cpu = row.gateway_cpu / r.requests * 1e6
-                    met = value >= TARGET_RATIO and cpu <= TARGET_CPU_US
-                    verdict = (
-                        f"target (nonstream, concurrency 64): >= {TARGET_RATIO}x direct and <= {TARGET_CPU_US:.0f} us "
-                        f"gateway CPU per request: {value:.2f}x, {cpu:.0f} us: {'met' if met else 'NOT met'}"
-                    )
+        p50, p99 = row.median(lambda s: s.p50_s), row.median(lambda s: s.p99_s)
+        engine_us, target_us = row.engine_us(), row.target_us()
+        us = f"{target_us:.0f}" if target_us is not None else ("-" if row.target == "direct" else "n/a")
+        per_chunk = f"{target_us / row.chunks:.1f}" if target_us is not None and row.chunks else ""
+        ratio = f"{statistics.median(row.round_ratios):.2f}x" if row.round_ratios else ""
+        rounds = " ".join(f"{x:.2f}" for x in row.round_ratios)
         lines.append(
-            f"{row.mode:<10}{row.concurrency:>5} {row.target:<8}{r.rps:>9.0f}"
-            f"{percentile(r.latencies, 50) * 1000:>9.2f}{percentile(r.latencies, 99) * 1000:>9.2f}"
-            f"{r.errors:>7}{row.engine_cpu / r.requests * 1e6:>15.0f}{gateway_us:>16}{ratio:>7}  {rounds}"
+            f"{row.mode:<10}{row.concurrency:>5} {row.target[:13]:<14}{row.rps:>8.0f}"
+            f"{(p50 or 0) * 1000:>8.2f}{(p99 or 0) * 1000:>8.2f}{row.errors:>7}"
+            f"{(engine_us or 0):>14.0f}{us:>8}{per_chunk:>9}{ratio:>7}  {rounds}"
         )
-    if verdict:
-        lines.append(verdict)
-    return "\n".join(lines)
+        if row.target == "gateway" and target_us is not None:
+            if row.mode == "nonstream" and row.concurrency == 64:
+                met = target_us <= TARGET_US_PER_REQUEST
+                verdicts.append(
+                    f"target (nonstream, concurrency 64): <= {TARGET_US_PER_REQUEST:.0f} us gateway CPU per request: "
+                    f"{target_us:.0f} us: {'met' if met else 'NOT met'}"
+                )
+            if row.mode == "stream" and row.chunks:
+                per = target_us / row.chunks
+                verdicts.append(
+                    f"target (stream, concurrency {row.concurrency}): <= {TARGET_US_PER_CHUNK:.0f} us gateway CPU per "
+                    f"chunk: {per:.1f} us: {'met' if per <= TARGET_US_PER_CHUNK else 'NOT met'}"
+                )
+    return "\n".join(lines + verdicts)
