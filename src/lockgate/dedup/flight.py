@@ -43,8 +43,6 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
-
 from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..routing.policies import RouteRequest
@@ -137,6 +135,8 @@ class Flight:
         self._call: UpstreamCall | None = None
         self._nbytes = 0
         self._changed = asyncio.Event()
+        #: Tasks in `wait_changed()`: with none, an event needs no wake-up (and no new `asyncio.Event`).
+        self._waiting = 0
 
     # --- subscribers (synchronous) -------------------------------------------------------------
     def subscribe(self) -> Subscription:
@@ -172,11 +172,17 @@ class Flight:
         return self.state is not FlightState.RUNNING
 
     async def wait_changed(self) -> None:
-        await self._changed.wait()
+        """Until the next event or the end (callers check the state first, then wait: no await between)."""
+        self._waiting += 1
+        try:
+            await self._changed.wait()
+        finally:
+            self._waiting -= 1
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._waiting:  # else the unset event serves the next waiter as it is
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
@@ -185,8 +191,11 @@ class Flight:
         try:
             opened = await self._open()
             events = opened.events()
+            call, counted = opened.call, 0
             async for event in events:
-                self._nbytes += 64 + len(orjson.dumps(event))
+                # Sized by the engine's bytes (the call counts them), not by serialising the event again.
+                self._nbytes += 64 + call.payload_bytes - counted
+                counted = call.payload_bytes
                 self.events.append(event)
                 self._ends.append(self._nbytes)
                 self._notify()
