@@ -33,12 +33,23 @@ class ClientView:
         self.usage: dict[str, Any] | None = None
 
     def event(self, event: dict[str, Any]) -> dict[str, Any] | None:
-        """The event as this client sees it; None when it gets nothing for it (usage-only chunks)."""
+        """The event as this client sees it; None when it gets nothing for it (usage-only chunks). The event
+        itself (not a copy) when it needs no change: the gateway's response id is not imposed, the model name is
+        already the client's, and `usage` is already what the client gets (absent, or null when it asked for
+        usage)."""
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
         if not event.get("choices"):
             return None
+        if (
+            self._response_id is None
+            and event.get("model") == self._model
+            and ("usage" in event and usage is None if self._include_usage else "usage" not in event)
+        ):
+            # Nothing to change: the event itself (the caller may then send the engine's bytes as they are).
+            self._last = event
+            return event
         out = {**event, "model": self._model}  # a copy: flights share their events between clients
         if self._response_id is not None:
             out["id"] = self._response_id

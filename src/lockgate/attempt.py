@@ -36,6 +36,8 @@ class Opened:
     #: Stream events already read (up to the first with choices), and the rest of the stream.
     head: list[dict[str, Any]]
     rest: AsyncGenerator[dict[str, Any], None] | None
+    #: Whether the event `events()` yielded last came from `rest` (its raw bytes are `call.payload`).
+    live: bool = False
 
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """The whole stream (the events read ahead, then the rest), counting tokens for the
@@ -46,9 +48,15 @@ class Opened:
             lease.completion_tokens += has_content(event)
             yield event
         assert self.rest is not None
+        self.live = True
         async for event in self.rest:
             lease.completion_tokens += has_content(event)
             yield event
+
+    def raw(self) -> bytes | None:
+        """The engine's own bytes for the event `events()` yielded last, when known (not for the events read
+        ahead while opening)."""
+        return self.call.payload if self.live else None
 
     def ready(self) -> bool:
         """Whether the next step will not wait: an event (or the `[DONE]` that ends the stream) is

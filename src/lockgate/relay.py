@@ -90,6 +90,8 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
     events = opened.events()
     try:
-        return await stream_events(ex, http_request, events, _headers(ex, opened.call.instance), ready=opened.ready)
+        return await stream_events(
+            ex, http_request, events, _headers(ex, opened.call.instance), ready=opened.ready, raw=opened.raw
+        )
     finally:
         await events.aclose()

@@ -30,6 +30,7 @@ async def stream_events(
     *,
     response_id: str | None = None,
     ready: Callable[[], bool] | None = None,
+    raw: Callable[[], bytes | None] | None = None,
 ) -> Reply:
     """Relay a generation as SSE. The status line goes out with the first event that has choices:
     until then, a failure can still be answered with an error status (or retried elsewhere).
@@ -38,7 +39,10 @@ async def stream_events(
     or its end) are written together, one write (one send) for all of them: an engine or flight that
     is ahead of this client costs one syscall per batch, not per token. A batch stops at `MAX_BATCH_BYTES`,
     and a write still awaits the transport's drain, so a slow client holds its source back (backpressure)
-    and what waits for it is at most the transport's high-water mark plus one batch."""
+    and what waits for it is at most the transport's high-water mark plus one batch.
+
+    `raw()` gives the source's own bytes for the event just received, when it knows them: an event the
+    client's view leaves unchanged is then written as those bytes, not serialised again (pass-through)."""
     api, record = ex.api, ex.record
     view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
     response: StreamResponse | None = None
@@ -66,7 +70,9 @@ async def stream_events(
                 ex.response = response
                 await _write(response.prepare(http_request))
                 ex.phase = Phase.STREAMING
-            data = sse.encode(out)
+            payload = raw() if raw is not None and out is event else None
+            # Pass-through, unless the payload spans several `data:` lines (then re-encoded on one).
+            data = b"data: " + payload + b"\n\n" if payload and payload.find(b"\n") < 0 else sse.encode(out)
             batch.append(data)
             batch_bytes += len(data)
             batch_tokens += has_content(out)

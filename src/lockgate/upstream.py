@@ -41,6 +41,7 @@ class UpstreamCall:
         "_response",
         "aborted",
         "instance",
+        "payload",
         "pending",
         "received",
         "stream",
@@ -74,8 +75,11 @@ class UpstreamCall:
         #: Payloads already received and decoded but not yet consumed by `events()`, `[DONE]` included
         #: (the next step of the stream will not wait for the network).
         self.pending = 0
-        #: Bytes of event payloads yielded by `events()` so far (bounds what a caller assembles).
+        #: Bytes of event payloads yielded by `events()` so far (bounds what a caller assembles; a flight sizes
+        #: its buffer by it).
         self.received = 0
+        #: The raw `data:` payload of the event `events()` yielded last (what the engine sent, byte for byte).
+        self.payload = b""
         # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
         # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
         instance.open_calls += 1
@@ -156,10 +160,13 @@ class UpstreamCall:
                         return
                     self.pending = len(payloads) - index - 1
                     self.received += len(payload)
+                    self.payload = payload
                     yield _parse_event(payload, self.instance.name)
                 self.pending = 0
             for payload in decoder.close():
                 if payload != DONE:
+                    self.received += len(payload)
+                    self.payload = payload
                     yield _parse_event(payload, self.instance.name)
         except ProtocolError as exc:
             if self.abort():  # not closed by the gateway itself: the engine broke it

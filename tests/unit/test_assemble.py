@@ -61,3 +61,21 @@ def test_usage_on_a_finish_chunk_becomes_its_own_final_chunk():
     assert out is not None
     assert out["usage"] is None
     assert view.final() == {"id": "x", "model": "m", "choices": [], "usage": {"completion_tokens": 1}}
+
+
+def test_client_view_passes_an_event_that_needs_no_change_through_as_is() -> None:
+    """The direct path then writes the engine's own bytes (pass-through): only when the event is exactly what
+    the client would get (its model name, no response id imposed, `usage` as the client asked)."""
+    chunk: dict[str, Any] = {"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    assert ClientView(model="m", include_usage=False).event(chunk) is chunk
+    renamed = ClientView(model="client-name", include_usage=False).event(chunk)
+    assert renamed is not chunk and renamed is not None and renamed["model"] == "client-name"
+    assert chunk["model"] == "m"  # the engine's event is never changed in place
+    fresh_id = ClientView(model="m", include_usage=False, response_id="r").event(chunk)
+    assert fresh_id is not chunk and fresh_id is not None and fresh_id["id"] == "r"
+    asked = ClientView(model="m", include_usage=True).event(chunk)
+    assert asked is not chunk and asked is not None and asked["usage"] is None
+    with_null = {**chunk, "usage": None}
+    assert ClientView(model="m", include_usage=True).event(with_null) is with_null
+    not_asked = ClientView(model="m", include_usage=False).event(with_null)
+    assert not_asked is not with_null and not_asked is not None and "usage" not in not_asked

@@ -194,8 +194,8 @@ class Flight:
             call, counted = opened.call, 0
             async for event in events:
                 # Sized by the engine's bytes (the call counts them), not by serialising the event again.
-                self._nbytes += 64 + call.payload_bytes - counted
-                counted = call.payload_bytes
+                self._nbytes += 64 + call.received - counted
+                counted = call.received
                 self.events.append(event)
                 self._ends.append(self._nbytes)
                 self._notify()
