@@ -282,9 +282,12 @@ class _Measure:
 
 def _write_config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> None:
     # Every feature on: the default routing policy, de-duplication (deterministic requests), the default
-    # priority classes, usage records, metrics. The instance's limit is above any concurrency measured.
+    # priority classes, usage records, metrics. The instance's limit is above any concurrency measured. Health
+    # probes are lenient: on a saturated machine a probe may take seconds, and an ejected engine would turn the
+    # measurement into one of 503s.
     path.write_text(
         f"listen: {{host: 127.0.0.1, port: {gateway_port}}}\n"
+        "health: {timeout_ms: 10000, ejection: {consecutive_failures: 1000}}\n"
         f"usage: {{path: {os.path.join(tmp, 'usage.sqlite3')}}}\n"
         f"models:\n  - name: {MODEL}\n    dedup: deterministic\n"
         f"    instances:\n      - {{url: 'http://127.0.0.1:{engine_port}', engine: vllm, max_concurrency: 2048}}\n"
