@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 
 from lockgate.config import parse_config
@@ -148,15 +149,18 @@ def event(n: int) -> dict[str, Any]:
 
 
 class FakeEngine:
-    """What `open_attempts` returns: a stream of `count` events, as fast as they are taken."""
+    """What `open_attempts` returns: a stream of `count` events, as fast as they are taken, and its call
+    counting the payload bytes received (what the flight sizes its buffer by)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.produced = 0
+        self.call = SimpleNamespace(received=0)
 
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         for n in range(self.count):
             self.produced += 1
+            self.call.received += len(orjson.dumps(event(n)))
             yield event(n)
             await asyncio.sleep(0)
 

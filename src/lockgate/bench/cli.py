@@ -177,6 +177,7 @@ def _overload(args: argparse.Namespace) -> int:
         tpot_ms=args.tpot_ms,
         max_tokens=args.max_tokens,
         max_queue=args.max_queue,
+        scrape=args.scrape,
     )
 
     async def main() -> int:
@@ -337,6 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over_load.add_argument("--max-tokens", type=int, default=8)
     over_load.add_argument("--max-queue", type=int, default=0, help="each priority class's max_queue")
     over_load.add_argument("--svg", default="overload.svg", help="where to write the curve")
+    over_load.add_argument(
+        "--scrape", action="store_true", help="scrape the engine (its concurrency limit discovered, not fixed)"
+    )
     over_load.set_defaults(func=_overload)
     soak = benches.add_parser("soak", help="mixed load for a long time: RSS and open fds must stay flat")
     soak.add_argument("--duration", type=float, default=3600.0, help="seconds")
