@@ -46,3 +46,24 @@ def test_no_signal_or_not_adaptive_keeps_the_limit() -> None:
     fixed.observe(running=4, waiting=9, in_flight=13)
     fixed.observe(running=4, waiting=9, in_flight=13)
     assert fixed.limit == 32
+
+
+def test_a_queue_explained_by_prefill_work_does_not_cut_the_limit() -> None:
+    # Chunked prefill: one long prompt takes the engine's step budget, short requests wait for it with free
+    # slots. The gateway has ~0.5 s of prefill outstanding there, requests hold a slot ~0.1 s decoding.
+    limit = ConcurrencyLimit(256)
+    for _ in range(10):
+        assert not limit.observe(running=1, waiting=3, in_flight=4, prefill_backlog_s=0.5, decode_s=0.1)
+    assert limit.limit == 256
+    # The same queue with little prefill outstanding is the engine's parallelism: it counts.
+    assert not limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
+    assert limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
+    assert limit.limit == 8
+
+
+def test_no_queue_counts_before_the_instance_answered_a_request() -> None:
+    # The first long prompts of a run queue behind each other's prefill before any timing is measured.
+    limit = ConcurrencyLimit(256)
+    for _ in range(5):
+        assert not limit.observe(running=1, waiting=4, in_flight=5, prefill_backlog_s=0.0, decode_s=0.0)
+    assert limit.limit == 256

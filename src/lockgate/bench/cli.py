@@ -76,6 +76,56 @@ def _priority(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def _hol(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import hol
+
+    settings = hol.Settings(
+        duration_s=args.duration,
+        sims=args.sims,
+        prefill_tps=args.prefill_tps,
+        max_num_batched_tokens=args.max_batched_tokens,
+        short_words=args.short_tokens,
+        long_words=args.long_tokens,
+        short_rate=args.short_rate,
+        long_load=args.long_load,
+        policy=args.policy,
+        seed=args.seed,
+    )
+
+    async def main() -> int:
+        async with Progress("lockgate bench hol") as progress:
+            phases = await hol.run(settings, progress)
+        print(hol.report(phases, settings))
+        return 0 if all(p.errors == 0 for p in phases) else 1
+
+    return run_async(main)
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import capacity
+
+    settings = capacity.Settings(
+        large_seqs=args.large_seqs,
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        requests=args.requests,
+        rounds=args.rounds,
+        small_seqs=args.small_seqs,
+        settle_s=args.settle,
+    )
+
+    async def main() -> int:
+        async with Progress("lockgate bench capacity") as progress:
+            large = await capacity.run_large(settings, progress) if "large" in args.modes else None
+            small = await capacity.run_small(settings, progress) if "small" in args.modes else None
+        print(capacity.report(large, small, settings))
+        return 0
+
+    return run_async(main)
+
+
 def _cancel(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import cancel
@@ -213,6 +263,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
     prio.set_defaults(func=_priority)
+    hol = benches.add_parser("hol", help="short requests behind long ones in one class: short TTFT, mixed vs alone")
+    hol.add_argument("--duration", type=float, default=5.0, help="seconds per phase (two phases)")
+    hol.add_argument("--sims", type=int, default=2)
+    hol.add_argument("--prefill-tps", type=float, default=8000.0)
+    hol.add_argument("--max-batched-tokens", type=int, default=2048, help="the simulators' tokens per step")
+    hol.add_argument("--short-tokens", type=int, default=8)
+    hol.add_argument("--long-tokens", type=int, default=2000)
+    hol.add_argument("--short-rate", type=float, default=20.0, help="short requests per second")
+    hol.add_argument("--long-load", type=float, default=0.6, help="long prompts' share of the prefill capacity")
+    hol.add_argument("--policy", choices=POLICIES, default="predicted_ttft")
+    hol.add_argument("--seed", type=int, default=3)
+    hol.set_defaults(func=_hol)
+    cap = benches.add_parser(
+        "capacity", help="no max_concurrency: 256 streams to an engine of 256 vs direct; the limit an engine of 8 gets"
+    )
+    cap.add_argument("--modes", nargs="+", choices=["large", "small"], default=["large", "small"])
+    cap.add_argument("--large-seqs", type=int, default=256, help="sequences the large engine runs at once")
+    cap.add_argument("--streams", type=int, default=256, help="concurrent clients against the large engine")
+    cap.add_argument("--max-tokens", type=int, default=20, help="chunks per stream")
+    cap.add_argument("--requests", type=int, default=1024, help="streams per round and target")
+    cap.add_argument("--rounds", type=int, default=2)
+    cap.add_argument("--small-seqs", type=int, default=8, help="sequences the small engine runs at once")
+    cap.add_argument("--settle", type=float, default=6.0, help="seconds of load on the small engine")
+    cap.set_defaults(func=_capacity)
     dd = benches.add_parser("dedup", help="burst of partly duplicate requests: engine calls, coalescing, latency")
     dd.add_argument("--windows", type=int, default=5)
     dd.add_argument("--burst", type=int, default=200, help="requests per window")

@@ -769,7 +769,12 @@ class Fleet:
         if ok and load is not None:
             instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
-            if instance.concurrency.observe(load.running, load.waiting, instance.in_flight):
+            own = instance.own
+            rate = own.prefill_tps.value
+            backlog_s = max(0, own.queued_prompt_tokens) / rate if rate > 0 else 0.0
+            if instance.concurrency.observe(
+                load.running, load.waiting, instance.in_flight, backlog_s, own.decode.value
+            ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",
                     instance.name,
