@@ -30,7 +30,7 @@ from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
-from ..routing.config import RoutingConfig
+from ..routing.config import PredictedTTFTOptions, RoutingConfig
 from ..routing.placement import anchor_depth, rendezvous_top
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
 from ..routing.prefix import PrefixIndex, prompt_blocks
@@ -54,6 +54,8 @@ class HeaderLookup(Protocol):
 
 
 log = logging.getLogger(__name__)
+#: Prefill rate assumed for an instance until its own is measured (the routing default's), tokens/s.
+_DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 
 
 class Instance:
@@ -770,8 +772,10 @@ class Fleet:
             instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
             own = instance.own
-            rate = own.prefill_tps.value
-            backlog_s = max(0, own.queued_prompt_tokens) / rate if rate > 0 else 0.0
+            # Until its prefill rate is measured (short prompts alone never measure it), the routing
+            # default's: a long prompt sent there must count as prefill work from the start.
+            rate = own.prefill_tps.value or _DEFAULT_PREFILL_TPS
+            backlog_s = max(0, own.queued_prompt_tokens) / rate
             if instance.concurrency.observe(
                 load.running, load.waiting, instance.in_flight, backlog_s, own.decode.value
             ):
