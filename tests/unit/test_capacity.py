@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockgate.fleet.capacity import ConcurrencyLimit
+from lockgate.fleet.capacity import ConcurrencyLimit, prefill_backlog_s
 
 
 def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
@@ -66,4 +66,18 @@ def test_no_queue_counts_before_the_instance_answered_a_request() -> None:
     limit = ConcurrencyLimit(256)
     for _ in range(5):
         assert not limit.observe(running=1, waiting=4, in_flight=5, prefill_backlog_s=0.0, decode_s=0.0)
+    assert limit.limit == 256
+
+
+def test_prefill_backlog_counts_before_the_rate_is_measured() -> None:
+    # A fresh instance sent two long prompts: 5,500 tokens of prefill, no rate measured yet (0.0).
+    assert prefill_backlog_s(5500, 0.0, 8000.0) == 5500 / 8000
+    assert prefill_backlog_s(5500, 11000.0, 8000.0) == 0.5
+    assert prefill_backlog_s(-3, 11000.0, 8000.0) == 0.0
+    # Fed to the limit, it keeps that queue from counting as saturation (it fell to 2 when it counted as 0).
+    limit = ConcurrencyLimit(256)
+    for _ in range(4):
+        limit.observe(
+            running=2, waiting=1, in_flight=3, prefill_backlog_s=prefill_backlog_s(5500, 0.0, 8000.0), decode_s=0.08
+        )
     assert limit.limit == 256

@@ -101,3 +101,10 @@ class ConcurrencyLimit:
             return False
         self.limit = value
         return True
+
+
+def prefill_backlog_s(queued_prompt_tokens: int, measured_tps: float, default_tps: float) -> float:
+    """Seconds of prefill the gateway has sent to an instance and not seen answered: at its measured rate,
+    or `default_tps` until that is measured (short prompts alone never measure it, and a long prompt sent
+    to a fresh instance must count as prefill work from the start)."""
+    return max(0, queued_prompt_tokens) / (measured_tps or default_tps)

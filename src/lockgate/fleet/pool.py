@@ -37,7 +37,7 @@ from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
 from ..wire import ApiRequest
 from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
-from .capacity import ConcurrencyLimit
+from .capacity import ConcurrencyLimit, prefill_backlog_s
 from .ejection import Ejection, ejection_allowed
 from .metrics import FleetCollector
 from .scrape import Scraper
@@ -772,10 +772,7 @@ class Fleet:
             instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
             own = instance.own
-            # Until its prefill rate is measured (short prompts alone never measure it), the routing
-            # default's: a long prompt sent there must count as prefill work from the start.
-            rate = own.prefill_tps.value or _DEFAULT_PREFILL_TPS
-            backlog_s = max(0, own.queued_prompt_tokens) / rate
+            backlog_s = prefill_backlog_s(own.queued_prompt_tokens, own.prefill_tps.value, _DEFAULT_PREFILL_TPS)
             if instance.concurrency.observe(
                 load.running, load.waiting, instance.in_flight, backlog_s, own.decode.value
             ):
