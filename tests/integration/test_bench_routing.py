@@ -1,46 +1,83 @@
-"""`lockgate bench routing`, shrunk: traces are deterministic, runs complete and count cache hits."""
+"""`lockgate bench routing`, shrunk: traces are deterministic and shaped, cells run and count cache hits."""
 
 from __future__ import annotations
 
 import itertools
 
-from lockgate.bench import routing
+from lockgate.bench import routing, workloads
 
 
-def test_traces_are_deterministic_and_shaped():
-    shape = routing.Shape(rate=50, duration_s=2.0)
-    agent = routing.agent_trace(shape)
-    assert agent == routing.agent_trace(shape)
-    # Later turns of a conversation extend its earlier prompt.
-    by_user: dict[str, list[routing.TraceRequest]] = {}
-    for r in agent:
-        by_user.setdefault(r.user, []).append(r)
-    pairs = [(a, b) for turns in by_user.values() for a, b in itertools.pairwise(turns)]
-    extended = [(a, b) for a, b in pairs if len(b.messages) > len(a.messages)]
-    assert extended and all(b.messages[: len(a.messages)] == a.messages for a, b in extended)
-    skewed = routing.skewed_trace(shape)
-    hot = skewed[0].messages[0]["content"] if skewed else ""
-    share = sum(r.messages[0]["content"] == hot for r in skewed) / len(skewed)
+def test_traces_are_deterministic_and_shaped() -> None:
+    shape = workloads.Shape(rate=50, duration_s=2.0)
+    for family in workloads.FAMILIES:
+        trace = workloads.MAKERS[family](shape)
+        assert trace and trace == workloads.MAKERS[family](shape), family
+        assert all(a.at <= b.at for a, b in itertools.pairwise(trace))
+    agent = workloads.agent_trace(shape)
+    # Later turns of a conversation extend its earlier prompt (agent and chat families).
+    for trace in (agent, workloads.chat_trace(shape)):
+        by_user: dict[str, list[workloads.TraceRequest]] = {}
+        for r in trace:
+            by_user.setdefault(r.user, []).append(r)
+        pairs = [(a, b) for turns in by_user.values() for a, b in itertools.pairwise(turns)]
+        extended = [(a, b) for a, b in pairs if len(b.messages) > len(a.messages)]
+        assert extended and all(b.messages[: len(a.messages)] == a.messages for a, b in extended)
+    bursty = workloads.bursty_trace(shape)
+    hot = bursty[0].messages[0]["content"]
+    share = sum(r.messages[0]["content"] == hot for r in bursty) / len(bursty)
     assert 0.6 < share < 0.95
+    # Bursts: the first half-second (1.8x the rate) holds far more arrivals than the second (0.2x).
+    assert sum(r.at < 0.5 for r in bursty) > 3 * sum(0.5 <= r.at < 1.0 for r in bursty)
+    # No sharing: the uniform family's working set is (nearly) all of its prompt tokens.
+    uniform = workloads.uniform_trace(shape)
+    total = sum(len(workloads.prompt_words(r)) for r in uniform)
+    assert workloads.working_set_tokens(uniform) > 0.9 * total
+    rag = workloads.rag_trace(shape)
+    assert workloads.working_set_tokens(rag) < 0.5 * sum(len(workloads.prompt_words(r)) for r in rag)
 
 
-async def test_a_short_run_reports_hits_and_latencies():
-    shape = routing.Shape(rate=25, duration_s=0.8, system_words=300, users=8)
-    results = await routing.run(["agent"], ["round_robin", "predicted_ttft"], shape)
+def test_fleet_configurations_size_caches_against_the_working_set() -> None:
+    shape = workloads.Shape(rate=50, duration_s=2.0)
+    trace = workloads.agent_trace(shape)
+    fleet = routing.Fleet()
+    ws_blocks = workloads.working_set_tokens(trace) // fleet.block_size
+    small = routing.sim_configs("small", fleet, trace, 2.0)
+    large = routing.sim_configs("large", fleet, trace, 2.0)
+    assert len(small) == fleet.instances and small[0].num_kv_blocks < ws_blocks < large[0].num_kv_blocks
+    slow = routing.sim_configs("slow", fleet, trace, 2.0)
+    assert slow[0].prefill_tps < slow[1].prefill_tps == fleet.prefill_tps and slow[0].tpot_ms > slow[1].tpot_ms
+    failing = routing.sim_configs("failing", fleet, trace, 2.0)
+    assert failing[0].fail_after_s == 1.0 and all(c.fail_after_s is None for c in failing[1:])
+
+
+async def test_a_short_run_reports_hits_latencies_and_verdicts() -> None:
+    shape = workloads.Shape(rate=25, duration_s=0.8, system_words=300, users=8)
+    results = await routing.run(["agent"], ["small"], ["round_robin", "predicted_ttft"], shape)
     assert [r.errors for r in results] == [0, 0]
     assert all(len(r.ttfts) == r.requests > 0 and 0 < r.hit_rate < 1 for r in results)
     assert "predicted_ttft" in routing.report(results)
+    (verdict,) = routing.verdicts(results)
+    assert verdict[0].startswith("agent/small: predicted_ttft hit")
 
 
-def test_index_memory_check_stays_within_bound():
+async def test_a_failing_instance_breaks_only_its_own_requests() -> None:
+    shape = workloads.Shape(rate=40, duration_s=1.0, system_words=200, users=8)
+    fleet = routing.Fleet(instances=2)
+    (result,) = await routing.run(["uniform"], ["failing"], ["round_robin"], shape, fleet)
+    # Requests after the crash are retried on the healthy instance; only streams in flight there break.
+    assert result.errors < result.requests / 4 and len(result.ttfts) == result.requests - result.errors
+
+
+def test_index_memory_check_stays_within_bound() -> None:
     used, bound, blocks = routing.index_memory_check(20_000, 256 * 1024)
     assert used <= bound and blocks == 256 * 1024 // 200
 
 
 async def test_a_short_run_through_two_replicas_and_sidecars(etcd_binary: None) -> None:
     """`--replicas 2`: the same trace through a local etcd, two sidecars and two central replicas."""
-    shape = routing.Shape(rate=25, duration_s=0.8, system_words=300, users=8)
-    results = await routing.run(["agent"], ["predicted_ttft"], shape, replicas=(1, 2))
+    shape = workloads.Shape(rate=25, duration_s=0.8, system_words=300, users=8)
+    results = await routing.run(["agent"], ["small"], ["predicted_ttft"], shape, replicas=(1, 2))
     assert [(r.replicas, r.errors) for r in results] == [(1, 0), (2, 0)]
     assert all(0 < r.hit_rate < 1 for r in results)
-    assert next(text for text, _ in routing.verdicts(results)).startswith("agent: predicted_ttft with 2 replicas")
+    first = next(text for text, _ in routing.verdicts(results))
+    assert first.startswith("agent/small: predicted_ttft with 2 replicas")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockgate.fleet.capacity import ConcurrencyLimit
+from lockgate.fleet.capacity import ConcurrencyLimit, prefill_backlog_s
 
 
 def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
@@ -46,3 +46,38 @@ def test_no_signal_or_not_adaptive_keeps_the_limit() -> None:
     fixed.observe(running=4, waiting=9, in_flight=13)
     fixed.observe(running=4, waiting=9, in_flight=13)
     assert fixed.limit == 32
+
+
+def test_a_queue_explained_by_prefill_work_does_not_cut_the_limit() -> None:
+    # Chunked prefill: one long prompt takes the engine's step budget, short requests wait for it with free
+    # slots. The gateway has ~0.5 s of prefill outstanding there, requests hold a slot ~0.1 s decoding.
+    limit = ConcurrencyLimit(256)
+    for _ in range(10):
+        assert not limit.observe(running=1, waiting=3, in_flight=4, prefill_backlog_s=0.5, decode_s=0.1)
+    assert limit.limit == 256
+    # The same queue with little prefill outstanding is the engine's parallelism: it counts.
+    assert not limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
+    assert limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
+    assert limit.limit == 8
+
+
+def test_no_queue_counts_before_the_instance_answered_a_request() -> None:
+    # The first long prompts of a run queue behind each other's prefill before any timing is measured.
+    limit = ConcurrencyLimit(256)
+    for _ in range(5):
+        assert not limit.observe(running=1, waiting=4, in_flight=5, prefill_backlog_s=0.0, decode_s=0.0)
+    assert limit.limit == 256
+
+
+def test_prefill_backlog_counts_before_the_rate_is_measured() -> None:
+    # A fresh instance sent two long prompts: 5,500 tokens of prefill, no rate measured yet (0.0).
+    assert prefill_backlog_s(5500, 0.0, 8000.0) == 5500 / 8000
+    assert prefill_backlog_s(5500, 11000.0, 8000.0) == 0.5
+    assert prefill_backlog_s(-3, 11000.0, 8000.0) == 0.0
+    # Fed to the limit, it keeps that queue from counting as saturation (it fell to 2 when it counted as 0).
+    limit = ConcurrencyLimit(256)
+    for _ in range(4):
+        limit.observe(
+            running=2, waiting=1, in_flight=3, prefill_backlog_s=prefill_backlog_s(5500, 0.0, 8000.0), decode_s=0.08
+        )
+    assert limit.limit == 256

@@ -41,12 +41,15 @@ def _routing(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import routing
 
-    shape = routing.Shape(rate=args.rate, duration_s=args.duration, instances=args.instances, seed=args.seed)
+    shape = routing.Shape(rate=args.rate, duration_s=args.duration, seed=args.seeds[0])
+    fleet = routing.Fleet(instances=args.instances)
 
     async def main() -> int:
         replicas = (1, args.replicas) if args.replicas > 1 else (1,)
         async with Progress("lockgate bench routing") as progress:
-            results = await routing.run(args.traces, args.policies, shape, progress, replicas)
+            results = await routing.run(
+                args.families, args.configs, args.policies, shape, fleet, args.seeds, progress, replicas
+            )
         print(routing.report(results))
         checks = routing.verdicts(results)
         if args.index_prompts:
@@ -55,7 +58,8 @@ def _routing(args: argparse.Namespace) -> int:
             checks.append((f"prefix index within its {bound} bytes", used <= bound))
         for text, ok in checks:
             print(f"{'PASS' if ok else 'MISS'}  {text}")
-        return 0 if all(r.errors == 0 for r in results) else 1
+        # Errors are expected only where an instance crashes (its streams in flight break).
+        return 0 if all(r.errors == 0 for r in results if r.config != "failing") else 1
 
     return run_async(main)
 
@@ -81,6 +85,56 @@ def _priority(args: argparse.Namespace) -> int:
         async with Progress("lockgate bench priority") as progress:
             phases, info = await priority.run(settings, progress)
         print(priority.report(phases, info, settings))
+        return 0
+
+    return run_async(main)
+
+
+def _hol(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import hol
+
+    settings = hol.Settings(
+        duration_s=args.duration,
+        sims=args.sims,
+        prefill_tps=args.prefill_tps,
+        max_num_batched_tokens=args.max_batched_tokens,
+        short_words=args.short_tokens,
+        long_words=args.long_tokens,
+        short_rate=args.short_rate,
+        long_load=args.long_load,
+        policy=args.policy,
+        seed=args.seed,
+    )
+
+    async def main() -> int:
+        async with Progress("lockgate bench hol") as progress:
+            phases = await hol.run(settings, progress)
+        print(hol.report(phases, settings))
+        return 0 if all(p.errors == 0 for p in phases) else 1
+
+    return run_async(main)
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from ..cli import run_async
+    from . import capacity
+
+    settings = capacity.Settings(
+        large_seqs=args.large_seqs,
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        requests=args.requests,
+        rounds=args.rounds,
+        small_seqs=args.small_seqs,
+        settle_s=args.settle,
+    )
+
+    async def main() -> int:
+        async with Progress("lockgate bench capacity") as progress:
+            large = await capacity.run_large(settings, progress) if "large" in args.modes else None
+            small = await capacity.run_small(settings, progress) if "small" in args.modes else None
+        print(capacity.report(large, small, settings))
         return 0
 
     return run_async(main)
@@ -259,15 +313,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target", choices=["both", "gateway", "direct"], default="both", help="what to measure (one for callgrind)"
     )
     inproc.set_defaults(func=_inprocess)
+    from .routing import CONFIGS as routing_configs
+    from .routing import FAMILIES as routing_families
     from .routing import POLICIES
 
-    route = benches.add_parser("routing", help="each routing policy on an agent and a skewed trace, sim fleet")
-    route.add_argument("--traces", nargs="+", choices=["agent", "skewed"], default=["agent", "skewed"])
+    route = benches.add_parser(
+        "routing", help="each routing policy on workload families x simulator fleets: hit rate, TTFT, verdicts"
+    )
+    route.add_argument("--families", nargs="+", choices=routing_families, default=list(routing_families))
+    route.add_argument("--configs", nargs="+", choices=routing_configs, default=list(routing_configs))
     route.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    route.add_argument("--rate", type=float, default=65.0, help="requests per second (Poisson)")
-    route.add_argument("--duration", type=float, default=4.0, help="seconds of trace per run")
+    route.add_argument("--seeds", type=int, nargs="+", default=[7], help="one run per seed; rows show medians")
+    route.add_argument("--rate", type=float, default=65.0, help="mean requests per second (Poisson)")
+    route.add_argument("--duration", type=float, default=3.0, help="seconds of trace per run")
     route.add_argument("--instances", type=int, default=4)
-    route.add_argument("--seed", type=int, default=7)
     route.add_argument(
         "--replicas", type=int, default=1, help="also run N central replicas + sidecars through a local etcd"
     )
@@ -288,6 +347,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
     prio.set_defaults(func=_priority)
+    hol = benches.add_parser("hol", help="short requests behind long ones in one class: short TTFT, mixed vs alone")
+    hol.add_argument("--duration", type=float, default=5.0, help="seconds per phase (two phases)")
+    hol.add_argument("--sims", type=int, default=2)
+    hol.add_argument("--prefill-tps", type=float, default=8000.0)
+    hol.add_argument("--max-batched-tokens", type=int, default=2048, help="the simulators' tokens per step")
+    hol.add_argument("--short-tokens", type=int, default=8)
+    hol.add_argument("--long-tokens", type=int, default=2000)
+    hol.add_argument("--short-rate", type=float, default=20.0, help="short requests per second")
+    hol.add_argument("--long-load", type=float, default=0.6, help="long prompts' share of the prefill capacity")
+    hol.add_argument("--policy", choices=POLICIES, default="predicted_ttft")
+    hol.add_argument("--seed", type=int, default=3)
+    hol.set_defaults(func=_hol)
+    cap = benches.add_parser(
+        "capacity", help="no max_concurrency: 256 streams to an engine of 256 vs direct; the limit an engine of 8 gets"
+    )
+    cap.add_argument("--modes", nargs="+", choices=["large", "small"], default=["large", "small"])
+    cap.add_argument("--large-seqs", type=int, default=256, help="sequences the large engine runs at once")
+    cap.add_argument("--streams", type=int, default=256, help="concurrent clients against the large engine")
+    cap.add_argument("--max-tokens", type=int, default=20, help="chunks per stream")
+    cap.add_argument("--requests", type=int, default=1024, help="streams per round and target")
+    cap.add_argument("--rounds", type=int, default=2)
+    cap.add_argument("--small-seqs", type=int, default=8, help="sequences the small engine runs at once")
+    cap.add_argument("--settle", type=float, default=6.0, help="seconds of load on the small engine")
+    cap.set_defaults(func=_capacity)
     dd = benches.add_parser("dedup", help="burst of partly duplicate requests: engine calls, coalescing, latency")
     dd.add_argument("--windows", type=int, default=5)
     dd.add_argument("--burst", type=int, default=200, help="requests per window")

@@ -1,20 +1,28 @@
-"""`lockgate bench routing`: every routing policy on the same traces, against a simulator fleet.
+"""`lockgate bench routing`: every routing policy on a suite of workloads and simulator fleets.
 
-Each run starts a fresh fleet (so every policy begins with cold caches) of simulators with prefix
-caching and a deliberately small KV cache, and a gateway in front of it, all in this process; an
-open-loop client replays the trace (Poisson arrivals, streaming) and measures TTFT and end-to-end
-latency. The prefix-cache hit rate is read from the simulators' own counters. Time is compressed with
-the simulators' knobs (fast prefill, short decode steps) so that a run takes a few seconds.
+A cell is (workload family, fleet configuration, policy, seed). Each cell starts a fresh fleet of
+simulators (so every policy begins with cold caches) and a gateway with the default configuration in
+front of it, all in this process; an open-loop client replays the family's trace (`workloads.py`,
+streaming) and measures TTFT and end-to-end latency. The prefix-cache hit rate is read from the
+simulators' own counters. Time is compressed with the simulators' knobs (fast prefill, short decode
+steps) so that a cell takes a few seconds.
 
-Traces (seeded, identical for every policy):
-- `agent`: a handful of long shared system prompts, many users, each a multi-turn conversation whose
-  prompt extends the previous turn's.
-- `skewed`: one system prompt takes 80% of the traffic; single-turn questions.
+Fleet configurations (caches sized against the trace's working set, `workloads.working_set_tokens`):
+- `small`: each instance's cache holds a quarter of the working set (the fleet, partitioned, holds it);
+- `large`: each instance's cache holds all of it;
+- `slow`: `small`, and one instance prefills 3x slower with 3x the time per output token;
+- `failing`: `small`, and one instance crashes halfway through (`SimConfig.fail_after_s`): its streams
+  break, then it answers 503 until the gateway ejects it.
 
-With `--replicas N` (N >= 2) each policy also runs on the cluster shape (`lockgate.cluster`): a local
-etcd, one sidecar per two simulators, N central gateways, the trace's requests alternating between the
+With `--replicas N` (N >= 2) each cell also runs on the cluster shape (`lockgate.cluster`): a local etcd,
+one sidecar per two simulators, N central gateways, the trace's requests alternating between the
 centrals; the same trace and fleet, so hit rate and TTFT compare with the single gateway's (the cluster
 adds a hop: central -> sidecar -> engine, all in this one process).
+
+With several seeds each row shows the median over seeds of the hit rate and the TTFT percentiles.
+`verdicts` checks the issue's targets per row: the default (`predicted_ttft`) within 3 points of the best
+hit rate and 10% of the best TTFT p99, and no worse than `round_robin` on either (one gateway); with
+replicas, each policy within 5 points of hit rate and 10% of TTFT p99 of its single-gateway row.
 
 Finally the prefix index is filled with a million distinct prompts and its memory measured with
 tracemalloc against its configured bound.
@@ -24,7 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import dataclasses
+import statistics
 import tempfile
 import time
 import tracemalloc
@@ -41,120 +50,65 @@ from ..server import GatewayServer
 from ..sim import SimConfig, SimServer
 from .load import percentile
 from .progress import Progress
+from .workloads import FAMILIES, MAKERS, Shape, TraceRequest, longest_prompt, working_set_tokens
+
+__all__ = ["CONFIGS", "DEFAULT", "FAMILIES", "POLICIES", "Fleet", "RunResult", "Shape", "run", "verdicts"]
 
 MODEL = "bench-model"
-POLICIES = ("round_robin", "least_load", "power_of_two", "consistent_hash", "score", "cache_aware", "predicted_ttft")
-_WORDS = [
-    "account",
-    "billing",
-    "refund",
-    "policy",
-    "customer",
-    "order",
-    "shipping",
-    "warranty",
-    "invoice",
-    "support",
-    "ticket",
-    "escalate",
-    "product",
-    "service",
-    "contract",
-    "renewal",
-    "discount",
-    "payment",
-    "method",
-    "address",
-    "delivery",
-    "return",
-    "exchange",
-    "status",
-]
+DEFAULT = "predicted_ttft"
+POLICIES = ("round_robin", "least_load", "power_of_two", "consistent_hash", "score", "cache_aware", DEFAULT)
+CONFIGS = ("small", "large", "slow", "failing")
 
 
 @dataclass(frozen=True, slots=True)
-class TraceRequest:
-    at: float
-    user: str
-    messages: tuple[dict[str, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """The fleet and the load; the defaults keep one run to a few seconds."""
+class Fleet:
+    """The simulated instances, before a configuration varies them."""
 
     instances: int = 4
     prefill_tps: float = 20000.0
     tpot_ms: float = 2.0
-    kv_blocks: int = 320  # x 16 tokens: room for ~3 of the 8 system prompts (~1200 tokens) per instance
     max_num_seqs: int = 32
-    system_words: int = 1200
-    prefixes: int = 8
-    users: int = 64
-    turns: int = 5
-    rate: float = 65.0  # requests per second
-    duration_s: float = 4.0
     max_tokens: int = 8
-    seed: int = 7
+    block_size: int = 16
 
 
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
-
-
-def _systems(shape: Shape, rng: random.Random) -> list[str]:
-    return [f"System prompt {p}. " + _text(rng, shape.system_words) for p in range(shape.prefixes)]
-
-
-def _arrivals(shape: Shape, rng: random.Random) -> list[float]:
-    times: list[float] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(shape.rate)
-        if t >= shape.duration_s:
-            return times
-        times.append(t)
-
-
-def agent_trace(shape: Shape) -> list[TraceRequest]:
-    rng = random.Random(shape.seed)
-    systems = _systems(shape, rng)
-    history: dict[int, list[dict[str, str]]] = {}
-    out = []
-    for at in _arrivals(shape, rng):
-        user = rng.randrange(shape.users)
-        convo = history.get(user)
-        if convo is None or len(convo) >= 1 + 2 * shape.turns:  # a new conversation
-            convo = history[user] = [{"role": "system", "content": systems[user % shape.prefixes]}]
-        elif len(convo) > 1:
-            convo.append({"role": "assistant", "content": _text(rng, 20)})
-        convo.append({"role": "user", "content": f"User {user}: " + _text(rng, 30)})
-        out.append(TraceRequest(at, f"user-{user}", tuple(convo)))
-    return out
-
-
-def skewed_trace(shape: Shape) -> list[TraceRequest]:
-    rng = random.Random(shape.seed + 1)
-    systems = _systems(shape, rng)
-    out = []
-    for n, at in enumerate(_arrivals(shape, rng)):
-        prefix = 0 if rng.random() < 0.8 else rng.randrange(1, shape.prefixes)
-        messages = (
-            {"role": "system", "content": systems[prefix]},
-            {"role": "user", "content": f"Question {n}: " + _text(rng, 30)},
-        )
-        out.append(TraceRequest(at, f"user-{rng.randrange(shape.users)}", messages))
-    return out
+def sim_configs(config: str, fleet: Fleet, trace: list[TraceRequest], duration_s: float) -> list[SimConfig]:
+    """The instances of fleet configuration `config` for this trace (see the module docstring)."""
+    bs = fleet.block_size
+    ws_blocks = working_set_tokens(trace, bs) // bs
+    # Never below what a few of the longest prompts in flight at once need (else nothing could run).
+    floor = 4 * (longest_prompt(trace) + fleet.max_tokens + 2 * bs) // bs
+    blocks = max(floor, ws_blocks * 5 // 4 if config == "large" else ws_blocks // 4)
+    base = SimConfig(
+        models=(MODEL,),
+        prefill_tps=fleet.prefill_tps,
+        tpot_ms=fleet.tpot_ms,
+        num_kv_blocks=blocks,
+        block_size=bs,
+        max_num_seqs=fleet.max_num_seqs,
+        max_model_len=blocks * bs,
+    )
+    sims = [dataclasses.replace(base, seed=n) for n in range(fleet.instances)]
+    if config == "slow":
+        sims[0] = dataclasses.replace(sims[0], prefill_tps=fleet.prefill_tps / 3, tpot_ms=fleet.tpot_ms * 3)
+    elif config == "failing":
+        sims[0] = dataclasses.replace(sims[0], fail_after_s=duration_s / 2)
+    elif config not in ("small", "large"):
+        raise ValueError(f"unknown fleet configuration {config!r}")
+    return sims
 
 
 @dataclass
 class RunResult:
-    trace: str
+    family: str
+    config: str
     policy: str
+    seed: int
     requests: int
-    errors: int
-    seconds: float
-    hit_rate: float
+    errors: int = 0
+    seconds: float = 0.0
+    hit_rate: float = 0.0
+    cache_blocks: int = 0
     ttfts: list[float] = field(default_factory=list)
     e2es: list[float] = field(default_factory=list)
     #: 1: one gateway in front of the engines; N: N central replicas and sidecars through etcd.
@@ -165,28 +119,23 @@ class RunResult:
         return (self.requests - self.errors) / self.seconds if self.seconds else 0.0
 
 
-async def run_policy(
-    trace_name: str, trace: list[TraceRequest], policy: str, shape: Shape, replicas: int = 1
+async def run_cell(
+    family: str,
+    config: str,
+    policy: str,
+    shape: Shape,
+    fleet: Fleet,
+    trace: list[TraceRequest] | None = None,
+    replicas: int = 1,
 ) -> RunResult:
+    trace = trace if trace is not None else MAKERS[family](shape)
     async with contextlib.AsyncExitStack() as stack:
         sims = [
-            await stack.enter_async_context(
-                SimServer(
-                    SimConfig(
-                        models=(MODEL,),
-                        seed=n,
-                        prefill_tps=shape.prefill_tps,
-                        tpot_ms=shape.tpot_ms,
-                        num_kv_blocks=shape.kv_blocks,
-                        max_num_seqs=shape.max_num_seqs,
-                        max_model_len=shape.kv_blocks * 16,
-                    )
-                )
-            )
-            for n in range(shape.instances)
+            await stack.enter_async_context(SimServer(c)) for c in sim_configs(config, fleet, trace, shape.duration_s)
         ]
-        # The gateway counts ~4 characters a token, the simulator a word (~2 of those).
-        routing = {"policy": policy, "predicted_ttft": {"default_prefill_tps": shape.prefill_tps * 2}}
+        # Prefill rate until measured: the simulators' (the gateway counts ~4 characters a token, the
+        # simulator a word, ~2 of those; it learns the ratio from usage).
+        routing = {"policy": policy, "predicted_ttft": {"default_prefill_tps": fleet.prefill_tps * 2}}
         base: dict[str, Any] = {
             "listen": {"host": "127.0.0.1", "port": 0},
             "usage": {"path": ":memory:"},
@@ -194,21 +143,19 @@ async def run_policy(
         }
 
         def model(members: list[tuple[int, SimServer]]) -> dict[str, Any]:
-            instances = [
-                {"url": s.url, "engine": "vllm", "name": f"sim-{n}", "max_concurrency": shape.max_num_seqs}
-                for n, s in members
-            ]
+            instances = [{"url": s.url, "engine": "vllm", "name": f"sim-{n}"} for n, s in members]
             return {"name": MODEL, "routing": routing, "instances": instances}
 
         if replicas <= 1:
-            config = parse_config({**base, "models": [model(list(enumerate(sims)))]}, "bench")
-            urls = [(await stack.enter_async_context(GatewayServer(config, port=0))).url]
+            config_ = parse_config({**base, "models": [model(list(enumerate(sims)))]}, "bench")
+            urls = [(await stack.enter_async_context(GatewayServer(config_, port=0))).url]
         else:
             urls = await _cluster(stack, base, model, routing, list(enumerate(sims)), replicas)
-        result = await _replay(urls, trace, shape)
+        result = RunResult(family, config, policy, shape.seed, len(trace), cache_blocks=sims[0].config.num_kv_blocks)
+        result.replicas = replicas
+        await _replay(urls, trace, shape, fleet, result)
         queries = sum(s.stats.prefix_cache_query_tokens for s in sims)
         hits = sum(s.stats.prefix_cache_hit_tokens for s in sims)
-        result.trace, result.policy, result.replicas = trace_name, policy, replicas
         result.hit_rate = hits / queries if queries else 0.0
         return result
 
@@ -245,8 +192,7 @@ async def _cluster(
     return urls
 
 
-async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape) -> RunResult:
-    result = RunResult("", "", len(trace), 0, 0.0, 0.0)
+async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape, fleet: Fleet, result: RunResult) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -255,23 +201,25 @@ async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape) -> R
                 {
                     "model": MODEL,
                     "messages": list(request.messages),
-                    "max_tokens": shape.max_tokens,
+                    "max_tokens": fleet.max_tokens,
                     "stream": True,
                     "user": request.user,
                 }
             )
             first: float | None = None
+            failed = False
             try:
                 async with session.post(
                     url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
                 ) as resp:
-                    async for _ in resp.content.iter_any():
+                    async for chunk in resp.content.iter_any():
                         if first is None:
                             first = time.perf_counter()
-                    if resp.status != 200:
-                        result.errors += 1
-                        return
+                        failed = failed or b'"error"' in chunk  # a stream that broke ends with an error event
+                    failed = failed or resp.status != 200
             except aiohttp.ClientError:
+                failed = True
+            if failed:
                 result.errors += 1
                 return
             end = time.perf_counter()
@@ -285,10 +233,136 @@ async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape) -> R
             for n, request in enumerate(trace):
                 delay = began + request.at - loop.time()
                 if delay > 0:
-                    await asyncio.sleep(delay)  # the trace's own (Poisson) arrival times
+                    await asyncio.sleep(delay)  # the trace's own arrival times
                 group.create_task(one(request, time.perf_counter(), urls[n % len(urls)]))
         result.seconds = time.perf_counter() - started
-    return result
+
+
+async def run(
+    families: list[str],
+    configs: list[str],
+    policies: list[str],
+    shape: Shape,
+    fleet: Fleet | None = None,
+    seeds: list[int] | None = None,
+    progress: Progress | None = None,
+    replicas: tuple[int, ...] = (1,),
+) -> list[RunResult]:
+    progress = progress or Progress.silent()
+    fleet = fleet or Fleet()
+    seeds = seeds or [shape.seed]
+    total = len(families) * len(configs) * len(policies) * len(seeds) * len(replicas)
+    results: list[RunResult] = []
+    for family in families:
+        for seed in seeds:
+            seeded = dataclasses.replace(shape, seed=seed)
+            trace = MAKERS[family](seeded)
+            for config in configs:
+                for policy in policies:
+                    for count in replicas:
+                        where = f", {count} replicas" if count > 1 else ""
+                        progress.phase(f"{family}/{config} {policy}{where} seed {seed} ({len(results) + 1}/{total})")
+                        results.append(await run_cell(family, config, policy, seeded, fleet, trace, count))
+    return results
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One (family, config, policy, replicas) over its seeds: medians, and the spread of TTFT p99 across seeds."""
+
+    family: str
+    config: str
+    policy: str
+    replicas: int
+    seeds: int
+    requests: int
+    errors: int
+    hit_rate: float
+    ttft_p50: float
+    ttft_p99: float
+    p99_spread: float  # (max - min) / median of the per-seed p99s; 0 with one seed
+    e2e_p99: float
+    cache_blocks: int
+
+
+def rows(results: list[RunResult]) -> list[Row]:
+    groups: dict[tuple[str, str, str, int], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.family, r.config, r.policy, r.replicas), []).append(r)
+    out = []
+    for (family, config, policy, replicas), rs in groups.items():
+        p99s = [percentile(r.ttfts, 99) for r in rs]
+        mid = statistics.median(p99s)
+        out.append(
+            Row(
+                family,
+                config,
+                policy,
+                replicas,
+                len(rs),
+                sum(r.requests for r in rs),
+                sum(r.errors for r in rs),
+                statistics.median(r.hit_rate for r in rs),
+                statistics.median(percentile(r.ttfts, 50) for r in rs),
+                mid,
+                (max(p99s) - min(p99s)) / mid if mid else 0.0,
+                statistics.median(percentile(r.e2es, 99) for r in rs),
+                rs[0].cache_blocks,
+            )
+        )
+    return out
+
+
+def report(results: list[RunResult]) -> str:
+    lines = [
+        f"{'family':<8}{'config':<9}{'policy':<17}{'repl':>5}{'reqs':>6}{'err':>5}{'hit rate':>10}{'TTFT p50 ms':>13}"
+        f"{'TTFT p99 ms':>13}{'±p99':>7}{'e2e p99 ms':>12}{'cache blk':>10}"
+    ]
+    for r in rows(results):
+        lines.append(
+            f"{r.family:<8}{r.config:<9}{r.policy:<17}{r.replicas:>5}{r.requests:>6}{r.errors:>5}{r.hit_rate:>10.1%}"
+            f"{r.ttft_p50 * 1000:>13.1f}{r.ttft_p99 * 1000:>13.1f}{r.p99_spread:>7.0%}{r.e2e_p99 * 1000:>12.1f}"
+            f"{r.cache_blocks:>10}"
+        )
+    return "\n".join(lines)
+
+
+def verdicts(results: list[RunResult], hit_points: float = 0.03, p99_ratio: float = 1.10) -> list[tuple[str, bool]]:
+    """Per (family, config) with the default among the policies run: within `hit_points` of the best hit
+    rate and `p99_ratio` of the best TTFT p99, and no worse than round_robin on either (when it ran)."""
+    table: dict[tuple[str, str], dict[str, Row]] = {}
+    many: list[Row] = []
+    for row in rows(results):
+        if row.replicas == 1:
+            table.setdefault((row.family, row.config), {})[row.policy] = row
+        else:
+            many.append(row)
+    out: list[tuple[str, bool]] = []
+    for m in many:
+        single = table.get((m.family, m.config), {}).get(m.policy)
+        if single is None:
+            continue
+        label = f"{m.family}/{m.config}: {m.policy} with {m.replicas} replicas"
+        out.append((f"{label}: hit rate within 5 points of one gateway's", abs(m.hit_rate - single.hit_rate) <= 0.05))
+        out.append((f"{label}: TTFT p99 within 10% of one gateway's", m.ttft_p99 <= 1.1 * single.ttft_p99))
+    for (family, config), by in table.items():
+        d = by.get(DEFAULT)
+        if d is None or len(by) < 2:
+            continue
+        best_hit = max(by.values(), key=lambda r: r.hit_rate)
+        best_p99 = min(by.values(), key=lambda r: r.ttft_p99)
+        ok = d.hit_rate >= best_hit.hit_rate - hit_points and d.ttft_p99 <= p99_ratio * best_p99.ttft_p99
+        text = (
+            f"{family}/{config}: {DEFAULT} hit {d.hit_rate:.1%} (best {best_hit.hit_rate:.1%} {best_hit.policy}), "
+            f"TTFT p99 {d.ttft_p99 * 1000:.1f} ms = {d.ttft_p99 / best_p99.ttft_p99:.2f}x best "
+            f"({best_p99.policy})"
+        )
+        rr = by.get("round_robin")
+        if rr is not None:
+            ok = ok and d.hit_rate >= rr.hit_rate and d.ttft_p99 <= rr.ttft_p99
+            text += f"; round_robin {rr.hit_rate:.1%}, {rr.ttft_p99 * 1000:.1f} ms"
+        out.append((text, ok))
+    return out
 
 
 def index_memory_check(prompts: int, max_bytes: int, block_chars: int = 64) -> tuple[int, int, int]:
@@ -303,82 +377,3 @@ def index_memory_check(prompts: int, max_bytes: int, block_chars: int = 64) -> t
     finally:
         tracemalloc.stop()
     return used, max_bytes, len(index)
-
-
-async def run(
-    traces: list[str],
-    policies: list[str],
-    shape: Shape,
-    progress: Progress | None = None,
-    replicas: tuple[int, ...] = (1,),
-) -> list[RunResult]:
-    progress = progress or Progress.silent()
-    makers = {"agent": agent_trace, "skewed": skewed_trace}
-    results: list[RunResult] = []
-    for name in traces:
-        trace = makers[name](shape)
-        for policy in policies:
-            for count in replicas:
-                where = f", {count} replicas" if count > 1 else ""
-                progress.phase(
-                    f"{name} trace, {policy}{where} ({len(results) + 1}/{len(traces) * len(policies) * len(replicas)})"
-                )
-                results.append(await run_policy(name, trace, policy, shape, count))
-    return results
-
-
-def report(results: list[RunResult]) -> str:
-    lines = [
-        f"{'trace':<8}{'policy':<17}{'repl':>5}{'reqs':>6}{'err':>5}{'hit rate':>10}{'TTFT p50 ms':>13}"
-        f"{'TTFT p99 ms':>13}{'e2e p99 ms':>12}{'req/s':>8}"
-    ]
-    for r in results:
-        lines.append(
-            f"{r.trace:<8}{r.policy:<17}{r.replicas:>5}{r.requests:>6}{r.errors:>5}{r.hit_rate:>10.1%}"
-            f"{percentile(r.ttfts, 50) * 1000:>13.1f}{percentile(r.ttfts, 99) * 1000:>13.1f}"
-            f"{percentile(r.e2es, 99) * 1000:>12.1f}{r.throughput:>8.1f}"
-        )
-    return "\n".join(lines)
-
-
-def verdicts(results: list[RunResult]) -> list[tuple[str, bool]]:
-    """The issue's targets, for the runs that were made."""
-    by = {(r.trace, r.policy): r for r in results if r.replicas == 1}
-    out: list[tuple[str, bool]] = []
-    for many in results:
-        single = by.get((many.trace, many.policy))
-        if many.replicas > 1 and single is not None:
-            label = f"{many.trace}: {many.policy} with {many.replicas} replicas"
-            out.append(
-                (
-                    f"{label}: hit rate within 5 points of one gateway's",
-                    abs(many.hit_rate - single.hit_rate) <= 0.05,
-                )
-            )
-            out.append(
-                (
-                    f"{label}: TTFT p99 within 10% of one gateway's",
-                    percentile(many.ttfts, 99) <= 1.1 * percentile(single.ttfts, 99),
-                )
-            )
-    rr = by.get(("agent", "round_robin"))
-    for policy in ("predicted_ttft", "cache_aware"):
-        r = by.get(("agent", policy))
-        if rr is None or r is None:
-            continue
-        out.append((f"agent: {policy} hit rate >= 2x round_robin's", r.hit_rate >= 2 * rr.hit_rate))
-        out.append(
-            (
-                f"agent: {policy} TTFT p99 <= 0.5x round_robin's",
-                percentile(r.ttfts, 99) <= 0.5 * percentile(rr.ttfts, 99),
-            )
-        )
-    least, pred = by.get(("skewed", "least_load")), by.get(("skewed", "predicted_ttft"))
-    if least is not None and pred is not None:
-        out.append(
-            (
-                "skewed: predicted_ttft TTFT p99 <= least_load's",
-                percentile(pred.ttfts, 99) <= percentile(least.ttfts, 99),
-            )
-        )
-    return out

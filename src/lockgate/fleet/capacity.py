@@ -17,7 +17,18 @@ sequences in the KV cache).
   lighter workload) is found again. After a saturation it first waits `cooldown` scrapes (10 s at the
   default interval): each probe above the engine's parallelism puts a request in the engine's own
   queue, where a P0 arriving then would wait behind it;
-- no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is.
+- no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is;
+- **prefill-bound**: requests also wait inside an engine whose slots are free, for its per-step token
+  budget, behind long prompts being prefilled (chunked prefill admits at most `max_num_batched_tokens`
+  a step). That queue says nothing about the engine's parallelism: cutting the limit to what runs then
+  (often 1-2 sequences, one of them a long prefill) would hold every short request in the gateway behind
+  the long ones and leave the engine's slots idle (`lockgate bench hol` measured short TTFT p50 x21
+  from exactly this). So a queue counts as saturation only if it is not explained by prefill work: the
+  gateway's own count of uncached prompt tokens sent there and not yet answered, at the instance's
+  measured prefill rate, must stay below half the mean time a request holds its slot decoding (`decode_s`;
+  a slot-bound queue waits about that long, a prefill-bound one about the backlog). Before the instance
+  has answered a request (no `decode_s` yet) no queue counts: the first long prompts of a run are
+  exactly when a prefill-bound queue looks like saturation.
 
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
@@ -49,13 +60,28 @@ class ConcurrencyLimit:
         self._prev_running: float | None = None
         self._calm = cooldown  # scrapes since the last saturation (none seen yet: may grow at once)
 
-    def observe(self, running: float | None, waiting: float | None, in_flight: int) -> bool:
-        """One scrape's signals and the gateway's requests there now; True if the limit changed."""
+    def observe(
+        self,
+        running: float | None,
+        waiting: float | None,
+        in_flight: int,
+        prefill_backlog_s: float = 0.0,
+        decode_s: float | None = None,
+    ) -> bool:
+        """One scrape's signals and the gateway's requests there now; True if the limit changed.
+        `prefill_backlog_s`: the prefill work the gateway has sent there and not seen answered, in seconds
+        at its measured rate (0 when the rate is not measured); `decode_s`: the mean time a request holds
+        its slot after its first token: 0.0 while not measured (no saturation is judged before the
+        instance answered a request), None when the caller has no such signal (the queue alone counts)."""
         if not self.adaptive or running is None or waiting is None:
             self._streak = 0
             return False
         previous = self._prev_running
         self._prev_running = running
+        unexplained = decode_s is None or (decode_s > 0 and prefill_backlog_s < 0.5 * decode_s)
+        if waiting >= 1 and running >= 1 and not unexplained:
+            self._streak = 0
+            return False
         if waiting >= 1 and running >= 1:
             steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
@@ -75,3 +101,10 @@ class ConcurrencyLimit:
             return False
         self.limit = value
         return True
+
+
+def prefill_backlog_s(queued_prompt_tokens: int, measured_tps: float, default_tps: float) -> float:
+    """Seconds of prefill the gateway has sent to an instance and not seen answered: at its measured rate,
+    or `default_tps` until that is measured (short prompts alone never measure it, and a long prompt sent
+    to a fresh instance must count as prefill work from the start)."""
+    return max(0, queued_prompt_tokens) / (measured_tps or default_tps)

@@ -30,14 +30,14 @@ from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
-from ..routing.config import RoutingConfig
+from ..routing.config import PredictedTTFTOptions, RoutingConfig
 from ..routing.placement import anchor_depth, rendezvous_top
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
 from ..wire import ApiRequest
 from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
-from .capacity import ConcurrencyLimit
+from .capacity import ConcurrencyLimit, prefill_backlog_s
 from .ejection import Ejection, ejection_allowed
 from .metrics import FleetCollector
 from .scrape import Scraper
@@ -54,6 +54,8 @@ class HeaderLookup(Protocol):
 
 
 log = logging.getLogger(__name__)
+#: Prefill rate assumed for an instance until its own is measured (the routing default's), tokens/s.
+_DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 
 
 class Instance:
@@ -769,7 +771,11 @@ class Fleet:
         if ok and load is not None:
             instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
-            if instance.concurrency.observe(load.running, load.waiting, instance.in_flight):
+            own = instance.own
+            backlog_s = prefill_backlog_s(own.queued_prompt_tokens, own.prefill_tps.value, _DEFAULT_PREFILL_TPS)
+            if instance.concurrency.observe(
+                load.running, load.waiting, instance.in_flight, backlog_s, own.decode.value
+            ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",
                     instance.name,

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate (chain)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's key, if not in --tls-cert")
+    parser.add_argument(
+        "--fail-after-s",
+        type=float,
+        default=None,
+        help="crash this many seconds after start: streams in flight break, then 503 to everything",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -57,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        fail_after_s=args.fail_after_s,
     )
 
 

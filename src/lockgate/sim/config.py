@@ -28,12 +28,17 @@ class SimConfig:
     requests_seen_limit: int = 1000  # how many finished request records /sim/stats keeps
     tls_cert: str | None = None  # serve HTTPS with this PEM certificate (chain) ...
     tls_key: str | None = None  # ... and this key (when it is not in ``tls_cert``)
+    # Failure knob: this many seconds after start the engine "crashes" (``SimServer.fail``): streams in
+    # flight break, /health and every new generation answer 503. None: never.
+    fail_after_s: float | None = None
 
     def __post_init__(self) -> None:
         models = (self.models,) if isinstance(self.models, str) else tuple(self.models)
         if not models:
             raise ValueError("a sim must serve at least one model name")
         object.__setattr__(self, "models", models)
+        if self.fail_after_s is not None and self.fail_after_s < 0:
+            raise ValueError("fail_after_s must be >= 0")
 
     @property
     def model_name(self) -> str:

@@ -22,6 +22,10 @@ from .scheduler import Scheduler, SchedulerConfig, StepResult
 from .stats import RequestRecord, SimStats
 
 
+class EngineCrashed(RuntimeError):
+    """The simulated engine crashed (``Engine.crash``): the request's stream breaks."""
+
+
 class Generation:
     """The token events of one request, in order. An async iterator of ``Token``; ``close()`` aborts."""
 
@@ -60,6 +64,8 @@ class Generation:
 
     async def __anext__(self) -> Token:
         while not self._tokens:
+            if isinstance(self._error, EngineCrashed):
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("the simulated engine failed") from self._error
             if self.finish_reason is not None:
@@ -115,6 +121,16 @@ class Engine:
             self._metrics.success("abort")
             self._wakeup.set()  # freed blocks may let a waiting request in
             self._stats.notify()
+
+    def crash(self) -> int:
+        """Fail every open generation with ``EngineCrashed`` and drop its sequence; returns how many."""
+        gens = list(self._gens.values())
+        self._gens.clear()
+        for gen in gens:
+            self.scheduler.abort(gen.record.request_id)
+            gen._fail(EngineCrashed("the simulated engine crashed"))
+        self._stats.notify()
+        return len(gens)
 
     async def run(self) -> None:
         """The step loop. Runs until cancelled; if it fails, every open generation fails with it."""

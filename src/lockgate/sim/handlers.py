@@ -30,7 +30,7 @@ from aiohttp import web
 from .config import SimConfig
 from .control import SimControl
 from .embeddings import embed_response, parse_embed_request
-from .engine import Engine, Generation
+from .engine import Engine, EngineCrashed, Generation
 from .generator import GREEDY_SEED, Token, TokenStream, generate
 from .metrics import CONTENT_TYPE, SimMetrics
 from .stats import Outcome, RequestRecord, SimStats
@@ -397,6 +397,10 @@ class Api:
             if rec.disconnected_at is None:
                 rec.disconnected_at = time.monotonic()
             raise
+        except EngineCrashed:  # SimServer.fail(): the connection breaks like a dead server's would
+            self._reset(request)
+            outcome = "reset"
+            return web.Response(status=500)
         except ConnectionError:  # a write found the connection gone; nothing more can be sent
             if rec.disconnected_at is None:
                 rec.disconnected_at = time.monotonic()

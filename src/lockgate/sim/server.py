@@ -49,6 +49,8 @@ class SimServer:
         self.api.add_routes(self.app)
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._fail_task: asyncio.Task[None] | None = None
+        self.failed = False
         self._port: int | None = None
         self._closed = False
         #: With TLS: the server name (SNI) the last client asked for, and how many handshakes asked for one.
@@ -95,6 +97,8 @@ class SimServer:
             await site.start()
             if self.engine is not None:
                 self._loop_task = asyncio.create_task(self.engine.run(), name=f"sim-step-loop:{self.url}")
+            if cfg.fail_after_s is not None:
+                self._fail_task = asyncio.create_task(self._fail_later(cfg.fail_after_s), name=f"sim-fail:{self.url}")
         except BaseException:
             await self.aclose()
             raise
@@ -109,17 +113,33 @@ class SimServer:
             if self._runner is not None:
                 await self._runner.cleanup()
         finally:
-            task, self._loop_task = self._loop_task, None
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            for task in (self._fail_task, self._loop_task):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            self._fail_task = self._loop_task = None
 
     async def __aenter__(self) -> SimServer:
         return await self.start()
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    # -- failure -------------------------------------------------------------------------------------------
+    def fail(self) -> int:
+        """Crash the engine (idempotent): streams in flight break (their connections are reset), then
+        /health and every generation request answer 503 (until ``/sim/control`` says otherwise).
+        Returns how many requests in flight were broken."""
+        self.failed = True
+        self.control.update({"healthy": False, "fail_status": 503})
+        broken = self.engine.crash() if self.engine is not None else 0
+        self.stats.notify()
+        return broken
+
+    async def _fail_later(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self.fail()
 
     # -- addresses -----------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,195 @@
+"""`lockgate bench capacity`: a large engine is not capped by the gateway, a small one is found.
+
+A simulator (real step loop, not `--fast`) and a gateway with the default configuration (no
+`max_concurrency`: the limit is discovered) run as child processes.
+
+- **large**: the engine runs `large_seqs` (256) sequences at once; `streams` (256) clients stream
+  `max_tokens` (20) chunks each in a closed loop, straight to the engine and then through the gateway,
+  in alternating rounds. Reported: chunks/s and first-chunk p50/p99 of each, and the issue's targets
+  (>= 0.9x direct chunks/s, first-chunk p99 within 50 ms of direct).
+- **small**: the engine runs `small_seqs` (8); `4 x small_seqs` clients stream through the gateway
+  for `settle_s` seconds while the instance's limit (`GET /admin/fleet`) is sampled: where it settles.
+  (P0 protection at that limit: `lockgate bench priority --sims 1 --slots 8`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from .load import LoadResult, closed_loop, percentile
+from .overhead import child, free_port, wait_http
+from .progress import Progress
+
+MODEL = "bench-model"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    large_seqs: int = 256
+    streams: int = 256
+    max_tokens: int = 20
+    requests: int = 1024  # per round and target
+    rounds: int = 2
+    tpot_ms: float = 10.0
+    small_seqs: int = 8
+    settle_s: float = 6.0
+
+
+@dataclass
+class Large:
+    direct: list[LoadResult] = field(default_factory=list)
+    gateway: list[LoadResult] = field(default_factory=list)
+
+
+@dataclass
+class Small:
+    #: (seconds since the load started, the instance's limit)
+    limits: list[tuple[float, int]] = field(default_factory=list)
+    result: LoadResult | None = None
+
+
+def _config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> None:
+    path.write_text(
+        f"listen: {{host: 127.0.0.1, port: {gateway_port}}}\n"
+        f"usage: {{path: {os.path.join(tmp, 'usage.sqlite3')}}}\n"
+        f"models:\n  - name: {MODEL}\n"
+        f"    instances:\n      - {{url: 'http://127.0.0.1:{engine_port}', engine: vllm}}\n"
+    )
+
+
+def _body(max_tokens: int) -> Any:
+    def make(n: int) -> dict[str, Any]:
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Stream something #{n}"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+
+    return make
+
+
+@contextlib.asynccontextmanager
+async def _fleet(seqs: int, settings: Settings, progress: Progress) -> Any:
+    engine_port, gateway_port = free_port(), free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(tmp) / "bench.yaml"
+        _config(config_path, gateway_port, engine_port, tmp)
+        sim_args = ["sim", "--port", str(engine_port), "--model", MODEL, "--max-num-seqs", str(seqs)]
+        sim_args += ["--tpot-ms", str(settings.tpot_ms)]
+        with child(sim_args) as sim, child(["serve", "--config", str(config_path)]) as gw:
+            progress.phase(f"starting an engine of {seqs} sequences and the gateway")
+            engine, gateway = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+            await wait_http(engine + "/health", sim)
+            await wait_http(gateway + "/ready", gw)
+            yield engine, gateway
+
+
+async def run_large(settings: Settings, progress: Progress) -> Large:
+    out = Large()
+    make = _body(settings.max_tokens)
+    async with _fleet(settings.large_seqs, settings, progress) as (engine, gateway):
+        for round_ in range(settings.rounds):
+            for target, base, into in (("direct", engine, out.direct), ("gateway", gateway, out.gateway)):
+                progress.phase(f"{settings.streams} streams, round {round_ + 1}/{settings.rounds}, {target}")
+                url = base + "/v1/chat/completions"
+                # Warm-up (connections), then the measured round.
+                await closed_loop(
+                    url, make, concurrency=settings.streams, requests=settings.streams, stream=True, client="lean"
+                )
+                into.append(
+                    await closed_loop(
+                        url, make, concurrency=settings.streams, requests=settings.requests, stream=True, client="lean"
+                    )
+                )
+    return out
+
+
+async def run_small(settings: Settings, progress: Progress) -> Small:
+    out = Small()
+    make = _body(settings.max_tokens)
+    async with _fleet(settings.small_seqs, settings, progress) as (_, gateway):
+        progress.phase(f"{4 * settings.small_seqs} streams through an engine of {settings.small_seqs}")
+        started = time.monotonic()
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            async with aiohttp.ClientSession() as session:
+                while not stop.is_set():
+                    async with session.get(gateway + "/admin/fleet") as resp:
+                        body = await resp.json()
+                    out.limits.append((time.monotonic() - started, int(body["instances"][0]["max_concurrency"])))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 0.25)
+
+        async def load() -> None:
+            try:
+                per_s = settings.small_seqs / (settings.max_tokens * settings.tpot_ms / 1000)
+                out.result = await closed_loop(
+                    gateway + "/v1/chat/completions",
+                    make,
+                    concurrency=4 * settings.small_seqs,
+                    requests=int(per_s * settings.settle_s),
+                    stream=True,
+                    client="lean",
+                )
+            finally:
+                stop.set()
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(sample())
+            group.create_task(load())
+    return out
+
+
+def _sum(results: list[LoadResult]) -> LoadResult:
+    return LoadResult(
+        requests=sum(r.requests for r in results),
+        errors=sum(r.errors for r in results),
+        seconds=sum(r.seconds for r in results),
+        latencies=[x for r in results for x in r.latencies],
+        ttfts=[x for r in results for x in r.ttfts],
+    )
+
+
+def report(large: Large | None, small: Small | None, settings: Settings) -> str:
+    lines: list[str] = []
+    if large is not None:
+        direct, gateway = _sum(large.direct), _sum(large.gateway)
+        lines.append(
+            f"large: engine runs {settings.large_seqs} at once, {settings.streams} clients streaming "
+            f"{settings.max_tokens} chunks, no max_concurrency"
+        )
+        lines.append(f"{'target':<9}{'chunks/s':>10}{'first p50 ms':>14}{'first p99 ms':>14}{'errors':>8}")
+        for name, r in (("direct", direct), ("gateway", gateway)):
+            lines.append(
+                f"{name:<9}{r.rps * settings.max_tokens:>10.0f}{percentile(r.ttfts, 50) * 1000:>14.1f}"
+                f"{percentile(r.ttfts, 99) * 1000:>14.1f}{r.errors:>8}"
+            )
+        ratio = gateway.rps / direct.rps if direct.rps else float("nan")
+        gap = (percentile(gateway.ttfts, 99) - percentile(direct.ttfts, 99)) * 1000
+        rounds = " ".join(f"{g.rps / d.rps:.2f}" for d, g in zip(large.direct, large.gateway, strict=True))
+        lines.append(
+            f"{'PASS' if ratio >= 0.9 else 'MISS'}  chunks/s {ratio:.2f}x direct (rounds: {rounds}; target >= 0.9x)"
+        )
+        lines.append(f"{'PASS' if gap <= 50 else 'MISS'}  first-chunk p99 {gap:+.1f} ms vs direct (target <= +50 ms)")
+    if small is not None and small.limits:
+        settled = [limit for t, limit in small.limits if t >= settings.settle_s / 2]
+        trail = " ".join(f"{t:.1f}s:{limit}" for t, limit in small.limits[:: max(1, len(small.limits) // 12)])
+        final = settled[-1] if settled else small.limits[-1][1]
+        lines.append(
+            f"small: engine runs {settings.small_seqs}; limit over time: {trail}; settled at {final} "
+            f"(second half: min {min(settled, default=final)}, max {max(settled, default=final)})"
+        )
+        ok = abs(final - settings.small_seqs) <= max(1, settings.small_seqs // 4)
+        lines.append(f"{'PASS' if ok else 'MISS'}  the limit settles at about {settings.small_seqs}")
+    return "\n".join(lines)
