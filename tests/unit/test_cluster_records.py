@@ -17,7 +17,7 @@ from lockgate.cluster.keys import (
 from lockgate.config import ConfigError, parse_config
 from lockgate.fleet.pool import Instance, Pool
 from lockgate.metrics import GatewayMetrics
-from lockgate.routing.policies import make_policy
+from lockgate.routing.factory import make_policy
 from lockgate.wire import Endpoint, parse_request
 
 

@@ -12,7 +12,8 @@ from lockgate.config import parse_config
 from lockgate.routing.affinity import ConsistentHash
 from lockgate.routing.config import ConsistentHashOptions, ScoreWeights
 from lockgate.routing.cost import CacheAware, PredictedTTFT, Score, predict_ttft
-from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, PowerOfTwo, RouteRequest, make_policy
+from lockgate.routing.factory import make_policy
+from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, PowerOfTwo, RouteRequest
 
 
 def view(n: int, **kw: Any) -> InstanceView:

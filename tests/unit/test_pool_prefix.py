@@ -9,7 +9,8 @@ from lockgate.config import parse_config
 from lockgate.errors import Unavailable
 from lockgate.fleet.pool import Instance, Pool
 from lockgate.metrics import GatewayMetrics
-from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
+from lockgate.routing.factory import make_policy
+from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest
 from lockgate.wire import Endpoint, parse_request
 
 

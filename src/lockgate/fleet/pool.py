@@ -31,8 +31,9 @@ from ..errors import Unavailable
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
 from ..routing.config import PredictedTTFTOptions, RoutingConfig
+from ..routing.factory import make_policy
 from ..routing.placement import anchor_depth, rendezvous_top
-from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest, make_policy
+from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
 from ..wire import ApiRequest

@@ -9,7 +9,8 @@ sources (the gateway's own accounting, and scraped engine metrics when they are 
 `cached_tokens`, how much of *this* request's prompt that instance likely has in its prefix cache.
 
 The policies, by module: `round_robin`, `least_load`, `power_of_two` here; `consistent_hash` in
-`affinity.py`; `score`, `cache_aware` and `predicted_ttft` (the default) in `cost.py`.
+`affinity.py`; `score`, `cache_aware` and `predicted_ttft` (the default) in `cost.py`; `make_policy` in
+`factory.py`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from .config import RoutingConfig
+from typing import Protocol
 
 
 # The value types below are built for every request (a view per instance): not `frozen`, whose
@@ -162,28 +160,3 @@ class PowerOfTwo:
 def occupancy(view: InstanceView) -> float:
     """Requests there (in the batch or waiting for it) relative to capacity."""
     return max(view.in_flight, view.running + view.waiting) / view.max_concurrency
-
-
-def make_policy(config: RoutingConfig | str) -> Policy:
-    from .affinity import ConsistentHash
-    from .config import RoutingConfig
-    from .cost import CacheAware, PredictedTTFT, Score
-
-    if isinstance(config, str):
-        config = RoutingConfig(policy=config)  # type: ignore[arg-type]
-    name = config.policy
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_load":
-        return LeastLoad()
-    if name == "power_of_two":
-        return PowerOfTwo(config.seed)
-    if name == "consistent_hash":
-        return ConsistentHash(config.consistent_hash)
-    if name == "score":
-        return Score(config.score)
-    if name == "cache_aware":
-        return CacheAware(config.cache_aware)
-    if name == "predicted_ttft":
-        return PredictedTTFT(config.predicted_ttft)
-    raise ValueError(f"unknown routing policy {name!r}")
