@@ -81,3 +81,26 @@ def test_prefill_backlog_counts_before_the_rate_is_measured() -> None:
             running=2, waiting=1, in_flight=3, prefill_backlog_s=prefill_backlog_s(5500, 0.0, 8000.0), decode_s=0.08
         )
     assert limit.limit == 256
+
+
+def test_one_request_waiting_for_the_next_step_of_a_busy_engine_is_not_saturation() -> None:
+    """A busy engine below its parallelism has a request waiting for its next step at most scrapes; `bench
+    overload --scrape` saw the limit of an 8-slot engine cut to 4-6 by exactly that, refusing a third of the
+    requests it had room for."""
+    limit = ConcurrencyLimit(256)
+    for running in [5, 5, 6, 6, 5, 6, 6, 6]:
+        assert not limit.observe(running=running, waiting=1, in_flight=running + 1, decode_s=None)
+    assert limit.limit == 256
+    # A real backlog (the flood reaches the engine): two scrapes and the limit is what it runs.
+    limit.observe(running=8, waiting=12, in_flight=20, decode_s=None)
+    assert limit.observe(running=8, waiting=14, in_flight=22, decode_s=None) and limit.limit == 8
+
+
+def test_a_full_limit_does_not_ratchet_down_on_slots_freed_a_moment_ago() -> None:
+    """At a full limit a slot freed just before a scrape shows one running fewer and one waiting; cutting to
+    that count each time walked an 8-slot engine's limit down to 1-2 (`bench overload --scrape`: 11 of 72
+    req/s served at 2.5x capacity). The limit never falls below what the engine recently ran at once."""
+    limit = ConcurrencyLimit(8)
+    for running in [8, 7, 7, 8, 7, 7, 6, 6, 7, 7] * 3:
+        limit.observe(running=running, waiting=1, in_flight=8, decode_s=None)
+    assert limit.limit == 8

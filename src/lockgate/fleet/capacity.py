@@ -11,7 +11,11 @@ sequences in the KV cache).
 `ConcurrencyLimit.observe()` is fed each scrape of the engine's own queue signals:
 - **saturation**: requests have waited inside the engine in two scrapes in a row while the number it
   runs stayed put (within 10%): the engine is at its parallelism, which is what it runs. The limit drops
-  to that number (at once: each scrape interval at a too-high limit costs priority order);
+  to that number (at once: each scrape interval at a too-high limit costs priority order). The wait must
+  be a backlog, not the step a request just arrived in: at least two requests and a quarter of those
+  running, or the gateway holding its whole limit there. A busy engine below its parallelism has one
+  request waiting for the next step most of the time. The new limit is the most it ran at once in the
+  last 25 scrapes, not the count of the moment, which dips whenever a slot has just been freed;
 - **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
   limit grows by an eighth (at least one) per scrape, up to the ceiling, so a bigger engine (or a
   lighter workload) is found again. After a saturation it first waits `cooldown` scrapes (10 s at the
@@ -39,12 +43,16 @@ doubles per scrape).
 
 from __future__ import annotations
 
+from collections import deque
+
 #: Consecutive scrapes with requests waiting in the engine before it counts as saturated.
 _SATURATED_SCRAPES = 2
+#: Scrapes over which the most the engine ran at once is remembered (5 s at the default interval).
+_PEAK_SCRAPES = 25
 
 
 class ConcurrencyLimit:
-    __slots__ = ("_calm", "_prev_running", "_streak", "adaptive", "ceiling", "cooldown", "limit")
+    __slots__ = ("_calm", "_prev_running", "_recent", "_streak", "adaptive", "ceiling", "cooldown", "limit")
 
     def __init__(self, ceiling: int, *, adaptive: bool = True, cooldown: int = 50) -> None:
         if ceiling < 1:
@@ -59,6 +67,8 @@ class ConcurrencyLimit:
         self._streak = 0
         self._prev_running: float | None = None
         self._calm = cooldown  # scrapes since the last saturation (none seen yet: may grow at once)
+        #: What the engine ran at once in recent scrapes: it can run at least their maximum.
+        self._recent: deque[float] = deque(maxlen=_PEAK_SCRAPES)
 
     def observe(
         self,
@@ -78,16 +88,20 @@ class ConcurrencyLimit:
             return False
         previous = self._prev_running
         self._prev_running = running
+        self._recent.append(running)
         unexplained = decode_s is None or (decode_s > 0 and prefill_backlog_s < 0.5 * decode_s)
         if waiting >= 1 and running >= 1 and not unexplained:
             self._streak = 0
             return False
-        if waiting >= 1 and running >= 1:
+        if waiting >= 1 and running >= 1 and (waiting >= max(2.0, 0.25 * running) or in_flight >= self.limit):
             steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
             if self._streak >= _SATURATED_SCRAPES:
                 self._calm = 0
-                return self._set(round(running))
+                # Never below what it ran at once in the last few seconds: at a full limit a slot freed
+                # a moment ago shows as one running fewer and one waiting, and cutting to that ratchets
+                # the limit down to nothing (`bench overload --scrape`: 11 of 72 req/s served at 2.5x).
+                return self._set(round(max(self._recent)))
             return False
         self._streak = 0
         self._calm += 1
