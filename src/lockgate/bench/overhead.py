@@ -35,7 +35,7 @@ import aiohttp
 
 from .load import closed_loop, cpu_seconds, percentile
 from .machine import build, interpreter, machine
-from .peer import Peer
+from .peer import Peer, stop
 from .progress import Progress
 from .wrk import body_template, run_wrk, wrk_path
 
@@ -62,14 +62,7 @@ def child(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        stop(proc)
 
 
 async def wait_http(url: str, proc: subprocess.Popen[bytes], within_s: float = 20.0) -> None:
