@@ -104,3 +104,22 @@ def test_a_full_limit_does_not_ratchet_down_on_slots_freed_a_moment_ago() -> Non
     for running in [8, 7, 7, 8, 7, 7, 6, 6, 7, 7] * 3:
         limit.observe(running=running, waiting=1, in_flight=8, decode_s=None)
     assert limit.limit == 8
+
+
+def test_probes_that_find_the_same_limit_come_ever_more_rarely() -> None:
+    """Each probe above the engine's parallelism queues a request inside it, where a P0 waits; a stable engine
+    is probed after the cooldown, then after twice as long, and so on (at most ten cooldowns)."""
+    limit = ConcurrencyLimit(64, cooldown=4)
+    limit.observe(running=8, waiting=9, in_flight=17, decode_s=None)
+    limit.observe(running=8, waiting=9, in_flight=17, decode_s=None)
+    assert limit.limit == 8
+    waits = []
+    for _ in range(4):
+        calm = 0
+        while not limit.observe(running=8, waiting=0, in_flight=limit.limit, decode_s=None):
+            calm += 1
+        waits.append(calm + 1)
+        assert limit.limit == 9  # the probe
+        limit.observe(running=8, waiting=1, in_flight=9, decode_s=None)
+        assert limit.observe(running=8, waiting=1, in_flight=9, decode_s=None) and limit.limit == 8
+    assert waits == [4, 8, 16, 32]

@@ -18,9 +18,13 @@ sequences in the KV cache).
   last 25 scrapes, not the count of the moment, which dips whenever a slot has just been freed;
 - **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
   limit grows by an eighth (at least one) per scrape, up to the ceiling, so a bigger engine (or a
-  lighter workload) is found again. After a saturation it first waits `cooldown` scrapes (10 s at the
+  lighter workload) is found again. After a saturation it first waits `cooldown` scrapes (60 s at the
   default interval): each probe above the engine's parallelism puts a request in the engine's own
-  queue, where a P0 arriving then would wait behind it;
+  queue, where a P0 arriving then waits behind it. Probing every 10 s showed as P0 TTFT p99 7.0x its
+  value alone under a P2 flood (`bench priority --duration 60`, two 4-slot engines), every minute 1.07x
+  (30 s phases). A probe that finds the same limit again doubles the wait before the next (up to ten
+  minutes): one probe a minute still cost 5.9x in the last phase of a 60 s-per-phase run. The price is that a
+  bigger engine is found minutes later;
 - no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is;
 - **prefill-bound**: requests also wait inside an engine whose slots are free, for its per-step token
   budget, behind long prompts being prefilled (chunked prefill admits at most `max_num_batched_tokens`
@@ -52,9 +56,20 @@ _PEAK_SCRAPES = 25
 
 
 class ConcurrencyLimit:
-    __slots__ = ("_calm", "_prev_running", "_recent", "_streak", "adaptive", "ceiling", "cooldown", "limit")
+    __slots__ = (
+        "_calm",
+        "_learned",
+        "_prev_running",
+        "_recent",
+        "_streak",
+        "_wait",
+        "adaptive",
+        "ceiling",
+        "cooldown",
+        "limit",
+    )
 
-    def __init__(self, ceiling: int, *, adaptive: bool = True, cooldown: int = 50) -> None:
+    def __init__(self, ceiling: int, *, adaptive: bool = True, cooldown: int = 300) -> None:
         if ceiling < 1:
             raise ValueError("ceiling must be >= 1")
         self.ceiling = ceiling
@@ -67,6 +82,11 @@ class ConcurrencyLimit:
         self._streak = 0
         self._prev_running: float | None = None
         self._calm = cooldown  # scrapes since the last saturation (none seen yet: may grow at once)
+        #: Scrapes to wait before the next probe: `cooldown`, doubled (up to 10x) each time a probe only found
+        #: the limit it started from again, so that a stable engine is probed ever more rarely.
+        self._wait = cooldown
+        #: The limit the last saturation set (None: none yet).
+        self._learned: int | None = None
         #: What the engine ran at once in recent scrapes: it can run at least their maximum.
         self._recent: deque[float] = deque(maxlen=_PEAK_SCRAPES)
 
@@ -98,6 +118,12 @@ class ConcurrencyLimit:
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
             if self._streak >= _SATURATED_SCRAPES:
                 self._calm = 0
+                found = max(1, min(self.ceiling, round(max(self._recent))))
+                if self._learned is not None and found <= self._learned:
+                    self._wait = min(self._wait * 2, 10 * self.cooldown)  # the probe found nothing new
+                else:
+                    self._wait = self.cooldown
+                self._learned = found
                 # Never below what it ran at once in the last few seconds: at a full limit a slot freed
                 # a moment ago shows as one running fewer and one waiting, and cutting to that ratchets
                 # the limit down to nothing (`bench overload --scrape`: 11 of 72 req/s served at 2.5x).
@@ -105,7 +131,7 @@ class ConcurrencyLimit:
             return False
         self._streak = 0
         self._calm += 1
-        if waiting < 1 and in_flight >= self.limit and self._calm >= self.cooldown:
+        if waiting < 1 and in_flight >= self.limit and self._calm >= self._wait:
             return self._set(self.limit + max(1, self.limit // 8))
         return False
 
