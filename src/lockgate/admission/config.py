@@ -14,6 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 _KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
+def check_key_digests(value: list[str]) -> list[str]:
+    """API keys in configuration are `sha256:<64 hex>` digests (tenant and admin keys alike)."""
+    for index, key in enumerate(value):
+        if not _KEY_HASH.match(key):
+            # Never echo the value: it may be a plaintext key pasted by mistake.
+            raise ValueError(
+                f"keys[{index}] must be a sha256 digest 'sha256:<64 hex>' (run `lockgate hash-key`), "
+                "not a plaintext key"
+            )
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -130,14 +142,7 @@ class TenantConfig(_Strict):
     @field_validator("keys")
     @classmethod
     def _hashed(cls, value: list[str]) -> list[str]:
-        for index, key in enumerate(value):
-            if not _KEY_HASH.match(key):
-                # Never echo the value: it may be a plaintext key pasted by mistake.
-                raise ValueError(
-                    f"keys[{index}] must be a sha256 digest 'sha256:<64 hex>' (run `lockgate hash-key`), "
-                    "not a plaintext key"
-                )
-        return value
+        return check_key_digests(value)
 
 
 def check_admission(tenants: list[TenantConfig], scheduling: SchedulingConfig) -> None:

@@ -6,12 +6,11 @@ Kept apart from `config.py` (which embeds these sections) so the feature owns it
 from __future__ import annotations
 
 import importlib.util
-import re
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+from ..admission.config import check_key_digests
 
 
 class _Strict(BaseModel):
@@ -35,14 +34,7 @@ class AdminConfig(_Strict):
     @field_validator("keys")
     @classmethod
     def _hashed(cls, value: list[str]) -> list[str]:
-        for index, key in enumerate(value):
-            if not _KEY_HASH.match(key):
-                # Never echo the value: it may be a plaintext key pasted by mistake.
-                raise ValueError(
-                    f"keys[{index}] must be a sha256 digest 'sha256:<64 hex>' (run `lockgate hash-key`), "
-                    "not a plaintext key"
-                )
-        return value
+        return check_key_digests(value)
 
     @model_validator(mode="after")
     def _metrics_need_keys(self) -> AdminConfig:
