@@ -48,11 +48,11 @@ def central_config(etcd_url: str, cluster: str, usage: str, **cluster_extra: Any
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
     """Bounded polling of state that has no event to wait on (another process's view, etcd's clock)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+
+    async def check() -> bool:
+        return predicate()
+
+    await poll_until(check, timeout_s, what)
 
 
 async def poll_until(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition") -> None:

@@ -35,9 +35,9 @@ async def fleet_view(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return {i["name"]: i for i in (await resp.json())["instances"]}
 
 
-async def test_resetting_engines_never_eject_the_whole_pool(start_sim, start_gateway, http):
-    a, b = await start_sim(), await start_sim()
-    gw = await start_gateway(
+async def two_instance_gateway(start_gateway, a, b):
+    """Instances `a` and `b` of model `m`, round robin, no retries, passive ejection after `EJECTION`."""
+    return await start_gateway(
         [
             {
                 "name": "m",
@@ -49,6 +49,11 @@ async def test_resetting_engines_never_eject_the_whole_pool(start_sim, start_gat
         health={"interval_ms": 60000, "ejection": EJECTION},
         scrape={"enabled": False},
     )
+
+
+async def test_resetting_engines_never_eject_the_whole_pool(start_sim, start_gateway, http):
+    a, b = await start_sim(), await start_sim()
+    gw = await two_instance_gateway(start_gateway, a, b)
     for sim in (a, b):
         sim.control.update({"reset_after_tokens": 2})  # every answer breaks mid-way
     outcomes = [await post(http, gw.url, chat()) for _ in range(6)]
@@ -116,18 +121,7 @@ async def test_a_pool_with_nothing_routable_panics_over_the_instances_that_pass_
     start_sim, start_gateway, http
 ):
     a, b = await start_sim(), await start_sim()
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "retries": 0,
-                "instances": [instance(a, name="a"), instance(b, name="b")],
-            }
-        ],
-        health={"interval_ms": 60000, "ejection": EJECTION},
-        scrape={"enabled": False},
-    )
+    gw = await two_instance_gateway(start_gateway, a, b)
     fleet = gw.gateway.fleet
     a.control.update({"reset_after_tokens": 1})
     assert (await post(http, gw.url, chat()))[0] == 502  # round robin: a first
