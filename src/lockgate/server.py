@@ -41,6 +41,7 @@ from .gateway import Gateway, new_request_id
 from .observe.access_log import AccessLogUnavailable
 from .reload import Reloader, summary
 from .summary import redact_url
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from .cluster.member import Role
@@ -234,9 +235,7 @@ async def serve(
             try:
                 await stop.wait()
             finally:
-                reloads.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reloads
+                await cancel_and_wait(reloads)
             announce("lockgate: shutting down (draining requests in flight)")
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

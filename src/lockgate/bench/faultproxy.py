@@ -25,6 +25,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from ..tasks import cancel_and_wait
+
 #: Bytes read at a time in each direction.
 CHUNK = 64 * 1024
 
@@ -137,10 +139,8 @@ class FaultProxy:
             except OSError:
                 link.reset()
             finally:
-                upward.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await upward
                 target_writer.transport.abort()
+                await cancel_and_wait(upward)
         except asyncio.CancelledError:
             pass  # closed by aclose() (a cancelled connection task is logged as an error on 3.11)
         finally:

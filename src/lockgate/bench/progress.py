@@ -15,11 +15,12 @@ done (`advance()`); while it is entered (`async with`), a task it owns redraws i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
+
+from ..tasks import cancel_and_wait
 
 TTY_INTERVAL_S = 0.25
 PLAIN_INTERVAL_S = 2.0
@@ -96,10 +97,7 @@ class Progress:
 
     async def __aexit__(self, *exc_info: object) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         if self._enabled:
             self._clear()
             self._stream.write(f"{self.title}: finished in {self._clock() - self._started:.0f} s\n")

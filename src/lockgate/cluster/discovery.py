@@ -23,7 +23,6 @@ by routing like stale scrapes), published health its health.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -36,6 +35,7 @@ from pydantic import ValidationError
 from ..config import InstanceConfig
 from ..fleet.pool import Fleet
 from ..fleet.state import EngineLoad, Published
+from ..tasks import cancel_and_wait
 from .config import ClusterConfig
 from .keys import (
     ENGINE_HEADER,
@@ -108,11 +108,7 @@ class Discovery:
 
     async def aclose(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         if tasks:
             await self.registration.aclose()
         await self.etcd.aclose()

@@ -12,7 +12,6 @@ dies stops refreshing the lease and its record disappears within the TTL; one th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -20,6 +19,7 @@ from typing import Any
 
 from ..fleet.pool import Fleet
 from ..routing.residency import anchors
+from ..tasks import cancel_and_wait
 from .config import ClusterConfig
 from .keys import MAX_RESIDENT, EngineRecord, NodeRecord, encode_node, node_key
 from .lease import Registration
@@ -134,9 +134,7 @@ class Publisher:
     async def aclose(self) -> None:
         if self._task is not None:
             task, self._task = self._task, None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
             await self.registration.aclose()
         await self.etcd.aclose()
 

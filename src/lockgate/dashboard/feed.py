@@ -22,11 +22,11 @@ while the transport is paused).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from ..tasks import cancel_and_wait
 from .history import History, Sample, Totals, sample_between
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,7 @@ class Feed:
         """End every stream and stop the ticker. Idempotent."""
         self.close()
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     def close(self) -> None:
         """End every stream now (pending `next()` calls return None) and refuse new subscriptions."""

@@ -36,6 +36,7 @@ from ..routing.placement import anchor_depth, rendezvous_top
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
+from ..tasks import cancel_and_wait
 from ..wire import ApiRequest
 from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
 from .capacity import ConcurrencyLimit, prefill_backlog_s
@@ -684,11 +685,7 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
-        for task in (self._health_task, self._scrape_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._health_task, self._scrape_task)
         retiring, self._retiring = self._retiring, {}
         for task in retiring.values():
             task.cancel()

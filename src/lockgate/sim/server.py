@@ -8,7 +8,6 @@ step loop. Use it as ``async with SimServer(SimConfig(models=["m"])) as sim: ...
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import ssl
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..tasks import cancel_and_wait
 from .config import SimConfig
 from .control import SimControl
 from .engine import Engine
@@ -113,11 +113,7 @@ class SimServer:
             if self._runner is not None:
                 await self._runner.cleanup()
         finally:
-            for task in (self._fail_task, self._loop_task):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            await cancel_and_wait(self._fail_task, self._loop_task)
             self._fail_task = self._loop_task = None
 
     async def __aenter__(self) -> SimServer:

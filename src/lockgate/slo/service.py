@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..tasks import cancel_and_wait
 from .config import SloConfig
 from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
 from .objectives import Counts, evaluate
@@ -76,9 +77,7 @@ class SloService:
         """Stop sampling and close the records connection; safe to call twice."""
         if self._task is not None:
             task, self._task = self._task, None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         async with self._lock:
             await asyncio.to_thread(self._close)
 
