@@ -115,6 +115,7 @@ class Gateway:
             usage_path or config.usage.path,
             self.fleet,
             stale_after_s=config.scrape.stale_after_ms / 1000,
+            queued=self._queued,
         )
         self.slo_provider = self.slo.cached
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
@@ -178,6 +179,11 @@ class Gateway:
             await asyncio.to_thread(self.tracer.shutdown)
 
     # --- the HTTP edge -------------------------------------------------------------------------
+    def _queued(self, model: str) -> int:
+        """Requests waiting at admission for `model` (0 for a model without a scheduler)."""
+        scheduler = self.admission.schedulers.get(model)
+        return 0 if scheduler is None else scheduler.core.queued_total
+
     def _routes(self) -> dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]]:
         get = {
             "/v1/models": self._models,

@@ -125,7 +125,7 @@ async def test_engine_idle_comes_from_the_scraped_busy_signal(start_sim: Any, st
     assert gw.gateway is not None
     slo, scraper = gw.gateway.slo, gw.gateway.fleet.scraper
     await scraper.scrape_all()
-    slo.sample()  # idle: nothing runs
+    slo.sample()  # idle, and nothing waits for it: not counted
     long_stream = {**chat(0, stream=True), "max_tokens": 2000}
     async with (
         aiohttp.ClientSession(gw.url) as http,
@@ -138,9 +138,10 @@ async def test_engine_idle_comes_from_the_scraped_busy_signal(start_sim: Any, st
     # Leaving mid-stream aborts it at the engine.
     evaluation = await slo.evaluate()
     idle = _objective(evaluation, "engine_idle")
-    # Samples also come from the service's own timer: at least the three above, a third of them idle or more.
+    # Samples also come from the service's own timer. The idle ones are not counted: nothing was waiting for the
+    # engine (an idle fleet without demand wastes nothing); the two busy ones are.
     window = idle["windows"]["5m"]
-    assert window["events"] >= 3 and window["bad"] >= 1 and window["events"] - window["bad"] >= 2
+    assert window["events"] >= 2 and window["bad"] == 0
     assert idle["windows"]["30d"]["events"] is None  # beyond the in-memory samples: unknown
     assert idle["budget_remaining"] is None
 

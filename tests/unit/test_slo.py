@@ -15,7 +15,7 @@ from lockgate.config import ConfigError, parse_config
 from lockgate.fleet.state import EngineLoad
 from lockgate.slo import OBJECTIVES, Counts, SloConfig, evaluate
 from lockgate.slo.config import duration_s
-from lockgate.slo.idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
+from lockgate.slo.idle import MAX_HORIZON_S, IdleSamples, busy_and_idle, waiting_for
 from lockgate.slo.rules import prometheus_rules, rules_yaml
 from lockgate.slo.usage import BucketedWindows, connect_readonly, count_windows
 
@@ -112,9 +112,11 @@ def test_idle_samples_are_bounded_and_windowed() -> None:
 
 
 def test_busy_and_idle_counts_engines_with_a_fresh_signal_in_service() -> None:
+    keys = iter(range(100))
+
     def engine(running: float | None, scraped_at: float = 100.0, healthy: bool = True) -> Any:
         load = EngineLoad(scraped_at=scraped_at, running=running)
-        return SimpleNamespace(engine_load=load, healthy=healthy, retired=False)
+        return SimpleNamespace(key=f"e{next(keys)}", engine_load=load, healthy=healthy, retired=False)
 
     fleet = [
         engine(3),  # busy
@@ -122,9 +124,26 @@ def test_busy_and_idle_counts_engines_with_a_fresh_signal_in_service() -> None:
         engine(0, scraped_at=90.0),  # stale: not counted
         engine(None),  # exports no running count (an OpenAI-compatible server): not counted
         engine(0, healthy=False),  # out of service: not counted
-        SimpleNamespace(engine_load=None, healthy=True, retired=False),  # never scraped
+        SimpleNamespace(key="never", engine_load=None, healthy=True, retired=False),  # never scraped
     ]
-    assert busy_and_idle(fleet, now=100.5, stale_after_s=1.0) == (1, 1)
+    wanted = {f"e{n}" for n in range(len(fleet))} | {"never"}
+    assert busy_and_idle(fleet, now=100.5, stale_after_s=1.0, wanted=wanted) == (1, 1)
+    # Nothing waited for the idle engine's model: it wasted nothing and is not counted.
+    assert busy_and_idle(fleet, now=100.5, stale_after_s=1.0, wanted=set()) == (1, 0)
+
+
+def test_an_engine_is_wanted_when_its_model_has_requests_waiting() -> None:
+    def engine(key: str, waiting: float | None, scraped_at: float = 100.0) -> Any:
+        return SimpleNamespace(key=key, engine_load=EngineLoad(scraped_at=scraped_at, waiting=waiting))
+
+    queued_at_admission = SimpleNamespace(model="a", instances=[engine("a0", 0), engine("a1", None)])
+    queued_in_an_engine = SimpleNamespace(model="b", instances=[engine("b0", 2), engine("b1", 0)])
+    stale_engine_queue = SimpleNamespace(model="c", instances=[engine("c0", 5, scraped_at=90.0)])
+    nothing_waits = SimpleNamespace(model="d", instances=[engine("d0", 0), engine("d1", None)])
+    pools: list[Any] = [queued_at_admission, queued_in_an_engine, stale_engine_queue, nothing_waits]
+    queued = {"a": 3}.get
+    wanted = waiting_for(pools, lambda model: queued(model, 0), now=100.5, stale_after_s=1.0)
+    assert wanted == {"a0", "a1", "b0", "b1"}
 
 
 def test_prometheus_rules_match_the_objectives_and_alerts() -> None:

@@ -11,7 +11,8 @@ Differences from the usage-record evaluation, where the metrics cannot say the s
 - `p0_ttft` counts every stream that sent a first token (the records: completed streams only), and the
   threshold must be a bucket bound of `lockgate_time_to_first_token_seconds` (2 s is one).
 - `engine_idle` samples `lockgate_instance_engine_running` at each rule evaluation (healthy instances
-  with a known value), like the gateway's own sampler.
+  with a known value), like the gateway's own sampler; an idle engine counts only while requests wait
+  (`lockgate_queue_depth`, or an engine's own queue).
 - `dedup_saving` counts the de-duplication outcomes (`lockgate_dedup_total`), which are the requests that
   went through de-duplication (completions, not embeddings).
 Labels come from the SLI metrics of issue 15 (`{model, priority, status}` on the request counter, `{model,
@@ -57,11 +58,18 @@ def _error_ratio(name: str, config: SloConfig, window: str) -> str:
     raise ValueError(f"unknown objective {name!r}")
 
 
-#: The share of healthy engines with a known busy signal that run nothing, at one evaluation.
-_IDLE_NOW = (
-    "(count(lockgate_instance_engine_running == 0 and on (instance) lockgate_instance_healthy == 1) or vector(0))"
-    " / count(lockgate_instance_engine_running >= 0 and on (instance) lockgate_instance_healthy == 1)"
+_RUNNING = "lockgate_instance_engine_running"
+_HEALTHY = "on (instance) lockgate_instance_healthy == 1"
+#: Something waits somewhere in the fleet: at a gateway's admission or inside an engine (fleet-wide: the
+#: per-instance series carry no model label; the gateway's own sampler matches engines to their models).
+_DEMAND = (
+    "((sum(lockgate_queue_depth) or vector(0)) + (sum(lockgate_instance_engine_waiting > 0) or vector(0)) > 0)"
 )
+_IDLE_WANTED = f"((count({_RUNNING} == 0 and {_HEALTHY}) and on () {_DEMAND}) or vector(0))"
+_BUSY = f"(count({_RUNNING} > 0 and {_HEALTHY}) or vector(0))"
+#: Among healthy engines with a known busy signal, the share idle while requests waited, at one evaluation
+#: (an idle engine with nothing waiting is not an event).
+_IDLE_NOW = f"{_IDLE_WANTED} / ({_BUSY} + {_IDLE_WANTED})"
 
 
 def _camel(name: str) -> str:

@@ -19,12 +19,12 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..tasks import cancel_and_wait
 from .config import SloConfig
-from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle
+from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle, waiting_for
 from .objectives import Counts, evaluate
 from .usage import BucketedWindows, UsageUnavailable, connect_readonly
 
@@ -39,8 +39,19 @@ _LONG_WINDOW_REFRESH_S = 60.0
 
 
 class SloService:
-    def __init__(self, config: SloConfig, usage_path: str, fleet: Fleet, *, stale_after_s: float) -> None:
+    def __init__(
+        self,
+        config: SloConfig,
+        usage_path: str,
+        fleet: Fleet,
+        *,
+        stale_after_s: float,
+        queued: Callable[[str], int] = lambda model: 0,
+    ) -> None:
+        """`queued(model)`: requests waiting at the gateway's admission for `model` (engine idle time counts
+        only while its model had requests waiting)."""
         self.config = config
+        self._queued = queued
         self._usage_path = usage_path
         self._fleet = fleet
         self._stale_after_s = stale_after_s
@@ -135,7 +146,8 @@ class SloService:
     def sample(self) -> None:
         """Sample the engines' busy signals once (the task does this every `slo.idle_sample_ms`)."""
         now = time.monotonic()
-        busy, idle = busy_and_idle(self._fleet.instances.values(), now, self._stale_after_s)
+        wanted = waiting_for(self._fleet.pools.values(), self._queued, now, self._stale_after_s)
+        busy, idle = busy_and_idle(self._fleet.instances.values(), now, self._stale_after_s, wanted)
         self.idle.add(now, busy, idle)
 
     async def _run(self) -> None:
