@@ -18,6 +18,7 @@ from lockgate.cli import main
 from lockgate.server import GatewayServer
 from lockgate.sim import SimServer
 from lockgate.slo import OBJECTIVES
+from lockgate.slo.cli import EXIT_BURNING
 from tests.conftest import instance
 
 REQUESTS = 100
@@ -79,8 +80,8 @@ async def test_one_percent_of_p0_failing_burns_the_success_budget(
     _, gw = await _run(start_sim, start_gateway, failures=1)
     config = _config_file(tmp_path, gw)
 
-    # From the usage records, as JSON.
-    assert main(["slo", "--config", str(config), "--json"]) == 0
+    # From the usage records, as JSON; the exit status says an objective burns.
+    assert main(["slo", "--config", str(config), "--json"]) == EXIT_BURNING
     evaluation = orjson.loads(capsys.readouterr().out)
     success = _objective(evaluation, "p0_success")
     assert success["status"] == "burning" and success["target"] == 0.999
@@ -94,7 +95,7 @@ async def test_one_percent_of_p0_failing_burns_the_success_budget(
     assert _objective(evaluation, "engine_idle")["status"] == "unknown"  # the records know nothing of it
 
     # For a person: the status and the budget numbers.
-    assert main(["slo", "--config", str(config)]) == 0
+    assert main(["slo", "--config", str(config)]) == EXIT_BURNING
     text = capsys.readouterr().out
     assert "p0_success: P0 success >= 99.9% (target 0.999): BURNING, budget left 0.0%" in text
     assert "1h 1/100 bad, SLI 99.000%, burn 10x" in text and "ALERT ticket" in text
@@ -104,7 +105,7 @@ async def test_one_percent_of_p0_failing_burns_the_success_budget(
         assert r.status == 200
         live = await r.json()
     assert _objective(live, "p0_success") == success
-    assert await asyncio.to_thread(main, ["slo", "--url", gw.url]) == 0
+    assert await asyncio.to_thread(main, ["slo", "--url", gw.url]) == EXIT_BURNING
     assert "BURNING, budget left 0.0%" in capsys.readouterr().out
 
 
@@ -112,8 +113,12 @@ async def test_without_failures_the_success_objective_is_met(
     start_sim: Any, start_gateway: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _, gw = await _run(start_sim, start_gateway, failures=0)
-    assert main(["slo", "--config", str(_config_file(tmp_path, gw)), "--json"]) == 0
-    success = _objective(orjson.loads(capsys.readouterr().out), "p0_success")
+    status = main(["slo", "--config", str(_config_file(tmp_path, gw)), "--json"])
+    evaluation = orjson.loads(capsys.readouterr().out)
+    burning = [o["name"] for o in evaluation["objectives"] if o["status"] == "burning"]
+    # Distinct unique prompts: nothing to de-duplicate, so only that objective burns, and the exit status says so.
+    assert burning == ["dedup_saving"] and status == EXIT_BURNING
+    success = _objective(evaluation, "p0_success")
     assert success["status"] == "met" and success["budget_remaining"] == 1.0
     assert success["windows"]["30d"] == {"events": 100, "bad": 0, "sli": 1.0, "burn_rate": 0.0}
     assert not any(a["firing"] for a in success["alerts"])

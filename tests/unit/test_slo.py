@@ -14,6 +14,7 @@ from lockgate import records
 from lockgate.config import ConfigError, parse_config
 from lockgate.fleet.state import EngineLoad
 from lockgate.slo import OBJECTIVES, Counts, SloConfig, evaluate
+from lockgate.slo.cli import EXIT_BURNING, exit_status
 from lockgate.slo.config import duration_s
 from lockgate.slo.idle import MAX_HORIZON_S, IdleSamples, busy_and_idle, waiting_for
 from lockgate.slo.rules import prometheus_rules, rules_yaml
@@ -219,3 +220,12 @@ def test_long_windows_re_read_only_recent_buckets_and_agree_with_exact_counts(tm
     counts = windows.counts(now + 300)["p0_success"]
     assert counts["6h"] == Counts(events=6 + 3 + 1, bad=1 + 3)  # 6 hourly ones, the 3 new errors, the late one
     assert len(windows) <= 30 * 86400 // 300 + 2
+
+
+def test_the_exit_status_says_whether_an_objective_burns() -> None:
+    def evaluation(*statuses: str) -> dict[str, Any]:
+        return {"objectives": [{"name": f"o{n}", "status": s} for n, s in enumerate(statuses)]}
+
+    assert exit_status(evaluation("met", "unknown")) == 0
+    assert exit_status(evaluation()) == 0
+    assert exit_status(evaluation("met", "burning")) == EXIT_BURNING != 0

@@ -73,7 +73,17 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(orjson.dumps(evaluation, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         sys.stdout.write(describe(evaluation))
-    return 0
+    return exit_status(evaluation)
+
+
+#: Exit status while at least one objective burns (1: could not evaluate; 2: invalid configuration).
+EXIT_BURNING = 3
+
+
+def exit_status(evaluation: dict[str, Any]) -> int:
+    """0 when no objective burns (met or unknown), `EXIT_BURNING` otherwise: scripts and cron jobs can act on it."""
+    burning = any(o.get("status") == "burning" for o in evaluation.get("objectives", ()))
+    return EXIT_BURNING if burning else 0
 
 
 class _FetchError(Exception):
