@@ -11,6 +11,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from lockgate.bench.soak import MAX_EXAMPLES, Settings, SoakResult, Tally, report
+
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -47,3 +49,15 @@ def test_overload_refuses_beyond_capacity_and_draws_the_curve(tmp_path: Path) ->
     root = ET.fromstring(svg.read_text())
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
     assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) >= 3
+
+
+def test_the_soak_report_quotes_its_first_unexpected_answers() -> None:
+    tally = Tally()
+    tally.add(200, True, b"fine")
+    for n in range(MAX_EXAMPLES + 3):
+        tally.add(503, False, b'{"error": {"message": "no instance %d"}}' % n)
+    result = SoakResult(Settings(duration_s=10, interval_s=1), samples=[], tally=tally)
+    text = report(result)
+    assert f"unexpected answers: {MAX_EXAMPLES + 3}" in text
+    quoted = [line for line in text.splitlines() if line.startswith("  unexpected 503: ")]
+    assert len(quoted) == MAX_EXAMPLES and "no instance 0" in quoted[0]

@@ -31,6 +31,8 @@ from .overhead import child, free_port, wait_http
 from .progress import Progress
 
 MODEL = "soak-model"
+#: Unexpected answers quoted in the report.
+MAX_EXAMPLES = 5
 #: Distinct prompts of the de-duplicated share: few, so that flights coalesce and results are reused.
 PROMPTS = 64
 
@@ -62,11 +64,16 @@ class Tally:
     #: Answers other than the expected ones: 5xx, or a connection that broke (status 0).
     unexpected: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
+    #: The first few unexpected answers (status and the start of the body), for the report.
+    examples: list[str] = field(default_factory=list)
 
-    def add(self, status: int, expected: bool) -> None:
+    def add(self, status: int, expected: bool, body: bytes = b"") -> None:
         self.requests += 1
         self.statuses[status] = self.statuses.get(status, 0) + 1
-        self.unexpected += not expected
+        if not expected:
+            self.unexpected += 1
+            if len(self.examples) < MAX_EXAMPLES:
+                self.examples.append(f"{status}: {body[:300].decode(errors='replace')}")
 
 
 @dataclass
@@ -192,10 +199,10 @@ async def _worker(
                     resp.close()
                     tally.add(resp.status, resp.status == 200)
                     continue
-                await resp.read()
-                tally.add(resp.status, resp.status == 200)
-        except aiohttp.ClientError:
-            tally.add(0, False)
+                answer = await resp.read()
+                tally.add(resp.status, resp.status == 200, answer)
+        except aiohttp.ClientError as exc:
+            tally.add(0, False, repr(exc).encode())
 
 
 def _write_config(path: Path, gateway_port: int, engine_port: int, tmp: str) -> None:
@@ -224,6 +231,7 @@ def report(result: SoakResult) -> str:
     tally = result.tally
     statuses = ", ".join(f"{k}: {v}" for k, v in sorted(tally.statuses.items()))
     lines = [f"{tally.requests} requests ({statuses}); unexpected answers: {tally.unexpected}"]
+    lines.extend(f"  unexpected {example}" for example in tally.examples)
     growth = result.growth()
     rule = f"after {s.warmup():g} s of warm-up, at most +{s.rss_tolerance_mb:g} MB RSS and +{s.fd_tolerance} fds"
     if growth is None:
