@@ -14,7 +14,14 @@ import sys
 
 #: The modules of the request path that the opt-in compiled build (`setup.py`, `make test-compiled`) compiles
 #: with mypyc.
-HOT_MODULES = ("lockgate.relay", "lockgate.respond", "lockgate.assemble", "lockgate.sse")
+HOT_MODULES = (
+    "lockgate.relay",
+    "lockgate.respond",
+    "lockgate.assemble",
+    "lockgate.sse",
+    "lockgate.upstream",
+    "lockgate.attempt",
+)
 
 
 def machine() -> str:
