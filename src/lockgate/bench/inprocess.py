@@ -92,19 +92,19 @@ class _Engine(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._parser = httptools.HttpRequestParser(self)
-        self._stream = False
+        self._body = b""
 
     def data_received(self, data: bytes) -> None:
         self._parser.feed_data(data)
 
     def on_message_begin(self) -> None:
-        self._stream = False
+        self._body = b""
 
     def on_body(self, body: bytes) -> None:
-        self._stream = self._stream or body.find(b'"stream":true') >= 0
+        self._body += body
 
     def on_message_complete(self) -> None:
-        self._transport.write(_STREAM_ANSWER if self._stream else _ANSWER)
+        self._transport.write(_STREAM_ANSWER if self._body.find(b'"stream":true') >= 0 else _ANSWER)
 
 
 class _Load:
@@ -205,7 +205,10 @@ async def run(
                     "listen": {"host": "127.0.0.1", "port": 0},
                     "usage": {"path": os.path.join(tmp, "usage.sqlite3")},
                     "scrape": {"enabled": False},
-                    "health": {"interval_ms": 3_600_000},
+                    # Lenient (one probe at start; connections): under valgrind everything is ~50x slower, and a
+                    # probe or a connection that timed out would take the instance out (every request a 503).
+                    "health": {"interval_ms": 3_600_000, "timeout_ms": 60_000},
+                    "upstream": {"connect_timeout_ms": 60_000},
                     "models": [
                         {
                             "name": "bench-model",
