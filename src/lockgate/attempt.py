@@ -60,9 +60,12 @@ class Opened:
         if self.head:
             event = self.head.pop(0)  # popped first: `ready()` sees what is left
         else:
-            assert self.rest is not None
+            rest = self.rest
+            assert rest is not None
             self.live = True
-            event = await self.rest.__anext__()
+            # An event already received needs no coroutine of the engine stream's (one per event, in pure Python).
+            ready = rest.next_nowait()
+            event = ready if ready is not None else await rest.__anext__()
         self.lease.completion_tokens += has_content(event)
         return event
 

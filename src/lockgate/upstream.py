@@ -216,26 +216,39 @@ class UpstreamEvents:
     def __aiter__(self) -> UpstreamEvents:
         return self
 
+    def next_nowait(self) -> dict[str, Any] | None:
+        """The next event if it is already here (decoded from a chunk received), else None: `__anext__` then
+        reads on (or ends). A plain call: a reader that tries this first creates no coroutine per event."""
+        payloads, index = self._payloads, self._index
+        if index >= len(payloads) or self._ended:
+            return None
+        payload = payloads[index]
+        call = self._call
+        if not self._tail:
+            if payload == DONE:
+                return None  # the end: left to `__anext__`
+            call.pending = len(payloads) - index - 1
+        self._index = index + 1
+        call.received += len(payload)
+        call.payload = payload
+        try:
+            return _parse_event(payload, call.instance.name)
+        except UpstreamProtocolError:
+            self._ended = True
+            raise
+
     async def __anext__(self) -> dict[str, Any]:
         call = self._call
         while not self._ended:
-            payloads, index = self._payloads, self._index
-            if index < len(payloads):
-                payload = payloads[index]
-                self._index = index + 1
-                if not self._tail:
-                    if payload == DONE:
-                        self._ended = True
-                        call.release()
-                        break
-                    call.pending = len(payloads) - index - 1
-                call.received += len(payload)
-                call.payload = payload
-                try:
-                    return _parse_event(payload, call.instance.name)
-                except UpstreamProtocolError:
-                    self._ended = True
-                    raise
+            event = self.next_nowait()
+            if event is not None:
+                return event
+            if self._ended:
+                break
+            if self._index < len(self._payloads):  # `[DONE]`
+                self._ended = True
+                call.release()
+                break
             if self._tail:
                 # The engine ended the body without `[DONE]`: an incomplete stream.
                 self._ended = True
