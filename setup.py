@@ -17,6 +17,15 @@ COMPILED = [
     "src/lockgate/relay.py",
     "src/lockgate/upstream.py",
     "src/lockgate/attempt.py",
+    "src/lockgate/wire.py",
+    "src/lockgate/header_lines.py",
+    "src/lockgate/admission/scheduler.py",
+    "src/lockgate/admission/gate.py",
+    "src/lockgate/admission/tenants.py",
+    "src/lockgate/admission/ratelimit.py",
+    "src/lockgate/fleet/state.py",
+    "src/lockgate/fleet/ejection.py",
+    "src/lockgate/dedup/eligibility.py",
 ]
 
 if os.environ.get("LOCKGATE_COMPILE") == "1":

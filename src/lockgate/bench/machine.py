@@ -21,6 +21,15 @@ HOT_MODULES = (
     "lockgate.sse",
     "lockgate.upstream",
     "lockgate.attempt",
+    "lockgate.wire",
+    "lockgate.header_lines",
+    "lockgate.admission.scheduler",
+    "lockgate.admission.gate",
+    "lockgate.admission.tenants",
+    "lockgate.admission.ratelimit",
+    "lockgate.fleet.state",
+    "lockgate.fleet.ejection",
+    "lockgate.dedup.eligibility",
 )
 
 
