@@ -25,8 +25,7 @@ test: $(VENV)/.dev
 
 # The opt-in compiled build (setup.py: the hot-path modules compiled with mypyc; needs a C compiler and the
 # Python headers) in its own venv, non-editable, and the whole test suite run against it. Not part of `make test`
-# (compiling takes a few minutes); the pure-Python package stays the default everywhere else. Known failure (see
-# docs/decisions.md): test_memory_bounds.py::test_an_answer_assembled_from_a_stream_is_bounded_too[llamacpp].
+# (compiling takes a few minutes); the pure-Python package stays the default everywhere else.
 CVENV := .venv-compiled
 test-compiled:
 	@test -x $(CVENV)/bin/python || $(PYTHON) -m venv $(CVENV)

@@ -7,8 +7,26 @@ import os
 
 from setuptools import setup
 
-#: Mypyc compiles these (not `upstream.py` / `attempt.py`: mypyc has no async generators yet).
-COMPILED = ["src/lockgate/sse.py", "src/lockgate/assemble.py", "src/lockgate/respond.py", "src/lockgate/relay.py"]
+#: Mypyc compiles these. None of them may `await` inside an `except` or `finally` block (a compiled coroutine
+#: suspended there keeps the exception as the thread's handled one: tests/unit/test_compiled_modules.py), nor
+#: define async generators (mypyc has none: the stream readers are async-iterator classes).
+COMPILED = [
+    "src/lockgate/sse.py",
+    "src/lockgate/assemble.py",
+    "src/lockgate/respond.py",
+    "src/lockgate/relay.py",
+    "src/lockgate/upstream.py",
+    "src/lockgate/attempt.py",
+    "src/lockgate/wire.py",
+    "src/lockgate/header_lines.py",
+    "src/lockgate/admission/scheduler.py",
+    "src/lockgate/admission/gate.py",
+    "src/lockgate/admission/tenants.py",
+    "src/lockgate/admission/ratelimit.py",
+    "src/lockgate/fleet/state.py",
+    "src/lockgate/fleet/ejection.py",
+    "src/lockgate/dedup/eligibility.py",
+]
 
 if os.environ.get("LOCKGATE_COMPILE") == "1":
     from mypyc.build import mypycify

@@ -12,7 +12,7 @@ the model's `retries` and by the request's deadline.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -20,38 +20,54 @@ import orjson
 
 from .assemble import has_content
 from .errors import GatewayError, UpstreamError, UpstreamProtocolError
+from .fleet.pool import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .routing.policies import RouteRequest
-from .upstream import UpstreamCall
+from .upstream import UpstreamCall, UpstreamEvents
 from .wire import ApiRequest
 
 if TYPE_CHECKING:
-    from .fleet.pool import Fleet, Lease, Pool
+    from .fleet.pool import Fleet, Pool
     from .metrics import GatewayMetrics
 
 
 @dataclass(slots=True)
 class Opened:
+    """An opened engine call. A stream is read through `events()`: the events read ahead while opening,
+    then the rest. A class rather than async generators, so that mypyc can compile it: the holder
+    closes it with `close()` (synchronous, idempotent; `aclose()` is the same for callers written for
+    async generators), which ends the iteration; the call itself belongs to the holder."""
+
     call: UpstreamCall
     lease: Lease
     #: Stream events already read (up to the first with choices), and the rest of the stream.
     head: list[dict[str, Any]]
-    rest: AsyncGenerator[dict[str, Any], None] | None
+    rest: UpstreamEvents | None
     #: Whether the event `events()` yielded last came from `rest` (its raw bytes are `call.payload`).
     live: bool = False
+    closed: bool = False
 
-    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+    def events(self) -> Opened:
         """The whole stream (the events read ahead, then the rest), counting tokens for the
-        instance's TPOT. The caller closes both this generator and `rest`."""
-        lease = self.lease
-        while self.head:
+        instance's TPOT: this object, iterated once."""
+        return self
+
+    def __aiter__(self) -> Opened:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.closed:
+            raise StopAsyncIteration
+        if self.head:
             event = self.head.pop(0)  # popped first: `ready()` sees what is left
-            lease.completion_tokens += has_content(event)
-            yield event
-        assert self.rest is not None
-        self.live = True
-        async for event in self.rest:
-            lease.completion_tokens += has_content(event)
-            yield event
+        else:
+            rest = self.rest
+            assert rest is not None
+            self.live = True
+            # An event already received needs no coroutine of the engine stream's (one per event, in pure Python).
+            ready = rest.next_nowait()
+            event = ready if ready is not None else await rest.__anext__()
+        self.lease.completion_tokens += has_content(event)
+        return event
 
     def raw(self) -> bytes | None:
         """The engine's own bytes for the event `events()` yielded last, when known (not for the events read
@@ -63,9 +79,13 @@ class Opened:
         already here (the writer may then coalesce its writes)."""
         return bool(self.head) or self.call.pending > 0
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        self.closed = True
         if self.rest is not None:
-            await self.rest.aclose()
+            self.rest.close()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 async def open_attempts(
@@ -130,9 +150,7 @@ async def open_attempts(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _first_events(
-    events: AsyncGenerator[dict[str, Any], None], call: UpstreamCall, lease: Lease
-) -> list[dict[str, Any]]:
+async def _first_events(events: UpstreamEvents, call: UpstreamCall, lease: Lease) -> list[dict[str, Any]]:
     """Read the stream up to its first event with choices; nothing has been sent to a client yet."""
     head: list[dict[str, Any]] = []
     try:
@@ -142,6 +160,6 @@ async def _first_events(
                 lease.first_token()
                 return head
     except BaseException:
-        await events.aclose()
+        events.close()  # no `await` in a handler (see `relay.py`)
         raise
     raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")

@@ -3,6 +3,12 @@ back. Requests that may be de-duplicated go to `dedup` instead.
 
 Runs inside `Exchange.run()`, which owns every resource this code acquires and decides how the
 request ends; nothing here needs to clean up after itself on cancellation.
+
+No `await` inside an `except` or `finally` block here (nor in any module the compiled build compiles,
+`setup.py`; a test checks): a mypyc-compiled coroutine that is suspended while handling an exception —
+a cancellation above all, which reaches it through `throw()` with no interpreted frame in between —
+leaves that exception as the thread's "exception being handled", for good, so that every later
+exception anywhere in the process chains it (and those before it) as its context. Cleanup is synchronous.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ async def relay(ex: Exchange, http_request: Request) -> Reply:
             return await _relay_stream(ex, http_request, opened)
         return await _relay_whole(ex, opened)
     finally:
-        await opened.aclose()
+        opened.close()
 
 
 def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
@@ -72,26 +78,18 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
     else:
         # An engine read as a stream for a non-streaming client: the events are held until the end, within
         # `upstream.max_response_bytes` (counted in event payload bytes).
-        events = opened.events()
         call, limit = opened.call, ex.gateway.config.upstream.max_response_bytes
         held: list[dict[str, Any]] = []
-        try:
-            async for event in events:
-                held.append(event)
-                if call.received > limit:
-                    call.abort()
-                    raise too_large(call.instance.name, limit)
-            body = assemble(ex.api.endpoint, held, model=ex.api.model)
-        finally:
-            await events.aclose()
+        async for event in opened.events():
+            held.append(event)
+            if call.received > limit:
+                call.abort()
+                raise too_large(call.instance.name, limit)
+        body = assemble(ex.api.endpoint, held, model=ex.api.model)
     return whole_body(ex, body, _headers(ex, opened.call.instance))
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
-    events = opened.events()
-    try:
-        return await stream_events(
-            ex, http_request, events, _headers(ex, opened.call.instance), ready=opened.ready, raw=opened.raw
-        )
-    finally:
-        await events.aclose()
+    return await stream_events(
+        ex, http_request, opened.events(), _headers(ex, opened.call.instance), ready=opened.ready, raw=opened.raw
+    )

@@ -17,7 +17,6 @@ holds: a body over `upstream.max_response_bytes`, an SSE event over `upstream.ma
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
@@ -138,7 +137,7 @@ class UpstreamCall:
         except ProtocolError as exc:
             self.abort()
             raise UpstreamProtocolError(f"Instance {self.instance.name} broke the response: {exc}") from None
-        self._release()
+        self.release()
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -147,52 +146,22 @@ class UpstreamCall:
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
         return payload
 
-    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+    def events(self) -> UpstreamEvents:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
-        response = self._require()
-        decoder = SSEDecoder(self._fleet.upstream.max_event_bytes)
-        try:
-            async for chunk in response.chunks():
-                payloads = decoder.feed(chunk)
-                for index, payload in enumerate(payloads):
-                    if payload == DONE:
-                        self._release()
-                        return
-                    self.pending = len(payloads) - index - 1
-                    self.received += len(payload)
-                    self.payload = payload
-                    yield _parse_event(payload, self.instance.name)
-                self.pending = 0
-            for payload in decoder.close():
-                if payload != DONE:
-                    self.received += len(payload)
-                    self.payload = payload
-                    yield _parse_event(payload, self.instance.name)
-        except ProtocolError as exc:
-            if self.abort():  # not closed by the gateway itself: the engine broke it
-                self._fleet.report_failure(self.instance, "stream", repr(exc))
-            raise UpstreamProtocolError(
-                f"Instance {self.instance.name} broke the stream: {exc.__class__.__name__}"
-            ) from None
-        except EventTooLarge:
-            if self.abort():
-                self._fleet.report_failure(self.instance, "stream", "event too large")
-            raise UpstreamProtocolError(
-                f"Instance {self.instance.name} sent an SSE event larger than upstream.max_event_bytes "
-                f"({decoder.max_event_bytes} bytes).",
-                code="upstream_response_too_large",
-            ) from None
-        # The engine ended the body without `[DONE]`: an incomplete stream.
-        if self.abort():
-            self._fleet.report_failure(self.instance, "stream", "stream ended without [DONE]")
-        raise UpstreamProtocolError(f"Instance {self.instance.name} ended the stream without [DONE].")
+        return UpstreamEvents(self, self._require(), self._fleet.upstream.max_event_bytes)
 
     def _require(self) -> Response:
         if self._response is None:
             raise RuntimeError("UpstreamCall.open() was not called or failed")
         return self._response
 
-    def _release(self) -> None:
+    def broken(self, reason: str) -> None:
+        """The stream broke: abort the call, and report the engine's failure unless the gateway had
+        closed it itself."""
+        if self.abort():
+            self._fleet.report_failure(self.instance, "stream", reason)
+
+    def release(self) -> None:
         """The body is complete: the connection goes back to the pool."""
         if self._response is not None and not self._finished:
             self._response.release()
@@ -219,6 +188,110 @@ class UpstreamCall:
         if call is not None:
             self._fleet.send_abort(self.instance, call)
         return True
+
+
+class UpstreamEvents:
+    """The parsed `data:` payloads of a call's stream, until `[DONE]` or the end of the body: an async
+    iterator over one response (a class rather than an async generator, so that mypyc can compile it).
+
+    Error handling: a broken stream, an event over `upstream.max_event_bytes` or a body that ends without
+    `[DONE]` aborts the call (reported as the engine's failure unless the gateway closed it) and raises
+    `UpstreamProtocolError`; an event that is not a JSON object raises it too. After an error or the end,
+    iteration stops. `close()` (synchronous, idempotent) ends the iteration; it does not abort the call,
+    which belongs to its owner."""
+
+    __slots__ = ("_call", "_chunks", "_decoder", "_ended", "_index", "_payloads", "_tail")
+
+    def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int) -> None:
+        self._call = call
+        self._chunks = response.chunks()
+        self._decoder = SSEDecoder(max_event_bytes)
+        #: The payloads decoded from the last chunk, and the next one to give.
+        self._payloads: list[bytes] = []
+        self._index = 0
+        #: The body has ended: `_payloads` is what the decoder held at its end (an incomplete stream).
+        self._tail = False
+        self._ended = False
+
+    def __aiter__(self) -> UpstreamEvents:
+        return self
+
+    def next_nowait(self) -> dict[str, Any] | None:
+        """The next event if it is already here (decoded from a chunk received), else None: `__anext__` then
+        reads on (or ends). A plain call: a reader that tries this first creates no coroutine per event."""
+        payloads, index = self._payloads, self._index
+        if index >= len(payloads) or self._ended:
+            return None
+        payload = payloads[index]
+        call = self._call
+        if not self._tail:
+            if payload == DONE:
+                return None  # the end: left to `__anext__`
+            call.pending = len(payloads) - index - 1
+        self._index = index + 1
+        call.received += len(payload)
+        call.payload = payload
+        try:
+            return _parse_event(payload, call.instance.name)
+        except UpstreamProtocolError:
+            self._ended = True
+            raise
+
+    async def __anext__(self) -> dict[str, Any]:
+        call = self._call
+        while not self._ended:
+            event = self.next_nowait()
+            if event is not None:
+                return event
+            if self._ended:
+                break
+            if self._index < len(self._payloads):  # `[DONE]`
+                self._ended = True
+                call.release()
+                break
+            if self._tail:
+                # The engine ended the body without `[DONE]`: an incomplete stream.
+                self._ended = True
+                call.broken("stream ended without [DONE]")
+                raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
+            call.pending = 0
+            await self._read()
+        raise StopAsyncIteration
+
+    async def _read(self) -> None:
+        """Decode the next chunk of the body (or, at its end, what the decoder still holds)."""
+        call = self._call
+        try:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
+                self._tail = True
+            else:
+                self._payloads = self._decoder.feed(chunk)
+            self._index = 0
+        except ProtocolError as exc:
+            self._ended = True
+            call.broken(repr(exc))
+            raise UpstreamProtocolError(
+                f"Instance {call.instance.name} broke the stream: {exc.__class__.__name__}"
+            ) from None
+        except EventTooLarge:
+            self._ended = True
+            call.broken("event too large")
+            raise UpstreamProtocolError(
+                f"Instance {call.instance.name} sent an SSE event larger than upstream.max_event_bytes "
+                f"({self._decoder.max_event_bytes} bytes).",
+                code="upstream_response_too_large",
+            ) from None
+
+    def close(self) -> None:
+        """End the iteration (synchronous, idempotent)."""
+        self._ended = True
+
+    async def aclose(self) -> None:
+        """`close()`, for callers written for async generators."""
+        self.close()
 
 
 def too_large(instance: str, limit: int) -> UpstreamProtocolError:

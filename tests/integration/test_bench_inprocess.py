@@ -55,3 +55,13 @@ def test_one_target_alone_for_instruction_counts() -> None:
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.startswith("100 requests, 100 answered 200;") and done.stdout.strip().endswith(says)
+
+
+def test_streams_over_a_choice_of_instances_are_answered_too() -> None:
+    args = ["--requests", "100", "--warmup", "20", "--concurrency", "8", "--target", "gateway"]
+    args += ["--stream", "--instances", "2", "--routing", "predicted_ttft"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lockgate", "bench", "inprocess", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("100 requests, 100 answered 200;"), done.stdout

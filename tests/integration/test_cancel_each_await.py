@@ -1,7 +1,7 @@
 """Cancel the request at every `await` of its path in turn (httpcore `test_cancellations.py` style).
 
-The awaits the gateway performs for a request — opening the upstream call, reading its body or each of
-its events, preparing the client response and each write to it — are wrapped in checkpoints. Run N ends
+The awaits the gateway performs for a request — opening the upstream call, reading its body or each piece
+of its stream, preparing the client response and each write to it — are wrapped in checkpoints. Run N ends
 the request at the Nth checkpoint, for N = 1, 2, ... until a run passes every checkpoint untouched, with
 each cause: the handler task is cancelled the way aiohttp cancels it when the client disconnects, the
 deadline expires (the request's own `asyncio.Timeout` is rescheduled to now), or an admin cancels it.
@@ -12,7 +12,6 @@ with a truthful status.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import aiohttp
@@ -21,8 +20,9 @@ import pytest
 from lockgate.edge.response import StreamResponse
 from lockgate.exchange import Exchange
 from lockgate.gateway import Gateway
+from lockgate.http import HttpPool
+from lockgate.http import Response as EngineResponse
 from lockgate.records import read_records
-from lockgate.upstream import UpstreamCall
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, body, wait_sim_idle
 
@@ -83,30 +83,17 @@ class Checkpoints:
 
             monkeypatch.setattr(cls, name, checkpointed)
 
+        # The engine client's awaits (`lockgate.http`, never compiled): the compiled build's classes (the
+        # `UpstreamCall` above them among others) cannot be patched.
         for cls, name in (
-            (UpstreamCall, "open"),
-            (UpstreamCall, "read_json"),
+            (HttpPool, "request"),  # sending, up to the response's head
+            (EngineResponse, "read"),  # a whole body
+            (EngineResponse, "__anext__"),  # each piece of a stream
             (StreamResponse, "prepare"),
             (StreamResponse, "write"),
             (StreamResponse, "write_eof"),
         ):
             wrap(cls, name)
-        original_events: Callable[[UpstreamCall], AsyncGenerator[dict[str, Any], None]] = UpstreamCall.events
-
-        async def events(call: UpstreamCall) -> AsyncGenerator[dict[str, Any], None]:
-            inner = original_events(call)
-            try:
-                while True:
-                    await self.hit()
-                    try:
-                        event = await anext(inner)
-                    except StopAsyncIteration:
-                        return
-                    yield event
-            finally:
-                await inner.aclose()
-
-        monkeypatch.setattr(UpstreamCall, "events", events)
 
 
 @pytest.mark.parametrize("cause", ["client_disconnect", "timeout", "admin"])

@@ -122,7 +122,7 @@ class Resumable:
             self.transcript.start_attempt()
             self._active = True
             opened: Opened | None = None
-            upstream: AsyncGenerator[dict[str, Any], None] | None = None
+            upstream: Opened | None = None
             received_before = self.received
             try:
                 opened = await self._engine(self._open(api, upstream_id))

@@ -159,7 +159,16 @@ def _inprocess(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         async with Progress("lockgate bench inprocess") as progress:
-            result = await inprocess.run(args.requests, args.warmup, args.concurrency, args.target, progress)
+            result = await inprocess.run(
+                args.requests,
+                args.warmup,
+                args.concurrency,
+                args.target,
+                progress,
+                stream=args.stream,
+                instances=args.instances,
+                routing=args.routing,
+            )
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
 
@@ -312,6 +321,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inproc.add_argument(
         "--target", choices=["both", "gateway", "direct"], default="both", help="what to measure (one for callgrind)"
     )
+    inproc.add_argument("--stream", action="store_true", help="streamed answers (19 events a request)")
+    inproc.add_argument(
+        "--instances", type=int, default=1, help="the canned engine listed this many times (routing chooses)"
+    )
+    inproc.add_argument("--routing", default="least_load", help="the model's routing policy")
     inproc.set_defaults(func=_inprocess)
     from .routing import CONFIGS as routing_configs
     from .routing import FAMILIES as routing_families

@@ -49,29 +49,72 @@ _ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length:
 _BODY = orjson.dumps(
     {"model": "bench-model", "messages": [{"role": "user", "content": "Say something short"}], "max_tokens": 16}
 )
+_STREAM_BODY = orjson.dumps(
+    {
+        "model": "bench-model",
+        "messages": [{"role": "user", "content": "Say something short"}],
+        "max_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+)
+
+
+def _chunk(payload: dict[str, object]) -> bytes:
+    event = b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+def _stream_answer() -> bytes:
+    """The streamed completion: role, 16 tokens, finish, usage, `[DONE]` (19 events), one chunk each."""
+    head = {"id": "cmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "bench-model"}
+
+    def choice(delta: dict[str, str], finish: str | None = None) -> bytes:
+        return _chunk({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    events = [choice({"role": "assistant", "content": ""})]
+    events += [choice({"content": "hello "}) for _ in range(16)]
+    events.append(choice({}, "length"))
+    usage = {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28}
+    events.append(_chunk({**head, "choices": [], "usage": usage}))
+    done = b"data: [DONE]\n\n"
+    events.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+    head_bytes = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head_bytes + b"".join(events)
+
+
+_STREAM_ANSWER = _stream_answer()
 
 
 class _Engine(asyncio.Protocol):
-    """Answers every request (health probes included) with the same completion."""
+    """Answers every request (health probes included) with the same completion, streamed when asked."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._parser = httptools.HttpRequestParser(self)
+        self._body = b""
 
     def data_received(self, data: bytes) -> None:
         self._parser.feed_data(data)
 
+    def on_message_begin(self) -> None:
+        self._body = b""
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
     def on_message_complete(self) -> None:
-        self._transport.write(_ANSWER)
+        self._transport.write(_STREAM_ANSWER if self._body.find(b'"stream":true') >= 0 else _ANSWER)
 
 
 class _Load:
     """A closed loop over `connections` keep-alive connections until `requests` have been answered."""
 
-    def __init__(self, port: int, requests: int, connections: int) -> None:
+    def __init__(self, port: int, requests: int, connections: int, stream: bool = False) -> None:
+        body = _STREAM_BODY if stream else _BODY
         self.request = (
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (port, len(_BODY), _BODY)
+            b"Content-Length: %d\r\n\r\n%s" % (port, len(body), body)
         )
         self.left = requests
         self.ok = 0
@@ -106,9 +149,9 @@ class _Client(asyncio.Protocol):
             load.done.set_result(None)
 
 
-async def _drive(port: int, requests: int, connections: int) -> int:
+async def _drive(port: int, requests: int, connections: int, stream: bool = False) -> int:
     loop = asyncio.get_running_loop()
-    load = _Load(port, requests, connections)
+    load = _Load(port, requests, connections, stream)
     transports = [
         (await loop.create_connection(lambda: _Client(load), "127.0.0.1", port))[0] for _ in range(connections)
     ]
@@ -131,9 +174,9 @@ class InProcessResult:
     direct_us: float | None
 
 
-async def _measured(port: int, requests: int, connections: int) -> tuple[int, float]:
+async def _measured(port: int, requests: int, connections: int, stream: bool) -> tuple[int, float]:
     start = time.process_time()
-    ok = await _drive(port, requests, connections)
+    ok = await _drive(port, requests, connections, stream)
     return ok, (time.process_time() - start) / requests * 1e6
 
 
@@ -143,11 +186,17 @@ async def run(
     concurrency: int = 64,
     target: str = "both",
     progress: Progress | None = None,
+    *,
+    stream: bool = False,
+    instances: int = 1,
+    routing: str = "least_load",
 ) -> InProcessResult:
-    """`target`: "gateway", "direct" (the client and the canned engine alone) or "both"."""
+    """`target`: "gateway", "direct" (the client and the canned engine alone) or "both". `stream`: streamed
+    answers (19 events from the engine); `instances`: the canned engine listed that many times (under
+    different names), so that `routing` chooses among them on every request."""
     progress = progress or Progress.silent()
     loop = asyncio.get_running_loop()
-    engine = await loop.create_server(_Engine, "127.0.0.1", 0)
+    engine = await loop.create_server(_Engine, "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
     engine_port = engine.sockets[0].getsockname()[1]
     try:
         with tempfile.TemporaryDirectory(prefix="lockgate-inprocess-") as tmp:
@@ -156,13 +205,21 @@ async def run(
                     "listen": {"host": "127.0.0.1", "port": 0},
                     "usage": {"path": os.path.join(tmp, "usage.sqlite3")},
                     "scrape": {"enabled": False},
-                    "health": {"interval_ms": 3_600_000},
+                    # Lenient (one probe at start; connections): under valgrind everything is ~50x slower, and a
+                    # probe or a connection that timed out would take the instance out (every request a 503).
+                    "health": {"interval_ms": 3_600_000, "timeout_ms": 60_000},
+                    "upstream": {"connect_timeout_ms": 60_000},
                     "models": [
                         {
                             "name": "bench-model",
-                            "routing": "least_load",
+                            "routing": routing,
                             "instances": [
-                                {"url": f"http://127.0.0.1:{engine_port}", "engine": "vllm", "max_concurrency": 1024}
+                                {
+                                    "url": f"http://127.0.0.{1 + n}:{engine_port}",
+                                    "engine": "vllm",
+                                    "max_concurrency": 1024,
+                                }
+                                for n in range(instances)
                             ],
                         }
                     ],
@@ -176,12 +233,12 @@ async def run(
                 direct_us = gateway_us = None
                 if target in ("direct", "both"):
                     progress.phase(f"straight to the canned engine ({warmup} + {requests} requests)")
-                    await _drive(engine_port, warmup, concurrency)
-                    ok, direct_us = await _measured(engine_port, requests, concurrency)
+                    await _drive(engine_port, warmup, concurrency, stream)
+                    ok, direct_us = await _measured(engine_port, requests, concurrency, stream)
                 if target in ("gateway", "both"):
                     progress.phase(f"through the gateway ({warmup} + {requests} requests)")
-                    await _drive(gateway_port, warmup, concurrency)
-                    ok, gateway_us = await _measured(gateway_port, requests, concurrency)
+                    await _drive(gateway_port, warmup, concurrency, stream)
+                    ok, gateway_us = await _measured(gateway_port, requests, concurrency, stream)
     finally:
         engine.close()
     return InProcessResult(requests, ok, gateway_us, direct_us)

@@ -14,7 +14,23 @@ import sys
 
 #: The modules of the request path that the opt-in compiled build (`setup.py`, `make test-compiled`) compiles
 #: with mypyc.
-HOT_MODULES = ("lockgate.relay", "lockgate.respond", "lockgate.assemble", "lockgate.sse")
+HOT_MODULES = (
+    "lockgate.relay",
+    "lockgate.respond",
+    "lockgate.assemble",
+    "lockgate.sse",
+    "lockgate.upstream",
+    "lockgate.attempt",
+    "lockgate.wire",
+    "lockgate.header_lines",
+    "lockgate.admission.scheduler",
+    "lockgate.admission.gate",
+    "lockgate.admission.tenants",
+    "lockgate.admission.ratelimit",
+    "lockgate.fleet.state",
+    "lockgate.fleet.ejection",
+    "lockgate.dedup.eligibility",
+)
 
 
 def machine() -> str:
