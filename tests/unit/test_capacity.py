@@ -16,7 +16,7 @@ def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
     for _ in range(limit.cooldown - 1):
         assert not limit.observe(running=8, waiting=0, in_flight=8)
     assert limit.observe(running=8, waiting=0, in_flight=8) and limit.limit == 9
-    assert not limit.observe(running=8, waiting=1, in_flight=9)
+    # The probe's own request waits there: refuted by that one scrape.
     assert limit.observe(running=8, waiting=1, in_flight=9) and limit.limit == 8
 
 
@@ -120,6 +120,44 @@ def test_probes_that_find_the_same_limit_come_ever_more_rarely() -> None:
             calm += 1
         waits.append(calm + 1)
         assert limit.limit == 9  # the probe
-        limit.observe(running=8, waiting=1, in_flight=9, decode_s=None)
         assert limit.observe(running=8, waiting=1, in_flight=9, decode_s=None) and limit.limit == 8
     assert waits == [4, 8, 16, 32]
+
+
+def test_a_probe_the_gateway_leaves_empty_lapses_back() -> None:
+    """The strict reserve keeps a slot free in the gateway; on a probed instance that free slot is the probe,
+    and P0 was routed there into the full engine's queue while the limit stayed one above the engine for 45 s
+    (`bench priority --duration 60 --trace`, P0 TTFT p99 5x under the P1 + P2 flood). An unfilled probe is
+    taken back after a few scrapes."""
+    limit = ConcurrencyLimit(256, cooldown=3)
+    limit.observe(running=4, waiting=9, in_flight=13, decode_s=None)
+    assert limit.observe(running=4, waiting=9, in_flight=13, decode_s=None) and limit.limit == 4
+    while not limit.observe(running=4, waiting=0, in_flight=4, decode_s=None):
+        pass
+    assert limit.limit == 5
+    changes = [limit.observe(running=4, waiting=0, in_flight=4, decode_s=None) for _ in range(5)]
+    assert changes == [False, False, False, False, True] and limit.limit == 4
+    # And it is tried again after the same wait (nothing was refuted).
+    assert [limit.observe(running=4, waiting=0, in_flight=4, decode_s=None) for _ in range(3)] == [False, False, True]
+    assert limit.limit == 5
+
+
+def test_a_confirmed_probe_grows_on_by_an_eighth() -> None:
+    """The first step above a learned limit is one slot (a refuted probe queues one request inside the engine,
+    not an eighth of it); once the engine runs more, growth goes on by an eighth per scrape."""
+    limit = ConcurrencyLimit(256, cooldown=2)
+    limit.observe(running=64, waiting=30, in_flight=94, decode_s=None)
+    assert limit.observe(running=64, waiting=30, in_flight=94, decode_s=None) and limit.limit == 64
+    assert not limit.observe(running=64, waiting=0, in_flight=64, decode_s=None)
+    assert limit.observe(running=64, waiting=0, in_flight=64, decode_s=None) and limit.limit == 65
+    assert not limit.observe(running=65, waiting=0, in_flight=65, decode_s=None)  # confirmed
+    assert limit.observe(running=65, waiting=0, in_flight=65, decode_s=None) and limit.limit == 65 + 65 // 8
+
+
+def test_a_prefill_bound_queue_neither_confirms_nor_refutes_a_probe() -> None:
+    limit = ConcurrencyLimit(64, cooldown=1)
+    limit.observe(running=8, waiting=9, in_flight=17, decode_s=None)
+    assert limit.observe(running=8, waiting=9, in_flight=17, decode_s=None) and limit.limit == 8
+    assert limit.observe(running=8, waiting=0, in_flight=8, decode_s=0.1) and limit.limit == 9
+    bound = [limit.observe(running=8, waiting=2, in_flight=9, prefill_backlog_s=1.0, decode_s=0.1) for _ in range(5)]
+    assert bound == [False] * 4 + [True] and limit.limit == 8  # lapsed, not refuted
