@@ -74,6 +74,7 @@ def _priority(args: argparse.Namespace) -> int:
         slots_per_sim=args.slots,
         tpot_ms=args.tpot_ms,
         max_tokens=args.max_tokens,
+        p0_max_tokens=args.p0_max_tokens,
         seed=args.seed,
         p0_rate=args.p0_rate,
         p2_factor=args.p2_factor,
@@ -344,7 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--sims", type=int, default=2)
     prio.add_argument("--slots", type=int, default=4, help="sequence slots per simulator")
     prio.add_argument("--tpot-ms", type=float, default=10.0, help="the simulators' time per output token")
-    prio.add_argument("--max-tokens", type=int, default=24, help="answer length of every request")
+    prio.add_argument("--max-tokens", type=int, default=24, help="answer length (of P0 too unless --p0-max-tokens)")
+    prio.add_argument("--p0-max-tokens", type=int, default=None, help="answer length of P0 (default: --max-tokens)")
     prio.add_argument("--seed", type=int, default=1, help="seed of the arrival processes")
     prio.add_argument("--p0-rate", type=float, default=4.0, help="P0 requests per second")
     prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")

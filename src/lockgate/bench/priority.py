@@ -97,6 +97,8 @@ class Settings:
     slots_per_sim: int = 4
     tpot_ms: float = 10.0
     max_tokens: int = 24
+    #: P0's answer length (None: `max_tokens`): short interactive requests next to long batch answers.
+    p0_max_tokens: int | None = None
     p0_rate: float = 4.0
     p2_factor: float = 2.0
     p1_factor: float = 1.0
@@ -188,7 +190,8 @@ async def _arrivals(
         if time.perf_counter() >= end:
             return
         n += 1
-        tasks.append(asyncio.create_task(_one(session, url, priority, n, settings.max_tokens)))
+        max_tokens = settings.p0_max_tokens if priority == "P0" and settings.p0_max_tokens else settings.max_tokens
+        tasks.append(asyncio.create_task(_one(session, url, priority, n, max_tokens)))
 
 
 async def _observe(
@@ -431,7 +434,8 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
     ceiling = "discovered" if settings.max_concurrency is None else settings.max_concurrency
     lines = [
         f"fleet: {settings.sims} sims x {settings.slots_per_sim} slots = {int(info['capacity'])} slots, "
-        f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms; "
+        f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms "
+        f"(P0: {settings.p0_max_tokens or settings.max_tokens} tokens); "
         f"P0 {settings.p0_rate:g}/s, P1 {settings.p1_factor:g}x, P2 {settings.p2_factor:g}x capacity; "
         f"{settings.duration_s:g} s per phase; strict headroom {headroom}; max_concurrency {ceiling}; "
         f"preemption {'on' if settings.preemption else 'off'}"
