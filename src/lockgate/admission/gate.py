@@ -81,6 +81,16 @@ class PoolScheduler:
             return
         core.reserve = reserve
         self._wake(core.set_capacity(capacity, self._clock()))
+        if core.strict_need and core.running_total > core.capacity and self.preemptible:
+            # Shrunk while strict traffic is about (a discovered limit fell: the excess waits inside the
+            # engines, first come first served, and so would a P0 sent there): stop the excess now rather
+            # than at the next strict arrival, which would find it ahead of it.
+            strict = next((k for k, spec in enumerate(core.classes) if spec.strict), None)
+            for _ in range(core.running_total - core.capacity):
+                victim = None if strict is None else choose_victim(core, strict, self.preemptible, _can_preempt)
+                if victim is None:
+                    break
+                self._stop(victim)
         self._notify()
 
     def offer(self, klass: int, tag: object = None) -> Ticket:
@@ -119,17 +129,23 @@ class PoolScheduler:
             victim = choose_victim(core, ticket.klass, self.preemptible, _can_preempt)
             if victim is None:
                 return
-            assert isinstance(victim.tag, Preemptee)
-            redo = victim.tag.redo_tokens()
-            outcome = victim.tag.preempt()
-            self._waiters[victim] = asyncio.get_running_loop().create_future()
-            self._wake(core.requeue(victim, self._clock()))
-            victim_class = core.classes[victim.klass].name
-            self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
-            self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
-            self._metrics.reprefill_tokens.labels(self.model).inc(redo)
+            self._stop(victim)
             if ticket.state is not TicketState.QUEUED:
                 return
+
+    def _stop(self, victim: Ticket) -> None:
+        """Preempt one running ticket: its owner aborts the work, the ticket goes back to its queue's head
+        (the slot it frees goes to whoever the core grants it to)."""
+        core = self.core
+        assert isinstance(victim.tag, Preemptee)
+        redo = victim.tag.redo_tokens()
+        outcome = victim.tag.preempt()
+        self._waiters[victim] = asyncio.get_running_loop().create_future()
+        self._wake(core.requeue(victim, self._clock()))
+        victim_class = core.classes[victim.klass].name
+        self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
+        self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
+        self._metrics.reprefill_tokens.labels(self.model).inc(redo)
 
     async def wait_granted(self, ticket: Ticket) -> None:
         """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.

@@ -43,6 +43,13 @@ sequences in the KV cache).
   has answered a request (no `decode_s` yet) no queue counts: the first long prompts of a run are
   exactly when a prefill-bound queue looks like saturation.
 
+**Discovery**: until a first saturation is learned, a flood reaching a small engine queues inside it for
+the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arriving then waits there
+(0.4-0.7 s seen on 4-slot engines). So the first scrape showing a backlog already holds the limit at
+what the engine runs (the pool shrinks at once, and the scheduler stops the excess while strict traffic
+is about); the next scrape confirms the hold (the saturation rule) or undoes it when the engine runs more
+than that (it was still taking a burst in) or queues nothing any more. One hold per backlog.
+
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
 queueing on a small engine; starting low would queue every request of a large one in the gateway
@@ -65,6 +72,8 @@ _TRIAL_SCRAPES = 5
 class ConcurrencyLimit:
     __slots__ = (
         "_calm",
+        "_held",
+        "_held_from",
         "_learned",
         "_prev_running",
         "_recent",
@@ -98,6 +107,10 @@ class ConcurrencyLimit:
         self._learned: int | None = None
         #: What the engine ran at once in recent scrapes: it can run at least their maximum.
         self._recent: deque[float] = deque(maxlen=_PEAK_SCRAPES)
+        #: Discovery (no limit learned yet): the limit a first backlog was held from until the next scrape
+        #: judges it, and whether this backlog already had its hold (one per backlog).
+        self._held_from: int | None = None
+        self._held = False
         #: The limit a probe started from while it is on trial (None: no probe pending).
         self._trial_from: int | None = None
         self._trial_scrapes = 0
@@ -131,12 +144,30 @@ class ConcurrencyLimit:
         if waiting >= 1 and running >= 1 and (waiting >= max(2.0, 0.25 * running) or in_flight >= self.limit):
             steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
+            held = self._held_from
+            if held is not None and running > self.limit:  # the engine was still taking them in: undo
+                self._held_from = None
+                return self._set(held)
             if self._streak >= _SATURATED_SCRAPES:
+                self._held_from = None
                 # Never below what it ran at once in the last few seconds: at a full limit a slot freed
                 # a moment ago shows as one running fewer and one waiting, and cutting to that ratchets
                 # the limit down to nothing (`bench overload --scrape`: 11 of 72 req/s served at 2.5x).
                 return self._saturated(round(max(self._recent)))
+            if self._learned is None and not self._held:
+                # Discovery: a first backlog holds the limit at what the engine runs until the next scrape
+                # confirms it (saturation) or undoes it (running grew past it, or the queue went away).
+                self._held = True
+                cut = max(1, round(max(self._recent)))
+                if cut < self.limit:
+                    self._held_from = self.limit
+                    return self._set(cut)
             return False
+        self._held = False
+        if self._held_from is not None:
+            held, self._held_from = self._held_from, None
+            self._streak = 0
+            return self._set(held)
         self._streak = 0
         self._calm += 1
         if waiting < 1 and in_flight >= self.limit and self._calm >= self._wait:
