@@ -180,3 +180,20 @@ def test_discovery_holds_the_limit_at_the_first_backlog_and_undoes_a_hold_the_en
     assert ramp.observe(running=90, waiting=10, in_flight=100) and ramp.limit == 256  # outgrown: undone
     assert not ramp.observe(running=100, waiting=5, in_flight=105)  # one hold per backlog
     assert ramp.limit == 256
+
+
+def test_one_waiting_at_a_full_limit_does_not_cut_below_the_learned_limit() -> None:
+    """With the strict reserve keeping a slot free, a 4-slot engine ran 3 for seconds at a time; a slot freed a
+    moment before two scrapes (one waiting, the gateway's whole limit there) then cut its limit to 3 (`bench
+    priority --trace`, P1 + P2 flood). Only a real backlog lowers a learned limit."""
+    limit = ConcurrencyLimit(256)
+    limit.observe(running=4, waiting=9, in_flight=13)
+    limit.observe(running=4, waiting=9, in_flight=13)
+    assert limit.limit == 4
+    for _ in range(40):
+        limit.observe(running=3, waiting=1, in_flight=4)
+    assert limit.limit == 4
+    # A real backlog at 3 (the engine now runs fewer: longer prompts fill its cache) still cuts.
+    limit.observe(running=3, waiting=4, in_flight=7)
+    limit.observe(running=3, waiting=4, in_flight=7)
+    assert limit.limit == 3

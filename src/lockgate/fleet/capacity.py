@@ -141,7 +141,8 @@ class ConcurrencyLimit:
         if prefill_bound:
             self._streak = 0
             return False
-        if waiting >= 1 and running >= 1 and (waiting >= max(2.0, 0.25 * running) or in_flight >= self.limit):
+        backlog = waiting >= max(2.0, 0.25 * running)
+        if waiting >= 1 and running >= 1 and (backlog or in_flight >= self.limit):
             steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
             held = self._held_from
@@ -153,7 +154,14 @@ class ConcurrencyLimit:
                 # Never below what it ran at once in the last few seconds: at a full limit a slot freed
                 # a moment ago shows as one running fewer and one waiting, and cutting to that ratchets
                 # the limit down to nothing (`bench overload --scrape`: 11 of 72 req/s served at 2.5x).
-                return self._saturated(round(max(self._recent)))
+                found = round(max(self._recent))
+                if not backlog and self._learned is not None:
+                    # One waiting while the gateway holds its whole limit there is also what a slot freed a
+                    # moment ago looks like; with the strict reserve keeping a slot free most of the time, the
+                    # engine may not show its full count for 25 scrapes (a 4-slot engine's limit fell to 3 under
+                    # the P1 + P2 flood). Such weak evidence does not cut below what a saturation learned.
+                    found = max(found, self._learned)
+                return self._saturated(found)
             if self._learned is None and not self._held:
                 # Discovery: a first backlog holds the limit at what the engine runs until the next scrape
                 # confirms it (saturation) or undoes it (running grew past it, or the queue went away).
