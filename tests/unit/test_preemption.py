@@ -231,25 +231,3 @@ async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one(
     assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 3
     assert metrics.reprefill_tokens.labels("m")._value.get() == 30  # reported as the work preemption costs
 
-
-async def test_a_shrink_while_strict_traffic_is_about_stops_the_excess_at_once() -> None:
-    """A discovered limit fell under a flood: the excess waits inside the engines, where a P0 sent there
-    would wait behind it. With strict traffic seen within the reserve window the excess is stopped when
-    the pool shrinks, not at the next strict arrival; without it, it is left to drain."""
-    metrics = GatewayMetrics().scheduling
-    now = [0.0]
-    scheduler = PoolScheduler("m", CLASSES, 8, metrics, preemptible=LOWEST, clock=lambda: now[0], strict_window_s=30.0)
-    p0 = scheduler.offer(0)  # strict traffic seen: the reserve is one slot
-    victims = [_Victim() for _ in range(7)]
-    tickets = [scheduler.offer(2, v) for v in victims]
-    assert p0.running and all(t.running for t in tickets)
-    scheduler.resize(5, 0)
-    assert [v.stopped for v in victims] == [0, 0, 0, 0, 1, 1, 1]  # the newest: likeliest queued in an engine
-    assert scheduler.core.running_total == 5 and scheduler.core.queued(2) == 3
-    # No strict traffic in the window: a shrink stops nobody.
-    quiet = PoolScheduler("q", CLASSES, 6, metrics, preemptible=LOWEST, clock=lambda: 0.0, strict_window_s=30.0)
-    calm = [_Victim() for _ in range(6)]
-    for victim in calm:
-        quiet.offer(2, victim)
-    quiet.resize(4, 0)
-    assert [v.stopped for v in calm] == [0] * 6 and quiet.core.running_total == 6

@@ -81,16 +81,6 @@ class PoolScheduler:
             return
         core.reserve = reserve
         self._wake(core.set_capacity(capacity, self._clock()))
-        if core.strict_need and core.running_total > core.capacity and self.preemptible:
-            # Shrunk while strict traffic is about (a discovered limit fell: the excess waits inside the
-            # engines, first come first served, and so would a P0 sent there): stop the excess now rather
-            # than at the next strict arrival, which would find it ahead of it.
-            strict = next((k for k, spec in enumerate(core.classes) if spec.strict), None)
-            for _ in range(core.running_total - core.capacity):
-                victim = None if strict is None else choose_victim(core, strict, self.preemptible, _can_preempt)
-                if victim is None:
-                    break
-                self._stop(victim)
         self._notify()
 
     def offer(self, klass: int, tag: object = None) -> Ticket:

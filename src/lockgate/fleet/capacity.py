@@ -46,9 +46,9 @@ sequences in the KV cache).
 **Discovery**: until a first saturation is learned, a flood reaching a small engine queues inside it for
 the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arriving then waits there
 (0.4-0.7 s seen on 4-slot engines). So the first scrape showing a backlog already holds the limit at
-what the engine runs (the pool shrinks at once, and the scheduler stops the excess while strict traffic
-is about); the next scrape confirms the hold (the saturation rule) or undoes it when the engine runs more
-than that (it was still taking a burst in) or queues nothing any more. One hold per backlog.
+what the engine runs (the pool shrinks at once: a P0 arriving then stops the excess); the next scrape
+confirms the hold (the saturation rule) or undoes it when the engine runs more than that (it was still
+taking a burst in) or queues nothing any more. One hold per backlog.
 
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
