@@ -147,8 +147,8 @@ def test_a_confirmed_probe_grows_on_by_an_eighth() -> None:
     """The first step above a learned limit is one slot (a refuted probe queues one request inside the engine,
     not an eighth of it); once the engine runs more, growth goes on by an eighth per scrape."""
     limit = ConcurrencyLimit(256, cooldown=2)
-    assert limit.observe(running=64, waiting=30, in_flight=94, decode_s=None) and limit.limit == 64  # held at once
-    assert not limit.observe(running=64, waiting=30, in_flight=94, decode_s=None) and limit.limit == 64  # confirmed
+    assert not limit.observe(running=64, waiting=30, in_flight=94, decode_s=None)  # shorter than the batch
+    assert limit.observe(running=64, waiting=30, in_flight=94, decode_s=None) and limit.limit == 64
     assert not limit.observe(running=64, waiting=0, in_flight=64, decode_s=None)
     assert limit.observe(running=64, waiting=0, in_flight=64, decode_s=None) and limit.limit == 65
     assert not limit.observe(running=65, waiting=0, in_flight=65, decode_s=None)  # confirmed
@@ -172,9 +172,16 @@ def test_discovery_holds_the_limit_at_the_first_backlog_and_undoes_a_hold_the_en
     burst = ConcurrencyLimit(256)
     assert burst.observe(running=100, waiting=156, in_flight=256) and burst.limit == 100
     assert burst.observe(running=256, waiting=0, in_flight=256) and burst.limit == 256
+    short = ConcurrencyLimit(256)  # a queue shorter than the batch: a step's arrivals, no hold
+    assert not short.observe(running=6, waiting=3, in_flight=9) and short.limit == 256
     blip = ConcurrencyLimit(256)
-    assert blip.observe(running=6, waiting=3, in_flight=9) and blip.limit == 6
-    assert blip.observe(running=7, waiting=0, in_flight=7) and blip.limit == 256
+    assert blip.observe(running=3, waiting=3, in_flight=6) and blip.limit == 3
+    assert blip.observe(running=2, waiting=0, in_flight=2) and blip.limit == 256  # demand fell below the hold
+    # A flood into a 4-slot engine: held at 4; the gateway fills the hold, nothing queues: it stays.
+    flood = ConcurrencyLimit(256)
+    assert flood.observe(running=4, waiting=7, in_flight=11) and flood.limit == 4
+    for _ in range(10):
+        assert not flood.observe(running=4, waiting=0, in_flight=4) and flood.limit == 4
     ramp = ConcurrencyLimit(256)
     assert ramp.observe(running=40, waiting=60, in_flight=100) and ramp.limit == 40
     assert ramp.observe(running=90, waiting=10, in_flight=100) and ramp.limit == 256  # outgrown: undone

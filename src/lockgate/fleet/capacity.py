@@ -48,7 +48,8 @@ the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arr
 (0.4-0.7 s seen on 4-slot engines). So the first scrape showing a backlog already holds the limit at
 what the engine runs (the pool shrinks at once: a P0 arriving then stops the excess); the next scrape
 confirms the hold (the saturation rule) or undoes it when the engine runs more than that (it was still
-taking a burst in) or queues nothing any more. One hold per backlog.
+taking a burst in) or the gateway no longer fills it. Only a queue at least as long as the batch holds
+(a shorter one is more often a step's arrivals at low load), and one hold per backlog.
 
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
@@ -162,18 +163,24 @@ class ConcurrencyLimit:
                     # the P1 + P2 flood). Such weak evidence does not cut below what a saturation learned.
                     found = max(found, self._learned)
                 return self._saturated(found)
-            if self._learned is None and not self._held:
-                # Discovery: a first backlog holds the limit at what the engine runs until the next scrape
-                # confirms it (saturation) or undoes it (running grew past it, or the queue went away).
+            if self._learned is None and not self._held and waiting >= running:
+                # Discovery: a first backlog as long as the batch holds the limit at what the engine runs
+                # until a later scrape confirms it (saturation) or undoes it (running grew past it, or the
+                # gateway no longer fills it). A shorter queue is more often a step's arrivals at low load.
                 self._held = True
                 cut = max(1, round(max(self._recent)))
                 if cut < self.limit:
                     self._held_from = self.limit
+                    self._calm = 0  # like a saturation: no probe above the hold before the cooldown
                     return self._set(cut)
             return False
         self._held = False
-        if self._held_from is not None:
-            held, self._held_from = self._held_from, None
+        held = self._held_from
+        if held is not None and (running > self.limit or in_flight < self.limit):
+            # The engine runs more than the hold (a burst it was still taking in), or demand fell below it:
+            # undo. While the gateway fills the hold and nothing queues, it stays (undoing it would let the
+            # flood queue inside the engine again); a probe later finds out whether the engine runs more.
+            self._held_from = None
             self._streak = 0
             return self._set(held)
         self._streak = 0
