@@ -176,10 +176,15 @@ def test_discovery_holds_the_limit_at_the_first_backlog_and_undoes_a_hold_the_en
     assert not short.observe(running=6, waiting=3, in_flight=9) and short.limit == 256
     blip = ConcurrencyLimit(256)
     assert blip.observe(running=3, waiting=3, in_flight=6) and blip.limit == 3
-    assert blip.observe(running=2, waiting=0, in_flight=2) and blip.limit == 256  # demand fell below the hold
-    # A flood into a 4-slot engine: held at 4; the gateway fills the hold, nothing queues: it stays.
+    assert not blip.observe(running=2, waiting=0, in_flight=2) and blip.limit == 3  # demand fell: kept
+    assert blip.observe(running=4, waiting=0, in_flight=4) and blip.limit == 256  # outgrown: undone
+    # A flood into a 4-slot engine, held at 4. The gateway holding one fewer there for a moment does not undo
+    # it (that let the flood queue inside the engine again); the first probe is refuted and the hold learned.
     flood = ConcurrencyLimit(256)
     assert flood.observe(running=4, waiting=7, in_flight=11) and flood.limit == 4
+    assert not flood.observe(running=4, waiting=0, in_flight=3) and flood.limit == 4
+    assert flood.observe(running=4, waiting=0, in_flight=4) and flood.limit == 5  # the probe
+    assert flood.observe(running=4, waiting=1, in_flight=5) and flood.limit == 4  # refuted
     for _ in range(10):
         assert not flood.observe(running=4, waiting=0, in_flight=4) and flood.limit == 4
     ramp = ConcurrencyLimit(256)

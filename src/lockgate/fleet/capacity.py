@@ -48,8 +48,9 @@ the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arr
 (0.4-0.7 s seen on 4-slot engines). So the first scrape showing a backlog already holds the limit at
 what the engine runs (the pool shrinks at once: a P0 arriving then stops the excess); the next scrape
 confirms the hold (the saturation rule) or undoes it when the engine runs more than that (it was still
-taking a burst in) or the gateway no longer fills it. Only a queue at least as long as the batch holds
-(a shorter one is more often a step's arrivals at low load), and one hold per backlog.
+taking a burst in); otherwise the first probe judges it (a one-slot trial that a flood refutes within a
+scrape; on an engine that runs more, growth by an eighth per scrape). Only a queue at least as long as
+the batch holds (a shorter one is more often a step's arrivals at low load); one hold per backlog.
 
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
@@ -165,21 +166,20 @@ class ConcurrencyLimit:
                 return self._saturated(found)
             if self._learned is None and not self._held and waiting >= running:
                 # Discovery: a first backlog as long as the batch holds the limit at what the engine runs
-                # until a later scrape confirms it (saturation) or undoes it (running grew past it, or the
-                # gateway no longer fills it). A shorter queue is more often a step's arrivals at low load.
+                # until a later scrape confirms it (saturation), undoes it (running grew past it) or a probe
+                # judges it. A shorter queue is more often a step's arrivals at low load.
                 self._held = True
                 cut = max(1, round(max(self._recent)))
                 if cut < self.limit:
                     self._held_from = self.limit
-                    self._calm = 0  # like a saturation: no probe above the hold before the cooldown
                     return self._set(cut)
             return False
         self._held = False
         held = self._held_from
-        if held is not None and (running > self.limit or in_flight < self.limit):
-            # The engine runs more than the hold (a burst it was still taking in), or demand fell below it:
-            # undo. While the gateway fills the hold and nothing queues, it stays (undoing it would let the
-            # flood queue inside the engine again); a probe later finds out whether the engine runs more.
+        if held is not None and running > self.limit:
+            # The engine runs more than the hold: a burst it was still taking in. Undo. Otherwise the hold
+            # stays (undoing it on an empty queue, or on the gateway holding one fewer there for a moment,
+            # let the flood queue inside the engine again); the probe that follows judges it.
             self._held_from = None
             self._streak = 0
             return self._set(held)
@@ -190,6 +190,7 @@ class ConcurrencyLimit:
             step = 1 if self._learned is not None and self.limit <= self._learned else max(1, self.limit // 8)
             before = self.limit
             if self._set(self.limit + step):
+                self._held_from = None  # a hold is judged by this probe from here on
                 self._trial_from = before
                 self._trial_scrapes = 0
                 return True
