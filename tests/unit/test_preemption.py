@@ -230,4 +230,3 @@ async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one(
     assert [v.stopped for v in victims] == [0, 0, 0, 1, 1, 1]
     assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 3
     assert metrics.reprefill_tokens.labels("m")._value.get() == 30  # reported as the work preemption costs
-

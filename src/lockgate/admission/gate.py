@@ -119,23 +119,17 @@ class PoolScheduler:
             victim = choose_victim(core, ticket.klass, self.preemptible, _can_preempt)
             if victim is None:
                 return
-            self._stop(victim)
+            assert isinstance(victim.tag, Preemptee)
+            redo = victim.tag.redo_tokens()
+            outcome = victim.tag.preempt()
+            self._waiters[victim] = asyncio.get_running_loop().create_future()
+            self._wake(core.requeue(victim, self._clock()))
+            victim_class = core.classes[victim.klass].name
+            self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
+            self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
+            self._metrics.reprefill_tokens.labels(self.model).inc(redo)
             if ticket.state is not TicketState.QUEUED:
                 return
-
-    def _stop(self, victim: Ticket) -> None:
-        """Preempt one running ticket: its owner aborts the work, the ticket goes back to its queue's head
-        (the slot it frees goes to whoever the core grants it to)."""
-        core = self.core
-        assert isinstance(victim.tag, Preemptee)
-        redo = victim.tag.redo_tokens()
-        outcome = victim.tag.preempt()
-        self._waiters[victim] = asyncio.get_running_loop().create_future()
-        self._wake(core.requeue(victim, self._clock()))
-        victim_class = core.classes[victim.klass].name
-        self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
-        self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
-        self._metrics.reprefill_tokens.labels(self.model).inc(redo)
 
     async def wait_granted(self, ticket: Ticket) -> None:
         """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.
