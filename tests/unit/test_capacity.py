@@ -9,14 +9,15 @@ def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
     limit = ConcurrencyLimit(256)
     assert limit.limit == 256
     # An engine that runs 8: the flood waits inside it, two scrapes in a row.
-    assert not limit.observe(running=8, waiting=120, in_flight=128)
-    assert limit.observe(running=8, waiting=100, in_flight=108)
+    # The first scrape holds the limit at what it runs (discovery), the second confirms it.
+    assert limit.observe(running=8, waiting=120, in_flight=128) and limit.limit == 8
+    assert not limit.observe(running=8, waiting=100, in_flight=108)
     assert limit.limit == 8
     # At the limit with nothing waiting there: after the cooldown it tries a little more, then learns again.
     for _ in range(limit.cooldown - 1):
         assert not limit.observe(running=8, waiting=0, in_flight=8)
     assert limit.observe(running=8, waiting=0, in_flight=8) and limit.limit == 9
-    assert not limit.observe(running=8, waiting=1, in_flight=9)
+    # The probe's own request waits there: refuted by that one scrape.
     assert limit.observe(running=8, waiting=1, in_flight=9) and limit.limit == 8
 
 
@@ -56,8 +57,8 @@ def test_a_queue_explained_by_prefill_work_does_not_cut_the_limit() -> None:
         assert not limit.observe(running=1, waiting=3, in_flight=4, prefill_backlog_s=0.5, decode_s=0.1)
     assert limit.limit == 256
     # The same queue with little prefill outstanding is the engine's parallelism: it counts.
-    assert not limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
     assert limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
+    assert not limit.observe(running=8, waiting=20, in_flight=28, prefill_backlog_s=0.01, decode_s=0.1)
     assert limit.limit == 8
 
 
@@ -92,8 +93,8 @@ def test_one_request_waiting_for_the_next_step_of_a_busy_engine_is_not_saturatio
         assert not limit.observe(running=running, waiting=1, in_flight=running + 1, decode_s=None)
     assert limit.limit == 256
     # A real backlog (the flood reaches the engine): two scrapes and the limit is what it runs.
-    limit.observe(running=8, waiting=12, in_flight=20, decode_s=None)
-    assert limit.observe(running=8, waiting=14, in_flight=22, decode_s=None) and limit.limit == 8
+    assert limit.observe(running=8, waiting=12, in_flight=20, decode_s=None) and limit.limit == 8
+    assert not limit.observe(running=8, waiting=14, in_flight=22, decode_s=None) and limit.limit == 8
 
 
 def test_a_full_limit_does_not_ratchet_down_on_slots_freed_a_moment_ago() -> None:
@@ -120,6 +121,91 @@ def test_probes_that_find_the_same_limit_come_ever_more_rarely() -> None:
             calm += 1
         waits.append(calm + 1)
         assert limit.limit == 9  # the probe
-        limit.observe(running=8, waiting=1, in_flight=9, decode_s=None)
         assert limit.observe(running=8, waiting=1, in_flight=9, decode_s=None) and limit.limit == 8
     assert waits == [4, 8, 16, 32]
+
+
+def test_a_probe_the_gateway_leaves_empty_lapses_back() -> None:
+    """The strict reserve keeps a slot free in the gateway; on a probed instance that free slot is the probe,
+    and P0 was routed there into the full engine's queue while the limit stayed one above the engine for 45 s
+    (`bench priority --duration 60 --trace`, P0 TTFT p99 5x under the P1 + P2 flood). An unfilled probe is
+    taken back after a few scrapes."""
+    limit = ConcurrencyLimit(256, cooldown=3)
+    assert limit.observe(running=4, waiting=9, in_flight=13, decode_s=None) and limit.limit == 4  # held at once
+    assert not limit.observe(running=4, waiting=9, in_flight=13, decode_s=None) and limit.limit == 4  # confirmed
+    while not limit.observe(running=4, waiting=0, in_flight=4, decode_s=None):
+        pass
+    assert limit.limit == 5
+    changes = [limit.observe(running=4, waiting=0, in_flight=4, decode_s=None) for _ in range(5)]
+    assert changes == [False, False, False, False, True] and limit.limit == 4
+    # And it is tried again after the same wait (nothing was refuted).
+    assert [limit.observe(running=4, waiting=0, in_flight=4, decode_s=None) for _ in range(3)] == [False, False, True]
+    assert limit.limit == 5
+
+
+def test_a_confirmed_probe_grows_on_by_an_eighth() -> None:
+    """The first step above a learned limit is one slot (a refuted probe queues one request inside the engine,
+    not an eighth of it); once the engine runs more, growth goes on by an eighth per scrape."""
+    limit = ConcurrencyLimit(256, cooldown=2)
+    assert not limit.observe(running=64, waiting=30, in_flight=94, decode_s=None)  # shorter than the batch
+    assert limit.observe(running=64, waiting=30, in_flight=94, decode_s=None) and limit.limit == 64
+    assert not limit.observe(running=64, waiting=0, in_flight=64, decode_s=None)
+    assert limit.observe(running=64, waiting=0, in_flight=64, decode_s=None) and limit.limit == 65
+    assert not limit.observe(running=65, waiting=0, in_flight=65, decode_s=None)  # confirmed
+    assert limit.observe(running=65, waiting=0, in_flight=65, decode_s=None) and limit.limit == 65 + 65 // 8
+
+
+def test_a_prefill_bound_queue_neither_confirms_nor_refutes_a_probe() -> None:
+    limit = ConcurrencyLimit(64, cooldown=1)
+    assert limit.observe(running=8, waiting=9, in_flight=17, decode_s=None) and limit.limit == 8  # held at once
+    assert not limit.observe(running=8, waiting=9, in_flight=17, decode_s=None) and limit.limit == 8  # confirmed
+    assert limit.observe(running=8, waiting=0, in_flight=8, decode_s=0.1) and limit.limit == 9
+    bound = [limit.observe(running=8, waiting=2, in_flight=9, prefill_backlog_s=1.0, decode_s=0.1) for _ in range(5)]
+    assert bound == [False] * 4 + [True] and limit.limit == 8  # lapsed, not refuted
+
+
+def test_discovery_holds_the_limit_at_the_first_backlog_and_undoes_a_hold_the_engine_outgrows() -> None:
+    """Before any saturation is learned a flood queues inside a small engine for the two scrapes saturation
+    takes, and P0 arriving then waits there (`bench priority --trace`: 0.4-0.7 s on 4-slot engines). The first
+    backlog holds the limit at once; a burst into a large engine that is still taking requests in (running
+    grows past the hold) gets its limit back on the next scrape, and so does a queue that went away."""
+    burst = ConcurrencyLimit(256)
+    assert burst.observe(running=100, waiting=156, in_flight=256) and burst.limit == 100
+    assert burst.observe(running=256, waiting=0, in_flight=256) and burst.limit == 256
+    short = ConcurrencyLimit(256)  # a queue shorter than the batch: a step's arrivals, no hold
+    assert not short.observe(running=6, waiting=3, in_flight=9) and short.limit == 256
+    blip = ConcurrencyLimit(256)
+    assert blip.observe(running=3, waiting=3, in_flight=6) and blip.limit == 3
+    assert not blip.observe(running=2, waiting=0, in_flight=2) and blip.limit == 3  # demand fell: kept
+    assert blip.observe(running=4, waiting=0, in_flight=4) and blip.limit == 256  # outgrown: undone
+    # A flood into a 4-slot engine, held at 4. The gateway holding one fewer there for a moment does not undo
+    # it (that let the flood queue inside the engine again); the first probe is refuted and the hold learned.
+    flood = ConcurrencyLimit(256)
+    assert flood.observe(running=4, waiting=7, in_flight=11) and flood.limit == 4
+    assert not flood.observe(running=4, waiting=0, in_flight=3) and flood.limit == 4
+    assert flood.observe(running=4, waiting=0, in_flight=4) and flood.limit == 5  # the probe
+    assert flood.observe(running=4, waiting=1, in_flight=5) and flood.limit == 4  # refuted
+    for _ in range(10):
+        assert not flood.observe(running=4, waiting=0, in_flight=4) and flood.limit == 4
+    ramp = ConcurrencyLimit(256)
+    assert ramp.observe(running=40, waiting=60, in_flight=100) and ramp.limit == 40
+    assert ramp.observe(running=90, waiting=10, in_flight=100) and ramp.limit == 256  # outgrown: undone
+    assert not ramp.observe(running=100, waiting=5, in_flight=105)  # one hold per backlog
+    assert ramp.limit == 256
+
+
+def test_one_waiting_at_a_full_limit_does_not_cut_below_the_learned_limit() -> None:
+    """With the strict reserve keeping a slot free, a 4-slot engine ran 3 for seconds at a time; a slot freed a
+    moment before two scrapes (one waiting, the gateway's whole limit there) then cut its limit to 3 (`bench
+    priority --trace`, P1 + P2 flood). Only a real backlog lowers a learned limit."""
+    limit = ConcurrencyLimit(256)
+    limit.observe(running=4, waiting=9, in_flight=13)
+    limit.observe(running=4, waiting=9, in_flight=13)
+    assert limit.limit == 4
+    for _ in range(40):
+        limit.observe(running=3, waiting=1, in_flight=4)
+    assert limit.limit == 4
+    # A real backlog at 3 (the engine now runs fewer: longer prompts fill its cache) still cuts.
+    limit.observe(running=3, waiting=4, in_flight=7)
+    limit.observe(running=3, waiting=4, in_flight=7)
+    assert limit.limit == 3

@@ -72,6 +72,10 @@ def _priority(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         sims=args.sims,
         slots_per_sim=args.slots,
+        tpot_ms=args.tpot_ms,
+        max_tokens=args.max_tokens,
+        p0_max_tokens=args.p0_max_tokens,
+        seed=args.seed,
         p0_rate=args.p0_rate,
         p2_factor=args.p2_factor,
         p1_factor=args.p1_factor,
@@ -79,12 +83,15 @@ def _priority(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         preemption=not args.no_preemption,
         preemptible=tuple(c for c in args.preemptible.split(",") if c),
+        trace=args.trace,
     )
 
     async def main() -> int:
         async with Progress("lockgate bench priority") as progress:
             phases, info = await priority.run(settings, progress)
         print(priority.report(phases, info, settings))
+        if settings.trace:
+            print(priority.diagnose(phases))
         return 0
 
     return run_async(main)
@@ -351,6 +358,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--duration", type=float, default=8.0, help="seconds per phase (two phases)")
     prio.add_argument("--sims", type=int, default=2)
     prio.add_argument("--slots", type=int, default=4, help="sequence slots per simulator")
+    prio.add_argument("--tpot-ms", type=float, default=10.0, help="the simulators' time per output token")
+    prio.add_argument("--max-tokens", type=int, default=24, help="answer length (of P0 too unless --p0-max-tokens)")
+    prio.add_argument("--p0-max-tokens", type=int, default=None, help="answer length of P0 (default: --max-tokens)")
+    prio.add_argument("--seed", type=int, default=1, help="seed of the arrival processes")
     prio.add_argument("--p0-rate", type=float, default=4.0, help="P0 requests per second")
     prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")
     prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
@@ -360,6 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
+    prio.add_argument(
+        "--trace", action="store_true", help="sample engine queues and limits; explain the slowest P0 requests"
+    )
     prio.set_defaults(func=_priority)
     hol = benches.add_parser("hol", help="short requests behind long ones in one class: short TTFT, mixed vs alone")
     hol.add_argument("--duration", type=float, default=5.0, help="seconds per phase (two phases)")

@@ -15,7 +15,9 @@ gateway process's CPU use, and the preemptions the gateway counted (`--no-preemp
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import random
 import tempfile
@@ -49,6 +51,18 @@ class Outcome:
 
 
 @dataclass
+class Sample:
+    at: float  # time.monotonic()
+    limits: dict[str, float]
+    waiting: list[float]
+    running: list[float]
+
+
+#: How often the phase's sampler reads the engines' queues and the gateway's limits.
+SAMPLE_S = 0.1
+
+
+@dataclass
 class Phase:
     name: str
     seconds: float
@@ -60,6 +74,14 @@ class Phase:
     gateway_ttft: dict[str, float] = field(default_factory=dict)
     #: Gateway metrics (cumulative at the end of the phase).
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Engine-side records by simulator index and request id (collected during the phase: a sim keeps
+    #: only its last 1,000 finished requests).
+    engine_records: list[dict[str, dict[str, object]]] = field(default_factory=list)
+    #: Every `SAMPLE_S` during the phase: the gateway's limit per instance, each engine's waiting/running.
+    samples: list[Sample] = field(default_factory=list)
+    #: Priority class per request id (from the usage records).
+    classes: dict[str, str] = field(default_factory=dict)
+    started_at: float = 0.0
 
     def ttfts(self, priority: str) -> list[float]:
         return [o.ttft for o in self.outcomes if o.priority == priority and o.status == 200 and o.ttft is not None]
@@ -75,6 +97,8 @@ class Settings:
     slots_per_sim: int = 4
     tpot_ms: float = 10.0
     max_tokens: int = 24
+    #: P0's answer length (None: `max_tokens`): short interactive requests next to long batch answers.
+    p0_max_tokens: int | None = None
     p0_rate: float = 4.0
     p2_factor: float = 2.0
     p1_factor: float = 1.0
@@ -87,6 +111,10 @@ class Settings:
     preemption: bool = True
     #: Classes marked `preemptible: true` (empty: the default, the last class only).
     preemptible: tuple[str, ...] = ()
+    #: Sample the engines' queues and the gateway's limits, and explain the slowest P0 requests.
+    trace: bool = False
+    #: How long the answers of a phase may take after its arrivals end (the rest is abandoned).
+    drain_s: float = 2.0
 
 
 def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[int], tmp: str) -> None:
@@ -162,7 +190,8 @@ async def _arrivals(
         if time.perf_counter() >= end:
             return
         n += 1
-        tasks.append(asyncio.create_task(_one(session, url, priority, n, settings.max_tokens)))
+        max_tokens = settings.p0_max_tokens if priority == "P0" and settings.p0_max_tokens else settings.max_tokens
+        tasks.append(asyncio.create_task(_one(session, url, priority, n, max_tokens)))
 
 
 async def _observe(
@@ -178,17 +207,19 @@ async def _observe(
         if wanted <= rows.keys():
             break
         await asyncio.sleep(0.05)
+    phase.classes = {r["request_id"]: r["priority"] for r in rows.values() if r["priority"] is not None}
     for rid in wanted:
         row = rows.get(rid)
         if row is not None and row["first_token_at"] is not None:
             phase.gateway_ttft[rid] = row["first_token_at"] - row["started_at"]
     async with aiohttp.ClientSession() as session:
+        await _collect(phase, session, sim_urls)
+        for records in phase.engine_records:
+            for rec in records.values():
+                first, started = rec["first_token_at"], rec["started_at"]
+                if isinstance(first, float) and isinstance(started, float):
+                    phase.engine_ttft[str(rec["request_id"])] = first - started
         for sim in sim_urls:
-            async with session.get(sim + "/sim/stats") as resp:
-                stats = await resp.json()
-            for rec in stats["requests_seen"]:
-                if rec["first_token_at"] is not None:
-                    phase.engine_ttft[rec["request_id"]] = rec["first_token_at"] - rec["started_at"]
             async with session.post(sim + "/sim/reset_stats") as resp:
                 await resp.read()
         async with session.get(base + "/metrics") as resp:
@@ -213,12 +244,61 @@ async def _observe(
                 phase.metrics[key] = float(line.rsplit(" ", 1)[1])
 
 
-async def _phase(name: str, url: str, rates: dict[str, float], settings: Settings, drain_s: float) -> Phase:
-    phase = Phase(name, settings.duration_s)
-    rng = random.Random(settings.seed)
+async def _collect(phase: Phase, session: aiohttp.ClientSession, sim_urls: list[str]) -> None:
+    """Merge each engine's records of finished requests into the phase's (it keeps only its last 1,000)."""
+    if not phase.engine_records:
+        phase.engine_records = [{} for _ in sim_urls]
+    for records, sim in zip(phase.engine_records, sim_urls, strict=True):
+        async with session.get(sim + "/sim/stats") as resp:
+            stats = await resp.json()
+        for rec in stats["requests_seen"]:
+            records[rec["request_id"]] = rec
+
+
+def _gauge(text: str, name: str) -> dict[str, float]:
+    """Values of one metric by its first label's value ('' when unlabelled)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            label = line.split('"', 2)[1] if "{" in line else ""
+            values[label] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+async def _sample(phase: Phase, base: str, sim_urls: list[str], stop: asyncio.Event) -> None:
+    """Until `stop`: every SAMPLE_S the gateway's limits and the engines' queues; every 2 s their records."""
+    async with aiohttp.ClientSession() as session:
+        n = 0
+        while not stop.is_set():
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(base + "/metrics") as resp:
+                    limits = _gauge(await resp.text(), "lockgate_instance_concurrency_limit")
+                waiting, running = [], []
+                for sim in sim_urls:
+                    async with session.get(sim + "/metrics") as resp:
+                        text = await resp.text()
+                    waiting.append(sum(_gauge(text, "vllm:num_requests_waiting").values()))
+                    running.append(sum(_gauge(text, "vllm:num_requests_running").values()))
+                phase.samples.append(Sample(time.monotonic(), limits, waiting, running))
+                if n % round(2 / SAMPLE_S) == 0:
+                    await _collect(phase, session, sim_urls)
+            n += 1
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SAMPLE_S):
+                    await stop.wait()
+
+
+async def _drive(url: str, rates: dict[str, float], settings: Settings, drain_s: float, seed: float) -> list[Outcome]:
+    """Open-loop arrivals of each class for the phase, then up to `drain_s` for the answers; what is still
+    waiting then is abandoned (the client disconnects)."""
+    rng = random.Random(seed)
     tasks: list[asyncio.Task[Outcome]] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
+        # One request first: in a fresh process the first requests paid its start-up costs together and
+        # reached the gateway as a burst (five P0 at once in the first 0.4 s of a phase).
+        async with session.get(url.split("/v1/", 1)[0] + "/health") as resp:
+            await resp.read()
         try:
             await asyncio.gather(
                 *(
@@ -232,7 +312,47 @@ async def _phase(name: str, url: str, rates: dict[str, float], settings: Setting
             for task in tasks:
                 task.cancel()  # abandon what is still waiting: the client disconnects
             results = await asyncio.gather(*tasks, return_exceptions=True)
-    phase.outcomes = [r for r in results if isinstance(r, Outcome)]
+    return [r for r in results if isinstance(r, Outcome)]
+
+
+def _drive_in_process(
+    url: str, rates: dict[str, float], settings: Settings, drain_s: float, seed: float
+) -> list[Outcome]:
+    """`_drive` in a process of its own (the P0 client): its timings do not include the event-loop lag of
+    the flood's hundreds of client streams (the flood's client measured up to 88 ms p99 of client-side
+    delay on this machine, charged to P0 when they shared a loop)."""
+    return asyncio.run(_drive(url, rates, settings, drain_s, seed))
+
+
+def _ready() -> bool:
+    return True
+
+
+async def _phase(
+    name: str,
+    url: str,
+    rates: dict[str, float],
+    settings: Settings,
+    base: str,
+    sim_urls: list[str],
+    p0_client: concurrent.futures.Executor,
+) -> Phase:
+    phase = Phase(name, settings.duration_s, started_at=time.monotonic())
+    rng = random.Random(settings.seed)
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample(phase, base, sim_urls, stop)) if settings.trace else None
+    strict = {p: r for p, r in rates.items() if p == "P0"}
+    flood = {p: r for p, r in rates.items() if p != "P0"}
+    loop = asyncio.get_running_loop()
+    try:
+        p0 = loop.run_in_executor(p0_client, _drive_in_process, url, strict, settings, settings.drain_s, rng.random())
+        outcomes = await _drive(url, flood, settings, settings.drain_s, rng.random())
+        outcomes += await p0
+    finally:
+        stop.set()
+        if sampler is not None:
+            await sampler
+    phase.outcomes = outcomes
     return phase
 
 
@@ -266,18 +386,22 @@ async def run(settings: Settings, progress: Progress | None = None) -> tuple[lis
         ]
         with contextlib.ExitStack() as stack:
             progress.phase("starting the engines and the gateway")
+            spawn = multiprocessing.get_context("spawn")
+            p0_client = stack.enter_context(concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn))
+            # The P0 client's process starts while the engines and the gateway do.
+            p0_ready = asyncio.get_running_loop().run_in_executor(p0_client, _ready)
             procs = [stack.enter_context(child(cmd)) for cmd in [*sim_args, ["serve", "--config", str(config_path)]]]
             for port, proc in zip(sim_ports, procs, strict=False):
                 await wait_http(f"http://127.0.0.1:{port}/health", proc)
             await wait_http(f"http://127.0.0.1:{gateway_port}/ready", procs[-1])
+            await p0_ready
             base = f"http://127.0.0.1:{gateway_port}"
             url = base + "/v1/chat/completions"
             sim_urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
             gateway_pid = procs[-1].pid
-            drain = 2.0
             cpu = cpu_seconds(gateway_pid)
             progress.phase(f"P0 only ({settings.duration_s:g} s)")
-            baseline = await _phase("P0 only", url, {"P0": settings.p0_rate}, settings, drain)
+            baseline = await _phase("P0 only", url, {"P0": settings.p0_rate}, settings, base, sim_urls, p0_client)
             usage_path = os.path.join(tmp, "usage.sqlite3")
             await _observe(baseline, base, sim_urls, gateway_pid, cpu, usage_path)
             phases = [baseline]
@@ -294,7 +418,7 @@ async def run(settings: Settings, progress: Progress | None = None) -> tuple[lis
                     continue
                 cpu = cpu_seconds(gateway_pid)
                 progress.phase(f"{name} ({settings.duration_s:g} s)")
-                phase = await _phase(name, url, rates, settings, drain)
+                phase = await _phase(name, url, rates, settings, base, sim_urls, p0_client)
                 await _observe(phase, base, sim_urls, gateway_pid, cpu, usage_path)
                 phases.append(phase)
     return phases, {"capacity": capacity, "capacity_rps": capacity_rps}
@@ -310,7 +434,8 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
     ceiling = "discovered" if settings.max_concurrency is None else settings.max_concurrency
     lines = [
         f"fleet: {settings.sims} sims x {settings.slots_per_sim} slots = {int(info['capacity'])} slots, "
-        f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms; "
+        f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms "
+        f"(P0: {settings.p0_max_tokens or settings.max_tokens} tokens); "
         f"P0 {settings.p0_rate:g}/s, P1 {settings.p1_factor:g}x, P2 {settings.p2_factor:g}x capacity; "
         f"{settings.duration_s:g} s per phase; strict headroom {headroom}; max_concurrency {ceiling}; "
         f"preemption {'on' if settings.preemption else 'off'}"
@@ -386,4 +511,65 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
                 by_status[f"{o.priority}:{o.status}"] += 1
         rejected = ", ".join(f"{k}={v}" for k, v in sorted(by_status.items())) or "none"
         lines.append(f"rejections under the {phase.name[5:]}: {rejected}")
+    return "\n".join(lines)
+
+
+def _base_id(request_id: str) -> str:
+    """The gateway's request id of an engine call (a resumed attempt's id ends in `-p<n>`)."""
+    head, sep, tail = request_id.rpartition("-p")
+    return head if sep and tail.isdigit() else request_id
+
+
+def diagnose(phases: list[Phase], worst: int = 5) -> str:
+    """Where the slowest P0 requests waited: the limits' changes, the engines' queues, and what each of
+    the `worst` slowest P0 engine calls of a phase found in its engine when it arrived (by class: decoding,
+    or still waiting / in prefill) (`--trace`)."""
+    lines: list[str] = []
+    for phase in phases:
+        t0 = phase.started_at
+        lines.append(f"[{phase.name}]")
+        previous: dict[str, float] = {}
+        changes = []
+        for sample in phase.samples:
+            for name, limit in sorted(sample.limits.items()):
+                if name in previous and previous[name] != limit:
+                    changes.append(f"+{sample.at - t0:.1f}s {name.rsplit(':', 1)[-1]} {previous[name]:g}->{limit:g}")
+                previous[name] = limit
+        first = phase.samples[0].limits if phase.samples else {}
+        start = ", ".join(f"{k.rsplit(':', 1)[-1]}={v:g}" for k, v in sorted(first.items()))
+        lines.append(f"  limits at start: {start or 'n/a'}; changes: {'; '.join(changes) or 'none'}")
+        for i in range(len(phase.engine_records)):
+            waits = [s.waiting[i] for s in phase.samples if i < len(s.waiting)]
+            if waits:
+                queued = sum(1 for w in waits if w >= 1)
+                lines.append(
+                    f"  engine {i}: waiting >= 1 in {queued}/{len(waits)} samples, max {max(waits):g}, "
+                    f"running max {max(s.running[i] for s in phase.samples):g}"
+                )
+        slow: list[tuple[float, int, dict[str, object]]] = []
+        for i, records in enumerate(phase.engine_records):
+            for rec in records.values():
+                rid = _base_id(str(rec["request_id"]))
+                first_at, started = rec["first_token_at"], rec["started_at"]
+                if phase.classes.get(rid) == "P0" and isinstance(first_at, float) and isinstance(started, float):
+                    slow.append((first_at - started, i, rec))
+        slow.sort(key=lambda x: x[0], reverse=True)
+        for ttft, i, rec in slow[:worst]:
+            arrived = rec["started_at"]
+            assert isinstance(arrived, float)
+            ahead: Counter[str] = Counter()
+            for other in phase.engine_records[i].values():
+                o_start, o_first, o_end = other["started_at"], other["first_token_at"], other["ended_at"]
+                if other is rec or not isinstance(o_start, float) or o_start >= arrived:
+                    continue
+                if isinstance(o_end, float) and o_end <= arrived:
+                    continue
+                state = "waiting" if not isinstance(o_first, float) or o_first > arrived else "decoding"
+                ahead[f"{phase.classes.get(_base_id(str(other['request_id'])), '?')} {state}"] += 1
+            near = min(phase.samples, key=lambda s: abs(s.at - arrived), default=None)
+            limits = "" if near is None else ", limits " + "/".join(f"{v:g}" for _, v in sorted(near.limits.items()))
+            found = ", ".join(f"{k} {v}" for k, v in sorted(ahead.items())) or "nothing"
+            lines.append(
+                f"  slow P0 +{arrived - t0:.1f}s engine {i}: engine TTFT {ttft * 1000:.0f} ms; found {found}{limits}"
+            )
     return "\n".join(lines)

@@ -17,14 +17,19 @@ sequences in the KV cache).
   request waiting for the next step most of the time. The new limit is the most it ran at once in the
   last 25 scrapes, not the count of the moment, which dips whenever a slot has just been freed;
 - **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
-  limit grows by an eighth (at least one) per scrape, up to the ceiling, so a bigger engine (or a
-  lighter workload) is found again. After a saturation it first waits `cooldown` scrapes (60 s at the
-  default interval): each probe above the engine's parallelism puts a request in the engine's own
-  queue, where a P0 arriving then waits behind it. Probing every 10 s showed as P0 TTFT p99 7.0x its
-  value alone under a P2 flood (`bench priority --duration 60`, two 4-slot engines), every minute 1.07x
-  (30 s phases). A probe that finds the same limit again doubles the wait before the next (up to ten
-  minutes): one probe a minute still cost 5.9x in the last phase of a 60 s-per-phase run. The price is that a
-  bigger engine is found minutes later;
+  limit grows, up to the ceiling, so a bigger engine (or a lighter workload) is found again. After a
+  saturation it first waits `cooldown` scrapes (60 s at the default interval): each probe above the
+  engine's parallelism puts a request in the engine's own queue, where a P0 arriving then waits behind
+  it. A probe that finds the same limit again doubles the wait before the next (up to ten cooldowns);
+- **a probe is a trial**: the first step above a learned limit is one slot, and it is judged by the next
+  scrapes alone: the engine running more than before confirms it (the limit then grows by an eighth per
+  scrape while it keeps confirming); a request waiting there while the gateway holds more than the old
+  limit refutes it at once (one scrape, no backlog rule: the queue is the probe's own); neither within
+  `_TRIAL_SCRAPES` (the probe slot stayed empty, e.g. kept free by the strict reserve) lets it lapse
+  back. Before trials, a probe the shared classes did not fill stayed up while the engine was full, the
+  strict reserve's free slot sat on it, and P0 was routed there into the engine's queue
+  (`bench priority --duration 60 --trace`: a limit of 5 on a 4-slot engine for 45 s, P0 TTFT p99 5x
+  under the P1 + P2 flood, engine-side);
 - no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is;
 - **prefill-bound**: requests also wait inside an engine whose slots are free, for its per-step token
   budget, behind long prompts being prefilled (chunked prefill admits at most `max_num_batched_tokens`
@@ -37,6 +42,15 @@ sequences in the KV cache).
   a slot-bound queue waits about that long, a prefill-bound one about the backlog). Before the instance
   has answered a request (no `decode_s` yet) no queue counts: the first long prompts of a run are
   exactly when a prefill-bound queue looks like saturation.
+
+**Discovery**: until a first saturation is learned, a flood reaching a small engine queues inside it for
+the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arriving then waits there
+(0.4-0.7 s seen on 4-slot engines). So the first scrape showing a backlog already holds the limit at
+what the engine runs (the pool shrinks at once: a P0 arriving then stops the excess); the next scrape
+confirms the hold (the saturation rule) or undoes it when the engine runs more than that (it was still
+taking a burst in); otherwise the first probe judges it (a one-slot trial that a flood refutes within a
+scrape; on an engine that runs more, growth by an eighth per scrape). Only a queue at least as long as
+the batch holds (a shorter one is more often a step's arrivals at low load); one hold per backlog.
 
 It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
@@ -53,15 +67,21 @@ from collections import deque
 _SATURATED_SCRAPES = 2
 #: Scrapes over which the most the engine ran at once is remembered (5 s at the default interval).
 _PEAK_SCRAPES = 25
+#: Scrapes a probe may stay unjudged (neither confirmed nor refuted) before it lapses (1 s by default).
+_TRIAL_SCRAPES = 5
 
 
 class ConcurrencyLimit:
     __slots__ = (
         "_calm",
+        "_held",
+        "_held_from",
         "_learned",
         "_prev_running",
         "_recent",
         "_streak",
+        "_trial_from",
+        "_trial_scrapes",
         "_wait",
         "adaptive",
         "ceiling",
@@ -89,6 +109,13 @@ class ConcurrencyLimit:
         self._learned: int | None = None
         #: What the engine ran at once in recent scrapes: it can run at least their maximum.
         self._recent: deque[float] = deque(maxlen=_PEAK_SCRAPES)
+        #: Discovery (no limit learned yet): the limit a first backlog was held from until the next scrape
+        #: judges it, and whether this backlog already had its hold (one per backlog).
+        self._held_from: int | None = None
+        self._held = False
+        #: The limit a probe started from while it is on trial (None: no probe pending).
+        self._trial_from: int | None = None
+        self._trial_scrapes = 0
 
     def observe(
         self,
@@ -110,30 +137,96 @@ class ConcurrencyLimit:
         self._prev_running = running
         self._recent.append(running)
         unexplained = decode_s is None or (decode_s > 0 and prefill_backlog_s < 0.5 * decode_s)
-        if waiting >= 1 and running >= 1 and not unexplained:
+        prefill_bound = waiting >= 1 and running >= 1 and not unexplained
+        if self._trial_from is not None:  # a queue prefill explains neither confirms nor refutes a probe
+            return self._judge(running, 0.0 if prefill_bound else waiting, in_flight)
+        if prefill_bound:
             self._streak = 0
             return False
-        if waiting >= 1 and running >= 1 and (waiting >= max(2.0, 0.25 * running) or in_flight >= self.limit):
+        backlog = waiting >= max(2.0, 0.25 * running)
+        if waiting >= 1 and running >= 1 and (backlog or in_flight >= self.limit):
             steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
+            held = self._held_from
+            if held is not None and running > self.limit:  # the engine was still taking them in: undo
+                self._held_from = None
+                return self._set(held)
             if self._streak >= _SATURATED_SCRAPES:
-                self._calm = 0
-                found = max(1, min(self.ceiling, round(max(self._recent))))
-                if self._learned is not None and found <= self._learned:
-                    self._wait = min(self._wait * 2, 10 * self.cooldown)  # the probe found nothing new
-                else:
-                    self._wait = self.cooldown
-                self._learned = found
+                self._held_from = None
                 # Never below what it ran at once in the last few seconds: at a full limit a slot freed
                 # a moment ago shows as one running fewer and one waiting, and cutting to that ratchets
                 # the limit down to nothing (`bench overload --scrape`: 11 of 72 req/s served at 2.5x).
-                return self._set(round(max(self._recent)))
+                found = round(max(self._recent))
+                if not backlog and self._learned is not None:
+                    # One waiting while the gateway holds its whole limit there is also what a slot freed a
+                    # moment ago looks like; with the strict reserve keeping a slot free most of the time, the
+                    # engine may not show its full count for 25 scrapes (a 4-slot engine's limit fell to 3 under
+                    # the P1 + P2 flood). Such weak evidence does not cut below what a saturation learned.
+                    found = max(found, self._learned)
+                return self._saturated(found)
+            if self._learned is None and not self._held and waiting >= running:
+                # Discovery: a first backlog as long as the batch holds the limit at what the engine runs
+                # until a later scrape confirms it (saturation), undoes it (running grew past it) or a probe
+                # judges it. A shorter queue is more often a step's arrivals at low load.
+                self._held = True
+                cut = max(1, round(max(self._recent)))
+                if cut < self.limit:
+                    self._held_from = self.limit
+                    return self._set(cut)
             return False
+        self._held = False
+        held = self._held_from
+        if held is not None and running > self.limit:
+            # The engine runs more than the hold: a burst it was still taking in. Undo. Otherwise the hold
+            # stays (undoing it on an empty queue, or on the gateway holding one fewer there for a moment,
+            # let the flood queue inside the engine again); the probe that follows judges it.
+            self._held_from = None
+            self._streak = 0
+            return self._set(held)
         self._streak = 0
         self._calm += 1
         if waiting < 1 and in_flight >= self.limit and self._calm >= self._wait:
-            return self._set(self.limit + max(1, self.limit // 8))
+            # After a saturation the first step is one slot: a refuted probe queues one request, not an eighth.
+            step = 1 if self._learned is not None and self.limit <= self._learned else max(1, self.limit // 8)
+            before = self.limit
+            if self._set(self.limit + step):
+                self._held_from = None  # a hold is judged by this probe from here on
+                self._trial_from = before
+                self._trial_scrapes = 0
+                return True
         return False
+
+    def _judge(self, running: float, waiting: float, in_flight: int) -> bool:
+        """One scrape during a probe's trial (see the module docstring); True if the limit changed."""
+        base = self._trial_from
+        assert base is not None
+        self._trial_scrapes += 1
+        if running > base:  # the engine runs more than before: confirmed, the next scrape may grow again
+            self._trial_from = None
+            self._learned = None
+            self._wait = self.cooldown
+            return False
+        if waiting >= 1 and in_flight > base:  # its queue is the probe's own: refuted
+            self._trial_from = None
+            return self._saturated(base, refuted=True)
+        if self._trial_scrapes >= _TRIAL_SCRAPES:  # never filled: back, try again after the same wait
+            self._trial_from = None
+            self._calm = 0
+            return self._set(base)
+        return False
+
+    def _saturated(self, found: int, *, refuted: bool = False) -> bool:
+        """The engine runs `found` at once and queues the rest: that is the limit, probed again later
+        (`refuted`: a probe found the same limit again, so the next waits twice as long)."""
+        self._streak = 0
+        self._calm = 0
+        found = max(1, min(self.ceiling, found))
+        if refuted:
+            self._wait = min(self._wait * 2, 10 * self.cooldown)
+        elif found != self._learned:
+            self._wait = self.cooldown
+        self._learned = found
+        return self._set(found)
 
     def _set(self, value: int) -> bool:
         value = max(1, min(self.ceiling, value))
