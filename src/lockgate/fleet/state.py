@@ -279,6 +279,7 @@ def merge(
             waiting = max(waiting, engine.waiting)
         if engine.kv_usage is not None:
             kv = engine.kv_usage
+    prefill, tpot = own.prefill_tps, own.tpot
     return InstanceView(
         key=key,
         name=name,
@@ -290,9 +291,11 @@ def merge(
         running=int(running),
         kv_usage=kv,
         ttft_s=own.ttft.value,
-        tpot_s=own.tpot.value,
+        tpot_s=tpot.value,
         decode_s=own.decode.value,
-        prefill_tps=own.prefill_tps.value,
+        prefill_tps=prefill.value,
+        prefill_age_s=0.0 if prefill.updated_at is None else now - prefill.updated_at,
+        tpot_age_s=0.0 if tpot.updated_at is None else now - tpot.updated_at,
         cached_tokens=cached_tokens,
         cache_room=cache_room,
     )

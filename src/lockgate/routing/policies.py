@@ -47,6 +47,9 @@ class InstanceView:
     decode_s: float = 0.0
     #: Measured prefill rate, prompt tokens per second (0.0: not measured yet).
     prefill_tps: float = 0.0
+    #: Seconds since `prefill_tps` / `tpot_s` last took a sample (how far to trust them).
+    prefill_age_s: float = 0.0
+    tpot_age_s: float = 0.0
     #: Tokens of this request's prompt the instance likely has cached (from the prefix index).
     cached_tokens: int = 0
     #: Tokens its prefix cache takes before it must evict (None: its cache size is unknown).
