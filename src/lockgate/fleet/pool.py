@@ -885,6 +885,13 @@ class Fleet:
     def _set_health(self, instance: Instance, healthy: bool) -> None:
         if instance.healthy != healthy:
             log.info("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
+            if not healthy:
+                # Down (a failed check, a refused connection): when it answers again it is most likely a
+                # restarted engine with an empty cache; believing it still holds its prefixes would send
+                # their traffic there to miss. (Passive ejection keeps the residency: the engine runs.)
+                for pool in self.pools.values():
+                    if instance.key in pool.served:
+                        pool.index.forget(instance.key)
         instance.healthy = healthy
         self._metrics.instance_healthy.labels(instance.name).set(1 if healthy else 0)
 
