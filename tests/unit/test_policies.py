@@ -219,3 +219,16 @@ def test_predicted_ttft_counts_an_instance_of_unknown_cache_size_as_full():
     # Known room for the whole prompt: a cold prefill of 0.1 s there beats the queue.
     roomy = replace(unknown, cache_room=5000)
     assert pick(PredictedTTFT(), REQ, snap(holder, roomy)) == "i1"
+
+
+def test_predicted_ttft_charges_a_long_prompt_the_delay_it_imposes_on_requests_waiting_there():
+    """Every request waiting for its first token on an instance (but the one in prefill now) shares an
+    engine step with a prompt sent there, or waits behind it: a long prompt goes where fewer wait."""
+    rate = 10_000.0
+    waiting = view(0, prefill_tps=rate, cache_room=10_000, pending=4, queued_prompt_tokens=40)
+    busy = view(1, prefill_tps=rate, cache_room=10_000, pending=1, queued_prompt_tokens=600)
+    # Long (1000 tokens): 3 x 0.1 s of delay on i0 outweighs the 0.06 s of work queued on i1.
+    assert pick(PredictedTTFT(), REQ, snap(waiting, busy)) == "i1"
+    # A short request delays nobody noticeably: it takes the instance with less work ahead.
+    short = RouteRequest("m", prompt_tokens=8)
+    assert pick(PredictedTTFT(), short, snap(waiting, busy)) == "i0"

@@ -309,6 +309,7 @@ def merge(
         in_flight=in_flight,
         max_concurrency=max_concurrency,
         queued_prompt_tokens=queued,
+        pending=max(0, own.pending),
         waiting=int(waiting),
         running=int(running),
         kv_usage=kv,

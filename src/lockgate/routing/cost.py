@@ -67,10 +67,13 @@ def predict_ttft(
     # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
     # some engines never say) counts as full: the cold start is when prefixes find their homes, and
     # a copy placed then on a second instance "for free" later crowds out a prefix of its own.
-    room = view.cache_room or 0
-    if uncached > room:
-        uncached += uncached - room
-    return wait + uncached / rate + relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, half_life_s)
+    evicted = max(0, uncached - (view.cache_room or 0))
+    # What it does to the others: an engine step lasts as long as the prefill it carries, and every
+    # request waiting for its first token there (but the one in prefill now) shares a step with this
+    # prompt's or waits behind it: a long prompt sent where short ones wait delays each of them.
+    delayed = max(0, view.pending - 1) * uncached
+    tpot = relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, half_life_s)
+    return wait + (uncached + evicted + delayed) / rate + tpot
 
 
 def _mean_measured(values: list[float]) -> float:

@@ -32,8 +32,10 @@ class InstanceView:
     #: Requests the gateway has in flight there (own accounting, always current).
     in_flight: int
     max_concurrency: int
-    #: Prompt tokens sent there whose first token has not come back yet: prefill work ahead.
+    #: Prompt tokens sent there not prefilled yet (first token not back, by the measured rate): work ahead.
     queued_prompt_tokens: int = 0
+    #: Requests the gateway sent there whose first token has not come back.
+    pending: int = 0
     #: Requests waiting for a batch slot / in the running batch (engine metrics when fresh, merged
     #: with own accounting so that what was sent since the last scrape counts).
     waiting: int = 0
