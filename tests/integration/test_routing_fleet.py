@@ -274,3 +274,52 @@ async def test_the_engines_cache_size_is_learned_and_its_evictions_modelled(star
         entry = next(i for i in (await resp.json())["instances"] if i["name"] == "small")
     assert entry["prefix_cache"]["tokens"] == 1024
     assert b"lockgate_prefix_hit_rate_gap{" in gw.gateway.metrics.render()
+
+
+async def test_an_instance_that_fails_its_health_check_is_believed_to_have_lost_its_cache(
+    start_sim, start_gateway, http
+):
+    """A failed health check most likely means a restart: when the instance answers again its cache is
+    empty, so the prefix index must not keep sending its prefixes there to miss."""
+    sims = [await start_sim() for _ in range(2)]
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(s, name=f"s{n}") for n, s in enumerate(sims)]}],
+        health={"interval_ms": 60000},
+        scrape={"enabled": False},
+    )
+    fleet = gw.gateway.fleet
+    pool = fleet.pools["m"]
+    _, home, _ = await post(http, gw.url, chat("turn one"))
+    sim = next(s for n, s in enumerate(sims) if f"s{n}" == home)
+    assert pool.index.blocks_of(sim.url) > 0
+    await control(http, sim, healthy=False)
+    await fleet.probe_all()
+    assert not fleet.instances[sim.url].healthy
+    assert pool.index.blocks_of(sim.url) == 0
+    await control(http, sim, healthy=True)
+    await fleet.probe_all()
+    assert fleet.instances[sim.url].routable and pool.index.blocks_of(sim.url) == 0
+    # The other instance's residency is untouched by it.
+    other = next(s for s in sims if s is not sim)
+    _, there, _ = await post(http, gw.url, chat("turn one", system="Another system prompt. " * 8))
+    assert pool.index.blocks_of(other.url if there != home else sim.url) > 0
+
+
+async def test_an_instance_that_has_answered_nothing_borrows_its_peers_token_ratio(start_sim, start_gateway, http):
+    """An instance whose cache size is unknown counts as full for routing, so one that never answered
+    (and so never taught the engine's token ratio) would never be given a request: the size of its
+    cache is applied with the ratio its pool's other instances learned."""
+    sims = [await start_sim(num_kv_blocks=256, block_size=16) for _ in range(2)]
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(s, name=f"s{n}") for n, s in enumerate(sims)]}],
+        scrape={"interval_ms": 50, "timeout_ms": 500},
+    )
+    fleet = gw.gateway.fleet
+    pool = fleet.pools["m"]
+    status, home, _ = await post(http, gw.url, chat("warm up"))
+    assert status == 200
+    idle = next(s for n, s in enumerate(sims) if f"s{n}" != home)
+    assert fleet.instances[idle.url].token_ratio.samples == 0
+    async with asyncio.timeout(10):
+        await fleet.wait_until(lambda f: all(pool.index.capacity(s.url) is not None for s in sims))
+    assert pool.index.room(idle.url) == pool.index.capacity(idle.url)

@@ -68,7 +68,7 @@ def test_own_accounting_queues_prompt_tokens_until_the_first_token():
 
 def test_merge_trusts_fresh_engine_metrics_and_ignores_stale_ones():
     own = OwnAccounting()
-    own.start(100, 0.0)
+    own.start(100, 10.5)
     engine = EngineLoad(scraped_at=10.0, waiting=6, running=16, kv_usage=0.9)
     args: dict[str, Any] = {
         "key": "k",
@@ -82,7 +82,9 @@ def test_merge_trusts_fresh_engine_metrics_and_ignores_stale_ones():
     assert (fresh.running, fresh.waiting, fresh.kv_usage) == (16, 6, 0.9)
     # 5 waiting there that this gateway did not send, at its mean prompt size (100).
     assert fresh.queued_prompt_tokens == 100 + 5 * 100
-    stale = merge(**args, engine=engine, now=12.0, stale_after=1.0)
+    later = OwnAccounting()
+    later.start(100, 12.0)
+    stale = merge(**{**args, "own": later}, engine=engine, now=12.0, stale_after=1.0)
     assert (stale.running, stale.waiting, stale.kv_usage, stale.queued_prompt_tokens) == (2, 0, 0.0, 100)
 
 
@@ -171,3 +173,23 @@ def test_hit_rate_gap_compares_the_indexs_prediction_with_the_engines_hits_betwe
     assert gap.ewma.samples == 1  # no traffic in between: no sample
     gap.observe(900, 1000, EngineLoad(scraped_at=3.0))  # an engine without prefix-cache counters
     assert gap.ewma.samples == 1
+
+
+def test_queued_prompt_tokens_count_only_what_is_not_prefilled_yet():
+    """Short requests should not wait behind a long prefill: the view counts what is left of the work
+    sent (at the measured rate), so of two instances each prefilling a long prompt, the one nearer done
+    looks less queued."""
+    early, late = OwnAccounting(), OwnAccounting()
+    for own in (early, late):
+        own.prefill_tps.add(8000.0, 0.0)
+    early.start(2000, 0.0)  # 0.25 s of prefill
+    late.start(2000, 0.1)
+    assert early.remaining_prompt_tokens(0.2) == 400 and late.remaining_prompt_tokens(0.2) == 1200
+    # Work sent behind it queues after it; what is left never exceeds what is queued.
+    early.start(800, 0.2)
+    assert early.remaining_prompt_tokens(0.2) == 1200 and early.queued_prompt_tokens == 2800
+    # Past the estimate with the first token not back: nothing more is assumed (the next sample re-measures).
+    assert early.remaining_prompt_tokens(1.0) == 0 and early.queued_prompt_tokens == 2800
+    args: dict[str, Any] = {"routable": True, "in_flight": 1, "max_concurrency": 16, "engine": None}
+    views = [merge(key=k, name=k, own=o, now=0.2, stale_after=1.0, **args) for k, o in (("e", early), ("l", late))]
+    assert [v.queued_prompt_tokens for v in views] == [1200, 1200]

@@ -10,8 +10,8 @@ import pytest
 
 from lockgate.config import parse_config
 from lockgate.routing.affinity import ConsistentHash
-from lockgate.routing.config import ConsistentHashOptions, ScoreWeights
-from lockgate.routing.cost import CacheAware, PredictedTTFT, Score, predict_ttft
+from lockgate.routing.config import ConsistentHashOptions, PredictedTTFTOptions, ScoreWeights
+from lockgate.routing.cost import CacheAware, PredictedTTFT, Score, predict_ttft, relaxed
 from lockgate.routing.factory import make_policy
 from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, PowerOfTwo, RouteRequest
 
@@ -116,8 +116,9 @@ def test_predicted_ttft_hot_prefix_does_not_attract_everything():
     policy = PredictedTTFT()
     rate = 10_000.0
     # Cold prefill of 1000 tokens elsewhere: 0.1 s. Hot instance: queue of 500 tokens -> 0.05 s + 10 uncached.
-    hot = view(0, cached_tokens=990, queued_prompt_tokens=500, prefill_tps=rate)
-    cold = view(1, prefill_tps=rate)
+    # Both caches have room (an instance of unknown cache size counts as full: see below).
+    hot = view(0, cached_tokens=990, queued_prompt_tokens=500, prefill_tps=rate, cache_room=5000)
+    cold = view(1, prefill_tps=rate, cache_room=5000)
     assert pick(policy, REQ, snap(hot, cold)) == "i0"
     # The queue there grew past what a cold prefill costs: traffic moves.
     hotter = replace(hot, queued_prompt_tokens=1500)
@@ -182,3 +183,52 @@ def test_predicted_ttft_judges_an_unmeasured_instance_by_its_measured_peers():
     measured = view(0, prefill_tps=50_000, tpot_s=0.003, queued_prompt_tokens=2000, in_flight=2)
     new = view(1)
     assert pick(policy, REQ, snap(measured, new)) == "i1"
+
+
+def test_predicted_ttft_relaxes_a_stale_measurement_toward_its_peers():
+    """One bad sample (a stall) must not price an instance out for good: never chosen, it would never be
+    measured again. Fresh, the slow measurement wins; unrefreshed for a few half-lives, the peers' rate."""
+    policy = PredictedTTFT()  # half-life 2 s
+    fast = view(0, prefill_tps=40_000, tpot_s=0.002, queued_prompt_tokens=4000, prefill_age_s=0.1, tpot_age_s=0.1)
+    stalled = view(1, prefill_tps=2_000, tpot_s=0.05, prefill_age_s=0.1, tpot_age_s=0.1)
+    assert pick(policy, REQ, snap(fast, stalled)) == "i0"
+    aged = replace(stalled, prefill_age_s=10.0, tpot_age_s=10.0)
+    assert pick(policy, REQ, snap(fast, aged)) == "i1"
+    # Off (half-life 0): the measurement stands however old.
+    frozen = PredictedTTFT(PredictedTTFTOptions(measured_half_life_ms=0))
+    assert pick(frozen, REQ, snap(fast, aged)) == "i0"
+
+
+def test_relaxed_halves_the_distance_to_the_peers_each_half_life():
+    assert relaxed(0.0, 10.0, 5.0, 2.0) == 10.0  # unmeasured: the peers'
+    assert relaxed(2.0, 10.0, 0.0, 2.0) == 2.0
+    assert relaxed(2.0, 10.0, 2.0, 2.0) == pytest.approx(6.0)
+    assert relaxed(2.0, 10.0, 4.0, 2.0) == pytest.approx(8.0)
+    assert relaxed(2.0, 10.0, 4.0, 0.0) == 2.0
+
+
+def test_predicted_ttft_counts_an_instance_of_unknown_cache_size_as_full():
+    """A copy of a prefix placed on a second instance is charged what it will crowd out, unless that
+    instance is known to have room for it: cold starts partition prefixes instead of copying them."""
+    rate = 10_000.0
+    # i0 holds 900 of the 1000 tokens but has 1200 queued (0.12 s); i1 holds nothing.
+    holder = view(0, cached_tokens=900, queued_prompt_tokens=1200, prefill_tps=rate)
+    unknown = view(1, prefill_tps=rate)
+    # i0: 0.12 + 2 x 100 / rate = 0.14 s; i1 (full): 2 x 1000 / rate = 0.2 s.
+    assert pick(PredictedTTFT(), REQ, snap(holder, unknown)) == "i0"
+    # Known room for the whole prompt: a cold prefill of 0.1 s there beats the queue.
+    roomy = replace(unknown, cache_room=5000)
+    assert pick(PredictedTTFT(), REQ, snap(holder, roomy)) == "i1"
+
+
+def test_predicted_ttft_charges_a_long_prompt_the_delay_it_imposes_on_requests_waiting_there():
+    """Every request waiting for its first token on an instance (but the one in prefill now) shares an
+    engine step with a prompt sent there, or waits behind it: a long prompt goes where fewer wait."""
+    rate = 10_000.0
+    waiting = view(0, prefill_tps=rate, cache_room=10_000, pending=4, queued_prompt_tokens=40)
+    busy = view(1, prefill_tps=rate, cache_room=10_000, pending=1, queued_prompt_tokens=600)
+    # Long (1000 tokens): 3 x 0.1 s of delay on i0 outweighs the 0.06 s of work queued on i1.
+    assert pick(PredictedTTFT(), REQ, snap(waiting, busy)) == "i1"
+    # A short request delays nobody noticeably: it takes the instance with less work ahead.
+    short = RouteRequest("m", prompt_tokens=8)
+    assert pick(PredictedTTFT(), short, snap(waiting, busy)) == "i0"

@@ -84,3 +84,18 @@ def test_the_memory_bound_counts_the_per_instance_lrus() -> None:
         index.insert(f"e{i % 4}", prompt_blocks(f"{i:04d}" * 5, 4))
     assert index.approx_bytes <= index.max_bytes
     assert sum(index.blocks_of(f"e{n}") for n in range(4)) <= len(index)
+
+
+def test_an_instance_that_went_down_holds_nothing() -> None:
+    """`forget`: a restarted engine starts with an empty cache; the other instances keep theirs."""
+    index = PrefixIndex(1 << 20, block_chars=8)
+    blocks = prompt_blocks("a shared prefix of several blocks", 8)
+    index.insert("a", blocks)
+    index.insert("b", blocks)
+    index.set_capacity("b", 100)
+    index.insert("c", prompt_blocks("only on c, nowhere else", 8))
+    assert index.forget("b") == len(blocks) and index.forget("b") == 0
+    assert index.match(blocks) == {"a": len(blocks)}
+    assert index.blocks_of("b") == 0 and index.room("b") == 100
+    assert index.forget("c") > 0 and len(index) == len(blocks)  # c's own blocks are gone from the map
+    assert index.forget("never-seen") == 0

@@ -40,24 +40,35 @@ def _overhead(args: argparse.Namespace) -> int:
 def _routing(args: argparse.Namespace) -> int:
     from ..cli import run_async
     from . import routing
+    from .machine import machine
 
     shape = routing.Shape(rate=args.rate, duration_s=args.duration, seed=args.seeds[0])
-    fleet = routing.Fleet(instances=args.instances)
+    fleet = routing.Fleet(instances=args.instances, block_size=args.block_size, small_share=args.small_share)
 
     async def main() -> int:
         replicas = (1, args.replicas) if args.replicas > 1 else (1,)
+        print(machine(), flush=True)
         async with Progress("lockgate bench routing") as progress:
             results = await routing.run(
-                args.families, args.configs, args.policies, shape, fleet, args.seeds, progress, replicas
+                args.families,
+                args.configs,
+                args.policies,
+                shape,
+                fleet,
+                args.seeds,
+                progress,
+                replicas,
+                repeat=not args.no_repeat,
             )
         print(routing.report(results))
         checks = routing.verdicts(results)
         if args.index_prompts:
             used, bound, blocks = routing.index_memory_check(args.index_prompts, args.index_bytes)
             print(f"prefix index: {args.index_prompts} distinct prompts -> {blocks} blocks held, {used} bytes measured")
-            checks.append((f"prefix index within its {bound} bytes", used <= bound))
-        for text, ok in checks:
-            print(f"{'PASS' if ok else 'MISS'}  {text}")
+            checks.append((f"prefix index within its {bound} bytes", "PASS" if used <= bound else "MISS"))
+        for text, status in checks:
+            print(f"{status:<5} {text}")
+        print(f"{machine()} (at the end)")
         # Errors are expected only where an instance crashes (its streams in flight break).
         return 0 if all(r.errors == 0 for r in results if r.config != "failing") else 1
 
@@ -344,10 +355,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--families", nargs="+", choices=routing_families, default=list(routing_families))
     route.add_argument("--configs", nargs="+", choices=routing_configs, default=list(routing_configs))
     route.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    route.add_argument("--seeds", type=int, nargs="+", default=[7], help="one run per seed; rows show medians")
+    route.add_argument(
+        "--seeds", type=int, nargs="+", default=[7, 8, 9], help="one run per seed; rows show medians and pooled p99s"
+    )
     route.add_argument("--rate", type=float, default=65.0, help="mean requests per second (Poisson)")
-    route.add_argument("--duration", type=float, default=3.0, help="seconds of trace per run")
+    route.add_argument("--duration", type=float, default=5.0, help="seconds of trace per run")
     route.add_argument("--instances", type=int, default=4)
+    route.add_argument("--block-size", type=int, default=16, help="the simulators' KV block size (tokens)")
+    route.add_argument(
+        "--small-share", type=float, default=0.25, help="share of the working set one cache holds in small/slow/failing"
+    )
+    route.add_argument("--no-repeat", action="store_true", help="do not run the default twice (no noise estimate)")
     route.add_argument(
         "--replicas", type=int, default=1, help="also run N central replicas + sidecars through a local etcd"
     )

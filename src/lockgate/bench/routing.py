@@ -52,7 +52,19 @@ from .load import percentile
 from .progress import Progress
 from .workloads import FAMILIES, MAKERS, Shape, TraceRequest, longest_prompt, working_set_tokens
 
-__all__ = ["CONFIGS", "DEFAULT", "FAMILIES", "POLICIES", "Fleet", "RunResult", "Shape", "run", "verdicts"]
+__all__ = [
+    "CONFIGS",
+    "DEFAULT",
+    "FAMILIES",
+    "POLICIES",
+    "Fleet",
+    "Noise",
+    "RunResult",
+    "Shape",
+    "judge",
+    "run",
+    "verdicts",
+]
 
 MODEL = "bench-model"
 DEFAULT = "predicted_ttft"
@@ -70,6 +82,9 @@ class Fleet:
     max_num_seqs: int = 32
     max_tokens: int = 8
     block_size: int = 16
+    #: Share of the trace's working set each instance's cache holds in `small`, `slow` and `failing`
+    #: (`large`: 1.25 of all of it).
+    small_share: float = 0.25
 
 
 def sim_configs(config: str, fleet: Fleet, trace: list[TraceRequest], duration_s: float) -> list[SimConfig]:
@@ -78,7 +93,7 @@ def sim_configs(config: str, fleet: Fleet, trace: list[TraceRequest], duration_s
     ws_blocks = working_set_tokens(trace, bs) // bs
     # Never below what a few of the longest prompts in flight at once need (else nothing could run).
     floor = 4 * (longest_prompt(trace) + fleet.max_tokens + 2 * bs) // bs
-    blocks = max(floor, ws_blocks * 5 // 4 if config == "large" else ws_blocks // 4)
+    blocks = max(floor, ws_blocks * 5 // 4 if config == "large" else int(ws_blocks * fleet.small_share))
     base = SimConfig(
         models=(MODEL,),
         prefill_tps=fleet.prefill_tps,
@@ -113,6 +128,12 @@ class RunResult:
     e2es: list[float] = field(default_factory=list)
     #: 1: one gateway in front of the engines; N: N central replicas and sidecars through etcd.
     replicas: int = 1
+    #: The second run of the default on the same seed (the bench's own noise).
+    repeat: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}#2" if self.repeat else self.policy
 
     @property
     def throughput(self) -> float:
@@ -247,52 +268,64 @@ async def run(
     seeds: list[int] | None = None,
     progress: Progress | None = None,
     replicas: tuple[int, ...] = (1,),
+    repeat: bool = True,
 ) -> list[RunResult]:
+    """Every cell; with `repeat` (and the default among `policies`) the default runs a second time per
+    seed, last, on the same trace and fleet: the difference between its two runs is the bench's noise."""
     progress = progress or Progress.silent()
     fleet = fleet or Fleet()
     seeds = seeds or [shape.seed]
-    total = len(families) * len(configs) * len(policies) * len(seeds) * len(replicas)
+    runs = [(p, False) for p in policies] + ([(DEFAULT, True)] if repeat and DEFAULT in policies else [])
+    total = len(families) * len(configs) * len(runs) * len(seeds) * len(replicas)
     results: list[RunResult] = []
     for family in families:
         for seed in seeds:
             seeded = dataclasses.replace(shape, seed=seed)
             trace = MAKERS[family](seeded)
             for config in configs:
-                for policy in policies:
+                for policy, again in runs:
                     for count in replicas:
+                        if again and count > 1:
+                            continue
                         where = f", {count} replicas" if count > 1 else ""
-                        progress.phase(f"{family}/{config} {policy}{where} seed {seed} ({len(results) + 1}/{total})")
-                        results.append(await run_cell(family, config, policy, seeded, fleet, trace, count))
+                        name = f"{policy}#2" if again else policy
+                        progress.phase(f"{family}/{config} {name}{where} seed {seed} ({len(results) + 1}/{total})")
+                        result = await run_cell(family, config, policy, seeded, fleet, trace, count)
+                        result.repeat = again
+                        results.append(result)
     return results
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One (family, config, policy, replicas) over its seeds: medians, and the spread of TTFT p99 across seeds."""
+    """One (family, config, policy, replicas) over its seeds: medians of the hit rate and TTFT p50, the
+    TTFT p99 of all its seeds' requests pooled, and how much the per-seed figures spread."""
 
     family: str
     config: str
-    policy: str
+    policy: str  # `predicted_ttft#2`: the repeat of the default
     replicas: int
     seeds: int
     requests: int
     errors: int
     hit_rate: float
+    hit_spread: float  # max - min of the per-seed hit rates (points as a fraction); 0 with one seed
     ttft_p50: float
-    ttft_p99: float
+    ttft_p99: float  # pooled over seeds
     p99_spread: float  # (max - min) / median of the per-seed p99s; 0 with one seed
-    e2e_p99: float
+    e2e_p99: float  # pooled over seeds
     cache_blocks: int
 
 
 def rows(results: list[RunResult]) -> list[Row]:
     groups: dict[tuple[str, str, str, int], list[RunResult]] = {}
     for r in results:
-        groups.setdefault((r.family, r.config, r.policy, r.replicas), []).append(r)
+        groups.setdefault((r.family, r.config, r.label, r.replicas), []).append(r)
     out = []
     for (family, config, policy, replicas), rs in groups.items():
         p99s = [percentile(r.ttfts, 99) for r in rs]
         mid = statistics.median(p99s)
+        hits = [r.hit_rate for r in rs]
         out.append(
             Row(
                 family,
@@ -302,11 +335,12 @@ def rows(results: list[RunResult]) -> list[Row]:
                 len(rs),
                 sum(r.requests for r in rs),
                 sum(r.errors for r in rs),
-                statistics.median(r.hit_rate for r in rs),
+                statistics.median(hits),
+                max(hits) - min(hits),
                 statistics.median(percentile(r.ttfts, 50) for r in rs),
-                mid,
+                percentile([t for r in rs for t in r.ttfts], 99),
                 (max(p99s) - min(p99s)) / mid if mid else 0.0,
-                statistics.median(percentile(r.e2es, 99) for r in rs),
+                percentile([t for r in rs for t in r.e2es], 99),
                 rs[0].cache_blocks,
             )
         )
@@ -315,21 +349,69 @@ def rows(results: list[RunResult]) -> list[Row]:
 
 def report(results: list[RunResult]) -> str:
     lines = [
-        f"{'family':<8}{'config':<9}{'policy':<17}{'repl':>5}{'reqs':>6}{'err':>5}{'hit rate':>10}{'TTFT p50 ms':>13}"
-        f"{'TTFT p99 ms':>13}{'±p99':>7}{'e2e p99 ms':>12}{'cache blk':>10}"
+        f"{'family':<8}{'config':<9}{'policy':<17}{'repl':>5}{'reqs':>6}{'err':>5}{'hit rate':>10}{'±hit':>6}"
+        f"{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'±p99':>7}{'e2e p99 ms':>12}{'cache blk':>10}"
     ]
     for r in rows(results):
         lines.append(
             f"{r.family:<8}{r.config:<9}{r.policy:<17}{r.replicas:>5}{r.requests:>6}{r.errors:>5}{r.hit_rate:>10.1%}"
-            f"{r.ttft_p50 * 1000:>13.1f}{r.ttft_p99 * 1000:>13.1f}{r.p99_spread:>7.0%}{r.e2e_p99 * 1000:>12.1f}"
-            f"{r.cache_blocks:>10}"
+            f"{r.hit_spread * 100:>6.1f}{r.ttft_p50 * 1000:>13.1f}{r.ttft_p99 * 1000:>13.1f}{r.p99_spread:>7.0%}"
+            f"{r.e2e_p99 * 1000:>12.1f}{r.cache_blocks:>10}"
         )
+    lines.append(
+        "hit rate and TTFT p50: medians over seeds (±hit: their max - min, in points); TTFT and e2e p99: all seeds'"
+        " requests pooled (±p99: max - min of the per-seed p99s over their median); predicted_ttft#2: the default"
+        " run again on the same seeds (the bench's own noise)"
+    )
     return "\n".join(lines)
 
 
-def verdicts(results: list[RunResult], hit_points: float = 0.03, p99_ratio: float = 1.10) -> list[tuple[str, bool]]:
-    """Per (family, config) with the default among the policies run: within `hit_points` of the best hit
-    rate and `p99_ratio` of the best TTFT p99, and no worse than round_robin on either (when it ran)."""
+@dataclass(frozen=True, slots=True)
+class Noise:
+    """How far the default's two identical runs of a row differed: hit rate (points as a fraction) and
+    TTFT p99 (relative); zero without a repeat."""
+
+    hit: float = 0.0
+    p99: float = 0.0
+
+    @classmethod
+    def between(cls, a: Row | None, b: Row | None) -> Noise:
+        if a is None or b is None or not a.ttft_p99 or not b.ttft_p99:
+            return cls()
+        return cls(abs(a.hit_rate - b.hit_rate), max(a.ttft_p99, b.ttft_p99) / min(a.ttft_p99, b.ttft_p99) - 1)
+
+
+#: A verdict: its text and `PASS`, `MISS`, or `NOISE` (missed by less than the row's own noise).
+Verdict = tuple[str, str]
+
+
+def judge(default: Row, others: list[Row], noise: Noise, hit_points: float = 0.03, p99_ratio: float = 1.10) -> Verdict:
+    """The issue's targets on one (family, config): the default within `hit_points` of the best hit rate
+    and `p99_ratio` of the best TTFT p99 among `others` (itself included), and no worse than round_robin
+    on either. `NOISE` when it misses only by less than `noise`."""
+    best_hit = max(others, key=lambda r: r.hit_rate)
+    best_p99 = min(others, key=lambda r: r.ttft_p99)
+    hit_gap = best_hit.hit_rate - default.hit_rate
+    ratio = default.ttft_p99 / best_p99.ttft_p99 if best_p99.ttft_p99 else 1.0
+    strict = [hit_gap <= hit_points, ratio <= p99_ratio]
+    loose = [hit_gap <= hit_points + noise.hit, ratio <= p99_ratio + noise.p99]
+    text = (
+        f"{default.family}/{default.config}: {default.policy} hit {default.hit_rate:.1%} (best"
+        f" {best_hit.hit_rate:.1%} {best_hit.policy}), TTFT p99 {default.ttft_p99 * 1000:.1f} ms ="
+        f" {ratio:.2f}x best ({best_p99.policy})"
+    )
+    rr = next((r for r in others if r.policy == "round_robin"), None)
+    if rr is not None:
+        strict.append(default.hit_rate >= rr.hit_rate and default.ttft_p99 <= rr.ttft_p99)
+        loose.append(default.hit_rate >= rr.hit_rate - noise.hit and default.ttft_p99 <= rr.ttft_p99 * (1 + noise.p99))
+        text += f"; round_robin {rr.hit_rate:.1%}, {rr.ttft_p99 * 1000:.1f} ms"
+    text += f"; noise (default run twice): hit {noise.hit * 100:.1f} points, p99 {noise.p99:.0%}"
+    return text, "PASS" if all(strict) else "NOISE" if all(loose) else "MISS"
+
+
+def verdicts(results: list[RunResult], hit_points: float = 0.03, p99_ratio: float = 1.10) -> list[Verdict]:
+    """Per (family, config) with the default among the policies run: `judge`; with replicas, each
+    policy within 5 points and 10% of TTFT p99 of its single-gateway row."""
     table: dict[tuple[str, str], dict[str, Row]] = {}
     many: list[Row] = []
     for row in rows(results):
@@ -337,32 +419,27 @@ def verdicts(results: list[RunResult], hit_points: float = 0.03, p99_ratio: floa
             table.setdefault((row.family, row.config), {})[row.policy] = row
         else:
             many.append(row)
-    out: list[tuple[str, bool]] = []
+    out: list[Verdict] = []
     for m in many:
         single = table.get((m.family, m.config), {}).get(m.policy)
         if single is None:
             continue
         label = f"{m.family}/{m.config}: {m.policy} with {m.replicas} replicas"
-        out.append((f"{label}: hit rate within 5 points of one gateway's", abs(m.hit_rate - single.hit_rate) <= 0.05))
-        out.append((f"{label}: TTFT p99 within 10% of one gateway's", m.ttft_p99 <= 1.1 * single.ttft_p99))
-    for (family, config), by in table.items():
-        d = by.get(DEFAULT)
-        if d is None or len(by) < 2:
-            continue
-        best_hit = max(by.values(), key=lambda r: r.hit_rate)
-        best_p99 = min(by.values(), key=lambda r: r.ttft_p99)
-        ok = d.hit_rate >= best_hit.hit_rate - hit_points and d.ttft_p99 <= p99_ratio * best_p99.ttft_p99
-        text = (
-            f"{family}/{config}: {DEFAULT} hit {d.hit_rate:.1%} (best {best_hit.hit_rate:.1%} {best_hit.policy}), "
-            f"TTFT p99 {d.ttft_p99 * 1000:.1f} ms = {d.ttft_p99 / best_p99.ttft_p99:.2f}x best "
-            f"({best_p99.policy})"
+        out.append(
+            (f"{label}: hit rate within 5 points of one gateway's", _status(abs(m.hit_rate - single.hit_rate) <= 0.05))
         )
-        rr = by.get("round_robin")
-        if rr is not None:
-            ok = ok and d.hit_rate >= rr.hit_rate and d.ttft_p99 <= rr.ttft_p99
-            text += f"; round_robin {rr.hit_rate:.1%}, {rr.ttft_p99 * 1000:.1f} ms"
-        out.append((text, ok))
+        out.append((f"{label}: TTFT p99 within 10% of one gateway's", _status(m.ttft_p99 <= 1.1 * single.ttft_p99)))
+    for by in table.values():
+        d = by.get(DEFAULT)
+        others = [r for name, r in by.items() if not name.endswith("#2")]
+        if d is None or len(others) < 2:
+            continue
+        out.append(judge(d, others, Noise.between(d, by.get(f"{DEFAULT}#2")), hit_points, p99_ratio))
     return out
+
+
+def _status(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
 
 
 def index_memory_check(prompts: int, max_bytes: int, block_chars: int = 64) -> tuple[int, int, int]:

@@ -754,11 +754,11 @@ class Fleet:
         self._metrics.scrapes.labels(instance.name, "ok" if ok else "error").inc()
         load = instance.engine_load
         tokens = instance.cache_tokens or (load.cache_tokens if ok and load is not None else None)
-        if tokens is not None and instance.token_ratio.samples:
+        ratio = self._token_ratio(instance) if tokens is not None else None
+        if tokens is not None and ratio is not None:
             # The cache's size (configured, else as the engine reports it), in the index's blocks with
             # what the engine's usage taught about its tokens (not before: a wrong guess of the engine's
             # tokenizer would make the index forget prefixes the engine still holds): model its evictions.
-            ratio = instance.token_ratio.value
             changed = [
                 pool.set_cache_tokens(instance.key, tokens, ratio)
                 for pool in self.pools.values()
@@ -783,6 +783,22 @@ class Fleet:
                     load.waiting,
                 )
                 self._notify()
+
+    def _token_ratio(self, instance: Instance) -> float | None:
+        """Engine tokens per estimated token for `instance`: what its own answers taught, else the mean of
+        the instances serving a model with it that have answered (engines of one model share a
+        tokenizer), else unknown. Borrowing matters: an instance whose cache size is unknown counts as
+        full for routing, so one that had answered nothing would never be given a request to learn from."""
+        if instance.token_ratio.samples:
+            return instance.token_ratio.value
+        peers = {
+            other.key: other.token_ratio.value
+            for pool in self.pools.values()
+            if instance.key in pool.served
+            for other in pool.instances
+            if other.token_ratio.samples
+        }
+        return sum(peers.values()) / len(peers) if peers else None
 
     # --- waiting for state changes (tests, admin) ------------------------------------------------
     def _notify(self) -> None:
@@ -885,6 +901,13 @@ class Fleet:
     def _set_health(self, instance: Instance, healthy: bool) -> None:
         if instance.healthy != healthy:
             log.info("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
+            if not healthy:
+                # Down (a failed check, a refused connection): when it answers again it is most likely a
+                # restarted engine with an empty cache; believing it still holds its prefixes would send
+                # their traffic there to miss. (Passive ejection keeps the residency: the engine runs.)
+                for pool in self.pools.values():
+                    if instance.key in pool.served:
+                        pool.index.forget(instance.key)
         instance.healthy = healthy
         self._metrics.instance_healthy.labels(instance.name).set(1 if healthy else 0)
 

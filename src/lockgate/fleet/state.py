@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..routing.config import PredictedTTFTOptions
 from ..routing.policies import InstanceView
 
 
@@ -83,6 +84,8 @@ class Attempt:
 
 #: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
 _MIN_RATE_TOKENS = 256
+#: Prefill rate assumed until an instance's own is measured (the routing default's), tokens/s.
+_DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 
 
 class OwnAccounting:
@@ -99,9 +102,28 @@ class OwnAccounting:
         self.whole = Moments()
         self.errors = 0
         self.updated_at: float | None = None
+        #: When the prompt tokens sent here should all be prefilled, at the measured rate (monotonic).
+        self.prefill_until = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Its measured prefill rate, or the default until measured (tokens/s)."""
+        return self.prefill_tps.value or _DEFAULT_PREFILL_TPS
+
+    def remaining_prompt_tokens(self, now: float) -> int:
+        """Of the prompt tokens queued here (sent, first token not back), those not prefilled yet by
+        the estimate: an instance that has been prefilling a long prompt for a while is closer to done
+        than one just sent it, and a short request routed now waits only for the rest. Once the
+        estimate has run out (the engine is slower than measured) nothing more is assumed: the next
+        first token re-measures the rate."""
+        queued = self.queued_prompt_tokens
+        if queued <= 0:
+            return 0
+        return min(queued, max(0, round((self.prefill_until - now) * self.rate)))
 
     def start(self, uncached_tokens: int, now: float) -> Attempt:
-        attempt = Attempt(uncached_tokens, self.queued_prompt_tokens, now)
+        attempt = Attempt(uncached_tokens, self.remaining_prompt_tokens(now), now)
+        self.prefill_until = max(now, self.prefill_until) + uncached_tokens / self.rate
         self.queued_prompt_tokens += uncached_tokens
         self.pending += 1
         self.prompt_tokens.add(uncached_tokens, now)
@@ -265,7 +287,7 @@ def merge(
 ) -> InstanceView:
     own_running = min(in_flight, max_concurrency)
     own_waiting = max(0, in_flight - max_concurrency)
-    queued = max(0, own.queued_prompt_tokens)
+    queued = own.remaining_prompt_tokens(now)
     running, waiting, kv = float(own_running), float(own_waiting), 0.0
     if engine is not None and engine.age(now) <= stale_after:
         if engine.running is not None:
@@ -279,6 +301,7 @@ def merge(
             waiting = max(waiting, engine.waiting)
         if engine.kv_usage is not None:
             kv = engine.kv_usage
+    prefill, tpot = own.prefill_tps, own.tpot
     return InstanceView(
         key=key,
         name=name,
@@ -286,13 +309,16 @@ def merge(
         in_flight=in_flight,
         max_concurrency=max_concurrency,
         queued_prompt_tokens=queued,
+        pending=max(0, own.pending),
         waiting=int(waiting),
         running=int(running),
         kv_usage=kv,
         ttft_s=own.ttft.value,
-        tpot_s=own.tpot.value,
+        tpot_s=tpot.value,
         decode_s=own.decode.value,
-        prefill_tps=own.prefill_tps.value,
+        prefill_tps=prefill.value,
+        prefill_age_s=0.0 if prefill.updated_at is None else now - prefill.updated_at,
+        tpot_age_s=0.0 if tpot.updated_at is None else now - tpot.updated_at,
         cached_tokens=cached_tokens,
         cache_room=cache_room,
     )

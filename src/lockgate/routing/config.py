@@ -63,6 +63,10 @@ class PrefixIndexOptions(_Strict):
 class PredictedTTFTOptions(_Strict):
     #: Prefill rate assumed for an instance until its own rate has been measured (prompt tokens/s).
     default_prefill_tps: Annotated[float, Field(gt=0)] = 8000.0
+    #: An instance's measured prefill rate and time per token relax toward its peers' with this
+    #: half-life while they take no new sample (0: never): one bad sample (a stall) must not price an
+    #: instance out for good, since an instance that is never chosen is never measured again.
+    measured_half_life_ms: Annotated[int, Field(ge=0)] = 2000
 
 
 class RoutingConfig(_Strict):

@@ -9,16 +9,22 @@
                        slot frees
     uncached       = prompt tokens - tokens that instance likely has cached (prefix index)
     prefill rate   = that instance's measured rate (EWMA); until it is measured, the mean of the
-                     measured candidates (else a configured default)
-    decode step    = its measured time per output token (the same fallback)
+                     measured candidates (else a configured default); while it takes no new sample
+                     it relaxes toward that mean (half-life `measured_half_life_ms`)
+    decode step    = its measured time per output token (the same fallback and relaxation)
     eviction cost  = (uncached tokens beyond the room left in its prefix cache) / prefill rate: placing
                      a prompt on an instance whose cache is full evicts other prefixes that will have to
                      be prefilled again; counting that once keeps a working set larger than one cache
                      partitioned over the instances instead of spread (and thrashing) over all of them.
-                     Only where the cache size is known (engine-reported or configured).
+                     An instance whose cache size is unknown (not reported yet, or never) counts as full.
 
 and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
-next to measured peers, a new instance would never be chosen and so never measured.
+next to measured peers, a new instance would never be chosen and so never measured. The relaxation
+matters for the same reason: a measurement taken during a stall (the first request on a cold
+connection, a paused process) made an instance look 10x slower, it was never chosen again, so never
+re-measured, and the fleet ran on one instance fewer for good (seen in `bench routing`: an instance
+given 1 of 200 requests). A really slow instance is re-tried about once per half-life and priced out
+again by the fresh sample.
 
 A cached prefix makes an instance cheaper only by the prefill it saves; every
 request sent there adds to its queue, so a hot prefix or a fresh, idle instance cannot attract
@@ -32,19 +38,42 @@ from .config import CacheAwareOptions, PredictedTTFTOptions, ScoreWeights
 from .policies import InstanceView, PoolSnapshot, RouteRequest, _Cursor, candidates, lowest
 
 
+def relaxed(measured: float, peers: float, age_s: float, half_life_s: float) -> float:
+    """`measured` (0: none) relaxed toward `peers` as it ages: half way after `half_life_s` (0: never)."""
+    if measured <= 0:
+        return peers
+    if half_life_s <= 0 or peers <= 0 or age_s <= 0:
+        return measured
+    weight: float = 0.5 ** (age_s / half_life_s)
+    return peers + (measured - peers) * weight
+
+
 def predict_ttft(
-    view: InstanceView, request: RouteRequest, default_prefill_tps: float, default_tpot_s: float = 0.0
+    view: InstanceView,
+    request: RouteRequest,
+    default_prefill_tps: float,
+    default_tpot_s: float = 0.0,
+    half_life_s: float = 0.0,
 ) -> float:
-    rate = view.prefill_tps or default_prefill_tps
+    """Predicted TTFT of `request` on `view` (see the module docstring); the defaults are its peers'
+    means, what an unmeasured (or long unmeasured, with `half_life_s`) instance is judged by."""
+    rate = relaxed(view.prefill_tps, default_prefill_tps, view.prefill_age_s, half_life_s)
     uncached = max(0, request.prompt_tokens - view.cached_tokens)
     wait = view.queued_prompt_tokens / rate
     over = view.in_flight + 1 - view.max_concurrency
     if over > 0:
         # No free batch slot: on average one frees every decode_s / max_concurrency seconds.
         wait += over * view.decode_s / view.max_concurrency
-    if view.cache_room is not None and uncached > view.cache_room:
-        uncached += uncached - view.cache_room
-    return wait + uncached / rate + (view.tpot_s or default_tpot_s)
+    # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
+    # some engines never say) counts as full: the cold start is when prefixes find their homes, and
+    # a copy placed then on a second instance "for free" later crowds out a prefix of its own.
+    evicted = max(0, uncached - (view.cache_room or 0))
+    # What it does to the others: an engine step lasts as long as the prefill it carries, and every
+    # request waiting for its first token there (but the one in prefill now) shares a step with this
+    # prompt's or waits behind it: a long prompt sent where short ones wait delays each of them.
+    delayed = max(0, view.pending - 1) * uncached
+    tpot = relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, half_life_s)
+    return wait + (uncached + evicted + delayed) / rate + tpot
 
 
 def _mean_measured(values: list[float]) -> float:
@@ -57,7 +86,9 @@ class PredictedTTFT:
     uses_prefix = True
 
     def __init__(self, options: PredictedTTFTOptions | None = None) -> None:
-        self._default_tps = (options or PredictedTTFTOptions()).default_prefill_tps
+        options = options or PredictedTTFTOptions()
+        self._default_tps = options.default_prefill_tps
+        self._half_life_s = options.measured_half_life_ms / 1000
         self._cursor = _Cursor()
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
@@ -66,7 +97,7 @@ class PredictedTTFT:
             return None
         rate = _mean_measured([o.prefill_tps for o in options]) or self._default_tps
         tpot = _mean_measured([o.tpot_s for o in options])
-        costs = [predict_ttft(o, request, rate, tpot) for o in options]
+        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s) for o in options]
         # Equal predictions (an idle fleet, a prompt cached nowhere): the emptier instance, then round-robin.
         best = min(costs)
         tied = [o for o, c in zip(options, costs, strict=True) if c <= best * (1 + 1e-9)]

@@ -32,8 +32,10 @@ class InstanceView:
     #: Requests the gateway has in flight there (own accounting, always current).
     in_flight: int
     max_concurrency: int
-    #: Prompt tokens sent there whose first token has not come back yet: prefill work ahead.
+    #: Prompt tokens sent there not prefilled yet (first token not back, by the measured rate): work ahead.
     queued_prompt_tokens: int = 0
+    #: Requests the gateway sent there whose first token has not come back.
+    pending: int = 0
     #: Requests waiting for a batch slot / in the running batch (engine metrics when fresh, merged
     #: with own accounting so that what was sent since the last scrape counts).
     waiting: int = 0
@@ -47,6 +49,9 @@ class InstanceView:
     decode_s: float = 0.0
     #: Measured prefill rate, prompt tokens per second (0.0: not measured yet).
     prefill_tps: float = 0.0
+    #: Seconds since `prefill_tps` / `tpot_s` last took a sample (how far to trust them).
+    prefill_age_s: float = 0.0
+    tpot_age_s: float = 0.0
     #: Tokens of this request's prompt the instance likely has cached (from the prefix index).
     cached_tokens: int = 0
     #: Tokens its prefix cache takes before it must evict (None: its cache size is unknown).

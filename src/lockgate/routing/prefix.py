@@ -113,6 +113,29 @@ class PrefixIndex:
             return None
         return max(0, capacity - len(self._resident[slot]))
 
+    def forget(self, instance_key: str) -> int:
+        """The instance lost its cache (it went down: a restarted engine starts empty): it holds no block
+        any more. Returns how many blocks it held. O(entries); called on a health change, not per request."""
+        slot = self._slots.get(instance_key)
+        if slot is None:
+            return 0
+        clear = ~(1 << slot)
+        entries = self._entries
+        held = 0
+        for key, mask in list(entries.items()):
+            if mask >> slot & 1:
+                held += 1
+                mask &= clear
+                if mask:
+                    entries[key] = mask
+                else:
+                    del entries[key]
+        resident = self._resident.get(slot)
+        if resident is not None:
+            self._resident_total -= len(resident)
+            resident.clear()
+        return held
+
     def _trim(self, slot: int) -> None:
         resident = self._resident[slot]
         excess = len(resident) - self._capacity[slot]
