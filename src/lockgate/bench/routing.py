@@ -17,7 +17,8 @@ Fleet configurations (caches sized against the trace's working set, `workloads.w
 With `--replicas N` (N >= 2) each cell also runs on the cluster shape (`lockgate.cluster`): a local etcd,
 one sidecar per two simulators, N central gateways, the trace's requests alternating between the
 centrals; the same trace and fleet, so hit rate and TTFT compare with the single gateway's (the cluster
-adds a hop: central -> sidecar -> engine, all in this one process).
+adds a hop: central -> sidecar -> engine). In that mode every gateway, the single one it is compared
+with included, is a process of its own (`topology.py`): the simulators and the client stay here.
 
 With several seeds each row shows the median over seeds of the hit rate and the TTFT percentiles.
 `verdicts` checks the issue's targets per row: the default (`predicted_ttft`) within 3 points of the best
@@ -50,6 +51,7 @@ from ..server import GatewayServer
 from ..sim import SimConfig, SimServer
 from .load import percentile
 from .progress import Progress
+from .topology import Children
 from .workloads import FAMILIES, MAKERS, Shape, TraceRequest, longest_prompt, working_set_tokens
 
 __all__ = ["CONFIGS", "DEFAULT", "FAMILIES", "POLICIES", "Fleet", "RunResult", "Shape", "run", "verdicts"]
@@ -127,7 +129,9 @@ async def run_cell(
     fleet: Fleet,
     trace: list[TraceRequest] | None = None,
     replicas: int = 1,
+    processes: bool = False,
 ) -> RunResult:
+    """`processes`: every gateway in a child process (always with `replicas` > 1)."""
     trace = trace if trace is not None else MAKERS[family](shape)
     async with contextlib.AsyncExitStack() as stack:
         sims = [
@@ -146,11 +150,16 @@ async def run_cell(
             instances = [{"url": s.url, "engine": "vllm", "name": f"sim-{n}"} for n, s in members]
             return {"name": MODEL, "routing": routing, "instances": instances}
 
-        if replicas <= 1:
-            config_ = parse_config({**base, "models": [model(list(enumerate(sims)))]}, "bench")
-            urls = [(await stack.enter_async_context(GatewayServer(config_, port=0))).url]
+        single = {**base, "models": [model(list(enumerate(sims)))]}
+        if replicas <= 1 and not processes:
+            urls = [(await stack.enter_async_context(GatewayServer(parse_config(single, "bench"), port=0))).url]
         else:
-            urls = await _cluster(stack, base, model, routing, list(enumerate(sims)), replicas)
+            directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lockgate-bench-")))
+            children = stack.enter_context(Children(directory))
+            if replicas <= 1:
+                urls = [await children.start("serve", single)]
+            else:
+                urls = await _cluster(stack, children, directory, base, model, routing, list(enumerate(sims)), replicas)
         result = RunResult(family, config, policy, shape.seed, len(trace), cache_blocks=sims[0].config.num_kv_blocks)
         result.replicas = replicas
         await _replay(urls, trace, shape, fleet, result)
@@ -162,34 +171,29 @@ async def run_cell(
 
 async def _cluster(
     stack: contextlib.AsyncExitStack,
+    children: Children,
+    directory: Path,
     base: dict[str, Any],
     model: Any,
     routing: dict[str, Any],
     sims: list[tuple[int, SimServer]],
     replicas: int,
 ) -> list[str]:
-    """A local etcd, one sidecar per two simulators, `replicas` central gateways; their URLs once every
-    central routes to every engine."""
+    """A local etcd, one sidecar per two simulators, `replicas` central gateways (processes); their URLs
+    once every central routes to every engine."""
     from ..cluster.etcd_server import LocalEtcd
 
-    directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lockgate-bench-etcd-")))
-    etcd = LocalEtcd(directory / "data")
+    etcd = LocalEtcd(directory / "etcd")
     await asyncio.to_thread(etcd.start)
     stack.callback(etcd.stop)
     cluster = {"endpoints": [etcd.url], "name": "bench", "lease_ttl_ms": 2000, "routing": routing}
     for node in range(0, len(sims), 2):
         config = {**base, "models": [model(sims[node : node + 2])], "cluster": {**cluster, "node": f"node-{node // 2}"}}
-        await stack.enter_async_context(GatewayServer(parse_config(config, "bench sidecar"), port=0, role="sidecar"))
-    urls = []
-    for _ in range(replicas):
-        server = await stack.enter_async_context(GatewayServer(parse_config({**base, "cluster": cluster}), port=0))
-        assert server.gateway is not None
-        async with asyncio.timeout(30):
-            await server.gateway.fleet.wait_until(
-                lambda f: MODEL in f.pools and sum(i.routable for i in f.pools[MODEL].instances) == len(sims)
-            )
-        urls.append(server.url)
-    return urls
+        await children.start("sidecar", config)
+    return [
+        await children.start("serve", {**base, "cluster": cluster}, ready_instances=(MODEL, len(sims)))
+        for _ in range(replicas)
+    ]
 
 
 async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape, fleet: Fleet, result: RunResult) -> None:
@@ -252,6 +256,8 @@ async def run(
     fleet = fleet or Fleet()
     seeds = seeds or [shape.seed]
     total = len(families) * len(configs) * len(policies) * len(seeds) * len(replicas)
+    # Compared with replicas, the single gateway runs as a process too (`topology.py`).
+    processes = max(replicas) > 1
     results: list[RunResult] = []
     for family in families:
         for seed in seeds:
@@ -262,7 +268,9 @@ async def run(
                     for count in replicas:
                         where = f", {count} replicas" if count > 1 else ""
                         progress.phase(f"{family}/{config} {policy}{where} seed {seed} ({len(results) + 1}/{total})")
-                        results.append(await run_cell(family, config, policy, seeded, fleet, trace, count))
+                        results.append(
+                            await run_cell(family, config, policy, seeded, fleet, trace, count, processes=processes)
+                        )
     return results
 
 
