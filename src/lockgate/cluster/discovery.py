@@ -219,7 +219,10 @@ class Discovery:
                 ttft_s=engine.ttft_s,
                 tpot_s=engine.tpot_s,
                 prefill_tps=engine.prefill_tps,
+                cache_room_tokens=engine.cache_room_tokens,
             )
+            # The sidecar counts every replica's requests; this replica's own are counted live here, so
+            # the rest (as of now) is the other replicas' load.
             instance.engine_load = EngineLoad(
                 scraped_at=now,
                 waiting=engine.waiting,
@@ -227,13 +230,18 @@ class Discovery:
                 kv_usage=engine.kv_usage,
                 prefix_hits=engine.prefix_hits,
                 prefix_queries=engine.prefix_queries,
+                foreign_in_flight=max(0, engine.in_flight - instance.in_flight),
+                foreign_queued=max(0, engine.queued_prompt_tokens - instance.own.queued_prompt_tokens),
             )
             fleet.set_health(instance, engine.routable and not record.draining)
-            if engine.resident:
-                for model in engine.models:
-                    pool = fleet.pools.get(model)
-                    if pool is not None and pool.residency is not None:
-                        pool.residency.add(ikey, engine.resident)
+            for model in engine.models:
+                pool = fleet.pools.get(model)
+                if pool is None:
+                    continue
+                if engine.resident and pool.residency is not None:
+                    pool.residency.add(ikey, engine.resident)
+                if engine.cache_tokens is not None:
+                    pool.set_cache_blocks(ikey, engine.cache_tokens)
         for gone in owned - current:
             self._forget(gone)
         self._owned[key] = current

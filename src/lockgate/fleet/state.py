@@ -182,6 +182,10 @@ class EngineLoad:
     #: Its KV cache's size in tokens, as the engine reports it (vLLM: num_gpu_blocks x block_size).
     cache_tokens: int | None = None
     prefix_hit_rate: float | None = None
+    #: Published by a sidecar (cluster mode): requests and prompt tokens queued there that other gateway
+    #: replicas sent (its accounting minus this replica's own when received); None: not known.
+    foreign_in_flight: int = 0
+    foreign_queued: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
@@ -244,6 +248,8 @@ class Published:
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     prefill_tps: float = 0.0
+    #: Estimated tokens the engine's prefix cache takes before it evicts, as the sidecar models it.
+    cache_room_tokens: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.received_at
@@ -263,18 +269,24 @@ def merge(
     cached_tokens: int = 0,
     cache_room: int | None = None,
 ) -> InstanceView:
+    queued = max(0, own.queued_prompt_tokens)
+    fresh = engine is not None and engine.age(now) <= stale_after
+    if fresh and engine is not None and engine.foreign_queued is not None:
+        # Behind a sidecar: what the other replicas sent there counts as load here too.
+        in_flight += engine.foreign_in_flight
+        queued += engine.foreign_queued
     own_running = min(in_flight, max_concurrency)
     own_waiting = max(0, in_flight - max_concurrency)
-    queued = max(0, own.queued_prompt_tokens)
     running, waiting, kv = float(own_running), float(own_waiting), 0.0
-    if engine is not None and engine.age(now) <= stale_after:
+    if fresh and engine is not None:
         if engine.running is not None:
             running = max(running, engine.running)
         if engine.waiting is not None:
             # Requests waiting there beyond those the gateway sent and has not heard back from are
-            # someone else's: their prompt tokens are unknown; assume this gateway's mean.
+            # someone else's: their prompt tokens are unknown; assume this gateway's mean (a sidecar
+            # publishes them: counted above).
             foreign = engine.waiting - max(0, own.pending)
-            if foreign > 0:
+            if foreign > 0 and engine.foreign_queued is None:
                 queued += int(foreign * own.prompt_tokens.value)
             waiting = max(waiting, engine.waiting)
         if engine.kv_usage is not None:
