@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from .progress import Progress
@@ -46,11 +47,15 @@ def _routing(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         replicas = (1, args.replicas) if args.replicas > 1 else (1,)
+        if args.replicas > 1:
+            print("load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
         async with Progress("lockgate bench routing") as progress:
             results = await routing.run(
                 args.families, args.configs, args.policies, shape, fleet, args.seeds, progress, replicas
             )
         print(routing.report(results))
+        if args.replicas > 1:
+            print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         checks = routing.verdicts(results)
         if args.index_prompts:
             used, bound, blocks = routing.index_memory_check(args.index_prompts, args.index_bytes)
