@@ -219,10 +219,11 @@ class Discovery:
                 ttft_s=engine.ttft_s,
                 tpot_s=engine.tpot_s,
                 prefill_tps=engine.prefill_tps,
-                cache_room_tokens=engine.cache_room_tokens,
             )
             # The sidecar counts every replica's requests; this replica's own are counted live here, so
-            # the rest (as of now) is the other replicas' load.
+            # the rest (as of now) is the other replicas'. Their slots count here; their queued prefill
+            # does not (docs/cluster.md, "Load": a duplicate of a request in flight there would be sent
+            # elsewhere and miss it at the sidecar).
             instance.engine_load = EngineLoad(
                 scraped_at=now,
                 waiting=engine.waiting,
@@ -231,17 +232,13 @@ class Discovery:
                 prefix_hits=engine.prefix_hits,
                 prefix_queries=engine.prefix_queries,
                 foreign_in_flight=max(0, engine.in_flight - instance.in_flight),
-                foreign_queued=max(0, engine.queued_prompt_tokens - instance.own.queued_prompt_tokens),
             )
             fleet.set_health(instance, engine.routable and not record.draining)
-            for model in engine.models:
-                pool = fleet.pools.get(model)
-                if pool is None:
-                    continue
-                if engine.resident and pool.residency is not None:
-                    pool.residency.add(ikey, engine.resident)
-                if engine.cache_tokens is not None:
-                    pool.set_cache_blocks(ikey, engine.cache_tokens)
+            if engine.resident:
+                for model in engine.models:
+                    pool = fleet.pools.get(model)
+                    if pool is not None and pool.residency is not None:
+                        pool.residency.add(ikey, engine.resident)
         for gone in owned - current:
             self._forget(gone)
         self._owned[key] = current

@@ -76,11 +76,6 @@ class EngineRecord:
     #: Prefix anchors (`routing/residency.py`) of the prompts routed to this engine since the sidecar's
     #: previous publication, at most `MAX_RESIDENT`.
     resident: tuple[int, ...] = ()
-    #: The engine's prefix cache as the sidecar's prefix index models it (it sees every request sent
-    #: there), in the gateway's estimated tokens (characters / 4): its size, and what it takes before it
-    #: evicts (None: not known yet).
-    cache_tokens: int | None = None
-    cache_room_tokens: int | None = None
 
 
 #: Anchors one engine entry may carry (a sidecar keeps the newest).
@@ -184,13 +179,7 @@ def _engine(data: Any) -> EngineRecord:
         tpot_s=float(data.get("tpot_s", 0.0)),
         prefill_tps=float(data.get("prefill_tps", 0.0)),
         resident=_hashes(data.get("resident", [])),
-        cache_tokens=_count(data.get("cache_tokens")),
-        cache_room_tokens=_count(data.get("cache_room_tokens")),
     )
-
-
-def _count(value: Any) -> int | None:
-    return None if value is None else max(0, int(value))
 
 
 def _hashes(value: Any) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..fleet.pool import Fleet, Pool
+from ..fleet.pool import Fleet
 from ..routing.residency import anchors
 from ..tasks import cancel_and_wait
 from .config import ClusterConfig
@@ -39,14 +39,11 @@ def node_record(
     """This node's engines as published: every instance the sidecar routes to (not those it discovered),
     with the prefix anchors routed to each since the last publication (`resident`)."""
     models: dict[str, list[str]] = {}
-    #: Per engine: the first pool it serves, whose prefix index models its cache.
-    pools: dict[str, Pool] = {}
     stale_after = 1.0
     for pool in fleet.pools.values():
         stale_after = pool.stale_after
         for instance in pool.instances:
             models.setdefault(instance.key, []).append(pool.model)
-            pools.setdefault(instance.key, pool)
     engines = []
     for instance in fleet.instances.values():
         if instance.published is not None or instance.key not in models:
@@ -55,9 +52,6 @@ def node_record(
         load = instance.engine_load
         fresh = load is not None and load.age(now) <= stale_after
         own = instance.own
-        index = pools[instance.key].index
-        per_block = max(1, index.block_chars // 4)
-        capacity, room = index.capacity(instance.key), index.room(instance.key)
         engines.append(
             EngineRecord(
                 id=instance.key,
@@ -77,8 +71,6 @@ def node_record(
                 tpot_s=own.tpot.value,
                 prefill_tps=own.prefill_tps.value,
                 resident=(resident or {}).get(instance.key, ()),
-                cache_tokens=None if capacity is None else capacity * per_block,
-                cache_room_tokens=None if room is None else room * per_block,
             )
         )
     return NodeRecord(node=node, url=url, engines=tuple(engines), seq=seq, published_at=time.time(), draining=draining)

@@ -279,13 +279,6 @@ class Pool:
         self.index.set_capacity(key, blocks)
         return True
 
-    def set_cache_blocks(self, key: str, estimated_tokens: int) -> None:
-        """An instance's prefix-cache size in estimated tokens (characters / 4), as a sidecar's index
-        models it (cluster mode): this index models its evictions from now on."""
-        blocks = max(1, estimated_tokens // max(1, self.index.block_chars // 4))
-        if self.index.capacity(key) != blocks:
-            self.index.set_capacity(key, blocks)
-
     def add(self, instance: Instance, served_model: str) -> None:
         """Add an instance discovered at run time (a no-op if it is a member)."""
         if instance.key in self._by_key:
@@ -332,16 +325,9 @@ class Pool:
         for i in self.instances:
             cached = self._cached_tokens(request, matched.get(i.key)) if request is not None else 0
             room = index.room(i.key)
-            room_tokens = None if room is None else room * tokens_per_block
-            published = i.published
-            if (
-                published is not None
-                and published.cache_room_tokens is not None
-                and published.age(now) <= self.stale_after
-            ):
-                # Behind a sidecar: its index sees every replica's requests there (this one's, only its own).
-                room_tokens = published.cache_room_tokens
-            views.append(i.view(now, self.stale_after, cached, room_tokens, panic=panic))
+            views.append(
+                i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block, panic=panic)
+            )
         return PoolSnapshot(self.model, tuple(views))
 
     def _place(self, request: RouteRequest, matched: dict[str, int]) -> None:

@@ -182,10 +182,9 @@ class EngineLoad:
     #: Its KV cache's size in tokens, as the engine reports it (vLLM: num_gpu_blocks x block_size).
     cache_tokens: int | None = None
     prefix_hit_rate: float | None = None
-    #: Published by a sidecar (cluster mode): requests and prompt tokens queued there that other gateway
-    #: replicas sent (its accounting minus this replica's own when received); None: not known.
+    #: Published by a sidecar (cluster mode): requests other gateway replicas have there (its accounting
+    #: minus this replica's own when received).
     foreign_in_flight: int = 0
-    foreign_queued: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
@@ -248,8 +247,6 @@ class Published:
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     prefill_tps: float = 0.0
-    #: Estimated tokens the engine's prefix cache takes before it evicts, as the sidecar models it.
-    cache_room_tokens: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.received_at
@@ -271,10 +268,9 @@ def merge(
 ) -> InstanceView:
     queued = max(0, own.queued_prompt_tokens)
     fresh = engine is not None and engine.age(now) <= stale_after
-    if fresh and engine is not None and engine.foreign_queued is not None:
-        # Behind a sidecar: what the other replicas sent there counts as load here too.
+    if fresh and engine is not None:
+        # Behind a sidecar: the slots the other replicas' requests take there are taken for this one too.
         in_flight += engine.foreign_in_flight
-        queued += engine.foreign_queued
     own_running = min(in_flight, max_concurrency)
     own_waiting = max(0, in_flight - max_concurrency)
     running, waiting, kv = float(own_running), float(own_waiting), 0.0
@@ -283,10 +279,9 @@ def merge(
             running = max(running, engine.running)
         if engine.waiting is not None:
             # Requests waiting there beyond those the gateway sent and has not heard back from are
-            # someone else's: their prompt tokens are unknown; assume this gateway's mean (a sidecar
-            # publishes them: counted above).
+            # someone else's: their prompt tokens are unknown; assume this gateway's mean.
             foreign = engine.waiting - max(0, own.pending)
-            if foreign > 0 and engine.foreign_queued is None:
+            if foreign > 0:
                 queued += int(foreign * own.prompt_tokens.value)
             waiting = max(waiting, engine.waiting)
         if engine.kv_usage is not None:
