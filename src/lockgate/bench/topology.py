@@ -28,6 +28,10 @@ from .overhead import free_port
 from .peer import stop
 
 
+class _ExitedEarly(RuntimeError):
+    """A child exited before it answered."""
+
+
 class Children:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -67,10 +71,19 @@ class Children:
         self, command: str, config: dict[str, Any], *, ready_instances: tuple[str, int] | None = None
     ) -> str:
         """`spawn`, then its URL once it answers; `ready_instances` (model, count): once that many of the
-        model's instances are routable there (a central replica discovering the sidecars' engines)."""
-        proc, url, log = self.spawn(command, config)
-        await _wait_ready(url, proc, log, ready_instances)
-        return url
+        model's instances are routable there (a central replica discovering the sidecars' engines).
+        A child that exits before it answers is started again on another port (twice at most): the free
+        port it was given may have been taken meanwhile by another process on a shared machine."""
+        for attempt in range(3):
+            proc, url, log = self.spawn(command, config)
+            try:
+                await _wait_ready(url, proc, log, ready_instances)
+            except _ExitedEarly:
+                if attempt == 2:
+                    raise
+                continue
+            return url
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def _wait_ready(
@@ -80,7 +93,7 @@ async def _wait_ready(
     async with aiohttp.ClientSession() as session:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}: {_tail(log)}")
+                raise _ExitedEarly(f"{proc.args!r} exited with {proc.returncode}: {_tail(log)}")
             with contextlib.suppress(aiohttp.ClientError):
                 if instances is None:
                     async with session.get(url + "/health") as resp:
