@@ -127,7 +127,8 @@ async def open_attempts(
             orjson.dumps(body),
             request_id,
             stream=stream,
-            headers=api.trace_headers,
+            # Only a sidecar (an engine published through etcd) is told whose request it is.
+            headers=api.trace_headers + api.relay_headers if instance.published is not None else api.trace_headers,
         )
         lease = fleet.lease(instance, max(0, route.prompt_tokens - cached), route.prompt_tokens)
         hold(lease, call)

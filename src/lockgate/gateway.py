@@ -22,6 +22,7 @@ from .admission.admin import AdminGate
 from .admission.admin import challenge as admin_challenge
 from .admission.gate import Admission
 from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
+from .cluster.identity import TENANT_HEADER, Relayed
 from .config import Config, ConfigError
 from .dashboard import Dashboard, SloProvider
 from .dashboard.assets import STATIC_PREFIX
@@ -123,6 +124,10 @@ class Gateway:
         self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
         self._route_table = self._routes()
         self._known_paths = {path for _, path in self._route_table}
+        #: Sidecars with `cluster.central_keys`: the tenant a central relays a request for.
+        self.relayed: Relayed | None = None
+        #: Central replicas: pass each request's tenant and class on to the sidecars.
+        self.relays_identity = False
         self._set_models(config)
 
     def _set_models(self, config: Config) -> None:
@@ -288,7 +293,11 @@ class Gateway:
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
-            tenant = self.admission.book.authenticate(request.headers.get("authorization"))
+            authorization = request.headers.get("authorization")
+            relayed = self.relayed
+            tenant = (
+                relayed.tenant(authorization, request.headers.get(TENANT_HEADER)) if relayed is not None else None
+            ) or self.admission.book.authenticate(authorization)
             # The edge server has read the whole body (within `limits.max_body_bytes`).
             raw = request.body
             if self.draining:
@@ -306,6 +315,8 @@ class Gateway:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
+            if self.relays_identity:
+                api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
         except GatewayError as exc:
             self.metrics.requests.labels("", "", "rejected").inc()
             self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()

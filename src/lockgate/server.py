@@ -110,9 +110,14 @@ class GatewayServer:
             from .cluster.keys import ENGINE_HEADER
 
             gateway.fleet.pin_header = ENGINE_HEADER
+            if config.cluster.central_keys:
+                from .cluster.identity import Relayed
+
+                gateway.relayed = Relayed(config.cluster.central_keys, gateway.admission.book.default.default_priority)
         elif config.cluster is not None:
             gateway.fleet.placement_blocks = config.cluster.placement_blocks
             gateway.fleet.shared_residency = True
+            gateway.relays_identity = True
         try:
             self.gateway = await self._stack.enter_async_context(gateway)
         except AccessLogUnavailable as exc:

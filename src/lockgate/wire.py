@@ -67,6 +67,9 @@ class ApiRequest:
     max_tokens: int | None
     #: W3C trace-context headers (`traceparent`, `tracestate`) to forward to the engine, once validated.
     trace_headers: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: Central replicas (cluster mode): the client's tenant and class, sent to sidecars only
+    #: (`cluster/identity.py`).
+    relay_headers: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     #: `prompt_text()` and `estimated_prompt_tokens()`, computed once (admission, routing and accounting
     #: all ask for them).
     _prompt: str | None = field(default=None, init=False, repr=False, compare=False)

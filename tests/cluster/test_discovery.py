@@ -202,3 +202,30 @@ async def test_a_reload_keeps_the_discovered_engines_and_the_limit_shares(
     async with session.post(central.url + "/v1/chat/completions", json=chat("after"), headers=headers) as resp:
         assert resp.status == 200, await resp.text()
     assert central.cluster.limits.shares() == {"acme": 1.0}
+
+
+async def test_a_sidecars_discovered_concurrency_limit_reaches_the_centrals(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """The limit a sidecar discovers from its engine's queue (`fleet/capacity.py`) is what it publishes, and
+    what a central routes and admits by (its pool's capacity)."""
+    name = unique_cluster("limit")
+    (sim,) = await start_sims(stack, 1)
+    side = await stack.enter_async_context(
+        GatewayServer(
+            parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), node="n")), role="sidecar"
+        )
+    )
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))))
+    )
+    assert side.gateway is not None and central.gateway is not None
+    await central.gateway.fleet.wait_until(lambda f: routable(f) == 1)
+    (remote,) = central.gateway.fleet.pools["m"].instances
+    (engine,) = side.gateway.fleet.pools["m"].instances
+    assert remote.max_concurrency == engine.max_concurrency == 256  # the ceiling, until discovered
+    # The engine runs 3 and queues 4, two scrapes in a row: saturated at 3.
+    assert not engine.concurrency.observe(3, 4, 3) and engine.concurrency.observe(3, 4, 3)
+    assert engine.max_concurrency == 3
+    scheduler = central.gateway.admission.schedulers["m"]
+    await eventually(lambda: remote.max_concurrency == 3 and scheduler.core.capacity == 3, what="the published limit")

@@ -125,6 +125,15 @@ async def test_replicas_agree_share_load_and_coalesce_at_the_sidecar(
     # The other replica sees the load the first one sent, through the sidecar's publication.
     other = next(i for i in fleets[1].pools["m"].instances if i.name.startswith(f"node-{held}/"))
     await eventually(lambda: other.published is not None and other.published.in_flight == 1, what="shared load")
+
+    # ... and routes by it: the slot that request takes there is taken for this replica too (while the
+    # publication is fresh: polled, a loaded machine may let one age past `scrape.stale_after_ms`).
+    def seen_taken() -> bool:
+        view = next(v for v in fleets[1].pools["m"].snapshot().instances if v.key == other.key)
+        return view.in_flight == 1
+
+    await eventually(seen_taken, what="the other replica's request counted in this one's view")
+    assert other.in_flight == 0
     follower = asyncio.create_task(ask(centrals[1], body))
     await eventually(
         lambda: [f.subscribers for f in engine.dedup.flights.all()] == [2], what="the duplicate to join at the sidecar"

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..admission.config import check_key_digests
 from ..routing.config import RoutingConfig
 
 
@@ -42,6 +43,15 @@ class ClusterConfig(BaseModel):
     #: default instance on every replica (rendezvous hashing over the live instances; load still
     #: decides). 0 turns the shared placement off.
     placement_blocks: Annotated[int, Field(ge=0, le=4096)] = 8
+    #: Sidecar: sha256 digests of the keys central replicas present (their `api_key`); a request with
+    #: one of them is scheduled and recorded by the client's tenant and class the central passes on
+    #: (`cluster/identity.py`). Without them, central traffic is one tenant here.
+    central_keys: list[str] = []
+
+    @field_validator("central_keys")
+    @classmethod
+    def _check_central_keys(cls, value: list[str]) -> list[str]:
+        return check_key_digests(value)
 
     @field_validator("endpoints")
     @classmethod

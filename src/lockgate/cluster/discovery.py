@@ -220,6 +220,10 @@ class Discovery:
                 tpot_s=engine.tpot_s,
                 prefill_tps=engine.prefill_tps,
             )
+            # The sidecar counts every replica's requests; this replica's own are counted live here, so
+            # the rest (as of now) is the other replicas'. Their slots count here; their queued prefill
+            # does not (docs/cluster.md, "Load": a duplicate of a request in flight there would be sent
+            # elsewhere and miss it at the sidecar).
             instance.engine_load = EngineLoad(
                 scraped_at=now,
                 waiting=engine.waiting,
@@ -227,6 +231,7 @@ class Discovery:
                 kv_usage=engine.kv_usage,
                 prefix_hits=engine.prefix_hits,
                 prefix_queries=engine.prefix_queries,
+                foreign_in_flight=max(0, engine.in_flight - instance.in_flight),
             )
             fleet.set_health(instance, engine.routable and not record.draining)
             if engine.resident:

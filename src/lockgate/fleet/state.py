@@ -204,6 +204,9 @@ class EngineLoad:
     #: Its KV cache's size in tokens, as the engine reports it (vLLM: num_gpu_blocks x block_size).
     cache_tokens: int | None = None
     prefix_hit_rate: float | None = None
+    #: Published by a sidecar (cluster mode): requests other gateway replicas have there (its accounting
+    #: minus this replica's own when received).
+    foreign_in_flight: int = 0
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
@@ -285,11 +288,15 @@ def merge(
     cached_tokens: int = 0,
     cache_room: int | None = None,
 ) -> InstanceView:
+    queued = own.remaining_prompt_tokens(now)
+    fresh = engine is not None and engine.age(now) <= stale_after
+    if fresh and engine is not None:
+        # Behind a sidecar: the slots the other replicas' requests take there are taken for this one too.
+        in_flight += engine.foreign_in_flight
     own_running = min(in_flight, max_concurrency)
     own_waiting = max(0, in_flight - max_concurrency)
-    queued = own.remaining_prompt_tokens(now)
     running, waiting, kv = float(own_running), float(own_waiting), 0.0
-    if engine is not None and engine.age(now) <= stale_after:
+    if fresh and engine is not None:
         if engine.running is not None:
             running = max(running, engine.running)
         if engine.waiting is not None:

@@ -1,0 +1,120 @@
+"""Priority class and tenant through the hop: a central replica passes its client's tenant and class to
+the sidecar, which schedules and records by them; only a caller with a central's key may set them, so a
+client that reaches the sidecar directly cannot forge either."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from lockgate.admission.tenants import hash_key
+from lockgate.cluster import identity
+from lockgate.cluster.identity import TENANT_HEADER, Relayed
+from lockgate.config import parse_config
+from lockgate.records import read_records
+from lockgate.server import GatewayServer
+from lockgate.sim import SimConfig, SimServer
+from tests.cluster.support import cluster_section, unique_cluster
+from tests.etcd_support import EtcdServer
+
+CENTRAL_KEY = "central-secret"
+DIRECT_KEY = "direct-client"
+ACME_KEY = "acme-key"
+BETA_KEY = "beta-key"
+
+
+def test_only_a_central_key_relays_a_tenant_and_names_are_bounded() -> None:
+    relayed = Relayed([hash_key(CENTRAL_KEY)], default_priority=1)
+    acme = relayed.tenant(f"Bearer {CENTRAL_KEY}", "acme")
+    assert acme is not None and acme.name == "acme" and acme.max_priority == 0
+    assert acme.requests_per_minute is None and acme.tokens_per_minute is None and acme.may_use("any-model")
+    assert relayed.tenant(f"Bearer {CENTRAL_KEY}", "acme") is acme
+    assert relayed.tenant(f"Bearer {CENTRAL_KEY}", None) is not None  # a central naming nobody: `default`
+    for forged in (f"Bearer {DIRECT_KEY}", "Bearer", f"Basic {CENTRAL_KEY}", None):
+        assert relayed.tenant(forged, "acme") is None
+    assert Relayed([], default_priority=1).tenant(f"Bearer {CENTRAL_KEY}", "acme") is None
+    # "acme" and "default" are kept already: MAX_TENANTS - 2 new names, then the rest are `other`.
+    tenants = [relayed.tenant(f"Bearer {CENTRAL_KEY}", f"t{n}") for n in range(identity.MAX_TENANTS + 10)]
+    names = {t.name for t in tenants if t is not None}
+    assert len(names) == identity.MAX_TENANTS - 1 and identity.OVERFLOW_TENANT in names
+
+
+def sidecar(etcd_url: str, cluster: str, sim: SimServer, usage: str) -> dict[str, Any]:
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "health": {"interval_ms": 60000},
+        "usage": {"path": usage},
+        "models": [{"name": "m", "instances": [{"url": sim.url, "engine": "vllm", "max_concurrency": 1}]}],
+        "tenants": [{"name": "direct", "keys": [hash_key(DIRECT_KEY)], "max_priority": "P2"}],
+        "cluster": cluster_section(etcd_url, cluster, node="node-0", central_keys=[hash_key(CENTRAL_KEY)]),
+    }
+
+
+def central(etcd_url: str, cluster: str, usage: str) -> dict[str, Any]:
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "health": {"interval_ms": 60000},
+        "usage": {"path": usage},
+        "tenants": [
+            {"name": "acme", "keys": [hash_key(ACME_KEY)], "max_priority": "P0"},
+            {"name": "beta", "keys": [hash_key(BETA_KEY)], "max_priority": "P2"},
+        ],
+        "cluster": cluster_section(etcd_url, cluster, api_key=CENTRAL_KEY),
+    }
+
+
+def chat(text: str, *, stream: bool = False, max_tokens: int = 3) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream}
+    return orjson.dumps(body)
+
+
+async def test_the_sidecar_schedules_and_records_by_the_clients_tenant_and_class(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    name = unique_cluster("identity")
+    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",))))
+    side = await stack.enter_async_context(
+        GatewayServer(parse_config(sidecar(etcd.url, name, sim, str(tmp_path / "s.sqlite3"))), role="sidecar")
+    )
+    cent = await stack.enter_async_context(
+        GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / "c.sqlite3"))))
+    )
+    assert cent.gateway is not None and side.gateway is not None
+    async with asyncio.timeout(15):
+        await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and f.pools["m"].ready())
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+
+    async def ask(url: str, key: str, text: str, **headers: str) -> int:
+        hdrs = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **headers}
+        async with http.post(url + "/v1/chat/completions", data=chat(text), headers=hdrs) as resp:
+            await resp.read()
+            return resp.status
+
+    # Through the central: the sidecar records the client's tenant and the class the central admitted
+    # (beta asked for P0, its cap is P2).
+    assert await ask(cent.url, ACME_KEY, "acme asks", **{"x-priority": "P0"}) == 200
+    assert await ask(cent.url, BETA_KEY, "beta asks", **{"x-priority": "P0"}) == 200
+    # Straight to the sidecar with a client's key: the forged tenant and class are not believed.
+    forged = {TENANT_HEADER: "acme", "x-priority": "P0"}
+    assert await ask(side.url, DIRECT_KEY, "direct asks", **forged) == 200
+
+    # The sidecar schedules by the relayed class: a P0 relayed while its one slot holds a relayed P2
+    # preempts it (the P2 resumes afterwards).
+    sim.control.hold_next = 1
+    p2 = asyncio.create_task(ask(side.url, CENTRAL_KEY, "batch work", **{TENANT_HEADER: "beta", "x-priority": "P2"}))
+    async with asyncio.timeout(10):
+        await sim.wait_held(1)
+    assert await ask(side.url, CENTRAL_KEY, "urgent", **{TENANT_HEADER: "acme", "x-priority": "P0"}) == 200
+    sim.release()
+    assert await p2 == 200
+    metrics = side.gateway.metrics.render().decode()
+    assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 1.0' in metrics
+
+    await side.gateway.records.wait_flushed()
+    rows = {r["tenant"] + ":" + r["priority"] for r in read_records(str(tmp_path / "s.sqlite3"))}
+    assert rows == {"acme:P0", "beta:P2", "direct:P2"}
