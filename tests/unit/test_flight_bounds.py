@@ -177,7 +177,7 @@ def start_flight(
         "f",
         key(1),
         pool,  # type: ignore[arg-type]
-        SimpleNamespace(model="m"),  # type: ignore[arg-type]
+        SimpleNamespace(model="m", stream=True),  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]

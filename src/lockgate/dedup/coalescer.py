@@ -6,6 +6,13 @@ the first of: a completed result in the cache (`hit`), a flight in progress to j
 new flight to lead (`miss`). The request's `Exchange` holds its subscription and releases it in
 `_release()`, so a disconnecting client unsubscribes at once; the flight (not the client) owns the
 engine call.
+
+A new flight asks the engine for what its leader asked for: a stream for a streaming leader, one JSON
+body for a non-streaming one (no stream to read and fold). Non-streaming clients take a JSON flight's
+body (each with its own response id); streaming clients never join a JSON flight (they would get
+nothing before the whole answer): they join or lead a streaming flight. A completed result of either
+kind serves both: events are folded for a non-streaming client, a body becomes a synthesized stream
+(`synthesize.py`) for a streaming one.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .fingerprint import Fingerprint, fingerprint
 from .flight import Flight, Subscription
 from .flights import Flights
 from .metrics import DedupMetrics
+from .synthesize import events_of
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -134,7 +142,7 @@ class Coalescer:
             hit = semantic.lookup(probe) if probe is not None else None
             if hit is not None:
                 if not semantic.shadow:
-                    return await self._respond(ex, http_request, "semantic", _Replay(hit.result.events), hit.result)
+                    return await self._respond(ex, http_request, "semantic", self._replay(ex, hit.result), hit.result)
                 self.metrics.outcome("semantic_shadow")
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
         flight = self.flights.start(
@@ -148,11 +156,18 @@ class Coalescer:
         """A cached result or a flight in progress for this fingerprint (synchronous)."""
         result = self.cache.get(key)
         if result is not None:
-            return "hit", _Replay(result.events), result
-        flight = self.flights.get(key)
+            return "hit", self._replay(ex, result), result
+        flight = self.flights.get(key, stream=ex.api.stream)
         if flight is not None:
             return "coalesced", self._subscribe(ex, flight), None
         return None
+
+    @staticmethod
+    def _replay(ex: Exchange, result: Result) -> _Replay | None:
+        """A completed result as a stream, for a streaming client (None for a non-streaming one)."""
+        if not ex.api.stream:
+            return None
+        return _Replay(result.events if result.body is None else events_of(ex.api.endpoint, result.body))
 
     @staticmethod
     def _subscribe(ex: Exchange, flight: Flight) -> Subscription:
@@ -173,9 +188,12 @@ class Coalescer:
         self.metrics.outcome(outcome)
         if ex.api.stream:
             response = await self._stream(ex, http_request, outcome, source)
+        elif cached is not None:
+            response = self._whole(ex, outcome, cached.body, cached.events, source)
+        elif source.flight.stream:
+            response = self._whole(ex, outcome, None, await source.wait_done(self.max_response_bytes), source)
         else:
-            events = cached.events if cached is not None else await source.wait_done(self.max_response_bytes)
-            response = self._whole(ex, outcome, events, source)
+            response = self._whole(ex, outcome, await source.wait_body(), (), source)
         if outcome != "miss":
             self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)
         return response
@@ -188,9 +206,21 @@ class Coalescer:
             headers["x-lockgate-instance"] = ex.record.instance = source.flight.instance.name
         return headers
 
-    def _whole(self, ex: Exchange, outcome: str, events: Any, source: Any) -> Reply:
-        body = assemble(ex.api.endpoint, events, response_id=new_response_id(ex.api.endpoint), model=ex.api.model)
-        return whole_body(ex, body, self._headers(ex, outcome, source))
+    def _whole(
+        self,
+        ex: Exchange,
+        outcome: str,
+        body: dict[str, Any] | None,
+        events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+        source: Any,
+    ) -> Reply:
+        """A non-streaming answer from a shared body (copied: every client gets its own id) or from events."""
+        endpoint = ex.api.endpoint
+        if body is not None:
+            out = {**body, "id": new_response_id(endpoint)}
+        else:
+            out = assemble(endpoint, events, response_id=new_response_id(endpoint), model=ex.api.model)
+        return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(
         self, ex: Exchange, http_request: Request, outcome: str, source: AsyncIterator[dict[str, Any]]
@@ -209,8 +239,11 @@ class Coalescer:
 
 
 def upstream_request(api: ApiRequest) -> ApiRequest:
-    """The request a flight sends: always a stream (with usage), whatever its first client asked."""
+    """The request a flight sends: a stream with usage for a streaming leader (whoever joins later asks
+    for usage or not), one JSON body (which carries its usage) for a non-streaming one."""
     body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
+    if not api.stream:
+        return dataclasses.replace(api, body=body, include_usage=False)
     body["stream"] = True
     return dataclasses.replace(api, body=body, stream=True, include_usage=True)
 

@@ -2,11 +2,20 @@
 
 Theory of operation
 -------------------
-A `Flight` owns its engine call — the routing lease, the `UpstreamCall` and the task that reads the
-stream — and keeps the events it has read in a broadcast buffer (`events`). Clients hold a
-`Subscription`: an async iterator that replays the buffer from the start and then follows the live
-tail, so a late joiner ends with exactly the content of a solo run. The call never belongs to a client:
-a subscriber leaving (the leader included) only removes its subscription.
+A `Flight` owns its engine call — the routing lease, the `UpstreamCall` and the task that reads it.
+A flight asks the engine for what its leader asked for:
+- a *streaming* flight (`stream`) keeps the events it has read in a broadcast buffer (`events`). Clients
+  hold a `Subscription`: an async iterator that replays the buffer from the start and then follows the
+  live tail, so a late joiner ends with exactly the content of a solo run. Streaming and non-streaming
+  clients may join it (the latter get the events folded into one body);
+- a *JSON* flight (not `stream`) asks for one completion body (no stream, nothing to assemble) and
+  hands that same body to every subscriber (`Subscription.wait_body()`) and to the result cache. Only
+  non-streaming clients join it: a streaming client must not wait for the whole answer before its first
+  token, so it leads a streaming flight of its own (the registry keeps one of each per fingerprint).
+  An engine that only aborts streams (`stream_upstream_always`, llama.cpp) is still read as a stream,
+  assembled into the body by the flight.
+The call never belongs to a client: a subscriber leaving (the leader included) only removes its
+subscription.
 
 Bounds (memory a client or the engine could otherwise grow without limit), in bytes of events:
 - backpressure: after each event, while the slowest current subscriber is more than `max_lag_bytes`
@@ -24,7 +33,7 @@ Subscribing and unsubscribing are synchronous. When the last subscriber leaves a
 model's cancel policy decides, at once:
 - `immediate`: abort the engine call (its connection is closed now), release the lease, leave the
   registry — the next identical request starts a fresh call;
-- `cache_partial`: the same, but the output so far is kept as a partial result;
+- `cache_partial`: the same, but the output so far is kept as a partial result (a JSON flight has none);
 - `finish_and_cache`: nothing happens; the flight finishes detached (still joinable) into the cache.
 
 A flight ends in one synchronous step, so a new identical request always sees exactly one of: the
@@ -43,10 +52,11 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..assemble import assemble
 from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..routing.policies import RouteRequest
-from ..upstream import UpstreamCall
+from ..upstream import UpstreamCall, too_large
 from .cache import Result
 from .fingerprint import Fingerprint
 
@@ -98,8 +108,12 @@ class Flight:
         self.id = flight_id
         self.key = key
         self.pool = pool
-        #: The upstream request (always streaming) and how to route it (the leader's prompt and headers).
+        #: The upstream request and how to route it (the leader's prompt and headers).
         self.api = api
+        #: A streaming flight (events, joinable by every client) or a JSON one (one body, non-streaming clients).
+        self.stream = api.stream
+        #: The engine's completion, once a JSON flight has completed.
+        self.body: dict[str, Any] | None = None
         self.route = route
         self.cancel_policy = pool.config.cancel_policy
         self._fleet = fleet
@@ -190,6 +204,11 @@ class Flight:
         opened = events = None
         try:
             opened = await self._open()
+            if not self.stream:
+                self.body = await self._read_body(opened)
+                self._nbytes = 64 + opened.call.received
+                self._complete()
+                return
             events = opened.events()
             call, counted = opened.call, 0
             async for event in events:
@@ -219,6 +238,30 @@ class Flight:
             if opened is not None:
                 await opened.aclose()
             self._release()
+
+    async def _read_body(self, opened: Opened) -> dict[str, Any]:
+        """A JSON flight's completion: the engine's body, or (an engine read as a stream whatever was asked)
+        its events assembled; either within `upstream.max_response_bytes`."""
+        call = opened.call
+        if opened.rest is None:
+            body = await call.read_json()
+            usage = body.get("usage")
+            tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            if isinstance(tokens, int):
+                opened.lease.whole(tokens)
+            return body
+        limit = self._fleet.upstream.max_response_bytes
+        held: list[dict[str, Any]] = []
+        events = opened.events()
+        try:
+            async for event in events:
+                held.append(event)
+                if call.received > limit:
+                    call.abort()
+                    raise too_large(call.instance.name, limit)
+        finally:
+            await events.aclose()
+        return assemble(self.api.endpoint, held, model=self.api.model)
 
     # --- the bounds (see the module docstring) -------------------------------------------------------
     def _consumed(self, position: int) -> int:
@@ -300,9 +343,24 @@ class Flight:
 
     # --- ending (synchronous, exactly once) ------------------------------------------------------
     def _result(self, *, complete: bool) -> Result | None:
-        """The generation as a result; None once the history bound dropped part of it."""
+        """The generation as a result; None once the history bound dropped part of it (or for a JSON flight
+        that has no body yet: a partial one has nothing to keep)."""
         if not self.joinable:
             return None
+        if not self.stream:
+            body = self.body
+            if body is None:
+                return None
+            usage = body.get("usage")
+            return Result(
+                events=(),
+                nbytes=self._nbytes,
+                prompt_tokens=_int(usage.get("prompt_tokens")) if isinstance(usage, dict) else 0,
+                completion_tokens=_int(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
+                complete=complete,
+                instance=self.instance.name if self.instance is not None else None,
+                body=body,
+            )
         usage = next((e["usage"] for e in reversed(self.events) if isinstance(e.get("usage"), dict)), None)
         prompt = completion = 0
         if usage is not None:
@@ -367,6 +425,7 @@ class Flight:
             "id": self.id,
             "fingerprint": self.key.hex(),
             "model": self.api.model,
+            "stream": self.stream,
             "state": self.state.value,
             "subscribers": self.subscribers,
             "events": self._base + len(self.events),
@@ -432,6 +491,21 @@ class Subscription:
                     code="upstream_response_too_large",
                 )
         return events
+
+    async def wait_body(self) -> dict[str, Any]:
+        """A JSON flight's completion, once it is there (shared: the caller copies what it changes)."""
+        flight = self.flight
+        while True:
+            if self._closed:
+                raise Cancelled("The subscription was closed.")
+            body = flight.body
+            if flight.state is FlightState.COMPLETED and body is not None:
+                return body
+            if flight.error is not None:
+                raise flight.error
+            if flight.state is not FlightState.RUNNING:
+                raise Cancelled("The upstream generation was stopped.")
+            await flight.wait_changed()
 
     def close(self) -> bool:
         """Leave the flight. Returns True if this aborted the engine call (last subscriber, `immediate`)."""

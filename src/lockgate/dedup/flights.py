@@ -6,6 +6,10 @@ shutdown) and awaits every task. Lookups and starts are synchronous, so "is ther
 fingerprint? if not, start one" cannot interleave with another request doing the same. A flight that
 closes to joiners (its history bound) leaves the lookup table at once but stays owned here (`all()`,
 `aclose()`) until it ends.
+
+A fingerprint has at most one joinable flight of each kind: a streaming one and a JSON one (see
+`flight.py`). A streaming request joins only a streaming flight; a non-streaming request prefers the
+JSON flight (one body, nothing to assemble) and else joins the streaming one.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ class Flights:
         self.cache = cache
         self._max_lag_bytes = config.max_lag_bytes if config is not None else 1 << 20
         self._max_history_bytes = config.max_history_bytes if config is not None else 4 << 20
-        #: Joinable flights by fingerprint, and every flight still running (joinable or not).
-        self._live: dict[bytes, Flight] = {}
+        #: Joinable flights by fingerprint (streaming ones, JSON ones), and every flight still running
+        #: (joinable or not).
+        self._streams: dict[bytes, Flight] = {}
+        self._bodies: dict[bytes, Flight] = {}
         self._running: set[Flight] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -58,17 +64,25 @@ class Flights:
     def __len__(self) -> int:
         return len(self._running)
 
-    def get(self, key: Fingerprint) -> Flight | None:
-        return self._live.get(key.digest)
+    def get(self, key: Fingerprint, *, stream: bool) -> Flight | None:
+        """The joinable flight a `stream`ing (or non-streaming) request for `key` may join, if any."""
+        if stream:
+            return self._streams.get(key.digest)
+        return self._bodies.get(key.digest) or self._streams.get(key.digest)
+
+    def _table(self, flight: Flight) -> dict[bytes, Flight]:
+        return self._streams if flight.stream else self._bodies
 
     def all(self) -> list[Flight]:
         return list(self._running)
 
     def start(self, key: Fingerprint, pool: Pool, api: ApiRequest, route: RouteRequest) -> Flight:
+        """Start a flight sending `api` (a streaming flight if `api.stream`, else a JSON one)."""
         if self._closed:
             raise ShuttingDown("The gateway is shutting down.", retry_after=1)
-        if key.digest in self._live:
-            raise RuntimeError("a flight for this fingerprint is already running")
+        table = self._streams if api.stream else self._bodies
+        if key.digest in table:
+            raise RuntimeError("a flight of this kind for this fingerprint is already running")
         flight = Flight(
             self,
             "lg-f-" + os.urandom(10).hex(),
@@ -81,7 +95,7 @@ class Flights:
             max_lag_bytes=self._max_lag_bytes,
             max_history_bytes=self._max_history_bytes,
         )
-        self._live[key.digest] = flight
+        table[key.digest] = flight
         self._running.add(flight)
         task = asyncio.create_task(flight.run(), name=f"lockgate-flight:{flight.id}")
         flight.task = task
@@ -96,8 +110,9 @@ class Flights:
         self._notify()
 
     def _forget(self, flight: Flight) -> None:
-        if self._live.get(flight.key.digest) is flight:
-            del self._live[flight.key.digest]
+        table = self._table(flight)
+        if table.get(flight.key.digest) is flight:
+            del table[flight.key.digest]
         self._running.discard(flight)
         self._notify()
 
@@ -112,8 +127,9 @@ class Flights:
 
     def flight_closed_to_joiners(self, flight: Flight) -> None:
         """The flight's history outgrew its bound: identical requests no longer find it."""
-        if self._live.get(flight.key.digest) is flight:
-            del self._live[flight.key.digest]
+        table = self._table(flight)
+        if table.get(flight.key.digest) is flight:
+            del table[flight.key.digest]
         self.closed_to_joiners += 1
         self._notify()
 
@@ -144,7 +160,7 @@ class Flights:
     def statistics(self) -> dict[str, Any]:
         return {
             "in_flight": len(self._running),
-            "joinable": len(self._live),
+            "joinable": len(self._streams) + len(self._bodies),
             "tasks": len(self._tasks),
             "subscribers": sum(f.subscribers for f in self._running),
             "started": self.started,

@@ -1,0 +1,191 @@
+"""Non-streaming flights: a non-streaming leader's flight asks the engine for one JSON body, shares it with
+its non-streaming joiners and the result cache, and never makes a streaming client wait for the whole answer.
+
+What the engine was asked is read from the simulator's own request records (`stream`); the engine is held
+(`SimControl.hold` / `hold_next`) so that every client has subscribed before it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from lockgate.assemble import assemble
+from lockgate.dedup.synthesize import events_of
+from lockgate.records import read_records
+from lockgate.wire import Endpoint
+from tests.conftest import instance
+from tests.integration.test_dedup import BODY, call, chat_text, join_in_order, solo, stream_text, wait_subscribers
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def engine_modes(sim) -> list[bool]:
+    """`stream` of every generation request the simulator has seen (finished or still open)."""
+    records = [*sim.stats.seen, *sim.stats.open.values()]
+    return [r.stream for r in records if r.kind == "chat"]
+
+
+async def test_a_non_streaming_flight_makes_one_json_call_shared_by_its_joiners(start_sim, start_gateway, http):
+    sim = await start_sim(tpot_ms=2.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    sim.control.hold = True
+    tasks = await join_in_order(gw, http, BODY, (False, False, False))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    (flight,) = gw.gateway.dedup.flights.all()
+    assert not flight.stream and flight.subscribers == 3
+    assert engine_modes(sim) == [False]  # one engine call, for one JSON body
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        results = await asyncio.gather(*tasks)
+    expected = await solo(sim, http, BODY)
+    bodies = [orjson.loads(raw) for _, _, raw in results]
+    assert [status for status, _, _ in results] == [200] * 3
+    assert [chat_text(raw) for _, _, raw in results] == [expected] * 3
+    assert len({b["id"] for b in bodies}) == 3 and {b["model"] for b in bodies} == {"m"}
+    assert all(b["usage"]["completion_tokens"] == 12 for b in bodies)
+    assert sorted(h["x-lockgate-cache"] for _, h, _ in results) == ["coalesced", "coalesced", "miss"]
+    assert {h["x-lockgate-instance"] for _, h, _ in results} == {sim.url}
+    # The body went to the result cache: a non-streaming repeat gets it, a streaming one a stream made of it.
+    status, headers, raw = await call(http, gw.url, BODY)
+    assert status == 200 and headers["x-lockgate-cache"] == "hit" and chat_text(raw) == expected
+    status, headers, raw = await call(http, gw.url, {**BODY, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and headers["x-lockgate-cache"] == "hit"
+    assert stream_text(raw)[0] == expected and b'"usage":{"prompt_tokens"' in raw
+    assert engine_modes(sim) == [False, False]  # the flight's, and the solo reference call
+    await gw.gateway.records.wait_flushed()
+    records = read_records(gw.gateway.records._path)
+    assert sorted(r["served_by"] for r in records) == ["coalesced", "coalesced", "hit", "hit", "miss"]
+    assert all(r["status"] == "completed" and r["completion_tokens"] == 12 for r in records)
+
+
+async def test_a_streaming_arrival_during_a_json_flight_gets_a_live_stream(start_sim, start_gateway, http):
+    sim = await start_sim(tpot_ms=2.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    sim.control.hold_next = 1  # the JSON flight's call is held; whatever comes next is not
+    (leader,) = await join_in_order(gw, http, BODY, (False,))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    # The whole stream arrives while the JSON flight is still waiting for its engine.
+    async with asyncio.timeout(10):
+        status, headers, raw = await call(http, gw.url, {**BODY, "stream": True})
+    expected = await solo(sim, http, BODY)
+    assert status == 200 and headers["x-lockgate-cache"] == "miss"
+    assert stream_text(raw)[0] == expected
+    flights = gw.gateway.dedup.flights
+    (json_flight,) = flights.all()
+    assert not json_flight.stream and not json_flight.done and not leader.done()
+    # The streaming flight's result is cached: a later non-streaming arrival takes it, without a third call.
+    status, headers, raw = await call(http, gw.url, BODY)
+    assert status == 200 and headers["x-lockgate-cache"] == "hit" and chat_text(raw) == expected
+    assert not json_flight.done
+    sim.release()
+    async with asyncio.timeout(10):
+        status, headers, raw = await leader
+    assert status == 200 and headers["x-lockgate-cache"] == "miss" and chat_text(raw) == expected
+    assert sorted(engine_modes(sim)) == [False, False, True]  # the JSON flight, solo, the streaming flight
+
+
+@pytest.mark.parametrize("policy", ["immediate", "cache_partial"])
+async def test_the_last_subscriber_leaving_aborts_the_json_call(start_sim, start_gateway, http, policy):
+    sim = await start_sim(tpot_ms=2.0)
+    gw = await start_gateway([{"name": "m", "cancel_policy": policy, "instances": [instance(sim)]}])
+    sim.control.hold = True
+    tasks = await join_in_order(gw, http, BODY, (False, False))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    tasks[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tasks[0]
+    await wait_subscribers(gw, 1)
+    assert sim.statistics()["requests_aborted"] == 0  # a joiner is still there
+    tasks[1].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tasks[1]
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: s.stats.requests_aborted == 1)
+    dedup = gw.gateway.dedup
+    assert len(dedup.flights) == 0 and len(dedup.cache) == 0  # a JSON call has no partial output to keep
+    assert gw.gateway.fleet.instances[sim.url].in_flight == 0
+    await gw.gateway.registry.wait_empty()
+    await gw.gateway.records.wait_flushed()
+    records = read_records(gw.gateway.records._path)
+    assert [(r["status"], r["cancel_reason"]) for r in records] == [("cancelled", "client_disconnect")] * 2
+    sim.control.hold = False
+    status, headers, _ = await call(http, gw.url, BODY)
+    assert status == 200 and headers["x-lockgate-cache"] == "miss"
+
+
+async def test_a_detached_json_flight_finishes_into_the_cache(start_sim, start_gateway, http):
+    sim = await start_sim(tpot_ms=2.0)
+    gw = await start_gateway([{"name": "m", "cancel_policy": "finish_and_cache", "instances": [instance(sim)]}])
+    sim.control.hold = True
+    (task,) = await join_in_order(gw, http, BODY, (False,))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await wait_subscribers(gw, 0)
+    flights = gw.gateway.dedup.flights
+    assert len(flights) == 1
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: len(flights) == 0)
+    status, headers, raw = await call(http, gw.url, {**BODY, "stream": True})
+    assert status == 200 and headers["x-lockgate-cache"] == "hit"
+    assert stream_text(raw)[0] == await solo(sim, http, BODY)
+    assert sim.statistics()["requests_aborted"] == 0
+
+
+def test_a_stream_synthesized_from_a_body_assembles_back_to_it():
+    chat: dict[str, Any] = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 7,
+        "model": "m",
+        "system_fingerprint": "fp",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                },
+                "logprobs": {"content": [{"token": "a", "logprob": -0.1}]},
+                "finish_reason": "tool_calls",
+            },
+            {
+                "index": 1,
+                "message": {"role": "assistant", "content": "hi"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            },
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+    events = events_of(Endpoint.CHAT, chat)
+    assert [e["object"] for e in events] == ["chat.completion.chunk"] * 3 and events[-1]["choices"] == []
+    assert assemble(Endpoint.CHAT, events, model="m", response_id="x") == chat
+    text: dict[str, Any] = {
+        "id": "y",
+        "object": "text_completion",
+        "created": 7,
+        "model": "m",
+        "choices": [{"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b"]}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
+    assert assemble(Endpoint.COMPLETIONS, events_of(Endpoint.COMPLETIONS, text), model="m", response_id="y") == text
