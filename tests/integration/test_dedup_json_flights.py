@@ -1,5 +1,6 @@
 """Non-streaming flights: a non-streaming leader's flight asks the engine for one JSON body, shares it with
 its non-streaming joiners and the result cache, and never makes a streaming client wait for the whole answer.
+And the leader of a streaming flight gets the engine's bytes as they are (pass-through).
 
 What the engine was asked is read from the simulator's own request records (`stream`); the engine is held
 (`SimControl.hold` / `hold_next`) so that every client has subscribed before it answers.
@@ -14,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from lockgate.assemble import assemble
 from lockgate.dedup.synthesize import events_of
@@ -189,3 +191,47 @@ def test_a_stream_synthesized_from_a_body_assembles_back_to_it():
         "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
     }
     assert assemble(Endpoint.COMPLETIONS, events_of(Endpoint.COMPLETIONS, text), model="m", response_id="y") == text
+
+
+async def test_a_streaming_flights_leader_gets_the_engines_bytes_and_a_joiner_its_own_id(
+    start_gateway, serve_app, http
+):
+    """The engine writes its events with spacing orjson would not produce: the leader's stream carries them
+    byte for byte (after the first, read while opening); a joiner gets the same content under its own id."""
+    gate = asyncio.Event()
+    chunk = b'{"id": "e1", "model": "m", "choices": [{"index": 0, "delta": {"content": "%d"}}]}'
+    spaced = [chunk % n for n in (1, 2, 3)]
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        assert (await request.json())["stream"] is True
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + spaced[0] + b"\n\n")
+        await gate.wait()
+        for payload in spaced[1:]:
+            await response.write(b"data: " + payload + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    app.router.add_get("/health", health)
+    url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    body = {**BODY, "stream": True}
+    async with http.post(gw.url + "/v1/chat/completions", json=body) as leader:
+        first = await leader.content.readuntil(b"\n\n")
+        joiner = asyncio.create_task(call(http, gw.url, body))
+        await wait_subscribers(gw, 2)
+        gate.set()
+        rest = await leader.read()
+    status, headers, raw = await joiner
+    assert headers["x-lockgate-cache"] == "coalesced"
+    assert orjson.loads(first[6:])["id"] == "e1"
+    assert rest == b"".join(b"data: " + p + b"\n\n" for p in spaced[1:]) + b"data: [DONE]\n\n"
+    text, ids = stream_text(raw)
+    assert status == 200 and text == "123" and len(ids) == 1 and ids != {"e1"}
+    assert spaced[1] not in raw  # re-encoded for the joiner, with its own id

@@ -164,6 +164,9 @@ class FakeEngine:
             yield event(n)
             await asyncio.sleep(0)
 
+    def raw(self) -> bytes | None:
+        return None  # the engine's bytes are not known (the flight then re-encodes for its leader)
+
     async def aclose(self) -> None:
         pass
 

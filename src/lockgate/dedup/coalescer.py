@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..assemble import assemble, new_response_id
@@ -223,15 +223,22 @@ class Coalescer:
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(
-        self, ex: Exchange, http_request: Request, outcome: str, source: AsyncIterator[dict[str, Any]]
+        self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay
     ) -> Reply:
+        if isinstance(source, Subscription) and source.passes_through:
+            # A streaming flight's leader sees the engine's stream as it is (its id included): the engine's
+            # bytes go out unchanged where its view leaves an event unchanged, as on the direct path.
+            response_id, raw = None, source.raw
+        else:
+            response_id, raw = new_response_id(ex.api.endpoint), None
         return await stream_events(
             ex,
             http_request,
             source,
             self._headers(ex, outcome, source),
-            response_id=new_response_id(ex.api.endpoint),
-            ready=source.ready,  # type: ignore[attr-defined]
+            response_id=response_id,
+            ready=source.ready,
+            raw=raw,
         )
 
     def statistics(self) -> dict[str, Any]:

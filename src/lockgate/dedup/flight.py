@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -148,9 +149,14 @@ class Flight:
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0
-        self._changed = asyncio.Event()
-        #: Tasks in `wait_changed()`: with none, an event needs no wake-up (and no new `asyncio.Event`).
-        self._waiting = 0
+        #: The flight's loop (the registry sets it when it starts the task; else looked up when needed).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: Subscribers waiting for the next event or the end: one bare future each, none when nobody waits.
+        self._waiters: list[asyncio.Future[None]] = []
+        #: The engine's own bytes of the events its first subscriber (the leader) has not read yet, while that
+        #: subscriber is there: it may write them as they are (pass-through). At most its lag.
+        self._raws: deque[bytes | None] | None = None
+        self._raw_reader: Subscription | None = None
 
     # --- subscribers (synchronous) -------------------------------------------------------------
     def subscribe(self) -> Subscription:
@@ -161,6 +167,9 @@ class Flight:
         self.subscribed_total += 1
         subscription = Subscription(self)
         self._subscriptions.add(subscription)
+        if self.subscribed_total == 1 and self.stream:
+            self._raw_reader = subscription  # the leader, subscribed before the first event
+            self._raws = deque()
         if self._floor_bytes:
             self._floor_bytes = self._floor_position = 0  # the slowest subscriber now starts at 0
         self.owner.flight_changed(self)
@@ -170,6 +179,8 @@ class Flight:
         """A subscriber left. Returns True if this aborted the engine call."""
         self.subscribers -= 1
         self._subscriptions.discard(subscription)
+        if subscription is self._raw_reader:
+            self._raw_reader = self._raws = None
         self._wake_reader()
         self.owner.flight_changed(self)
         if self.subscribers > 0 or self.state is not FlightState.RUNNING:
@@ -185,18 +196,21 @@ class Flight:
     def done(self) -> bool:
         return self.state is not FlightState.RUNNING
 
-    async def wait_changed(self) -> None:
-        """Until the next event or the end (callers check the state first, then wait: no await between)."""
-        self._waiting += 1
-        try:
-            await self._changed.wait()
-        finally:
-            self._waiting -= 1
+    def wait_changed(self) -> asyncio.Future[None]:
+        """A future done at the next event or the end (callers check the state first, then await it: no
+        await between). A bare future rather than an `asyncio.Event`: this runs for every event a
+        subscriber waits for."""
+        waiter = (self.loop or asyncio.get_running_loop()).create_future()
+        self._waiters.append(waiter)
+        return waiter
 
     def _notify(self) -> None:
-        if self._waiting:  # else the unset event serves the next waiter as it is
-            self._changed.set()
-            self._changed = asyncio.Event()
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for waiter in waiters:
+                if not waiter.done():  # a subscriber cancelled while waiting left its future cancelled
+                    waiter.set_result(None)
 
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
@@ -217,6 +231,9 @@ class Flight:
                 counted = call.received
                 self.events.append(event)
                 self._ends.append(self._nbytes)
+                raws = self._raws
+                if raws is not None:
+                    raws.append(opened.raw())
                 self._notify()
                 if self._nbytes - self._floor_bytes > self.max_lag_bytes or (
                     self.joinable and self._nbytes > self.max_history_bytes
@@ -440,12 +457,20 @@ class Flight:
 class Subscription:
     """One client's view of a flight: replay, then the live tail. `close()` is idempotent."""
 
-    __slots__ = ("_closed", "_position", "flight")
+    __slots__ = ("_closed", "_payload", "_position", "flight")
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight
         self._position = 0
         self._closed = False
+        #: The engine's bytes of the event returned last (the leader of a streaming flight only).
+        self._payload: bytes | None = None
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether this subscriber gets the engine's own bytes of each event (`raw()`): the leader of a
+        streaming flight. It then keeps the engine's response id (the others get their own)."""
+        return self.flight._raw_reader is self
 
     def __aiter__(self) -> Subscription:
         return self
@@ -461,6 +486,9 @@ class Subscription:
                 if flight._reader_waiter is not None and self._position == flight._floor_position:
                     flight._wake_reader()  # the slowest subscriber reads on
                 self._position += 1
+                if flight._raw_reader is self:
+                    raws = flight._raws
+                    self._payload = raws.popleft() if raws else None
                 return event
             if flight.state is FlightState.COMPLETED:
                 raise StopAsyncIteration
@@ -469,6 +497,10 @@ class Subscription:
             if flight.state is not FlightState.RUNNING:
                 raise Cancelled("The upstream generation was stopped.")
             await flight.wait_changed()
+
+    def raw(self) -> bytes | None:
+        """The engine's own bytes of the event returned last, when known (see `passes_through`)."""
+        return self._payload
 
     def ready(self) -> bool:
         """Whether the next step will not wait: an event is buffered, or the flight has ended (the

@@ -49,6 +49,8 @@ class Flights:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._changed = asyncio.Event()
+        #: Tasks in `wait_until()`: with none, a change needs no new `asyncio.Event` (several per request).
+        self._waiting = 0
         self.started = 0
         self.completed = 0
         self.failed = 0
@@ -99,6 +101,7 @@ class Flights:
         self._running.add(flight)
         task = asyncio.create_task(flight.run(), name=f"lockgate-flight:{flight.id}")
         flight.task = task
+        flight.loop = task.get_loop()
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         self.started += 1
@@ -145,8 +148,9 @@ class Flights:
 
     # --- observation (tests, admin) ---------------------------------------------------------------
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._waiting:  # else the unset event serves the next waiter as it is
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     def flight_changed(self, flight: Flight) -> None:
         """A flight's subscribers changed: `wait_until` re-checks."""
@@ -154,8 +158,12 @@ class Flights:
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until `predicate()` holds, re-checked on every change (bound it with `asyncio.timeout`)."""
-        while not predicate():
-            await self._changed.wait()
+        self._waiting += 1
+        try:
+            while not predicate():
+                await self._changed.wait()
+        finally:
+            self._waiting -= 1
 
     def statistics(self) -> dict[str, Any]:
         return {
