@@ -247,10 +247,11 @@ class Coalescer:
 
 def upstream_request(api: ApiRequest) -> ApiRequest:
     """The request a flight sends: a stream with usage for a streaming leader (whoever joins later asks
-    for usage or not), one JSON body (which carries its usage) for a non-streaming one."""
-    body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
+    for usage or not), one JSON body (which carries its usage) for a non-streaming one: the leader's own
+    request (validation refuses `stream_options` without `stream`)."""
     if not api.stream:
-        return dataclasses.replace(api, body=body, include_usage=False)
+        return api
+    body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
     body["stream"] = True
     return dataclasses.replace(api, body=body, stream=True, include_usage=True)
 
