@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from lockgate.assemble import assemble
+from lockgate.dedup.flights import MIXED_WINDOW_S
 from lockgate.dedup.synthesize import events_of
 from lockgate.records import read_records
 from lockgate.wire import Endpoint
@@ -97,6 +98,44 @@ async def test_a_streaming_arrival_during_a_json_flight_gets_a_live_stream(start
         status, headers, raw = await leader
     assert status == 200 and headers["x-lockgate-cache"] == "miss" and chat_text(raw) == expected
     assert sorted(engine_modes(sim)) == [False, False, True]  # the JSON flight, solo, the streaming flight
+
+
+async def test_after_a_split_non_streaming_leaders_stream_for_a_while(start_sim, start_gateway, http):
+    """Clients that mix: once a streaming duplicate needed a call of its own, the model's non-streaming leaders
+    lead streaming flights (which streaming duplicates join) until `MIXED_WINDOW_S` has passed."""
+    sim = await start_sim(tpot_ms=2.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    flights = gw.gateway.dedup.flights
+    now = [1000.0]
+    flights._clock = lambda: now[0]
+    sim.control.hold_next = 1
+    (leader,) = await join_in_order(gw, http, BODY, (False,))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    status, headers, _ = await call(http, gw.url, {**BODY, "stream": True})
+    assert status == 200 and headers["x-lockgate-cache"] == "miss" and flights.statistics()["splits"] == 1
+    sim.release()
+    async with asyncio.timeout(10):
+        assert (await leader)[0] == 200
+    other = {**BODY, "messages": [{"role": "user", "content": "another story"}]}
+    sim.control.hold = True
+    tasks = await join_in_order(gw, http, other, (False, True))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    (flight,) = flights.all()
+    assert flight.stream and flight.subscribers == 2  # one call for both kinds of client
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        (_, h1, raw1), (_, h2, raw2) = await asyncio.gather(*tasks)
+    assert chat_text(raw1) == stream_text(raw2)[0] and (h1["x-lockgate-cache"], h2["x-lockgate-cache"]) == (
+        "miss",
+        "coalesced",
+    )
+    now[0] += MIXED_WINDOW_S  # the window passes: JSON flights again
+    status, _, _ = await call(http, gw.url, {**BODY, "messages": [{"role": "user", "content": "a third story"}]})
+    assert status == 200
+    assert engine_modes(sim) == [True, False, True, False]  # split, JSON leader, mixed flight, JSON again
 
 
 @pytest.mark.parametrize("policy", ["immediate", "cache_partial"])

@@ -8,7 +8,8 @@ new flight to lead (`miss`). The request's `Exchange` holds its subscription and
 engine call.
 
 A new flight asks the engine for what its leader asked for: a stream for a streaming leader, one JSON
-body for a non-streaming one (no stream to read and fold). Non-streaming clients take a JSON flight's
+body for a non-streaming one (no stream to read and fold) — unless the model's clients were recently seen
+mixing (`Flights.leads_json`), when every flight streams. Non-streaming clients take a JSON flight's
 body (each with its own response id); streaming clients never join a JSON flight (they would get
 nothing before the whole answer): they join or lead a streaming flight. A completed result of either
 kind serves both: events are folded for a non-streaming client, a body becomes a synthesized stream
@@ -69,7 +70,7 @@ class Coalescer:
             clock=clock,
             on_stored=self._arm_sweep,
         )
-        self.flights = Flights(fleet, metrics, self.cache, config.flights)
+        self.flights = Flights(fleet, metrics, self.cache, config.flights, clock=clock)
         #: A non-streaming client's answer, assembled from a flight's events, may not be larger than this.
         self.max_response_bytes = config.upstream.max_response_bytes
         self.metrics = DedupMetrics(metrics.registry)
@@ -145,8 +146,9 @@ class Coalescer:
                     return await self._respond(ex, http_request, "semantic", self._replay(ex, hit.result), hit.result)
                 self.metrics.outcome("semantic_shadow")
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
+        stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
-            key, ex.pool, upstream_request(ex.api), ex.pool.route_request(ex.api, http_request.headers)
+            key, ex.pool, upstream_request(ex.api, stream=stream), ex.pool.route_request(ex.api, http_request.headers)
         )
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
@@ -245,11 +247,12 @@ class Coalescer:
         return {"flights": self.flights.statistics(), "cache": self.cache.statistics()}
 
 
-def upstream_request(api: ApiRequest) -> ApiRequest:
-    """The request a flight sends: a stream with usage for a streaming leader (whoever joins later asks
-    for usage or not), one JSON body (which carries its usage) for a non-streaming one: the leader's own
-    request (validation refuses `stream_options` without `stream`)."""
-    if not api.stream:
+def upstream_request(api: ApiRequest, *, stream: bool) -> ApiRequest:
+    """The request a flight sends: a stream with usage (whoever joins later asks for usage or not), or one
+    JSON body (which carries its usage) for a non-streaming leader: its own request (validation refuses
+    `stream_options` without `stream`)."""
+    if not stream:
+        assert not api.stream, "a streaming leader's flight streams"
         return api
     body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
     body["stream"] = True

@@ -10,12 +10,18 @@ closes to joiners (its history bound) leaves the lookup table at once but stays 
 A fingerprint has at most one joinable flight of each kind: a streaming one and a JSON one (see
 `flight.py`). A streaming request joins only a streaming flight; a non-streaming request prefers the
 JSON flight (one body, nothing to assemble) and else joins the streaming one.
+
+Mixed clients: a streaming flight started while a JSON flight for the same fingerprint runs is a second
+engine call for one generation (a *split*). After a split, the model's non-streaming leaders lead
+streaming flights (which every client joins) for `MIXED_WINDOW_S`, renewed by every split: a model whose
+clients mix pays at most one extra call per window, one whose clients agree gets JSON flights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +29,9 @@ from ..errors import ShuttingDown
 from .cache import Result, ResultCache
 from .fingerprint import Fingerprint
 from .flight import Flight
+
+#: How long after a split (see the module docstring) a model's non-streaming leaders lead streaming flights.
+MIXED_WINDOW_S = 60.0
 
 if TYPE_CHECKING:
     from ..config import FlightsConfig
@@ -34,9 +43,18 @@ if TYPE_CHECKING:
 
 class Flights:
     def __init__(
-        self, fleet: Fleet, metrics: GatewayMetrics, cache: ResultCache, config: FlightsConfig | None = None
+        self,
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        cache: ResultCache,
+        config: FlightsConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fleet = fleet
+        self._clock = clock
+        #: Per model, until when its non-streaming leaders lead streaming flights (after a split).
+        self._mixed_until: dict[str, float] = {}
         self._metrics = metrics
         self.cache = cache
         self._max_lag_bytes = config.max_lag_bytes if config is not None else 1 << 20
@@ -56,6 +74,7 @@ class Flights:
         self.failed = 0
         self.abandoned = 0
         self.closed_to_joiners = 0
+        self.splits = 0
 
     async def __aenter__(self) -> Flights:
         return self
@@ -72,6 +91,16 @@ class Flights:
             return self._streams.get(key.digest)
         return self._bodies.get(key.digest) or self._streams.get(key.digest)
 
+    def leads_json(self, model: str) -> bool:
+        """Whether a non-streaming leader of `model` should lead a JSON flight now (no recent split)."""
+        until = self._mixed_until.get(model)
+        if until is None:
+            return True
+        if self._clock() < until:
+            return False
+        del self._mixed_until[model]
+        return True
+
     def _table(self, flight: Flight) -> dict[bytes, Flight]:
         return self._streams if flight.stream else self._bodies
 
@@ -85,6 +114,9 @@ class Flights:
         table = self._streams if api.stream else self._bodies
         if key.digest in table:
             raise RuntimeError("a flight of this kind for this fingerprint is already running")
+        if api.stream and key.digest in self._bodies:
+            self.splits += 1  # a second call for one generation: this model's clients mix
+            self._mixed_until[pool.model] = self._clock() + MIXED_WINDOW_S
         flight = Flight(
             self,
             "lg-f-" + os.urandom(10).hex(),
@@ -176,6 +208,7 @@ class Flights:
             "failed": self.failed,
             "abandoned": self.abandoned,
             "closed_to_joiners": self.closed_to_joiners,
+            "splits": self.splits,
         }
 
     async def aclose(self) -> None:
