@@ -24,7 +24,7 @@ from typing import Any
 from .fingerprint import Fingerprint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Result:
     """A generation as the engine gave it (never mutated once stored): its parsed SSE events, or (`body`
     not None, `events` empty) the one JSON completion a non-streaming flight asked for."""

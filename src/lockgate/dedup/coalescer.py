@@ -21,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..assemble import assemble, new_response_id
+from ..assemble import assemble
 from ..edge.server import Reply, Request
 from ..exchange import Phase
 from ..respond import stream_events, whole_body
+from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .eligibility import eligible
 from .fingerprint import Fingerprint, fingerprint
@@ -62,6 +65,9 @@ class Coalescer:
         self._clock = clock
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._closed = False
+        #: Every client served from a flight or the cache gets its own response id: this prefix and a counter.
+        self._response_prefix = os.urandom(6).hex()
+        self._response_count = itertools.count(1)
         self.cache = ResultCache(
             max_entries=rc.max_entries,
             max_bytes=rc.max_bytes,
@@ -219,9 +225,9 @@ class Coalescer:
         """A non-streaming answer from a shared body (copied: every client gets its own id) or from events."""
         endpoint = ex.api.endpoint
         if body is not None:
-            out = {**body, "id": new_response_id(endpoint)}
+            out = {**body, "id": self._response_id(endpoint)}
         else:
-            out = assemble(endpoint, events, response_id=new_response_id(endpoint), model=ex.api.model)
+            out = assemble(endpoint, events, response_id=self._response_id(endpoint), model=ex.api.model)
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(
@@ -232,7 +238,7 @@ class Coalescer:
             # bytes go out unchanged where its view leaves an event unchanged, as on the direct path.
             response_id, raw = None, source.raw
         else:
-            response_id, raw = new_response_id(ex.api.endpoint), None
+            response_id, raw = self._response_id(ex.api.endpoint), None
         return await stream_events(
             ex,
             http_request,
@@ -242,6 +248,11 @@ class Coalescer:
             ready=source.ready,
             raw=raw,
         )
+
+    def _response_id(self, endpoint: Endpoint) -> str:
+        """A response id unique to this gateway's run (a random prefix and a counter: no system call)."""
+        prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
+        return f"{prefix}{self._response_prefix}{next(self._response_count):x}"
 
     def statistics(self) -> dict[str, Any]:
         return {"flights": self.flights.statistics(), "cache": self.cache.statistics()}

@@ -66,6 +66,8 @@ class Flights:
         self._running: set[Flight] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: Flight ids are this prefix and a counter (`os.urandom` per flight was a system call each).
+        self._id_prefix = "lg-f-" + os.urandom(6).hex() + "-"
         self._changed = asyncio.Event()
         #: Tasks in `wait_until()`: with none, a change needs no new `asyncio.Event` (several per request).
         self._waiting = 0
@@ -119,7 +121,7 @@ class Flights:
             self._mixed_until[pool.model] = self._clock() + MIXED_WINDOW_S
         flight = Flight(
             self,
-            "lg-f-" + os.urandom(10).hex(),
+            f"{self._id_prefix}{self.started:x}",
             key,
             pool,
             api,
