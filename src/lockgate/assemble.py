@@ -123,7 +123,8 @@ def assemble(
             if choice.get("finish_reason") is not None:
                 acc["finish_reason"] = choice["finish_reason"]
     if response_id is None:
-        response_id = next((e["id"] for e in events if isinstance(e.get("id"), str)), new_response_id(endpoint))
+        # The default is made only when needed (`next()`'s default argument would make one for every call).
+        response_id = next((e["id"] for e in events if isinstance(e.get("id"), str)), None) or new_response_id(endpoint)
     body: dict[str, Any] = {
         "id": response_id,
         "object": endpoint.object_name,

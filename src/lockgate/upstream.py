@@ -74,8 +74,8 @@ class UpstreamCall:
         #: Payloads already received and decoded but not yet consumed by `events()`, `[DONE]` included
         #: (the next step of the stream will not wait for the network).
         self.pending = 0
-        #: Bytes of event payloads yielded by `events()` so far (bounds what a caller assembles; a flight sizes
-        #: its buffer by it).
+        #: Bytes of event payloads yielded by `events()` so far, or of the body `read_json()` read (bounds what a
+        #: caller assembles; a flight sizes its buffer and its result by it).
         self.received = 0
         #: The raw `data:` payload of the event `events()` yielded last (what the engine sent, byte for byte).
         self.payload = b""
@@ -138,6 +138,7 @@ class UpstreamCall:
             self.abort()
             raise UpstreamProtocolError(f"Instance {self.instance.name} broke the response: {exc}") from None
         self.release()
+        self.received = len(raw)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -70,6 +70,16 @@ async def wait_subscribers(gw, n: int) -> None:
         await flights.wait_until(lambda: flights.statistics()["subscribers"] == n)
 
 
+async def join_in_order(gw, http, body: dict[str, Any], kinds: tuple[bool, ...]) -> list[asyncio.Task[Any]]:
+    """Clients sent one after the other, each subscribed before the next is sent: the first one leads, so
+    what kind of flight runs (streaming or JSON) does not depend on which request the gateway parsed first."""
+    tasks = []
+    for n, stream in enumerate(kinds, 1):
+        tasks.append(asyncio.create_task(call(http, gw.url, {**body, "stream": stream})))
+        await wait_subscribers(gw, n)
+    return tasks
+
+
 def text_of(raw: bytes, stream: bool) -> str:
     return stream_text(raw)[0] if stream else chat_text(raw)
 
@@ -78,8 +88,8 @@ async def test_identical_requests_share_one_engine_call(start_sim, start_gateway
     sim, gw = await gateway(start_sim, start_gateway)
     sim.control.hold = True
     kinds = [True, False, True, False, True, False]
-    tasks = [asyncio.create_task(call(http, gw.url, {**BODY, "stream": s})) for s in kinds]
-    await wait_subscribers(gw, len(kinds))
+    # A streaming leader: its flight streams, and non-streaming clients join it too.
+    tasks = await join_in_order(gw, http, BODY, tuple(kinds))
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     assert sim.statistics()["requests_started"] == 1
@@ -168,8 +178,7 @@ async def test_leader_leaving_mid_stream_does_not_affect_followers(start_sim, st
 async def held_then_abandoned(sim, gw, http, body: dict[str, Any]) -> None:
     """Two clients join a held flight, then both leave."""
     sim.control.hold = True
-    tasks = [asyncio.create_task(call(http, gw.url, {**body, "stream": s})) for s in (True, False)]
-    await wait_subscribers(gw, 2)
+    tasks = await join_in_order(gw, http, body, (True, False))
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     for task in tasks:
@@ -234,8 +243,7 @@ async def test_upstream_error_fails_every_subscriber_and_removes_the_flight(star
     sim.control.hold = True
     sim.control.reset_prob = 1.0
     kinds = (True, False, True)
-    tasks = [asyncio.create_task(call(http, gw.url, {**BODY, "stream": s})) for s in kinds]
-    await wait_subscribers(gw, 3)
+    tasks = await join_in_order(gw, http, BODY, kinds)
     sim.control.hold = False
     sim.release()
     async with asyncio.timeout(10):

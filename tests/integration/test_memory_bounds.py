@@ -254,14 +254,16 @@ async def test_an_engine_response_head_that_never_ends_is_a_502(start_gateway, s
             assert "head is larger than" in upstream_error(await resp.read())["message"]
 
 
-@pytest.mark.parametrize("path", ["flight", "llamacpp"])
+@pytest.mark.parametrize("path", ["flight", "llamacpp", "llamacpp-flight"])
 async def test_an_answer_assembled_from_a_stream_is_bounded_too(start_sim, start_gateway, http, path):
-    """A non-streaming client served from a stream (a flight; an engine always read as a stream) gets a 502
-    past `upstream.max_response_bytes`; the events are not all held first."""
+    """A non-streaming client gets a 502 past `upstream.max_response_bytes`, whether its answer is a JSON
+    flight's body or assembled from a stream (an engine always read as a stream, directly or by a JSON
+    flight); the events are not all held first."""
     sim = await start_sim(tpot_ms=0.0)
     model = {"name": "m", "instances": [instance(sim)]}
-    if path == "llamacpp":
-        model = {"name": "m", "dedup": "off", "instances": [{"url": sim.url, "engine": "llamacpp"}]}
+    if path.startswith("llamacpp"):
+        dedup = "deterministic" if path == "llamacpp-flight" else "off"
+        model = {"name": "m", "dedup": dedup, "instances": [{"url": sim.url, "engine": "llamacpp"}]}
     gw = await start_gateway([model], upstream={"max_response_bytes": 8192})
     body = {**DETERMINISTIC, "max_tokens": 2000}
     async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
@@ -285,8 +287,9 @@ async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim
     sim = await start_sim(tpot_ms=0.0)
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     body = {**DETERMINISTIC, "max_tokens": 2000}
-    async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200  # fills the result cache
+    async with http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200  # fills the result cache with the stream's 2,000 events
+        await resp.read()
     writes: list[int] = []
     original = StreamResponse.write
 

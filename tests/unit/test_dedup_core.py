@@ -207,7 +207,7 @@ class Owner:
 
 def make_flight(owner: Owner, policy: str = "immediate") -> Flight:
     pool = SimpleNamespace(config=SimpleNamespace(cancel_policy=policy))
-    return Flight(owner, "f", key(1), pool, SimpleNamespace(model="m"), None, None, None)  # type: ignore[arg-type]
+    return Flight(owner, "f", key(1), pool, SimpleNamespace(model="m", stream=True), None, None, None)  # type: ignore[arg-type]
 
 
 def push(flight: Flight, event: dict[str, Any]) -> None:

@@ -164,6 +164,9 @@ class FakeEngine:
             yield event(n)
             await asyncio.sleep(0)
 
+    def raw(self) -> bytes | None:
+        return None  # the engine's bytes are not known (the flight then re-encodes for its leader)
+
     async def aclose(self) -> None:
         pass
 
@@ -177,7 +180,7 @@ def start_flight(
         "f",
         key(1),
         pool,  # type: ignore[arg-type]
-        SimpleNamespace(model="m"),  # type: ignore[arg-type]
+        SimpleNamespace(model="m", stream=True),  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]

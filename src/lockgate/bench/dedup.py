@@ -8,7 +8,10 @@ is reproducible (temperature 0), so each duplicate should be coalesced with the 
 
 Reported: engine calls vs requests vs distinct fingerprints, outcomes (miss / coalesced / hit), latency
 of leaders (miss), followers (coalesced) and cache hits, and the engine tokens generated vs requested.
-The target: engine calls == distinct fingerprints in every window.
+The target: engine calls == distinct fingerprints in every window. With mixed clients the first window
+may miss it by a few calls: a streaming duplicate that arrives while only a non-streaming (JSON) flight
+runs leads a streaming flight of its own rather than wait for the whole answer; after that the model's
+flights stream for a while, whatever their leader asked (docs/decisions.md, issue 17).
 """
 
 from __future__ import annotations

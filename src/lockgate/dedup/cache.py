@@ -1,5 +1,8 @@
 """The completed-result cache: exact fingerprint -> finished generation.
 
+A result is either a stream's events or one JSON completion (`Result.body`); the coalescer turns either
+into what each client asked for.
+
 Bounded by entries, by bytes, and per entry (`max_entry_bytes`: a larger result is not stored);
 least recently used go first. Entries expire after a TTL and are dropped eagerly: every entry has the
 same TTL, so insertion order is expiry order, and `sweep()` (run on every `put()`, and by the
@@ -21,9 +24,10 @@ from typing import Any
 from .fingerprint import Fingerprint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Result:
-    """A generation as the engine streamed it: its parsed SSE events (never mutated once stored)."""
+    """A generation as the engine gave it (never mutated once stored): its parsed SSE events, or (`body`
+    not None, `events` empty) the one JSON completion a non-streaming flight asked for."""
 
     events: tuple[dict[str, Any], ...]
     nbytes: int
@@ -31,6 +35,7 @@ class Result:
     completion_tokens: int = 0
     complete: bool = True
     instance: str | None = None
+    body: dict[str, Any] | None = None
 
 
 class ResultCache:

@@ -6,6 +6,14 @@ the first of: a completed result in the cache (`hit`), a flight in progress to j
 new flight to lead (`miss`). The request's `Exchange` holds its subscription and releases it in
 `_release()`, so a disconnecting client unsubscribes at once; the flight (not the client) owns the
 engine call.
+
+A new flight asks the engine for what its leader asked for: a stream for a streaming leader, one JSON
+body for a non-streaming one (no stream to read and fold) — unless the model's clients were recently seen
+mixing (`Flights.leads_json`), when every flight streams. Non-streaming clients take a JSON flight's
+body (each with its own response id); streaming clients never join a JSON flight (they would get
+nothing before the whole answer): they join or lead a streaming flight. A completed result of either
+kind serves both: events are folded for a non-streaming client, a body becomes a synthesized stream
+(`synthesize.py`) for a streaming one.
 """
 
 from __future__ import annotations
@@ -13,20 +21,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
+import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..assemble import assemble, new_response_id
+from ..assemble import assemble
 from ..edge.server import Reply, Request
 from ..exchange import Phase
 from ..respond import stream_events, whole_body
+from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .eligibility import eligible
 from .fingerprint import Fingerprint, fingerprint
 from .flight import Flight, Subscription
 from .flights import Flights
 from .metrics import DedupMetrics
+from .synthesize import events_of
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -53,6 +65,9 @@ class Coalescer:
         self._clock = clock
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._closed = False
+        #: Every client served from a flight or the cache gets its own response id: this prefix and a counter.
+        self._response_prefix = os.urandom(6).hex()
+        self._response_count = itertools.count(1)
         self.cache = ResultCache(
             max_entries=rc.max_entries,
             max_bytes=rc.max_bytes,
@@ -61,7 +76,7 @@ class Coalescer:
             clock=clock,
             on_stored=self._arm_sweep,
         )
-        self.flights = Flights(fleet, metrics, self.cache, config.flights)
+        self.flights = Flights(fleet, metrics, self.cache, config.flights, clock=clock)
         #: A non-streaming client's answer, assembled from a flight's events, may not be larger than this.
         self.max_response_bytes = config.upstream.max_response_bytes
         self.metrics = DedupMetrics(metrics.registry)
@@ -134,11 +149,12 @@ class Coalescer:
             hit = semantic.lookup(probe) if probe is not None else None
             if hit is not None:
                 if not semantic.shadow:
-                    return await self._respond(ex, http_request, "semantic", _Replay(hit.result.events), hit.result)
+                    return await self._respond(ex, http_request, "semantic", self._replay(ex, hit.result), hit.result)
                 self.metrics.outcome("semantic_shadow")
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
+        stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
-            key, ex.pool, upstream_request(ex.api), ex.pool.route_request(ex.api, http_request.headers)
+            key, ex.pool, upstream_request(ex.api, stream=stream), ex.pool.route_request(ex.api, http_request.headers)
         )
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
@@ -148,11 +164,18 @@ class Coalescer:
         """A cached result or a flight in progress for this fingerprint (synchronous)."""
         result = self.cache.get(key)
         if result is not None:
-            return "hit", _Replay(result.events), result
-        flight = self.flights.get(key)
+            return "hit", self._replay(ex, result), result
+        flight = self.flights.get(key, stream=ex.api.stream)
         if flight is not None:
             return "coalesced", self._subscribe(ex, flight), None
         return None
+
+    @staticmethod
+    def _replay(ex: Exchange, result: Result) -> _Replay | None:
+        """A completed result as a stream, for a streaming client (None for a non-streaming one)."""
+        if not ex.api.stream:
+            return None
+        return _Replay(result.events if result.body is None else events_of(ex.api.endpoint, result.body))
 
     @staticmethod
     def _subscribe(ex: Exchange, flight: Flight) -> Subscription:
@@ -173,9 +196,12 @@ class Coalescer:
         self.metrics.outcome(outcome)
         if ex.api.stream:
             response = await self._stream(ex, http_request, outcome, source)
+        elif cached is not None:
+            response = self._whole(ex, outcome, cached.body, cached.events, source)
+        elif source.flight.stream:
+            response = self._whole(ex, outcome, None, await source.wait_done(self.max_response_bytes), source)
         else:
-            events = cached.events if cached is not None else await source.wait_done(self.max_response_bytes)
-            response = self._whole(ex, outcome, events, source)
+            response = self._whole(ex, outcome, await source.wait_body(), (), source)
         if outcome != "miss":
             self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)
         return response
@@ -188,28 +214,57 @@ class Coalescer:
             headers["x-lockgate-instance"] = ex.record.instance = source.flight.instance.name
         return headers
 
-    def _whole(self, ex: Exchange, outcome: str, events: Any, source: Any) -> Reply:
-        body = assemble(ex.api.endpoint, events, response_id=new_response_id(ex.api.endpoint), model=ex.api.model)
-        return whole_body(ex, body, self._headers(ex, outcome, source))
+    def _whole(
+        self,
+        ex: Exchange,
+        outcome: str,
+        body: dict[str, Any] | None,
+        events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+        source: Any,
+    ) -> Reply:
+        """A non-streaming answer from a shared body (copied: every client gets its own id) or from events."""
+        endpoint = ex.api.endpoint
+        if body is not None:
+            out = {**body, "id": self._response_id(endpoint)}
+        else:
+            out = assemble(endpoint, events, response_id=self._response_id(endpoint), model=ex.api.model)
+        return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(
-        self, ex: Exchange, http_request: Request, outcome: str, source: AsyncIterator[dict[str, Any]]
+        self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay
     ) -> Reply:
+        if isinstance(source, Subscription) and source.passes_through:
+            # A streaming flight's leader sees the engine's stream as it is (its id included): the engine's
+            # bytes go out unchanged where its view leaves an event unchanged, as on the direct path.
+            response_id, raw = None, source.raw
+        else:
+            response_id, raw = self._response_id(ex.api.endpoint), None
         return await stream_events(
             ex,
             http_request,
             source,
             self._headers(ex, outcome, source),
-            response_id=new_response_id(ex.api.endpoint),
-            ready=source.ready,  # type: ignore[attr-defined]
+            response_id=response_id,
+            ready=source.ready,
+            raw=raw,
         )
+
+    def _response_id(self, endpoint: Endpoint) -> str:
+        """A response id unique to this gateway's run (a random prefix and a counter: no system call)."""
+        prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
+        return f"{prefix}{self._response_prefix}{next(self._response_count):x}"
 
     def statistics(self) -> dict[str, Any]:
         return {"flights": self.flights.statistics(), "cache": self.cache.statistics()}
 
 
-def upstream_request(api: ApiRequest) -> ApiRequest:
-    """The request a flight sends: always a stream (with usage), whatever its first client asked."""
+def upstream_request(api: ApiRequest, *, stream: bool) -> ApiRequest:
+    """The request a flight sends: a stream with usage (whoever joins later asks for usage or not), or one
+    JSON body (which carries its usage) for a non-streaming leader: its own request (validation refuses
+    `stream_options` without `stream`)."""
+    if not stream:
+        assert not api.stream, "a streaming leader's flight streams"
+        return api
     body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
     body["stream"] = True
     return dataclasses.replace(api, body=body, stream=True, include_usage=True)

@@ -2,11 +2,20 @@
 
 Theory of operation
 -------------------
-A `Flight` owns its engine call — the routing lease, the `UpstreamCall` and the task that reads the
-stream — and keeps the events it has read in a broadcast buffer (`events`). Clients hold a
-`Subscription`: an async iterator that replays the buffer from the start and then follows the live
-tail, so a late joiner ends with exactly the content of a solo run. The call never belongs to a client:
-a subscriber leaving (the leader included) only removes its subscription.
+A `Flight` owns its engine call — the routing lease, the `UpstreamCall` and the task that reads it.
+A flight asks the engine for what its leader asked for:
+- a *streaming* flight (`stream`) keeps the events it has read in a broadcast buffer (`events`). Clients
+  hold a `Subscription`: an async iterator that replays the buffer from the start and then follows the
+  live tail, so a late joiner ends with exactly the content of a solo run. Streaming and non-streaming
+  clients may join it (the latter get the events folded into one body);
+- a *JSON* flight (not `stream`) asks for one completion body (no stream, nothing to assemble) and
+  hands that same body to every subscriber (`Subscription.wait_body()`) and to the result cache. Only
+  non-streaming clients join it: a streaming client must not wait for the whole answer before its first
+  token, so it leads a streaming flight of its own (the registry keeps one of each per fingerprint).
+  An engine that only aborts streams (`stream_upstream_always`, llama.cpp) is still read as a stream,
+  assembled into the body by the flight.
+The call never belongs to a client: a subscriber leaving (the leader included) only removes its
+subscription.
 
 Bounds (memory a client or the engine could otherwise grow without limit), in bytes of events:
 - backpressure: after each event, while the slowest current subscriber is more than `max_lag_bytes`
@@ -24,7 +33,7 @@ Subscribing and unsubscribing are synchronous. When the last subscriber leaves a
 model's cancel policy decides, at once:
 - `immediate`: abort the engine call (its connection is closed now), release the lease, leave the
   registry — the next identical request starts a fresh call;
-- `cache_partial`: the same, but the output so far is kept as a partial result;
+- `cache_partial`: the same, but the output so far is kept as a partial result (a JSON flight has none);
 - `finish_and_cache`: nothing happens; the flight finishes detached (still joinable) into the cache.
 
 A flight ends in one synchronous step, so a new identical request always sees exactly one of: the
@@ -39,14 +48,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..assemble import assemble
 from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..routing.policies import RouteRequest
-from ..upstream import UpstreamCall
+from ..upstream import UpstreamCall, too_large
 from .cache import Result
 from .fingerprint import Fingerprint
 
@@ -98,8 +109,12 @@ class Flight:
         self.id = flight_id
         self.key = key
         self.pool = pool
-        #: The upstream request (always streaming) and how to route it (the leader's prompt and headers).
+        #: The upstream request and how to route it (the leader's prompt and headers).
         self.api = api
+        #: A streaming flight (events, joinable by every client) or a JSON one (one body, non-streaming clients).
+        self.stream = api.stream
+        #: The engine's completion, once a JSON flight has completed.
+        self.body: dict[str, Any] | None = None
         self.route = route
         self.cancel_policy = pool.config.cancel_policy
         self._fleet = fleet
@@ -134,9 +149,14 @@ class Flight:
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0
-        self._changed = asyncio.Event()
-        #: Tasks in `wait_changed()`: with none, an event needs no wake-up (and no new `asyncio.Event`).
-        self._waiting = 0
+        #: The flight's loop (the registry sets it when it starts the task; else looked up when needed).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: Subscribers waiting for the next event or the end: one bare future each, none when nobody waits.
+        self._waiters: list[asyncio.Future[None]] = []
+        #: The engine's own bytes of the events its first subscriber (the leader) has not read yet, while that
+        #: subscriber is there: it may write them as they are (pass-through). At most its lag.
+        self._raws: deque[bytes | None] | None = None
+        self._raw_reader: Subscription | None = None
 
     # --- subscribers (synchronous) -------------------------------------------------------------
     def subscribe(self) -> Subscription:
@@ -147,6 +167,9 @@ class Flight:
         self.subscribed_total += 1
         subscription = Subscription(self)
         self._subscriptions.add(subscription)
+        if self.subscribed_total == 1 and self.stream:
+            self._raw_reader = subscription  # the leader, subscribed before the first event
+            self._raws = deque()
         if self._floor_bytes:
             self._floor_bytes = self._floor_position = 0  # the slowest subscriber now starts at 0
         self.owner.flight_changed(self)
@@ -156,6 +179,8 @@ class Flight:
         """A subscriber left. Returns True if this aborted the engine call."""
         self.subscribers -= 1
         self._subscriptions.discard(subscription)
+        if subscription is self._raw_reader:
+            self._raw_reader = self._raws = None
         self._wake_reader()
         self.owner.flight_changed(self)
         if self.subscribers > 0 or self.state is not FlightState.RUNNING:
@@ -171,18 +196,21 @@ class Flight:
     def done(self) -> bool:
         return self.state is not FlightState.RUNNING
 
-    async def wait_changed(self) -> None:
-        """Until the next event or the end (callers check the state first, then wait: no await between)."""
-        self._waiting += 1
-        try:
-            await self._changed.wait()
-        finally:
-            self._waiting -= 1
+    def wait_changed(self) -> asyncio.Future[None]:
+        """A future done at the next event or the end (callers check the state first, then await it: no
+        await between). A bare future rather than an `asyncio.Event`: this runs for every event a
+        subscriber waits for."""
+        waiter = (self.loop or asyncio.get_running_loop()).create_future()
+        self._waiters.append(waiter)
+        return waiter
 
     def _notify(self) -> None:
-        if self._waiting:  # else the unset event serves the next waiter as it is
-            self._changed.set()
-            self._changed = asyncio.Event()
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for waiter in waiters:
+                if not waiter.done():  # a subscriber cancelled while waiting left its future cancelled
+                    waiter.set_result(None)
 
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
@@ -190,6 +218,11 @@ class Flight:
         opened = events = None
         try:
             opened = await self._open()
+            if not self.stream:
+                self.body = await self._read_body(opened)
+                self._nbytes = 64 + opened.call.received
+                self._complete()
+                return
             events = opened.events()
             call, counted = opened.call, 0
             async for event in events:
@@ -198,6 +231,9 @@ class Flight:
                 counted = call.received
                 self.events.append(event)
                 self._ends.append(self._nbytes)
+                raws = self._raws
+                if raws is not None:
+                    raws.append(opened.raw())
                 self._notify()
                 if self._nbytes - self._floor_bytes > self.max_lag_bytes or (
                     self.joinable and self._nbytes > self.max_history_bytes
@@ -219,6 +255,30 @@ class Flight:
             if opened is not None:
                 await opened.aclose()
             self._release()
+
+    async def _read_body(self, opened: Opened) -> dict[str, Any]:
+        """A JSON flight's completion: the engine's body, or (an engine read as a stream whatever was asked)
+        its events assembled; either within `upstream.max_response_bytes`."""
+        call = opened.call
+        if opened.rest is None:
+            body = await call.read_json()
+            usage = body.get("usage")
+            tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            if isinstance(tokens, int):
+                opened.lease.whole(tokens)
+            return body
+        limit = self._fleet.upstream.max_response_bytes
+        held: list[dict[str, Any]] = []
+        events = opened.events()
+        try:
+            async for event in events:
+                held.append(event)
+                if call.received > limit:
+                    call.abort()
+                    raise too_large(call.instance.name, limit)
+        finally:
+            await events.aclose()
+        return assemble(self.api.endpoint, held, model=self.api.model)
 
     # --- the bounds (see the module docstring) -------------------------------------------------------
     def _consumed(self, position: int) -> int:
@@ -300,9 +360,24 @@ class Flight:
 
     # --- ending (synchronous, exactly once) ------------------------------------------------------
     def _result(self, *, complete: bool) -> Result | None:
-        """The generation as a result; None once the history bound dropped part of it."""
+        """The generation as a result; None once the history bound dropped part of it (or for a JSON flight
+        that has no body yet: a partial one has nothing to keep)."""
         if not self.joinable:
             return None
+        if not self.stream:
+            body = self.body
+            if body is None:
+                return None
+            usage = body.get("usage")
+            return Result(
+                events=(),
+                nbytes=self._nbytes,
+                prompt_tokens=_int(usage.get("prompt_tokens")) if isinstance(usage, dict) else 0,
+                completion_tokens=_int(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
+                complete=complete,
+                instance=self.instance.name if self.instance is not None else None,
+                body=body,
+            )
         usage = next((e["usage"] for e in reversed(self.events) if isinstance(e.get("usage"), dict)), None)
         prompt = completion = 0
         if usage is not None:
@@ -367,6 +442,7 @@ class Flight:
             "id": self.id,
             "fingerprint": self.key.hex(),
             "model": self.api.model,
+            "stream": self.stream,
             "state": self.state.value,
             "subscribers": self.subscribers,
             "events": self._base + len(self.events),
@@ -381,12 +457,20 @@ class Flight:
 class Subscription:
     """One client's view of a flight: replay, then the live tail. `close()` is idempotent."""
 
-    __slots__ = ("_closed", "_position", "flight")
+    __slots__ = ("_closed", "_payload", "_position", "flight")
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight
         self._position = 0
         self._closed = False
+        #: The engine's bytes of the event returned last (the leader of a streaming flight only).
+        self._payload: bytes | None = None
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether this subscriber gets the engine's own bytes of each event (`raw()`): the leader of a
+        streaming flight. It then keeps the engine's response id (the others get their own)."""
+        return self.flight._raw_reader is self
 
     def __aiter__(self) -> Subscription:
         return self
@@ -402,6 +486,9 @@ class Subscription:
                 if flight._reader_waiter is not None and self._position == flight._floor_position:
                     flight._wake_reader()  # the slowest subscriber reads on
                 self._position += 1
+                if flight._raw_reader is self:
+                    raws = flight._raws
+                    self._payload = raws.popleft() if raws else None
                 return event
             if flight.state is FlightState.COMPLETED:
                 raise StopAsyncIteration
@@ -410,6 +497,10 @@ class Subscription:
             if flight.state is not FlightState.RUNNING:
                 raise Cancelled("The upstream generation was stopped.")
             await flight.wait_changed()
+
+    def raw(self) -> bytes | None:
+        """The engine's own bytes of the event returned last, when known (see `passes_through`)."""
+        return self._payload
 
     def ready(self) -> bool:
         """Whether the next step will not wait: an event is buffered, or the flight has ended (the
@@ -432,6 +523,21 @@ class Subscription:
                     code="upstream_response_too_large",
                 )
         return events
+
+    async def wait_body(self) -> dict[str, Any]:
+        """A JSON flight's completion, once it is there (shared: the caller copies what it changes)."""
+        flight = self.flight
+        while True:
+            if self._closed:
+                raise Cancelled("The subscription was closed.")
+            body = flight.body
+            if flight.state is FlightState.COMPLETED and body is not None:
+                return body
+            if flight.error is not None:
+                raise flight.error
+            if flight.state is not FlightState.RUNNING:
+                raise Cancelled("The upstream generation was stopped.")
+            await flight.wait_changed()
 
     def close(self) -> bool:
         """Leave the flight. Returns True if this aborted the engine call (last subscriber, `immediate`)."""

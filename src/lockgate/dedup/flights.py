@@ -6,12 +6,22 @@ shutdown) and awaits every task. Lookups and starts are synchronous, so "is ther
 fingerprint? if not, start one" cannot interleave with another request doing the same. A flight that
 closes to joiners (its history bound) leaves the lookup table at once but stays owned here (`all()`,
 `aclose()`) until it ends.
+
+A fingerprint has at most one joinable flight of each kind: a streaming one and a JSON one (see
+`flight.py`). A streaming request joins only a streaming flight; a non-streaming request prefers the
+JSON flight (one body, nothing to assemble) and else joins the streaming one.
+
+Mixed clients: a streaming flight started while a JSON flight for the same fingerprint runs is a second
+engine call for one generation (a *split*). After a split, the model's non-streaming leaders lead
+streaming flights (which every client joins) for `MIXED_WINDOW_S`, renewed by every split: a model whose
+clients mix pays at most one extra call per window, one whose clients agree gets JSON flights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +29,9 @@ from ..errors import ShuttingDown
 from .cache import Result, ResultCache
 from .fingerprint import Fingerprint
 from .flight import Flight
+
+#: How long after a split (see the module docstring) a model's non-streaming leaders lead streaming flights.
+MIXED_WINDOW_S = 60.0
 
 if TYPE_CHECKING:
     from ..config import FlightsConfig
@@ -30,24 +43,40 @@ if TYPE_CHECKING:
 
 class Flights:
     def __init__(
-        self, fleet: Fleet, metrics: GatewayMetrics, cache: ResultCache, config: FlightsConfig | None = None
+        self,
+        fleet: Fleet,
+        metrics: GatewayMetrics,
+        cache: ResultCache,
+        config: FlightsConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fleet = fleet
+        self._clock = clock
+        #: Per model, until when its non-streaming leaders lead streaming flights (after a split).
+        self._mixed_until: dict[str, float] = {}
         self._metrics = metrics
         self.cache = cache
         self._max_lag_bytes = config.max_lag_bytes if config is not None else 1 << 20
         self._max_history_bytes = config.max_history_bytes if config is not None else 4 << 20
-        #: Joinable flights by fingerprint, and every flight still running (joinable or not).
-        self._live: dict[bytes, Flight] = {}
+        #: Joinable flights by fingerprint (streaming ones, JSON ones), and every flight still running
+        #: (joinable or not).
+        self._streams: dict[bytes, Flight] = {}
+        self._bodies: dict[bytes, Flight] = {}
         self._running: set[Flight] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: Flight ids are this prefix and a counter (`os.urandom` per flight was a system call each).
+        self._id_prefix = "lg-f-" + os.urandom(6).hex() + "-"
         self._changed = asyncio.Event()
+        #: Tasks in `wait_until()`: with none, a change needs no new `asyncio.Event` (several per request).
+        self._waiting = 0
         self.started = 0
         self.completed = 0
         self.failed = 0
         self.abandoned = 0
         self.closed_to_joiners = 0
+        self.splits = 0
 
     async def __aenter__(self) -> Flights:
         return self
@@ -58,20 +87,41 @@ class Flights:
     def __len__(self) -> int:
         return len(self._running)
 
-    def get(self, key: Fingerprint) -> Flight | None:
-        return self._live.get(key.digest)
+    def get(self, key: Fingerprint, *, stream: bool) -> Flight | None:
+        """The joinable flight a `stream`ing (or non-streaming) request for `key` may join, if any."""
+        if stream:
+            return self._streams.get(key.digest)
+        return self._bodies.get(key.digest) or self._streams.get(key.digest)
+
+    def leads_json(self, model: str) -> bool:
+        """Whether a non-streaming leader of `model` should lead a JSON flight now (no recent split)."""
+        until = self._mixed_until.get(model)
+        if until is None:
+            return True
+        if self._clock() < until:
+            return False
+        del self._mixed_until[model]
+        return True
+
+    def _table(self, flight: Flight) -> dict[bytes, Flight]:
+        return self._streams if flight.stream else self._bodies
 
     def all(self) -> list[Flight]:
         return list(self._running)
 
     def start(self, key: Fingerprint, pool: Pool, api: ApiRequest, route: RouteRequest) -> Flight:
+        """Start a flight sending `api` (a streaming flight if `api.stream`, else a JSON one)."""
         if self._closed:
             raise ShuttingDown("The gateway is shutting down.", retry_after=1)
-        if key.digest in self._live:
-            raise RuntimeError("a flight for this fingerprint is already running")
+        table = self._streams if api.stream else self._bodies
+        if key.digest in table:
+            raise RuntimeError("a flight of this kind for this fingerprint is already running")
+        if api.stream and key.digest in self._bodies:
+            self.splits += 1  # a second call for one generation: this model's clients mix
+            self._mixed_until[pool.model] = self._clock() + MIXED_WINDOW_S
         flight = Flight(
             self,
-            "lg-f-" + os.urandom(10).hex(),
+            f"{self._id_prefix}{self.started:x}",
             key,
             pool,
             api,
@@ -81,10 +131,11 @@ class Flights:
             max_lag_bytes=self._max_lag_bytes,
             max_history_bytes=self._max_history_bytes,
         )
-        self._live[key.digest] = flight
+        table[key.digest] = flight
         self._running.add(flight)
         task = asyncio.create_task(flight.run(), name=f"lockgate-flight:{flight.id}")
         flight.task = task
+        flight.loop = task.get_loop()
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         self.started += 1
@@ -96,8 +147,9 @@ class Flights:
         self._notify()
 
     def _forget(self, flight: Flight) -> None:
-        if self._live.get(flight.key.digest) is flight:
-            del self._live[flight.key.digest]
+        table = self._table(flight)
+        if table.get(flight.key.digest) is flight:
+            del table[flight.key.digest]
         self._running.discard(flight)
         self._notify()
 
@@ -112,8 +164,9 @@ class Flights:
 
     def flight_closed_to_joiners(self, flight: Flight) -> None:
         """The flight's history outgrew its bound: identical requests no longer find it."""
-        if self._live.get(flight.key.digest) is flight:
-            del self._live[flight.key.digest]
+        table = self._table(flight)
+        if table.get(flight.key.digest) is flight:
+            del table[flight.key.digest]
         self.closed_to_joiners += 1
         self._notify()
 
@@ -129,8 +182,9 @@ class Flights:
 
     # --- observation (tests, admin) ---------------------------------------------------------------
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._waiting:  # else the unset event serves the next waiter as it is
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     def flight_changed(self, flight: Flight) -> None:
         """A flight's subscribers changed: `wait_until` re-checks."""
@@ -138,13 +192,17 @@ class Flights:
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until `predicate()` holds, re-checked on every change (bound it with `asyncio.timeout`)."""
-        while not predicate():
-            await self._changed.wait()
+        self._waiting += 1
+        try:
+            while not predicate():
+                await self._changed.wait()
+        finally:
+            self._waiting -= 1
 
     def statistics(self) -> dict[str, Any]:
         return {
             "in_flight": len(self._running),
-            "joinable": len(self._live),
+            "joinable": len(self._streams) + len(self._bodies),
             "tasks": len(self._tasks),
             "subscribers": sum(f.subscribers for f in self._running),
             "started": self.started,
@@ -152,6 +210,7 @@ class Flights:
             "failed": self.failed,
             "abandoned": self.abandoned,
             "closed_to_joiners": self.closed_to_joiners,
+            "splits": self.splits,
         }
 
     async def aclose(self) -> None:

@@ -56,9 +56,12 @@ class Response:
     the response as it was, for its owner to close.
     """
 
-    __slots__ = ("_body", "_buffered", "_complete", "_conn", "_error", "_waiter", "headers", "status")
+    __slots__ = ("_body", "_buffered", "_complete", "_conn", "_error", "_loop", "_waiter", "headers", "status")
 
     def __init__(self, conn: Connection, status: int, headers: dict[str, str]) -> None:
+        # The connection's loop, kept: a stream waits once per network read, and on Python 3.11 every
+        # `asyncio.get_running_loop()` is a getpid() system call.
+        self._loop = conn.loop
         self._conn: Connection | None = conn
         self.status = status
         #: Header names are lower-cased; repeated headers are joined with ", ".
@@ -157,7 +160,7 @@ class Response:
         return parts
 
     async def _wait(self) -> None:
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        waiter = self._waiter = self._loop.create_future()
         try:
             await waiter
         finally:

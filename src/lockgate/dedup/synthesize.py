@@ -1,0 +1,57 @@
+"""A stream synthesized from a whole completion (pure, synchronous): the inverse of `assemble()`.
+
+A non-streaming flight keeps the engine's one JSON completion; a streaming client later served from it
+(a cache hit, a semantic hit) gets it as stream events: one chunk per choice carrying its whole
+message (role, content, refusal, reasoning, tool calls with their `index`, logprobs, finish reason),
+then a `choices: []` chunk with the usage. `assemble(events_of(body))` gives the body back (up to the
+response id, which each client gets its own of anyway). The whole answer is already there, so nothing
+is lost by sending it in one piece: this is never used for a generation still in progress.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire import Endpoint
+
+
+def events_of(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The stream events of the completion `body` (chat or text completion)."""
+    chat = endpoint is Endpoint.CHAT
+    head: dict[str, Any] = {
+        "id": body.get("id") if isinstance(body.get("id"), str) else "",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": body.get("created") if isinstance(body.get("created"), int) else 0,
+        "model": body.get("model"),
+    }
+    if body.get("system_fingerprint") is not None:
+        head["system_fingerprint"] = body["system_fingerprint"]
+    events: list[dict[str, Any]] = []
+    for choice in body.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        out: dict[str, Any] = {"index": choice.get("index", 0)}
+        if chat:
+            out["delta"] = _delta(choice.get("message"))
+        else:
+            out["text"] = choice.get("text") if isinstance(choice.get("text"), str) else ""
+        out["logprobs"] = choice.get("logprobs")
+        out["finish_reason"] = choice.get("finish_reason")
+        events.append({**head, "choices": [out]})
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        events.append({**head, "choices": [], "usage": usage})
+    return tuple(events)
+
+
+def _delta(message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        return {}
+    delta: dict[str, Any] = {"role": message.get("role") or "assistant"}
+    for key in ("content", "refusal", "reasoning_content"):
+        if isinstance(message.get(key), str):
+            delta[key] = message[key]
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(calls) if isinstance(call, dict)]
+    return delta
