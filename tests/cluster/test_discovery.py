@@ -224,8 +224,10 @@ async def test_a_sidecars_discovered_concurrency_limit_reaches_the_centrals(
     (remote,) = central.gateway.fleet.pools["m"].instances
     (engine,) = side.gateway.fleet.pools["m"].instances
     assert remote.max_concurrency == engine.max_concurrency == 256  # the ceiling, until discovered
-    # The engine runs 3 and queues 4, two scrapes in a row: saturated at 3.
-    assert not engine.concurrency.observe(3, 4, 3) and engine.concurrency.observe(3, 4, 3)
+    # The engine runs 3 and queues 4: the first such scrape holds the limit at 3 (the discovery window), the
+    # second confirms it (saturated at 3).
+    assert engine.concurrency.observe(3, 4, 3)
+    engine.concurrency.observe(3, 4, 3)
     assert engine.max_concurrency == 3
     scheduler = central.gateway.admission.schedulers["m"]
     await eventually(lambda: remote.max_concurrency == 3 and scheduler.core.capacity == 3, what="the published limit")
