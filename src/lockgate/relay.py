@@ -24,7 +24,7 @@ from .respond import stream_events, whole_body
 from .upstream import too_large
 
 if TYPE_CHECKING:
-    from .fleet.pool import Instance, Lease
+    from .fleet.pool import Lease
     from .upstream import UpstreamCall
 
 
@@ -59,10 +59,11 @@ async def relay(ex: Exchange, http_request: Request) -> Reply:
         opened.close()
 
 
-def _headers(ex: Exchange, instance: Instance) -> dict[str, str]:
+def _headers(ex: Exchange, call: UpstreamCall) -> dict[str, str]:
+    ex.record.instance = call.served_by
     return {
         "x-request-id": ex.record.client_request_id or ex.id,
-        "x-lockgate-instance": instance.name,
+        "x-lockgate-instance": call.served_by,
         **ex.response_headers,
         "x-lockgate-cache": "bypass",
     }
@@ -86,10 +87,10 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
                 call.abort()
                 raise too_large(call.instance.name, limit)
         body = assemble(ex.api.endpoint, held, model=ex.api.model)
-    return whole_body(ex, body, _headers(ex, opened.call.instance))
+    return whole_body(ex, body, _headers(ex, opened.call))
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
     return await stream_events(
-        ex, http_request, opened.events(), _headers(ex, opened.call.instance), ready=opened.ready, raw=opened.raw
+        ex, http_request, opened.events(), _headers(ex, opened.call), ready=opened.ready, raw=opened.raw
     )

@@ -107,9 +107,10 @@ class GatewayServer:
         usage = self._usage_path or config.usage.path
         gateway = Gateway(config, usage_path=self._usage_path)
         if config.cluster is not None and self._role == "sidecar":
-            from .cluster.keys import ENGINE_HEADER
+            if config.cluster.engine_choice == "central":
+                from .cluster.keys import ENGINE_HEADER
 
-            gateway.fleet.pin_header = ENGINE_HEADER
+                gateway.fleet.pin_header = ENGINE_HEADER
             if config.cluster.central_keys:
                 from .cluster.identity import Relayed
 

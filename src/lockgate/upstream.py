@@ -27,6 +27,11 @@ from .http import ConnectError, DisconnectedError, ProtocolError, Response, Resp
 from .metrics import GatewayMetrics
 from .sse import DONE, EventTooLarge, SSEDecoder
 
+#: The response header naming the engine that served a request (a sidecar's answer names one of its own).
+SERVED_BY_HEADER = "x-lockgate-instance"
+#: A longer engine name from a sidecar is ignored (the instance's own name stands).
+MAX_ENGINE_NAME = 256
+
 
 class UpstreamCall:
     __slots__ = (
@@ -43,6 +48,7 @@ class UpstreamCall:
         "payload",
         "pending",
         "received",
+        "served_by",
         "stream",
     )
 
@@ -79,6 +85,9 @@ class UpstreamCall:
         self.received = 0
         #: The raw `data:` payload of the event `events()` yielded last (what the engine sent, byte for byte).
         self.payload = b""
+        #: The name of the engine that serves the call: the instance's, or, behind a sidecar that chose another
+        #: of its engines (`cluster.engine_choice: sidecar`), that one's as `node/engine` (set by `open()`).
+        self.served_by = instance.name
         # Counted from creation, not from `open()`: an attempt may be aborted before it is opened (its
         # owner is cancelled in between), and `abort()` must then leave the gauge balanced.
         instance.open_calls += 1
@@ -124,6 +133,10 @@ class UpstreamCall:
             self._fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
             raise UpstreamStatusError(response.status, body, response.content_type)
         self._fleet.report_success(instance)
+        if instance.published is not None:
+            engine = response.headers.get(SERVED_BY_HEADER)
+            if engine and len(engine) <= MAX_ENGINE_NAME:
+                self.served_by = f"{instance.published.node}/{engine}"
 
     async def read_json(self) -> dict[str, Any]:
         """The whole non-streaming body, parsed."""

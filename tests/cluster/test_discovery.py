@@ -4,6 +4,7 @@ through the sidecar; it keeps serving while etcd is down and resynchronises when
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,9 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
 ) -> None:
     name = unique_cluster("discovery")
     sims = await start_sims(stack, 2)
-    sidecar = GatewayServer(
-        parse_config(sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-a")),
-        role="sidecar",
-    )
+    config = sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-a")
+    config["cluster"]["engine_choice"] = "central"
+    sidecar = GatewayServer(parse_config(config), role="sidecar")
     await stack.enter_async_context(sidecar)
     central = await stack.enter_async_context(
         GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"), routing="round_robin")))
@@ -90,6 +90,44 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
     async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("choice", ["sidecar", "central"])
+async def test_who_picks_the_engine_among_a_sidecars_own(
+    choice: str, etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """`cluster.engine_choice`: `sidecar` (the default) lets the central's pick choose the node only, and the
+    sidecar routes by its own policy; `central` sends each request to the engine the central named. Either
+    way the central names the engine that served, in the response and in its usage record."""
+    name = unique_cluster("choice")
+    sims = await start_sims(stack, 2)
+    config = sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-c")
+    config["models"][0]["routing"] = {"policy": "round_robin"}
+    config["cluster"]["engine_choice"] = choice
+    await stack.enter_async_context(GatewayServer(parse_config(config), role="sidecar"))
+    usage = tmp_path / "c.sqlite3"
+    # The central hashes every request of one user to the same engine.
+    central = GatewayServer(parse_config(central_config(etcd.url, name, str(usage), routing="consistent_hash")))
+    await stack.enter_async_context(central)
+    assert central.gateway is not None
+    await central.gateway.fleet.wait_until(lambda f: routable(f) == 2)
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    seen = []
+    for i in range(4):
+        async with session.post(central.url + "/v1/chat/completions", json={**chat(f"hi {i}"), "user": "u"}) as resp:
+            assert resp.status == 200, await resp.text()
+            seen.append(resp.headers["x-lockgate-instance"])
+    started = [s.statistics()["requests_started"] for s in sims]
+    if choice == "sidecar":
+        assert started == [2, 2]  # the sidecar's round robin, whatever the central named
+    else:
+        assert sorted(started) == [0, 4]
+    served = [f"node-c/engine-{n}" for n, count in enumerate(started) for _ in range(count)]
+    assert sorted(seen) == served
+    await central.shutdown(drain_s=1)
+    with contextlib.closing(sqlite3.connect(usage)) as db:
+        recorded = sorted(row[0] for row in db.execute("SELECT instance FROM usage"))
+    assert recorded == served
 
 
 async def test_central_serves_through_an_etcd_outage_and_resyncs(

@@ -126,7 +126,8 @@ class Resumable:
             received_before = self.received
             try:
                 opened = await self._engine(self._open(api, upstream_id))
-                self.headers.setdefault("x-lockgate-instance", opened.call.instance.name)
+                ex.record.instance = opened.call.served_by
+                self.headers.setdefault("x-lockgate-instance", opened.call.served_by)
                 upstream = opened.events()
                 while True:
                     if self._preempted:

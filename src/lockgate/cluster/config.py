@@ -7,7 +7,7 @@ cluster's keys live next to the code that reads them.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -43,6 +43,12 @@ class ClusterConfig(BaseModel):
     #: default instance on every replica (rendezvous hashing over the live instances; load still
     #: decides). 0 turns the shared placement off.
     placement_blocks: Annotated[int, Field(ge=0, le=4096)] = 8
+    #: Sidecar: who picks the engine among this node's. `sidecar`: the central's pick (`x-lockgate-engine`)
+    #: chooses the node, and the sidecar routes among its own engines by its own policy: it sees every request
+    #: they get, from every replica (exact in-flight, queues, cache residency), where a central sees the
+    #: others' traffic a publication late. `central`: the sidecar sends each request to the engine the central
+    #: named (a central-side policy that must decide per engine, e.g. `consistent_hash` over the whole fleet).
+    engine_choice: Literal["sidecar", "central"] = "sidecar"
     #: Sidecar: sha256 digests of the keys central replicas present (their `api_key`); a request with
     #: one of them is scheduled and recorded by the client's tenant and class the central passes on
     #: (`cluster/identity.py`). Without them, central traffic is one tenant here.

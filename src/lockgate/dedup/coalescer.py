@@ -209,9 +209,9 @@ class Coalescer:
     @staticmethod
     def _headers(ex: Exchange, outcome: str, source: Any) -> dict[str, str]:
         headers = {"x-request-id": ex.record.client_request_id or ex.id, CACHE_HEADER: outcome}
-        if isinstance(source, Subscription) and source.flight.instance is not None:
+        if isinstance(source, Subscription) and source.flight.served_by is not None:
             # The engine that produced the answer (a cache hit used none).
-            headers["x-lockgate-instance"] = ex.record.instance = source.flight.instance.name
+            headers["x-lockgate-instance"] = ex.record.instance = source.flight.served_by
         return headers
 
     def _whole(

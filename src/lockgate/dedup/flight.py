@@ -142,6 +142,8 @@ class Flight:
         self.subscribers = 0
         self.subscribed_total = 0
         self.instance: Instance | None = None
+        #: The name of the engine that serves the flight (`UpstreamCall.served_by`), once its call opened.
+        self.served_by: str | None = None
         self.started = time.perf_counter()
         self.task: asyncio.Task[None] | None = None
         #: Called with the result when the flight completes (the semantic cache adds it).
@@ -346,7 +348,7 @@ class Flight:
         self._lease, self._call, self.instance = lease, call, lease.instance
 
     async def _open(self) -> Opened:
-        return await open_attempts(
+        opened = await open_attempts(
             self._fleet,
             self._metrics,
             self.pool,
@@ -357,6 +359,8 @@ class Flight:
             drop=self._release,
             time_left=lambda: True,
         )
+        self.served_by = opened.call.served_by
+        return opened
 
     # --- ending (synchronous, exactly once) ------------------------------------------------------
     def _result(self, *, complete: bool) -> Result | None:
@@ -375,7 +379,7 @@ class Flight:
                 prompt_tokens=_int(usage.get("prompt_tokens")) if isinstance(usage, dict) else 0,
                 completion_tokens=_int(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
                 complete=complete,
-                instance=self.instance.name if self.instance is not None else None,
+                instance=self.served_by,
                 body=body,
             )
         usage = next((e["usage"] for e in reversed(self.events) if isinstance(e.get("usage"), dict)), None)
@@ -389,7 +393,7 @@ class Flight:
             prompt_tokens=prompt,
             completion_tokens=completion,
             complete=complete,
-            instance=self.instance.name if self.instance is not None else None,
+            instance=self.served_by,
         )
 
     def _complete(self) -> None:
@@ -449,7 +453,7 @@ class Flight:
             "buffered_bytes": self._nbytes - self._base_bytes,
             "joinable": self.joinable,
             "waiting_for_readers": self.waiting_for_readers,
-            "instance": self.instance.name if self.instance is not None else None,
+            "instance": self.served_by,
             "age_ms": round((time.perf_counter() - self.started) * 1000, 1),
         }
 
