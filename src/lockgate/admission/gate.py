@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from ..changes import Changes
 from ..errors import QueueFull, QueueTimeout
 from ..metrics import SchedulingMetrics
 from .preemption import Preemptee, choose_victim
@@ -62,8 +63,8 @@ class PoolScheduler:
         self._metrics = metrics
         self._clock = clock
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
-        self._changed = asyncio.Event()
-        self._watchers = 0
+        #: Tests and drains wait on it; free while nobody does.
+        self._changes = Changes()
         core = self.core
         for index, spec in enumerate(core.classes):
             metrics.queue_depth.labels(model, spec.name).set_function(functools.partial(core.queued, index))
@@ -81,7 +82,7 @@ class PoolScheduler:
             return
         core.reserve = reserve
         self._wake(core.set_capacity(capacity, self._clock()))
-        self._notify()
+        self._changes.notify()
 
     def offer(self, klass: int, tag: object = None) -> Ticket:
         """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
@@ -89,7 +90,7 @@ class PoolScheduler:
         now = self._clock()
         if self.core.grant_at_once(ticket, now):
             self._granted(ticket, now)
-            self._notify()
+            self._changes.notify()
             return ticket
         offer = self.core.offer(ticket, now)
         if ticket.state is TicketState.QUEUED:
@@ -98,7 +99,7 @@ class PoolScheduler:
         self._wake(offer.granted)
         if offer.queued and self.preemptible:
             self._preempt_for(ticket)
-        self._notify()
+        self._changes.notify()
         if offer.rejected:
             spec = self.core.classes[klass]
             self._metrics.rejections.labels("queue_full", spec.name).inc()
@@ -162,22 +163,13 @@ class PoolScheduler:
         granted = self.core.release(ticket, self._clock())
         if granted:
             self._wake(granted)
-        self._notify()
-
-    def _notify(self) -> None:
-        if self._watchers:  # free when nobody watches, the normal case
-            self._changed.set()
-            self._changed = asyncio.Event()
+        self._changes.notify()
 
     async def wait_until(self, predicate: Callable[[SchedulerCore], bool]) -> None:
         """Wait until `predicate(core)` holds, re-checked on every change (tests, drains; no polling).
         Bound it with `asyncio.timeout`."""
-        self._watchers += 1
-        try:
-            while not predicate(self.core):
-                await self._changed.wait()
-        finally:
-            self._watchers -= 1
+        core = self.core
+        await self._changes.wait_until(lambda: predicate(core))
 
     def _wake(self, granted: Sequence[Ticket]) -> None:
         if not granted:

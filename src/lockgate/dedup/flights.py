@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..changes import Changes
 from ..errors import ShuttingDown
 from .cache import Result, ResultCache
 from .fingerprint import Fingerprint
@@ -68,9 +69,8 @@ class Flights:
         self._closed = False
         #: Flight ids are this prefix and a counter (`os.urandom` per flight was a system call each).
         self._id_prefix = "lg-f-" + os.urandom(6).hex() + "-"
-        self._changed = asyncio.Event()
-        #: Tasks in `wait_until()`: with none, a change needs no new `asyncio.Event` (several per request).
-        self._waiting = 0
+        #: Several changes per request; free while nobody waits.
+        self._changes = Changes()
         self.started = 0
         self.completed = 0
         self.failed = 0
@@ -139,19 +139,19 @@ class Flights:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         self.started += 1
-        self._notify()
+        self._changes.notify()
         return flight
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._notify()
+        self._changes.notify()
 
     def _forget(self, flight: Flight) -> None:
         table = self._table(flight)
         if table.get(flight.key.digest) is flight:
             del table[flight.key.digest]
         self._running.discard(flight)
-        self._notify()
+        self._changes.notify()
 
     # --- FlightOwner: called synchronously by a flight as it ends ---------------------------------
     def flight_completed(self, flight: Flight, result: Result | None) -> None:
@@ -168,7 +168,7 @@ class Flights:
         if table.get(flight.key.digest) is flight:
             del table[flight.key.digest]
         self.closed_to_joiners += 1
-        self._notify()
+        self._changes.notify()
 
     def flight_failed(self, flight: Flight) -> None:
         self.failed += 1
@@ -181,23 +181,13 @@ class Flights:
         self._forget(flight)
 
     # --- observation (tests, admin) ---------------------------------------------------------------
-    def _notify(self) -> None:
-        if self._waiting:  # else the unset event serves the next waiter as it is
-            self._changed.set()
-            self._changed = asyncio.Event()
-
     def flight_changed(self, flight: Flight) -> None:
         """A flight's subscribers changed: `wait_until` re-checks."""
-        self._notify()
+        self._changes.notify()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until `predicate()` holds, re-checked on every change (bound it with `asyncio.timeout`)."""
-        self._waiting += 1
-        try:
-            while not predicate():
-                await self._changed.wait()
-        finally:
-            self._waiting -= 1
+        await self._changes.wait_until(predicate)
 
     def statistics(self) -> dict[str, Any]:
         return {

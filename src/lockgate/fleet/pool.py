@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
+from ..changes import Changes
 from ..config import Config, InstanceConfig, ModelConfig
 from ..engines import AbortCall, Dialect, dialect_for
 from ..errors import Unavailable
@@ -422,7 +423,7 @@ class Fleet:
         self._health_task: asyncio.Task[None] | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._health_wake = asyncio.Event()
-        self._changed = asyncio.Event()
+        self._changes = Changes()
         #: Instances a reload removed, each closed by its task once its requests have ended.
         self._retiring: dict[Instance, asyncio.Task[None]] = {}
         #: Called (synchronously) after every health or ejection change, e.g. to resize admission.
@@ -802,15 +803,13 @@ class Fleet:
 
     # --- waiting for state changes (tests, admin) ------------------------------------------------
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._changes.notify()
         for listener in self.listeners:
             listener()
 
     async def wait_until(self, predicate: Callable[[Fleet], bool]) -> None:
         """Wait until `predicate(self)` holds, re-checked on every health/ejection change (no polling)."""
-        while not predicate(self):
-            await self._changed.wait()
+        await self._changes.wait_until(lambda: predicate(self))
 
     def send_abort(self, instance: Instance, call: AbortCall) -> None:
         """Fire an explicit abort call; the fleet owns the task and awaits it on close."""

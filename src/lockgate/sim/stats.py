@@ -7,12 +7,13 @@ once, in ``finally``, with the outcome. The engine only adds token counts and ti
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+from ..changes import Changes
 
 Outcome = Literal["open", "held", "finished", "aborted", "error", "reset"]
 
@@ -43,8 +44,7 @@ class RequestRecord:
 class SimStats:
     def __init__(self, seen_limit: int = 1000) -> None:
         self._seen_limit = seen_limit
-        self._changed = asyncio.Event()
-        self._num_waiters = 0
+        self._changes = Changes()
         self.open: dict[str, RequestRecord] = {}
         self.reset()
 
@@ -67,18 +67,11 @@ class SimStats:
 
     # -- change notification ------------------------------------------------------------------------------
     def notify(self) -> None:
-        if self._num_waiters:  # cheap when no one waits, which is the common case
-            self._changed.set()
-            self._changed = asyncio.Event()
+        self._changes.notify()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds, re-checking on every change (bound it with ``asyncio.timeout``)."""
-        self._num_waiters += 1
-        try:
-            while not predicate():
-                await self._changed.wait()
-        finally:
-            self._num_waiters -= 1
+        await self._changes.wait_until(predicate)
 
     # -- request lifecycle --------------------------------------------------------------------------------
     def open_request(self, request_id: str, model: str, kind: str, stream: bool) -> RequestRecord:
