@@ -17,6 +17,7 @@ holds: a body over `upstream.max_response_bytes`, an SSE event over `upstream.ma
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -134,9 +135,7 @@ class UpstreamCall:
             raise UpstreamStatusError(response.status, body, response.content_type)
         self._fleet.report_success(instance)
         if instance.published is not None:
-            engine = response.headers.get(SERVED_BY_HEADER)
-            if engine and len(engine) <= MAX_ENGINE_NAME:
-                self.served_by = f"{instance.published.node}/{engine}"
+            self.served_by = served_by(instance.name, instance.published.node, response.headers)
 
     async def read_json(self) -> dict[str, Any]:
         """The whole non-streaming body, parsed."""
@@ -306,6 +305,15 @@ class UpstreamEvents:
     async def aclose(self) -> None:
         """`close()`, for callers written for async generators."""
         self.close()
+
+
+def served_by(instance: str, node: str, headers: Mapping[str, str]) -> str:
+    """The engine that served a call to a sidecar on `node`: the one its answer names (`node/engine`), else
+    the instance the call was for (no name, or one over `MAX_ENGINE_NAME` characters)."""
+    engine = headers.get(SERVED_BY_HEADER)
+    if engine and len(engine) <= MAX_ENGINE_NAME and engine.isprintable():
+        return f"{node}/{engine}"
+    return instance
 
 
 def too_large(instance: str, limit: int) -> UpstreamProtocolError:
