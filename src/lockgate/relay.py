@@ -51,6 +51,7 @@ async def relay(ex: Exchange, http_request: Request) -> Reply:
         time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
         priority=ex.engine_priority,
     )
+    ex.record.instance = opened.call.served_by  # behind a sidecar, the engine it chose
     try:
         if ex.api.stream:
             return await _relay_stream(ex, http_request, opened)
@@ -59,11 +60,10 @@ async def relay(ex: Exchange, http_request: Request) -> Reply:
         opened.close()
 
 
-def _headers(ex: Exchange, call: UpstreamCall) -> dict[str, str]:
-    ex.record.instance = call.served_by
+def _headers(ex: Exchange) -> dict[str, str]:
     return {
         "x-request-id": ex.record.client_request_id or ex.id,
-        "x-lockgate-instance": call.served_by,
+        "x-lockgate-instance": ex.record.instance or "",
         **ex.response_headers,
         "x-lockgate-cache": "bypass",
     }
@@ -87,10 +87,10 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
                 call.abort()
                 raise too_large(call.instance.name, limit)
         body = assemble(ex.api.endpoint, held, model=ex.api.model)
-    return whole_body(ex, body, _headers(ex, opened.call))
+    return whole_body(ex, body, _headers(ex))
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
     return await stream_events(
-        ex, http_request, opened.events(), _headers(ex, opened.call), ready=opened.ready, raw=opened.raw
+        ex, http_request, opened.events(), _headers(ex), ready=opened.ready, raw=opened.raw
     )
