@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .fleet.pool import Instance, Lease, Pool
-    from .gateway import Gateway
+    from .metrics import GatewayMetrics
+    from .observe.otel import Tracer
+    from .records import RecordWriter
     from .upstream import UpstreamCall
 
 
@@ -64,10 +66,24 @@ class Subscription(Protocol):
     def close(self) -> bool: ...
 
 
+class Host(Protocol):
+    """What an exchange needs of the gateway that owns it (the `Gateway`): where its metrics, record and
+    trace span go, the registry of live requests, and the error envelope."""
+
+    metrics: GatewayMetrics
+    records: RecordWriter
+    registry: Registry
+    tracer: Tracer | None
+    log_prompts: bool
+    loop: asyncio.AbstractEventLoop
+
+    def error_response(self, error: GatewayError, request_id: str, instance: str | None = None) -> Response: ...
+
+
 class Exchange:
     def __init__(
         self,
-        gateway: Gateway,
+        host: Host,
         request_id: str,
         api: ApiRequest,
         pool: Pool,
@@ -76,7 +92,7 @@ class Exchange:
         tenant: str = "default",
         priority: str | None = None,
     ) -> None:
-        self.gateway = gateway
+        self.host = host
         self.id = request_id
         self.api = api
         self.pool = pool
@@ -127,7 +143,7 @@ class Exchange:
     def attach(self, lease: Lease, call: UpstreamCall) -> None:
         """Hold a lease and its upstream call (one attempt). A previous attempt must be detached."""
         if self._lease is not None or self._call is not None:
-            self.gateway.metrics.leaks.labels("attach_over_live_attempt").inc()
+            self.host.metrics.leaks.labels("attach_over_live_attempt").inc()
             self.detach()
         self._lease = lease
         self._call = call
@@ -137,7 +153,7 @@ class Exchange:
     def subscribe(self, subscription: Subscription) -> None:
         """Hold a subscription to a shared flight; it is closed with the attempt (`detach`)."""
         if self._subscription is not None:
-            self.gateway.metrics.leaks.labels("subscription_over_live_one").inc()
+            self.host.metrics.leaks.labels("subscription_over_live_one").inc()
             self._subscription.close()
         self._subscription = subscription
 
@@ -152,7 +168,7 @@ class Exchange:
         if subscription is not None and subscription.close():
             aborted = True
         if aborted and self._cancel_detected_at is not None:
-            self.gateway.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
+            self.host.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
         if lease is not None:
             lease.release(self.record.prompt_tokens)
 
@@ -164,7 +180,7 @@ class Exchange:
 
     def _release(self) -> None:
         if self._released:
-            self.gateway.metrics.leaks.labels("double_release").inc()
+            self.host.metrics.leaks.labels("double_release").inc()
             return
         self._released = True
         self.detach()
@@ -174,8 +190,8 @@ class Exchange:
                 release()
             except Exception:
                 log.exception("releasing a resource of request %s failed", self.id)
-                self.gateway.metrics.leaks.labels("release_failed").inc()
-        self.gateway.registry.remove(self)
+                self.host.metrics.leaks.labels("release_failed").inc()
+        self.host.registry.remove(self)
         if self._record_waits:
             return  # the record is finished by `body_sent`, once the edge has written the answer
         if self._whole is not None:
@@ -202,7 +218,7 @@ class Exchange:
     def _finish_record(self) -> None:
         record = self.record
         record.finished_at = time.time()
-        metrics = self.gateway.metrics
+        metrics = self.host.metrics
         priority = record.priority or ""
         reason = record.cancel_reason
         status = reason or record.status
@@ -211,7 +227,7 @@ class Exchange:
         metrics.endpoint_requests.labels(record.endpoint, status).inc()
         if reason:
             metrics.cancellations.labels(record.model, priority, reason).inc()
-        if self.gateway.log_prompts:
+        if self.host.log_prompts:
             body = self.api.body
             record.log_prompt = body.get("messages", body.get("prompt", body.get("input")))
         counters = metrics.tokens
@@ -220,9 +236,9 @@ class Exchange:
         tokens.completion += record.completion_tokens
         if self.response is not None:
             metrics.backpressure.labels(record.model).observe(self.response.backpressure_s)
-        if self.span is not None and self.gateway.tracer is not None:
-            self.gateway.tracer.end(self.span, record)
-        self.gateway.records.submit(record)
+        if self.span is not None and self.host.tracer is not None:
+            self.host.tracer.end(self.span, record)
+        self.host.records.submit(record)
 
     # --- control -------------------------------------------------------------------------------
     def cancel(self, reason: str) -> bool:
@@ -242,7 +258,7 @@ class Exchange:
     def first_token(self) -> None:
         if self.record.first_token_at is None:
             self.record.first_token_at = time.time()
-            self.gateway.metrics.ttft.labels(
+            self.host.metrics.ttft.labels(
                 self.api.model, self.record.priority or "", "true" if self.api.stream else "false"
             ).observe(time.perf_counter() - self.started)
 
@@ -262,8 +278,8 @@ class Exchange:
     # --- the one place where a request's fate is decided ---------------------------------------
     async def run(self, work: Callable[..., Awaitable[Reply]], *args: Any) -> Reply:
         """Run `work(self, *args)` as this request's work and decide how the request ends."""
-        self._task = asyncio.current_task(self.gateway.loop)
-        self.gateway.registry.add(self)
+        self._task = asyncio.current_task(self.host.loop)
+        self.host.registry.add(self)
         try:
             try:
                 if self.deadline_s is None:
@@ -344,10 +360,10 @@ class Exchange:
     async def _end_with(self, status: str, error: GatewayError, *, reason: str | None = None) -> Reply:
         if self._ending or self.answered:
             # Already ending (a second cause arrived while the first was being written) or complete.
-            return self.response or self.gateway.error_response(error, self._echo_id(), self.record.instance)
+            return self.response or self.host.error_response(error, self._echo_id(), self.record.instance)
         self._set_end(status, reason=reason, error=error)
         if self.response is None or not self._stream_started():
-            return self.gateway.error_response(error, self._echo_id(), self.record.instance)
+            return self.host.error_response(error, self._echo_id(), self.record.instance)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
             await self.response.write(sse.encode_error(error.body()))

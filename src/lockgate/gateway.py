@@ -341,9 +341,9 @@ class Gateway:
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
         # Preemptible requests resume their generation elsewhere; an embedding has none to resume.
         if klass in self.admission.preemptible and ex.api.endpoint.generates:
-            return await resume.admit_and_relay(ex, request, tenant, klass)
+            return await resume.admit_and_relay(ex, request, tenant, klass, self.admission, self.dedup, self.fleet)
         await self.admission.admit(ex, tenant, klass)
-        return await relay(ex, request)
+        return await relay(ex, request, self.dedup, self.fleet)
 
     @staticmethod
     def _deadline(request: Request, default_ms: int | None) -> float | None:

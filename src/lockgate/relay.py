@@ -24,24 +24,25 @@ from .respond import stream_events, whole_body
 from .upstream import too_large
 
 if TYPE_CHECKING:
-    from .fleet.pool import Lease
+    from .dedup import Coalescer
+    from .fleet.pool import Fleet, Lease
     from .upstream import UpstreamCall
 
 
-async def relay(ex: Exchange, http_request: Request) -> Reply:
-    dedup = ex.gateway.dedup
+async def relay(ex: Exchange, http_request: Request, dedup: Coalescer, fleet: Fleet) -> Reply:
+    """An admitted request: served by a flight when `dedup` takes it, else straight from an engine of
+    `fleet`."""
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
     if key is not None:
         return await dedup.serve(ex, http_request, key)
-    gateway = ex.gateway
 
     def hold(lease: Lease, call: UpstreamCall) -> None:
         ex.attach(lease, call)
         ex.phase = Phase.CONNECTING
 
     opened = await open_attempts(
-        gateway.fleet,
-        gateway.metrics,
+        fleet,
+        ex.host.metrics,
         ex.pool,
         ex.api,
         ex.pool.route_request(ex.api, http_request.headers),
@@ -55,7 +56,7 @@ async def relay(ex: Exchange, http_request: Request) -> Reply:
     try:
         if ex.api.stream:
             return await _relay_stream(ex, http_request, opened)
-        return await _relay_whole(ex, opened)
+        return await _relay_whole(ex, opened, fleet.upstream.max_response_bytes)
     finally:
         opened.close()
 
@@ -69,7 +70,7 @@ def _headers(ex: Exchange) -> dict[str, str]:
     }
 
 
-async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
+async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
     if opened.rest is None:
         body = await opened.call.read_json()
         usage = body.get("usage")
@@ -79,7 +80,7 @@ async def _relay_whole(ex: Exchange, opened: Opened) -> Reply:
     else:
         # An engine read as a stream for a non-streaming client: the events are held until the end, within
         # `upstream.max_response_bytes` (counted in event payload bytes).
-        call, limit = opened.call, ex.gateway.config.upstream.max_response_bytes
+        call = opened.call
         held: list[dict[str, Any]] = []
         async for event in opened.events():
             held.append(event)

@@ -35,9 +35,10 @@ from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
 if TYPE_CHECKING:
-    from ..fleet.pool import HeaderLookup, Lease
+    from ..dedup import Coalescer
+    from ..fleet.pool import Fleet, HeaderLookup, Lease
     from ..upstream import UpstreamCall
-    from .gate import PoolScheduler
+    from .gate import Admission, PoolScheduler
     from .scheduler import Ticket
     from .tenants import Tenant
 
@@ -52,9 +53,15 @@ class Resumable:
     """One preemptible request's generation, across the engine calls it takes."""
 
     def __init__(
-        self, ex: Exchange, scheduler: PoolScheduler, max_preemptions: int, request_headers: HeaderLookup
+        self,
+        ex: Exchange,
+        fleet: Fleet,
+        scheduler: PoolScheduler,
+        max_preemptions: int,
+        request_headers: HeaderLookup,
     ) -> None:
         self.ex = ex
+        self._fleet = fleet
         self._request_headers = request_headers
         self.ticket: Ticket | None = None
         # Only a non-streaming client needs the events kept (to assemble its answer at the end).
@@ -158,15 +165,14 @@ class Resumable:
         the exchange holds each attempt's lease and call. `upstream_id` is per attempt (`<id>-p<n>`)
         so that an engine never sees two requests with one id (SGLang aborts by id)."""
         ex = self.ex
-        gateway = ex.gateway
 
         def hold(lease: Lease, call: UpstreamCall) -> None:
             ex.attach(lease, call)
             ex.phase = Phase.CONNECTING
 
         return open_attempts(
-            gateway.fleet,
-            gateway.metrics,
+            self._fleet,
+            ex.host.metrics,
             ex.pool,
             api,
             ex.pool.route_request(api, self._request_headers),
@@ -208,14 +214,19 @@ class Resumable:
         return continuation(self.ex.api, t.text, t.tokens)
 
 
-async def admit_and_relay(ex: Exchange, http_request: Request, tenant: Tenant, klass: int) -> Reply:
+async def admit_and_relay(
+    ex: Exchange,
+    http_request: Request,
+    tenant: Tenant,
+    klass: int,
+    admission: Admission,
+    dedup: Coalescer,
+    fleet: Fleet,
+) -> Reply:
     """Admission and the request path for a request of a preemptible class."""
-    gateway = ex.gateway
-    admission = gateway.admission
-    run = Resumable(ex, admission.schedulers[ex.api.model], admission.max_preemptions, http_request.headers)
+    run = Resumable(ex, fleet, admission.schedulers[ex.api.model], admission.max_preemptions, http_request.headers)
     run.ticket = await admission.admit(ex, tenant, klass, tag=run)
     run.headers.update(ex.response_headers)  # admission adds the x-ratelimit-* headers
-    dedup = gateway.dedup
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
     if key is not None:
         # A flight (possibly shared by several clients) is never preempted: `run` stays inactive.
@@ -224,7 +235,7 @@ async def admit_and_relay(ex: Exchange, http_request: Request, tenant: Tenant, k
     try:
         if ex.api.stream:
             return await stream_events(ex, http_request, events, run.headers)
-        limit = gateway.config.upstream.max_response_bytes
+        limit = fleet.upstream.max_response_bytes
         async for _ in events:
             if run.received > limit:
                 raise too_large(run.headers.get("x-lockgate-instance", "?"), limit)
