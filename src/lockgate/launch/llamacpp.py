@@ -11,8 +11,8 @@ signal. The child is this module run as a script (``python -m lockgate.launch.ll
    (``--port 0`` lets the kernel pick a free port, so there is no pick-then-bind race);
 3. it prints one line, ``lockgate-llamacpp listening http://HOST:PORT``, on stdout, then points its stdout at
    stderr so that the pipe to the parent can never fill up;
-4. it waits in ``sigwait`` and, on SIGTERM/SIGINT (or the parent dying, via ``PR_SET_PDEATHSIG``), destroys
-   the server (which drains its main loop) and exits 0.
+4. it waits in ``sigwait`` and, on SIGTERM/SIGINT (or the parent dying, via ``PR_SET_PDEATHSIG``), exits 0
+   at once with ``os._exit`` (the server's destructor, which joins its loop, could hang right after start-up).
 
 The parent side (:class:`LlamaCppEngine` for asyncio, :class:`SyncLlamaCppEngine` for sync code such as
 session-scoped pytest fixtures) reads that line, checks ``GET /health`` until it answers 200, and on exit sends
@@ -207,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nobody reads the pipe from now on
 
     signal.sigwait(stop_signals)
-    del server  # ~Server() stops the HTTP server and joins its main loop
-    return 0
+    # Exit at once, server and all: it holds nothing to save and the kernel closes its sockets. Its destructor
+    # (which stops the HTTP server and joins its loop) hung once in about fifty stops right after start-up, and
+    # the parent then SIGKILLed the process after its stop timeout (a CI run's test_sync_engine_stops_child_cleanly).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -------------------------------------------------------------------------------------------- parent side
