@@ -198,6 +198,14 @@ class Flight:
     def done(self) -> bool:
         return self.state is not FlightState.RUNNING
 
+    def raise_if_stopped(self) -> None:
+        """For a subscriber about to wait for more: a flight that failed raises its error, one stopped
+        otherwise raises `Cancelled` (a completed one is the caller's to handle first)."""
+        if self.error is not None:
+            raise self.error
+        if self.state is not FlightState.RUNNING:
+            raise Cancelled("The upstream generation was stopped.")
+
     def wait_changed(self) -> asyncio.Future[None]:
         """A future done at the next event or the end (callers check the state first, then await it: no
         await between). A bare future rather than an `asyncio.Event`: this runs for every event a
@@ -496,10 +504,7 @@ class Subscription:
                 return event
             if flight.state is FlightState.COMPLETED:
                 raise StopAsyncIteration
-            if flight.error is not None:
-                raise flight.error
-            if flight.state is not FlightState.RUNNING:
-                raise Cancelled("The upstream generation was stopped.")
+            flight.raise_if_stopped()
             await flight.wait_changed()
 
     def raw(self) -> bytes | None:
@@ -537,10 +542,7 @@ class Subscription:
             body = flight.body
             if flight.state is FlightState.COMPLETED and body is not None:
                 return body
-            if flight.error is not None:
-                raise flight.error
-            if flight.state is not FlightState.RUNNING:
-                raise Cancelled("The upstream generation was stopped.")
+            flight.raise_if_stopped()
             await flight.wait_changed()
 
     def close(self) -> bool:
