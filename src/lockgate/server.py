@@ -117,6 +117,7 @@ class GatewayServer:
                 gateway.relayed = Relayed(config.cluster.central_keys, gateway.admission.book.default.default_priority)
         elif config.cluster is not None:
             gateway.fleet.placement_blocks = config.cluster.placement_blocks
+            gateway.fleet.placement_choices = config.cluster.placement_choices
             gateway.fleet.shared_residency = True
             gateway.relays_identity = True
         try:

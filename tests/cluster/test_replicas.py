@@ -14,7 +14,7 @@ import aiohttp
 
 from lockgate.config import parse_config
 from lockgate.fleet.pool import Fleet
-from lockgate.routing.placement import rendezvous_top
+from lockgate.routing.placement import rendezvous_spread
 from lockgate.server import GatewayServer
 from lockgate.sim import SimConfig, SimServer
 from tests.cluster.support import central_config, eventually, sidecar_config, unique_cluster
@@ -33,16 +33,38 @@ def chat(content: str, question: str = "go on", **extra: Any) -> dict[str, Any]:
     }
 
 
+def top(anchor: int, keys: list[str]) -> str | None:
+    picked = rendezvous_spread(anchor, [(k, k) for k in keys], 1)
+    return picked[0] if picked else None
+
+
 def test_rendezvous_is_stable_and_moves_only_the_leavers_share() -> None:
     keys = [f"http://node-{n}:8080#engine" for n in range(5)]
     anchors = range(2000)
-    before = {a: rendezvous_top(a, keys) for a in anchors}
-    assert before == {a: rendezvous_top(a, list(reversed(keys))) for a in anchors}  # order does not matter
+    before = {a: top(a, keys) for a in anchors}
+    assert before == {a: top(a, list(reversed(keys))) for a in anchors}  # order does not matter
     assert min(list(before.values()).count(k) for k in keys) > 300  # spread (2000 / 5 = 400 each)
-    after = {a: rendezvous_top(a, keys[1:]) for a in anchors}
+    after = {a: top(a, keys[1:]) for a in anchors}
     moved = [a for a in anchors if before[a] != after[a]]
     assert all(before[a] == keys[0] for a in moved)
-    assert rendezvous_top(1, []) is None
+    assert top(1, []) is None
+
+
+def test_rendezvous_spreads_a_prefix_over_distinct_nodes() -> None:
+    engines = [(f"n{n}/e{e}", f"n{n}") for n in range(3) for e in range(2)]
+    for anchor in range(500):
+        two = rendezvous_spread(anchor, engines, 2)
+        assert len({key.split("/")[0] for key in two}) == 2  # never both engines of one node
+        assert two == rendezvous_spread(anchor, list(reversed(engines)), 2)
+        assert two[0] == top(anchor, [k for k, _ in engines])  # the first choice is the plain winner
+    # Fewer nodes than choices: the rest from the nodes there are; never more than the keys.
+    one_node = [("n0/e0", "n0"), ("n0/e1", "n0")]
+    assert sorted(rendezvous_spread(7, one_node, 2)) == ["n0/e0", "n0/e1"]
+    assert len(rendezvous_spread(7, one_node, 3)) == 2
+    # Balance: 8 hot prompts over 2 nodes put 6 or more on one node in ~29% of draws with one choice;
+    # with two every prompt may go to either node.
+    nodes = [("a/e", "a"), ("b/e", "b")]
+    assert all(len(rendezvous_spread(anchor, nodes, 2)) == 2 for anchor in range(100))
 
 
 async def test_replicas_agree_share_load_and_coalesce_at_the_sidecar(

@@ -43,6 +43,9 @@ class ClusterConfig(BaseModel):
     #: default instance on every replica (rendezvous hashing over the live instances; load still
     #: decides). 0 turns the shared placement off.
     placement_blocks: Annotated[int, Field(ge=0, le=4096)] = 8
+    #: Central: on how many nodes (their best-weighted engines) that placement counts a new prefix as
+    #: cached; load picks among them.
+    placement_choices: Annotated[int, Field(ge=1, le=8)] = 2
     #: Sidecar: who picks the engine among this node's. `sidecar`: the central's pick (`x-lockgate-engine`)
     #: chooses the node, and the sidecar routes among its own engines by its own policy: it sees every request
     #: they get, from every replica (exact in-flight, queues, cache residency), where a central sees the

@@ -33,7 +33,7 @@ from ..http import HttpPool
 from ..metrics import GatewayMetrics
 from ..routing.config import PredictedTTFTOptions, RoutingConfig
 from ..routing.factory import make_policy
-from ..routing.placement import anchor_depth, rendezvous_top
+from ..routing.placement import anchor_depth, rendezvous_spread
 from ..routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
@@ -259,8 +259,9 @@ class Pool:
         #: Created for instances discovered at run time (cluster mode), not configured.
         self.discovered = False
         #: Central replicas (cluster mode): the anchor depth of the shared default placement
-        #: (`routing/placement.py`); 0 = off.
+        #: (`routing/placement.py`), 0 = off; and over how many nodes it spreads a prefix.
         self.placement_blocks = 0
+        self.placement_choices = 1
         #: Central replicas: what the sidecars report their engines hold (`routing/residency.py`).
         self.residency: Residency | None = None
         #: Sidecars: told of every routing decision (instance key, prompt blocks), to report residency.
@@ -333,15 +334,17 @@ class Pool:
 
     def _place(self, request: RouteRequest, matched: dict[str, int]) -> None:
         """Unless this replica's own index knows the prompt beyond its anchor, count the whole prompt as
-        cached on the anchor's rendezvous winner among the routable instances: what every replica
-        computes alike, and where earlier turns of the conversation went from any replica that also
-        knew nothing better. The cost policy still weighs it against that instance's load."""
+        cached on the anchor's rendezvous winners (`placement_choices` of them, on distinct nodes) among
+        the routable instances: what every replica computes alike, and where earlier turns of the
+        conversation went from any replica that also knew nothing better. The cost policy weighs them
+        against their load: with two, a prefix whose first home is busy takes its second (the power of
+        two choices), where one home per prefix left some nodes with more hot prefixes than others."""
         depth = anchor_depth(request.blocks, self.placement_blocks)
         if max(matched.values(), default=0) > depth:
             return
-        top = rendezvous_top(request.blocks[depth - 1], (i.key for i in self.instances if i.routable))
-        if top is not None:
-            matched[top] = len(request.blocks)
+        keys = ((i.key, i.published.node if i.published is not None else i.key) for i in self.instances if i.routable)
+        for key in rendezvous_spread(request.blocks[depth - 1], keys, self.placement_choices):
+            matched[key] = len(request.blocks)
 
     def _cached_tokens(self, request: RouteRequest, blocks: int | None) -> int:
         """Blocks are characters: the share of the prompt they cover, in tokens."""
@@ -434,6 +437,7 @@ class Fleet:
         #: Central replicas: anchor depth of the shared default placement of prefixes (0 = off), and
         #: whether pools keep the residency the sidecars report (set before entering).
         self.placement_blocks = 0
+        self.placement_choices = 1
         self.shared_residency = False
         #: Sidecars: told of every routing decision, to report residency (set by the publisher).
         self.report_routed: Callable[[str, tuple[int, ...]], None] | None = None
@@ -493,6 +497,7 @@ class Fleet:
         pool.pin_header = self.pin_header
         pool.report_routed = self.report_routed
         pool.placement_blocks = self.placement_blocks
+        pool.placement_choices = self.placement_choices
         if self.shared_residency:
             pool.residency = Residency(max(1024, pool.index.max_entries))
 
