@@ -161,8 +161,7 @@ def diff_configs(old: Config, new: Config, restart_required: tuple[str, ...] = (
         changed_models=tuple(
             name
             for name, model in new_models.items()
-            if name in old_models
-            and (model != old_models[name] or any(i.key in replaced for i in model.instances))
+            if name in old_models and (model != old_models[name] or any(i.key in replaced for i in model.instances))
         ),
         tenants_changed=old.tenants != new.tenants,
         restart_required=restart_required,

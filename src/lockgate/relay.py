@@ -92,6 +92,4 @@ async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
-    return await stream_events(
-        ex, http_request, opened.events(), _headers(ex), ready=opened.ready, raw=opened.raw
-    )
+    return await stream_events(ex, http_request, opened.events(), _headers(ex), ready=opened.ready, raw=opened.raw)

@@ -69,6 +69,7 @@ async def test_one_span_per_request_between_the_client_and_the_engine(start_gate
 async def test_the_gateway_starts_and_stops_with_the_otlp_exporter(start_sim, start_gateway):
     sim = await start_sim()
     gw = await start_gateway(
-        [{"name": "m", "instances": [instance(sim)]}], tracing={"otel": True, "endpoint": "http://127.0.0.1:9/v1/traces"}
+        [{"name": "m", "instances": [instance(sim)]}],
+        tracing={"otel": True, "endpoint": "http://127.0.0.1:9/v1/traces"},
     )
     assert gw.gateway is not None and gw.gateway.tracer is not None

@@ -273,9 +273,7 @@ async def test_first_token_delays_and_prefill_time(make_sim, http: aiohttp.Clien
     assert ttft["hdr"] >= 0.040
 
 
-async def test_embeddings_are_deterministic_unit_vectors_in_vllms_shape(
-    make_sim, http: aiohttp.ClientSession
-) -> None:
+async def test_embeddings_are_deterministic_unit_vectors_in_vllms_shape(make_sim, http: aiohttp.ClientSession) -> None:
     sims = [await make_sim(fast=True), await make_sim()]
     bodies = []
     for sim, encoding in zip(sims, ("float", "base64"), strict=True):

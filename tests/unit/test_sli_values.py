@@ -11,7 +11,7 @@ from lockgate.metrics import GatewayMetrics
 
 
 def test_kv_cache_hit_rate_weighs_instances_by_their_queried_tokens() -> None:
-    vllm = "vllm:prefix_cache_hits_total{model_name=\"m\"} 30\nvllm:prefix_cache_queries_total{model_name=\"m\"} 40\n"
+    vllm = 'vllm:prefix_cache_hits_total{model_name="m"} 30\nvllm:prefix_cache_queries_total{model_name="m"} 40\n'
     busy = parse_load(vllm, VLLM.metrics, 0.0)
     idle = EngineLoad(scraped_at=0.0, prefix_hits=0.0, prefix_queries=60.0)
     assert kv_cache_hit_rate([busy, idle, None]) == 0.3

@@ -230,9 +230,7 @@ class Coalescer:
             out = assemble(endpoint, events, response_id=self._response_id(endpoint), model=ex.api.model)
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
-    async def _stream(
-        self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay
-    ) -> Reply:
+    async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:
         if isinstance(source, Subscription) and source.passes_through:
             # A streaming flight's leader sees the engine's stream as it is (its id included): the engine's
             # bytes go out unchanged where its view leaves an event unchanged, as on the direct path.

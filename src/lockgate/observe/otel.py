@@ -33,9 +33,7 @@ class Tracer:
             from opentelemetry.trace.propagation import set_span_in_context
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as exc:
-            raise RuntimeError(
-                "tracing.otel needs the OpenTelemetry SDK: pip install 'lockgate[otel]'"
-            ) from exc
+            raise RuntimeError("tracing.otel needs the OpenTelemetry SDK: pip install 'lockgate[otel]'") from exc
         self._provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

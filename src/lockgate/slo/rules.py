@@ -62,9 +62,7 @@ _RUNNING = "lockgate_instance_engine_running"
 _HEALTHY = "on (instance) lockgate_instance_healthy == 1"
 #: Something waits somewhere in the fleet: at a gateway's admission or inside an engine (fleet-wide: the
 #: per-instance series carry no model label; the gateway's own sampler matches engines to their models).
-_DEMAND = (
-    "((sum(lockgate_queue_depth) or vector(0)) + (sum(lockgate_instance_engine_waiting > 0) or vector(0)) > 0)"
-)
+_DEMAND = "((sum(lockgate_queue_depth) or vector(0)) + (sum(lockgate_instance_engine_waiting > 0) or vector(0)) > 0)"
 _IDLE_WANTED = f"((count({_RUNNING} == 0 and {_HEALTHY}) and on () {_DEMAND}) or vector(0))"
 _BUSY = f"(count({_RUNNING} > 0 and {_HEALTHY}) or vector(0))"
 #: Among healthy engines with a known busy signal, the share idle while requests waited, at one evaluation
