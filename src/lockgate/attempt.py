@@ -134,6 +134,11 @@ async def open_attempts(
         hold(lease, call)
         try:
             await call.open()
+            if call.served_by != instance.name:
+                # Behind a sidecar that chose another engine of its node: the lease follows the work.
+                served = pool.named(call.served_by)
+                if served is not None:
+                    lease.move(served)
             if not call.stream:
                 return Opened(call, lease, [], None)
             rest = call.events()

@@ -124,6 +124,11 @@ async def test_who_picks_the_engine_among_a_sidecars_own(
         assert sorted(started) == [0, 4]
     served = [f"node-c/engine-{n}" for n, count in enumerate(started) for _ in range(count)]
     assert sorted(seen) == served
+    # The central's accounting follows the engine that served (its lease moves there when the sidecar's
+    # answer names another engine): each engine's timings hold its own answers, no slot is left taken.
+    engines = sorted(central.gateway.fleet.pools["m"].instances, key=lambda i: i.name)
+    assert [i.own.whole.samples for i in engines] == started
+    assert [(i.in_flight, i.own.pending, i.own.queued_prompt_tokens) for i in engines] == [(0, 0, 0)] * 2
     await central.shutdown(drain_s=1)
     with contextlib.closing(sqlite3.connect(usage)) as db:
         recorded = sorted(row[0] for row in db.execute("SELECT instance FROM usage"))

@@ -197,6 +197,20 @@ class Lease:
         self.completion_tokens = completion_tokens
         self._whole = True
 
+    def move(self, to: Instance) -> None:
+        """The engine serving this attempt is `to`, not the instance it was routed to (a sidecar picks
+        among its node's engines): its slot, queued prompt and TTFT/TPOT samples count there from now,
+        so this replica's view of both engines stays exact between the sidecar's publications."""
+        if self._released or to is self.instance:
+            return
+        now = time.monotonic()
+        before = self.instance
+        before.own.end(self._attempt, now, 0)  # no first token yet: no sample, only the queue undone
+        self._attempt = to.own.adopt(self._attempt, now)
+        to.in_flight += 1
+        self.instance = to
+        self._vacate(before)
+
     def release(self, engine_prompt_tokens: int = 0) -> None:
         """End the attempt; `engine_prompt_tokens`: the prompt's size as the engine counted it (usage),
         which teaches the instance how its tokens relate to the gateway's estimate."""
@@ -214,6 +228,9 @@ class Lease:
             whole=self._whole,
             engine_tpot=engine.tpot_s if engine is not None and engine.tpot_s is not None else 0.0,
         )
+        self._vacate(instance)
+
+    def _vacate(self, instance: Instance) -> None:
         instance.in_flight -= 1
         if instance.in_flight <= 0:
             if instance.in_flight < 0:
@@ -378,6 +395,13 @@ class Pool:
         if self._decisions is not None:
             self._decisions[instance.key].inc()
         return instance, cached
+
+    def named(self, name: str) -> Instance | None:
+        """The member instance called `name` (a sidecar's engine is `<node>/<engine>`), if any."""
+        for instance in self.instances:
+            if instance.name == name:
+                return instance
+        return None
 
     def _pinned(self, key: str, request: RouteRequest) -> Instance | None:
         """The engine a central gateway chose for this request, if it can take it here."""

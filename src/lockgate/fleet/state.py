@@ -130,6 +130,13 @@ class OwnAccounting:
         self.updated_at = now
         return attempt
 
+    def adopt(self, attempt: Attempt, now: float) -> Attempt:
+        """An attempt routed to another instance and served here (a sidecar chose this engine of its
+        node): queued here from now, timed from when it was sent. The other instance `end`s its own."""
+        moved = self.start(attempt.tokens, now)
+        moved.sent_at = attempt.sent_at
+        return moved
+
     def first_token(self, attempt: Attempt, now: float) -> None:
         if attempt.first_at is not None:
             return
