@@ -230,3 +230,24 @@ async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one(
     assert [v.stopped for v in victims] == [0, 0, 0, 1, 1, 1]
     assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 3
     assert metrics.reprefill_tokens.labels("m")._value.get() == 30  # reported as the work preemption costs
+
+
+@pytest.mark.parametrize("p0_running", [True, False])
+async def test_a_shrink_under_running_strict_work_sheds_the_excess_at_once(p0_running: bool) -> None:
+    """The discovery window: a flood reached an engine before its limit was learned, so the excess waits in
+    the engine's own queue, where a P0 already sent waits behind it (first come, first served). When the
+    limit falls, the excess is stopped at once if strict work runs; else it drains on its own."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 8, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    p0 = scheduler.offer(0) if p0_running else None
+    victims = [_Victim() for _ in range(7 if p0_running else 8)]
+    tickets = [scheduler.offer(2, v) for v in victims]
+    assert all(t.running for t in tickets)
+    scheduler.resize(3, 0)  # the engine runs 3
+    if p0 is not None:
+        assert p0.running
+        assert [v.stopped for v in victims] == [0, 0] + [1] * 5  # the newest five: 3 left running with the P0
+        assert scheduler.core.running_total == 3 and scheduler.core.queued(2) == 5
+    else:
+        assert [v.stopped for v in victims] == [0] * 8
+        assert scheduler.core.running_total == 8

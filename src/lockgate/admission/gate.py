@@ -82,6 +82,7 @@ class PoolScheduler:
             return
         core.reserve = reserve
         self._wake(core.set_capacity(capacity, self._clock()))
+        self._shed_excess()
         self._changes.notify()
 
     def offer(self, klass: int, tag: object = None) -> Ticket:
@@ -113,11 +114,29 @@ class PoolScheduler:
     def _preempt_for(self, ticket: Ticket) -> None:
         """A ticket was queued: if it may, stop running requests so that it gets its slot now — one
         normally; more only when the pool holds more than its capacity (it just shrank: an instance
-        left, or its discovered limit fell), so that a P0 never waits for the excess to drain.
-        Each victim's owner aborts its work synchronously; its ticket goes back to the queue head."""
+        left, or its discovered limit fell), so that a P0 never waits for the excess to drain."""
+        self._preempt(ticket.klass, self.core.running_total - self.core.capacity + 1, until=ticket)
+
+    def _shed_excess(self) -> None:
+        """The pool shrank below what runs in it (an engine's discovered limit fell: the excess waits in
+        that engine's own queue, first come, first served). If a strict-class request runs now, it may be
+        waiting there behind that excess: stop the excess at once (the newest of the least urgent
+        preemptible classes, the requests sent last, queued there, not generating yet) rather than at
+        the next strict arrival. Without strict work running, the excess simply drains."""
         core = self.core
-        for _ in range(core.running_total - core.capacity + 1):
-            victim = choose_victim(core, ticket.klass, self.preemptible, _can_preempt)
+        if not self.preemptible or core.running_total <= core.capacity:
+            return
+        strict = next((k for k, spec in enumerate(core.classes) if spec.strict and core.running(k)), None)
+        if strict is not None:
+            self._preempt(strict, core.running_total - core.capacity)
+
+    def _preempt(self, klass: int, count: int, until: Ticket | None = None) -> None:
+        """Stop up to `count` running requests in favour of class `klass` (`preemption.choose_victim`), or
+        fewer once `until` is no longer queued. Each victim's owner aborts its work synchronously; its
+        ticket goes back to the queue head."""
+        core = self.core
+        for _ in range(count):
+            victim = choose_victim(core, klass, self.preemptible, _can_preempt)
             if victim is None:
                 return
             assert isinstance(victim.tag, Preemptee)
@@ -129,7 +148,7 @@ class PoolScheduler:
             self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
             self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
             self._metrics.reprefill_tokens.labels(self.model).inc(redo)
-            if ticket.state is not TicketState.QUEUED:
+            if until is not None and until.state is not TicketState.QUEUED:
                 return
 
     async def wait_granted(self, ticket: Ticket) -> None:
