@@ -137,6 +137,22 @@ def test_predicted_ttft_uses_each_instances_measured_prefill_rate():
     assert pick(policy, REQ, snap(replace(slow, cached_tokens=990), fast)) == "i1"
 
 
+def test_predicted_ttft_counts_near_equal_predictions_as_equal_and_takes_the_emptier():
+    """Identical engines measured a few percent apart: noise in the estimates must not herd requests onto
+    the one that measured fastest while it holds more work (seen in `bench routing`, uniform prompts)."""
+    policy = PredictedTTFT()
+    quick = view(0, prefill_tps=10_500, in_flight=3, queued_prompt_tokens=0)
+    other = view(1, prefill_tps=10_000, in_flight=1, queued_prompt_tokens=0)
+    assert predict_ttft(quick, REQ, 10_250) < predict_ttft(other, REQ, 10_250)  # by ~5%
+    assert pick(policy, REQ, snap(quick, other)) == "i1"
+    # A real difference still decides: a cached prefix, or a rate twice as high.
+    assert pick(policy, REQ, snap(replace(quick, cached_tokens=900), other)) == "i0"
+    assert pick(policy, REQ, snap(replace(quick, prefill_tps=20_000), other)) == "i0"
+    # And exact ties only, when asked.
+    exact = PredictedTTFT(PredictedTTFTOptions(near_tie=0.0, near_tie_ms=0.0))
+    assert pick(exact, REQ, snap(quick, other)) == "i0"
+
+
 @pytest.mark.parametrize(
     "name", ["round_robin", "least_load", "power_of_two", "consistent_hash", "score", "cache_aware", "predicted_ttft"]
 )

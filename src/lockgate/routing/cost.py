@@ -89,6 +89,8 @@ class PredictedTTFT:
         options = options or PredictedTTFTOptions()
         self._default_tps = options.default_prefill_tps
         self._half_life_s = options.measured_half_life_ms / 1000
+        self._near = 1 + options.near_tie
+        self._near_s = options.near_tie_ms / 1000
         self._cursor = _Cursor()
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
@@ -98,9 +100,10 @@ class PredictedTTFT:
         rate = _mean_measured([o.prefill_tps for o in options]) or self._default_tps
         tpot = _mean_measured([o.tpot_s for o in options])
         costs = [predict_ttft(o, request, rate, tpot, self._half_life_s) for o in options]
-        # Equal predictions (an idle fleet, a prompt cached nowhere): the emptier instance, then round-robin.
-        best = min(costs)
-        tied = [o for o, c in zip(options, costs, strict=True) if c <= best * (1 + 1e-9)]
+        # Equal predictions (an idle fleet, a prompt cached nowhere), or as good as equal (`near_tie`): the
+        # emptier instance, then round-robin.
+        cutoff = min(costs) * self._near + self._near_s
+        tied = [o for o, c in zip(options, costs, strict=True) if c <= cutoff]
         return lowest(tied, [t.in_flight for t in tied], self._cursor)
 
 
