@@ -62,7 +62,7 @@ from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet.pool import Fleet, Instance, Lease, Pool
+    from ..fleet.pool import Fleet, Lease, Pool
     from ..metrics import GatewayMetrics
     from ..wire import ApiRequest
 
@@ -141,7 +141,6 @@ class Flight:
         self.error: GatewayError | None = None
         self.subscribers = 0
         self.subscribed_total = 0
-        self.instance: Instance | None = None
         #: The name of the engine that serves the flight (`UpstreamCall.served_by`), once its call opened.
         self.served_by: str | None = None
         self.started = time.perf_counter()
@@ -353,7 +352,7 @@ class Flight:
         }
 
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
-        self._lease, self._call, self.instance = lease, call, lease.instance
+        self._lease, self._call = lease, call
 
     async def _open(self) -> Opened:
         opened = await open_attempts(
