@@ -20,7 +20,7 @@ import orjson
 
 from .assemble import has_content
 from .errors import GatewayError, UpstreamError, UpstreamProtocolError
-from .fleet.pool import Lease  # at run time: the compiled build's dataclass resolves its field types
+from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .routing.policies import RouteRequest
 from .upstream import UpstreamCall, UpstreamEvents
 from .wire import ApiRequest

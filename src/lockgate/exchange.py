@@ -41,7 +41,8 @@ from .wire import ApiRequest
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from .fleet.pool import Instance, Lease, Pool
+    from .fleet.instance import Instance, Lease
+    from .fleet.pool import Pool
     from .metrics import GatewayMetrics
     from .observe.otel import Tracer
     from .records import RecordWriter

@@ -16,15 +16,14 @@ import logging
 import operator
 import sqlite3
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from .metrics import GatewayMetrics
-from .observe.access_log import AccessLog
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +132,16 @@ def _statement_sizes(rows: int) -> Iterator[int]:
         rows -= size
 
 
+class RecordSink(Protocol):
+    """Where stored batches also go, in the writer's thread (the access log, `observe/access_log.py`)."""
+
+    def open(self) -> None: ...
+
+    def write(self, records: Iterable[UsageRecord]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RecordWriter:
     def __init__(
         self,
@@ -142,7 +151,7 @@ class RecordWriter:
         batch_size: int = 256,
         queue_size: int = 10000,
         linger_s: float = 0.05,
-        access_log: AccessLog | None = None,
+        access_log: RecordSink | None = None,
     ) -> None:
         self._path = path
         #: Stored batches are handed to it, in the writer's thread (see `observe/access_log.py`).

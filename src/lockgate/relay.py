@@ -25,7 +25,8 @@ from .upstream import too_large
 
 if TYPE_CHECKING:
     from .dedup import Coalescer
-    from .fleet.pool import Fleet, Lease
+    from .fleet.instance import Lease
+    from .fleet.pool import Fleet
     from .upstream import UpstreamCall
 
 

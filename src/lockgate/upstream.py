@@ -23,7 +23,8 @@ from typing import Any
 import orjson
 
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
-from .fleet.pool import Fleet, Instance, upstream_headers
+from .fleet.instance import Instance, upstream_headers
+from .fleet.pool import Fleet
 from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
 from .metrics import GatewayMetrics
 from .sse import DONE, EventTooLarge, SSEDecoder

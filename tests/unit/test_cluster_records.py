@@ -15,7 +15,8 @@ from lockgate.cluster.keys import (
     nodes_prefix,
 )
 from lockgate.config import ConfigError, parse_config
-from lockgate.fleet.pool import Instance, Pool
+from lockgate.fleet.instance import Instance
+from lockgate.fleet.pool import Pool
 from lockgate.metrics import GatewayMetrics
 from lockgate.routing.factory import make_policy
 from lockgate.wire import Endpoint, parse_request

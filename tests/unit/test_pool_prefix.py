@@ -7,7 +7,8 @@ import pytest
 
 from lockgate.config import parse_config
 from lockgate.errors import Unavailable
-from lockgate.fleet.pool import Instance, Pool
+from lockgate.fleet.instance import Instance
+from lockgate.fleet.pool import Pool
 from lockgate.metrics import GatewayMetrics
 from lockgate.routing.factory import make_policy
 from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest

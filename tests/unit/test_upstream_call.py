@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from lockgate.config import InstanceConfig, parse_config
-from lockgate.fleet.pool import Fleet, Instance
+from lockgate.fleet.instance import Instance
+from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.upstream import UpstreamCall
 

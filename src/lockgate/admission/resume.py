@@ -36,7 +36,8 @@ from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
 if TYPE_CHECKING:
     from ..dedup import Coalescer
-    from ..fleet.pool import Fleet, HeaderLookup, Lease
+    from ..fleet.instance import Lease
+    from ..fleet.pool import Fleet, HeaderLookup
     from ..upstream import UpstreamCall
     from .gate import Admission, PoolScheduler
     from .scheduler import Ticket

@@ -62,7 +62,8 @@ from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet.pool import Fleet, Lease, Pool
+    from ..fleet.instance import Lease
+    from ..fleet.pool import Fleet, Pool
     from ..metrics import GatewayMetrics
     from ..wire import ApiRequest
 

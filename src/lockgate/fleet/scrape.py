@@ -23,7 +23,7 @@ from .bounded import MAX_METRICS_BYTES, read_bounded
 from .state import EngineLoad
 
 if TYPE_CHECKING:
-    from .pool import Instance
+    from .instance import Instance
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from .objectives import Counts
 
 if TYPE_CHECKING:
-    from ..fleet.pool import Instance, Pool
+    from ..fleet.instance import Instance
+    from ..fleet.pool import Pool
 
 #: Samples are kept for at most this long (6 h: the default ticket alert's long window).
 MAX_HORIZON_S = 6 * 3600

@@ -1,0 +1,219 @@
+"""One engine process (`Instance`: its configuration, connections, health and load state) and a request
+attempt's slot on it (`Lease`). The fleet (`pool.py`) creates and owns instances; routing sees one only
+through `Instance.view()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from ..config import InstanceConfig
+from ..engines import Dialect, dialect_for
+from ..http import HttpPool
+from ..metrics import GatewayMetrics
+from ..routing.policies import InstanceView
+from .capacity import ConcurrencyLimit
+from .ejection import Ejection
+from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
+
+
+class Instance:
+    """One engine process. Mutable runtime state; routing sees it only through `view()`."""
+
+    def __init__(
+        self,
+        config: InstanceConfig,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        ejection: Ejection | None = None,
+        http: HttpPool | None = None,
+        *,
+        max_connections: int = 256,
+        key: str | None = None,
+    ) -> None:
+        self.key = key or config.key
+        self.name = config.name or config.url
+        self.url = config.url
+        self.dialect: Dialect = dialect_for(config.engine)
+        #: The concurrency limit: at most the configured ceiling, else discovered from the engine's queue.
+        self.concurrency = ConcurrencyLimit(config.max_concurrency or max_connections)
+        self.api_key = config.api_key
+        self.basic_authorization = config.basic_authorization
+        #: Its prefix cache's size in tokens when configured (else learned from the engine's metrics).
+        self.cache_tokens = config.cache_tokens
+        #: Prompt tokens routed here and those the prefix index predicted cached (`hit_gap` compares
+        #: their ratio with the engine's own prefix-cache hit rate, scrape to scrape).
+        self.predicted_queries = 0
+        self.predicted_hits = 0
+        self.hit_gap = HitRateGap()
+        #: Engine tokens per token of the gateway's estimate (characters / 4), learned from usage; sizes
+        #: its cache in the prefix index's blocks.
+        self.token_ratio = Ewma(alpha=0.1)
+        #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
+        self.session = session
+        #: The lean keep-alive pool that carries generation requests (`upstream.py`).
+        self.http = http or HttpPool(config.url)
+        #: Where aiohttp requests go (for unix sockets the host part is ignored).
+        self.base_url = base_url
+        #: SNI (and the name checked) for the aiohttp calls when `tls.server_name` overrides the URL's host.
+        self.server_name = config.tls.server_name if config.tls is not None else None
+        self.healthy = True
+        #: Removed (or replaced) by a reload: no new requests; closed once `in_flight` is back to 0.
+        self.retired = False
+        #: Set by the last lease released while someone waits in `wait_idle()`.
+        self.idle: asyncio.Event | None = None
+        #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
+        self.in_flight = 0
+        self.open_calls = 0
+        self.last_probe_at: float | None = None
+        self.last_error: str | None = None
+        self.own = OwnAccounting()
+        self.engine_load: EngineLoad | None = None
+        self.scrape_error: str | None = None
+        #: Set for an engine behind a sidecar (cluster mode): its state comes from etcd, not from probes.
+        self.published: Published | None = None
+        self.ejection = ejection or Ejection()
+        #: The headers every generation request carries (`upstream_headers` adds the per-request ones).
+        self.request_headers = [("Content-Type", "application/json"), *_auth(self).items()]
+
+    @property
+    def max_concurrency(self) -> int:
+        """How many requests this instance takes at once now (routing and scheduling use it)."""
+        return self.concurrency.limit
+
+    @property
+    def in_service(self) -> bool:
+        """Passes its health checks and is configured: what a panicking pool routes over (ejection aside)."""
+        return self.healthy and not self.retired
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.retired and not self.ejection.ejected
+
+    async def wait_idle(self) -> None:
+        """Wait until no lease is held on the instance (its requests have ended)."""
+        while self.in_flight > 0:
+            self.idle = asyncio.Event()
+            await self.idle.wait()
+
+    def auth_headers(self) -> dict[str, str]:
+        return _auth(self)
+
+    def view(
+        self,
+        now: float | None = None,
+        stale_after: float = 1.0,
+        cached_tokens: int = 0,
+        cache_room: int | None = None,
+        *,
+        panic: bool = False,
+    ) -> InstanceView:
+        """What routing sees; in `panic` an instance that passes its health checks is routable even if ejected."""
+        return merge(
+            key=self.key,
+            name=self.name,
+            routable=self.in_service if panic else self.routable,
+            in_flight=self.in_flight,
+            max_concurrency=self.max_concurrency,
+            own=self.own,
+            engine=self.engine_load,
+            now=time.monotonic() if now is None else now,
+            stale_after=stale_after,
+            cached_tokens=cached_tokens,
+            cache_room=cache_room,
+        )
+
+
+class Lease:
+    """A routing slot on one instance, held by one request attempt. `release()` is idempotent."""
+
+    __slots__ = ("_attempt", "_estimate", "_metrics", "_released", "_whole", "completion_tokens", "instance")
+
+    def __init__(
+        self, instance: Instance, metrics: GatewayMetrics, uncached_tokens: int = 0, prompt_tokens: int = 0
+    ) -> None:
+        self.instance = instance
+        #: The gateway's estimate of the prompt's tokens (characters / 4).
+        self._estimate = prompt_tokens
+        self._metrics = metrics
+        self._released = False
+        #: Tokens received so far (for the instance's TPOT), kept current by the relay.
+        self.completion_tokens = 0
+        self._whole = False
+        instance.in_flight += 1
+        self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic())
+
+    def first_token(self) -> None:
+        """The engine's first event arrived: this attempt's prompt is no longer queued there."""
+        if not self._released:
+            self.instance.own.first_token(self._attempt, time.monotonic())
+
+    def whole(self, completion_tokens: int) -> None:
+        """A non-streamed answer arrived complete: its timing still feeds the instance's TTFT/TPOT."""
+        self.completion_tokens = completion_tokens
+        self._whole = True
+
+    def move(self, to: Instance) -> None:
+        """The engine serving this attempt is `to`, not the instance it was routed to (a sidecar picks
+        among its node's engines): its slot, queued prompt and TTFT/TPOT samples count there from now,
+        so this replica's view of both engines stays exact between the sidecar's publications."""
+        if self._released or to is self.instance:
+            return
+        now = time.monotonic()
+        before = self.instance
+        before.own.end(self._attempt, now, 0)  # no first token yet: no sample, only the queue undone
+        self._attempt = to.own.adopt(self._attempt, now)
+        to.in_flight += 1
+        self.instance = to
+        self._vacate(before)
+
+    def release(self, engine_prompt_tokens: int = 0) -> None:
+        """End the attempt; `engine_prompt_tokens`: the prompt's size as the engine counted it (usage),
+        which teaches the instance how its tokens relate to the gateway's estimate."""
+        if self._released:
+            return
+        self._released = True
+        instance = self.instance
+        if engine_prompt_tokens > 0 and self._estimate > 0:
+            instance.token_ratio.add(engine_prompt_tokens / self._estimate, time.monotonic())
+        engine = instance.engine_load
+        instance.own.end(
+            self._attempt,
+            time.monotonic(),
+            self.completion_tokens,
+            whole=self._whole,
+            engine_tpot=engine.tpot_s if engine is not None and engine.tpot_s is not None else 0.0,
+        )
+        self._vacate(instance)
+
+    def _vacate(self, instance: Instance) -> None:
+        instance.in_flight -= 1
+        if instance.in_flight <= 0:
+            if instance.in_flight < 0:
+                self._metrics.leaks.labels("negative_in_flight").inc()
+            if instance.idle is not None:
+                instance.idle.set()
+
+
+def _auth(instance: Instance) -> dict[str, str]:
+    """The gateway's own credential for an engine: its `api_key` as a Bearer token, else the Basic
+    credential of its URL's userinfo, else none."""
+    if instance.api_key:
+        return {"Authorization": f"Bearer {instance.api_key}"}
+    if instance.basic_authorization:
+        return {"Authorization": instance.basic_authorization}
+    return {}
+
+
+def upstream_headers(
+    instance: Instance, request_id: str, *, stream: bool, extra: tuple[tuple[str, str], ...] = ()
+) -> list[tuple[str, str]]:
+    headers = [("X-Request-Id", request_id), *instance.request_headers]
+    if stream and instance.dialect.close_after_stream:
+        headers.append(("Connection", "close"))
+    if extra:
+        headers.extend(extra)
+    return headers
