@@ -80,3 +80,42 @@ def test_several_candidates_go_to_the_policy() -> None:
     assert {p.choose(route)[0].key for _ in range(4)} == {i.key for i in p.instances}
     with pytest.raises(AssertionError):
         two_instance_pool(RefusingPolicy()).choose(route)
+
+
+def chat_route(p: Pool, content: str) -> RouteRequest:
+    api = parse_request(
+        Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "' + content.encode() + b'"}]}'
+    )
+    return p.route_request(api)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_pool_measures_how_much_of_its_prompts_caches_hold(shared: bool) -> None:
+    """`PoolSnapshot.reuse`: 1.0 until measured, then the share of routed prompts' tokens found cached
+    somewhere (what makes evicting a cached prefix cost anything later)."""
+    p = two_instance_pool(make_policy("predicted_ttft"))
+    assert p.snapshot().reuse == 1.0
+    system = "a long shared system prompt " * 40
+    for n in range(64):
+        p.choose(chat_route(p, (system if shared else "") + f"question {n} " * (1 if shared else 60)))
+    if shared:
+        assert p.snapshot().reuse > 0.8
+    else:
+        assert p.snapshot().reuse < 0.05
+
+
+def test_predicted_ttft_charges_eviction_by_how_much_caches_are_reused() -> None:
+    """A full cache evicts prefixes that will be prefilled again only if prompts reuse what caches hold:
+    with nothing reused, a full instance is as good as one with room, and load decides."""
+    request = RouteRequest("m", prompt_tokens=1000)
+    full = InstanceView("a", "a", True, 0, 16, prefill_tps=10_000, cache_room=0)
+    roomy = InstanceView("b", "b", True, 2, 16, prefill_tps=10_000, cache_room=5_000)
+    policy = make_policy("predicted_ttft")
+
+    def chosen(reuse: float) -> str:
+        view = policy.choose(request, PoolSnapshot("m", (full, roomy), reuse))
+        assert view is not None
+        return view.key
+
+    assert chosen(1.0) == "b"  # evicting 1000 tokens of hot prefixes costs their prefill again
+    assert chosen(0.0) == "a"  # nothing is reused: equal predictions, the emptier instance

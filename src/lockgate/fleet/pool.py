@@ -46,6 +46,7 @@ from .ejection import Ejection, ejection_allowed
 from .instance import Instance, Lease
 from .metrics import FleetCollector
 from .scrape import Scraper
+from .state import Ewma
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
@@ -60,6 +61,8 @@ class HeaderLookup(Protocol):
 log = logging.getLogger(__name__)
 #: Prefill rate assumed for an instance until its own is measured (the routing default's), tokens/s.
 _DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
+#: Routed prompts before a pool's measured reuse replaces the assumption that caches are reused (1.0).
+_REUSE_SAMPLES = 32
 
 
 class Pool:
@@ -104,6 +107,8 @@ class Pool:
         self.placement_choices = 1
         #: Central replicas: what the sidecars report their engines hold (`routing/residency.py`).
         self.residency: Residency | None = None
+        #: The share of routed prompts' tokens found cached on some instance (`PoolSnapshot.reuse`).
+        self.reuse = Ewma(alpha=0.05)
         #: Sidecars: told of every routing decision (instance key, prompt blocks), to report residency.
         self.report_routed: Callable[[str, tuple[int, ...]], None] | None = None
         for spec in config.instances:
@@ -170,7 +175,8 @@ class Pool:
             views.append(
                 i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block, panic=panic)
             )
-        return PoolSnapshot(self.model, tuple(views))
+        reuse = self.reuse.value if self.reuse.samples >= _REUSE_SAMPLES else 1.0
+        return PoolSnapshot(self.model, tuple(views), reuse)
 
     def _place(self, request: RouteRequest, matched: dict[str, int]) -> None:
         """Unless this replica's own index knows the prompt beyond its anchor, count the whole prompt as
@@ -200,8 +206,11 @@ class Pool:
             instance = sole
             matched = self.index.match(request.blocks).get(sole.key) if request.blocks else None
             cached = self._cached_tokens(request, matched)
+            best = cached
         else:
-            view = self.policy.choose(request, self.snapshot(request))
+            snapshot = self.snapshot(request)
+            view = self.policy.choose(request, snapshot)
+            best = max((v.cached_tokens for v in snapshot.instances), default=0)
             if view is None and self.panicking():
                 view = self.policy.choose(request, self.snapshot(request, panic=True))
                 if view is not None and self._panics is not None:
@@ -210,6 +219,8 @@ class Pool:
                 raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
             instance, cached = self._by_key[view.key], view.cached_tokens
         if request.blocks:
+            if request.prompt_tokens > 0:
+                self.reuse.add(min(1.0, best / request.prompt_tokens), time.monotonic())
             self.index.insert(instance.key, request.blocks)
             instance.predicted_queries += request.prompt_tokens
             instance.predicted_hits += cached

@@ -12,11 +12,14 @@
                      measured candidates (else a configured default); while it takes no new sample
                      it relaxes toward that mean (half-life `measured_half_life_ms`)
     decode step    = its measured time per output token (the same fallback and relaxation)
-    eviction cost  = (uncached tokens beyond the room left in its prefix cache) / prefill rate: placing
-                     a prompt on an instance whose cache is full evicts other prefixes that will have to
-                     be prefilled again; counting that once keeps a working set larger than one cache
-                     partitioned over the instances instead of spread (and thrashing) over all of them.
-                     An instance whose cache size is unknown (not reported yet, or never) counts as full.
+    eviction cost  = (uncached tokens beyond the room left in its prefix cache) x reuse / prefill rate:
+                     placing a prompt on an instance whose cache is full evicts other prefixes that will
+                     have to be prefilled again; counting that once keeps a working set larger than one
+                     cache partitioned over the instances instead of spread (and thrashing) over all of
+                     them. An instance whose cache size is unknown (not reported yet, or never) counts as
+                     full. `reuse` is the share of recent prompts' tokens the pool found cached somewhere
+                     (1 until measured): where nothing is shared (uniform random prompts), evicting costs
+                     nothing later, and charging it anyway made the instances' modelled room decide.
 
 and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
 next to measured peers, a new instance would never be chosen and so never measured. The relaxation
@@ -54,6 +57,7 @@ def predict_ttft(
     default_prefill_tps: float,
     default_tpot_s: float = 0.0,
     half_life_s: float = 0.0,
+    reuse: float = 1.0,
 ) -> float:
     """Predicted TTFT of `request` on `view` (see the module docstring); the defaults are its peers'
     means, what an unmeasured (or long unmeasured, with `half_life_s`) instance is judged by."""
@@ -67,7 +71,7 @@ def predict_ttft(
     # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
     # some engines never say) counts as full: the cold start is when prefixes find their homes, and
     # a copy placed then on a second instance "for free" later crowds out a prefix of its own.
-    evicted = max(0, uncached - (view.cache_room or 0))
+    evicted = max(0, uncached - (view.cache_room or 0)) * reuse
     # What it does to the others: an engine step lasts as long as the prefill it carries, and every
     # request waiting for its first token there (but the one in prefill now) shares a step with this
     # prompt's or waits behind it: a long prompt sent where short ones wait delays each of them.
@@ -99,7 +103,8 @@ class PredictedTTFT:
             return None
         rate = _mean_measured([o.prefill_tps for o in options]) or self._default_tps
         tpot = _mean_measured([o.tpot_s for o in options])
-        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s) for o in options]
+        reuse = snapshot.reuse
+        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse) for o in options]
         # Equal predictions (an idle fleet, a prompt cached nowhere), or as good as equal (`near_tie`): the
         # emptier instance, then round-robin.
         cutoff = min(costs) * self._near + self._near_s

@@ -66,6 +66,9 @@ class InstanceView:
 class PoolSnapshot:
     model: str
     instances: tuple[InstanceView, ...]
+    #: The share of recent prompts' tokens found cached somewhere in the pool (1.0 until measured): how
+    #: much what a cache holds gets reused, so what evicting it costs (`cost.predict_ttft`).
+    reuse: float = 1.0
 
 
 @dataclass(slots=True)
