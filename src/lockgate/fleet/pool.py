@@ -202,15 +202,14 @@ class Pool:
         sole = self._pinned(request.pin, request) if request.pin is not None else None
         if sole is None:
             sole = self._sole_candidate(request)
+        snapshot: PoolSnapshot | None = None
         if sole is not None:
             instance = sole
             matched = self.index.match(request.blocks).get(sole.key) if request.blocks else None
             cached = self._cached_tokens(request, matched)
-            best = cached
         else:
             snapshot = self.snapshot(request)
             view = self.policy.choose(request, snapshot)
-            best = max((v.cached_tokens for v in snapshot.instances), default=0)
             if view is None and self.panicking():
                 view = self.policy.choose(request, self.snapshot(request, panic=True))
                 if view is not None and self._panics is not None:
@@ -220,6 +219,8 @@ class Pool:
             instance, cached = self._by_key[view.key], view.cached_tokens
         if request.blocks:
             if request.prompt_tokens > 0:
+                # Found cached anywhere (not only where it went): how much the caches' content is reused.
+                best = cached if snapshot is None else max(v.cached_tokens for v in snapshot.instances)
                 self.reuse.add(min(1.0, best / request.prompt_tokens), time.monotonic())
             self.index.insert(instance.key, request.blocks)
             instance.predicted_queries += request.prompt_tokens
