@@ -202,3 +202,15 @@ async def test_embeddings_through_the_gateway(client, gateway):
     assert cosine(sky, sky_again) > max(0.9, cosine(sky, bonjour))
     assert reply.usage.prompt_tokens > 2
     await gateway.gateway.records.wait_flushed()
+
+
+async def test_the_engines_slots_are_the_concurrency_limit_without_configuring_one(engine, start_gateway):
+    """llama.cpp says how many slots it has (`/props` `total_slots`): with no `max_concurrency` configured,
+    the instance's limit is that number from its first health probe, before any traffic."""
+    gw = await start_gateway(
+        [{"name": "smol", "instances": [{"url": engine.url, "engine": "llamacpp", "served_model": "smollm2"}]}]
+    )
+    fleet = gw.gateway.fleet
+    (instance,) = fleet.instances.values()
+    await fleet.wait_until(lambda f: instance.concurrency.declared is not None)
+    assert instance.concurrency.declared == 2 and instance.max_concurrency == 2

@@ -209,3 +209,30 @@ def test_one_waiting_at_a_full_limit_does_not_cut_below_the_learned_limit() -> N
     limit.observe(running=3, waiting=4, in_flight=7)
     limit.observe(running=3, waiting=4, in_flight=7)
     assert limit.limit == 3
+
+
+def test_a_declared_parallelism_is_the_limit_before_any_traffic_and_a_ceiling_for_probes() -> None:
+    """An engine that says what it runs at once (llama.cpp's slots, SGLang's `max_running_requests`) has no
+    discovery window: its limit is that number from the start, a flood never fills its own queue first."""
+    limit = ConcurrencyLimit(256)
+    assert limit.declare(4) and limit.limit == 4 and limit.declared == 4
+    for _ in range(limit.cooldown * 3):  # at the limit, nothing waiting: no probe above what it said
+        assert not limit.observe(running=4, waiting=0, in_flight=4)
+    assert limit.limit == 4
+    # A KV cache that fits fewer than its slots: a lasting backlog still cuts below (once what it ran at once
+    # in recent scrapes is 3), and probes grow back to what it said.
+    cut = [limit.observe(running=3, waiting=4, in_flight=7) for _ in range(30)]
+    assert any(cut) and limit.limit == 3
+    for _ in range(limit.cooldown + 10):
+        limit.observe(running=limit.limit, waiting=0, in_flight=limit.limit)
+    assert limit.limit == 4
+    # Never above the configured ceiling; an engine that no longer says goes back to discovering under it.
+    capped = ConcurrencyLimit(8)
+    assert not capped.declare(16) and capped.limit == 8 and capped.ceiling == 8
+    assert not capped.declare(None) and capped.declared is None and capped.ceiling == 8
+    assert capped.observe(running=5, waiting=6, in_flight=8) and capped.limit == 5  # discovery again
+    restarted = ConcurrencyLimit(256)
+    restarted.declare(4)
+    assert restarted.declare(6) and restarted.limit == 6  # restarted with more slots
+    fixed = ConcurrencyLimit(32, adaptive=False)  # a fixed limit (a sidecar's publication) ignores it
+    assert not fixed.declare(4) and fixed.limit == 32

@@ -76,6 +76,11 @@ class Dialect:
     close_after_stream: bool = False
     #: Idle keep-alive connections are dropped after this long (must be below the engine's own timeout).
     keepalive_s: float = 15.0
+    #: Where the engine says, in JSON, how many sequences it runs at once (llama.cpp `/props`, SGLang
+    #: `/get_server_info`), and the top-level keys that carry the number: the instance's concurrency limit
+    #: then starts there instead of being discovered from its queue (`fleet/capacity.py`).
+    parallelism_path: str | None = None
+    parallelism_keys: tuple[str, ...] = ()
 
     def upstream_body(
         self,
@@ -108,3 +113,20 @@ class Dialect:
     def abort_call(self, request_id: str) -> AbortCall | None:
         """An explicit abort to send after closing the connection (None: closing is enough)."""
         return None
+
+    def parallelism(self, document: Any) -> int | None:
+        """How many sequences the engine runs at once, from what `parallelism_path` answered (None: it
+        does not say; a missing, null, non-integer or non-positive value says nothing)."""
+        if isinstance(document, dict):
+            for key in self.parallelism_keys:
+                found = positive_int(document.get(key))
+                if found is not None:
+                    return found
+        return None
+
+
+def positive_int(value: Any) -> int | None:
+    """`value` if it is a positive integer (bools are not), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None

@@ -3,7 +3,8 @@
 Observed behaviour (docs/engines/llamacpp.md): it stops a slot when a *streaming* client disconnects,
 but keeps generating a non-streaming request to the end, so the gateway always streams from it. It
 closes the connection after a stream despite advertising keep-alive, and drops idle connections after
-5 s. Its metrics have no KV-cache usage and no labels; it serves whatever `model` name it is sent.
+5 s. Its metrics have no KV-cache usage and no labels; it serves whatever `model` name it is sent. `/props`
+says how many slots it has (`total_slots`).
 """
 
 from .base import Dialect, MetricNames
@@ -20,4 +21,7 @@ LLAMACPP = Dialect(
     stream_upstream_always=True,
     close_after_stream=True,
     keepalive_s=4.0,
+    # `--parallel N` slots: exactly what it runs at once.
+    parallelism_path="/props",
+    parallelism_keys=("total_slots",),
 )

@@ -1,4 +1,8 @@
-"""Hugging Face text-generation-inference (Messages API on `/v1/chat/completions`)."""
+"""Hugging Face text-generation-inference (Messages API on `/v1/chat/completions`).
+
+`GET /info` carries `max_batch_size` when the server was started with one (usually null: TGI then sizes
+its batch by tokens, and the limit is discovered from its queue like any other engine's).
+"""
 
 from .base import Dialect, MetricNames
 
@@ -9,4 +13,6 @@ TGI = Dialect(
         waiting=("tgi_queue_size",),
         running=("tgi_batch_current_size",),
     ),
+    parallelism_path="/info",
+    parallelism_keys=("max_batch_size",),
 )

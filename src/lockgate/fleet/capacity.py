@@ -52,7 +52,14 @@ taking a burst in); otherwise the first probe judges it (a one-slot trial that a
 scrape; on an engine that runs more, growth by an eighth per scrape). Only a queue at least as long as
 the batch holds (a shorter one is more often a step's arrivals at low load); one hold per backlog.
 
-It starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
+**Declared**: where the engine says what it runs at once (llama.cpp's `total_slots`, SGLang's
+`max_running_requests`, TGI's `max_batch_size`: `Dialect.parallelism`), `declare()` makes that the
+ceiling and the learned limit before any traffic, so there is no discovery window: a flood's first
+arrivals wait in the gateway's queues from the start. Saturation may still cut below it (a KV cache
+that fits fewer sequences than the engine's slots); probes never go above it. vLLM exports no
+`max_num_seqs`, so its limit (and the simulator's) is discovered.
+
+Otherwise it starts at the ceiling: the configured `max_concurrency`, or else `upstream.max_connections` (no
 more requests can be open to one instance anyway). Starting high costs one scrape interval of engine
 queueing on a small engine; starting low would queue every request of a large one in the gateway
 while the limit climbs (256 streams to an engine that runs 256 would wait ~1 s for a limit that
@@ -74,6 +81,7 @@ _TRIAL_SCRAPES = 5
 class ConcurrencyLimit:
     __slots__ = (
         "_calm",
+        "_configured",
         "_held",
         "_held_from",
         "_learned",
@@ -86,6 +94,7 @@ class ConcurrencyLimit:
         "adaptive",
         "ceiling",
         "cooldown",
+        "declared",
         "limit",
     )
 
@@ -93,6 +102,9 @@ class ConcurrencyLimit:
         if ceiling < 1:
             raise ValueError("ceiling must be >= 1")
         self.ceiling = ceiling
+        self._configured = ceiling
+        #: What the engine said it runs at once (`declare()`), if it says.
+        self.declared: int | None = None
         #: The current limit (1..ceiling).
         self.limit = ceiling
         #: False: the limit is the configured number, whatever the engine says.
@@ -195,6 +207,27 @@ class ConcurrencyLimit:
                 self._trial_scrapes = 0
                 return True
         return False
+
+    def declare(self, parallelism: int | None) -> bool:
+        """The engine's own count of what it runs at once (None: it says nothing, or no longer does):
+        the ceiling and the learned limit from now on, under the configured ceiling. True if the limit
+        changed. A fixed (non-adaptive) limit ignores it."""
+        if not self.adaptive or parallelism == self.declared:
+            return False
+        self.declared = parallelism
+        self._held_from = None
+        self._held = False
+        self._trial_from = None
+        self._streak = 0
+        if parallelism is None:  # back to discovering under the configured ceiling
+            self.ceiling = self._configured
+            self._learned = None
+            return False
+        self.ceiling = max(1, min(self._configured, parallelism))
+        self._learned = self.ceiling
+        self._calm = 0
+        self._wait = self.cooldown
+        return self._set(self.ceiling)
 
     def _judge(self, running: float, waiting: float, in_flight: int) -> bool:
         """One scrape during a probe's trial (see the module docstring); True if the limit changed."""

@@ -69,6 +69,8 @@ class Instance:
         self.in_flight = 0
         self.open_calls = 0
         self.last_probe_at: float | None = None
+        #: Its engine was asked how many sequences it runs at once since it last came up (`declared.py`).
+        self.parallelism_asked = False
         self.last_error: str | None = None
         self.own = OwnAccounting()
         self.engine_load: EngineLoad | None = None

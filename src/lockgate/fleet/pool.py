@@ -42,6 +42,7 @@ from ..tasks import cancel_and_wait
 from ..wire import ApiRequest
 from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
 from .capacity import ConcurrencyLimit, prefill_backlog_s
+from .declared import ask_parallelism
 from .ejection import Ejection, ejection_allowed
 from .instance import Instance, Lease
 from .metrics import FleetCollector
@@ -736,6 +737,19 @@ class Fleet:
 
     async def _probe(self, instance: Instance) -> None:
         ok = await self._check(instance)
+        if ok and not instance.parallelism_asked and instance.published is None:
+            # Once per start of the engine (a restart may come with other slots): see `_set_health`.
+            instance.parallelism_asked = True
+            declared = await ask_parallelism(instance, self._config.health.timeout_ms / 1000)
+            before = instance.concurrency.limit
+            if instance.concurrency.declare(declared):
+                log.info(
+                    "instance %s: concurrency limit %d -> %d (the engine runs %s at once)",
+                    instance.name,
+                    before,
+                    instance.concurrency.limit,
+                    declared,
+                )
         now = time.monotonic()
         if instance.ejection.probe_due(now) and instance.ejection.probed(ok, now):
             log.warning("instance %s returns after a successful probe", instance.name)
@@ -768,6 +782,8 @@ class Fleet:
                 # Down (a failed check, a refused connection): when it answers again it is most likely a
                 # restarted engine with an empty cache; believing it still holds its prefixes would send
                 # their traffic there to miss. (Passive ejection keeps the residency: the engine runs.)
+                # It may also have restarted with another parallelism: asked again when it is back.
+                instance.parallelism_asked = False
                 for pool in self.pools.values():
                     if instance.key in pool.served:
                         pool.index.forget(instance.key)

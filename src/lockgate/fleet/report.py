@@ -49,6 +49,8 @@ def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -
         "routable": instance.routable,
         "in_flight": instance.in_flight,
         "max_concurrency": instance.max_concurrency,
+        # What the engine said it runs at once (None: it does not say; the limit is discovered).
+        "engine_parallelism": instance.concurrency.declared,
         "last_error": instance.last_error,
         "last_probe_age_s": None if instance.last_probe_at is None else round(time.time() - instance.last_probe_at, 3),
         "ejection": {
