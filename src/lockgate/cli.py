@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any, Literal
+from typing import Literal
 
-
-def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """Run a coroutine on uvloop where available."""
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(main())
+from .runner import run_async
 
 
 def _serve(args: argparse.Namespace) -> int:

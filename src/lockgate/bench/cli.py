@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..runner import run_async
 from .progress import Progress
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import overhead
 
     settings = overhead.Settings(
@@ -38,7 +38,6 @@ def _overhead(args: argparse.Namespace) -> int:
 
 
 def _routing(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import routing
     from .machine import machine
 
@@ -76,7 +75,6 @@ def _routing(args: argparse.Namespace) -> int:
 
 
 def _priority(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import priority
 
     settings = priority.Settings(
@@ -109,7 +107,6 @@ def _priority(args: argparse.Namespace) -> int:
 
 
 def _hol(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import hol
 
     settings = hol.Settings(
@@ -135,7 +132,6 @@ def _hol(args: argparse.Namespace) -> int:
 
 
 def _capacity(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import capacity
 
     settings = capacity.Settings(
@@ -159,7 +155,6 @@ def _capacity(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import cancel
 
     async def main() -> int:
@@ -172,7 +167,6 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _inprocess(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import inprocess
 
     async def main() -> int:
@@ -194,7 +188,6 @@ def _inprocess(args: argparse.Namespace) -> int:
 
 
 def _dedup(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import dedup
 
     async def main() -> int:
@@ -216,7 +209,6 @@ def _dedup(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import chaos
 
     settings = chaos.Settings(
@@ -248,7 +240,6 @@ def _write(path: Path, text: str) -> None:
 
 
 def _overload(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import overload
 
     settings = overload.Settings(
@@ -273,7 +264,6 @@ def _overload(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from ..cli import run_async
     from . import soak
 
     settings = soak.Settings(

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+from ..runner import run_async
 from .config import SimConfig
 from .server import SimServer
 
@@ -84,14 +85,7 @@ async def serve(config: SimConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is optional (not on Windows)
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config))
+    run_async(lambda: serve(config))
     return 0
 
 
