@@ -193,3 +193,25 @@ def test_queued_prompt_tokens_count_only_what_is_not_prefilled_yet():
     args: dict[str, Any] = {"routable": True, "in_flight": 1, "max_concurrency": 16, "engine": None}
     views = [merge(key=k, name=k, own=o, now=0.2, stale_after=1.0, **args) for k, o in (("e", early), ("l", late))]
     assert [v.queued_prompt_tokens for v in views] == [1200, 1200]
+
+
+def test_an_instance_past_its_estimate_counts_as_slower_not_idle():
+    """A slow engine that has not answered by the time its estimate ran out used to count as having nothing
+    queued, so it looked idle exactly while it was overdue and took every arrival until its first answer
+    (`bench routing` bursty/slow: 22 requests in its first 0.16 s, 170-320 ms each). Now what is unanswered
+    counts, scaled by how far past the estimate the run of prompts is."""
+    own = OwnAccounting()
+    own.default_tps = 40_000.0  # unmeasured: the routing's default (a pool sets it), not the module's
+    first = own.start(1200, 0.0)  # estimated prefilled at 0.03 s
+    assert own.backlog_tokens(0.015) == own.remaining_prompt_tokens(0.015) == 600
+    assert own.remaining_prompt_tokens(0.06) == 0  # the estimate has run out, the first token is not back
+    assert own.backlog_tokens(0.06) == 2400  # twice as long as estimated: at least twice as slow
+    own.start(40, 0.06)  # behind it, in the same run
+    assert own.backlog_tokens(0.09) == round(1240 * 0.09 / 0.031)
+    assert own.backlog_tokens(5.0) == 1240 * 20  # at most 20x slower
+    own.first_token(first, 0.2)  # measured (1200 tokens in 0.2 s) and estimated afresh from here
+    assert own.prefill_tps.value == pytest.approx(6000.0)
+    assert own.backlog_tokens(0.2) == 40 and own.prefill_until == pytest.approx(0.2 + 40 / 6000)
+    args: dict[str, Any] = {"routable": True, "in_flight": 2, "max_concurrency": 16, "engine": None}
+    overdue = merge(key="s", name="s", own=own, now=0.3, stale_after=1.0, **args)
+    assert overdue.queued_prompt_tokens == round(40 * (0.3 - 0.2) / (40 / 6000))  # still unanswered: overdue again

@@ -32,7 +32,7 @@ from ..engines import AbortCall, dialect_for
 from ..errors import Unavailable
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
-from ..routing.config import PredictedTTFTOptions, RoutingConfig
+from ..routing.config import RoutingConfig
 from ..routing.factory import make_policy
 from ..routing.placement import anchor_depth, rendezvous_spread
 from ..routing.policies import Policy, PoolSnapshot, RouteRequest
@@ -60,8 +60,6 @@ class HeaderLookup(Protocol):
 
 
 log = logging.getLogger(__name__)
-#: Prefill rate assumed for an instance until its own is measured (the routing default's), tokens/s.
-_DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 #: Routed prompts before a pool's measured reuse replaces the assumption that caches are reused (1.0).
 _REUSE_SAMPLES = 32
 
@@ -80,6 +78,8 @@ class Pool:
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.config = config
+        for instance in instances:
+            instance.own.default_tps = config.routing.predicted_ttft.default_prefill_tps
         self.model = config.name
         self.instances = instances
         self._by_key = {i.key: i for i in instances}
@@ -133,6 +133,7 @@ class Pool:
             return
         self.instances = [*self.instances, instance]
         self._by_key[instance.key] = instance
+        instance.own.default_tps = self.config.routing.predicted_ttft.default_prefill_tps
         self.served[instance.key] = served_model
         if self._decisions is not None and self._metrics is not None:
             self._decisions[instance.key] = self._metrics.routing_decisions.labels(
@@ -636,7 +637,7 @@ class Fleet:
             instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
             own = instance.own
-            backlog_s = prefill_backlog_s(own.queued_prompt_tokens, own.prefill_tps.value, _DEFAULT_PREFILL_TPS)
+            backlog_s = prefill_backlog_s(own.queued_prompt_tokens, own.prefill_tps.value, own.default_tps)
             if instance.concurrency.observe(
                 load.running, load.waiting, instance.in_flight, backlog_s, own.decode.value
             ):

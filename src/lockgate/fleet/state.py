@@ -86,6 +86,8 @@ class Attempt:
 _MIN_RATE_TOKENS = 256
 #: Prefill rate assumed until an instance's own is measured (the routing default's), tokens/s.
 _DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
+#: At most this many times slower than estimated is read from prompts past their estimate (`backlog_tokens`).
+_MAX_SLOWDOWN = 20.0
 
 
 class OwnAccounting:
@@ -102,13 +104,18 @@ class OwnAccounting:
         self.whole = Moments()
         self.errors = 0
         self.updated_at: float | None = None
-        #: When the prompt tokens sent here should all be prefilled, at the measured rate (monotonic).
+        #: When the prompt tokens sent here should all be prefilled, at the measured rate (monotonic), and
+        #: when the run of prompts that estimate covers began (the last time nothing was pending here).
         self.prefill_until = 0.0
+        self.busy_since = 0.0
+        #: The rate assumed until measured: the routing's `predicted_ttft.default_prefill_tps` (its pool sets
+        #: it), so that this estimate and the routing's prediction agree about an unmeasured instance.
+        self.default_tps = _DEFAULT_PREFILL_TPS
 
     @property
     def rate(self) -> float:
         """Its measured prefill rate, or the default until measured (tokens/s)."""
-        return self.prefill_tps.value or _DEFAULT_PREFILL_TPS
+        return self.prefill_tps.value or self.default_tps
 
     def remaining_prompt_tokens(self, now: float) -> int:
         """Of the prompt tokens queued here (sent, first token not back), those not prefilled yet by
@@ -121,9 +128,33 @@ class OwnAccounting:
             return 0
         return min(queued, max(0, round((self.prefill_until - now) * self.rate)))
 
+    def backlog_tokens(self, now: float) -> int:
+        """The prompt work routing counts as queued here, in tokens at the estimated rate: what
+        `remaining_prompt_tokens` estimates while the estimate runs. Once the estimate (and one decode step
+        after it) has run out with prompts still unanswered, the engine is slower than estimated: by at
+        least the time this run of prompts has taken over the time it should have, and every unanswered
+        prompt token counts, scaled by that (at most `_MAX_SLOWDOWN`). Before, nothing was assumed queued
+        then: a slow instance looked idle exactly while it was overdue, and took every arrival until its
+        first answer (`bench routing`, bursty/slow: 22 requests sent to the slow engine in its first 0.16 s,
+        engine-side TTFT 170-320 ms)."""
+        queued = self.queued_prompt_tokens
+        due = self.prefill_until + self.tpot.value
+        if queued <= 0 or self.pending <= 0 or now <= due:
+            return self.remaining_prompt_tokens(now)
+        expected = due - self.busy_since
+        slowdown = _MAX_SLOWDOWN if expected <= 0 else min(_MAX_SLOWDOWN, (now - self.busy_since) / expected)
+        return round(queued * max(1.0, slowdown))
+
     def start(self, uncached_tokens: int, now: float) -> Attempt:
         attempt = Attempt(uncached_tokens, self.remaining_prompt_tokens(now), now)
-        self.prefill_until = max(now, self.prefill_until) + uncached_tokens / self.rate
+        if self.pending > 0:
+            # Queued behind what is unanswered here: after it, even when that is overdue (counting from now
+            # would hide how far behind the estimate the engine is).
+            self.prefill_until += uncached_tokens / self.rate
+        else:
+            if self.prefill_until <= now:
+                self.busy_since = now
+            self.prefill_until = max(now, self.prefill_until) + uncached_tokens / self.rate
         self.queued_prompt_tokens += uncached_tokens
         self.pending += 1
         self.prompt_tokens.add(uncached_tokens, now)
@@ -150,6 +181,10 @@ class OwnAccounting:
         busy = ttft - self.tpot.value
         if work >= _MIN_RATE_TOKENS and busy > 0:
             self.prefill_tps.add(work / busy, now)
+        if now > self.prefill_until:
+            # It was overdue: what is still queued is estimated afresh from here, at the rate just measured.
+            self.busy_since = now
+            self.prefill_until = now + max(0, self.queued_prompt_tokens) / self.rate
         self.updated_at = now
 
     def end(
@@ -295,7 +330,7 @@ def merge(
     cached_tokens: int = 0,
     cache_room: int | None = None,
 ) -> InstanceView:
-    queued = own.remaining_prompt_tokens(now)
+    queued = own.backlog_tokens(now)
     fresh = engine is not None and engine.age(now) <= stale_after
     if fresh and engine is not None:
         # Behind a sidecar: the slots the other replicas' requests take there are taken for this one too.
