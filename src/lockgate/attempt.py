@@ -69,6 +69,35 @@ class Opened:
         self.lease.completion_tokens += has_content(event)
         return event
 
+    def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
+        """Every event that can be had without waiting (`UpstreamEvents.take`), with the engine's bytes of each
+        (None for the events read ahead while opening); `ended` says when the stream is over. Counts tokens
+        like `__anext__`."""
+        out: list[tuple[dict[str, Any], bytes | None]] = []
+        if self.closed:
+            return out
+        if self.head:
+            out += [(event, None) for event in self.head]
+            self.head = []
+        rest = self.rest
+        assert rest is not None
+        self.live = True
+        out += rest.take()
+        lease = self.lease
+        for event, _ in out:
+            lease.completion_tokens += has_content(event)
+        return out
+
+    @property
+    def ended(self) -> bool:
+        """The stream is over: nothing more to take."""
+        return self.closed or (not self.head and self.rest is not None and self.rest.ended)
+
+    @property
+    def broken(self) -> bool:
+        """The stream broke after the events `take()` returned last: the next `take()` raises why."""
+        return self.rest is not None and self.rest.broken
+
     def raw(self) -> bytes | None:
         """The engine's own bytes for the event `events()` yielded last, when known (not for the events read
         ahead while opening)."""

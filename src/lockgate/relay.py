@@ -20,7 +20,7 @@ from .assemble import assemble
 from .attempt import Opened, open_attempts
 from .edge.server import Reply, Request
 from .exchange import Exchange, Phase
-from .respond import stream_events, whole_body
+from .respond import pump, whole_body
 from .upstream import too_large
 
 if TYPE_CHECKING:
@@ -93,4 +93,4 @@ async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
-    return await stream_events(ex, http_request, opened.events(), _headers(ex), ready=opened.ready, raw=opened.raw)
+    return await pump(ex, http_request, opened, _headers(ex))

@@ -214,11 +214,11 @@ class UpstreamEvents:
     iteration stops. `close()` (synchronous, idempotent) ends the iteration; it does not abort the call,
     which belongs to its owner."""
 
-    __slots__ = ("_call", "_chunks", "_decoder", "_ended", "_index", "_payloads", "_tail")
+    __slots__ = ("_call", "_decoder", "_ended", "_error", "_index", "_payloads", "_response", "_tail")
 
     def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int) -> None:
         self._call = call
-        self._chunks = response.chunks()
+        self._response = response
         self._decoder = SSEDecoder(max_event_bytes)
         #: The payloads decoded from the last chunk, and the next one to give.
         self._payloads: list[bytes] = []
@@ -226,13 +226,20 @@ class UpstreamEvents:
         #: The body has ended: `_payloads` is what the decoder held at its end (an incomplete stream).
         self._tail = False
         self._ended = False
+        #: An error met by `take()` after events it returned first: raised by the next step.
+        self._error: UpstreamProtocolError | None = None
 
     def __aiter__(self) -> UpstreamEvents:
         return self
 
+    @property
+    def response(self) -> Response:
+        """The engine's response this reads (`Response.listen` tells when `poll()` may have more)."""
+        return self._response
+
     def next_nowait(self) -> dict[str, Any] | None:
-        """The next event if it is already here (decoded from a chunk received), else None: `__anext__` then
-        reads on (or ends). A plain call: a reader that tries this first creates no coroutine per event."""
+        """The next event if it is already decoded (from a chunk received), else None: `poll()` then reads on
+        (or ends). A plain call: a reader that tries this first creates no coroutine per event."""
         payloads, index = self._payloads, self._index
         if index >= len(payloads) or self._ended:
             return None
@@ -240,7 +247,7 @@ class UpstreamEvents:
         call = self._call
         if not self._tail:
             if payload == DONE:
-                return None  # the end: left to `__anext__`
+                return None  # the end: left to `poll`
             call.pending = len(payloads) - index - 1
         self._index = index + 1
         call.received += len(payload)
@@ -251,8 +258,71 @@ class UpstreamEvents:
             self._ended = True
             raise
 
-    async def __anext__(self) -> dict[str, Any]:
+    @property
+    def ended(self) -> bool:
+        """The stream is over: no more events (and no error left to raise: see `broken`)."""
+        return self._ended and self._error is None
+
+    @property
+    def broken(self) -> bool:
+        """`take()` met an error after the events it returned: the next step raises it."""
+        return self._error is not None
+
+    def take(self) -> list[tuple[dict[str, Any], bytes]]:
+        """Every event that can be had without waiting — decoded from what the engine has sent so far — with the
+        engine's bytes of each, in order (the pump's per-read step: one call for the events a network read
+        brought). Once `[DONE]` is among them the call is released and `ended` is true. An error raises as in
+        `poll()`; one met after events returns those first (`broken` is then true) and raises at the next call,
+        so that a caller writes them before it handles the error."""
+        error = self._error
+        if error is not None:
+            self._error = None
+            raise error
+        out: list[tuple[dict[str, Any], bytes]] = []
         call = self._call
+        try:
+            while not self._ended:
+                payloads, index, tail = self._payloads, self._index, self._tail
+                while index < len(payloads):
+                    payload = payloads[index]
+                    index += 1
+                    if payload == DONE and not tail:
+                        self._index = index
+                        self._ended = True
+                        call.pending = 0
+                        call.release()
+                        return out
+                    self._index = index
+                    call.received += len(payload)
+                    try:
+                        event = _parse_event(payload, call.instance.name)
+                    except UpstreamProtocolError:
+                        self._ended = True
+                        raise
+                    out.append((event, payload))
+                if tail:
+                    # The engine ended the body without `[DONE]`: an incomplete stream.
+                    self._ended = True
+                    call.broken("stream ended without [DONE]")
+                    raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
+                call.pending = 0
+                if not self._read_nowait():
+                    break
+        except UpstreamProtocolError as exc:
+            if not out:
+                raise
+            self._error = exc
+        return out
+
+    def poll(self) -> dict[str, Any] | None:
+        """The next event without waiting: decoded from what the engine has sent so far; None when it has not
+        arrived yet. At the end of the stream (`[DONE]`: the call is released) raises StopAsyncIteration;
+        errors as the class docstring says."""
+        call = self._call
+        error = self._error
+        if error is not None:
+            self._error = None
+            raise error
         while not self._ended:
             event = self.next_nowait()
             if event is not None:
@@ -269,21 +339,32 @@ class UpstreamEvents:
                 call.broken("stream ended without [DONE]")
                 raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
             call.pending = 0
-            await self._read()
+            if not self._read_nowait():
+                return None
         raise StopAsyncIteration
 
-    async def _read(self) -> None:
-        """Decode the next chunk of the body (or, at its end, what the decoder still holds)."""
+    async def __anext__(self) -> dict[str, Any]:
+        while True:
+            event = self.poll()
+            if event is not None:
+                return event
+            await self._response.wait()
+
+    def _read_nowait(self) -> bool:
+        """Decode what the body has brought since the last read (or, at its end, what the decoder still
+        holds); False when nothing new has arrived."""
         call = self._call
         try:
-            try:
-                chunk = await self._chunks.__anext__()
-            except StopAsyncIteration:
+            chunk = self._response.next_nowait()
+            if chunk is None:
+                return False
+            if chunk:
+                self._payloads = self._decoder.feed(chunk)
+            else:
                 self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
                 self._tail = True
-            else:
-                self._payloads = self._decoder.feed(chunk)
             self._index = 0
+            return True
         except ProtocolError as exc:
             self._ended = True
             call.broken(repr(exc))

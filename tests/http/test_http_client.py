@@ -181,6 +181,74 @@ async def test_chunked_body_arrives_incrementally(serve_app: Callable[..., Await
     assert_clean(pool, idle=1)  # iterating to the end released the connection for reuse
 
 
+async def test_follow_hands_each_read_to_a_callback_until_it_answers(raw_server, open_pool) -> None:
+    """`follow(step)`: the body is taken in the connection's callback, once per read that carried body, with no
+    task waking per piece; the task waits once, until `step` returns something (here: at the body's end)."""
+    written = [asyncio.Event() for _ in range(3)]
+
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for n, piece in enumerate((b"one", b"two", b"three")):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await written[n].wait()  # the client took the piece before the next is written
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+
+    pool = open_pool((await raw_server(handler)).url)
+    response = await pool.request("GET", "/", b"")
+    pieces: list[bytes] = []
+
+    def step() -> str | None:
+        piece = response.next_nowait()
+        if piece is None:
+            return None  # nothing new: go on following
+        if piece == b"":
+            return "end"
+        written[len(pieces)].set()
+        pieces.append(piece)
+        return None
+
+    assert await response.follow(step) == "end"
+    assert pieces == [b"one", b"two", b"three"]
+    assert_clean(pool, idle=1)  # the end released the connection for reuse
+
+
+async def test_follow_raises_what_the_step_raised_and_stops_on_close(raw_server, open_pool) -> None:
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nbad\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes
+
+    pool = open_pool((await raw_server(handler)).url)
+    response = await pool.request("GET", "/", b"")
+
+    def step() -> None:
+        if response.next_nowait() is not None:
+            raise ValueError("a bad piece")
+
+    with pytest.raises(ValueError, match="a bad piece"):
+        await response.follow(step)  # the piece is already buffered or arrives: the step raises either way
+    response.close()
+    calls = 0
+
+    def counting() -> None:
+        nonlocal calls
+        calls += 1
+
+    follower = asyncio.ensure_future(response.follow(counting))
+    await until(lambda: response._listener is not None)
+    response.close()  # stops following: the listener is gone, nothing calls it again
+    assert response._listener is None and calls == 1  # the step at once, for what had arrived
+    follower.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await follower
+    assert_clean(pool, idle=0)
+
+
 async def test_http10_and_read_until_close_are_not_reused(raw_server, open_pool) -> None:
     async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (request := await read_request(reader)) is not None:

@@ -320,13 +320,13 @@ async def test_events_already_here_go_out_in_one_write(start_sim, start_gateway,
     status, _, _ = await call(http, gw.url, BODY)  # fills the completed-result cache
     assert status == 200
     writes: list[bytes] = []
-    original = StreamResponse.write
+    original = StreamResponse.send
 
-    async def counting(self: StreamResponse, data: bytes) -> None:
+    def counting(self: StreamResponse, data: bytes) -> bool:
         writes.append(bytes(data))
-        await original(self, data)
+        return original(self, data)
 
-    monkeypatch.setattr(StreamResponse, "write", counting)
+    monkeypatch.setattr(StreamResponse, "send", counting)
     status, headers, raw = await call(http, gw.url, {**BODY, "stream": True})
     assert status == 200 and headers["x-lockgate-cache"] == "hit"
     text, _ = stream_text(raw)

@@ -291,13 +291,13 @@ async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim
         assert resp.status == 200  # fills the result cache with the stream's 2,000 events
         await resp.read()
     writes: list[int] = []
-    original = StreamResponse.write
+    original = StreamResponse.send
 
-    async def counting(self: StreamResponse, data: bytes) -> None:
+    def counting(self: StreamResponse, data: bytes) -> bool:
         writes.append(len(data))
-        await original(self, data)
+        return original(self, data)
 
-    monkeypatch.setattr(StreamResponse, "write", counting)
+    monkeypatch.setattr(StreamResponse, "send", counting)
     async with http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
         assert resp.headers["x-lockgate-cache"] == "hit"
         raw = await resp.read()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from lockgate.edge.server import HttpServer, Reply, Request, StreamResponse
 from lockgate.records import UsageRecord
@@ -73,3 +74,78 @@ async def test_a_batch_is_flushed_before_the_source_waits(stack: Any) -> None:
     finally:
         gate.set()  # never leave the handler waiting (a failing run must not hang the app's cleanup)
     assert writes == [b"done"]
+
+
+async def test_the_direct_path_writes_a_stream_from_the_engine_connections_callbacks(
+    start_sim, start_gateway, monkeypatch
+) -> None:
+    """`respond.pump`: after its first event, a direct-path stream is written from the engine connection's data
+    callback, read by read; the request's task waits once (in `Response.follow`) for the whole rest, instead of
+    waking up per chunk."""
+    from lockgate.http import Response as EngineResponse
+    from tests.conftest import instance
+
+    follows: list[int] = []
+    original = EngineResponse.follow
+
+    async def counting(self: EngineResponse, step: Any) -> Any:
+        steps = len(follows)
+        follows.append(0)
+
+        def counted() -> Any:
+            follows[steps] += 1
+            return step()
+
+        return await original(self, counted)
+
+    monkeypatch.setattr(EngineResponse, "follow", counting)
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=5.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 12, "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        raw = await resp.read()
+    assert resp.status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    assert raw.count(b'"content"') >= 12
+    # One wait for the rest of the stream; its steps ran in the callbacks of the reads that brought the tokens
+    # (5 ms apart: most arrive in a read of their own; at least the first and the last do).
+    assert len(follows) == 1 and follows[0] >= 2, follows
+
+
+async def test_events_before_a_malformed_one_in_the_same_read_reach_the_client_then_an_error(
+    start_gateway, serve_app
+) -> None:
+    """The pump takes every event a read brought at once (`UpstreamEvents.take`): when one of them is not JSON,
+    those before it are still written, and the stream then ends with an SSE error (never `[DONE]`)."""
+    from aiohttp import web
+
+    def event(text: str) -> bytes:
+        payload = {
+            "id": "e",
+            "object": "chat.completion.chunk",
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}}],
+        }
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(event("first"))
+        await response.write(event("second") + event("third") + b"data: {not json\n\n" + event("never"))
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}]
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        raw = await resp.read()
+    assert resp.status == 200
+    texts = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    contents = [t["choices"][0]["delta"]["content"] for t in texts if t.get("choices")]
+    assert contents == ["first", "second", "third"]
+    assert texts[-1]["error"]["message"].endswith("sent an event that is not JSON.") and b"[DONE]" not in raw

@@ -24,6 +24,8 @@ def _overhead(args: argparse.Namespace) -> int:
         requests=args.requests,
         client=args.client,
         compare=args.compare,
+        tpot_ms=args.tpot_ms,
+        sampled=args.sampled,
     )
 
     async def main() -> int:
@@ -180,6 +182,7 @@ def _inprocess(args: argparse.Namespace) -> int:
                 stream=args.stream,
                 instances=args.instances,
                 routing=args.routing,
+                paced=args.paced,
             )
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
@@ -317,6 +320,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and {port} replaced (e.g. 'vllm-router --worker-urls {engine} --port {port} --policy round_robin')",
     )
     over.add_argument("--modes", nargs="+", choices=["nonstream", "stream"], default=["nonstream", "stream"])
+    over.add_argument(
+        "--tpot-ms",
+        type=float,
+        default=None,
+        help="the engine writes each token this long after the last, so each chunk is a network read of its own "
+        "(as from a real engine); default: sim --fast, a whole stream in one write",
+    )
+    over.add_argument(
+        "--sampled",
+        action="store_true",
+        help="requests at temperature 1 (the direct path, not eligible for de-duplication); default temperature 0",
+    )
     over.set_defaults(func=_overhead)
     inproc = benches.add_parser(
         "inprocess",
@@ -330,6 +345,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target", choices=["both", "gateway", "direct"], default="both", help="what to measure (one for callgrind)"
     )
     inproc.add_argument("--stream", action="store_true", help="streamed answers (19 events a request)")
+    inproc.add_argument(
+        "--paced",
+        action="store_true",
+        help="with --stream: the engine writes its events one loop iteration apart (a network read each), not at once",
+    )
     inproc.add_argument(
         "--instances", type=int, default=1, help="the canned engine listed this many times (routing chooses)"
     )

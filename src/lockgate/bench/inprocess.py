@@ -65,8 +65,9 @@ def _chunk(payload: dict[str, object]) -> bytes:
     return b"%x\r\n%s\r\n" % (len(event), event)
 
 
-def _stream_answer() -> bytes:
-    """The streamed completion: role, 16 tokens, finish, usage, `[DONE]` (19 events), one chunk each."""
+def _stream_pieces() -> list[bytes]:
+    """The streamed completion: the head with the role event, then 16 tokens, finish, usage and `[DONE]` (19
+    events), one chunk each."""
     head = {"id": "cmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "bench-model"}
 
     def choice(delta: dict[str, str], finish: str | None = None) -> bytes:
@@ -80,19 +81,26 @@ def _stream_answer() -> bytes:
     done = b"data: [DONE]\n\n"
     events.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
     head_bytes = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-    return head_bytes + b"".join(events)
+    return [head_bytes + events[0], *events[1:]]
 
 
-_STREAM_ANSWER = _stream_answer()
+_STREAM_PIECES = _stream_pieces()
+_STREAM_ANSWER = b"".join(_STREAM_PIECES)
 
 
 class _Engine(asyncio.Protocol):
-    """Answers every request (health probes included) with the same completion, streamed when asked."""
+    """Answers every request (health probes included) with the same completion, streamed when asked: at once
+    (one write), or `paced`, one event per loop iteration (each reaches the gateway in a read of its own, as a
+    real engine's tokens do)."""
+
+    def __init__(self, paced: bool = False) -> None:
+        self._paced = paced
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self._parser = httptools.HttpRequestParser(self)
         self._body = b""
+        self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self._parser.feed_data(data)
@@ -104,7 +112,19 @@ class _Engine(asyncio.Protocol):
         self._body += body
 
     def on_message_complete(self) -> None:
-        self._transport.write(_STREAM_ANSWER if self._body.find(b'"stream":true') >= 0 else _ANSWER)
+        if self._body.find(b'"stream":true') < 0:
+            self._transport.write(_ANSWER)
+        elif self._paced:
+            self._write_piece(0)
+        else:
+            self._transport.write(_STREAM_ANSWER)
+
+    def _write_piece(self, n: int) -> None:
+        if self._transport.is_closing():
+            return
+        self._transport.write(_STREAM_PIECES[n])
+        if n + 1 < len(_STREAM_PIECES):
+            self._loop.call_soon(self._write_piece, n + 1)
 
 
 class _Load:
@@ -190,13 +210,15 @@ async def run(
     stream: bool = False,
     instances: int = 1,
     routing: str = "least_load",
+    paced: bool = False,
 ) -> InProcessResult:
     """`target`: "gateway", "direct" (the client and the canned engine alone) or "both". `stream`: streamed
-    answers (19 events from the engine); `instances`: the canned engine listed that many times (under
-    different names), so that `routing` chooses among them on every request."""
+    answers (19 events from the engine), `paced`: written one loop iteration apart; `instances`: the canned
+    engine listed that many times (under different names), so that `routing` chooses among them on every
+    request."""
     progress = progress or Progress.silent()
     loop = asyncio.get_running_loop()
-    engine = await loop.create_server(_Engine, "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
+    engine = await loop.create_server(lambda: _Engine(paced), "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
     engine_port = engine.sockets[0].getsockname()[1]
     try:
         with tempfile.TemporaryDirectory(prefix="lockgate-inprocess-") as tmp:

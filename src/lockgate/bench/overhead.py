@@ -102,6 +102,39 @@ class Settings:
     #: The built-in client's HTTP stack: "lean" or "aiohttp".
     client: str = "lean"
     compare: list[str] = field(default_factory=list)
+    #: None: the engine answers at once (`sim --fast`: a whole stream in one write, read in one network
+    #: read). A delay: the engine writes each token this long after the previous one (`sim --tpot-ms`), so
+    #: every chunk arrives in a network read of its own, as from a real engine generating tokens.
+    tpot_ms: float | None = None
+    #: Requests at temperature 1 (not eligible for de-duplication: the direct path, as most sampled traffic
+    #: takes) instead of 0 (every request leads a flight).
+    sampled: bool = False
+
+    def engine_args(self, port: int) -> list[str]:
+        """The simulator's command line."""
+        if self.tpot_ms is None:
+            return ["sim", "--fast", "--port", str(port), "--model", MODEL]
+        # Every stream runs at once (no engine-side queue) and prefill takes no time: only the pacing.
+        seqs = max([*self.concurrency, *self.stream_concurrency])
+        return [
+            "sim",
+            "--port",
+            str(port),
+            "--model",
+            MODEL,
+            "--tpot-ms",
+            f"{self.tpot_ms:g}",
+            "--batch-growth",
+            "0",
+            "--max-num-seqs",
+            str(seqs),
+            "--max-batched-tokens",
+            str(1 << 20),
+            "--kv-blocks",
+            str(1 << 16),
+            "--prefill-tps",
+            "1e9",
+        ]
 
     def resolved_generator(self) -> str:
         if self.generator == "auto":
@@ -174,8 +207,7 @@ async def run(settings: Settings, progress: Progress | None = None) -> list[Row]
     with tempfile.TemporaryDirectory() as tmp:
         config_path = os.path.join(tmp, "bench.yaml")
         _write_config(Path(config_path), gateway_port, engine_port, tmp)
-        sim_args = ["sim", "--fast", "--port", str(engine_port), "--model", MODEL]
-        with child(sim_args) as sim, child(["serve", "--config", config_path]) as gw:
+        with child(settings.engine_args(engine_port)) as sim, child(["serve", "--config", config_path]) as gw:
             engine_url = f"http://127.0.0.1:{engine_port}"
             gateway_url = f"http://127.0.0.1:{gateway_port}"
             progress.phase("starting the engine and the gateway")
@@ -237,12 +269,16 @@ class _Measure:
         target_cpu = cpu_seconds(pid) - t0 if pid is not None else None
         return Sample(requests, errors, seconds, p50, p99, cpu_seconds(self.engine_pid) - e0, target_cpu)
 
+    @property
+    def temperature(self) -> float:
+        return 1.0 if self.settings.sampled else 0.0
+
     def _tag(self, phase: str) -> str:
         # Unique per run: a prompt of one run never repeats one of another (the result cache keeps answers).
         return f"{phase}{self.run_id}-{os.getpid()}"
 
     async def _wrk(self, url: str, phase: str, duration_s: float) -> tuple[int, int, float, float, float]:
-        head, tail = body_template(MODEL, self.tokens, stream=self.stream)
+        head, tail = body_template(MODEL, self.tokens, stream=self.stream, temperature=self.temperature)
         head = head.replace("Say something short #", f"Say something short {self._tag(phase)} #")
         result = await run_wrk(url, head, tail, connections=self.concurrency, duration_s=duration_s)
         return result.requests, result.errors, result.seconds, result.p50_s, result.p99_s
@@ -255,7 +291,7 @@ class _Measure:
                 "model": MODEL,
                 "messages": [{"role": "user", "content": f"Say something short {tag} #{n}"}],
                 "max_tokens": tokens,
-                "temperature": 0,
+                "temperature": self.temperature,
             }
             if stream:
                 body["stream"] = True
@@ -295,7 +331,13 @@ def header(settings: Settings) -> list[str]:
     else:
         why = " (wrk is not installed)" if settings.generator == "auto" else ""
         gen = f"load generator: built-in ({settings.client} client, in the benchmark's process){why}"
-    return [interpreter(), machine(), build(), gen]
+    path = "temperature 1: the direct path" if settings.sampled else "temperature 0: each request leads a flight"
+    gen += f"; requests at {path}"
+    if settings.tpot_ms is None:
+        engine = "engine: simulator --fast (a stream is one write: its chunks reach the gateway in one read)"
+    else:
+        engine = f"engine: simulator pacing tokens {settings.tpot_ms:g} ms apart (a chunk a network read)"
+    return [interpreter(), machine(), build(), gen, engine]
 
 
 def report(rows: list[Row]) -> str:

@@ -41,14 +41,15 @@ class WrkResult:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
-def body_template(model: str, max_tokens: int, *, stream: bool) -> tuple[str, str]:
-    """The JSON body before and after the request counter: temperature 0, so the request is eligible for
-    de-duplication (`dedup: deterministic`), and a prompt made unique by the counter."""
+def body_template(model: str, max_tokens: int, *, stream: bool, temperature: float = 0) -> tuple[str, str]:
+    """The JSON body before and after the request counter: temperature 0 by default, so the request is eligible
+    for de-duplication (`dedup: deterministic`; a sampled one takes the direct path), and a prompt made unique
+    by the counter."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": f"Say something short #{_MARK}"}],
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
     }
     if stream:
         body["stream"] = True

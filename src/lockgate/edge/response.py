@@ -10,7 +10,9 @@ A `StreamResponse` writes through the connection of the request it was prepared 
 status line and headers, each `write` one chunk (`Transfer-Encoding: chunked`; for an HTTP/1.0 client the raw
 bytes, and the connection closes at the end), `write_eof` the terminating chunk. `write` waits while the
 transport is paused (backpressure; the waits add up in `backpressure_s`) and raises `ConnectionResetError` once
-the client is gone; `write_nowait` sends nothing (and returns False) while it is paused.
+the client is gone; `write_nowait` sends nothing (and returns False) while it is paused. Each has a synchronous
+twin for writers that run in a callback (`start`, `send` — which sends and says whether the transport is now
+paused, `drained()` then waits — and `end`).
 
 Framing headers (`Content-Length`, `Transfer-Encoding`, `Connection`) belong to the server: those given by a
 handler are dropped. A header name or value containing CR or LF raises `ValueError` (no response splitting).
@@ -135,6 +137,10 @@ class StreamResponse:
         return self._eof
 
     async def prepare(self, request: Request) -> None:
+        """Send the status line and headers (`start`, for callers that await)."""
+        self.start(request)
+
+    def start(self, request: Request) -> None:
         """Send the status line and headers. A second call does nothing.
 
         Raises ConnectionResetError if the client has gone."""
@@ -161,14 +167,29 @@ class StreamResponse:
 
     async def write(self, data: bytes) -> None:
         """Send one chunk (nothing for empty data); waits while the transport is paused."""
+        if self.send(data):
+            await self.drained()
+
+    def send(self, data: bytes) -> bool:
+        """Send one chunk (nothing for empty data) without waiting; returns True when the transport is paused
+        now (the client has not taken what was sent: `drained()` before sending more). Raises
+        ConnectionResetError once the client is gone."""
         conn = self._conn
         if conn is None or self._eof:
-            raise RuntimeError("write() before prepare() or after write_eof()")
+            raise RuntimeError("send() before prepare() or after write_eof()")
         if conn.lost:
             raise ConnectionResetError("The client has gone.")
         if not data or not self._body_allowed:
-            return
+            return False
         conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        return conn.write_paused
+
+    async def drained(self) -> None:
+        """Wait while the transport is paused (the wait counts in `backpressure_s`); ConnectionResetError if the
+        client goes meanwhile."""
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("drained() before prepare()")
         if conn.write_paused:
             started = time.perf_counter()
             try:
@@ -193,6 +214,10 @@ class StreamResponse:
         return True
 
     async def write_eof(self) -> None:
+        """End the response (`end`, for callers that await)."""
+        self.end()
+
+    def end(self) -> None:
         """End the response (the terminating chunk). A second call does nothing."""
         if self._eof:
             return

@@ -12,6 +12,9 @@ A `Connection` carries one exchange at a time (no pipelining). Its life, as seen
   `send_rest()`, which honours `pause_writing`) and returns a future for the response head.
 * `data_received` feeds llhttp; its callbacks resolve that future with a `Response` in `on_headers_complete`
   and append body pieces to the response's buffer, waking a reader if one waits. No task runs per request.
+  A reader may instead follow the body (`Response.follow(step)`): `step` is then called once per read that
+  carried body (after llhttp is done with the read), at the body's end and on an error, and takes what
+  arrived with `next_nowait()` in that callback: no task wakes up per piece of a stream.
 * When the message completes the connection is reusable only if llhttp says keep-alive, the whole request
   body was written, and the request was not HEAD (llhttp cannot be told a response answers a HEAD, so its
   body framing would be misread; the gateway never sends HEAD). A connection that is not reusable is closed
@@ -33,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import TypeVar, cast
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
 from .errors import DisconnectedError, ProtocolError, ResponseTooLarge
+
+T = TypeVar("T")
 
 #: Unconsumed response bytes above which the transport stops reading.
 HIGH_WATER = 256 * 1024
@@ -56,7 +61,18 @@ class Response:
     the response as it was, for its owner to close.
     """
 
-    __slots__ = ("_body", "_buffered", "_complete", "_conn", "_error", "_loop", "_waiter", "headers", "status")
+    __slots__ = (
+        "_body",
+        "_buffered",
+        "_complete",
+        "_conn",
+        "_error",
+        "_listener",
+        "_loop",
+        "_waiter",
+        "headers",
+        "status",
+    )
 
     def __init__(self, conn: Connection, status: int, headers: dict[str, str]) -> None:
         # The connection's loop, kept: a stream waits once per network read, and on Python 3.11 every
@@ -71,6 +87,7 @@ class Response:
         self._complete = False
         self._error: ProtocolError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[], None] | None = None
 
     @property
     def content_type(self) -> str:
@@ -126,6 +143,54 @@ class Response:
         parts = self._take()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def next_nowait(self) -> bytes | None:
+        """The body received and not consumed yet, without waiting: None when nothing new has arrived (the
+        next piece would be waited for), `b""` at the end of the body (the connection is released then).
+        Raises the response's error (a broken or closed response)."""
+        if self._body:
+            parts = self._take()
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if self._complete:
+            self.release()
+            return b""
+        if self._error is not None:
+            raise self._error
+        return None
+
+    async def wait(self) -> None:
+        """Wait until `next_nowait()` has something to say (a piece, the end, or an error)."""
+        if not self._body and not self._complete and self._error is None:
+            await self._wait()
+
+    async def follow(self, step: Callable[[], T | None]) -> T:
+        """Call `step()` from the connection's callbacks each time `next_nowait()` may have something new (once
+        per network read that carried body, at the end of the body, on an error) until it returns something
+        other than None; return that (or raise what `step` raised). A reader that handles each piece in the
+        callback that received it needs no task to wake up per piece: the task waits here once. `step` is
+        called at once first (for what has arrived already). `close()` stops following."""
+        result = step()
+        if result is not None:
+            return result
+        done: asyncio.Future[T] = self._loop.create_future()
+
+        def listener() -> None:
+            if done.done():
+                return
+            try:
+                result = step()
+            except Exception as exc:
+                done.set_exception(exc)
+                return
+            if result is not None:
+                done.set_result(result)
+
+        self._listener = listener
+        try:
+            return await done
+        finally:
+            if self._listener is listener:
+                self._listener = None
+
     def release(self) -> None:
         """Give the connection back: to the pool if the body was completely received, else closed."""
         conn = self._conn
@@ -140,6 +205,7 @@ class Response:
     def close(self) -> None:
         """Abort now, whatever the state: the transport is aborted (uvloop closes the socket in this call,
         asyncio at its next loop iteration; unsent data is dropped), and later reads raise ProtocolError."""
+        self._listener = None
         self._body = []
         self._buffered = 0
         self._complete = False
@@ -170,6 +236,13 @@ class Response:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _tell(self) -> None:
+        """Wake a waiting reader, and call the listener (outside llhttp's callbacks: see `data_received`)."""
+        self._wake()
+        listener = self._listener
+        if listener is not None:
+            listener()
 
 
 class Connection(asyncio.Protocol):
@@ -299,7 +372,7 @@ class Connection(asyncio.Protocol):
             # A body without length or chunking ends when the server closes: that is its end, not an error.
             self._response = None
             response._complete = True
-            response._wake()
+            response._tell()
         self._wake_drain()
         if self.closed:
             return
@@ -325,6 +398,9 @@ class Connection(asyncio.Protocol):
         self._received = True
         if self._head is not None:
             self._head_bytes += len(data)  # an upper bound of the head received so far
+        # The response whose body this read may carry: its listener hears of the whole read once, after the
+        # parser is done with it (not from inside llhttp's callbacks, and one call for several chunks).
+        response = self._response
         try:
             self._parser.feed_data(data)
         except (HttpParserError, HttpParserUpgrade) as exc:
@@ -332,6 +408,8 @@ class Connection(asyncio.Protocol):
             self._fail(ProtocolError(message), ProtocolError(message))
             self.abort()
             return
+        if response is not None and response._listener is not None:
+            response._listener()
         if self._head is not None and self._head_bytes > MAX_HEAD_BYTES:
             # Still no complete head after this much: the status line and headers are too large.
             message = f"the response head is larger than {MAX_HEAD_BYTES} bytes"
@@ -410,7 +488,7 @@ class Connection(asyncio.Protocol):
             self._response = None
             if response._error is None:
                 response._error = broken
-            response._wake()
+            response._tell()
 
     def _wake_drain(self) -> None:
         drain = self._drain
