@@ -249,6 +249,49 @@ async def test_follow_raises_what_the_step_raised_and_stops_on_close(raw_server,
     assert_clean(pool, idle=0)
 
 
+async def test_a_step_that_ends_its_own_wait_leaves_no_error_behind(raw_server, open_pool) -> None:
+    """A step may end the wait it runs for: its write to a client that has gone closes that client's connection,
+    whose handler task — the one awaiting `follow` — is cancelled then and there. The step's result then has
+    nowhere to go: nothing may raise into the connection's callback (it was logged as a fatal transport error
+    per read, and the engine connection closed)."""
+    following = asyncio.Event()
+
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await following.wait()  # the piece comes once the client waits in `follow`: its step runs in the callback
+        writer.write(b"3\r\none\r\n")
+        await writer.drain()
+        await reader.read()
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        pool = open_pool((await raw_server(handler)).url)
+        response = await pool.request("GET", "/", b"")
+        follower: asyncio.Future[str] | None = None
+
+        def step() -> str | None:
+            if response.next_nowait() is None:
+                return None
+            assert follower is not None
+            follower.cancel()  # what the client's connection_lost does to the handler task
+            return "written"
+
+        follower = asyncio.ensure_future(response.follow(step))
+        await until(lambda: response._listener is not None)
+        following.set()
+        with pytest.raises(asyncio.CancelledError):
+            await follower
+        await until(lambda: response._listener is None)
+        assert errors == []
+        response.close()
+    finally:
+        loop.set_exception_handler(None)
+
+
 async def test_http10_and_read_until_close_are_not_reused(raw_server, open_pool) -> None:
     async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (request := await read_request(reader)) is not None:

@@ -35,7 +35,7 @@ import aiohttp
 
 from .load import closed_loop, cpu_seconds, percentile
 from .machine import build, interpreter, machine
-from .peer import Peer, stop
+from .peer import Peer, spawn, stderr_tail, stop
 from .progress import Progress
 from .wrk import body_template, run_wrk, wrk_path
 
@@ -56,9 +56,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def child(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockgate", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    """`lockgate <args>` as a child process (stderr to a file: `peer.spawn`), stopped on the way out."""
+    proc = spawn([sys.executable, "-m", "lockgate", *args])
     try:
         yield proc
     finally:
@@ -70,8 +69,7 @@ async def wait_http(url: str, proc: subprocess.Popen[bytes], within_s: float = 2
     async with aiohttp.ClientSession() as session:
         while True:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"child exited with {proc.returncode}: {err[-2000:]}")
+                raise RuntimeError(f"child exited with {proc.returncode}: {stderr_tail(proc)}")
             try:
                 async with session.get(url) as resp:
                     if resp.status == 200:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import subprocess
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import IO
 
 import aiohttp
 
@@ -47,7 +50,7 @@ class Peer:
             yield Running(self.spec.rstrip("/"), None)
             return
         argv = [part.replace("{engine}", engine_url).replace("{port}", str(port)) for part in shlex.split(self.spec)]
-        proc = _spawn(argv)
+        proc = spawn(argv)
         try:
             url = f"http://127.0.0.1:{port}"
             await _wait_answering(url, model, proc)
@@ -56,20 +59,45 @@ class Peer:
             stop(proc)
 
 
+def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start `argv` with its stdout discarded and its stderr written to a temporary file (`stderr_tail` reads
+    it back): a pipe that nobody reads blocks the child for good once it has written 64 KiB (a gateway that
+    logged an error per request stalled there mid-benchmark, and every later request timed out)."""
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by `stop`, with the process
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+    except BaseException:
+        log.close()
+        raise
+    _LOGS[proc.pid] = log
+    return proc
+
+
+def stderr_tail(proc: subprocess.Popen[bytes], size: int = 2000) -> str:
+    """The last `size` bytes the child wrote to stderr (as text)."""
+    log = _LOGS.get(proc.pid)
+    if log is None:
+        return ""
+    log.seek(0, os.SEEK_END)
+    log.seek(max(0, log.tell() - size))
+    return log.read().decode(errors="replace")
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after 10 s; close its stderr pipe."""
+    """SIGTERM, then SIGKILL after 10 s; its stderr file is closed (and gone)."""
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    if proc.stderr is not None:
-        proc.stderr.close()
+    log = _LOGS.pop(proc.pid, None)
+    if log is not None:
+        log.close()
 
 
-def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+#: The stderr file of each child started by `spawn`, by process id, until `stop`.
+_LOGS: dict[int, IO[bytes]] = {}
 
 
 async def _wait_answering(url: str, model: str, proc: subprocess.Popen[bytes], within_s: float = 60.0) -> None:
@@ -79,8 +107,7 @@ async def _wait_answering(url: str, model: str, proc: subprocess.Popen[bytes], w
     async with aiohttp.ClientSession() as session:
         while True:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"peer exited with {proc.returncode}: {err[-2000:]}")
+                raise RuntimeError(f"peer exited with {proc.returncode}: {stderr_tail(proc)}")
             with contextlib.suppress(aiohttp.ClientError):
                 async with session.post(url + "/v1/chat/completions", json=body) as resp:
                     await resp.read()

@@ -179,9 +179,12 @@ class Response:
             try:
                 result = step()
             except Exception as exc:
-                done.set_exception(exc)
+                if not done.done():
+                    done.set_exception(exc)
                 return
-            if result is not None:
+            # `step` may have ended the wait itself: what it wrote to a client that had gone closed that
+            # client's connection, and so cancelled the task awaiting `done` (and `done` with it).
+            if result is not None and not done.done():
                 done.set_result(result)
 
         self._listener = listener
