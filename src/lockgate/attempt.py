@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -28,6 +28,8 @@ from .wire import ApiRequest
 if TYPE_CHECKING:
     from .fleet.pool import Fleet, Pool
     from .metrics import GatewayMetrics
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -87,6 +89,12 @@ class Opened:
         for event, _ in out:
             lease.completion_tokens += has_content(event)
         return out
+
+    async def follow(self, step: Callable[[], T | None]) -> T:
+        """Call `step` (which takes what is here with `take()`) at once and then from the engine connection's
+        callback at each read, until it returns something (`Response.follow`)."""
+        assert self.rest is not None
+        return await self.rest.response.follow(step)
 
     @property
     def ended(self) -> bool:

@@ -10,7 +10,7 @@ line on the first event with choices, batching, delivered-token accounting, the 
 - `stream_events` iterates any async source of events (a flight's subscription, a resumable generation,
   a cached result), one task step per event it waits for;
 - `pump` is the direct path's: it writes what the engine has already sent, then hands the writer to the
-  engine connection's data callback (`Response.follow`), which writes each network read's events as it
+  engine connection's data callback (`Opened.follow`), which writes each network read's events as it
   arrives, so no task wakes up per chunk. The request's task waits only for what a callback cannot do —
   the client's transport to drain (backpressure), the end of the stream — and stays the one place where the
   request ends: a disconnect, deadline or cancel lands at that await, which stops following.
@@ -227,15 +227,12 @@ async def pump(ex: Exchange, http_request: Request, opened: Opened, headers: dic
     client's transport paused stops reading events (the engine's bytes wait in its connection, which stops
     reading past its high-water mark) until the task has seen the transport drain."""
     writer = SSEWriter(ex, http_request, headers, None)
-    assert opened.rest is not None
-    response = opened.rest.response
-
     state = _WAIT
     while state != _END:
         if state == _PAUSED:
             await writer.drain()
         # Steps at once (for what is here already), then at each read the engine connection makes.
-        state = await response.follow(lambda: _step(writer, opened) or None)
+        state = await opened.follow(lambda: _step(writer, opened) or None)
     return await writer.finish()
 
 

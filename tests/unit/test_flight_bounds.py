@@ -4,7 +4,7 @@ cap and its eager expiry. The engine is a fake (`Opened`-like) stream; time is a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,23 +149,34 @@ def event(n: int) -> dict[str, Any]:
 
 
 class FakeEngine:
-    """What `open_attempts` returns: a stream of `count` events, as fast as they are taken, and its call
-    counting the payload bytes received (what the flight sizes its buffer by)."""
+    """What `open_attempts` returns: a stream of `count` events, one a step, as fast as they are taken, and its
+    call counting the payload bytes received (what the flight sizes its buffer by)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.produced = 0
         self.call = SimpleNamespace(received=0)
+        self.broken = False
 
-    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
-        for n in range(self.count):
-            self.produced += 1
-            self.call.received += len(orjson.dumps(event(n)))
-            yield event(n)
-            await asyncio.sleep(0)
+    async def follow(self, step: Callable[[], Any]) -> Any:
+        while True:
+            result = step()
+            if result is not None:
+                return result
+            await asyncio.sleep(0)  # a loop iteration: the next "read" (subscribers run in between)
 
-    def raw(self) -> bytes | None:
-        return None  # the engine's bytes are not known (the flight then re-encodes for its leader)
+    def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
+        if self.produced >= self.count:
+            return []
+        self.produced += 1
+        self.call.received += len(orjson.dumps(event(self.produced - 1)))
+        # The engine's bytes are not known (the flight then re-encodes for its leader, and sizes the event by
+        # what the call counted).
+        return [(event(self.produced - 1), None)]
+
+    @property
+    def ended(self) -> bool:
+        return self.produced >= self.count
 
     async def aclose(self) -> None:
         pass

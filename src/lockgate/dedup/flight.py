@@ -151,6 +151,8 @@ class Flight:
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0
+        #: The engine's payload bytes already counted in `_nbytes` (`UpstreamCall.received` at the last step).
+        self._counted = 0
         #: The flight's loop (the registry sets it when it starts the task; else looked up when needed).
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Subscribers waiting for the next event or the end: one bare future each, none when nobody waits.
@@ -225,7 +227,7 @@ class Flight:
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
         """The flight's task body: never raises except CancelledError."""
-        opened = events = None
+        opened = None
         try:
             opened = await self._open()
             if not self.stream:
@@ -233,22 +235,10 @@ class Flight:
                 self._nbytes = 64 + opened.call.received
                 self._complete()
                 return
-            events = opened.events()
-            call, counted = opened.call, 0
-            async for event in events:
-                # Sized by the engine's bytes (the call counts them), not by serialising the event again.
-                self._nbytes += 64 + call.received - counted
-                counted = call.received
-                self.events.append(event)
-                self._ends.append(self._nbytes)
-                raws = self._raws
-                if raws is not None:
-                    raws.append(opened.raw())
-                self._notify()
-                if self._nbytes - self._floor_bytes > self.max_lag_bytes or (
-                    self.joinable and self._nbytes > self.max_history_bytes
-                ):
-                    await self._keep_within_bounds()
+            # The engine is read from its connection's callback, read by read (`Opened.follow`): the task wakes
+            # only when a bound needs it to wait for the slowest subscriber, and at the end.
+            while not await opened.follow(lambda: self._step(opened)):
+                await self._keep_within_bounds()
             self._complete()
         except GatewayError as exc:
             self._fail(exc)
@@ -260,11 +250,41 @@ class Flight:
             log.exception("flight %s failed", self.id)
             self._fail(GatewayError(f"Internal error in the gateway: {exc.__class__.__name__}"))
         finally:
-            if events is not None:
-                await events.aclose()
             if opened is not None:
                 await opened.aclose()
             self._release()
+
+    def _step(self, opened: Opened) -> bool | None:
+        """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
+        of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
+        go on. Raises what broke the stream, after keeping the events before the break."""
+        call = opened.call
+        taken = opened.take()
+        if taken:
+            # Sized by the engine's bytes, not by serialising the events again: each event's own, and the bytes of
+            # the events read ahead while opening (the call counted them; they come without theirs) on the last.
+            raws, start = self._raws, self._nbytes
+            for event, raw in taken:
+                self._nbytes += 64 + (len(raw) if raw is not None else 0)
+                self.events.append(event)
+                self._ends.append(self._nbytes)
+                if raws is not None:
+                    raws.append(raw)
+            unsized = call.received - self._counted - (self._nbytes - start - 64 * len(taken))
+            if unsized > 0:
+                self._nbytes += unsized
+                self._ends[-1] = self._nbytes
+            self._counted = call.received
+            self._notify()
+        if opened.ended:
+            return True
+        if opened.broken:
+            opened.take()  # raises why, now that the events before the break are kept
+        if self._nbytes - self._floor_bytes > self.max_lag_bytes or (
+            self.joinable and self._nbytes > self.max_history_bytes
+        ):
+            return False
+        return None
 
     async def _read_body(self, opened: Opened) -> dict[str, Any]:
         """A JSON flight's completion: the engine's body, or (an engine read as a stream whatever was asked)
