@@ -44,8 +44,6 @@ class Opened:
     #: Stream events already read (up to the first with choices), and the rest of the stream.
     head: list[dict[str, Any]]
     rest: UpstreamEvents | None
-    #: Whether the event `events()` yielded last came from `rest` (its raw bytes are `call.payload`).
-    live: bool = False
     closed: bool = False
 
     def events(self) -> Opened:
@@ -60,12 +58,11 @@ class Opened:
         if self.closed:
             raise StopAsyncIteration
         if self.head:
-            event = self.head.pop(0)  # popped first: `ready()` sees what is left
+            event = self.head.pop(0)
         else:
             rest = self.rest
             assert rest is not None
-            self.live = True
-            # An event already received needs no coroutine of the engine stream's (one per event, in pure Python).
+            # An event already taken needs no coroutine of the engine stream's (one per event, in pure Python).
             ready = rest.next_nowait()
             event = ready if ready is not None else await rest.__anext__()
         self.lease.completion_tokens += has_content(event)
@@ -74,7 +71,7 @@ class Opened:
     def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
         """Every event that can be had without waiting (`UpstreamEvents.take`), with the engine's bytes of each
         (None for the events read ahead while opening); `ended` says when the stream is over. Counts tokens
-        like `__anext__`."""
+        like `__anext__`. Not to be mixed with iterating."""
         out: list[tuple[dict[str, Any], bytes | None]] = []
         if self.closed:
             return out
@@ -83,7 +80,6 @@ class Opened:
             self.head = []
         rest = self.rest
         assert rest is not None
-        self.live = True
         out += rest.take()
         lease = self.lease
         for event, _ in out:
@@ -105,16 +101,6 @@ class Opened:
     def broken(self) -> bool:
         """The stream broke after the events `take()` returned last: the next `take()` raises why."""
         return self.rest is not None and self.rest.broken
-
-    def raw(self) -> bytes | None:
-        """The engine's own bytes for the event `events()` yielded last, when known (not for the events read
-        ahead while opening)."""
-        return self.call.payload if self.live else None
-
-    def ready(self) -> bool:
-        """Whether the next step will not wait: an event (or the `[DONE]` that ends the stream) is
-        already here (the writer may then coalesce its writes)."""
-        return bool(self.head) or self.call.pending > 0
 
     def close(self) -> None:
         self.closed = True

@@ -47,8 +47,6 @@ class UpstreamCall:
         "_response",
         "aborted",
         "instance",
-        "payload",
-        "pending",
         "received",
         "served_by",
         "stream",
@@ -79,14 +77,9 @@ class UpstreamCall:
         self._response: Response | None = None
         self._finished = False
         self.aborted = False
-        #: Payloads already received and decoded but not yet consumed by `events()`, `[DONE]` included
-        #: (the next step of the stream will not wait for the network).
-        self.pending = 0
         #: Bytes of event payloads yielded by `events()` so far, or of the body `read_json()` read (bounds what a
         #: caller assembles; a flight sizes its buffer and its result by it).
         self.received = 0
-        #: The raw `data:` payload of the event `events()` yielded last (what the engine sent, byte for byte).
-        self.payload = b""
         #: The name of the engine that serves the call: the instance's, or, behind a sidecar that chose another
         #: of its engines (`cluster.engine_choice: sidecar`), that one's as `node/engine` (set by `open()`).
         self.served_by = instance.name
@@ -205,8 +198,10 @@ class UpstreamCall:
 
 
 class UpstreamEvents:
-    """The parsed `data:` payloads of a call's stream, until `[DONE]` or the end of the body: an async
-    iterator over one response (a class rather than an async generator, so that mypyc can compile it).
+    """The parsed `data:` payloads of a call's stream, until `[DONE]` or the end of the body: taken a network
+    read's worth at a time without waiting (`take()`, what a reader following the connection calls from its
+    callback), or one at a time as an async iterator (a class rather than an async generator, so that mypyc
+    can compile it).
 
     Error handling: a broken stream, an event over `upstream.max_event_bytes` or a body that ends without
     `[DONE]` aborts the call (reported as the engine's failure unless the gateway closed it) and raises
@@ -214,13 +209,24 @@ class UpstreamEvents:
     iteration stops. `close()` (synchronous, idempotent) ends the iteration; it does not abort the call,
     which belongs to its owner."""
 
-    __slots__ = ("_call", "_decoder", "_ended", "_error", "_index", "_payloads", "_response", "_tail")
+    __slots__ = (
+        "_call",
+        "_decoder",
+        "_ended",
+        "_error",
+        "_given",
+        "_index",
+        "_payloads",
+        "_response",
+        "_tail",
+        "_taken",
+    )
 
     def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int) -> None:
         self._call = call
         self._response = response
         self._decoder = SSEDecoder(max_event_bytes)
-        #: The payloads decoded from the last chunk, and the next one to give.
+        #: The payloads decoded from the last chunk, and the next one to parse.
         self._payloads: list[bytes] = []
         self._index = 0
         #: The body has ended: `_payloads` is what the decoder held at its end (an incomplete stream).
@@ -228,35 +234,17 @@ class UpstreamEvents:
         self._ended = False
         #: An error met by `take()` after events it returned first: raised by the next step.
         self._error: UpstreamProtocolError | None = None
+        #: The iterator's events taken and not given yet (`__anext__`), from `_given` on.
+        self._taken: list[tuple[dict[str, Any], bytes]] = []
+        self._given = 0
 
     def __aiter__(self) -> UpstreamEvents:
         return self
 
     @property
     def response(self) -> Response:
-        """The engine's response this reads (`Response.listen` tells when `poll()` may have more)."""
+        """The engine's response this reads (`Response.follow` tells when `take()` may have more)."""
         return self._response
-
-    def next_nowait(self) -> dict[str, Any] | None:
-        """The next event if it is already decoded (from a chunk received), else None: `poll()` then reads on
-        (or ends). A plain call: a reader that tries this first creates no coroutine per event."""
-        payloads, index = self._payloads, self._index
-        if index >= len(payloads) or self._ended:
-            return None
-        payload = payloads[index]
-        call = self._call
-        if not self._tail:
-            if payload == DONE:
-                return None  # the end: left to `poll`
-            call.pending = len(payloads) - index - 1
-        self._index = index + 1
-        call.received += len(payload)
-        call.payload = payload
-        try:
-            return _parse_event(payload, call.instance.name)
-        except UpstreamProtocolError:
-            self._ended = True
-            raise
 
     @property
     def ended(self) -> bool:
@@ -270,15 +258,20 @@ class UpstreamEvents:
 
     def take(self) -> list[tuple[dict[str, Any], bytes]]:
         """Every event that can be had without waiting — decoded from what the engine has sent so far — with the
-        engine's bytes of each, in order (the pump's per-read step: one call for the events a network read
-        brought). Once `[DONE]` is among them the call is released and `ended` is true. An error raises as in
-        `poll()`; one met after events returns those first (`broken` is then true) and raises at the next call,
-        so that a caller writes them before it handles the error."""
+        engine's bytes of each, in order (one call for the events a network read brought). Once `[DONE]` is
+        among them the call is released and `ended` is true. An error raises; one met after events returns
+        those first (`broken` is then true) and raises at the next call, so that a caller writes them before it
+        handles the error. The events an iteration took and has not given yet come first."""
+        if self._given < len(self._taken):
+            out, self._taken, self._given = self._taken[self._given :], [], 0
+            if self._error is not None:
+                return out
+        else:
+            out = []
         error = self._error
         if error is not None:
             self._error = None
             raise error
-        out: list[tuple[dict[str, Any], bytes]] = []
         call = self._call
         try:
             while not self._ended:
@@ -289,7 +282,6 @@ class UpstreamEvents:
                     if payload == DONE and not tail:
                         self._index = index
                         self._ended = True
-                        call.pending = 0
                         call.release()
                         return out
                     self._index = index
@@ -305,7 +297,6 @@ class UpstreamEvents:
                     self._ended = True
                     call.broken("stream ended without [DONE]")
                     raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
-                call.pending = 0
                 if not self._read_nowait():
                     break
         except UpstreamProtocolError as exc:
@@ -314,41 +305,25 @@ class UpstreamEvents:
             self._error = exc
         return out
 
-    def poll(self) -> dict[str, Any] | None:
-        """The next event without waiting: decoded from what the engine has sent so far; None when it has not
-        arrived yet. At the end of the stream (`[DONE]`: the call is released) raises StopAsyncIteration;
-        errors as the class docstring says."""
-        call = self._call
-        error = self._error
-        if error is not None:
-            self._error = None
-            raise error
-        while not self._ended:
-            event = self.next_nowait()
-            if event is not None:
-                return event
-            if self._ended:
-                break
-            if self._index < len(self._payloads):  # `[DONE]`
-                self._ended = True
-                call.release()
-                break
-            if self._tail:
-                # The engine ended the body without `[DONE]`: an incomplete stream.
-                self._ended = True
-                call.broken("stream ended without [DONE]")
-                raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
-            call.pending = 0
-            if not self._read_nowait():
-                return None
-        raise StopAsyncIteration
+    def next_nowait(self) -> dict[str, Any] | None:
+        """The iterator's next event if it was taken already (a plain call: a reader that tries this first
+        creates no coroutine for it), else None: `__anext__` then takes more, or ends."""
+        taken, given = self._taken, self._given
+        if given >= len(taken):
+            return None
+        self._given = given + 1
+        return taken[given][0]
 
     async def __anext__(self) -> dict[str, Any]:
         while True:
-            event = self.poll()
+            event = self.next_nowait()
             if event is not None:
                 return event
-            await self._response.wait()
+            if self.ended:
+                raise StopAsyncIteration
+            self._taken, self._given = self.take(), 0
+            if not self._taken and not self._ended:
+                await self._response.wait()
 
     def _read_nowait(self) -> bool:
         """Decode what the body has brought since the last read (or, at its end, what the decoder still
@@ -383,6 +358,7 @@ class UpstreamEvents:
     def close(self) -> None:
         """End the iteration (synchronous, idempotent)."""
         self._ended = True
+        self._taken, self._given, self._error = [], 0, None
 
     async def aclose(self) -> None:
         """`close()`, for callers written for async generators."""

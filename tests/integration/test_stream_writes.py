@@ -149,3 +149,39 @@ async def test_events_before_a_malformed_one_in_the_same_read_reach_the_client_t
     contents = [t["choices"][0]["delta"]["content"] for t in texts if t.get("choices")]
     assert contents == ["first", "second", "third"]
     assert texts[-1]["error"]["message"].endswith("sent an event that is not JSON.") and b"[DONE]" not in raw
+
+
+async def test_events_that_came_with_the_first_in_one_read_are_not_lost(start_gateway, serve_app) -> None:
+    """Opening reads the stream up to its first event with choices; the rest of that read (taken with it) is
+    written first by the pump, then what later reads bring."""
+    from aiohttp import web
+
+    def event(text: str) -> bytes:
+        payload = {
+            "id": "e",
+            "object": "chat.completion.chunk",
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}}],
+        }
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(event("a") + event("b") + event("c"))
+        await response.write(event("d") + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}]
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        raw = await resp.read()
+    texts = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    assert [t["choices"][0]["delta"]["content"] for t in texts if t.get("choices")] == ["a", "b", "c", "d"]
+    assert raw.endswith(b"data: [DONE]\n\n")
