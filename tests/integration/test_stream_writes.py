@@ -111,77 +111,58 @@ async def test_the_direct_path_writes_a_stream_from_the_engine_connections_callb
     assert len(follows) == 1 and follows[0] >= 2, follows
 
 
+def sse_event(text: str) -> bytes:
+    payload = {
+        "id": "e",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def through_gateway(start_gateway: Any, serve_app: Any, writes: list[bytes]) -> tuple[int, bytes, list[Any]]:
+    """An engine that answers a stream as `writes` (one write each), a gateway in front of it: the client's
+    status, its bytes, and the events among them."""
+    from aiohttp import web
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for data in writes:
+            await response.write(data)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    url = await serve_app(app)
+    instances = [{"url": url, "engine": "vllm"}]
+    gw = await start_gateway([{"name": "m", "dedup": "off", "retries": 0, "instances": instances}])
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        raw = await resp.read()
+    return resp.status, raw, [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+
+
+def contents(events: list[Any]) -> list[str]:
+    return [e["choices"][0]["delta"]["content"] for e in events if e.get("choices")]
+
+
 async def test_events_before_a_malformed_one_in_the_same_read_reach_the_client_then_an_error(
     start_gateway, serve_app
 ) -> None:
     """The pump takes every event a read brought at once (`UpstreamEvents.take`): when one of them is not JSON,
     those before it are still written, and the stream then ends with an SSE error (never `[DONE]`)."""
-    from aiohttp import web
-
-    def event(text: str) -> bytes:
-        payload = {
-            "id": "e",
-            "object": "chat.completion.chunk",
-            "model": "m",
-            "choices": [{"index": 0, "delta": {"content": text}}],
-        }
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-    async def engine(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(event("first"))
-        await response.write(event("second") + event("third") + b"data: {not json\n\n" + event("never"))
-        await response.write_eof()
-        return response
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", engine)
-    url = await serve_app(app)
-    gw = await start_gateway(
-        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}]
-    )
-    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
-    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
-        raw = await resp.read()
-    assert resp.status == 200
-    texts = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
-    contents = [t["choices"][0]["delta"]["content"] for t in texts if t.get("choices")]
-    assert contents == ["first", "second", "third"]
-    assert texts[-1]["error"]["message"].endswith("sent an event that is not JSON.") and b"[DONE]" not in raw
+    malformed = sse_event("second") + sse_event("third") + b"data: {not json\n\n" + sse_event("never")
+    status, raw, events = await through_gateway(start_gateway, serve_app, [sse_event("first"), malformed])
+    assert status == 200 and contents(events) == ["first", "second", "third"]
+    assert events[-1]["error"]["message"].endswith("sent an event that is not JSON.") and b"[DONE]" not in raw
 
 
 async def test_events_that_came_with_the_first_in_one_read_are_not_lost(start_gateway, serve_app) -> None:
     """Opening reads the stream up to its first event with choices; the rest of that read (taken with it) is
     written first by the pump, then what later reads bring."""
-    from aiohttp import web
-
-    def event(text: str) -> bytes:
-        payload = {
-            "id": "e",
-            "object": "chat.completion.chunk",
-            "model": "m",
-            "choices": [{"index": 0, "delta": {"content": text}}],
-        }
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-    async def engine(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(event("a") + event("b") + event("c"))
-        await response.write(event("d") + b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", engine)
-    url = await serve_app(app)
-    gw = await start_gateway(
-        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}]
-    )
-    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
-    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
-        raw = await resp.read()
-    texts = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
-    assert [t["choices"][0]["delta"]["content"] for t in texts if t.get("choices")] == ["a", "b", "c", "d"]
-    assert raw.endswith(b"data: [DONE]\n\n")
+    writes = [sse_event("a") + sse_event("b") + sse_event("c"), sse_event("d") + b"data: [DONE]\n\n"]
+    status, raw, events = await through_gateway(start_gateway, serve_app, writes)
+    assert status == 200 and contents(events) == ["a", "b", "c", "d"] and raw.endswith(b"data: [DONE]\n\n")
