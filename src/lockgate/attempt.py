@@ -41,8 +41,9 @@ class Opened:
 
     call: UpstreamCall
     lease: Lease
-    #: Stream events already read (up to the first with choices), and the rest of the stream.
-    head: list[dict[str, Any]]
+    #: Stream events already read (the network reads up to the first event with choices), each with the
+    #: engine's bytes of it, and the rest of the stream.
+    head: list[tuple[dict[str, Any], bytes]]
     rest: UpstreamEvents | None
     closed: bool = False
 
@@ -58,7 +59,7 @@ class Opened:
         if self.closed:
             raise StopAsyncIteration
         if self.head:
-            event = self.head.pop(0)
+            event = self.head.pop(0)[0]
         else:
             rest = self.rest
             assert rest is not None
@@ -68,19 +69,17 @@ class Opened:
         self.lease.completion_tokens += has_content(event)
         return event
 
-    def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
-        """Every event that can be had without waiting (`UpstreamEvents.take`), with the engine's bytes of each
-        (None for the events read ahead while opening); `ended` says when the stream is over. Counts tokens
-        like `__anext__`. Not to be mixed with iterating."""
-        out: list[tuple[dict[str, Any], bytes | None]] = []
+    def take(self) -> list[tuple[dict[str, Any], bytes]]:
+        """Every event that can be had without waiting (the events read ahead while opening, then
+        `UpstreamEvents.take`), with the engine's bytes of each; `ended` says when the stream is over. Counts
+        tokens like `__anext__`. Not to be mixed with iterating."""
         if self.closed:
-            return out
-        if self.head:
-            out += [(event, None) for event in self.head]
-            self.head = []
+            return []
+        out, self.head = self.head, []
         rest = self.rest
         assert rest is not None
-        out += rest.take()
+        if not (out and rest.broken):  # a break after the events read ahead is raised at the next take
+            out += rest.take()
         lease = self.lease
         for event, _ in out:
             lease.completion_tokens += has_content(event)
@@ -179,15 +178,19 @@ async def open_attempts(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _first_events(events: UpstreamEvents, call: UpstreamCall, lease: Lease) -> list[dict[str, Any]]:
-    """Read the stream up to its first event with choices; nothing has been sent to a client yet."""
-    head: list[dict[str, Any]] = []
+async def _first_events(events: UpstreamEvents, call: UpstreamCall, lease: Lease) -> list[tuple[dict[str, Any], bytes]]:
+    """Read the stream, a network read at a time, up to the read that brought its first event with choices
+    (the events after it in that read come along); nothing has been sent to a client yet."""
+    head: list[tuple[dict[str, Any], bytes]] = []
     try:
-        async for event in events:
-            head.append(event)
-            if event.get("choices"):
+        while not events.ended:
+            taken = events.take()
+            head += taken
+            if any(event.get("choices") for event, _ in taken):
                 lease.first_token()
                 return head
+            if not taken:
+                await events.response.wait()
     except BaseException:
         events.close()  # no `await` in a handler (see `relay.py`)
         raise

@@ -261,17 +261,12 @@ class UpstreamEvents:
         engine's bytes of each, in order (one call for the events a network read brought). Once `[DONE]` is
         among them the call is released and `ended` is true. An error raises; one met after events returns
         those first (`broken` is then true) and raises at the next call, so that a caller writes them before it
-        handles the error. The events an iteration took and has not given yet come first."""
-        if self._given < len(self._taken):
-            out, self._taken, self._given = self._taken[self._given :], [], 0
-            if self._error is not None:
-                return out
-        else:
-            out = []
+        handles the error. Not to be mixed with iterating (whose events taken and not given yet it skips)."""
         error = self._error
         if error is not None:
             self._error = None
             raise error
+        out: list[tuple[dict[str, Any], bytes]] = []
         call = self._call
         try:
             while not self._ended:

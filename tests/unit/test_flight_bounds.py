@@ -165,14 +165,13 @@ class FakeEngine:
                 return result
             await asyncio.sleep(0)  # a loop iteration: the next "read" (subscribers run in between)
 
-    def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
+    def take(self) -> list[tuple[dict[str, Any], bytes]]:
         if self.produced >= self.count:
             return []
         self.produced += 1
-        self.call.received += len(orjson.dumps(event(self.produced - 1)))
-        # The engine's bytes are not known (the flight then re-encodes for its leader, and sizes the event by
-        # what the call counted).
-        return [(event(self.produced - 1), None)]
+        raw = orjson.dumps(event(self.produced - 1))
+        self.call.received += len(raw)
+        return [(event(self.produced - 1), raw)]
 
     @property
     def ended(self) -> bool:

@@ -151,8 +151,6 @@ class Flight:
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0
-        #: The engine's payload bytes already counted in `_nbytes` (`UpstreamCall.received` at the last step).
-        self._counted = 0
         #: The flight's loop (the registry sets it when it starts the task; else looked up when needed).
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Subscribers waiting for the next event or the end: one bare future each, none when nobody waits.
@@ -258,23 +256,15 @@ class Flight:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
         of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
         go on. Raises what broke the stream, after keeping the events before the break."""
-        call = opened.call
         taken = opened.take()
         if taken:
-            # Sized by the engine's bytes, not by serialising the events again: each event's own, and the bytes of
-            # the events read ahead while opening (the call counted them; they come without theirs) on the last.
-            raws, start = self._raws, self._nbytes
+            raws = self._raws
             for event, raw in taken:
-                self._nbytes += 64 + (len(raw) if raw is not None else 0)
+                self._nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
                 self.events.append(event)
                 self._ends.append(self._nbytes)
                 if raws is not None:
                     raws.append(raw)
-            unsized = call.received - self._counted - (self._nbytes - start - 64 * len(taken))
-            if unsized > 0:
-                self._nbytes += unsized
-                self._ends[-1] = self._nbytes
-            self._counted = call.received
             self._notify()
         if opened.ended:
             return True
