@@ -136,3 +136,30 @@ def test_request_that_can_never_fit_is_refused() -> None:
     s = Scheduler(cfg(num_kv_blocks=2, block_size=4))
     with pytest.raises(ValueError):
         add(s, "a", 6, 4)
+
+
+async def test_a_request_id_reused_while_a_step_runs_keeps_its_own_sequence() -> None:
+    """A gateway's retry reuses the request id. When the first attempt's last token was stepped but not yet
+    delivered (the step loop sleeps for the step's duration) and the attempt is closed and retried meanwhile,
+    that token belongs to the closed attempt: the retry neither receives it nor loses its own sequence (which
+    was left running in the scheduler with nobody to deliver to; seen as `running: 1` after a chaos test)."""
+    from lockgate.sim.engine import Engine
+    from lockgate.sim.metrics import LiveGauges, SimMetrics
+    from lockgate.sim.stats import SimStats
+
+    stats = SimStats()
+    engine = Engine(cfg(), stats, SimMetrics("m", lambda: LiveGauges(0, 0, 0.0)))
+    p = prompt(4)
+    first = stats.open_request("x", "m", "chat", False)
+    attempt = engine.submit(first, p, TokenStream(p, 1, 1))
+    step = engine.scheduler.step()  # its only token, finish included: the step loop now sleeps
+    attempt.close()  # the client (the gateway) went: reset, and retried at once with the same id
+    stats.close_request(first, "reset")
+    second = stats.open_request("x", "m", "chat", False)
+    retry = engine.submit(second, p, TokenStream(p, 1, 1))
+    engine._deliver(step)  # the sleep is over
+    assert second.completion_tokens == 0 and not retry.closed
+    assert engine.scheduler.num_running + engine.scheduler.num_waiting == 1
+    engine._deliver(engine.scheduler.step())
+    assert second.completion_tokens == 1 and retry.finish_reason == "length"
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0

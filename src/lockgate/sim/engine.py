@@ -89,7 +89,9 @@ class Engine:
         self.scheduler = Scheduler(config)
         self._stats = stats
         self._metrics = metrics
-        self._gens: dict[str, Generation] = {}
+        #: The live generations, each its own sequence id in the scheduler: request ids are the client's and
+        #: may repeat (a gateway's retry of a request reuses its id).
+        self._gens: dict[object, Generation] = {}
         self._wakeup = asyncio.Event()
 
     def gauges(self) -> LiveGauges:
@@ -106,17 +108,16 @@ class Engine:
     ) -> Generation:
         """Queue a request. Raises ``ValueError`` if it can never fit. The caller must ``close()`` it."""
         gen = Generation(self, record, is_connected)
-        self.scheduler.add(record.request_id, prompt_tokens, stream, priority)
-        self._gens[record.request_id] = gen
+        self.scheduler.add(gen, prompt_tokens, stream, priority)
+        self._gens[gen] = gen
         record.prompt_tokens = len(prompt_tokens)
         self._wakeup.set()
         self._stats.notify()
         return gen
 
     def _abort(self, gen: Generation) -> None:
-        rid = gen.record.request_id
-        if self._gens.pop(rid, None) is not None:
-            self.scheduler.abort(rid)
+        if self._gens.pop(gen, None) is not None:
+            self.scheduler.abort(gen)
             gen.record.aborted_at = time.monotonic()
             self._metrics.success("abort")
             self._wakeup.set()  # freed blocks may let a waiting request in
@@ -127,7 +128,7 @@ class Engine:
         gens = list(self._gens.values())
         self._gens.clear()
         for gen in gens:
-            self.scheduler.abort(gen.record.request_id)
+            self.scheduler.abort(gen)
             gen._fail(EngineCrashed("the simulated engine crashed"))
         self._stats.notify()
         return len(gens)
@@ -177,7 +178,7 @@ class Engine:
             stats.preemptions += len(result.preempted)
             metrics.preemptions.inc(len(result.preempted))
         for ev in result.events:
-            gen = self._gens.get(ev.seq_id)  # type: ignore[call-overload]
+            gen = self._gens.get(ev.seq_id)
             if gen is None:
                 continue  # aborted while the step ran
             rec = gen.record
@@ -193,7 +194,7 @@ class Engine:
                 metrics.ttft.observe(now - rec.started_at)
             reason = ev.token.finish_reason
             if reason is not None:
-                del self._gens[rec.request_id]
+                del self._gens[gen]
                 rec.finish_reason = reason
                 metrics.finished(
                     prompt_tokens=rec.prompt_tokens,
