@@ -27,8 +27,12 @@ def offer(core: SchedulerCore, klass: int, tag: Any = True) -> Ticket:
     return ticket
 
 
-def willing(ticket: Ticket) -> bool:
-    return bool(ticket.tag)
+def willing(ticket: Ticket) -> int | None:
+    """Stops so far: the tag's count (True: never stopped), None for an unwilling ticket."""
+    tag = ticket.tag
+    if tag is False:
+        return None
+    return 0 if tag is True else int(tag)
 
 
 def test_the_newest_preemptible_ticket_of_the_lowest_class_is_chosen() -> None:
@@ -47,6 +51,21 @@ def test_the_newest_preemptible_ticket_of_the_lowest_class_is_chosen() -> None:
     assert p0.running  # not `p0.state is ...`: mypy would keep the QUEUED narrowing from above
     assert choose_victim(core, 0, LOWEST, willing) is old
     assert unwilling.state is TicketState.RUNNING
+
+
+def test_the_ticket_stopped_fewest_times_goes_first_then_the_newest() -> None:
+    """Stops are spread over the running requests: the request just resumed (the newest) is not stopped
+    again while others have been stopped less, so a per-request limit is reached late."""
+    core = SchedulerCore(CLASSES, capacity=3)
+    once, never, resumed_twice = offer(core, 2, tag=1), offer(core, 2, tag=True), offer(core, 2, tag=2)
+    offer(core, 0)
+    assert choose_victim(core, 0, LOWEST, willing) is never
+    core.release(never, 1.0)
+    offer(core, 0)
+    assert choose_victim(core, 0, LOWEST, willing) is once
+    core.release(once, 1.0)
+    offer(core, 0)
+    assert choose_victim(core, 0, LOWEST, willing) is resumed_twice
 
 
 def test_no_victim_unless_a_strict_ticket_waits_for_a_full_pool() -> None:
@@ -205,12 +224,14 @@ class _Victim:
 
     def __init__(self) -> None:
         self.stopped = 0
+        self.preemptions = 0
 
     def preemptible(self) -> bool:
         return True
 
     def preempt(self) -> Plan:
         self.stopped += 1
+        self.preemptions += 1
         return Plan.RESUME
 
     def redo_tokens(self) -> int:

@@ -61,7 +61,7 @@ class PreemptionConfig(_Strict):
 
     enabled: bool = True
     #: A request stopped this many times is no longer preemptible.
-    max_per_request: Annotated[int, Field(ge=1)] = 2
+    max_per_request: Annotated[int, Field(ge=1)] = 8
 
 
 class SchedulingConfig(_Strict):

@@ -136,7 +136,7 @@ class PoolScheduler:
         ticket goes back to the queue head."""
         core = self.core
         for _ in range(count):
-            victim = choose_victim(core, klass, self.preemptible, _can_preempt)
+            victim = choose_victim(core, klass, self.preemptible, _stops_so_far)
             if victim is None:
                 return
             assert isinstance(victim.tag, Preemptee)
@@ -209,9 +209,12 @@ class PoolScheduler:
         return {**self.core.statistics(), "waiters": len(self._waiters)}
 
 
-def _can_preempt(ticket: Ticket) -> bool:
+def _stops_so_far(ticket: Ticket) -> int | None:
+    """How often the ticket's request was stopped already; None when it may not be stopped now."""
     tag = ticket.tag
-    return isinstance(tag, Preemptee) and tag.preemptible()
+    if isinstance(tag, Preemptee) and tag.preemptible():
+        return tag.preemptions
+    return None
 
 
 def class_specs(config: Config) -> tuple[ClassSpec, ...]:

@@ -1,13 +1,14 @@
 """Preemption with resumption: the synchronous decisions (victim choice, resumability, continuation).
 
 Theory of operation: when a request of a strict class (P0) is queued because every slot of its pool is
-taken, `choose_victim` names the newest running request of the least urgent preemptible class that
-says it may be stopped. Its owner (`resume.Resumable`, the ticket's tag) aborts the engine call at
-once and the scheduler re-queues its ticket at the head of its class; the freed slot goes to the P0
-request in the same synchronous step. When the stopped request gets a slot again it is *resumed*: the
-output produced so far becomes a continuation (text completions: prompt + output, chat: an assistant
-prefix with `continue_final_message`), `max_tokens` reduced by what was delivered, so that the client
-sees one uninterrupted generation. `Transcript` folds the attempts' events into that one generation
+taken, `choose_victim` names a running request of the least urgent preemptible class that says it may
+be stopped: the one stopped the fewest times so far, the newest of those. Its owner
+(`resume.Resumable`, the ticket's tag) aborts the engine call at once and the scheduler re-queues its
+ticket at the head of its class; the freed slot goes to the P0 request in the same synchronous step.
+When the stopped request gets a slot again it is *resumed*: the output produced so far becomes a
+continuation (text completions: prompt + output, chat: an assistant prefix with
+`continue_final_message`), `max_tokens` reduced by what was delivered, so that the client sees one
+uninterrupted generation. `Transcript` folds the attempts' events into that one generation
 (one response id, one role chunk, usage = original prompt + all completion tokens).
 
 Where a continuation is impossible (the pool's dialect cannot continue a chat message, n > 1,
@@ -42,6 +43,9 @@ class Plan(StrEnum):
 class Preemptee(Protocol):
     """What a running ticket's tag must offer for the request to be preemptible. Both synchronous."""
 
+    #: Times this request was stopped so far (victims are chosen fewest first).
+    preemptions: int
+
     def preemptible(self) -> bool: ...
 
     def preempt(self) -> Plan:
@@ -58,14 +62,17 @@ def choose_victim(
     core: SchedulerCore,
     klass: int,
     preemptible: frozenset[int],
-    can_preempt: Callable[[Ticket], bool],
+    stops_so_far: Callable[[Ticket], int | None],
 ) -> Ticket | None:
     """The running ticket to stop so that a just-queued ticket of class `klass` gets a slot, or None.
 
     Only a strict class preempts, only when the pool is full (not when its own `max_running` holds it
     back: a freed slot would not go to it), and only less urgent preemptible classes are stopped —
-    the least urgent class first, and in it the most recently granted ticket (it has done the least
-    work) that `can_preempt` accepts."""
+    the least urgent class first. In it, `stops_so_far(ticket)` says how often a ticket was stopped
+    already (None: it may not be stopped now): the one stopped the fewest times goes, the most
+    recently granted of those (it has done the least work). Fewest first spreads the stops over the
+    running requests, so that a per-request limit is reached late and a strict burst still finds a
+    victim; newest alone would stop the request just resumed again and again."""
     spec = core.classes[klass]
     if not spec.strict or not preemptible:
         return None
@@ -76,9 +83,16 @@ def choose_victim(
     for k in sorted(preemptible, reverse=True):
         if k <= klass:
             break
+        best: Ticket | None = None
+        fewest = 0
         for ticket in core.running_newest_first(k):
-            if can_preempt(ticket):
-                return ticket
+            stops = stops_so_far(ticket)
+            if stops is not None and (best is None or stops < fewest):
+                best, fewest = ticket, stops
+                if stops == 0:
+                    break
+        if best is not None:
+            return best
     return None
 
 
