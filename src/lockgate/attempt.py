@@ -101,6 +101,11 @@ class Opened:
         """The stream broke after the events `take()` returned last: the next `take()` raises why."""
         return self.rest is not None and self.rest.broken
 
+    @property
+    def backlog(self) -> bool:
+        """Events are here that `take()` did not return: never, it returns all of them (a read's worth)."""
+        return False
+
     def close(self) -> None:
         self.closed = True
         if self.rest is not None:

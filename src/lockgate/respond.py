@@ -9,17 +9,20 @@ line on the first event with choices, batching, delivered-token accounting, the 
 `[DONE]` — and two shells drive it:
 - `stream_events` iterates any async source of events (a flight's subscription, a resumable generation,
   a cached result), one task step per event it waits for;
-- `pump` is the direct path's: it writes what the engine has already sent, then hands the writer to the
-  engine connection's data callback (`Opened.follow`), which writes each network read's events as it
-  arrives, so no task wakes up per chunk. The request's task waits only for what a callback cannot do —
-  the client's transport to drain (backpressure), the end of the stream — and stays the one place where the
-  request ends: a disconnect, deadline or cancel lands at that await, which stops following.
+- `pump` follows a source from its producer's callbacks: the direct path's engine call (`Opened.follow`:
+  each network read's events are written in the engine connection's data callback, as they arrive) and a
+  streaming flight's subscription (`Subscription.follow`: each event the flight keeps is written in the
+  callback that brought it to the flight, for every subscriber caught up with it). No task wakes up per
+  chunk. The request's task waits only for what a callback cannot do — the client's transport to drain
+  (backpressure), the end of the stream — and stays the one place where the request ends: a disconnect,
+  deadline or cancel lands at that await, which stops following.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -29,14 +32,42 @@ from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 
-if TYPE_CHECKING:
-    from .attempt import Opened
+T = TypeVar("T")
 
 #: The most a stream gathers into one write (events already here are written together).
 MAX_BATCH_BYTES = 64 * 1024
 
-#: What a step of the pump leaves: nothing to do until more arrives, the client's transport is full, the end.
-_WAIT, _PAUSED, _END = 0, 1, 2
+#: What a step of the pump leaves (None: nothing to do until more arrives): the client's transport is full, the end.
+_PAUSED, _END = 1, 2
+
+
+class Followed(Protocol):
+    """A generation `pump` can write from its producer's callbacks: an engine call (`attempt.Opened`) or a
+    streaming flight's subscription (`dedup.flight.Subscription`)."""
+
+    def take(self) -> Sequence[tuple[dict[str, Any], bytes | None]]:
+        """The events here (each with the source's bytes of it, when it passes them through), without waiting;
+        raises what broke the generation once everything before the break was taken."""
+        ...
+
+    @property
+    def ended(self) -> bool:
+        """The generation is over and all of it was taken."""
+        ...
+
+    @property
+    def broken(self) -> bool:
+        """The generation broke and everything before the break was taken: the next `take()` raises why."""
+        ...
+
+    @property
+    def backlog(self) -> bool:
+        """`take()` left events here (it returns a bounded batch)."""
+        ...
+
+    def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:
+        """Call `step` at once, then from the producer's callbacks as more arrives, until it returns a value."""
+        ...
 
 
 class SSEWriter:
@@ -196,7 +227,6 @@ async def stream_events(
     *,
     response_id: str | None = None,
     ready: Callable[[], bool] | None = None,
-    raw: Callable[[], bytes | None] | None = None,
 ) -> Reply:
     """Relay a generation as SSE (see `SSEWriter`).
 
@@ -208,7 +238,7 @@ async def stream_events(
     writer = SSEWriter(ex, http_request, headers, response_id)
     try:
         async for event in events:
-            writer.add(event, raw() if raw is not None else None)
+            writer.add(event)
             if writer.pending and (ready is None or writer.full or not ready()) and writer.flush():
                 await writer.drain()
     except GatewayError:
@@ -219,37 +249,44 @@ async def stream_events(
     return await writer.finish()
 
 
-async def pump(ex: Exchange, http_request: Request, opened: Opened, headers: dict[str, str]) -> Reply:
-    """Relay an engine's stream as SSE from the engine connection's callbacks (see the module docstring).
+async def pump(
+    ex: Exchange, http_request: Request, source: Followed, headers: dict[str, str], *, response_id: str | None = None
+) -> Reply:
+    """Relay a generation as SSE from its producer's callbacks (see the module docstring).
 
-    The same writer and batching as `stream_events`: each step writes every event already received in
-    one send, so a read that brought several chunks costs one write. Backpressure: a step that leaves the
-    client's transport paused stops reading events (the engine's bytes wait in its connection, which stops
-    reading past its high-water mark) until the task has seen the transport drain."""
-    writer = SSEWriter(ex, http_request, headers, None)
-    state = _WAIT
-    while state != _END:
-        if state == _PAUSED:
-            await writer.drain()
-        # Steps at once (for what is here already), then at each read the engine connection makes.
-        state = await opened.follow(lambda: _step(writer, opened) or None)
+    The same writer and batching as `stream_events`: each step writes every event already here in one
+    send, so a read that brought several chunks costs one write. Backpressure: a step that leaves the
+    client's transport paused stops taking events (an engine's bytes wait in its connection, which stops
+    reading past its high-water mark; a flight's wait in its buffer, within its lag bound) until the task has
+    seen the transport drain. `response_id`: the client's own (None keeps the source's)."""
+    writer = SSEWriter(ex, http_request, headers, response_id)
+    step = functools.partial(_step, writer, source)  # called per arrival: no Python frame of its own
+    # Steps at once (for what is here already), then at each arrival, until the end or a full transport.
+    while await source.follow(step) == _PAUSED:
+        await writer.drain()
     return await writer.finish()
 
 
-def _step(writer: SSEWriter, opened: Opened) -> int:
-    """Write every event of `opened` that can be had without waiting: `_WAIT` for more, `_PAUSED` when the
-    client's transport is full, `_END` once the stream has ended (what is batched then goes with `[DONE]`)."""
+def _step(writer: SSEWriter, source: Followed) -> int | None:
+    """Write every event of `source` that can be had without waiting: None to wait for more, `_PAUSED` when the
+    client's transport is full, `_END` once the generation has ended (what is batched then goes with `[DONE]`).
+    A source that takes in bounded batches (`backlog`: a late joiner's replay) is written batch after batch
+    until the transport pauses."""
     paused = False
-    for event, raw in opened.take():  # decoded already: all of them are written, whatever the client's pace
-        writer.add(event, raw)
-        if writer.full:
-            paused = writer.flush() or paused
-    if opened.ended:
-        return _END
-    paused = writer.flush() or paused
-    if opened.broken:
-        opened.take()  # raises what broke the stream, now that the events before it are written
-    return _PAUSED if paused else _WAIT
+    while True:
+        for event, raw in source.take():  # all of a batch are written, whatever the client's pace
+            writer.add(event, raw)
+            if writer.full:
+                paused = writer.flush() or paused
+        if source.ended:
+            return _END
+        paused = writer.flush() or paused
+        if source.broken:
+            source.take()  # raises what broke the stream, now that the events before it are written
+        if paused:
+            return _PAUSED
+        if not source.backlog:
+            return None
 
 
 def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> Response:

@@ -65,3 +65,13 @@ def test_streams_over_a_choice_of_instances_are_answered_too() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("100 requests, 100 answered 200;"), done.stdout
+
+
+def test_deterministic_paced_streams_each_lead_a_flight_and_are_answered() -> None:
+    args = ["--requests", "60", "--warmup", "10", "--concurrency", "8", "--target", "gateway"]
+    args += ["--stream", "--paced", "--deterministic"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lockgate", "bench", "inprocess", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("60 requests, 60 answered 200;"), done.stdout

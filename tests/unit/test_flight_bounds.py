@@ -279,3 +279,109 @@ async def test_a_small_flight_is_replayed_to_late_joiners_and_yields_its_result(
     assert await first.wait_done() == [event(n) for n in range(20)]
     [(how, res)] = owner.ended
     assert how == "completed" and res is not None and len(res.events) == 20
+
+
+# --- following a flight (streaming subscribers, `respond.pump`) ---------------------------------------------
+
+
+async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_it(monkeypatch):
+    """A streaming subscriber caught up with its flight is handed each event in the flight's own step (the
+    engine connection's callback), not by waking its task per event: its task waits in `follow` once."""
+    owner = Owner()
+    engine = FakeEngine(30)
+    flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
+    leader, other = flight.subscribe(), flight.subscribe()
+    taken: dict[str, list[tuple[dict[str, Any], bytes | None]]] = {"leader": [], "other": []}
+    lags: list[tuple[int, int, int]] = []
+    original = engine.follow
+
+    async def checked(step: Callable[[], Any]) -> Any:
+        def stepped() -> Any:
+            result = step()  # the flight's step: keeps the event and notifies its followers
+            lags.append((engine.produced, len(taken["leader"]), len(taken["other"])))
+            return result
+
+        return await original(stepped)
+
+    engine.follow = checked  # type: ignore[method-assign]
+
+    def follower(name: str, subscription: Any) -> Callable[[], str | None]:
+        def step() -> str | None:
+            taken[name] += subscription.take()
+            return "end" if subscription.ended else None
+
+        return step
+
+    waits = [asyncio.ensure_future(s.follow(follower(n, s))) for n, s in (("leader", leader), ("other", other))]
+    await asyncio.sleep(0)  # both wait in `follow` before the first event
+    await flight.run()
+    async with asyncio.timeout(5):
+        assert await asyncio.gather(*waits) == ["end", "end"]
+    # After each step of the flight, both had already taken every event produced so far.
+    assert lags and all(produced == a == b for produced, a, b in lags), lags
+    assert [e for e, _ in taken["leader"]] == [e for e, _ in taken["other"]] == [event(n) for n in range(30)]
+    # The leader gets the engine's bytes of each event (pass-through); the others rewrite their own id.
+    assert [raw for _, raw in taken["leader"]] == [orjson.dumps(event(n)) for n in range(30)]
+    assert {raw for _, raw in taken["other"]} == {None}
+    assert flight._followers == []
+
+
+async def test_a_late_joiner_takes_its_replay_in_bounded_batches(monkeypatch):
+    """A client joining a flight with a long history gets it a batch (`TAKE_BYTES`) at a time, so that its
+    writer waits for its transport between batches instead of writing the whole replay at once."""
+    from lockgate.dedup.flight import TAKE_BYTES
+
+    owner = Owner()
+    engine = FakeEngine(1500)  # ~200 KB of events
+    flight = start_flight(monkeypatch, owner, engine, lag=4 << 20, history=4 << 20, policy="finish_and_cache")
+    first = flight.subscribe()
+    await flight.run()
+    late = flight.subscribe()
+    batches = []
+    while True:
+        batch = late.take()
+        if not batch:
+            break
+        batches.append(batch)
+        assert late.backlog is (sum(len(b) for b in batches) < 1500)
+        assert not late.ended or not late.backlog
+    assert len(batches) >= 3
+    assert all(sum(64 + len(orjson.dumps(e)) for e, _ in b) <= TAKE_BYTES for b in batches)
+    assert [e for b in batches for e, _ in b] == [event(n) for n in range(1500)]
+    assert late.ended and not late.broken
+    assert first.take()[0][0] == event(0)  # the other subscriber's position is its own
+
+
+async def test_a_failed_flight_hands_its_events_then_its_error(monkeypatch):
+    """What a flight kept before it failed is taken first; then `broken` says so and `take()` raises its error."""
+    from lockgate.errors import UpstreamError
+
+    class FiveThenMore(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(1000)
+            self.five = asyncio.Event()
+
+        def take(self) -> list[tuple[dict[str, Any], bytes]]:
+            taken = super().take()
+            if self.produced >= 5:
+                self.five.set()
+            return taken
+
+    owner = Owner()
+    engine = FiveThenMore()
+    flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
+    subscription = flight.subscribe()
+    task = asyncio.create_task(flight.run())
+    async with asyncio.timeout(5):
+        await engine.five.wait()
+    flight.abort(UpstreamError("the engine went away"))  # (True only for a real engine call, closed by it)
+    await asyncio.gather(task, return_exceptions=True)
+    assert flight.state is FlightState.FAILED
+    kept = flight.statistics()["events_total"]
+    got: list[dict[str, Any]] = []
+    while not subscription.broken:  # events are still there to take
+        got += [e for e, _ in subscription.take()]
+    assert got == [event(n) for n in range(kept)] and kept >= 5
+    assert not subscription.ended
+    with pytest.raises(UpstreamError, match="went away"):
+        subscription.take()

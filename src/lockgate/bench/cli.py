@@ -183,6 +183,7 @@ def _inprocess(args: argparse.Namespace) -> int:
                 instances=args.instances,
                 routing=args.routing,
                 paced=args.paced,
+                deterministic=args.deterministic,
             )
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
@@ -354,6 +355,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--instances", type=int, default=1, help="the canned engine listed this many times (routing chooses)"
     )
     inproc.add_argument("--routing", default="least_load", help="the model's routing policy")
+    inproc.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="temperature 0, each prompt unique: every request leads a de-duplication flight (default: direct path)",
+    )
     inproc.set_defaults(func=_inprocess)
     from .routing import CONFIGS as routing_configs
     from .routing import FAMILIES as routing_families

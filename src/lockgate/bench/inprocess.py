@@ -46,18 +46,22 @@ _ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length:
     len(_COMPLETION),
     _COMPLETION,
 )
-_BODY = orjson.dumps(
-    {"model": "bench-model", "messages": [{"role": "user", "content": "Say something short"}], "max_tokens": 16}
-)
-_STREAM_BODY = orjson.dumps(
-    {
+
+
+def _body(*, stream: bool, deterministic: bool) -> tuple[bytes, bytes]:
+    """A request's JSON body, split where a deterministic request's unique number goes (see `_Load`)."""
+    body: dict[str, object] = {
         "model": "bench-model",
-        "messages": [{"role": "user", "content": "Say something short"}],
+        "messages": [{"role": "user", "content": "Say something short #"}],
         "max_tokens": 16,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
-)
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    if deterministic:
+        body["temperature"] = 0
+    head, tail = orjson.dumps(body).split(b"#", 1)
+    return head, tail
 
 
 def _chunk(payload: dict[str, object]) -> bytes:
@@ -128,18 +132,35 @@ class _Engine(asyncio.Protocol):
 
 
 class _Load:
-    """A closed loop over `connections` keep-alive connections until `requests` have been answered."""
+    """A closed loop over `connections` keep-alive connections until `requests` have been answered. A
+    `deterministic` load sends temperature 0 with a prompt made unique by a counter: every request is eligible
+    for de-duplication and leads a flight of its own (nothing to coalesce, nothing cached to reuse)."""
 
-    def __init__(self, port: int, requests: int, connections: int, stream: bool = False) -> None:
-        body = _STREAM_BODY if stream else _BODY
-        self.request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (port, len(body), body)
-        )
+    def __init__(
+        self, port: int, requests: int, connections: int, stream: bool = False, deterministic: bool = False
+    ) -> None:
+        self._port = port
+        self._head, self._tail = _body(stream=stream, deterministic=deterministic)
+        self._deterministic = deterministic
+        self._count = 0
+        self._fixed = self._request(b"")
         self.left = requests
         self.ok = 0
         self.open = connections
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _request(self, unique: bytes) -> bytes:
+        body = self._head + unique + self._tail
+        return (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (self._port, len(body), body)
+        )
+
+    def next_request(self) -> bytes:
+        if not self._deterministic:
+            return self._fixed
+        self._count += 1
+        return self._request(b"%d" % self._count)
 
 
 class _Client(asyncio.Protocol):
@@ -162,16 +183,16 @@ class _Client(asyncio.Protocol):
         load = self._load
         if load.left > 0:
             load.left -= 1
-            self._transport.write(load.request)
+            self._transport.write(load.next_request())
             return
         load.open -= 1
         if load.open == 0 and not load.done.done():
             load.done.set_result(None)
 
 
-async def _drive(port: int, requests: int, connections: int, stream: bool = False) -> int:
+async def _drive(port: int, requests: int, connections: int, stream: bool = False, deterministic: bool = False) -> int:
     loop = asyncio.get_running_loop()
-    load = _Load(port, requests, connections, stream)
+    load = _Load(port, requests, connections, stream, deterministic)
     transports = [
         (await loop.create_connection(lambda: _Client(load), "127.0.0.1", port))[0] for _ in range(connections)
     ]
@@ -194,9 +215,9 @@ class InProcessResult:
     direct_us: float | None
 
 
-async def _measured(port: int, requests: int, connections: int, stream: bool) -> tuple[int, float]:
+async def _measured(port: int, requests: int, connections: int, stream: bool, deterministic: bool) -> tuple[int, float]:
     start = time.process_time()
-    ok = await _drive(port, requests, connections, stream)
+    ok = await _drive(port, requests, connections, stream, deterministic)
     return ok, (time.process_time() - start) / requests * 1e6
 
 
@@ -211,11 +232,12 @@ async def run(
     instances: int = 1,
     routing: str = "least_load",
     paced: bool = False,
+    deterministic: bool = False,
 ) -> InProcessResult:
     """`target`: "gateway", "direct" (the client and the canned engine alone) or "both". `stream`: streamed
     answers (19 events from the engine), `paced`: written one loop iteration apart; `instances`: the canned
     engine listed that many times (under different names), so that `routing` chooses among them on every
-    request."""
+    request; `deterministic`: temperature 0 and unique prompts (every request leads a de-duplication flight)."""
     progress = progress or Progress.silent()
     loop = asyncio.get_running_loop()
     engine = await loop.create_server(lambda: _Engine(paced), "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
@@ -255,12 +277,12 @@ async def run(
                 direct_us = gateway_us = None
                 if target in ("direct", "both"):
                     progress.phase(f"straight to the canned engine ({warmup} + {requests} requests)")
-                    await _drive(engine_port, warmup, concurrency, stream)
-                    ok, direct_us = await _measured(engine_port, requests, concurrency, stream)
+                    await _drive(engine_port, warmup, concurrency, stream, deterministic)
+                    ok, direct_us = await _measured(engine_port, requests, concurrency, stream, deterministic)
                 if target in ("gateway", "both"):
                     progress.phase(f"through the gateway ({warmup} + {requests} requests)")
-                    await _drive(gateway_port, warmup, concurrency, stream)
-                    ok, gateway_us = await _measured(gateway_port, requests, concurrency, stream)
+                    await _drive(gateway_port, warmup, concurrency, stream, deterministic)
+                    ok, gateway_us = await _measured(gateway_port, requests, concurrency, stream, deterministic)
     finally:
         engine.close()
     return InProcessResult(requests, ok, gateway_us, direct_us)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..assemble import assemble
 from ..edge.server import Reply, Request
 from ..exchange import Phase
-from ..respond import stream_events, whole_body
+from ..respond import pump, stream_events, whole_body
 from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .eligibility import eligible
@@ -231,21 +231,15 @@ class Coalescer:
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:
-        if isinstance(source, Subscription) and source.passes_through:
-            # A streaming flight's leader sees the engine's stream as it is (its id included): the engine's
-            # bytes go out unchanged where its view leaves an event unchanged, as on the direct path.
-            response_id, raw = None, source.raw
-        else:
-            response_id, raw = self._response_id(ex.api.endpoint), None
-        return await stream_events(
-            ex,
-            http_request,
-            source,
-            self._headers(ex, outcome, source),
-            response_id=response_id,
-            ready=source.ready,
-            raw=raw,
-        )
+        headers = self._headers(ex, outcome, source)
+        if isinstance(source, _Replay):
+            own_id = self._response_id(ex.api.endpoint)
+            return await stream_events(ex, http_request, source, headers, response_id=own_id, ready=source.ready)
+        # A streaming flight's leader sees the engine's stream as it is (its id included): the engine's bytes go
+        # out unchanged where its view leaves an event unchanged, as on the direct path. Written from the
+        # flight's callbacks, as each event arrives.
+        response_id = None if source.passes_through else self._response_id(ex.api.endpoint)
+        return await pump(ex, http_request, source, headers, response_id=response_id)
 
     def _response_id(self, endpoint: Endpoint) -> str:
         """A response id unique to this gateway's run (a random prefix and a counter: no system call)."""

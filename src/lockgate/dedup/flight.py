@@ -5,9 +5,10 @@ Theory of operation
 A `Flight` owns its engine call — the routing lease, the `UpstreamCall` and the task that reads it.
 A flight asks the engine for what its leader asked for:
 - a *streaming* flight (`stream`) keeps the events it has read in a broadcast buffer (`events`). Clients
-  hold a `Subscription`: an async iterator that replays the buffer from the start and then follows the
-  live tail, so a late joiner ends with exactly the content of a solo run. Streaming and non-streaming
-  clients may join it (the latter get the events folded into one body);
+  hold a `Subscription` that replays the buffer from the start and then follows the live tail, so a late
+  joiner ends with exactly the content of a solo run. Streaming clients follow it (`follow`/`take`: each
+  event is written to every subscriber caught up with it in the callback that brought it to the flight,
+  no task woken per event); non-streaming ones iterate it (the events folded into one body);
 - a *JSON* flight (not `stream`) asks for one completion body (no stream, nothing to assemble) and
   hands that same body to every subscriber (`Subscription.wait_body()`) and to the result cache. Only
   non-streaming clients join it: a streaming client must not wait for the whole answer before its first
@@ -46,16 +47,19 @@ registry (the "waiter removes the entry" bug cannot happen).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..assemble import assemble
 from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
+from ..http.connection import listener_of
 from ..routing.policies import RouteRequest
 from ..upstream import UpstreamCall, too_large
 from .cache import Result
@@ -68,6 +72,12 @@ if TYPE_CHECKING:
     from ..wire import ApiRequest
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The most of its events (in the engine's bytes) one `Subscription.take()` returns: a late joiner's replay is
+#: written a batch at a time, each waiting for the client to drain when it is slow.
+TAKE_BYTES = 64 * 1024
 
 
 class FlightState(StrEnum):
@@ -155,6 +165,9 @@ class Flight:
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Subscribers waiting for the next event or the end: one bare future each, none when nobody waits.
         self._waiters: list[asyncio.Future[None]] = []
+        #: Subscribers following the flight (`Subscription.follow`): called at each event or the end, in the
+        #: callback that brought it, so that a subscriber caught up writes it to its client without a task.
+        self._followers: list[Callable[[], None]] = []
         #: The engine's own bytes of the events its first subscriber (the leader) has not read yet, while that
         #: subscriber is there: it may write them as they are (pass-through). At most its lag.
         self._raws: deque[bytes | None] | None = None
@@ -221,6 +234,9 @@ class Flight:
             for waiter in waiters:
                 if not waiter.done():  # a subscriber cancelled while waiting left its future cancelled
                     waiter.set_result(None)
+        # A follower is removed by its own task, never from here or from what it calls: no copy needed.
+        for follower in self._followers:
+            follower()
 
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
@@ -235,7 +251,8 @@ class Flight:
                 return
             # The engine is read from its connection's callback, read by read (`Opened.follow`): the task wakes
             # only when a bound needs it to wait for the slowest subscriber, and at the end.
-            while not await opened.follow(lambda: self._step(opened)):
+            step = functools.partial(self._step, opened)  # called per read: no Python frame of its own
+            while not await opened.follow(step):
                 await self._keep_within_bounds()
             self._complete()
         except GatewayError as exc:
@@ -479,18 +496,18 @@ class Flight:
 class Subscription:
     """One client's view of a flight: replay, then the live tail. `close()` is idempotent."""
 
-    __slots__ = ("_closed", "_payload", "_position", "flight")
+    __slots__ = ("_closed", "_position", "backlog", "flight")
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight
         self._position = 0
         self._closed = False
-        #: The engine's bytes of the event returned last (the leader of a streaming flight only).
-        self._payload: bytes | None = None
+        #: `take()` left events buffered (it returns at most `TAKE_BYTES` of them).
+        self.backlog = False
 
     @property
     def passes_through(self) -> bool:
-        """Whether this subscriber gets the engine's own bytes of each event (`raw()`): the leader of a
+        """Whether this subscriber gets the engine's own bytes of each event (from `take()`): the leader of a
         streaming flight. It then keeps the engine's response id (the others get their own)."""
         return self.flight._raw_reader is self
 
@@ -508,24 +525,79 @@ class Subscription:
                 if flight._reader_waiter is not None and self._position == flight._floor_position:
                     flight._wake_reader()  # the slowest subscriber reads on
                 self._position += 1
-                if flight._raw_reader is self:
-                    raws = flight._raws
-                    self._payload = raws.popleft() if raws else None
+                if flight._raw_reader is self and flight._raws:
+                    flight._raws.popleft()  # a leader that iterates (a non-streaming client) has no use for them
                 return event
             if flight.state is FlightState.COMPLETED:
                 raise StopAsyncIteration
             flight.raise_if_stopped()
             await flight.wait_changed()
 
-    def raw(self) -> bytes | None:
-        """The engine's own bytes of the event returned last, when known (see `passes_through`)."""
-        return self._payload
-
-    def ready(self) -> bool:
-        """Whether the next step will not wait: an event is buffered, or the flight has ended (the
-        writer may then coalesce its writes)."""
+    def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
+        """The events buffered past this subscriber's position, without waiting: at most about `TAKE_BYTES` of
+        them (at least one; `backlog` says whether more are buffered), each with the engine's bytes of it for
+        the leader (`passes_through`), None for the others. `ended`: the generation is over and all of it was
+        taken; once the flight stopped otherwise and everything before was taken, raises why. Not to be mixed
+        with iterating."""
+        if self._closed:
+            raise Cancelled("The subscription was closed.")
         flight = self.flight
-        return self._position - flight._base < len(flight.events) or flight.state is not FlightState.RUNNING
+        position = self._position
+        index = position - flight._base
+        events = flight.events
+        count = len(events) - index
+        if count <= 0:
+            self.backlog = False
+            if flight.state is not FlightState.RUNNING and flight.state is not FlightState.COMPLETED:
+                flight.raise_if_stopped()
+            return []
+        if count == 1:  # a live subscriber's usual case: the event the flight has just kept
+            stop = index + 1
+            self.backlog = False
+        else:
+            stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
+            self.backlog = stop < len(events)
+        if flight._reader_waiter is not None and position == flight._floor_position:
+            flight._wake_reader()  # the slowest subscriber reads on
+        self._position = position + stop - index
+        if flight._raw_reader is self and flight._raws is not None:
+            raws = flight._raws
+            return [(event, raws.popleft() if raws else None) for event in events[index:stop]]
+        return [(event, None) for event in events[index:stop]]
+
+    @property
+    def ended(self) -> bool:
+        """The generation is over and this subscriber has taken all of it."""
+        flight = self.flight
+        return flight.state is FlightState.COMPLETED and self._position - flight._base >= len(flight.events)
+
+    @property
+    def broken(self) -> bool:
+        """The flight stopped without completing and this subscriber has taken every event before that: the
+        next `take()` raises why."""
+        flight = self.flight
+        state = flight.state
+        return (
+            state is not FlightState.RUNNING
+            and state is not FlightState.COMPLETED
+            and self._position - flight._base >= len(flight.events)
+        )
+
+    async def follow(self, step: Callable[[], T | None]) -> T:
+        """Call `step` (which takes what is here with `take()`) at once and then at each event of the flight and
+        at its end, in the callback that brought it, until it returns something other than None; return that
+        (or raise what `step` raised). The subscriber's task waits here once, not once per event."""
+        result = step()
+        if result is not None:
+            return result
+        flight = self.flight
+        done: asyncio.Future[T] = (flight.loop or asyncio.get_running_loop()).create_future()
+        listener = listener_of(step, done)
+        flight._followers.append(listener)
+        try:
+            return await done
+        finally:
+            flight._followers.remove(listener)
 
     async def wait_done(self, max_bytes: int | None = None) -> list[dict[str, Any]]:
         """Every event of the generation, once it has completed (non-streaming clients). The events are

@@ -172,22 +172,7 @@ class Response:
         if result is not None:
             return result
         done: asyncio.Future[T] = self._loop.create_future()
-
-        def listener() -> None:
-            if done.done():
-                return
-            try:
-                result = step()
-            except Exception as exc:
-                if not done.done():
-                    done.set_exception(exc)
-                return
-            # `step` may have ended the wait itself: what it wrote to a client that had gone closed that
-            # client's connection, and so cancelled the task awaiting `done` (and `done` with it).
-            if result is not None and not done.done():
-                done.set_result(result)
-
-        self._listener = listener
+        listener = self._listener = listener_of(step, done)
         try:
             return await done
         finally:
@@ -497,3 +482,24 @@ class Connection(asyncio.Protocol):
         drain = self._drain
         if drain is not None and not drain.done():
             drain.set_result(None)
+
+
+def listener_of(step: Callable[[], T | None], done: asyncio.Future[T]) -> Callable[[], None]:
+    """The callback of a `follow`: call `step()`, and end `done` with what it returns (when not None) or with
+    what it raises; once `done` is done, nothing more."""
+
+    def listener() -> None:
+        if done.done():
+            return
+        try:
+            result = step()
+        except Exception as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        # `step` may have ended the wait itself: what it wrote to a client that had gone closed that client's
+        # connection, and so cancelled the task awaiting `done` (and `done` with it).
+        if result is not None and not done.done():
+            done.set_result(result)
+
+    return listener
