@@ -275,13 +275,14 @@ class Flight:
         go on. Raises what broke the stream, after keeping the events before the break."""
         taken = opened.take()
         if taken:
-            raws = self._raws
+            raws, events, ends, nbytes = self._raws, self.events, self._ends, self._nbytes
             for event, raw in taken:
-                self._nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
-                self.events.append(event)
-                self._ends.append(self._nbytes)
+                nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
+                events.append(event)
+                ends.append(nbytes)
                 if raws is not None:
                     raws.append(raw)
+            self._nbytes = nbytes
             self._notify()
         if opened.ended:
             return True
@@ -551,17 +552,17 @@ class Subscription:
             if flight.state is not FlightState.RUNNING and flight.state is not FlightState.COMPLETED:
                 flight.raise_if_stopped()
             return []
-        if count == 1:  # a live subscriber's usual case: the event the flight has just kept
-            stop = index + 1
-            self.backlog = False
-        else:
-            stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
-            self.backlog = stop < len(events)
         if flight._reader_waiter is not None and position == flight._floor_position:
             flight._wake_reader()  # the slowest subscriber reads on
+        raws = flight._raws if flight._raw_reader is self else None
+        if count == 1:  # a live subscriber's usual case: the event the flight has just kept
+            self.backlog = False
+            self._position = position + 1
+            return [(events[index], raws.popleft() if raws else None)]
+        stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
+        self.backlog = stop < len(events)
         self._position = position + stop - index
-        if flight._raw_reader is self and flight._raws is not None:
-            raws = flight._raws
+        if raws is not None:
             return [(event, raws.popleft() if raws else None) for event in events[index:stop]]
         return [(event, None) for event in events[index:stop]]
 
