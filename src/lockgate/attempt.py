@@ -42,8 +42,8 @@ class Opened:
     call: UpstreamCall
     lease: Lease
     #: Stream events already read (the network reads up to the first event with choices), each with the
-    #: engine's bytes of it, and the rest of the stream.
-    head: list[tuple[dict[str, Any], bytes]]
+    #: engine's bytes of it and whether it carries a token, and the rest of the stream.
+    head: list[tuple[dict[str, Any], bytes, bool]]
     rest: UpstreamEvents | None
     closed: bool = False
 
@@ -59,20 +59,21 @@ class Opened:
         if self.closed:
             raise StopAsyncIteration
         if self.head:
-            event = self.head.pop(0)[0]
-        else:
-            rest = self.rest
-            assert rest is not None
-            # An event already taken needs no coroutine of the engine stream's (one per event, in pure Python).
-            ready = rest.next_nowait()
-            event = ready if ready is not None else await rest.__anext__()
+            event, _, content = self.head.pop(0)
+            self.lease.completion_tokens += content
+            return event
+        rest = self.rest
+        assert rest is not None
+        # An event already taken needs no coroutine of the engine stream's (one per event, in pure Python).
+        ready = rest.next_nowait()
+        event = ready if ready is not None else await rest.__anext__()
         self.lease.completion_tokens += has_content(event)
         return event
 
-    def take(self) -> list[tuple[dict[str, Any], bytes]]:
+    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
         """Every event that can be had without waiting (the events read ahead while opening, then
-        `UpstreamEvents.take`), with the engine's bytes of each; `ended` says when the stream is over. Counts
-        tokens like `__anext__`. Not to be mixed with iterating."""
+        `UpstreamEvents.take`), with the engine's bytes of each and whether it carries a token; `ended` says when
+        the stream is over. Counts tokens like `__anext__`. Not to be mixed with iterating."""
         if self.closed:
             return []
         out, self.head = self.head, []
@@ -81,8 +82,8 @@ class Opened:
         if not (out and rest.broken):  # a break after the events read ahead is raised at the next take
             out += rest.take()
         lease = self.lease
-        for event, _ in out:
-            lease.completion_tokens += has_content(event)
+        for _, _, content in out:
+            lease.completion_tokens += content
         return out
 
     async def follow(self, step: Callable[[], T | None]) -> T:
@@ -183,15 +184,17 @@ async def open_attempts(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-async def _first_events(events: UpstreamEvents, call: UpstreamCall, lease: Lease) -> list[tuple[dict[str, Any], bytes]]:
+async def _first_events(
+    events: UpstreamEvents, call: UpstreamCall, lease: Lease
+) -> list[tuple[dict[str, Any], bytes, bool]]:
     """Read the stream, a network read at a time, up to the read that brought its first event with choices
     (the events after it in that read come along); nothing has been sent to a client yet."""
-    head: list[tuple[dict[str, Any], bytes]] = []
+    head: list[tuple[dict[str, Any], bytes, bool]] = []
     try:
         while not events.ended:
             taken = events.take()
             head += taken
-            if any(event.get("choices") for event, _ in taken):
+            if any(event.get("choices") for event, _, _ in taken):
                 lease.first_token()
                 return head
             if not taken:

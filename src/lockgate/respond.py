@@ -45,9 +45,10 @@ class Followed(Protocol):
     """A generation `pump` can write from its producer's callbacks: an engine call (`attempt.Opened`) or a
     streaming flight's subscription (`dedup.flight.Subscription`)."""
 
-    def take(self) -> Sequence[tuple[dict[str, Any], bytes | None]]:
-        """The events here (each with the source's bytes of it, when it passes them through), without waiting;
-        raises what broke the generation once everything before the break was taken."""
+    def take(self) -> Sequence[tuple[dict[str, Any], bytes | None, bool]]:
+        """The events here (each with the source's bytes of it, when it passes them through, and whether it
+        carries a token), without waiting; raises what broke the generation once everything before the break
+        was taken."""
         ...
 
     @property
@@ -116,9 +117,10 @@ class SSEWriter:
         """Something was added since the last flush."""
         return bool(self._batch)
 
-    def add(self, event: dict[str, Any], raw: bytes | None = None) -> None:
+    def add(self, event: dict[str, Any], raw: bytes | None = None, content: bool | None = None) -> None:
         """Take one event of the generation. `raw`: the source's own bytes for it, when it knows them: an event
-        the client's view leaves unchanged is then written as those bytes (pass-through)."""
+        the client's view leaves unchanged is then written as those bytes (pass-through). `content`: whether it
+        carries a token, when the source knows (a client's view never changes the choices; None: see here)."""
         view, record = self.view, self._ex.record
         out = view.event(event)
         if view.usage is not None:
@@ -133,7 +135,7 @@ class SSEWriter:
         data = b"data: " + payload + b"\n\n" if payload and payload.find(b"\n") < 0 else sse.encode(out)
         self._batch.append(data)
         self._batch_bytes += len(data)
-        self._batch_tokens += has_content(out)
+        self._batch_tokens += has_content(out) if content is None else content
 
     def _start(self) -> None:
         """The status line goes out with the first event that has choices: until then, a failure can still be
@@ -274,8 +276,8 @@ def _step(writer: SSEWriter, source: Followed) -> int | None:
     until the transport pauses."""
     paused = False
     while True:
-        for event, raw in source.take():  # all of a batch are written, whatever the client's pace
-            writer.add(event, raw)
+        for event, raw, content in source.take():  # all of a batch are written, whatever the client's pace
+            writer.add(event, raw, content)
             if writer.full:
                 paused = writer.flush() or paused
         if source.ended:

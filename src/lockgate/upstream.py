@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from .assemble import has_content
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
 from .fleet.instance import Instance, upstream_headers
 from .fleet.pool import Fleet
@@ -235,7 +236,7 @@ class UpstreamEvents:
         #: An error met by `take()` after events it returned first: raised by the next step.
         self._error: UpstreamProtocolError | None = None
         #: The iterator's events taken and not given yet (`__anext__`), from `_given` on.
-        self._taken: list[tuple[dict[str, Any], bytes]] = []
+        self._taken: list[tuple[dict[str, Any], bytes, bool]] = []
         self._given = 0
 
     def __aiter__(self) -> UpstreamEvents:
@@ -256,9 +257,10 @@ class UpstreamEvents:
         """`take()` met an error after the events it returned: the next step raises it."""
         return self._error is not None
 
-    def take(self) -> list[tuple[dict[str, Any], bytes]]:
+    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
         """Every event that can be had without waiting — decoded from what the engine has sent so far — with the
-        engine's bytes of each, in order (one call for the events a network read brought). Once `[DONE]` is
+        engine's bytes of each and whether it carries a token (`has_content`: computed once, here, for every
+        count made of it), in order (one call for the events a network read brought). Once `[DONE]` is
         among them the call is released and `ended` is true. An error raises; one met after events returns
         those first (`broken` is then true) and raises at the next call, so that a caller writes them before it
         handles the error. Not to be mixed with iterating (whose events taken and not given yet it skips)."""
@@ -266,7 +268,7 @@ class UpstreamEvents:
         if error is not None:
             self._error = None
             raise error
-        out: list[tuple[dict[str, Any], bytes]] = []
+        out: list[tuple[dict[str, Any], bytes, bool]] = []
         call = self._call
         try:
             while not self._ended:
@@ -286,7 +288,7 @@ class UpstreamEvents:
                     except UpstreamProtocolError:
                         self._ended = True
                         raise
-                    out.append((event, payload))
+                    out.append((event, payload, has_content(event)))
                 if tail:
                     # The engine ended the body without `[DONE]`: an incomplete stream.
                     self._ended = True

@@ -165,13 +165,13 @@ class FakeEngine:
                 return result
             await asyncio.sleep(0)  # a loop iteration: the next "read" (subscribers run in between)
 
-    def take(self) -> list[tuple[dict[str, Any], bytes]]:
+    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
         if self.produced >= self.count:
             return []
         self.produced += 1
         raw = orjson.dumps(event(self.produced - 1))
         self.call.received += len(raw)
-        return [(event(self.produced - 1), raw)]
+        return [(event(self.produced - 1), raw, True)]
 
     @property
     def ended(self) -> bool:
@@ -291,7 +291,7 @@ async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_
     engine = FakeEngine(30)
     flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
     leader, other = flight.subscribe(), flight.subscribe()
-    taken: dict[str, list[tuple[dict[str, Any], bytes | None]]] = {"leader": [], "other": []}
+    taken: dict[str, list[tuple[dict[str, Any], bytes | None, bool]]] = {"leader": [], "other": []}
     lags: list[tuple[int, int, int]] = []
     original = engine.follow
 
@@ -319,10 +319,12 @@ async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_
         assert await asyncio.gather(*waits) == ["end", "end"]
     # After each step of the flight, both had already taken every event produced so far.
     assert lags and all(produced == a == b for produced, a, b in lags), lags
-    assert [e for e, _ in taken["leader"]] == [e for e, _ in taken["other"]] == [event(n) for n in range(30)]
-    # The leader gets the engine's bytes of each event (pass-through); the others rewrite their own id.
-    assert [raw for _, raw in taken["leader"]] == [orjson.dumps(event(n)) for n in range(30)]
-    assert {raw for _, raw in taken["other"]} == {None}
+    assert [e for e, _, _ in taken["leader"]] == [e for e, _, _ in taken["other"]] == [event(n) for n in range(30)]
+    # The leader gets the engine's bytes of each event (pass-through); the others rewrite their own id. Each
+    # gets the engine call's token flag of every event (counted once, when the engine's bytes were parsed).
+    assert [raw for _, raw, _ in taken["leader"]] == [orjson.dumps(event(n)) for n in range(30)]
+    assert {raw for _, raw, _ in taken["other"]} == {None}
+    assert {c for _, _, c in taken["leader"] + taken["other"]} == {True}
     assert flight._followers == []
 
 
@@ -346,8 +348,8 @@ async def test_a_late_joiner_takes_its_replay_in_bounded_batches(monkeypatch):
         assert late.backlog is (sum(len(b) for b in batches) < 1500)
         assert not late.ended or not late.backlog
     assert len(batches) >= 3
-    assert all(sum(64 + len(orjson.dumps(e)) for e, _ in b) <= TAKE_BYTES for b in batches)
-    assert [e for b in batches for e, _ in b] == [event(n) for n in range(1500)]
+    assert all(sum(64 + len(orjson.dumps(e)) for e, _, _ in b) <= TAKE_BYTES for b in batches)
+    assert [e for b in batches for e, _, _ in b] == [event(n) for n in range(1500)]
     assert late.ended and not late.broken
     assert first.take()[0][0] == event(0)  # the other subscriber's position is its own
 
@@ -361,7 +363,7 @@ async def test_a_failed_flight_hands_its_events_then_its_error(monkeypatch):
             super().__init__(1000)
             self.five = asyncio.Event()
 
-        def take(self) -> list[tuple[dict[str, Any], bytes]]:
+        def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
             taken = super().take()
             if self.produced >= 5:
                 self.five.set()
@@ -380,7 +382,7 @@ async def test_a_failed_flight_hands_its_events_then_its_error(monkeypatch):
     kept = flight.statistics()["events_total"]
     got: list[dict[str, Any]] = []
     while not subscription.broken:  # events are still there to take
-        got += [e for e, _ in subscription.take()]
+        got += [e for e, _, _ in subscription.take()]
     assert got == [event(n) for n in range(kept)] and kept >= 5
     assert not subscription.ended
     with pytest.raises(UpstreamError, match="went away"):

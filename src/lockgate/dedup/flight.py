@@ -133,8 +133,9 @@ class Flight:
         self.state = FlightState.RUNNING
         #: The events kept: the whole generation while `joinable`, afterwards what is still unread.
         self.events: list[dict[str, Any]] = []
-        #: Cumulative bytes at the end of each kept event (parallel to `events`).
+        #: Cumulative bytes at the end of each kept event, and whether it carries a token (parallel to `events`).
         self._ends: list[int] = []
+        self._contents: list[bool] = []
         #: Index (in the whole generation) and byte offset of `events[0]`.
         self._base = 0
         self._base_bytes = 0
@@ -275,11 +276,12 @@ class Flight:
         go on. Raises what broke the stream, after keeping the events before the break."""
         taken = opened.take()
         if taken:
-            raws, events, ends, nbytes = self._raws, self.events, self._ends, self._nbytes
-            for event, raw in taken:
+            raws, events, ends, contents, nbytes = self._raws, self.events, self._ends, self._contents, self._nbytes
+            for event, raw, content in taken:
                 nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
                 events.append(event)
                 ends.append(nbytes)
+                contents.append(content)
                 if raws is not None:
                     raws.append(raw)
             self._nbytes = nbytes
@@ -338,6 +340,7 @@ class Flight:
             self._base_bytes = self._ends[count - 1]
             del self.events[:count]
             del self._ends[:count]
+            del self._contents[:count]
             self._base = position
 
     async def _keep_within_bounds(self) -> None:
@@ -534,12 +537,12 @@ class Subscription:
             flight.raise_if_stopped()
             await flight.wait_changed()
 
-    def take(self) -> list[tuple[dict[str, Any], bytes | None]]:
+    def take(self) -> list[tuple[dict[str, Any], bytes | None, bool]]:
         """The events buffered past this subscriber's position, without waiting: at most about `TAKE_BYTES` of
         them (at least one; `backlog` says whether more are buffered), each with the engine's bytes of it for
-        the leader (`passes_through`), None for the others. `ended`: the generation is over and all of it was
-        taken; once the flight stopped otherwise and everything before was taken, raises why. Not to be mixed
-        with iterating."""
+        the leader (`passes_through`), None for the others, and whether it carries a token. `ended`: the
+        generation is over and all of it was taken; once the flight stopped otherwise and everything before was
+        taken, raises why. Not to be mixed with iterating."""
         if self._closed:
             raise Cancelled("The subscription was closed.")
         flight = self.flight
@@ -558,13 +561,14 @@ class Subscription:
         if count == 1:  # a live subscriber's usual case: the event the flight has just kept
             self.backlog = False
             self._position = position + 1
-            return [(events[index], raws.popleft() if raws else None)]
+            return [(events[index], raws.popleft() if raws else None, flight._contents[index])]
         stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
         self.backlog = stop < len(events)
         self._position = position + stop - index
+        contents = flight._contents[index:stop]
         if raws is not None:
-            return [(event, raws.popleft() if raws else None) for event in events[index:stop]]
-        return [(event, None) for event in events[index:stop]]
+            return [(e, raws.popleft() if raws else None, c) for e, c in zip(events[index:stop], contents, strict=True)]
+        return [(e, None, c) for e, c in zip(events[index:stop], contents, strict=True)]
 
     @property
     def ended(self) -> bool:
