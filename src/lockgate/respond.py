@@ -153,13 +153,14 @@ class SSEWriter:
         ex.record.http_status = 200
         ex.response = self.response = response
         try:
-            response.start(self._request)
+            response.start(self._request, hold_head=True)  # the head goes with the first batch, one send
         except ConnectionError as exc:
             raise ClientGone() from exc
         ex.phase = Phase.STREAMING
 
-    def flush(self) -> bool:
-        """Write the batch (one send); True when the client's transport is paused now."""
+    def flush(self, *, last: bool = False) -> bool:
+        """Write the batch (one send; `last`: the response ends with it); True when the client's transport is
+        paused now."""
         batch = self._batch
         if not batch:
             return False
@@ -170,7 +171,7 @@ class SSEWriter:
         self._batch_bytes = 0
         tokens, self._batch_tokens = self._batch_tokens, 0
         try:
-            paused = response.send(data)
+            paused = response.send(data, last=last)
         except ConnectionError as exc:
             raise ClientGone() from exc
         if paused:
@@ -211,13 +212,9 @@ class SSEWriter:
         if final is not None:
             self._batch.append(sse.encode(final))
         self._batch.append(sse.DONE_EVENT)
-        if self.flush() or self._unconfirmed:
+        if self.flush(last=True) or self._unconfirmed:  # the end of the response in the same send
             await self.drain()
         ex.answered = True
-        try:
-            response.end()
-        except ConnectionError as exc:
-            raise ClientGone() from exc
         return response
 
 

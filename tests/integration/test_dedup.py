@@ -319,16 +319,17 @@ async def test_events_already_here_go_out_in_one_write(start_sim, start_gateway,
     sim, gw = await gateway(start_sim, start_gateway)
     status, _, _ = await call(http, gw.url, BODY)  # fills the completed-result cache
     assert status == 200
-    writes: list[bytes] = []
+    writes: list[tuple[bytes, bool]] = []
     original = StreamResponse.send
 
-    def counting(self: StreamResponse, data: bytes) -> bool:
-        writes.append(bytes(data))
-        return original(self, data)
+    def counting(self: StreamResponse, data: bytes, *, last: bool = False) -> bool:
+        writes.append((bytes(data), last))
+        return original(self, data, last=last)
 
     monkeypatch.setattr(StreamResponse, "send", counting)
     status, headers, raw = await call(http, gw.url, {**BODY, "stream": True})
     assert status == 200 and headers["x-lockgate-cache"] == "hit"
     text, _ = stream_text(raw)
     assert text == await solo(sim, http, BODY)
-    assert len(writes) == 1 and writes[0].endswith(b"data: [DONE]\n\n")
+    # One send, which also ends the response (the head went with it: `start(hold_head=True)`).
+    assert len(writes) == 1 and writes[0][0].endswith(b"data: [DONE]\n\n") and writes[0][1]

@@ -964,3 +964,67 @@ def test_any_split_of_the_input_gives_the_same_answers(picks: list[int], cuts: l
     stream = b"".join(_PIECES[i] for i in picks) + junk
     whole = asyncio.run(_feed(stream, []))
     assert asyncio.run(_feed(stream, cuts)) == whole
+
+
+class WritesTransport(FakeTransport):
+    """Keeps each write apart: what goes out in one send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        super().write(data)
+        self.writes.append(bytes(data))
+
+
+@pytest.mark.parametrize("hold", [True, False])
+async def test_a_held_head_goes_out_with_the_first_chunk_and_the_end_with_the_last(hold: bool) -> None:
+    """`start(hold_head=True)`: the status line and headers go in the first chunk's write, and `send(last=True)`
+    ends the response in its own write: a two-chunk stream is two sends, not four."""
+
+    async def handler(request: Request) -> StreamResponse:
+        response = StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.start(request, hold_head=hold)
+        assert response.prepared  # committed: status and headers are fixed
+        response.send(b"data: a\n\n")
+        response.send(b"data: b\n\n", last=True)
+        assert response.ended
+        return response
+
+    server = HttpServer(handler, max_body_bytes=1024)
+    conn = Connection(server, asyncio.get_running_loop())
+    transport = WritesTransport()
+    conn.connection_made(transport)
+    conn.data_received(http())
+    task = conn._task
+    assert task is not None
+    await task
+    conn.connection_lost(None)
+    chunks = [b"9\r\ndata: a\n\n\r\n", b"9\r\ndata: b\n\n\r\n0\r\n\r\n"]
+    writes = transport.writes
+    if hold:
+        assert len(writes) == 2 and writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(chunks[0])
+        assert writes[1] == chunks[1]
+    else:
+        assert len(writes) == 3 and writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(b"\r\n\r\n")
+        assert writes[1:] == chunks
+
+
+async def test_a_held_head_with_nothing_sent_goes_out_at_the_end() -> None:
+    async def handler(request: Request) -> StreamResponse:
+        response = StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.start(request, hold_head=True)
+        return response  # the server ends it
+
+    server = HttpServer(handler, max_body_bytes=1024)
+    conn = Connection(server, asyncio.get_running_loop())
+    transport = WritesTransport()
+    conn.connection_made(transport)
+    conn.data_received(http())
+    task = conn._task
+    assert task is not None
+    await task
+    conn.connection_lost(None)
+    assert len(transport.writes) == 1
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 ") and transport.writes[0].endswith(b"\r\n\r\n0\r\n\r\n")

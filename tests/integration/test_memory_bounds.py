@@ -293,9 +293,9 @@ async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim
     writes: list[int] = []
     original = StreamResponse.send
 
-    def counting(self: StreamResponse, data: bytes) -> bool:
+    def counting(self: StreamResponse, data: bytes, *, last: bool = False) -> bool:
         writes.append(len(data))
-        return original(self, data)
+        return original(self, data, last=last)
 
     monkeypatch.setattr(StreamResponse, "send", counting)
     async with http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:

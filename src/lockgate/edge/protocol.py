@@ -448,9 +448,11 @@ class Connection(asyncio.Protocol):
         return _KEEP_ALIVE if request.version == "1.0" else b""
 
     def begin_stream(self, stream: StreamResponse, head: bytes) -> None:
+        """`stream` answers the current request; `head` is written now (empty: the stream holds it)."""
         self._stream = stream
         self._started = True
-        self.transport.write(head)
+        if head:
+            self.transport.write(head)
 
     async def drain(self) -> None:
         """Wait until the transport accepts writes again; ConnectionResetError if the client goes."""

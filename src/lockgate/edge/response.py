@@ -118,7 +118,17 @@ def json_response(data: Any, *, status: int = 200, headers: Mapping[str, str] | 
 class StreamResponse:
     """A response written piece by piece (SSE). See the module docstring for the contract."""
 
-    __slots__ = ("_body_allowed", "_chunked", "_conn", "_eof", "backpressure_s", "headers", "prepared", "status")
+    __slots__ = (
+        "_body_allowed",
+        "_chunked",
+        "_conn",
+        "_eof",
+        "_held",
+        "backpressure_s",
+        "headers",
+        "prepared",
+        "status",
+    )
 
     def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
@@ -127,6 +137,8 @@ class StreamResponse:
         self.headers: Mapping[str, str] = headers if headers is not None else {}
         self.prepared = False
         self._eof = False
+        #: The status line and headers, while `start(hold_head=True)` keeps them for the first write.
+        self._held: bytes | None = None
         self._chunked = True
         self._body_allowed = True
         self._conn: Connection | None = None  # set by prepare()
@@ -140,8 +152,10 @@ class StreamResponse:
         """Send the status line and headers (`start`, for callers that await)."""
         self.start(request)
 
-    def start(self, request: Request) -> None:
-        """Send the status line and headers. A second call does nothing.
+    def start(self, request: Request, *, hold_head: bool = False) -> None:
+        """Send the status line and headers. A second call does nothing. `hold_head`: the response is committed
+        now (status and headers fixed) but its head goes out with the first chunk, or with `end()`, in the same
+        write (one send fewer; for a writer whose first chunk follows at once, before any await).
 
         Raises ConnectionResetError if the client has gone."""
         if self.prepared:
@@ -162,7 +176,11 @@ class StreamResponse:
             head += b"Transfer-Encoding: chunked\r\n"
         self._body_allowed = not no_body and request.method != "HEAD"
         self._conn = conn
-        conn.begin_stream(self, head + conn.connection_header(request) + b"\r\n")
+        head += conn.connection_header(request) + b"\r\n"
+        if hold_head:
+            self._held = head
+            head = b""
+        conn.begin_stream(self, head)
         self.prepared = True
 
     async def write(self, data: bytes) -> None:
@@ -170,18 +188,28 @@ class StreamResponse:
         if self.send(data):
             await self.drained()
 
-    def send(self, data: bytes) -> bool:
+    def send(self, data: bytes, *, last: bool = False) -> bool:
         """Send one chunk (nothing for empty data) without waiting; returns True when the transport is paused
-        now (the client has not taken what was sent: `drained()` before sending more). Raises
-        ConnectionResetError once the client is gone."""
+        now (the client has not taken what was sent: `drained()` before sending more). `last`: the response
+        ends with it (`end()` in the same write). Raises ConnectionResetError once the client is gone."""
         conn = self._conn
         if conn is None or self._eof:
             raise RuntimeError("send() before prepare() or after write_eof()")
         if conn.lost:
             raise ConnectionResetError("The client has gone.")
-        if not data or not self._body_allowed:
-            return False
-        conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        out = b""
+        if data and self._body_allowed:
+            out = b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
+        if last:
+            self._eof = True
+            if self._chunked and self._body_allowed:
+                out += b"0\r\n\r\n"
+        held = self._held
+        if held is not None:
+            self._held = None
+            out = held + out
+        if out:
+            conn.transport.write(out)
         return conn.write_paused
 
     async def drained(self) -> None:
@@ -209,8 +237,8 @@ class StreamResponse:
             raise ConnectionResetError("The client has gone.")
         if conn.write_paused:
             return False
-        if data and self._body_allowed:
-            conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        if (data and self._body_allowed) or self._held is not None:
+            self.send(data)
         return True
 
     async def write_eof(self) -> None:
@@ -227,8 +255,13 @@ class StreamResponse:
         if conn.lost:
             raise ConnectionResetError("The client has gone.")
         self._eof = True
-        if self._chunked and self._body_allowed:
-            conn.transport.write(b"0\r\n\r\n")
+        tail = b"0\r\n\r\n" if self._chunked and self._body_allowed else b""
+        held = self._held
+        if held is not None:
+            self._held = None
+            tail = held + tail
+        if tail:
+            conn.transport.write(tail)
 
     def __repr__(self) -> str:
         state = "ended" if self._eof else "prepared" if self.prepared else "new"
