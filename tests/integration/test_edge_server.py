@@ -978,6 +978,20 @@ class WritesTransport(FakeTransport):
         self.writes.append(bytes(data))
 
 
+async def answered_once(handler: Handler) -> WritesTransport:
+    """One GET answered by `handler` on a connection of its own: the transport, with each write apart."""
+    server = HttpServer(handler, max_body_bytes=1024)
+    conn = Connection(server, asyncio.get_running_loop())
+    transport = WritesTransport()
+    conn.connection_made(transport)
+    conn.data_received(http())
+    task = conn._task
+    assert task is not None
+    await task
+    conn.connection_lost(None)
+    return transport
+
+
 @pytest.mark.parametrize("hold", [True, False])
 async def test_a_held_head_goes_out_with_the_first_chunk_and_the_end_with_the_last(hold: bool) -> None:
     """`start(hold_head=True)`: the status line and headers go in the first chunk's write, and `send(last=True)`
@@ -992,15 +1006,7 @@ async def test_a_held_head_goes_out_with_the_first_chunk_and_the_end_with_the_la
         assert response.ended
         return response
 
-    server = HttpServer(handler, max_body_bytes=1024)
-    conn = Connection(server, asyncio.get_running_loop())
-    transport = WritesTransport()
-    conn.connection_made(transport)
-    conn.data_received(http())
-    task = conn._task
-    assert task is not None
-    await task
-    conn.connection_lost(None)
+    transport = await answered_once(handler)
     chunks = [b"9\r\ndata: a\n\n\r\n", b"9\r\ndata: b\n\n\r\n0\r\n\r\n"]
     writes = transport.writes
     if hold:
@@ -1017,14 +1023,6 @@ async def test_a_held_head_with_nothing_sent_goes_out_at_the_end() -> None:
         response.start(request, hold_head=True)
         return response  # the server ends it
 
-    server = HttpServer(handler, max_body_bytes=1024)
-    conn = Connection(server, asyncio.get_running_loop())
-    transport = WritesTransport()
-    conn.connection_made(transport)
-    conn.data_received(http())
-    task = conn._task
-    assert task is not None
-    await task
-    conn.connection_lost(None)
+    transport = await answered_once(handler)
     assert len(transport.writes) == 1
     assert transport.writes[0].startswith(b"HTTP/1.1 200 ") and transport.writes[0].endswith(b"\r\n\r\n0\r\n\r\n")

@@ -247,21 +247,8 @@ class StreamResponse:
 
     def end(self) -> None:
         """End the response (the terminating chunk). A second call does nothing."""
-        if self._eof:
-            return
-        conn = self._conn
-        if conn is None:
-            raise RuntimeError("write_eof() before prepare()")
-        if conn.lost:
-            raise ConnectionResetError("The client has gone.")
-        self._eof = True
-        tail = b"0\r\n\r\n" if self._chunked and self._body_allowed else b""
-        held = self._held
-        if held is not None:
-            self._held = None
-            tail = held + tail
-        if tail:
-            conn.transport.write(tail)
+        if not self._eof:
+            self.send(b"", last=True)
 
     def __repr__(self) -> str:
         state = "ended" if self._eof else "prepared" if self.prepared else "new"
