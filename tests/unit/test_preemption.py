@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -272,3 +273,31 @@ async def test_a_shrink_under_running_strict_work_sheds_the_excess_at_once(p0_ru
     else:
         assert [v.stopped for v in victims] == [0] * 8
         assert scheduler.core.running_total == 8
+
+
+def test_a_resumed_request_is_not_charged_its_class_share_again() -> None:
+    """A stopped request re-granted from the head of its queue continues work its class was already charged
+    for: the weighted shares of completed requests stay as configured however often P0 stops P2 (each P2
+    stopped once here; charging it twice gave P2 about half its share)."""
+    classes = tuple(dataclasses.replace(spec, max_queue=100) for spec in CLASSES)
+    core = SchedulerCore(classes, capacity=1)  # P1:P2 weights 0.3:0.1, a 3:1 share of completions
+    for _ in range(60):
+        offer(core, 1)
+        offer(core, 2)
+    stopped: set[Ticket] = set()
+    done: list[int] = []
+    now = 0.0
+    while len(done) < 40:
+        now += 1.0
+        [running] = [t for k in (1, 2) for t in core.running_newest_first(k)]
+        if running.klass == 2 and running not in stopped:
+            stopped.add(running)
+            p0 = offer(core, 0)  # queued: the pool is full; P0 stops the P2
+            assert choose_victim(core, 0, LOWEST, willing) is running
+            assert core.requeue(running, now) == [p0] and p0.running
+            core.release(p0, now)  # P0 done: the stopped P2 (head of its queue) or a P1 goes next
+            continue
+        core.release(running, now)
+        done.append(running.klass)
+    # Stride scheduling keeps each class within one grant of its exact share (10 of 40); charged twice: 5.
+    assert abs(done.count(2) - 10) <= 1 and done.count(1) + done.count(2) == 40, done

@@ -30,7 +30,9 @@ Order of service:
 Preemption: `running_newest_first(klass)` lists a class's running tickets, most recently granted
 first; a preemption policy (`preemption.choose_victim`) picks one, its owner stops the work, and
 `requeue()` gives the slot back (granting the waiting strict ticket) and puts the ticket at the head of
-its class's queue, so that the stopped request resumes before later arrivals of its class.
+its class's queue, so that the stopped request resumes before later arrivals of its class. Its class's
+share is not charged again when it resumes (it was when first granted): however often strict work stops
+one class, the weighted shares of the shared classes' requests stay as configured.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class TicketState(StrEnum):
 class Ticket:
     """One request's place in a pool's schedule. Identity object; state owned by the core."""
 
-    __slots__ = ("granted_at", "klass", "offered_at", "seq", "state", "tag")
+    __slots__ = ("granted_at", "klass", "offered_at", "resumed", "seq", "state", "tag")
 
     def __init__(self, klass: int, tag: Any = None) -> None:
         self.klass = klass
@@ -77,6 +79,8 @@ class Ticket:
         self.seq = 0
         self.offered_at = 0.0
         self.granted_at: float | None = None
+        #: Re-queued by a preemption: its next grant continues work its class was charged for already.
+        self.resumed = False
 
     @property
     def running(self) -> bool:
@@ -260,6 +264,7 @@ class SchedulerCore:
         ticket.state = TicketState.QUEUED
         ticket.offered_at = now
         ticket.granted_at = None
+        ticket.resumed = True
         queue.appendleft(ticket)
         return self._dispatch(now)
 
@@ -386,7 +391,10 @@ class SchedulerCore:
     def _grant(self, k: int, ticket: Ticket, now: float) -> None:
         if not self.classes[k].strict:
             self._vtime = self._pass[k]
-            self._pass[k] += 1.0 / self.classes[k].weight
+            if ticket.resumed:
+                ticket.resumed = False  # charged when first granted: the class's share counts requests, once
+            else:
+                self._pass[k] += 1.0 / self.classes[k].weight
         ticket.state = TicketState.RUNNING
         ticket.granted_at = now
         self._running[k][ticket.seq] = ticket
