@@ -7,8 +7,8 @@ cached results): both hand over the generation's events and the response headers
 Theory of operation: `SSEWriter` is the synchronous core — one client's view of the events, the status
 line on the first event with choices, batching, delivered-token accounting, the closing usage chunk and
 `[DONE]` — and two shells drive it:
-- `stream_events` iterates any async source of events (a flight's subscription, a resumable generation,
-  a cached result), one task step per event it waits for;
+- `stream_events` iterates any async source of events (a resumable generation, a cached result), one task
+  step per event it waits for;
 - `pump` follows a source from its producer's callbacks: the direct path's engine call (`Opened.follow`:
   each network read's events are written in the engine connection's data callback, as they arrive) and a
   streaming flight's subscription (`Subscription.follow`: each event the flight keeps is written in the
@@ -230,8 +230,8 @@ async def stream_events(
     """Relay a generation as SSE (see `SSEWriter`).
 
     Events that are already here (`ready()`: the source's next step will not wait — another event,
-    or its end) are written together, one write (one send) for all of them: an engine or flight that
-    is ahead of this client costs one syscall per batch, not per token. A batch stops at `MAX_BATCH_BYTES`,
+    or its end) are written together, one write (one send) for all of them: a source that is ahead of
+    this client costs one syscall per batch, not per token. A batch stops at `MAX_BATCH_BYTES`,
     and a write that leaves the transport paused waits for it to drain, so a slow client holds its source
     back (backpressure) and what waits for it is at most the transport's high-water mark plus one batch."""
     writer = SSEWriter(ex, http_request, headers, response_id)
