@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
-from .assemble import has_content
 from .errors import GatewayError, UpstreamError, UpstreamProtocolError
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .routing.policies import RouteRequest
@@ -60,14 +59,13 @@ class Opened:
             raise StopAsyncIteration
         if self.head:
             event, _, content = self.head.pop(0)
-            self.lease.completion_tokens += content
-            return event
-        rest = self.rest
-        assert rest is not None
-        # An event already taken needs no coroutine of the engine stream's (one per event, in pure Python).
-        ready = rest.next_nowait()
-        event = ready if ready is not None else await rest.__anext__()
-        self.lease.completion_tokens += has_content(event)
+        else:
+            rest = self.rest
+            assert rest is not None
+            # An event already taken needs no coroutine of the engine stream's (one per event, in pure Python).
+            ready = rest.next_nowait()
+            event, _, content = ready if ready is not None else await rest.__anext__()
+        self.lease.completion_tokens += content
         return event
 
     def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:

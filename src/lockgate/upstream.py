@@ -302,20 +302,21 @@ class UpstreamEvents:
             self._error = exc
         return out
 
-    def next_nowait(self) -> dict[str, Any] | None:
-        """The iterator's next event if it was taken already (a plain call: a reader that tries this first
-        creates no coroutine for it), else None: `__anext__` then takes more, or ends."""
+    def next_nowait(self) -> tuple[dict[str, Any], bytes, bool] | None:
+        """The iterator's next event, as `take()` gives it, if it was taken already (a plain call: a reader that
+        tries this first creates no coroutine for it), else None: `__anext__` then takes more, or ends."""
         taken, given = self._taken, self._given
         if given >= len(taken):
             return None
         self._given = given + 1
-        return taken[given][0]
+        return taken[given]
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> tuple[dict[str, Any], bytes, bool]:
+        """The next event with the engine's bytes of it and whether it carries a token (as `take()` gives them)."""
         while True:
-            event = self.next_nowait()
-            if event is not None:
-                return event
+            item = self.next_nowait()
+            if item is not None:
+                return item
             if self.ended:
                 raise StopAsyncIteration
             self._taken, self._given = self.take(), 0

@@ -237,8 +237,7 @@ class StreamResponse:
             raise ConnectionResetError("The client has gone.")
         if conn.write_paused:
             return False
-        if (data and self._body_allowed) or self._held is not None:
-            self.send(data)
+        self.send(data)
         return True
 
     async def write_eof(self) -> None:

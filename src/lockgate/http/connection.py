@@ -133,15 +133,11 @@ class Response:
         return self
 
     async def __anext__(self) -> bytes:
-        while not self._body:
-            if self._complete:
-                self.release()
-                raise StopAsyncIteration
-            if self._error is not None:
-                raise self._error
+        while (piece := self.next_nowait()) is None:
             await self._wait()
-        parts = self._take()
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if not piece:  # the end of the body
+            raise StopAsyncIteration
+        return piece
 
     def next_nowait(self) -> bytes | None:
         """The body received and not consumed yet, without waiting: None when nothing new has arrived (the
