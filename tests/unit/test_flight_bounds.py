@@ -305,15 +305,23 @@ async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_
 
     engine.follow = checked  # type: ignore[method-assign]
 
+    following = {"leader": asyncio.Event(), "other": asyncio.Event()}
+
     def follower(name: str, subscription: Any) -> Callable[[], str | None]:
         def step() -> str | None:
+            # `follow` steps at once, then registers its listener in the same synchronous run: once this is set
+            # and the test's task runs again, the subscriber is following.
+            following[name].set()
             taken[name] += subscription.take()
             return "end" if subscription.ended else None
 
         return step
 
     waits = [asyncio.ensure_future(s.follow(follower(n, s))) for n, s in (("leader", leader), ("other", other))]
-    await asyncio.sleep(0)  # both wait in `follow` before the first event
+    async with asyncio.timeout(5):
+        for started in following.values():
+            await started.wait()  # both follow before the first event
+    assert len(flight._followers) == 2
     await flight.run()
     async with asyncio.timeout(5):
         assert await asyncio.gather(*waits) == ["end", "end"]
