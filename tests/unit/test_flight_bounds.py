@@ -247,6 +247,8 @@ async def test_a_flight_waits_for_its_slowest_subscriber_and_keeps_within_its_bo
     assert flight.state is FlightState.COMPLETED
     assert owner.ended == [("completed", None)]  # part of the history is gone: no result to cache
     assert flight.statistics()["buffered_bytes"] <= 8 * 1024 + 1024
+    # What is kept beside each event (its byte end, its token flag) is dropped with it.
+    assert len(flight._ends) == len(flight._contents) == len(flight.events) < 60
 
 
 async def test_a_detached_flight_keeps_no_more_than_its_history(monkeypatch):
