@@ -104,6 +104,34 @@ async def test_registration_regrants_a_lost_lease(etcd: EtcdServer) -> None:
         assert kvs == []  # revoked on close
 
 
+async def test_registration_writes_an_unchanged_value_once(etcd: EtcdServer) -> None:
+    """Rewriting every `republish_s` is for values that change (a sidecar's state): an unchanged one
+    stays under the kept-alive lease, with no raft entry and no watch event per period."""
+    key = unique("same") + "me"
+    value = [b"one"]
+    async with Etcd([etcd.url]) as client:
+        reg = Registration(client, key, lambda: value[0], ttl_s=1, republish_s=0.01)
+        task = asyncio.create_task(reg.run())
+        try:
+            # Two lease refreshes (a third of the TTL apart) span dozens of republish periods.
+            await eventually(lambda: reg.refreshes >= 2, what="two lease refreshes")
+            assert reg.writes == 1
+            revision, kvs = await client.get_prefix(key)
+            assert [kv.value for kv in kvs] == [b"one"]
+            value[0] = b"two"
+            async for batch in client.watch_prefix(key, revision + 1):
+                if any(e.kind == "put" for e in batch):
+                    assert [e.value for e in batch] == [b"two"]
+                    break
+            # The watch may deliver the put before its answer reaches the registration.
+            await eventually(lambda: reg.writes >= 2, what="the registration to count its write")
+            assert reg.writes == 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await reg.aclose()
+
+
 async def test_a_watch_line_beyond_the_bound_ends_the_watch(etcd: EtcdServer) -> None:
     """The bound on one watch answer: past it the watch fails (the caller re-reads), nothing grows."""
     prefix = unique("bound")

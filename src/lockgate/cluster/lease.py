@@ -1,7 +1,10 @@
 """A key this process owns in etcd, written under a lease that it keeps alive.
 
 `Registration.run()` is one loop: grant a lease and write the key; then rewrite the key every
-`republish_s` (a sidecar's state, every 100 ms) and refresh the lease every third of its TTL. When etcd
+`republish_s` (a sidecar's state, every 100 ms) when its value changed, and refresh the lease every third
+of its TTL. An unchanged value is not written again: the lease keeps it, and every write is a raft
+entry in etcd and an event for every watcher of the cluster (a central replica's record, whose demand
+is empty without rate-limited tenants, was rewritten ten times a second for nothing). When etcd
 cannot be reached it retries every `retry_s`; when the lease is gone (etcd was away longer than the
 TTL) it grants a new one and writes the key again. Nothing else is needed to come back after an etcd
 restart or a network cut.
@@ -47,6 +50,10 @@ class Registration:
         self.connected = False
         self.confirmed_at: float | None = None
         self.writes = 0
+        #: Lease refreshes so far.
+        self.refreshes = 0
+        #: The value last written under the current lease (None: the key must be written).
+        self._written: bytes | None = None
         self.last_error: str | None = None
 
     async def run(self) -> None:
@@ -58,14 +65,19 @@ class Registration:
                 now = loop.time()
                 if self.lease is None:
                     self.lease, granted = await self.etcd.grant(self.ttl_s)
+                    self._written = None
                     next_refresh = now + granted / 3
                     next_write = now
-                if (self.republish_s is not None and now >= next_write) or self.writes == 0:
-                    await self.etcd.put(self.key, self._value(), lease=self.lease)
-                    self.writes += 1
+                if (self.republish_s is not None and now >= next_write) or self._written is None:
+                    value = self._value()
+                    if value != self._written:
+                        await self.etcd.put(self.key, value, lease=self.lease)
+                        self._written = value
+                        self.writes += 1
                     next_write = max(next_write + (self.republish_s or 0.0), now)
                 if now >= next_refresh:
                     await self.etcd.keepalive(self.lease)
+                    self.refreshes += 1
                     next_refresh = now + self.ttl_s / 3
                 self._confirmed()
                 wake = next_refresh if self.republish_s is None else min(next_refresh, next_write)
@@ -73,7 +85,6 @@ class Registration:
             except LeaseLost as exc:
                 log.info("etcd lease for %s lost (%s): granting a new one", self.key, exc)
                 self.lease = None
-                self.writes = 0
                 self.last_error = str(exc)
                 continue
             except StoreUnavailable as exc:
