@@ -89,6 +89,15 @@ async def test_a_short_run_through_two_replicas_and_sidecars(etcd_binary: None) 
     assert all(0 < r.hit_rate < 1 for r in results)
     first = next(text for text, _ in routing.verdicts(results))
     assert first.startswith("agent/small: predicted_ttft with 2 replicas")
+    # Each request's TTFT by hop, from the gateways' usage records and the simulators' own.
+    one, two = results
+    assert one.hop_names[0] == "client > gateway" and two.hop_names[1] == "central > sidecar"
+    for r in results:
+        assert len(r.hops) >= r.requests * 3 // 4  # all but those coalesced into another's flight
+        assert all(len(h) == len(r.hop_names) and h[r.hop_names.index("engine TTFT")] > 0 for h in r.hops)
+        # The segments add up to the client's TTFT (wall-clock stamps of other processes, to a few ms).
+        assert all(min(r.ttfts) - 0.005 <= sum(h) <= max(r.ttfts) + 0.005 for h in r.hops)
+    assert "TTFT by hop" in routing.report(results)
 
 
 def row(policy: str, hit: float, p99: float) -> routing.Row:

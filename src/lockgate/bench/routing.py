@@ -18,7 +18,9 @@ With `--replicas N` (N >= 2) each cell also runs on the cluster shape (`lockgate
 one sidecar per two simulators, N central gateways, the trace's requests alternating between the
 centrals; the same trace and fleet, so hit rate and TTFT compare with the single gateway's (the cluster
 adds a hop: central -> sidecar -> engine). In that mode every gateway, the single one it is compared
-with included, is a process of its own (`topology.py`): the simulators and the client stay here.
+with included, is a process of its own (`topology.py`): the simulators and the client stay here; and
+each request's TTFT is split hop by hop from the gateways' usage records and the simulators' own
+(`hops.py`), so a gap between the two shapes shows where it is.
 
 With several seeds each row shows the median over seeds of the hit rate and the TTFT percentiles.
 `verdicts` checks the issue's targets per row: the default (`predicted_ttft`) within 3 points of the best
@@ -49,6 +51,7 @@ from ..config import parse_config
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..server import GatewayServer
 from ..sim import SimConfig, SimServer
+from . import hops
 from .load import percentile
 from .progress import Progress
 from .topology import Children
@@ -104,6 +107,7 @@ def sim_configs(config: str, fleet: Fleet, trace: list[TraceRequest], duration_s
         block_size=bs,
         max_num_seqs=fleet.max_num_seqs,
         max_model_len=blocks * bs,
+        requests_seen_limit=len(trace) + 64,  # every request's record, for the TTFT by hop
     )
     sims = [dataclasses.replace(base, seed=n) for n in range(fleet.instances)]
     if config == "slow":
@@ -132,6 +136,10 @@ class RunResult:
     replicas: int = 1
     #: The second run of the default on the same seed (the bench's own noise).
     repeat: bool = False
+    #: Per request that chained through every gateway's records to the engine's, its TTFT by hop
+    #: (`hops.segments`, named by `hop_names`); only with the gateways as processes.
+    hops: list[tuple[float, ...]] = field(default_factory=list)
+    hop_names: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -172,6 +180,7 @@ async def run_cell(
             return {"name": MODEL, "routing": routing, "instances": instances}
 
         single = {**base, "models": [model(list(enumerate(sims)))]}
+        children: Children | None = None
         if replicas <= 1 and not processes:
             urls = [(await stack.enter_async_context(GatewayServer(parse_config(single, "bench"), port=0))).url]
         else:
@@ -183,11 +192,33 @@ async def run_cell(
                 urls = await _cluster(stack, children, directory, base, model, routing, list(enumerate(sims)), replicas)
         result = RunResult(family, config, policy, shape.seed, len(trace), cache_blocks=sims[0].config.num_kv_blocks)
         result.replicas = replicas
-        await _replay(urls, trace, shape, fleet, result)
+        client: dict[str, tuple[float, float]] = {}
+        await _replay(urls, trace, shape, fleet, result, client)
         queries = sum(s.stats.prefix_cache_query_tokens for s in sims)
         hits = sum(s.stats.prefix_cache_hit_tokens for s in sims)
         result.hit_rate = hits / queries if queries else 0.0
+        if children is not None:
+            _split_by_hop(result, children, sims, client)
         return result
+
+
+def _split_by_hop(
+    result: RunResult, children: Children, sims: list[SimServer], client: dict[str, tuple[float, float]]
+) -> None:
+    """`result.hops` from the gateways' usage records (they flush them as they stop: stopped here) and
+    the simulators' own."""
+    children.close()
+    layers = ("central", "sidecar") if result.replicas > 1 else ("gateway",)
+    records = [children.records("serve"), *([children.records("sidecar")] if result.replicas > 1 else [])]
+    wall = time.time() - time.monotonic()  # the simulators' stamps are this process's monotonic clock
+    engine = {
+        r.request_id: (r.started_at + wall, r.first_token_at + wall)
+        for s in sims
+        for r in s.stats.seen
+        if r.first_token_at is not None
+    }
+    result.hops = hops.segments(client, records, engine)
+    result.hop_names = hops.names(layers)
 
 
 async def _cluster(
@@ -217,11 +248,21 @@ async def _cluster(
     ]
 
 
-async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape, fleet: Fleet, result: RunResult) -> None:
+async def _replay(
+    urls: list[str],
+    trace: list[TraceRequest],
+    shape: Shape,
+    fleet: Fleet,
+    result: RunResult,
+    client: dict[str, tuple[float, float]],
+) -> None:
+    """Replay `trace` at its own arrival times; `client` gets each answered request's id (its
+    `x-request-id`) -> wall-clock (sent, first bytes)."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def one(request: TraceRequest, start: float, url: str) -> None:
+        async def one(request: TraceRequest, start: float, sent: float, url: str, rid: str) -> None:
+            """`start` (perf_counter) and `sent` (wall clock): when the trace sends it."""
             body = orjson.dumps(
                 {
                     "model": MODEL,
@@ -235,17 +276,21 @@ async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape, flee
             failed = False
             try:
                 async with session.post(
-                    url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                    url + "/v1/chat/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json", "x-request-id": rid},
                 ) as resp:
                     async for chunk in resp.content.iter_any():
                         if first is None:
                             first = time.perf_counter()
+                            client[rid] = (sent, time.time())
                         failed = failed or b'"error"' in chunk  # a stream that broke ends with an error event
                     failed = failed or resp.status != 200
             except aiohttp.ClientError:
                 failed = True
             if failed:
                 result.errors += 1
+                client.pop(rid, None)
                 return
             end = time.perf_counter()
             result.ttfts.append((first or end) - start)
@@ -259,7 +304,7 @@ async def _replay(urls: list[str], trace: list[TraceRequest], shape: Shape, flee
                 delay = began + request.at - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the trace's own arrival times
-                group.create_task(one(request, time.perf_counter(), urls[n % len(urls)]))
+                group.create_task(one(request, time.perf_counter(), time.time(), urls[n % len(urls)], f"bench-{n}"))
         result.seconds = time.perf_counter() - started
 
 
@@ -371,6 +416,14 @@ def report(results: list[RunResult]) -> str:
         " requests pooled (±p99: max - min of the per-seed p99s over their median); predicted_ttft#2: the default"
         " run again on the same seeds (the bench's own noise)"
     )
+    by_row: dict[tuple[str, str, str, int], list[RunResult]] = {}
+    for run in results:
+        if run.hop_names:
+            by_row.setdefault((run.family, run.config, run.label, run.replicas), []).append(run)
+    for (family, config, policy, replicas), runs in by_row.items():
+        label = f"{family}/{config} {policy}, {f'{replicas} replicas' if replicas > 1 else 'one gateway'}"
+        pooled = [h for run in runs for h in run.hops]
+        lines.append(hops.table(label, runs[0].hop_names, pooled, sum(run.requests for run in runs)))
     return "\n".join(lines)
 
 

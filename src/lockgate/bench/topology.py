@@ -6,8 +6,9 @@ in the bench process, the same for both shapes. In one process and one event loo
 sidecars would queue behind each other's work (and behind the simulators'), which says nothing about
 how the cluster behaves.
 
-Resource handling: `Children` is a context manager owning the processes, their configuration files and
-logs (in a directory of its own); every process is stopped on every way out (SIGTERM, then SIGKILL).
+Resource handling: `Children` is a context manager owning the processes, their configuration files,
+logs and usage stores (in a directory of its own); every process is stopped on every way out (SIGTERM,
+then SIGKILL). `records(command)` reads a command's usage stores once its processes stopped (`hops.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from .hops import Record, read_records
 from .overhead import free_port
 from .peer import stop
 
@@ -36,6 +38,8 @@ class Children:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+        #: Each child's command and usage store.
+        self._stores: list[tuple[str, Path]] = []
 
     def __enter__(self) -> Children:
         return self
@@ -51,12 +55,15 @@ class Children:
             stop(proc)
 
     def spawn(self, command: str, config: dict[str, Any]) -> tuple[subprocess.Popen[bytes], str, Path]:
-        """Start `lockgate <command>` with `config` (its `listen` replaced by a free port): the process, its
-        URL and its log."""
+        """Start `lockgate <command>` with `config` (its `listen` replaced by a free port, its usage records
+        kept in a store of its own): the process, its URL and its log."""
         port = free_port()
         n = len(self._procs)
         path = self.directory / f"{command}-{n}.yaml"
-        path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
+        store = self.directory / f"{command}-{n}.sqlite3"
+        listen = {"host": "127.0.0.1", "port": port}
+        path.write_text(yaml.safe_dump({**config, "listen": listen, "usage": {"path": str(store)}}))
+        self._stores.append((command, store))
         log = self.directory / f"{command}-{n}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
@@ -66,6 +73,10 @@ class Children:
             )
         self._procs.append((proc, log))
         return proc, f"http://127.0.0.1:{port}", log
+
+    def records(self, command: str) -> list[Record]:
+        """The usage records of every `command` child (call after `close`: a child flushes them as it stops)."""
+        return [r for name, store in self._stores if name == command for r in read_records(store)]
 
     async def start(
         self, command: str, config: dict[str, Any], *, ready_instances: tuple[str, int] | None = None
