@@ -111,11 +111,17 @@ async def test_registration_writes_an_unchanged_value_once(etcd: EtcdServer) -> 
     value = [b"one"]
     async with Etcd([etcd.url]) as client:
         reg = Registration(client, key, lambda: value[0], ttl_s=1, republish_s=0.01)
+        # Confirmed means etcd answered: a period that asks etcd nothing does not refresh `confirmed_at`
+        # (the state-age gauge would read fresh while etcd is away).
+        confirmations: list[float | None] = []
+        confirm = reg._confirmed
+        reg._confirmed = lambda: (confirm(), confirmations.append(reg.confirmed_at))[0]  # type: ignore[method-assign]
         task = asyncio.create_task(reg.run())
         try:
             # Two lease refreshes (a third of the TTL apart) span dozens of republish periods.
             await eventually(lambda: reg.refreshes >= 2, what="two lease refreshes")
             assert reg.writes == 1
+            assert len(confirmations) == 1 + reg.refreshes  # the grant and the one write, then each refresh
             revision, kvs = await client.get_prefix(key)
             assert [kv.value for kv in kvs] == [b"one"]
             value[0] = b"two"

@@ -63,9 +63,11 @@ class Registration:
         while True:
             try:
                 now = loop.time()
+                answered = False  # only an answer from etcd confirms (an unchanged value asks nothing)
                 if self.lease is None:
                     self.lease, granted = await self.etcd.grant(self.ttl_s)
                     self._written = None
+                    answered = True
                     next_refresh = now + granted / 3
                     next_write = now
                 if (self.republish_s is not None and now >= next_write) or self._written is None:
@@ -74,12 +76,15 @@ class Registration:
                         await self.etcd.put(self.key, value, lease=self.lease)
                         self._written = value
                         self.writes += 1
+                        answered = True
                     next_write = max(next_write + (self.republish_s or 0.0), now)
                 if now >= next_refresh:
                     await self.etcd.keepalive(self.lease)
                     self.refreshes += 1
+                    answered = True
                     next_refresh = now + self.ttl_s / 3
-                self._confirmed()
+                if answered:
+                    self._confirmed()
                 wake = next_refresh if self.republish_s is None else min(next_refresh, next_write)
                 delay = wake - loop.time()
             except LeaseLost as exc:
