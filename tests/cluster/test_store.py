@@ -115,7 +115,12 @@ async def test_registration_writes_an_unchanged_value_once(etcd: EtcdServer) -> 
         # (the state-age gauge would read fresh while etcd is away).
         confirmations: list[float | None] = []
         confirm = reg._confirmed
-        reg._confirmed = lambda: (confirm(), confirmations.append(reg.confirmed_at))[0]  # type: ignore[method-assign]
+
+        def counted() -> None:
+            confirm()
+            confirmations.append(reg.confirmed_at)
+
+        reg._confirmed = counted  # type: ignore[method-assign]
         task = asyncio.create_task(reg.run())
         try:
             # Two lease refreshes (a third of the TTL apart) span dozens of republish periods.
