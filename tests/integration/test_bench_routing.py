@@ -97,7 +97,11 @@ async def test_a_short_run_through_two_replicas_and_sidecars(etcd_binary: None) 
         assert all(len(h) == len(r.hop_names) and h[r.hop_names.index("engine TTFT")] > 0 for h in r.hops)
         # The segments add up to the client's TTFT (wall-clock stamps of other processes, to a few ms).
         assert all(min(r.ttfts) - 0.005 <= sum(h) <= max(r.ttfts) + 0.005 for h in r.hops)
-    assert "TTFT by hop" in routing.report(results)
+    # And the CPU each kind of process used meanwhile (/proc for the gateways, this process's own).
+    assert set(one.cpu_s) == {"serve", "bench"} and set(two.cpu_s) == {"serve", "sidecar", "bench"}
+    assert all(seconds >= 0 for r in results for seconds in r.cpu_s.values())
+    text = routing.report(results)
+    assert "TTFT by hop" in text and "CPU per request during the replay" in text
 
 
 def row(policy: str, hit: float, p99: float) -> routing.Row:

@@ -140,6 +140,10 @@ class RunResult:
     #: (`hops.segments`, named by `hop_names`); only with the gateways as processes.
     hops: list[tuple[float, ...]] = field(default_factory=list)
     hop_names: tuple[str, ...] = ()
+    #: CPU seconds used during the replay, by process kind: `serve` (one gateway, or every central),
+    #: `sidecar`, and `bench` (this process: the client and the simulators); only with the gateways as
+    #: processes.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -193,7 +197,14 @@ async def run_cell(
         result = RunResult(family, config, policy, shape.seed, len(trace), cache_blocks=sims[0].config.num_kv_blocks)
         result.replicas = replicas
         client: dict[str, tuple[float, float]] = {}
+        commands = ("serve", "sidecar")
+        cpu_before = {c: children.cpu(c) for c in commands} if children is not None else {}
+        own_before = time.process_time()
         await _replay(urls, trace, shape, fleet, result, client)
+        if children is not None:
+            after = {c: children.cpu(c) for c in commands}
+            result.cpu_s = {c: after[c] - cpu_before[c] for c in commands if after[c]}
+            result.cpu_s["bench"] = time.process_time() - own_before
         queries = sum(s.stats.prefix_cache_query_tokens for s in sims)
         hits = sum(s.stats.prefix_cache_hit_tokens for s in sims)
         result.hit_rate = hits / queries if queries else 0.0
@@ -423,7 +434,15 @@ def report(results: list[RunResult]) -> str:
     for (family, config, policy, replicas), runs in by_row.items():
         label = f"{family}/{config} {policy}, {f'{replicas} replicas' if replicas > 1 else 'one gateway'}"
         pooled = [h for run in runs for h in run.hops]
-        lines.append(hops.table(label, runs[0].hop_names, pooled, sum(run.requests for run in runs)))
+        requests = sum(run.requests for run in runs)
+        lines.append(hops.table(label, runs[0].hop_names, pooled, requests))
+        cpu = {kind: sum(run.cpu_s.get(kind, 0.0) for run in runs) for kind in ("serve", "sidecar", "bench")}
+        kinds = {"serve": "centrals" if replicas > 1 else "gateway", "sidecar": "sidecars", "bench": "client+sims"}
+        parts = [f"{kinds[kind]} {seconds / requests * 1000:.2f}" for kind, seconds in cpu.items() if seconds]
+        if parts and requests:
+            lines.append(
+                f"  CPU per request during the replay (ms, every process of a kind together): {', '.join(parts)}"
+            )
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ import aiohttp
 import yaml
 
 from .hops import Record, read_records
+from .load import cpu_seconds
 from .overhead import free_port
 from .peer import stop
 
@@ -37,7 +38,8 @@ class _ExitedEarly(RuntimeError):
 class Children:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+        #: Each child: its process and command.
+        self._procs: list[tuple[subprocess.Popen[bytes], str]] = []
         #: Each child's command and usage store.
         self._stores: list[tuple[str, Path]] = []
 
@@ -71,8 +73,12 @@ class Children:
                 stdout=subprocess.DEVNULL,
                 stderr=err,
             )
-        self._procs.append((proc, log))
+        self._procs.append((proc, command))
         return proc, f"http://127.0.0.1:{port}", log
+
+    def cpu(self, command: str) -> float:
+        """CPU seconds (user + system) the running `command` children have used so far."""
+        return sum(cpu_seconds(proc.pid) for proc, name in self._procs if name == command and proc.poll() is None)
 
     def records(self, command: str) -> list[Record]:
         """The usage records of every `command` child (call after `close`: a child flushes them as it stops)."""
