@@ -15,13 +15,12 @@ say is which hop a slow request spent its time in.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import records
 from .load import percentile
 
 
@@ -36,12 +35,13 @@ class Record:
 
 
 def read_records(path: Path) -> list[Record]:
-    """A gateway's usage records (its store, once the gateway stopped and flushed it)."""
+    """A gateway's usage records (its store, once the gateway stopped and flushed it; none if it never wrote)."""
     if not path.exists():
         return []
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        rows = db.execute("SELECT request_id, client_request_id, started_at, first_token_at FROM usage").fetchall()
-    return [Record(str(r[0]), r[1], float(r[2]), r[3]) for r in rows]
+    return [
+        Record(r["request_id"], r["client_request_id"], r["started_at"], r["first_token_at"])
+        for r in records.read_records(str(path))
+    ]
 
 
 def names(layers: Sequence[str]) -> tuple[str, ...]:
