@@ -209,6 +209,7 @@ async def run_cell(
         hits = sum(s.stats.prefix_cache_hit_tokens for s in sims)
         result.hit_rate = hits / queries if queries else 0.0
         if children is not None:
+            children.close()  # each gateway flushes its usage records as it stops
             _split_by_hop(result, children, sims, client)
         return result
 
@@ -216,9 +217,7 @@ async def run_cell(
 def _split_by_hop(
     result: RunResult, children: Children, sims: list[SimServer], client: dict[str, tuple[float, float]]
 ) -> None:
-    """`result.hops` from the gateways' usage records (they flush them as they stop: stopped here) and
-    the simulators' own."""
-    children.close()
+    """`result.hops` from the gateways' usage records (read once they stopped) and the simulators' own."""
     layers = ("central", "sidecar") if result.replicas > 1 else ("gateway",)
     records = [children.records("serve"), *([children.records("sidecar")] if result.replicas > 1 else [])]
     wall = time.time() - time.monotonic()  # the simulators' stamps are this process's monotonic clock
