@@ -45,6 +45,13 @@ class Opened:
     head: list[tuple[dict[str, Any], bytes, bool]]
     rest: UpstreamEvents | None
     closed: bool = False
+    #: After `take()`: the stream is over, nothing more to take (plain attributes, not properties: a reader
+    #: following the stream asks after every read).
+    ended: bool = False
+    #: After `take()`: the stream broke after the events it returned; the next `take()` raises why.
+    broken: bool = False
+    #: Events are here that `take()` did not return: never, it returns all of them (a read's worth).
+    backlog: bool = False
 
     def events(self) -> Opened:
         """The whole stream (the events read ahead, then the rest), counting tokens for the
@@ -70,18 +77,24 @@ class Opened:
 
     def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
         """Every event that can be had without waiting (the events read ahead while opening, then
-        `UpstreamEvents.take`), with the engine's bytes of each and whether it carries a token; `ended` says when
-        the stream is over. Counts tokens like `__anext__`. Not to be mixed with iterating."""
+        `UpstreamEvents.take`), with the engine's bytes of each and whether it carries a token; `ended` and
+        `broken` then say what follows. Counts tokens like `__anext__`. Not to be mixed with iterating."""
         if self.closed:
             return []
-        out, self.head = self.head, []
         rest = self.rest
         assert rest is not None
-        if not (out and rest.broken):  # a break after the events read ahead is raised at the next take
-            out += rest.take()
-        lease = self.lease
+        out = self.head
+        if out:
+            self.head = []
+            if not rest.broken:  # a break after the events read ahead is raised at the next take
+                out += rest.take()
+        else:
+            out = rest.take()
+        self.ended, self.broken = rest.ended, rest.broken
+        tokens = 0
         for _, _, content in out:
-            lease.completion_tokens += content
+            tokens += content
+        self.lease.completion_tokens += tokens
         return out
 
     async def follow(self, step: Callable[[], T | None]) -> T:
@@ -90,23 +103,9 @@ class Opened:
         assert self.rest is not None
         return await self.rest.response.follow(step)
 
-    @property
-    def ended(self) -> bool:
-        """The stream is over: nothing more to take."""
-        return self.closed or (not self.head and self.rest is not None and self.rest.ended)
-
-    @property
-    def broken(self) -> bool:
-        """The stream broke after the events `take()` returned last: the next `take()` raises why."""
-        return self.rest is not None and self.rest.broken
-
-    @property
-    def backlog(self) -> bool:
-        """Events are here that `take()` did not return: never, it returns all of them (a read's worth)."""
-        return False
-
     def close(self) -> None:
-        self.closed = True
+        self.closed = self.ended = True
+        self.broken = False
         if self.rest is not None:
             self.rest.close()
 

@@ -108,26 +108,23 @@ class SSEWriter:
         self._unconfirmed = 0
 
     @property
-    def full(self) -> bool:
-        """The batch has reached `MAX_BATCH_BYTES`: flush before adding more."""
-        return self._batch_bytes >= MAX_BATCH_BYTES
-
-    @property
     def pending(self) -> bool:
         """Something was added since the last flush."""
         return bool(self._batch)
 
-    def add(self, event: dict[str, Any], raw: bytes | None = None, content: bool | None = None) -> None:
-        """Take one event of the generation. `raw`: the source's own bytes for it, when it knows them: an event
-        the client's view leaves unchanged is then written as those bytes (pass-through). `content`: whether it
-        carries a token, when the source knows (a client's view never changes the choices; None: see here)."""
-        view, record = self.view, self._ex.record
+    def add(self, event: dict[str, Any], raw: bytes | None = None, content: bool | None = None) -> bool:
+        """Take one event of the generation; True when the batch is now `full` (flush before adding more).
+        `raw`: the source's own bytes for it, when it knows them: an event the client's view leaves unchanged is
+        then written as those bytes (pass-through). `content`: whether it carries a token, when the source knows
+        (a client's view never changes the choices; None: see here)."""
+        view = self.view
         out = view.event(event)
         if view.usage is not None:
+            record = self._ex.record
             record.prompt_tokens = _int(view.usage.get("prompt_tokens"))
             record.completion_tokens = max(self.delivered, _int(view.usage.get("completion_tokens")))
         if out is None:
-            return
+            return self._batch_bytes >= MAX_BATCH_BYTES
         if self.response is None:
             self._start()
         payload = raw if out is event else None
@@ -136,6 +133,7 @@ class SSEWriter:
         self._batch.append(data)
         self._batch_bytes += len(data)
         self._batch_tokens += has_content(out) if content is None else content
+        return self._batch_bytes >= MAX_BATCH_BYTES
 
     def _start(self) -> None:
         """The status line goes out with the first event that has choices: until then, a failure can still be
@@ -198,7 +196,8 @@ class SSEWriter:
         record = self._ex.record
         if record.completion_tokens < self.delivered:
             record.completion_tokens = self.delivered
-        self._ex.first_token()
+        if record.first_token_at is None:
+            self._ex.first_token()
 
     async def finish(self) -> Reply:
         """The end of the generation: what is batched, the closing usage chunk (if the client asked for
@@ -237,8 +236,8 @@ async def stream_events(
     writer = SSEWriter(ex, http_request, headers, response_id)
     try:
         async for event in events:
-            writer.add(event)
-            if writer.pending and (ready is None or writer.full or not ready()) and writer.flush():
+            full = writer.add(event)
+            if writer.pending and (ready is None or full or not ready()) and writer.flush():
                 await writer.drain()
     except GatewayError:
         # The source broke: the events before the break (batched, since the next was already here) are the
@@ -274,8 +273,7 @@ def _step(writer: SSEWriter, source: Followed) -> int | None:
     paused = False
     while True:
         for event, raw, content in source.take():  # all of a batch are written, whatever the client's pace
-            writer.add(event, raw, content)
-            if writer.full:
+            if writer.add(event, raw, content):
                 paused = writer.flush() or paused
         if source.ended:
             return _END

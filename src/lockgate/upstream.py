@@ -213,7 +213,7 @@ class UpstreamEvents:
     __slots__ = (
         "_call",
         "_decoder",
-        "_ended",
+        "_done",
         "_error",
         "_given",
         "_index",
@@ -221,6 +221,8 @@ class UpstreamEvents:
         "_response",
         "_tail",
         "_taken",
+        "broken",
+        "ended",
     )
 
     def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int) -> None:
@@ -232,9 +234,15 @@ class UpstreamEvents:
         self._index = 0
         #: The body has ended: `_payloads` is what the decoder held at its end (an incomplete stream).
         self._tail = False
-        self._ended = False
+        #: Nothing more is read (the end, an error, or `close()`).
+        self._done = False
         #: An error met by `take()` after events it returned first: raised by the next step.
         self._error: UpstreamProtocolError | None = None
+        #: The stream is over: no more events (and no error left to raise: see `broken`). Plain attributes, not
+        #: properties: a reader following the stream asks after every read.
+        self.ended = False
+        #: `take()` met an error after the events it returned: the next step raises it.
+        self.broken = False
         #: The iterator's events taken and not given yet (`__anext__`), from `_given` on.
         self._taken: list[tuple[dict[str, Any], bytes, bool]] = []
         self._given = 0
@@ -247,16 +255,6 @@ class UpstreamEvents:
         """The engine's response this reads (`Response.follow` tells when `take()` may have more)."""
         return self._response
 
-    @property
-    def ended(self) -> bool:
-        """The stream is over: no more events (and no error left to raise: see `broken`)."""
-        return self._ended and self._error is None
-
-    @property
-    def broken(self) -> bool:
-        """`take()` met an error after the events it returned: the next step raises it."""
-        return self._error is not None
-
     def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
         """Every event that can be had without waiting — decoded from what the engine has sent so far — with the
         engine's bytes of each and whether it carries a token (`has_content`: computed once, here, for every
@@ -267,39 +265,59 @@ class UpstreamEvents:
         error = self._error
         if error is not None:
             self._error = None
+            self.broken = False
+            self.ended = True
             raise error
         out: list[tuple[dict[str, Any], bytes, bool]] = []
+        if self._done:
+            return out
         call = self._call
         try:
-            while not self._ended:
+            # One pass per piece of body: its events, then the next piece. Everything received so far is decoded
+            # by one `next_nowait()`; another is needed only to see the body's end (`complete`).
+            more = True
+            while True:
                 payloads, index, tail = self._payloads, self._index, self._tail
                 while index < len(payloads):
                     payload = payloads[index]
                     index += 1
                     if payload == DONE and not tail:
                         self._index = index
-                        self._ended = True
+                        self._done = self.ended = True
                         call.release()
                         return out
-                    self._index = index
                     call.received += len(payload)
                     try:
-                        event = _parse_event(payload, call.instance.name)
-                    except UpstreamProtocolError:
-                        self._ended = True
-                        raise
+                        event = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        self._index, self._done = index, True
+                        raise UpstreamProtocolError(
+                            f"Instance {call.instance.name} sent an event that is not JSON."
+                        ) from None
+                    if not isinstance(event, dict):
+                        self._index, self._done = index, True
+                        raise UpstreamProtocolError(
+                            f"Instance {call.instance.name} sent an event that is not a JSON object."
+                        )
                     out.append((event, payload, has_content(event)))
+                self._index = index
                 if tail:
                     # The engine ended the body without `[DONE]`: an incomplete stream.
-                    self._ended = True
+                    self._done = True
                     call.broken("stream ended without [DONE]")
                     raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
-                if not self._read_nowait():
-                    break
+                if not more:
+                    return out
+                chunk = self._read()
+                if chunk is None:
+                    return out
+                more = not chunk or self._response.complete
         except UpstreamProtocolError as exc:
             if not out:
+                self.ended = True
                 raise
             self._error = exc
+            self.broken = True
         return out
 
     def next_nowait(self) -> tuple[dict[str, Any], bytes, bool] | None:
@@ -320,32 +338,32 @@ class UpstreamEvents:
             if self.ended:
                 raise StopAsyncIteration
             self._taken, self._given = self.take(), 0
-            if not self._taken and not self._ended:
+            if not self._taken and not self.ended:
                 await self._response.wait()
 
-    def _read_nowait(self) -> bool:
-        """Decode what the body has brought since the last read (or, at its end, what the decoder still
-        holds); False when nothing new has arrived."""
+    def _read(self) -> bytes | None:
+        """Decode what the body has brought since the last read (or, at its end, what the decoder still holds)
+        into `_payloads`; returns that piece of body (`b""` at the end), None when nothing new has arrived."""
         call = self._call
         try:
             chunk = self._response.next_nowait()
             if chunk is None:
-                return False
+                return None
             if chunk:
                 self._payloads = self._decoder.feed(chunk)
             else:
                 self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
                 self._tail = True
             self._index = 0
-            return True
+            return chunk
         except ProtocolError as exc:
-            self._ended = True
+            self._done = True
             call.broken(repr(exc))
             raise UpstreamProtocolError(
                 f"Instance {call.instance.name} broke the stream: {exc.__class__.__name__}"
             ) from None
         except EventTooLarge:
-            self._ended = True
+            self._done = True
             call.broken("event too large")
             raise UpstreamProtocolError(
                 f"Instance {call.instance.name} sent an SSE event larger than upstream.max_event_bytes "
@@ -355,7 +373,8 @@ class UpstreamEvents:
 
     def close(self) -> None:
         """End the iteration (synchronous, idempotent)."""
-        self._ended = True
+        self._done = self.ended = True
+        self.broken = False
         self._taken, self._given, self._error = [], 0, None
 
     async def aclose(self) -> None:
@@ -378,13 +397,3 @@ def too_large(instance: str, limit: int) -> UpstreamProtocolError:
         f"Instance {instance} sent an answer larger than upstream.max_response_bytes ({limit} bytes).",
         code="upstream_response_too_large",
     )
-
-
-def _parse_event(payload: bytes, instance: str) -> dict[str, Any]:
-    try:
-        event = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        raise UpstreamProtocolError(f"Instance {instance} sent an event that is not JSON.") from None
-    if not isinstance(event, dict):
-        raise UpstreamProtocolError(f"Instance {instance} sent an event that is not a JSON object.")
-    return event

@@ -500,14 +500,19 @@ class Flight:
 class Subscription:
     """One client's view of a flight: replay, then the live tail. `close()` is idempotent."""
 
-    __slots__ = ("_closed", "_position", "backlog", "flight")
+    __slots__ = ("_closed", "_position", "backlog", "broken", "ended", "flight")
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight
         self._position = 0
         self._closed = False
-        #: `take()` left events buffered (it returns at most `TAKE_BYTES` of them).
+        #: After `take()` (plain attributes, not properties: a follower asks after every step): more events are
+        #: buffered than it returned (it returns at most `TAKE_BYTES` of them); the generation is over and this
+        #: subscriber has taken all of it; the flight stopped without completing and this subscriber has taken
+        #: every event before that, so the next `take()` raises why.
         self.backlog = False
+        self.ended = False
+        self.broken = False
 
     @property
     def passes_through(self) -> bool:
@@ -539,10 +544,10 @@ class Subscription:
 
     def take(self) -> list[tuple[dict[str, Any], bytes | None, bool]]:
         """The events buffered past this subscriber's position, without waiting: at most about `TAKE_BYTES` of
-        them (at least one; `backlog` says whether more are buffered), each with the engine's bytes of it for
-        the leader (`passes_through`), None for the others, and whether it carries a token. `ended`: the
-        generation is over and all of it was taken; once the flight stopped otherwise and everything before was
-        taken, raises why. Not to be mixed with iterating."""
+        them (at least one), each with the engine's bytes of it for the leader (`passes_through`), None for the
+        others, and whether it carries a token; `backlog`, `ended` and `broken` then say what follows. Once the
+        flight stopped without completing and everything before was taken, raises why. Not to be mixed with
+        iterating."""
         if self._closed:
             raise Cancelled("The subscription was closed.")
         flight = self.flight
@@ -550,43 +555,38 @@ class Subscription:
         index = position - flight._base
         events = flight.events
         count = len(events) - index
+        state = flight.state
         if count <= 0:
             self.backlog = False
-            if flight.state is not FlightState.RUNNING and flight.state is not FlightState.COMPLETED:
-                flight.raise_if_stopped()
+            if state is not FlightState.RUNNING:
+                if state is not FlightState.COMPLETED:
+                    flight.raise_if_stopped()
+                self.ended = True
             return []
         if flight._reader_waiter is not None and position == flight._floor_position:
             flight._wake_reader()  # the slowest subscriber reads on
         raws = flight._raws if flight._raw_reader is self else None
         if count == 1:  # a live subscriber's usual case: the event the flight has just kept
-            self.backlog = False
-            self._position = position + 1
-            return [(events[index], raws.popleft() if raws else None, flight._contents[index])]
-        stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
-        self.backlog = stop < len(events)
+            stop = index + 1
+            out: list[tuple[dict[str, Any], bytes | None, bool]] = [
+                (events[index], raws.popleft() if raws else None, flight._contents[index])
+            ]
+        else:
+            stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
+            contents = flight._contents[index:stop]
+            if raws is not None:
+                out = [
+                    (e, raws.popleft() if raws else None, c) for e, c in zip(events[index:stop], contents, strict=True)
+                ]
+            else:
+                out = [(e, None, c) for e, c in zip(events[index:stop], contents, strict=True)]
         self._position = position + stop - index
-        contents = flight._contents[index:stop]
-        if raws is not None:
-            return [(e, raws.popleft() if raws else None, c) for e, c in zip(events[index:stop], contents, strict=True)]
-        return [(e, None, c) for e, c in zip(events[index:stop], contents, strict=True)]
-
-    @property
-    def ended(self) -> bool:
-        """The generation is over and this subscriber has taken all of it."""
-        flight = self.flight
-        return flight.state is FlightState.COMPLETED and self._position - flight._base >= len(flight.events)
-
-    @property
-    def broken(self) -> bool:
-        """The flight stopped without completing and this subscriber has taken every event before that: the
-        next `take()` raises why."""
-        flight = self.flight
-        state = flight.state
-        return (
-            state is not FlightState.RUNNING
-            and state is not FlightState.COMPLETED
-            and self._position - flight._base >= len(flight.events)
-        )
+        self.backlog = stop < len(events)
+        if state is not FlightState.RUNNING and not self.backlog:
+            # Everything is taken: the end, or (a flight stopped otherwise) the next take raises why.
+            self.ended = state is FlightState.COMPLETED
+            self.broken = not self.ended
+        return out
 
     async def follow(self, step: Callable[[], T | None]) -> T:
         """Call `step` (which takes what is here with `take()`) at once and then at each event of the flight and

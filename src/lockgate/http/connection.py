@@ -64,12 +64,13 @@ class Response:
     __slots__ = (
         "_body",
         "_buffered",
-        "_complete",
         "_conn",
+        "_done",
         "_error",
-        "_listener",
         "_loop",
+        "_step",
         "_waiter",
+        "complete",
         "headers",
         "status",
     )
@@ -84,10 +85,13 @@ class Response:
         self.headers = headers
         self._body: list[bytes] = []
         self._buffered = 0
-        self._complete = False
+        #: The whole body has been received (it may not have been consumed yet).
+        self.complete = False
         self._error: ProtocolError | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._listener: Callable[[], None] | None = None
+        #: While a reader follows the body (`follow`): its step, and the future its task awaits.
+        self._step: Callable[[], object] | None = None
+        self._done: asyncio.Future[object] | None = None
 
     @property
     def content_type(self) -> str:
@@ -99,11 +103,6 @@ class Response:
         """Body bytes received and not yet consumed (0: the next read waits, unless the body has ended)."""
         return self._buffered
 
-    @property
-    def complete(self) -> bool:
-        """The whole body has been received (it may not have been consumed yet)."""
-        return self._complete
-
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body (Content-Length, chunked or until close); releases the connection. A body larger
         than `max_bytes` raises `ResponseTooLarge` (once more than that has arrived: at most one read beyond
@@ -111,19 +110,17 @@ class Response:
         parts: list[bytes] = []
         size = 0
         while True:
-            if self._body:
-                if max_bytes is not None:
-                    size += self._buffered
-                    if size > max_bytes:
-                        self.close()
-                        raise ResponseTooLarge(f"the response body is larger than {max_bytes} bytes")
-                parts += self._take()
-            if self._complete:
-                self.release()
+            piece = self.next_nowait()
+            if piece is None:
+                await self._wait()
+                continue
+            if not piece:  # the end (the connection is released)
                 return parts[0] if len(parts) == 1 else b"".join(parts)
-            if self._error is not None:
-                raise self._error
-            await self._wait()
+            size += len(piece)
+            if max_bytes is not None and size > max_bytes:
+                self.close()
+                raise ResponseTooLarge(f"the response body is larger than {max_bytes} bytes")
+            parts.append(piece)
 
     def chunks(self) -> Response:
         """Iterate over the body in de-chunked pieces as they arrive (all that is buffered at each step)."""
@@ -143,10 +140,15 @@ class Response:
         """The body received and not consumed yet, without waiting: None when nothing new has arrived (the
         next piece would be waited for), `b""` at the end of the body (the connection is released then).
         Raises the response's error (a broken or closed response)."""
-        if self._body:
-            parts = self._take()
+        parts = self._body
+        if parts:
+            self._body = []
+            self._buffered = 0
+            conn = self._conn
+            if conn is not None and conn.reading_paused:
+                conn.resume_reading()
             return parts[0] if len(parts) == 1 else b"".join(parts)
-        if self._complete:
+        if self.complete:
             self.release()
             return b""
         if self._error is not None:
@@ -155,7 +157,7 @@ class Response:
 
     async def wait(self) -> None:
         """Wait until `next_nowait()` has something to say (a piece, the end, or an error)."""
-        if not self._body and not self._complete and self._error is None:
+        if not self._body and not self.complete and self._error is None:
             await self._wait()
 
     async def follow(self, step: Callable[[], T | None]) -> T:
@@ -168,12 +170,29 @@ class Response:
         if result is not None:
             return result
         done: asyncio.Future[T] = self._loop.create_future()
-        listener = self._listener = listener_of(step, done)
+        self._step, self._done = step, cast("asyncio.Future[object]", done)
         try:
             return await done
         finally:
-            if self._listener is listener:
-                self._listener = None
+            if self._done is done:
+                self._step = self._done = None
+
+    def _run_step(self) -> None:
+        """Call the follower's step (see `follow`) and end its wait with what it returns or raises."""
+        done = self._done
+        step = self._step
+        if done is None or step is None or done.done():
+            return
+        try:
+            result = step()
+        except Exception as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        # `step` may have ended the wait itself: what it wrote to a client that had gone closed that client's
+        # connection, and so cancelled the task awaiting `done` (and `done` with it).
+        if result is not None and not done.done():
+            done.set_result(result)
 
     def release(self) -> None:
         """Give the connection back: to the pool if the body was completely received, else closed."""
@@ -181,7 +200,7 @@ class Response:
         if conn is None:
             return
         self._conn = None
-        if self._complete and self._error is None:
+        if self.complete and self._error is None:
             conn.finish()
         else:
             conn.abort()
@@ -189,25 +208,16 @@ class Response:
     def close(self) -> None:
         """Abort now, whatever the state: the transport is aborted (uvloop closes the socket in this call,
         asyncio at its next loop iteration; unsent data is dropped), and later reads raise ProtocolError."""
-        self._listener = None
+        self._step = None
         self._body = []
         self._buffered = 0
-        self._complete = False
+        self.complete = False
         if self._error is None:
             self._error = ProtocolError("response closed")
         conn = self._conn
         self._conn = None
         if conn is not None:
             conn.abort()
-
-    def _take(self) -> list[bytes]:
-        parts = self._body
-        self._body = []
-        self._buffered = 0
-        conn = self._conn
-        if conn is not None and conn.reading_paused:
-            conn.resume_reading()
-        return parts
 
     async def _wait(self) -> None:
         waiter = self._waiter = self._loop.create_future()
@@ -222,11 +232,11 @@ class Response:
             waiter.set_result(None)
 
     def _tell(self) -> None:
-        """Wake a waiting reader, and call the listener (outside llhttp's callbacks: see `data_received`)."""
+        """Wake a waiting reader, and call the follower's step (outside llhttp's callbacks: see
+        `data_received`)."""
         self._wake()
-        listener = self._listener
-        if listener is not None:
-            listener()
+        if self._step is not None:
+            self._run_step()
 
 
 class Connection(asyncio.Protocol):
@@ -355,7 +365,7 @@ class Connection(asyncio.Protocol):
         if response is not None and self._until_close and exc is None:
             # A body without length or chunking ends when the server closes: that is its end, not an error.
             self._response = None
-            response._complete = True
+            response.complete = True
             response._tell()
         self._wake_drain()
         if self.closed:
@@ -392,8 +402,8 @@ class Connection(asyncio.Protocol):
             self._fail(ProtocolError(message), ProtocolError(message))
             self.abort()
             return
-        if response is not None and response._listener is not None:
-            response._listener()
+        if response is not None and response._step is not None:
+            response._run_step()  # the follower's step, once for the whole read
         if self._head is not None and self._head_bytes > MAX_HEAD_BYTES:
             # Still no complete head after this much: the status line and headers are too large.
             message = f"the response head is larger than {MAX_HEAD_BYTES} bytes"
@@ -439,7 +449,9 @@ class Connection(asyncio.Protocol):
             return
         response._body.append(body)
         response._buffered += len(body)
-        response._wake()
+        waiter = response._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if response._buffered > HIGH_WATER and not self.reading_paused and self.transport is not None:
             self.reading_paused = True
             self.transport.pause_reading()
@@ -454,7 +466,7 @@ class Connection(asyncio.Protocol):
     def _complete(self, response: Response, *, reusable: bool) -> None:
         self._response = None
         self._until_close = False
-        response._complete = True
+        response.complete = True
         response._wake()
         if not reusable:
             self.abort()
