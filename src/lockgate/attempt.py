@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -28,86 +28,21 @@ if TYPE_CHECKING:
     from .fleet.pool import Fleet, Pool
     from .metrics import GatewayMetrics
 
-T = TypeVar("T")
-
-
 @dataclass(slots=True)
 class Opened:
-    """An opened engine call. A stream is read through `events()`: the events read ahead while opening,
-    then the rest. A class rather than async generators, so that mypyc can compile it: the holder
-    closes it with `close()` (synchronous, idempotent; `aclose()` is the same for callers written for
-    async generators), which ends the iteration; the call itself belongs to the holder."""
+    """An opened engine call, its lease, and for a stream its events (`UpstreamEvents`: the events read ahead
+    while opening, then the rest), which a holder takes read by read (`take`/`follow`) or iterates. The holder
+    closes it with `close()` (synchronous, idempotent; `aclose()` is the same for callers written for async
+    generators), which ends the events; the call itself belongs to the holder."""
 
     call: UpstreamCall
     lease: Lease
-    #: Stream events already read (the network reads up to the first event with choices), each with the
-    #: engine's bytes of it and whether it carries a token, and the rest of the stream.
-    head: list[tuple[dict[str, Any], bytes, bool]]
-    rest: UpstreamEvents | None
-    closed: bool = False
-    #: After `take()`: the stream is over, nothing more to take (plain attributes, not properties: a reader
-    #: following the stream asks after every read).
-    ended: bool = False
-    #: After `take()`: the stream broke after the events it returned; the next `take()` raises why.
-    broken: bool = False
-    #: Events are here that `take()` did not return: never, it returns all of them (a read's worth).
-    backlog: bool = False
-
-    def events(self) -> Opened:
-        """The whole stream (the events read ahead, then the rest), counting tokens for the
-        instance's TPOT: this object, iterated once."""
-        return self
-
-    def __aiter__(self) -> Opened:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self.closed:
-            raise StopAsyncIteration
-        if self.head:
-            event, _, content = self.head.pop(0)
-        else:
-            rest = self.rest
-            assert rest is not None
-            # An event already taken needs no coroutine of the engine stream's (one per event, in pure Python).
-            ready = rest.next_nowait()
-            event, _, content = ready if ready is not None else await rest.__anext__()
-        self.lease.completion_tokens += content
-        return event
-
-    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
-        """Every event that can be had without waiting (the events read ahead while opening, then
-        `UpstreamEvents.take`), with the engine's bytes of each and whether it carries a token; `ended` and
-        `broken` then say what follows. Counts tokens like `__anext__`. Not to be mixed with iterating."""
-        if self.closed:
-            return []
-        rest = self.rest
-        assert rest is not None
-        out = self.head
-        if out:
-            self.head = []
-            if not rest.broken:  # a break after the events read ahead is raised at the next take
-                out += rest.take()
-        else:
-            out = rest.take()
-        self.ended, self.broken = rest.ended, rest.broken
-        tokens = 0
-        for _, _, content in out:
-            tokens += content
-        self.lease.completion_tokens += tokens
-        return out
-
-    async def follow(self, step: Callable[[], T | None]) -> T:
-        """Call `step` (which takes what is here with `take()`) at once and then from the engine connection's
-        callback at each read, until it returns something (`Response.follow`)."""
-        assert self.rest is not None
-        return await self.rest.response.follow(step)
+    #: The stream's events (None: the engine answers with one JSON body).
+    events: UpstreamEvents | None
 
     def close(self) -> None:
-        self.closed = self.ended = True
-        self.broken = False
-        if self.rest is not None:
-            self.rest.close()
+        if self.events is not None:
+            self.events.close()
 
     async def aclose(self) -> None:
         self.close()
@@ -165,10 +100,10 @@ async def open_attempts(
                 if served is not None:
                     lease.move(served)
             if not call.stream:
-                return Opened(call, lease, [], None)
-            rest = call.events()
-            head = await _first_events(rest, call, lease)
-            return Opened(call, lease, head, rest)
+                return Opened(call, lease, None)
+            events = call.events(lease)
+            await events.read_first()
+            return Opened(call, lease, events)
         except UpstreamError as exc:
             drop()
             # Nothing reached a client yet: a stream that broke before its first event may go elsewhere.
@@ -179,24 +114,3 @@ async def open_attempts(
             tried.add(instance.key)
             metrics.retries.labels(api.model).inc()
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def _first_events(
-    events: UpstreamEvents, call: UpstreamCall, lease: Lease
-) -> list[tuple[dict[str, Any], bytes, bool]]:
-    """Read the stream, a network read at a time, up to the read that brought its first event with choices
-    (the events after it in that read come along); nothing has been sent to a client yet."""
-    head: list[tuple[dict[str, Any], bytes, bool]] = []
-    try:
-        while not events.ended:
-            taken = events.take()
-            head += taken
-            if any(event.get("choices") for event, _, _ in taken):
-                lease.first_token()
-                return head
-            if not taken:
-                await events.response.wait()
-    except BaseException:
-        events.close()  # no `await` in a handler (see `relay.py`)
-        raise
-    raise UpstreamProtocolError(f"Instance {call.instance.name} sent an empty stream.")

@@ -72,7 +72,8 @@ def _headers(ex: Exchange) -> dict[str, str]:
 
 
 async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
-    if opened.rest is None:
+    events = opened.events
+    if events is None:
         body = await opened.call.read_json()
         usage = body.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
@@ -83,7 +84,7 @@ async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
         # `upstream.max_response_bytes` (counted in event payload bytes).
         call = opened.call
         held: list[dict[str, Any]] = []
-        async for event in opened.events():
+        async for event in events:
             held.append(event)
             if call.received > limit:
                 call.abort()
@@ -93,4 +94,5 @@ async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:
-    return await pump(ex, http_request, opened, _headers(ex))
+    assert opened.events is not None  # a streaming client's engine call is a stream
+    return await pump(ex, http_request, opened.events, _headers(ex))

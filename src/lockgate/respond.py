@@ -9,7 +9,7 @@ line on the first event with choices, batching, delivered-token accounting, the 
 `[DONE]` — and two shells drive it:
 - `stream_events` iterates any async source of events (a resumable generation, a cached result), one task
   step per event it waits for;
-- `pump` follows a source from its producer's callbacks: the direct path's engine call (`Opened.follow`:
+- `pump` follows a source from its producer's callbacks: the direct path's engine call (`UpstreamEvents.follow`:
   each network read's events are written in the engine connection's data callback, as they arrive) and a
   streaming flight's subscription (`Subscription.follow`: each event the flight keeps is written in the
   callback that brought it to the flight, for every subscriber caught up with it). No task wakes up per
@@ -42,7 +42,7 @@ _PAUSED, _END = 1, 2
 
 
 class Followed(Protocol):
-    """A generation `pump` can write from its producer's callbacks: an engine call (`attempt.Opened`) or a
+    """A generation `pump` can write from its producer's callbacks: an engine call's events (`UpstreamEvents`) or a
     streaming flight's subscription (`dedup.flight.Subscription`)."""
 
     def take(self) -> Sequence[tuple[dict[str, Any], bytes | None, bool]]:

@@ -17,18 +17,20 @@ holds: a body over `upstream.max_response_bytes`, an SSE event over `upstream.ma
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import orjson
 
 from .assemble import has_content
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
-from .fleet.instance import Instance, upstream_headers
+from .fleet.instance import Instance, Lease, upstream_headers
 from .fleet.pool import Fleet
 from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
 from .metrics import GatewayMetrics
 from .sse import DONE, EventTooLarge, SSEDecoder
+
+T = TypeVar("T")
 
 #: The response header naming the engine that served a request (a sidecar's answer names one of its own).
 SERVED_BY_HEADER = "x-lockgate-instance"
@@ -154,9 +156,10 @@ class UpstreamCall:
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
         return payload
 
-    def events(self) -> UpstreamEvents:
-        """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body."""
-        return UpstreamEvents(self, self._require(), self._fleet.upstream.max_event_bytes)
+    def events(self, lease: Lease) -> UpstreamEvents:
+        """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body; their tokens
+        count on `lease` (the instance's TPOT)."""
+        return UpstreamEvents(self, self._require(), self._fleet.upstream.max_event_bytes, lease)
 
     def _require(self) -> Response:
         if self._response is None:
@@ -201,8 +204,10 @@ class UpstreamCall:
 class UpstreamEvents:
     """The parsed `data:` payloads of a call's stream, until `[DONE]` or the end of the body: taken a network
     read's worth at a time without waiting (`take()`, what a reader following the connection calls from its
-    callback), or one at a time as an async iterator (a class rather than an async generator, so that mypyc
-    can compile it).
+    callback: `follow`), or one at a time as an async iterator (a class rather than an async generator, so
+    that mypyc can compile it). `read_first()` reads ahead to the first event with choices while the call is
+    being opened (nothing has reached a client: a failure may still be retried elsewhere); those events come
+    first. The tokens of every event read count on the call's lease (the instance's TPOT).
 
     Error handling: a broken stream, an event over `upstream.max_event_bytes` or a body that ends without
     `[DONE]` aborts the call (reported as the engine's failure unless the gateway closed it) and raises
@@ -216,18 +221,22 @@ class UpstreamEvents:
         "_done",
         "_error",
         "_given",
+        "_head",
         "_index",
+        "_lease",
         "_payloads",
         "_response",
         "_tail",
         "_taken",
+        "backlog",
         "broken",
         "ended",
     )
 
-    def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int) -> None:
+    def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int, lease: Lease) -> None:
         self._call = call
         self._response = response
+        self._lease = lease
         self._decoder = SSEDecoder(max_event_bytes)
         #: The payloads decoded from the last chunk, and the next one to parse.
         self._payloads: list[bytes] = []
@@ -238,11 +247,14 @@ class UpstreamEvents:
         self._done = False
         #: An error met by `take()` after events it returned first: raised by the next step.
         self._error: UpstreamProtocolError | None = None
-        #: The stream is over: no more events (and no error left to raise: see `broken`). Plain attributes, not
-        #: properties: a reader following the stream asks after every read.
+        #: The events `read_first()` read ahead, given first.
+        self._head: list[tuple[dict[str, Any], bytes, bool]] = []
+        #: After `take()` (plain attributes, not properties: a reader following the stream asks after every
+        #: read): the stream is over, nothing more to take; it broke after the events `take()` returned, and the
+        #: next `take()` raises why; events are here that `take()` did not return (never: it returns them all).
         self.ended = False
-        #: `take()` met an error after the events it returned: the next step raises it.
         self.broken = False
+        self.backlog = False
         #: The iterator's events taken and not given yet (`__anext__`), from `_given` on.
         self._taken: list[tuple[dict[str, Any], bytes, bool]] = []
         self._given = 0
@@ -255,23 +267,53 @@ class UpstreamEvents:
         """The engine's response this reads (`Response.follow` tells when `take()` may have more)."""
         return self._response
 
+    async def read_first(self) -> None:
+        """Read the stream, a network read at a time, up to the read that brought its first event with choices
+        (the events after it in that read come along): they are the first `take()` returns. Raises what broke
+        the stream before, and `UpstreamProtocolError` for a stream without any event with choices."""
+        head: list[tuple[dict[str, Any], bytes, bool]] = []
+        try:
+            while not self.ended:
+                taken = self.take()
+                head += taken
+                if any(event.get("choices") for event, _, _ in taken):
+                    self._lease.first_token()
+                    self._head = head
+                    self.ended = False  # not before the events read ahead are taken
+                    return
+                if not taken:
+                    await self._response.wait()
+        except BaseException:
+            self.close()  # no `await` in a handler (see `relay.py`)
+            raise
+        raise UpstreamProtocolError(f"Instance {self._call.instance.name} sent an empty stream.")
+
     def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
-        """Every event that can be had without waiting — decoded from what the engine has sent so far — with the
-        engine's bytes of each and whether it carries a token (`has_content`: computed once, here, for every
-        count made of it), in order (one call for the events a network read brought). Once `[DONE]` is
-        among them the call is released and `ended` is true. An error raises; one met after events returns
-        those first (`broken` is then true) and raises at the next call, so that a caller writes them before it
-        handles the error. Not to be mixed with iterating (whose events taken and not given yet it skips)."""
-        error = self._error
-        if error is not None:
-            self._error = None
-            self.broken = False
-            self.ended = True
-            raise error
-        out: list[tuple[dict[str, Any], bytes, bool]] = []
-        if self._done:
-            return out
+        """Every event that can be had without waiting — the events read ahead, then those decoded from what the
+        engine has sent so far — with the engine's bytes of each and whether it carries a token (`has_content`:
+        computed once, here, for every count made of it), in order (one call for the events a network read
+        brought). Once `[DONE]` is among them the call is released and `ended` is true. An error raises; one
+        met after events returns those first (`broken` is then true) and raises at the next call, so that a
+        caller writes them before it handles the error. Not to be mixed with iterating (whose events taken and
+        not given yet it skips)."""
+        out = self._head
+        if out:
+            self._head = []
+            if self._done:  # the events read ahead are all there is (for now: an error is raised next)
+                self.ended, self.broken = self._error is None, self._error is not None
+                return out
+        else:
+            out = []  # (not the empty `_head` itself)
+            error = self._error
+            if error is not None:
+                self._error = None
+                self.broken = False
+                self.ended = True
+                raise error
+            if self._done:
+                return out
         call = self._call
+        tokens = 0
         try:
             # One pass per piece of body: its events, then the next piece. Everything received so far is decoded
             # by one `next_nowait()`; another is needed only to see the body's end (`complete`).
@@ -299,7 +341,9 @@ class UpstreamEvents:
                         raise UpstreamProtocolError(
                             f"Instance {call.instance.name} sent an event that is not a JSON object."
                         )
-                    out.append((event, payload, has_content(event)))
+                    content = has_content(event)
+                    tokens += content
+                    out.append((event, payload, content))
                 self._index = index
                 if tail:
                     # The engine ended the body without `[DONE]`: an incomplete stream.
@@ -308,74 +352,66 @@ class UpstreamEvents:
                     raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
                 if not more:
                     return out
-                chunk = self._read()
-                if chunk is None:
-                    return out
-                more = not chunk or self._response.complete
+                # What the body has brought since the last read, or at its end what the decoder still holds.
+                try:
+                    chunk = self._response.next_nowait()
+                    if chunk is None:
+                        return out
+                    if chunk:
+                        self._payloads = self._decoder.feed(chunk)
+                        more = self._response.complete
+                    else:
+                        self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
+                        self._tail = True
+                    self._index = 0
+                except ProtocolError as exc:
+                    self._done = True
+                    call.broken(repr(exc))
+                    raise UpstreamProtocolError(
+                        f"Instance {call.instance.name} broke the stream: {exc.__class__.__name__}"
+                    ) from None
+                except EventTooLarge:
+                    self._done = True
+                    call.broken("event too large")
+                    raise UpstreamProtocolError(
+                        f"Instance {call.instance.name} sent an SSE event larger than upstream.max_event_bytes "
+                        f"({self._decoder.max_event_bytes} bytes).",
+                        code="upstream_response_too_large",
+                    ) from None
         except UpstreamProtocolError as exc:
             if not out:
                 self.ended = True
                 raise
             self._error = exc
             self.broken = True
-        return out
+            return out
+        finally:
+            if tokens:
+                self._lease.completion_tokens += tokens
 
-    def next_nowait(self) -> tuple[dict[str, Any], bytes, bool] | None:
-        """The iterator's next event, as `take()` gives it, if it was taken already (a plain call: a reader that
-        tries this first creates no coroutine for it), else None: `__anext__` then takes more, or ends."""
-        taken, given = self._taken, self._given
-        if given >= len(taken):
-            return None
-        self._given = given + 1
-        return taken[given]
+    def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:
+        """Call `step` (which takes what is here with `take()`) at once and then from the engine connection's
+        callback at each read, until it returns something (`Response.follow`)."""
+        return self._response.follow(step)
 
-    async def __anext__(self) -> tuple[dict[str, Any], bytes, bool]:
-        """The next event with the engine's bytes of it and whether it carries a token (as `take()` gives them)."""
+    async def __anext__(self) -> dict[str, Any]:
+        """The next event (taken a read's worth at a time)."""
         while True:
-            item = self.next_nowait()
-            if item is not None:
-                return item
+            taken, given = self._taken, self._given
+            if given < len(taken):
+                self._given = given + 1
+                return taken[given][0]
             if self.ended:
                 raise StopAsyncIteration
             self._taken, self._given = self.take(), 0
             if not self._taken and not self.ended:
                 await self._response.wait()
 
-    def _read(self) -> bytes | None:
-        """Decode what the body has brought since the last read (or, at its end, what the decoder still holds)
-        into `_payloads`; returns that piece of body (`b""` at the end), None when nothing new has arrived."""
-        call = self._call
-        try:
-            chunk = self._response.next_nowait()
-            if chunk is None:
-                return None
-            if chunk:
-                self._payloads = self._decoder.feed(chunk)
-            else:
-                self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
-                self._tail = True
-            self._index = 0
-            return chunk
-        except ProtocolError as exc:
-            self._done = True
-            call.broken(repr(exc))
-            raise UpstreamProtocolError(
-                f"Instance {call.instance.name} broke the stream: {exc.__class__.__name__}"
-            ) from None
-        except EventTooLarge:
-            self._done = True
-            call.broken("event too large")
-            raise UpstreamProtocolError(
-                f"Instance {call.instance.name} sent an SSE event larger than upstream.max_event_bytes "
-                f"({self._decoder.max_event_bytes} bytes).",
-                code="upstream_response_too_large",
-            ) from None
-
     def close(self) -> None:
         """End the iteration (synchronous, idempotent)."""
         self._done = self.ended = True
         self.broken = False
-        self._taken, self._given, self._error = [], 0, None
+        self._taken, self._given, self._error, self._head = [], 0, None, []
 
     async def aclose(self) -> None:
         """`close()`, for callers written for async generators."""

@@ -157,6 +157,7 @@ class FakeEngine:
         self.produced = 0
         self.call = SimpleNamespace(received=0)
         self.broken = False
+        self.events = self  # the opened call and its stream in one
 
     async def follow(self, step: Callable[[], Any]) -> Any:
         while True:

@@ -30,7 +30,7 @@ from ..attempt import Opened, open_attempts
 from ..edge.server import Reply, Request
 from ..exchange import Exchange, Phase
 from ..respond import stream_events, whole_body
-from ..upstream import too_large
+from ..upstream import UpstreamEvents, too_large
 from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
@@ -130,13 +130,14 @@ class Resumable:
             self.transcript.start_attempt()
             self._active = True
             opened: Opened | None = None
-            upstream: Opened | None = None
+            upstream: UpstreamEvents | None = None
             received_before = self.received
             try:
                 opened = await self._engine(self._open(api, upstream_id))
                 ex.record.instance = opened.call.served_by
                 self.headers.setdefault("x-lockgate-instance", opened.call.served_by)
-                upstream = opened.events()
+                upstream = opened.events
+                assert upstream is not None  # a resumable generation is read as a stream
                 while True:
                     if self._preempted:
                         raise _Preempted

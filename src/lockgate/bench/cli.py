@@ -184,6 +184,7 @@ def _inprocess(args: argparse.Namespace) -> int:
                 routing=args.routing,
                 paced=args.paced,
                 deterministic=args.deterministic,
+                tokens=args.tokens,
             )
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
@@ -346,6 +347,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target", choices=["both", "gateway", "direct"], default="both", help="what to measure (one for callgrind)"
     )
     inproc.add_argument("--stream", action="store_true", help="streamed answers (19 events a request)")
+    inproc.add_argument(
+        "--tokens",
+        type=int,
+        default=16,
+        help="token chunks of a streamed answer (two sizes give the exact cost of a chunk under callgrind)",
+    )
     inproc.add_argument(
         "--paced",
         action="store_true",

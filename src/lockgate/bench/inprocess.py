@@ -69,18 +69,18 @@ def _chunk(payload: dict[str, object]) -> bytes:
     return b"%x\r\n%s\r\n" % (len(event), event)
 
 
-def _stream_pieces() -> list[bytes]:
-    """The streamed completion: the head with the role event, then 16 tokens, finish, usage and `[DONE]` (19
-    events), one chunk each."""
+def _stream_pieces(tokens: int = 16) -> list[bytes]:
+    """The streamed completion: the head with the role event, then `tokens` tokens, finish, usage and `[DONE]`
+    (19 events for 16 tokens), one chunk each."""
     head = {"id": "cmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "bench-model"}
 
     def choice(delta: dict[str, str], finish: str | None = None) -> bytes:
         return _chunk({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     events = [choice({"role": "assistant", "content": ""})]
-    events += [choice({"content": "hello "}) for _ in range(16)]
+    events += [choice({"content": "hello "}) for _ in range(tokens)]
     events.append(choice({}, "length"))
-    usage = {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28}
+    usage = {"prompt_tokens": 12, "completion_tokens": tokens, "total_tokens": 12 + tokens}
     events.append(_chunk({**head, "choices": [], "usage": usage}))
     done = b"data: [DONE]\n\n"
     events.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
@@ -88,17 +88,15 @@ def _stream_pieces() -> list[bytes]:
     return [head_bytes + events[0], *events[1:]]
 
 
-_STREAM_PIECES = _stream_pieces()
-_STREAM_ANSWER = b"".join(_STREAM_PIECES)
-
-
 class _Engine(asyncio.Protocol):
     """Answers every request (health probes included) with the same completion, streamed when asked: at once
     (one write), or `paced`, one event per loop iteration (each reaches the gateway in a read of its own, as a
     real engine's tokens do)."""
 
-    def __init__(self, paced: bool = False) -> None:
+    def __init__(self, paced: bool = False, tokens: int = 16) -> None:
         self._paced = paced
+        self._pieces = _stream_pieces(tokens)
+        self._whole = b"".join(self._pieces)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -121,13 +119,13 @@ class _Engine(asyncio.Protocol):
         elif self._paced:
             self._write_piece(0)
         else:
-            self._transport.write(_STREAM_ANSWER)
+            self._transport.write(self._whole)
 
     def _write_piece(self, n: int) -> None:
         if self._transport.is_closing():
             return
-        self._transport.write(_STREAM_PIECES[n])
-        if n + 1 < len(_STREAM_PIECES):
+        self._transport.write(self._pieces[n])
+        if n + 1 < len(self._pieces):
             self._loop.call_soon(self._write_piece, n + 1)
 
 
@@ -233,14 +231,16 @@ async def run(
     routing: str = "least_load",
     paced: bool = False,
     deterministic: bool = False,
+    tokens: int = 16,
 ) -> InProcessResult:
     """`target`: "gateway", "direct" (the client and the canned engine alone) or "both". `stream`: streamed
-    answers (19 events from the engine), `paced`: written one loop iteration apart; `instances`: the canned
-    engine listed that many times (under different names), so that `routing` chooses among them on every
-    request; `deterministic`: temperature 0 and unique prompts (every request leads a de-duplication flight)."""
+    answers (`tokens` token events from the engine, 19 events in all for 16), `paced`: written one loop iteration
+    apart; `instances`: the canned engine listed that many times (under different names), so that `routing`
+    chooses among them on every request; `deterministic`: temperature 0 and unique prompts (every request leads
+    a de-duplication flight)."""
     progress = progress or Progress.silent()
     loop = asyncio.get_running_loop()
-    engine = await loop.create_server(lambda: _Engine(paced), "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
+    engine = await loop.create_server(lambda: _Engine(paced, tokens), "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
     engine_port = engine.sockets[0].getsockname()[1]
     try:
         with tempfile.TemporaryDirectory(prefix="lockgate-inprocess-") as tmp:

@@ -61,7 +61,7 @@ from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
 from ..routing.policies import RouteRequest
-from ..upstream import UpstreamCall, too_large
+from ..upstream import UpstreamCall, UpstreamEvents, too_large
 from .cache import Result
 from .fingerprint import Fingerprint
 
@@ -250,10 +250,12 @@ class Flight:
                 self._nbytes = 64 + opened.call.received
                 self._complete()
                 return
-            # The engine is read from its connection's callback, read by read (`Opened.follow`): the task wakes
-            # only when a bound needs it to wait for the slowest subscriber, and at the end.
-            step = functools.partial(self._step, opened)  # called per read: no Python frame of its own
-            while not await opened.follow(step):
+            # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
+            # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
+            events = opened.events
+            assert events is not None  # a streaming flight's engine call is a stream
+            step = functools.partial(self._step, events)  # called per read: no Python frame of its own
+            while not await events.follow(step):
                 await self._keep_within_bounds()
             self._complete()
         except GatewayError as exc:
@@ -270,11 +272,11 @@ class Flight:
                 await opened.aclose()
             self._release()
 
-    def _step(self, opened: Opened) -> bool | None:
+    def _step(self, stream: UpstreamEvents) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
         of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
         go on. Raises what broke the stream, after keeping the events before the break."""
-        taken = opened.take()
+        taken = stream.take()
         if taken:
             raws, events, ends, contents, nbytes = self._raws, self.events, self._ends, self._contents, self._nbytes
             for event, raw, content in taken:
@@ -286,10 +288,10 @@ class Flight:
                     raws.append(raw)
             self._nbytes = nbytes
             self._notify()
-        if opened.ended:
+        if stream.ended:
             return True
-        if opened.broken:
-            opened.take()  # raises why, now that the events before the break are kept
+        if stream.broken:
+            stream.take()  # raises why, now that the events before the break are kept
         if self._nbytes - self._floor_bytes > self.max_lag_bytes or (
             self.joinable and self._nbytes > self.max_history_bytes
         ):
@@ -300,7 +302,8 @@ class Flight:
         """A JSON flight's completion: the engine's body, or (an engine read as a stream whatever was asked)
         its events assembled; either within `upstream.max_response_bytes`."""
         call = opened.call
-        if opened.rest is None:
+        events = opened.events
+        if events is None:
             body = await call.read_json()
             usage = body.get("usage")
             tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
@@ -309,7 +312,6 @@ class Flight:
             return body
         limit = self._fleet.upstream.max_response_bytes
         held: list[dict[str, Any]] = []
-        events = opened.events()
         try:
             async for event in events:
                 held.append(event)
