@@ -56,7 +56,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..assemble import assemble
+from ..assemble import assemble, usage_of
 from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
@@ -423,7 +423,7 @@ class Flight:
                 instance=self.served_by,
                 body=body,
             )
-        usage = next((e["usage"] for e in reversed(self.events) if isinstance(e.get("usage"), dict)), None)
+        usage = usage_of(self.events)
         prompt = completion = 0
         if usage is not None:
             prompt = _int(usage.get("prompt_tokens"))
