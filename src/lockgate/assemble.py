@@ -22,15 +22,19 @@ def new_response_id(endpoint: Endpoint) -> str:
 class ClientView:
     """One streaming client's view of a generation's events."""
 
-    __slots__ = ("_include_usage", "_last", "_model", "_response_id", "usage")
+    __slots__ = ("_include_usage", "_last", "_response_id", "model", "plain", "usage")
 
     def __init__(self, *, model: str, include_usage: bool, response_id: str | None = None) -> None:
-        self._model = model
+        self.model = model
         self._include_usage = include_usage
         self._response_id = response_id
         self._last: dict[str, Any] | None = None
         #: The generation's usage, once an event carried it.
         self.usage: dict[str, Any] | None = None
+        #: A plain chunk (choices, this client's model name, no `usage` key) reaches this client unchanged and
+        #: leaves the view as it was: no response id is imposed and the client did not ask for usage (a writer
+        #: may then pass it through without asking `event()`).
+        self.plain = response_id is None and not include_usage
 
     def event(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """The event as this client sees it; None when it gets nothing for it (usage-only chunks). The event
@@ -44,13 +48,13 @@ class ClientView:
             return None
         if (
             self._response_id is None
-            and event.get("model") == self._model
+            and event.get("model") == self.model
             and ("usage" in event and usage is None if self._include_usage else "usage" not in event)
         ):
             # Nothing to change: the event itself (the caller may then send the engine's bytes as they are).
             self._last = event
             return event
-        out = {**event, "model": self._model}  # a copy: flights share their events between clients
+        out = {**event, "model": self.model}  # a copy: flights share their events between clients
         if self._response_id is not None:
             out["id"] = self._response_id
         if self._include_usage:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .fleet.pool import Fleet, Pool
     from .metrics import GatewayMetrics
 
+
 @dataclass(slots=True)
 class Opened:
     """An opened engine call, its lease, and for a stream its events (`UpstreamEvents`: the events read ahead

@@ -118,6 +118,23 @@ class SSEWriter:
         then written as those bytes (pass-through). `content`: whether it carries a token, when the source knows
         (a client's view never changes the choices; None: see here)."""
         view = self.view
+        if (
+            raw is not None
+            and view.plain
+            and "usage" not in event
+            and event.get("model") == view.model
+            and event.get("choices")
+            and raw.find(b"\n") < 0
+        ):
+            # An engine's usual chunk for a client that takes it as it is (`ClientView.plain`: the view would
+            # return it unchanged and stay as it was): its bytes, without asking the view (this runs per token).
+            if self.response is None:
+                self._start()
+            data = b"data: " + raw + b"\n\n"
+            self._batch.append(data)
+            self._batch_bytes += len(data)
+            self._batch_tokens += has_content(event) if content is None else content
+            return self._batch_bytes >= MAX_BATCH_BYTES
         out = view.event(event)
         if view.usage is not None:
             record = self._ex.record

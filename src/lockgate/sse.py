@@ -33,6 +33,15 @@ class SSEDecoder:
         self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        if (
+            not self._buffer
+            and not self._data
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and chunk.find(b"\r") < 0
+        ):
+            return [chunk[6:-2]]  # an engine's usual read: one whole `data:` event, one line, nothing pending
         buffer = self._buffer + chunk if self._buffer else chunk
         # `find`, not `in`: on Python 3.11 `bytes in bytes` raises (and clears) a TypeError before searching.
         if self._data or buffer.find(b"\r") >= 0:

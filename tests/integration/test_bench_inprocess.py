@@ -75,3 +75,15 @@ def test_deterministic_paced_streams_each_lead_a_flight_and_are_answered() -> No
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("60 requests, 60 answered 200;"), done.stdout
+
+
+def test_plain_paced_streams_of_any_length_are_answered() -> None:
+    """`--tokens` sets a streamed answer's length (two sizes give a chunk's cost) and `--no-usage` sends the
+    engine's chunks through unchanged."""
+    args = ["--requests", "40", "--warmup", "10", "--concurrency", "4", "--target", "gateway"]
+    args += ["--stream", "--paced", "--no-usage", "--tokens", "40"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lockgate", "bench", "inprocess", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("40 requests, 40 answered 200;"), done.stdout

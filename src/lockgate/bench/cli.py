@@ -185,6 +185,7 @@ def _inprocess(args: argparse.Namespace) -> int:
                 paced=args.paced,
                 deterministic=args.deterministic,
                 tokens=args.tokens,
+                usage=args.usage,
             )
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
@@ -352,6 +353,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="token chunks of a streamed answer (two sizes give the exact cost of a chunk under callgrind)",
+    )
+    inproc.add_argument(
+        "--no-usage",
+        dest="usage",
+        action="store_false",
+        help="streams do not ask for usage: the engine's chunks pass through unchanged (as bench overhead's do)",
     )
     inproc.add_argument(
         "--paced",

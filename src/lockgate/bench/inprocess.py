@@ -48,8 +48,9 @@ _ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length:
 )
 
 
-def _body(*, stream: bool, deterministic: bool) -> tuple[bytes, bytes]:
-    """A request's JSON body, split where a deterministic request's unique number goes (see `_Load`)."""
+def _body(*, stream: bool, deterministic: bool, usage: bool = True) -> tuple[bytes, bytes]:
+    """A request's JSON body, split where a deterministic request's unique number goes (see `_Load`). A stream asks
+    for usage unless `usage` is false (then the engine's chunks pass through unchanged)."""
     body: dict[str, object] = {
         "model": "bench-model",
         "messages": [{"role": "user", "content": "Say something short #"}],
@@ -57,7 +58,8 @@ def _body(*, stream: bool, deterministic: bool) -> tuple[bytes, bytes]:
     }
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if usage:
+            body["stream_options"] = {"include_usage": True}
     if deterministic:
         body["temperature"] = 0
     head, tail = orjson.dumps(body).split(b"#", 1)
@@ -135,10 +137,16 @@ class _Load:
     for de-duplication and leads a flight of its own (nothing to coalesce, nothing cached to reuse)."""
 
     def __init__(
-        self, port: int, requests: int, connections: int, stream: bool = False, deterministic: bool = False
+        self,
+        port: int,
+        requests: int,
+        connections: int,
+        stream: bool = False,
+        deterministic: bool = False,
+        usage: bool = True,
     ) -> None:
         self._port = port
-        self._head, self._tail = _body(stream=stream, deterministic=deterministic)
+        self._head, self._tail = _body(stream=stream, deterministic=deterministic, usage=usage)
         self._deterministic = deterministic
         self._count = 0
         self._fixed = self._request(b"")
@@ -188,9 +196,11 @@ class _Client(asyncio.Protocol):
             load.done.set_result(None)
 
 
-async def _drive(port: int, requests: int, connections: int, stream: bool = False, deterministic: bool = False) -> int:
+async def _drive(
+    port: int, requests: int, connections: int, stream: bool = False, deterministic: bool = False, usage: bool = True
+) -> int:
     loop = asyncio.get_running_loop()
-    load = _Load(port, requests, connections, stream, deterministic)
+    load = _Load(port, requests, connections, stream, deterministic, usage)
     transports = [
         (await loop.create_connection(lambda: _Client(load), "127.0.0.1", port))[0] for _ in range(connections)
     ]
@@ -213,9 +223,11 @@ class InProcessResult:
     direct_us: float | None
 
 
-async def _measured(port: int, requests: int, connections: int, stream: bool, deterministic: bool) -> tuple[int, float]:
+async def _measured(
+    port: int, requests: int, connections: int, stream: bool, deterministic: bool, usage: bool
+) -> tuple[int, float]:
     start = time.process_time()
-    ok = await _drive(port, requests, connections, stream, deterministic)
+    ok = await _drive(port, requests, connections, stream, deterministic, usage)
     return ok, (time.process_time() - start) / requests * 1e6
 
 
@@ -232,12 +244,14 @@ async def run(
     paced: bool = False,
     deterministic: bool = False,
     tokens: int = 16,
+    usage: bool = True,
 ) -> InProcessResult:
     """`target`: "gateway", "direct" (the client and the canned engine alone) or "both". `stream`: streamed
     answers (`tokens` token events from the engine, 19 events in all for 16), `paced`: written one loop iteration
     apart; `instances`: the canned engine listed that many times (under different names), so that `routing`
     chooses among them on every request; `deterministic`: temperature 0 and unique prompts (every request leads
-    a de-duplication flight)."""
+    a de-duplication flight); `usage`: streams ask for usage (`stream_options`), so that each chunk is rewritten
+    for the client (`usage: null`); without, they pass through unchanged."""
     progress = progress or Progress.silent()
     loop = asyncio.get_running_loop()
     engine = await loop.create_server(lambda: _Engine(paced, tokens), "0.0.0.0" if instances > 1 else "127.0.0.1", 0)
@@ -277,12 +291,12 @@ async def run(
                 direct_us = gateway_us = None
                 if target in ("direct", "both"):
                     progress.phase(f"straight to the canned engine ({warmup} + {requests} requests)")
-                    await _drive(engine_port, warmup, concurrency, stream, deterministic)
-                    ok, direct_us = await _measured(engine_port, requests, concurrency, stream, deterministic)
+                    await _drive(engine_port, warmup, concurrency, stream, deterministic, usage)
+                    ok, direct_us = await _measured(engine_port, requests, concurrency, stream, deterministic, usage)
                 if target in ("gateway", "both"):
                     progress.phase(f"through the gateway ({warmup} + {requests} requests)")
-                    await _drive(gateway_port, warmup, concurrency, stream, deterministic)
-                    ok, gateway_us = await _measured(gateway_port, requests, concurrency, stream, deterministic)
+                    await _drive(gateway_port, warmup, concurrency, stream, deterministic, usage)
+                    ok, gateway_us = await _measured(gateway_port, requests, concurrency, stream, deterministic, usage)
     finally:
         engine.close()
     return InProcessResult(requests, ok, gateway_us, direct_us)
