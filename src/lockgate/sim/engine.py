@@ -29,10 +29,13 @@ class EngineCrashed(RuntimeError):
 class Generation:
     """The token events of one request, in order. An async iterator of ``Token``; ``close()`` aborts."""
 
-    __slots__ = ("_engine", "_error", "_tokens", "_waiter", "finish_reason", "is_connected", "record")
+    __slots__ = ("_engine", "_error", "_loop", "_tokens", "_waiter", "finish_reason", "is_connected", "record")
 
     def __init__(self, engine: Engine, record: RequestRecord, is_connected: Callable[[], bool]) -> None:
         self._engine = engine
+        # Kept: a token is waited for with a future of this loop, and on Python 3.11 every
+        # `asyncio.get_running_loop()` is a getpid() system call (one a token, for every stream).
+        self._loop = asyncio.get_running_loop()
         self.record = record
         self.is_connected = is_connected
         self._tokens: deque[Token] = deque()
@@ -70,7 +73,7 @@ class Generation:
                 raise RuntimeError("the simulated engine failed") from self._error
             if self.finish_reason is not None:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
