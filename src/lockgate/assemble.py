@@ -19,6 +19,10 @@ def new_response_id(endpoint: Endpoint) -> str:
     return ("chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-") + os.urandom(12).hex()
 
 
+#: A null `usage` as the last key of a compact JSON object.
+_NULL_USAGE = b',"usage":null}'
+
+
 class ClientView:
     """One streaming client's view of a generation's events."""
 
@@ -63,6 +67,29 @@ class ClientView:
             out.pop("usage", None)
         self._last = out
         return out
+
+    def spliced(self, event: dict[str, Any], raw: bytes) -> bytes | None:
+        """The payload `event()` would give this client, made from the engine's bytes `raw` (one line) when its
+        only change is the `usage` key at the end: `,"usage":null` added for a client that asked for usage
+        (OpenAI puts it on every chunk; vLLM and SGLang send none), or a trailing null one removed for a client
+        that did not (a gateway in front, OpenAI itself). Bytes in, bytes out: no copy of the event and no
+        serialising it again. None when the change is anything else (another model name, an imposed id, no
+        choices, a usage object, a layout other than compact JSON): then `event()`."""
+        if (
+            self._response_id is not None
+            or event.get("model") != self.model
+            or not event.get("choices")
+            or not raw.endswith(b"}")
+        ):
+            return None
+        if self._include_usage:
+            if "usage" in event:
+                return None  # null already (unchanged: passed through), or an object (`event()` splits it off)
+            self._last = event  # what `final()` reads is the same in the copy `event()` would make
+            return raw[:-1] + b',"usage":null}'
+        if event.get("usage", 0) is None and raw.endswith(_NULL_USAGE):
+            return raw[: -len(_NULL_USAGE)] + b"}"
+        return None
 
     def final(self) -> dict[str, Any] | None:
         """The closing usage chunk, if the client asked for usage and the engine reported it."""

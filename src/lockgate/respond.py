@@ -118,38 +118,29 @@ class SSEWriter:
         then written as those bytes (pass-through). `content`: whether it carries a token, when the source knows
         (a client's view never changes the choices; None: see here)."""
         view = self.view
-        if (
-            raw is not None
-            and view.plain
-            and "usage" not in event
-            and event.get("model") == view.model
-            and event.get("choices")
-            and raw.find(b"\n") < 0
-        ):
-            # An engine's usual chunk for a client that takes it as it is (`ClientView.plain`: the view would
-            # return it unchanged and stay as it was): its bytes, without asking the view (this runs per token).
-            if self.response is None:
-                self._start()
-            data = b"data: " + raw + b"\n\n"
-            self._batch.append(data)
-            self._batch_bytes += len(data)
-            self._batch_tokens += has_content(event) if content is None else content
-            return self._batch_bytes >= MAX_BATCH_BYTES
-        out = view.event(event)
-        if view.usage is not None:
-            record = self._ex.record
-            record.prompt_tokens = _int(view.usage.get("prompt_tokens"))
-            record.completion_tokens = max(self.delivered, _int(view.usage.get("completion_tokens")))
-        if out is None:
-            return self._batch_bytes >= MAX_BATCH_BYTES
+        payload: bytes | None = None
+        if raw is not None and raw.find(b"\n") < 0:  # (a payload of several `data:` lines is re-encoded on one)
+            if view.plain and "usage" not in event and event.get("model") == view.model and event.get("choices"):
+                # An engine's usual chunk for a client that takes it as it is (`ClientView.plain`: the view would
+                # return it unchanged and stay as it was): its bytes, without asking the view (this runs per token).
+                payload = raw
+            else:
+                payload = view.spliced(event, raw)  # only the trailing usage key differs: the bytes, spliced
+        if payload is None:
+            out = view.event(event)
+            if view.usage is not None:
+                record = self._ex.record
+                record.prompt_tokens = _int(view.usage.get("prompt_tokens"))
+                record.completion_tokens = max(self.delivered, _int(view.usage.get("completion_tokens")))
+            if out is None:
+                return self._batch_bytes >= MAX_BATCH_BYTES
+            payload = raw if out is event and raw is not None and raw.find(b"\n") < 0 else orjson.dumps(out)
         if self.response is None:
             self._start()
-        payload = raw if out is event else None
-        # Pass-through, unless the payload spans several `data:` lines (then re-encoded on one).
-        data = b"data: " + payload + b"\n\n" if payload and payload.find(b"\n") < 0 else sse.encode(out)
+        data = b"data: " + payload + b"\n\n"
         self._batch.append(data)
         self._batch_bytes += len(data)
-        self._batch_tokens += has_content(out) if content is None else content
+        self._batch_tokens += has_content(event) if content is None else content
         return self._batch_bytes >= MAX_BATCH_BYTES
 
     def _start(self) -> None:

@@ -79,3 +79,42 @@ def test_client_view_passes_an_event_that_needs_no_change_through_as_is() -> Non
     assert ClientView(model="m", include_usage=True).event(with_null) is with_null
     not_asked = ClientView(model="m", include_usage=False).event(with_null)
     assert not_asked is not with_null and not_asked is not None and "usage" not in not_asked
+
+
+def test_a_spliced_chunk_is_what_the_view_gives_and_leaves_the_view_the_same():
+    """`ClientView.spliced` (the engine's bytes with only the trailing usage key changed) gives, wherever it
+    answers, the payload `event()` gives, and leaves the view as `event()` would (its closing usage chunk
+    included); it answers for the usual cases: a chunk without usage for a client that asked for it, and a null
+    usage at the end for one that did not."""
+    import orjson
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    text = st.one_of(st.text(max_size=8), st.sampled_from(['"', '"usage":null}', ',"usage":null', "m"]))
+    choice = st.fixed_dictionaries({"index": st.just(0), "delta": st.fixed_dictionaries({"content": text})})
+    event_strategy = st.fixed_dictionaries(
+        {"id": text, "model": st.sampled_from(["m", "other"]), "choices": st.lists(choice, max_size=2)},
+        optional={"usage": st.one_of(st.none(), st.just({"completion_tokens": 1})), "created": st.integers(0, 9)},
+    )
+
+    @settings(max_examples=1500, deadline=None)
+    @given(event_strategy, st.booleans(), st.sampled_from([None, "own"]))
+    def check(event: dict[str, Any], include_usage: bool, response_id: str | None) -> None:
+        raw = orjson.dumps(event)
+        spliced_view = ClientView(model="m", include_usage=include_usage, response_id=response_id)
+        plain_view = ClientView(model="m", include_usage=include_usage, response_id=response_id)
+        spliced = spliced_view.spliced(event, raw)
+        if spliced is None:
+            return
+        out = plain_view.event(event)
+        assert out is not None and orjson.loads(spliced) == out and spliced == orjson.dumps(out)
+        final = {"completion_tokens": 3}
+        spliced_view.usage = plain_view.usage = final
+        assert spliced_view.final() == plain_view.final()
+
+    check()
+    view = ClientView(model="m", include_usage=True)
+    chunk = {"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+    assert view.spliced(chunk, orjson.dumps(chunk)) == orjson.dumps({**chunk, "usage": None})
+    view = ClientView(model="m", include_usage=False)
+    assert view.spliced({**chunk, "usage": None}, orjson.dumps({**chunk, "usage": None})) == orjson.dumps(chunk)
