@@ -240,9 +240,9 @@ async def test_follow_raises_what_the_step_raised_and_stops_on_close(raw_server,
         calls += 1
 
     follower = asyncio.ensure_future(response.follow(counting))
-    await until(lambda: response._step is not None)
-    response.close()  # stops following: the step is dropped, nothing calls it again
-    assert response._step is None and calls == 1  # the step at once, for what had arrived
+    await until(lambda: response._listener is not None)
+    response.close()  # stops following: the listener is gone, nothing calls it again
+    assert response._listener is None and calls == 1  # the step at once, for what had arrived
     follower.cancel()
     with pytest.raises(asyncio.CancelledError):
         await follower
@@ -281,11 +281,11 @@ async def test_a_step_that_ends_its_own_wait_leaves_no_error_behind(raw_server, 
             return "written"
 
         follower = asyncio.ensure_future(response.follow(step))
-        await until(lambda: response._step is not None)
+        await until(lambda: response._listener is not None)
         following.set()
         with pytest.raises(asyncio.CancelledError):
             await follower
-        await until(lambda: response._step is None)
+        await until(lambda: response._listener is None)
         assert errors == []
         response.close()
     finally:

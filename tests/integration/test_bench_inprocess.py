@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_inprocess_answers_every_request_and_reports_what_the_gateway_adds() -> None:
     args = ["--requests", "300", "--warmup", "50", "--concurrency", "8"]
@@ -67,23 +69,20 @@ def test_streams_over_a_choice_of_instances_are_answered_too() -> None:
     assert done.stdout.startswith("100 requests, 100 answered 200;"), done.stdout
 
 
-def test_deterministic_paced_streams_each_lead_a_flight_and_are_answered() -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ["--deterministic"],  # every request leads a de-duplication flight
+        ["--no-usage", "--tokens", "40"],  # a longer stream whose chunks pass through unchanged
+    ],
+)
+def test_paced_streams_of_each_shape_are_answered(shape: list[str]) -> None:
+    """`--deterministic` makes every request lead a flight; `--tokens` sets a streamed answer's length (two sizes
+    give a chunk's cost) and `--no-usage` sends the engine's chunks through unchanged."""
     args = ["--requests", "60", "--warmup", "10", "--concurrency", "8", "--target", "gateway"]
-    args += ["--stream", "--paced", "--deterministic"]
+    args += ["--stream", "--paced", *shape]
     done = subprocess.run(
         [sys.executable, "-m", "lockgate", "bench", "inprocess", *args], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("60 requests, 60 answered 200;"), done.stdout
-
-
-def test_plain_paced_streams_of_any_length_are_answered() -> None:
-    """`--tokens` sets a streamed answer's length (two sizes give a chunk's cost) and `--no-usage` sends the
-    engine's chunks through unchanged."""
-    args = ["--requests", "40", "--warmup", "10", "--concurrency", "4", "--target", "gateway"]
-    args += ["--stream", "--paced", "--no-usage", "--tokens", "40"]
-    done = subprocess.run(
-        [sys.executable, "-m", "lockgate", "bench", "inprocess", *args], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("40 requests, 40 answered 200;"), done.stdout

@@ -65,10 +65,9 @@ class Response:
         "_body",
         "_buffered",
         "_conn",
-        "_done",
         "_error",
+        "_listener",
         "_loop",
-        "_step",
         "_waiter",
         "complete",
         "headers",
@@ -89,9 +88,7 @@ class Response:
         self.complete = False
         self._error: ProtocolError | None = None
         self._waiter: asyncio.Future[None] | None = None
-        #: While a reader follows the body (`follow`): its step, and the future its task awaits.
-        self._step: Callable[[], object] | None = None
-        self._done: asyncio.Future[object] | None = None
+        self._listener: Callable[[], None] | None = None
 
     @property
     def content_type(self) -> str:
@@ -170,29 +167,12 @@ class Response:
         if result is not None:
             return result
         done: asyncio.Future[T] = self._loop.create_future()
-        self._step, self._done = step, cast("asyncio.Future[object]", done)
+        listener = self._listener = listener_of(step, done)
         try:
             return await done
         finally:
-            if self._done is done:
-                self._step = self._done = None
-
-    def _run_step(self) -> None:
-        """Call the follower's step (see `follow`) and end its wait with what it returns or raises."""
-        done = self._done
-        step = self._step
-        if done is None or step is None or done.done():
-            return
-        try:
-            result = step()
-        except Exception as exc:
-            if not done.done():
-                done.set_exception(exc)
-            return
-        # `step` may have ended the wait itself: what it wrote to a client that had gone closed that client's
-        # connection, and so cancelled the task awaiting `done` (and `done` with it).
-        if result is not None and not done.done():
-            done.set_result(result)
+            if self._listener is listener:
+                self._listener = None
 
     def release(self) -> None:
         """Give the connection back: to the pool if the body was completely received, else closed."""
@@ -208,7 +188,7 @@ class Response:
     def close(self) -> None:
         """Abort now, whatever the state: the transport is aborted (uvloop closes the socket in this call,
         asyncio at its next loop iteration; unsent data is dropped), and later reads raise ProtocolError."""
-        self._step = None
+        self._listener = None
         self._body = []
         self._buffered = 0
         self.complete = False
@@ -232,11 +212,11 @@ class Response:
             waiter.set_result(None)
 
     def _tell(self) -> None:
-        """Wake a waiting reader, and call the follower's step (outside llhttp's callbacks: see
-        `data_received`)."""
+        """Wake a waiting reader, and call the listener (outside llhttp's callbacks: see `data_received`)."""
         self._wake()
-        if self._step is not None:
-            self._run_step()
+        listener = self._listener
+        if listener is not None:
+            listener()
 
 
 class Connection(asyncio.Protocol):
@@ -402,8 +382,8 @@ class Connection(asyncio.Protocol):
             self._fail(ProtocolError(message), ProtocolError(message))
             self.abort()
             return
-        if response is not None and response._step is not None:
-            response._run_step()  # the follower's step, once for the whole read
+        if response is not None and response._listener is not None:
+            response._listener()
         if self._head is not None and self._head_bytes > MAX_HEAD_BYTES:
             # Still no complete head after this much: the status line and headers are too large.
             message = f"the response head is larger than {MAX_HEAD_BYTES} bytes"
