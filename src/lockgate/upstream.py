@@ -7,7 +7,8 @@ immediately — and never leaves the response to the garbage collector.
 
 The call goes through the instance's lean keep-alive pool (`lockgate.http`, llhttp parsing): this is the
 hot path, and aiohttp's client cost ~90 us of CPU per request where this one costs ~40 (see
-docs/decisions.md). aiohttp stays for everything off the hot path (health probes, scrapes, abort calls).
+docs/decisions.md). aiohttp stays for the rare side calls (health probes, abort calls); metrics scrapes have a
+lean pool of their own (`fleet/scrape.py`).
 
 Error handling: the client's errors are translated here into `UpstreamConnectError` (before any
 response: the request may be retried elsewhere), `UpstreamStatusError` (the engine said no) and

@@ -323,3 +323,25 @@ async def test_an_instance_that_has_answered_nothing_borrows_its_peers_token_rat
     async with asyncio.timeout(10):
         await fleet.wait_until(lambda f: all(pool.index.capacity(s.url) is not None for s in sims))
     assert pool.index.room(idle.url) == pool.index.capacity(idle.url)
+
+
+async def test_a_scrape_does_not_wait_behind_generation_requests(start_sim, start_gateway, http):
+    """Scrapes have a connection of their own (`Instance.scrapes`): with the instance's only generation
+    connection busy, its metrics are still read within the scrape timeout (a scrape queued behind the
+    generations would time out exactly when the load it reports matters)."""
+    sim = await start_sim(tpot_ms=50.0)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "instances": [instance(sim)]}],
+        upstream={"max_connections": 1},
+        scrape={"enabled": False, "timeout_ms": 1000},
+    )
+    assert gw.gateway is not None
+    fleet = gw.gateway.fleet
+    [engine] = fleet.instances.values()
+    async with http.post(gw.url + "/v1/chat/completions", json=chat(stream=True, max_tokens=100)) as resp:
+        assert resp.status == 200
+        await resp.content.readline()  # the stream runs (~5 s): the generation connection is taken
+        assert engine.http.statistics().in_use == 1
+        await fleet.scraper.scrape_all()
+        assert engine.scrape_error is None and engine.engine_load is not None
+        assert engine.engine_load.running == 1  # the request in flight, as the engine reports it

@@ -1,6 +1,7 @@
-"""Reading an engine's answer to the gateway's own side calls (metrics, health, abort) within a size bound.
+"""Reading an engine's answer to the gateway's own side calls (health, abort) within a size bound, and the
+bound of a metrics page (scraped through the lean pool, `scrape.py`).
 
-These go through aiohttp, off the hot path; each already has a timeout, but on loopback an engine can send
+The side calls go through aiohttp, off the hot path; each already has a timeout, but on loopback an engine can send
 hundreds of megabytes within one. `read_bounded` stops at `limit` bytes with `BodyTooLarge`, an
 `aiohttp.ClientError`, so callers that already treat client errors as a failed call need no new branch.
 """

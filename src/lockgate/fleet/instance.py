@@ -33,6 +33,7 @@ class Instance:
         *,
         max_connections: int = 256,
         key: str | None = None,
+        scrapes: HttpPool | None = None,
     ) -> None:
         self.key = key or config.key
         self.name = config.name or config.url
@@ -52,10 +53,13 @@ class Instance:
         #: Engine tokens per token of the gateway's estimate (characters / 4), learned from usage; sizes
         #: its cache in the prefix index's blocks.
         self.token_ratio = Ewma(alpha=0.1)
-        #: aiohttp for what is off the hot path: health probes, scrapes, abort calls.
+        #: aiohttp for the rare side calls: health probes, abort calls.
         self.session = session
         #: The lean keep-alive pool that carries generation requests (`upstream.py`).
         self.http = http or HttpPool(config.url)
+        #: A lean pool of one connection for the metrics scrapes (several a second per engine: aiohttp cost ~5x
+        #: more a scrape), of its own so that a scrape never waits behind generation requests.
+        self.scrapes = scrapes or HttpPool(config.url, max_connections=1)
         #: Where aiohttp requests go (for unix sockets the host part is ignored).
         self.base_url = base_url
         #: SNI (and the name checked) for the aiohttp calls when `tls.server_name` overrides the URL's host.
@@ -100,6 +104,12 @@ class Instance:
         while self.in_flight > 0:
             self.idle = asyncio.Event()
             await self.idle.wait()
+
+    async def aclose(self) -> None:
+        """Close its connections: the engine client's, the scrapes' and aiohttp's."""
+        await self.http.aclose()
+        await self.scrapes.aclose()
+        await self.session.close()
 
     def auth_headers(self) -> dict[str, str]:
         return _auth(self)

@@ -493,8 +493,7 @@ class Fleet:
         log.info("instance %s closed", instance.name)
 
     async def _close_instance(self, instance: Instance) -> None:
-        await instance.http.aclose()
-        await instance.session.close()
+        await instance.aclose()
         if all(i.name != instance.name for i in self.instances.values()):
             for gauge in (
                 self._metrics.instance_healthy,
@@ -533,16 +532,26 @@ class Fleet:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
-        http = HttpPool(
-            spec.url,
-            max_connections=limit,
-            keepalive_s=dialect.keepalive_s,
-            connect_timeout_s=connect_timeout,
-            ssl_context=tls,
-            server_name=server_name,
+        http, scrapes = (
+            HttpPool(
+                spec.url,
+                max_connections=connections,
+                keepalive_s=dialect.keepalive_s,
+                connect_timeout_s=connect_timeout,
+                ssl_context=tls,
+                server_name=server_name,
+            )
+            for connections in (limit, 1)
         )
         return Instance(
-            spec, session, base_url, Ejection(self._config.health.ejection), http, max_connections=limit, key=key
+            spec,
+            session,
+            base_url,
+            Ejection(self._config.health.ejection),
+            http,
+            max_connections=limit,
+            key=key,
+            scrapes=scrapes,
         )
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -561,8 +570,7 @@ class Fleet:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for instance in (*self.instances.values(), *retiring):
-            await instance.http.aclose()
-            await instance.session.close()
+            await instance.aclose()
 
     # --- requests ------------------------------------------------------------------------------
     def pool(self, model: str) -> Pool | None:
