@@ -119,13 +119,15 @@ class SSEWriter:
         (a client's view never changes the choices; None: see here)."""
         view = self.view
         payload: bytes | None = None
-        if raw is not None and raw.find(b"\n") < 0:  # (a payload of several `data:` lines is re-encoded on one)
+        # The engine's bytes when they are one line (a payload of several `data:` lines is re-encoded on one).
+        line = raw if raw is not None and raw.find(b"\n") < 0 else None
+        if line is not None:
             if view.plain and "usage" not in event and event.get("model") == view.model and event.get("choices"):
                 # An engine's usual chunk for a client that takes it as it is (`ClientView.plain`: the view would
                 # return it unchanged and stay as it was): its bytes, without asking the view (this runs per token).
-                payload = raw
+                payload = line
             else:
-                payload = view.spliced(event, raw)  # only the trailing usage key differs: the bytes, spliced
+                payload = view.spliced(event, line)  # only the trailing usage key differs: the bytes, spliced
         if payload is None:
             out = view.event(event)
             if view.usage is not None:
@@ -134,7 +136,7 @@ class SSEWriter:
                 record.completion_tokens = max(self.delivered, _int(view.usage.get("completion_tokens")))
             if out is None:
                 return self._batch_bytes >= MAX_BATCH_BYTES
-            payload = raw if out is event and raw is not None and raw.find(b"\n") < 0 else orjson.dumps(out)
+            payload = line if out is event and line is not None else orjson.dumps(out)
         if self.response is None:
             self._start()
         data = b"data: " + payload + b"\n\n"

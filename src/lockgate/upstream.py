@@ -263,11 +263,6 @@ class UpstreamEvents:
     def __aiter__(self) -> UpstreamEvents:
         return self
 
-    @property
-    def response(self) -> Response:
-        """The engine's response this reads (`Response.follow` tells when `take()` may have more)."""
-        return self._response
-
     async def read_first(self) -> None:
         """Read the stream, a network read at a time, up to the read that brought its first event with choices
         (the events after it in that read come along): they are the first `take()` returns. Raises what broke
