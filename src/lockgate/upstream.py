@@ -409,10 +409,6 @@ class UpstreamEvents:
         self.broken = False
         self._taken, self._given, self._error, self._head = [], 0, None, []
 
-    async def aclose(self) -> None:
-        """`close()`, for callers written for async generators."""
-        self.close()
-
 
 def served_by(instance: str, node: str, headers: Mapping[str, str]) -> str:
     """The engine that served a call to a sidecar on `node`: the one its answer names (`node/engine`), else

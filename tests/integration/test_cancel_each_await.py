@@ -83,8 +83,9 @@ class Checkpoints:
 
             monkeypatch.setattr(cls, name, checkpointed)
 
-        # The engine client's awaits (`lockgate.http`, never compiled): the compiled build's classes (the
-        # `UpstreamCall` above them among others) cannot be patched.
+        # The engine client's and the edge server's awaits: these classes stay regular Python classes in the
+        # compiled build (`@mypyc_attr(native_class=False)`), whose native classes (the `UpstreamCall` above them
+        # among others) cannot be patched.
         for cls, name in (
             (HttpPool, "request"),  # sending, up to the response's head
             (EngineResponse, "read"),  # a whole body

@@ -14,6 +14,7 @@ import pytest
 from lockgate.config import parse_config
 from lockgate.dedup import Coalescer, Result, ResultCache, fingerprint
 from lockgate.dedup.flight import Flight, FlightState
+from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.wire import Endpoint
 
@@ -82,7 +83,8 @@ async def test_the_coalescers_timer_drops_expired_results(monkeypatch):
     config = parse_config(
         {"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9"}]}], "result_cache": {"ttl_ms": 50}}
     )
-    coalescer = Coalescer(config, GatewayMetrics(), None, clock=clock)  # type: ignore[arg-type]
+    metrics = GatewayMetrics()
+    coalescer = Coalescer(config, metrics, Fleet(config, metrics), clock=clock)  # a fleet never started
     try:
         coalescer.cache.put(key(1), result(10))
         timer = coalescer._sweep_timer
@@ -178,7 +180,7 @@ class FakeEngine:
     def ended(self) -> bool:
         return self.produced >= self.count
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         pass
 
 

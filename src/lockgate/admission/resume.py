@@ -157,9 +157,9 @@ class Resumable:
             finally:
                 self._active = False
                 if upstream is not None:
-                    await upstream.aclose()
+                    upstream.close()
                 if opened is not None:
-                    await opened.aclose()
+                    opened.close()
             return
 
     def _open(self, api: ApiRequest, upstream_id: str) -> Awaitable[Opened]:

@@ -30,6 +30,16 @@ HOT_MODULES = (
     "lockgate.fleet.state",
     "lockgate.fleet.ejection",
     "lockgate.dedup.eligibility",
+    "lockgate.http.connection",
+    "lockgate.http.pool",
+    "lockgate.edge.protocol",
+    "lockgate.edge.request",
+    "lockgate.edge.response",
+    "lockgate.fleet.pool",
+    "lockgate.fleet.instance",
+    "lockgate.metrics",
+    "lockgate.dedup.coalescer",
+    "lockgate.changes",
 )
 
 

@@ -269,7 +269,7 @@ class Flight:
             self._fail(GatewayError(f"Internal error in the gateway: {exc.__class__.__name__}"))
         finally:
             if opened is not None:
-                await opened.aclose()
+                opened.close()  # synchronous: no await in a `finally` (see setup.py)
             self._release()
 
     def _step(self, stream: UpstreamEvents) -> bool | None:
@@ -319,7 +319,7 @@ class Flight:
                     call.abort()
                     raise too_large(call.instance.name, limit)
         finally:
-            await events.aclose()
+            events.close()
         return assemble(self.api.endpoint, held, model=self.api.model)
 
     # --- the bounds (see the module docstring) -------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 from urllib.parse import unquote
 
 import httptools
@@ -102,7 +102,9 @@ def split_target(url: bytes) -> tuple[str, str, str]:
     if not url.startswith(b"/"):
         if url == b"*":
             return "*", "*", ""
-        parsed = httptools.parse_url(url)  # absolute-form; raises HttpParserInvalidURLError
+        # Absolute-form; raises HttpParserInvalidURLError. A part the URL lacks is None where the stubs say bytes
+        # (typed as the stubs say, a compiled build would reject the None).
+        parsed: Any = httptools.parse_url(url)
         url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
     if url.find(b"#") >= 0:  # not `in`: on Python 3.11 that raises (and clears) a TypeError first
         url = url.partition(b"#")[0]

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
+from mypy_extensions import mypyc_attr
 
 from .errors import DisconnectedError, ProtocolError, ResponseTooLarge
 
@@ -52,6 +53,9 @@ WRITE_PIECE = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
 
+# Compiled (setup.py), it stays a regular Python class (its methods compiled): tests patch its methods to
+# count or cancel at its awaits, which a native class would not let them do.
+@mypyc_attr(native_class=False)
 class Response:
     """Status and headers of a response, and its body as it arrives.
 

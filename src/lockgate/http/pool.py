@@ -36,6 +36,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from mypy_extensions import mypyc_attr
+
 from .. import header_lines
 from .connection import Connection, Response
 from .errors import ConnectError, DisconnectedError
@@ -53,6 +55,9 @@ class PoolStatistics:
     max_connections: int
 
 
+# Compiled (setup.py), it stays a regular Python class (its methods compiled): tests patch its methods to
+# count or cancel at its awaits, which a native class would not let them do.
+@mypyc_attr(native_class=False)
 class HttpPool:
     """Keep-alive connections to one origin: `http[s]://host[:port][/prefix]` or `unix:///path/to.sock`.
 
@@ -78,12 +83,12 @@ class HttpPool:
         if parts.scheme == "unix":
             if not parts.path:
                 raise ValueError(f"no socket path in {url!r}")
-            self._unix: str | None = parts.path
+            self._socket_path: str | None = parts.path
             self._host, self._port, self._prefix, authority = "", 0, "", "localhost"
         elif parts.scheme in ("http", "https"):
             if not parts.hostname:
                 raise ValueError(f"no host in {url!r}")
-            self._unix = None
+            self._socket_path = None
             tls = parts.scheme == "https"
             self._host, self._port = parts.hostname, parts.port or (443 if tls else 80)
             self._prefix = parts.path.rstrip("/")
@@ -220,8 +225,8 @@ class HttpPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout):
-                if self._unix is not None:
-                    await loop.create_unix_connection(lambda: conn, self._unix)
+                if self._socket_path is not None:
+                    await loop.create_unix_connection(lambda: conn, self._socket_path)
                 elif self._ssl is None:
                     await loop.create_connection(lambda: conn, self._host, self._port)
                 else:
@@ -312,4 +317,4 @@ class HttpPool:
             self._sweep = asyncio.get_running_loop().call_at(idle[0].idle_since + self._keepalive, self._sweep_idle)
 
     def _where(self) -> str:
-        return self._unix if self._unix is not None else f"{self._host}:{self._port}"
+        return self._socket_path if self._socket_path is not None else f"{self._host}:{self._port}"
