@@ -11,7 +11,7 @@ endif
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: serve test test-compiled lint bench clean
+.PHONY: serve test compiled test-compiled lint bench clean
 
 serve: $(VENV)/.core
 	$(BIN)/lockgate serve $(ARGS)
@@ -23,11 +23,16 @@ test: $(VENV)/.dev
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
-# The opt-in compiled build (setup.py: the hot-path modules compiled with mypyc; needs a C compiler and the
-# Python headers) in its own venv, non-editable, and the whole test suite run against it. Not part of `make test`
-# (compiling takes a few minutes); the pure-Python package stays the default everywhere else.
-CVENV := .venv-compiled
-test-compiled:
+# The compiled build (setup.py: the request path's modules compiled with mypyc; needs a C compiler and the Python
+# headers) in its own venv, non-editable: what to deploy and to benchmark. `make compiled` builds it (again after a
+# source change), `make test-compiled` runs the whole suite against it. Not part of `make test` (compiling takes a
+# few minutes); `make serve` and `make test` use the pure-Python package (editable: a change to a file takes effect).
+CVENV   := .venv-compiled
+SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
+
+compiled: $(CVENV)/.built
+
+$(CVENV)/.built: $(SOURCES)
 	@test -x $(CVENV)/bin/python || $(PYTHON) -m venv $(CVENV)
 	$(CVENV)/bin/python -m pip install -q --upgrade pip setuptools 'mypy>=1.10'
 	$(CVENV)/bin/python -m pip install --progress-bar off '.[dev,llamacpp,semantic,otel]'
@@ -37,14 +42,21 @@ test-compiled:
 	LOCKGATE_COMPILE=1 $(CVENV)/bin/python -m pip install --progress-bar off --no-build-isolation --no-deps \
 		--force-reinstall .
 	cd /tmp && $(abspath $(CVENV))/bin/python -c 'from lockgate.bench.machine import build; print(build())'
+	@touch $@
+
+test-compiled: $(CVENV)/.built
+	@scripts/system-deps.sh
 	$(CVENV)/bin/pytest $(ARGS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
+# On the compiled build where one can be made (what a deployment runs), else on the pure-Python package (it says so).
 bench: $(VENV)/.core
-	$(BIN)/lockgate bench overhead $(ARGS)
+	@if $(MAKE) --no-print-directory compiled; then $(CVENV)/bin/lockgate bench overhead $(ARGS); else \
+		echo "==> no compiled build (a C compiler and the Python headers are needed): pure Python"; \
+		$(BIN)/lockgate bench overhead $(ARGS); fi
 
 # Installs print one line a step and pip's own progress (no -q: a silent minute looks like a hang).
 $(VENV)/bin/python:
