@@ -38,6 +38,7 @@ COMPILED = [
     "src/lockgate/metrics.py",
     "src/lockgate/dedup/coalescer.py",
     "src/lockgate/changes.py",
+    "src/lockgate/dedup/flight.py",
 ]
 
 if os.environ.get("LOCKGATE_COMPILE") == "1":

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 
 from lockgate.assemble import ClientView, assemble
 from lockgate.dedup import Result, ResultCache, eligible, fingerprint, opted_out, sampling_scope
-from lockgate.dedup.flight import Flight, FlightState
+from lockgate.dedup.flight import EngineAnswer, Flight, FlightState
 from lockgate.errors import UpstreamProtocolError
-from lockgate.wire import Endpoint
+from lockgate.wire import Endpoint, parse_request
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 8}
 
@@ -201,13 +201,22 @@ class Owner:
     def flight_abandoned(self, flight, partial):
         self.ended.append("abandoned" if partial is None else f"partial:{len(partial.events)}")
 
+    def flight_closed_to_joiners(self, flight):
+        pass
+
     def flight_changed(self, flight):
         pass
 
 
 def make_flight(owner: Owner, policy: str = "immediate") -> Flight:
-    pool = SimpleNamespace(config=SimpleNamespace(cancel_policy=policy))
-    return Flight(owner, "f", key(1), pool, SimpleNamespace(model="m", stream=True), None, None, None)  # type: ignore[arg-type]
+    """A streaming flight whose engine call is never opened (the tests drive its events themselves)."""
+
+    async def never_opened(flight_id: str, hold: Any, drop: Any) -> EngineAnswer:
+        raise AssertionError("not run")
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    api = parse_request(Endpoint.CHAT, orjson.dumps(body))
+    return Flight(owner, "f", key(1), api, never_opened, cancel_policy=policy, max_response_bytes=1 << 20)
 
 
 def push(flight: Flight, event: dict[str, Any]) -> None:

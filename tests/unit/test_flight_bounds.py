@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
 
 from lockgate.config import parse_config
 from lockgate.dedup import Coalescer, Result, ResultCache, fingerprint
-from lockgate.dedup.flight import Flight, FlightState
+from lockgate.dedup.flight import EngineAnswer, Flight, FlightState
 from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
-from lockgate.wire import Endpoint
+from lockgate.wire import ApiRequest, Endpoint, parse_request
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
@@ -150,6 +150,11 @@ def event(n: int) -> dict[str, Any]:
     return {"id": "up", "choices": [{"index": 0, "delta": {"content": f"token {n} " + "x" * 100}}]}
 
 
+def stream_request() -> ApiRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}
+    return parse_request(Endpoint.CHAT, orjson.dumps(body))
+
+
 class FakeEngine:
     """What `open_attempts` returns: a stream of `count` events, one a step, as fast as they are taken, and its
     call counting the payload bytes received (what the flight sizes its buffer by)."""
@@ -157,7 +162,7 @@ class FakeEngine:
     def __init__(self, count: int) -> None:
         self.count = count
         self.produced = 0
-        self.call = SimpleNamespace(received=0)
+        self.call = SimpleNamespace(received=0, served_by="fake")
         self.broken = False
         self.events = self  # the opened call and its stream in one
 
@@ -184,34 +189,27 @@ class FakeEngine:
         pass
 
 
-def start_flight(
-    monkeypatch: pytest.MonkeyPatch, owner: Owner, engine: FakeEngine, *, lag: int, history: int, policy: str
-) -> Flight:
-    pool = SimpleNamespace(config=SimpleNamespace(cancel_policy=policy))
-    flight = Flight(
+def start_flight(owner: Owner, engine: FakeEngine, *, lag: int, history: int, policy: str) -> Flight:
+    async def open_engine(flight_id: str, hold: Any, drop: Any) -> EngineAnswer:
+        return cast(EngineAnswer, engine)
+
+    return Flight(
         owner,
         "f",
         key(1),
-        pool,  # type: ignore[arg-type]
-        SimpleNamespace(model="m", stream=True),  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
+        stream_request(),
+        open_engine,
+        cancel_policy=policy,
+        max_response_bytes=1 << 20,
         max_lag_bytes=lag,
         max_history_bytes=history,
     )
 
-    async def fake_open() -> FakeEngine:
-        return engine
 
-    monkeypatch.setattr(flight, "_open", fake_open)
-    return flight
-
-
-async def test_a_flight_waits_for_its_slowest_subscriber_and_keeps_within_its_bounds(monkeypatch):
+async def test_a_flight_waits_for_its_slowest_subscriber_and_keeps_within_its_bounds():
     owner = Owner()
     engine = FakeEngine(20_000)
-    flight = start_flight(monkeypatch, owner, engine, lag=8 * 1024, history=32 * 1024, policy="immediate")
+    flight = start_flight(owner, engine, lag=8 * 1024, history=32 * 1024, policy="immediate")
     fast, slow = flight.subscribe(), flight.subscribe()
     task = asyncio.create_task(flight.run())
     try:
@@ -254,12 +252,12 @@ async def test_a_flight_waits_for_its_slowest_subscriber_and_keeps_within_its_bo
     assert len(flight._ends) == len(flight._contents) == len(flight.events) < 60
 
 
-async def test_a_detached_flight_keeps_no_more_than_its_history(monkeypatch):
+async def test_a_detached_flight_keeps_no_more_than_its_history():
     """`finish_and_cache` with every client gone: the flight finishes with nobody reading; its buffer
     stays within the history bound (and then holds nothing unread)."""
     owner = Owner()
     engine = FakeEngine(2000)
-    flight = start_flight(monkeypatch, owner, engine, lag=4 * 1024, history=16 * 1024, policy="finish_and_cache")
+    flight = start_flight(owner, engine, lag=4 * 1024, history=16 * 1024, policy="finish_and_cache")
     flight.subscribe().close()
     peak = 0
 
@@ -273,10 +271,10 @@ async def test_a_detached_flight_keeps_no_more_than_its_history(monkeypatch):
     assert owner.ended == [("completed", None)]
 
 
-async def test_a_small_flight_is_replayed_to_late_joiners_and_yields_its_result(monkeypatch):
+async def test_a_small_flight_is_replayed_to_late_joiners_and_yields_its_result():
     owner = Owner()
     engine = FakeEngine(20)
-    flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
+    flight = start_flight(owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
     first = flight.subscribe()
     await flight.run()
     late = flight.subscribe()  # still joinable: replayed from the start
@@ -289,12 +287,12 @@ async def test_a_small_flight_is_replayed_to_late_joiners_and_yields_its_result(
 # --- following a flight (streaming subscribers, `respond.pump`) ---------------------------------------------
 
 
-async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_it(monkeypatch):
+async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_it():
     """A streaming subscriber caught up with its flight is handed each event in the flight's own step (the
     engine connection's callback), not by waking its task per event: its task waits in `follow` once."""
     owner = Owner()
     engine = FakeEngine(30)
-    flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
+    flight = start_flight(owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
     leader, other = flight.subscribe(), flight.subscribe()
     taken: dict[str, list[tuple[dict[str, Any], bytes | None, bool]]] = {"leader": [], "other": []}
     lags: list[tuple[int, int, int]] = []
@@ -341,14 +339,14 @@ async def test_a_following_subscriber_takes_each_event_in_the_step_that_brought_
     assert flight._followers == []
 
 
-async def test_a_late_joiner_takes_its_replay_in_bounded_batches(monkeypatch):
+async def test_a_late_joiner_takes_its_replay_in_bounded_batches():
     """A client joining a flight with a long history gets it a batch (`TAKE_BYTES`) at a time, so that its
     writer waits for its transport between batches instead of writing the whole replay at once."""
     from lockgate.dedup.flight import TAKE_BYTES
 
     owner = Owner()
     engine = FakeEngine(1500)  # ~200 KB of events
-    flight = start_flight(monkeypatch, owner, engine, lag=4 << 20, history=4 << 20, policy="finish_and_cache")
+    flight = start_flight(owner, engine, lag=4 << 20, history=4 << 20, policy="finish_and_cache")
     first = flight.subscribe()
     await flight.run()
     late = flight.subscribe()
@@ -367,7 +365,7 @@ async def test_a_late_joiner_takes_its_replay_in_bounded_batches(monkeypatch):
     assert first.take()[0][0] == event(0)  # the other subscriber's position is its own
 
 
-async def test_a_failed_flight_hands_its_events_then_its_error(monkeypatch):
+async def test_a_failed_flight_hands_its_events_then_its_error():
     """What a flight kept before it failed is taken first; then `broken` says so and `take()` raises its error."""
     from lockgate.errors import UpstreamError
 
@@ -384,7 +382,7 @@ async def test_a_failed_flight_hands_its_events_then_its_error(monkeypatch):
 
     owner = Owner()
     engine = FiveThenMore()
-    flight = start_flight(monkeypatch, owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
+    flight = start_flight(owner, engine, lag=1024 * 1024, history=1024 * 1024, policy="immediate")
     subscription = flight.subscribe()
     task = asyncio.create_task(flight.run())
     async with asyncio.timeout(5):

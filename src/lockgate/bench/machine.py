@@ -40,6 +40,7 @@ HOT_MODULES = (
     "lockgate.metrics",
     "lockgate.dedup.coalescer",
     "lockgate.changes",
+    "lockgate.dedup.flight",
 )
 
 

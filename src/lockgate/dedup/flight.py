@@ -52,23 +52,20 @@ import logging
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..assemble import assemble, usage_of
-from ..attempt import Opened, open_attempts
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
-from ..routing.policies import RouteRequest
-from ..upstream import UpstreamCall, UpstreamEvents, too_large
+from ..upstream import too_large
 from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet.instance import Lease
-    from ..fleet.pool import Fleet, Pool
-    from ..metrics import GatewayMetrics
+    from ..fleet.instance import Instance, Lease
+    from ..upstream import UpstreamCall
     from ..wire import ApiRequest
 
 log = logging.getLogger(__name__)
@@ -101,35 +98,91 @@ class FlightOwner(Protocol):
     def flight_changed(self, flight: Flight) -> None: ...
 
 
+class EngineCall(Protocol):
+    """What a flight reads of its engine call (`upstream.UpstreamCall`)."""
+
+    @property
+    def received(self) -> int: ...
+
+    @property
+    def served_by(self) -> str: ...
+
+    @property
+    def instance(self) -> Instance: ...
+
+    def abort(self) -> bool: ...
+
+    async def read_json(self) -> dict[str, Any]: ...
+
+
+class EngineEvents(Protocol):
+    """What a flight reads of its engine call's stream (`upstream.UpstreamEvents`)."""
+
+    @property
+    def ended(self) -> bool: ...
+
+    @property
+    def broken(self) -> bool: ...
+
+    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]: ...
+
+    def follow(self, step: Callable[[], T | None]) -> Awaitable[T]: ...
+
+    def close(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+
+
+class EngineAnswer(Protocol):
+    """An opened engine call as a flight holds it (`attempt.Opened`). Protocols rather than those classes, so that
+    a flight can be driven by a fake engine in tests, compiled or not."""
+
+    @property
+    def call(self) -> EngineCall: ...
+
+    @property
+    def lease(self) -> Lease: ...
+
+    @property
+    def events(self) -> EngineEvents | None: ...
+
+    def close(self) -> None: ...
+
+
+#: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the flight's id, what
+#: to do with each attempt's lease and call (hold them, so that the flight can abort the call) and with a failed
+#: attempt's (drop them).
+OpenEngine = Callable[[str, Callable[["Lease", "UpstreamCall"], None], Callable[[], object]], Awaitable[EngineAnswer]]
+
+
 class Flight:
     def __init__(
         self,
         owner: FlightOwner,
         flight_id: str,
         key: Fingerprint,
-        pool: Pool,
         api: ApiRequest,
-        route: RouteRequest,
-        fleet: Fleet,
-        metrics: GatewayMetrics,
+        open_engine: OpenEngine,
         *,
+        cancel_policy: str,
+        max_response_bytes: int,
         max_lag_bytes: int = 1 << 20,
         max_history_bytes: int = 4 << 20,
     ) -> None:
         self.owner = owner
         self.id = flight_id
         self.key = key
-        self.pool = pool
-        #: The upstream request and how to route it (the leader's prompt and headers).
+        #: The upstream request (the leader's prompt and headers), and how to open its engine call.
         self.api = api
+        self._open_engine = open_engine
         #: A streaming flight (events, joinable by every client) or a JSON one (one body, non-streaming clients).
         self.stream = api.stream
         #: The engine's completion, once a JSON flight has completed.
         self.body: dict[str, Any] | None = None
-        self.route = route
-        self.cancel_policy = pool.config.cancel_policy
-        self._fleet = fleet
-        self._metrics = metrics
+        #: The model's `cancel_policy` (see the module docstring).
+        self.cancel_policy = cancel_policy
+        #: A JSON flight's limit on its body (`upstream.max_response_bytes`).
+        self.max_response_bytes = max_response_bytes
         self.state = FlightState.RUNNING
         #: The events kept: the whole generation while `joinable`, afterwards what is still unread.
         self.events: list[dict[str, Any]] = []
@@ -272,7 +325,7 @@ class Flight:
                 opened.close()  # synchronous: no await in a `finally` (see setup.py)
             self._release()
 
-    def _step(self, stream: UpstreamEvents) -> bool | None:
+    def _step(self, stream: EngineEvents) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
         of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
         go on. Raises what broke the stream, after keeping the events before the break."""
@@ -298,7 +351,7 @@ class Flight:
             return False
         return None
 
-    async def _read_body(self, opened: Opened) -> dict[str, Any]:
+    async def _read_body(self, opened: EngineAnswer) -> dict[str, Any]:
         """A JSON flight's completion: the engine's body, or (an engine read as a stream whatever was asked)
         its events assembled; either within `upstream.max_response_bytes`."""
         call = opened.call
@@ -310,7 +363,7 @@ class Flight:
             if isinstance(tokens, int):
                 opened.lease.whole(tokens)
             return body
-        limit = self._fleet.upstream.max_response_bytes
+        limit = self.max_response_bytes
         held: list[dict[str, Any]] = []
         try:
             async for event in events:
@@ -388,18 +441,8 @@ class Flight:
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call
 
-    async def _open(self) -> Opened:
-        opened = await open_attempts(
-            self._fleet,
-            self._metrics,
-            self.pool,
-            self.api,
-            self.route,
-            self.id,
-            hold=self._hold,
-            drop=self._release,
-            time_left=lambda: True,
-        )
+    async def _open(self) -> EngineAnswer:
+        opened = await self._open_engine(self.id, self._hold, self._release)
         self.served_by = opened.call.served_by
         return opened
 

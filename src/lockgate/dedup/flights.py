@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..attempt import Opened, open_attempts
 from ..changes import Changes
 from ..errors import ShuttingDown
 from .cache import Result, ResultCache
@@ -36,9 +37,11 @@ MIXED_WINDOW_S = 60.0
 
 if TYPE_CHECKING:
     from ..config import FlightsConfig
+    from ..fleet.instance import Lease
     from ..fleet.pool import Fleet, Pool
     from ..metrics import GatewayMetrics
     from ..routing.policies import RouteRequest
+    from ..upstream import UpstreamCall
     from ..wire import ApiRequest
 
 
@@ -119,15 +122,23 @@ class Flights:
         if api.stream and key.digest in self._bodies:
             self.splits += 1  # a second call for one generation: this model's clients mix
             self._mixed_until[pool.model] = self._clock() + MIXED_WINDOW_S
+        fleet, metrics = self._fleet, self._metrics
+
+        def open_engine(
+            flight_id: str, hold: Callable[[Lease, UpstreamCall], None], drop: Callable[[], object]
+        ) -> Awaitable[Opened]:
+            return open_attempts(
+                fleet, metrics, pool, api, route, flight_id, hold=hold, drop=drop, time_left=lambda: True
+            )
+
         flight = Flight(
             self,
             f"{self._id_prefix}{self.started:x}",
             key,
-            pool,
             api,
-            route,
-            self._fleet,
-            self._metrics,
+            open_engine,
+            cancel_policy=pool.config.cancel_policy,
+            max_response_bytes=fleet.upstream.max_response_bytes,
             max_lag_bytes=self._max_lag_bytes,
             max_history_bytes=self._max_history_bytes,
         )
