@@ -39,6 +39,9 @@ COMPILED = [
     "src/lockgate/dedup/coalescer.py",
     "src/lockgate/changes.py",
     "src/lockgate/dedup/flight.py",
+    "src/lockgate/dedup/flights.py",
+    "src/lockgate/dedup/cache.py",
+    "src/lockgate/dedup/fingerprint.py",
 ]
 
 if os.environ.get("LOCKGATE_COMPILE") == "1":

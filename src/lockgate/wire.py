@@ -101,6 +101,16 @@ class ApiRequest:
             self._prompt_tokens = max(1, len(self.prompt_text()) // 4)
         return self._prompt_tokens
 
+    def streamed_with_usage(self, body: dict[str, Any]) -> ApiRequest:
+        """This request as a stream that reports its usage, sending `body` (a flight's engine request), with the
+        prompt's text and estimate already computed carried over (`dataclasses.replace` would compute them again,
+        and costs a generic copy per flight)."""
+        out = ApiRequest(
+            self.endpoint, body, self.model, True, True, self.max_tokens, self.trace_headers, self.relay_headers
+        )
+        out._prompt, out._prompt_tokens = self._prompt, self._prompt_tokens
+        return out
+
 
 def _content_text(content: Any) -> str:
     if isinstance(content, str):

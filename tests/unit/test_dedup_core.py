@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import orjson
@@ -142,6 +143,22 @@ def test_cache_serves_partial_results_only_as_partials():
     assert cache.get(key(1)) is not None
 
 
+def test_a_stored_result_is_packed_out_of_the_collectors_sight_and_each_read_is_its_own():
+    events = chat_events()
+    body = {"id": "up", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ab"}}]}
+    streamed, whole = Result(events=events, nbytes=400), Result(body=body, nbytes=100)
+    # What the garbage collector walks from a result: no dict, list or tuple of the generation (a full cache is
+    # thousands of results; each full collection would walk every event's nested dicts).
+    for stored in (streamed, whole):
+        assert not [o for o in gc.get_referents(stored) if isinstance(o, (dict, list, tuple))]
+    assert streamed.events == tuple(events) and streamed.has_events and streamed.body is None
+    assert whole.body == body and whole.events == () and not whole.has_events
+    first = streamed.events
+    first[1]["choices"][0]["delta"]["content"] = "changed by one reader"
+    assert streamed.events == tuple(events)  # the next reader is not affected
+    assert whole.body is not whole.body
+
+
 def chat_events() -> list[dict[str, Any]]:
     def chunk(delta, finish=None):
         return {
@@ -219,9 +236,22 @@ def make_flight(owner: Owner, policy: str = "immediate") -> Flight:
     return Flight(owner, "f", key(1), api, never_opened, cancel_policy=policy, max_response_bytes=1 << 20)
 
 
-def push(flight: Flight, event: dict[str, Any]) -> None:
-    flight.events.append(event)
-    flight._notify()
+class Read:
+    """One read of an engine stream, as a flight's step takes it: each event with the engine's bytes of it."""
+
+    ended = broken = False
+
+    def __init__(self, *events: dict[str, Any]) -> None:
+        self._taken = [(event, orjson.dumps(event), True) for event in events]
+
+    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
+        taken, self._taken = self._taken, []
+        return taken
+
+
+def push(flight: Flight, *events: dict[str, Any]) -> None:
+    """The engine's next read brought `events`: the flight keeps them and tells its subscribers."""
+    assert flight._step(Read(*events)) is None  # no bound crossed
 
 
 async def test_late_subscriber_gets_replay_then_live_tail():
@@ -278,7 +308,7 @@ def test_last_subscriber_leaving_applies_the_cancel_policy(policy, expected_stat
     owner = Owner()
     flight = make_flight(owner, policy)
     leader, follower = flight.subscribe(), flight.subscribe()
-    flight.events.append(chat_events()[0])
+    push(flight, chat_events()[0])
     leader.close()
     leader.close()  # idempotent
     assert flight.state is FlightState.RUNNING and flight.subscribers == 1  # the leader leaving changes nothing

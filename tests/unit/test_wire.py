@@ -1,5 +1,8 @@
+import dataclasses
+
 import pytest
 
+from lockgate.dedup.coalescer import upstream_request
 from lockgate.errors import InvalidRequest
 from lockgate.wire import Endpoint, parse_request
 
@@ -109,3 +112,16 @@ def test_nesting_deeper_than_the_limit_names_the_top_level_field():
     with pytest.raises(InvalidRequest) as info:
         parse_request(Endpoint.CHAT, deep_in_messages)
     assert info.value.param == "messages"
+
+
+def test_a_flights_engine_request_streams_with_usage_and_keeps_the_prompt_computed():
+    api = parse_request(Endpoint.CHAT, chat(max_tokens=7, temperature=0))
+    api = dataclasses.replace(api, trace_headers=(("traceparent", "x"),))
+    tokens = api.estimated_prompt_tokens()
+    streamed = upstream_request(api, stream=True)
+    assert streamed.stream and streamed.include_usage
+    assert streamed.body == {**api.body, "stream": True}
+    assert (streamed.model, streamed.max_tokens, streamed.trace_headers) == ("m", 7, (("traceparent", "x"),))
+    assert streamed._prompt == api.prompt_text() and streamed._prompt_tokens == tokens
+    assert api.body.get("stream") is None and not api.stream  # the client's request is left as it was
+    assert upstream_request(api, stream=False) is api

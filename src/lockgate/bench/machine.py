@@ -41,6 +41,9 @@ HOT_MODULES = (
     "lockgate.dedup.coalescer",
     "lockgate.changes",
     "lockgate.dedup.flight",
+    "lockgate.dedup.flights",
+    "lockgate.dedup.cache",
+    "lockgate.dedup.fingerprint",
 )
 
 

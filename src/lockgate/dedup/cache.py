@@ -17,25 +17,63 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import orjson
 
 from .fingerprint import Fingerprint
 
 
-@dataclass(slots=True)
 class Result:
-    """A generation as the engine gave it (never mutated once stored): its parsed SSE events, or (`body`
-    not None, `events` empty) the one JSON completion a non-streaming flight asked for."""
+    """A generation as the engine gave it: its parsed SSE events, or (`body` not None, `events` empty) the one JSON
+    completion a non-streaming flight asked for.
 
-    events: tuple[dict[str, Any], ...]
-    nbytes: int
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    complete: bool = True
-    instance: str | None = None
-    body: dict[str, Any] | None = None
+    Kept packed, as one JSON bytes object, and decoded anew at each read (`events`, `body`): a full cache holds
+    thousands of results of a few dozen nested dicts each, and every one of those dicts would be walked by each
+    full garbage collection (bytes are not). A read is a cache hit, much rarer than a store; each reader gets its
+    own dicts, so none can change what the next one reads."""
+
+    __slots__ = ("_body", "_events", "complete", "completion_tokens", "instance", "nbytes", "prompt_tokens")
+
+    def __init__(
+        self,
+        events: Sequence[dict[str, Any]] = (),
+        nbytes: int = 0,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        complete: bool = True,
+        instance: str | None = None,
+        body: dict[str, Any] | None = None,
+        *,
+        packed_events: bytes | None = None,
+    ) -> None:
+        """`packed_events`: the events already packed, a JSON array (a flight joins the engine's bytes of each)."""
+        if packed_events is not None:
+            self._events: bytes | None = packed_events
+        else:
+            self._events = orjson.dumps(events) if events else None
+        self._body = orjson.dumps(body) if body is not None else None
+        self.nbytes = nbytes
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.complete = complete
+        self.instance = instance
+
+    @property
+    def events(self) -> tuple[dict[str, Any], ...]:
+        return tuple(orjson.loads(self._events)) if self._events is not None else ()
+
+    @property
+    def has_events(self) -> bool:
+        return self._events is not None
+
+    @property
+    def body(self) -> dict[str, Any] | None:
+        if self._body is None:
+            return None
+        body: dict[str, Any] = orjson.loads(self._body)
+        return body
 
 
 class ResultCache:

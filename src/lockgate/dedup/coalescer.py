@@ -19,7 +19,6 @@ kind serves both: events are folded for a non-streaming client, a body becomes a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
 import os
@@ -175,7 +174,8 @@ class Coalescer:
         """A completed result as a stream, for a streaming client (None for a non-streaming one)."""
         if not ex.api.stream:
             return None
-        return _Replay(result.events if result.body is None else events_of(ex.api.endpoint, result.body))
+        body = result.body
+        return _Replay(result.events if body is None else events_of(ex.api.endpoint, body))
 
     @staticmethod
     def _subscribe(ex: Exchange, flight: Flight) -> Subscription:
@@ -197,7 +197,8 @@ class Coalescer:
         if ex.api.stream:
             response = await self._stream(ex, http_request, outcome, source)
         elif cached is not None:
-            response = self._whole(ex, outcome, cached.body, cached.events, source)
+            body = cached.body
+            response = self._whole(ex, outcome, body, cached.events if body is None else (), source)
         elif source.flight.stream:
             response = self._whole(ex, outcome, None, await source.wait_done(self.max_response_bytes), source)
         else:
@@ -259,7 +260,7 @@ def upstream_request(api: ApiRequest, *, stream: bool) -> ApiRequest:
         return api
     body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
     body["stream"] = True
-    return dataclasses.replace(api, body=body, stream=True, include_usage=True)
+    return api.streamed_with_usage(body)
 
 
 class _Replay:

@@ -51,7 +51,6 @@ import functools
 import logging
 import time
 from bisect import bisect_right
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -115,8 +114,8 @@ class EngineCall(Protocol):
     async def read_json(self) -> dict[str, Any]: ...
 
 
-class EngineEvents(Protocol):
-    """What a flight reads of its engine call's stream (`upstream.UpstreamEvents`)."""
+class EngineReads(Protocol):
+    """What a flight's step takes of its engine call's stream at each read."""
 
     @property
     def ended(self) -> bool: ...
@@ -125,6 +124,10 @@ class EngineEvents(Protocol):
     def broken(self) -> bool: ...
 
     def take(self) -> list[tuple[dict[str, Any], bytes, bool]]: ...
+
+
+class EngineEvents(EngineReads, Protocol):
+    """What a flight reads of its engine call's stream (`upstream.UpstreamEvents`)."""
 
     def follow(self, step: Callable[[], T | None]) -> Awaitable[T]: ...
 
@@ -186,7 +189,10 @@ class Flight:
         self.state = FlightState.RUNNING
         #: The events kept: the whole generation while `joinable`, afterwards what is still unread.
         self.events: list[dict[str, Any]] = []
-        #: Cumulative bytes at the end of each kept event, and whether it carries a token (parallel to `events`).
+        #: The engine's bytes of each kept event (its JSON), cumulative bytes at the end of each, and whether it
+        #: carries a token (parallel to `events`). The result is packed from the engine's bytes (no encoding again),
+        #: and the leader writes them as they are (pass-through).
+        self._payloads: list[bytes] = []
         self._ends: list[int] = []
         self._contents: list[bool] = []
         #: Index (in the whole generation) and byte offset of `events[0]`.
@@ -222,9 +228,8 @@ class Flight:
         #: Subscribers following the flight (`Subscription.follow`): called at each event or the end, in the
         #: callback that brought it, so that a subscriber caught up writes it to its client without a task.
         self._followers: list[Callable[[], None]] = []
-        #: The engine's own bytes of the events its first subscriber (the leader) has not read yet, while that
-        #: subscriber is there: it may write them as they are (pass-through). At most its lag.
-        self._raws: deque[bytes | None] | None = None
+        #: The first subscriber (the leader), while it is there: it gets the engine's bytes of each event
+        #: (`_payloads`), which it may write as they are (pass-through).
         self._raw_reader: Subscription | None = None
 
     # --- subscribers (synchronous) -------------------------------------------------------------
@@ -238,7 +243,6 @@ class Flight:
         self._subscriptions.add(subscription)
         if self.subscribed_total == 1 and self.stream:
             self._raw_reader = subscription  # the leader, subscribed before the first event
-            self._raws = deque()
         if self._floor_bytes:
             self._floor_bytes = self._floor_position = 0  # the slowest subscriber now starts at 0
         self.owner.flight_changed(self)
@@ -249,7 +253,7 @@ class Flight:
         self.subscribers -= 1
         self._subscriptions.discard(subscription)
         if subscription is self._raw_reader:
-            self._raw_reader = self._raws = None
+            self._raw_reader = None
         self._wake_reader()
         self.owner.flight_changed(self)
         if self.subscribers > 0 or self.state is not FlightState.RUNNING:
@@ -325,20 +329,25 @@ class Flight:
                 opened.close()  # synchronous: no await in a `finally` (see setup.py)
             self._release()
 
-    def _step(self, stream: EngineEvents) -> bool | None:
+    def _step(self, stream: EngineReads) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
         of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
         go on. Raises what broke the stream, after keeping the events before the break."""
         taken = stream.take()
         if taken:
-            raws, events, ends, contents, nbytes = self._raws, self.events, self._ends, self._contents, self._nbytes
+            payloads, events, ends, contents, nbytes = (
+                self._payloads,
+                self.events,
+                self._ends,
+                self._contents,
+                self._nbytes,
+            )
             for event, raw, content in taken:
                 nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
                 events.append(event)
+                payloads.append(raw)
                 ends.append(nbytes)
                 contents.append(content)
-                if raws is not None:
-                    raws.append(raw)
             self._nbytes = nbytes
             self._notify()
         if stream.ended:
@@ -394,6 +403,7 @@ class Flight:
         if count > 0:
             self._base_bytes = self._ends[count - 1]
             del self.events[:count]
+            del self._payloads[:count]
             del self._ends[:count]
             del self._contents[:count]
             self._base = position
@@ -471,8 +481,9 @@ class Flight:
         if usage is not None:
             prompt = _int(usage.get("prompt_tokens"))
             completion = _int(usage.get("completion_tokens"))
+        payloads = self._payloads
         return Result(
-            events=tuple(self.events),
+            packed_events=b"[" + b",".join(payloads) + b"]" if payloads else None,  # each a JSON object
             nbytes=self._nbytes,
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -579,8 +590,6 @@ class Subscription:
                 if flight._reader_waiter is not None and self._position == flight._floor_position:
                     flight._wake_reader()  # the slowest subscriber reads on
                 self._position += 1
-                if flight._raw_reader is self and flight._raws:
-                    flight._raws.popleft()  # a leader that iterates (a non-streaming client) has no use for them
                 return event
             if flight.state is FlightState.COMPLETED:
                 raise StopAsyncIteration
@@ -610,19 +619,19 @@ class Subscription:
             return []
         if flight._reader_waiter is not None and position == flight._floor_position:
             flight._wake_reader()  # the slowest subscriber reads on
-        raws = flight._raws if flight._raw_reader is self else None
+        leader = flight._raw_reader is self
         if count == 1:  # a live subscriber's usual case: the event the flight has just kept
             stop = index + 1
             out: list[tuple[dict[str, Any], bytes | None, bool]] = [
-                (events[index], raws.popleft() if raws else None, flight._contents[index])
+                (events[index], flight._payloads[index] if leader else None, flight._contents[index])
             ]
         else:
-            stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
+            stop = len(events)
+            if flight._ends[-1] - flight._consumed(position) > TAKE_BYTES:
+                stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
             contents = flight._contents[index:stop]
-            if raws is not None:
-                out = [
-                    (e, raws.popleft() if raws else None, c) for e, c in zip(events[index:stop], contents, strict=True)
-                ]
+            if leader:
+                out = list(zip(events[index:stop], flight._payloads[index:stop], contents, strict=True))
             else:
                 out = [(e, None, c) for e, c in zip(events[index:stop], contents, strict=True)]
         self._position = position + stop - index

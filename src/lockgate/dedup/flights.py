@@ -187,7 +187,7 @@ class Flights:
 
     def flight_abandoned(self, flight: Flight, partial: Result | None) -> None:
         self.abandoned += 1
-        if partial is not None and partial.events:
+        if partial is not None and partial.has_events:
             self.cache.put(flight.key, partial)
         self._forget(flight)
 
