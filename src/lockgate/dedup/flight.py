@@ -335,13 +335,8 @@ class Flight:
         go on. Raises what broke the stream, after keeping the events before the break."""
         taken = stream.take()
         if taken:
-            payloads, events, ends, contents, nbytes = (
-                self._payloads,
-                self.events,
-                self._ends,
-                self._contents,
-                self._nbytes,
-            )
+            events, payloads, ends, contents = self.events, self._payloads, self._ends, self._contents
+            nbytes = self._nbytes
             for event, raw, content in taken:
                 nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
                 events.append(event)
