@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -157,6 +158,29 @@ def test_a_stored_result_is_packed_out_of_the_collectors_sight_and_each_read_is_
     first[1]["choices"][0]["delta"]["content"] = "changed by one reader"
     assert streamed.events == tuple(events)  # the next reader is not affected
     assert whole.body is not whole.body
+
+
+def test_a_cached_result_takes_no_more_memory_than_the_cache_counts_for_it():
+    """The cache's byte bounds count a result by its events' bytes (+64 each, as a flight sizes them); what the
+    result keeps alive once its flight is gone must fit in that (parsed, it was ~3.4x over)."""
+    events = [
+        {**event, "choices": [{**choice, "delta": {"content": f"token {n}"}} for choice in event["choices"]]}
+        for n in range(20)
+        for event in chat_events()[1:2]
+    ]
+    payloads = [orjson.dumps(event) for event in events]
+    tracemalloc.start()
+    try:
+        flight = make_flight(Owner())
+        push(flight, *(orjson.loads(p) for p in payloads))
+        result = flight._result(complete=True)
+        del flight
+        gc.collect()
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result is not None and result.events == tuple(events)
+    assert kept <= result.nbytes == sum(64 + len(p) for p in payloads)
 
 
 def chat_events() -> list[dict[str, Any]]:
