@@ -12,6 +12,7 @@ the model's `retries` and by the request's deadline.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -20,11 +21,13 @@ import orjson
 
 from .errors import GatewayError, UpstreamError, UpstreamProtocolError
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
+from .fleet.pool import LongPrefillBusy
 from .routing.policies import RouteRequest
 from .upstream import UpstreamCall, UpstreamEvents
 from .wire import ApiRequest
 
 if TYPE_CHECKING:
+    from .fleet.instance import Instance
     from .fleet.pool import Fleet, Pool
     from .metrics import GatewayMetrics
 
@@ -63,11 +66,9 @@ async def open_attempts(
     attempts = pool.config.retries + 1
     last_error: UpstreamError | None = None
     for attempt in range(attempts):
-        # The model's pool as configured now: a reload since the request arrived (or was queued) may
-        # have replaced it, and its old instances no longer take requests.
-        pool = fleet.pools.get(pool.model, pool)
+        request = replace(route, exclude=frozenset(tried)) if tried else route
         try:
-            instance, cached = pool.choose(replace(route, exclude=frozenset(tried)) if tried else route)
+            pool, instance, cached = _choose(fleet, pool, request) or await _take_turn(fleet, metrics, pool, request)
         except GatewayError:
             if last_error is not None:
                 raise last_error from None
@@ -88,7 +89,10 @@ async def open_attempts(
             # Only a sidecar (an engine published through etcd) is told whose request it is.
             headers=api.trace_headers + api.relay_headers if instance.published is not None else api.trace_headers,
         )
-        lease = fleet.lease(instance, max(0, route.prompt_tokens - cached), route.prompt_tokens)
+        uncached = max(0, route.prompt_tokens - cached)
+        lease = fleet.lease(
+            instance, uncached, route.prompt_tokens, route.stream and stream and pool.is_long(instance, uncached)
+        )
         hold(lease, call)
         try:
             await call.open()
@@ -112,3 +116,33 @@ async def open_attempts(
             tried.add(instance.key)
             metrics.retries.labels(api.model).inc()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _choose(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Instance, int] | None:
+    """The model's pool as configured now (a reload since the request arrived, or was queued, may have replaced
+    it, and its old instances no longer take requests) and its choice of instance; None for a long prompt while
+    every candidate is prefilling one (`_take_turn`)."""
+    pool = fleet.pools.get(pool.model, pool)
+    try:
+        instance, cached = pool.choose(request)
+    except LongPrefillBusy:
+        return None
+    return pool, instance, cached
+
+
+async def _take_turn(
+    fleet: Fleet, metrics: GatewayMetrics, pool: Pool, request: RouteRequest
+) -> tuple[Pool, Instance, int]:
+    """A long prompt's wait for a turn (`Pool.is_long`), then its choice: nothing is held for the wait, and a cancel
+    or the deadline lands there."""
+    metrics.long_prefill_waits.labels(pool.model).inc()
+    while True:
+        pool = fleet.pools.get(pool.model, pool)
+        await fleet.prefills.wait_until(functools.partial(pool.long_turn, request))
+        choice = _choose(fleet, pool, request)
+        if choice is None and pool.long_turn(request):
+            # A candidate has no long prefill, yet the policy takes none of them: routed as if turns were off
+            # rather than waiting again for a turn that is already there (which would never suspend).
+            choice = _choose(fleet, pool, replace(request, stream=False))
+        if choice is not None:
+            return choice

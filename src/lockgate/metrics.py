@@ -317,6 +317,15 @@ class GatewayMetrics:
                 registry=r,
             )
         )
+        self.long_prefill_waits = Family(
+            Counter(
+                "lockgate_long_prefill_waits",
+                "Requests with a long prompt that waited in the gateway for an instance with no long prefill "
+                "outstanding (routing.long_prefill_ms).",
+                ["model"],
+                registry=r,
+            )
+        )
         self.retries = Family(
             Counter(
                 "lockgate_upstream_retries",

@@ -13,14 +13,17 @@ from lockgate.bench import capacity, hol
 async def test_hol_measures_short_requests_alone_and_behind_long_ones() -> None:
     settings = hol.Settings(duration_s=0.8, short_rate=15.0, long_words=400, prefill_tps=20000.0)
     phases = await hol.run(settings)
-    assert [p.name for p in phases] == ["short alone", "short + long"]
+    assert [p.name for p in phases] == ["short alone", "short + long", "turns on"]
     assert all(p.errors == 0 for p in phases)
-    alone, mixed = phases
+    alone, mixed, turns = phases
     assert alone.ttfts("short") and not alone.ttfts("long")
-    assert len(mixed.ttfts("short")) == len(alone.ttfts("short")) and mixed.ttfts("long")
+    for phase in (mixed, turns):
+        assert len(phase.ttfts("short")) == len(alone.ttfts("short")) and phase.ttfts("long")
     assert all(len(p.limits) == settings.sims for p in phases)
     text = hol.report(phases, settings)
     assert re.search(r"short TTFT with long requests vs alone: p50 \d+\.\d\dx, p99 \d+\.\d\dx", text)
+    assert re.search(r"turns \(routing.long_prefill_ms: 100\): p50 \d+\.\d\dx, p99 \d+\.\d\dx", text)
+    assert re.search(r"long TTFT with turns vs without: p50 \d+\.\d\dx, p99 \d+\.\d\dx", text)
 
 
 def test_capacity_large_mode_prints_both_targets() -> None:

@@ -9,7 +9,9 @@ own record, arrival to first token), so what is left is the gateway's queue.
 
 A short request cannot avoid waiting for the forward step it joins, and a step that carries a long
 prefill chunk lasts `chunk / prefill_tps`; what it should never do is wait for long prefills that
-arrived before it while another instance or slot could serve it sooner.
+arrived before it while another instance or slot could serve it sooner. A third phase replays the mixed
+stream with long prompts' turns on (`routing.long_prefill_ms`, off by default: at most one long prefill
+outstanding per instance), beside the default in the same run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from .load import percentile
 from .progress import Progress
 
 MODEL = "bench-model"
+#: The third phase's `routing.long_prefill_ms` (long prompts' turns).
+LONG_PREFILL_MS = 100
 _WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards"]
 
 
@@ -91,7 +95,9 @@ def _prompt(rng: random.Random, words: int, n: int) -> str:
     return f"{n} " + " ".join(rng.choice(_WORDS) for _ in range(words - 1))
 
 
-async def _phase(name: str, settings: Settings, with_long: bool, progress: Progress) -> PhaseResult:
+async def _phase(
+    name: str, settings: Settings, with_long: bool, progress: Progress, *, turns: bool = False
+) -> PhaseResult:
     rng = random.Random(settings.seed)
     shorts = [(t, "short") for t in _arrivals(settings.short_rate, settings.duration_s, rng)]
     longs = [(t, "long") for t in _arrivals(settings.long_rate, settings.duration_s, rng)] if with_long else []
@@ -120,6 +126,7 @@ async def _phase(name: str, settings: Settings, with_long: bool, progress: Progr
                         "routing": {
                             "policy": settings.policy,
                             "predicted_ttft": {"default_prefill_tps": settings.prefill_tps * 2},
+                            **({"long_prefill_ms": LONG_PREFILL_MS} if turns else {}),
                         },
                         "instances": [{"url": s.url, "engine": "vllm", "name": f"sim-{n}"} for n, s in enumerate(sims)],
                     }
@@ -184,6 +191,7 @@ async def run(settings: Settings, progress: Progress | None = None) -> list[Phas
     return [
         await _phase("short alone", settings, False, progress),
         await _phase("short + long", settings, True, progress),
+        await _phase("turns on", settings, True, progress, turns=True),
     ]
 
 
@@ -207,11 +215,23 @@ def report(phases: list[PhaseResult], settings: Settings) -> str:
             )
     limits = "; ".join(f"{p.name}: {', '.join(map(str, p.limits))}" for p in phases)
     lines.append(f"instances' concurrency limits at the end (engines run {settings.max_num_seqs}): {limits}")
-    alone, mixed = phases[0].ttfts("short"), phases[-1].ttfts("short")
+    alone, mixed, turns = (p.ttfts("short") for p in phases)
     if alone and mixed:
         step = settings.max_num_batched_tokens / settings.prefill_tps
         lines.append(
             f"short TTFT with long requests vs alone: p50 {percentile(mixed, 50) / percentile(alone, 50):.2f}x,"
             f" p99 {percentile(mixed, 99) / percentile(alone, 99):.2f}x (one full prefill step: {step * 1000:.0f} ms)"
+        )
+    if alone and turns:
+        lines.append(
+            f"the same with long prompts' turns (routing.long_prefill_ms: {LONG_PREFILL_MS}): p50"
+            f" {percentile(turns, 50) / percentile(alone, 50):.2f}x,"
+            f" p99 {percentile(turns, 99) / percentile(alone, 99):.2f}x"
+        )
+    long_off, long_on = phases[1].ttfts("long"), phases[2].ttfts("long")
+    if long_on and long_off:
+        lines.append(
+            f"long TTFT with turns vs without: p50 {percentile(long_on, 50) / percentile(long_off, 50):.2f}x,"
+            f" p99 {percentile(long_on, 99) / percentile(long_off, 99):.2f}x"
         )
     return "\n".join(lines)

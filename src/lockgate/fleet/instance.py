@@ -145,8 +145,15 @@ class Lease:
     __slots__ = ("_attempt", "_estimate", "_metrics", "_released", "_whole", "completion_tokens", "instance")
 
     def __init__(
-        self, instance: Instance, metrics: GatewayMetrics, uncached_tokens: int = 0, prompt_tokens: int = 0
+        self,
+        instance: Instance,
+        metrics: GatewayMetrics,
+        uncached_tokens: int = 0,
+        prompt_tokens: int = 0,
+        long: bool = False,
     ) -> None:
+        """`long`: a long streamed prompt, holding the instance's turn for one (`Pool.is_long`) until its first
+        token or its end."""
         self.instance = instance
         #: The gateway's estimate of the prompt's tokens (characters / 4).
         self._estimate = prompt_tokens
@@ -156,7 +163,7 @@ class Lease:
         self.completion_tokens = 0
         self._whole = False
         instance.in_flight += 1
-        self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic())
+        self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic(), long)
 
     def first_token(self) -> None:
         """The engine's first event arrived: this attempt's prompt is no longer queued there."""

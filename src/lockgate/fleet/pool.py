@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
@@ -60,6 +61,13 @@ class HeaderLookup(Protocol):
 
 
 log = logging.getLogger(__name__)
+
+
+class LongPrefillBusy(Exception):
+    """A long prompt (`Pool.is_long`) while every candidate instance is prefilling one: the request waits for a
+    turn (`Fleet.prefills`, `Pool.long_turn`), then routes again."""
+
+
 #: Routed prompts before a pool's measured reuse replaces the assumption that caches are reused (1.0).
 _REUSE_SAMPLES = 32
 
@@ -112,6 +120,8 @@ class Pool:
         self.reuse = Ewma(alpha=0.05)
         #: Sidecars: told of every routing decision (instance key, prompt blocks), to report residency.
         self.report_routed: Callable[[str, tuple[int, ...]], None] | None = None
+        #: `routing.long_prefill_ms`, in seconds (0: off): see `is_long`.
+        self.long_prefill_s = config.routing.long_prefill_ms / 1000
         for spec in config.instances:
             if spec.cache_tokens is not None:
                 self.set_cache_tokens(spec.key, spec.cache_tokens)
@@ -156,7 +166,13 @@ class Pool:
         blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
         pin = headers.get(self.pin_header) if self.pin_header is not None and headers is not None else None
         return RouteRequest(
-            api.model, "", prompt_tokens=api.estimated_prompt_tokens(), affinity_key=key, blocks=blocks, pin=pin
+            api.model,
+            "",
+            prompt_tokens=api.estimated_prompt_tokens(),
+            affinity_key=key,
+            blocks=blocks,
+            pin=pin,
+            stream=api.stream,
         )
 
     def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:
@@ -198,9 +214,34 @@ class Pool:
         """Blocks are characters: the share of the prompt they cover, in tokens."""
         return min(request.prompt_tokens, blocks * self.index.block_chars // 4) if blocks else 0
 
+    def is_long(self, instance: Instance, uncached_tokens: int) -> bool:
+        """Whether `uncached_tokens` of prompt take `instance` at least `routing.long_prefill_ms` to prefill, at its
+        measured rate. At most one such prompt (streamed) is outstanding per instance: a short request sent there
+        then waits, inside the engine, for the step in progress and at most one long prefill, not for a queue of
+        them (`bench hol`). An instance behind a sidecar (a node of several engines) is never held."""
+        limit = self.long_prefill_s
+        return limit > 0 and instance.published is None and uncached_tokens >= limit * instance.own.rate
+
+    def long_turn(self, request: RouteRequest) -> bool:
+        """Whether a long request waiting for its turn may be routed now: some candidate has no long prefill
+        outstanding (or none is routable: `choose` then says why)."""
+        candidates = [i for i in self.instances if i.routable and i.key not in request.exclude]
+        return not candidates or any(not i.own.long_pending for i in candidates)
+
+    def _long_elsewhere(self, request: RouteRequest, snapshot: PoolSnapshot | None) -> tuple[Instance, int]:
+        """A long prompt was chosen for an instance already prefilling one: the policy's choice among the others
+        that are not, or `LongPrefillBusy` when there is none (the request waits for a turn)."""
+        busy = frozenset(i.key for i in self.instances if i.own.long_pending)
+        others = replace(request, exclude=request.exclude | busy)
+        view = self.policy.choose(others, snapshot if snapshot is not None else self.snapshot(others))
+        if view is None:
+            raise LongPrefillBusy
+        return self._by_key[view.key], view.cached_tokens
+
     def choose(self, request: RouteRequest) -> tuple[Instance, int]:
         """The instance to try, and how many of the request's prompt tokens it likely has cached (which
-        sizes its lease). With a single candidate every policy would pick it: no snapshot is built."""
+        sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
+        `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
         if sole is None:
             sole = self._sole_candidate(request)
@@ -219,6 +260,8 @@ class Pool:
             if view is None:
                 raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
             instance, cached = self._by_key[view.key], view.cached_tokens
+        if request.stream and instance.own.long_pending and self.is_long(instance, request.prompt_tokens - cached):
+            instance, cached = self._long_elsewhere(request, snapshot)
         if request.blocks:
             if request.prompt_tokens > 0:
                 # Found cached anywhere (not only where it went): how much the caches' content is reused.
@@ -288,6 +331,9 @@ class Fleet:
         self._scrape_task: asyncio.Task[None] | None = None
         self._health_wake = asyncio.Event()
         self._changes = Changes()
+        #: Notified when an instance's long prefill is answered or ends: long requests waiting for their turn
+        #: (`Pool.long_turn`) look again.
+        self.prefills = Changes()
         #: Instances a reload removed, each closed by its task once its requests have ended.
         self._retiring: dict[Instance, asyncio.Task[None]] = {}
         #: Called (synchronously) after every health or ejection change, e.g. to resize admission.
@@ -543,7 +589,7 @@ class Fleet:
             )
             for connections in (limit, 1)
         )
-        return Instance(
+        instance = Instance(
             spec,
             session,
             base_url,
@@ -553,6 +599,8 @@ class Fleet:
             key=key,
             scrapes=scrapes,
         )
+        instance.own.on_long_done = self.prefills.notify
+        return instance
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -576,8 +624,8 @@ class Fleet:
     def pool(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def lease(self, instance: Instance, uncached_tokens: int = 0, prompt_tokens: int = 0) -> Lease:
-        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens)
+    def lease(self, instance: Instance, uncached_tokens: int = 0, prompt_tokens: int = 0, long: bool = False) -> Lease:
+        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens, long)
 
     def ready(self) -> bool:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())

@@ -17,6 +17,7 @@ counters (vllm-router #197).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..routing.config import PredictedTTFTOptions
@@ -73,13 +74,14 @@ class Moments:
 class Attempt:
     """One request attempt's contribution to its instance's accounting (held by its `Lease`)."""
 
-    __slots__ = ("backlog", "first_at", "sent_at", "tokens")
+    __slots__ = ("backlog", "first_at", "long", "sent_at", "tokens")
 
-    def __init__(self, tokens: int, backlog: int, sent_at: float) -> None:
+    def __init__(self, tokens: int, backlog: int, sent_at: float, long: bool = False) -> None:
         self.tokens = tokens  # uncached prompt tokens it queued
         self.backlog = backlog  # prompt tokens queued ahead of it when sent
         self.sent_at = sent_at
         self.first_at: float | None = None
+        self.long = long  # a long prompt (`routing.long_prefill_ms`) whose first token has not come back
 
 
 #: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
@@ -111,6 +113,10 @@ class OwnAccounting:
         #: The rate assumed until measured: the routing's `predicted_ttft.default_prefill_tps` (its pool sets
         #: it), so that this estimate and the routing's prediction agree about an unmeasured instance.
         self.default_tps = _DEFAULT_PREFILL_TPS
+        #: Long prompts sent here whose first token has not come back (`routing.long_prefill_ms`), and what to
+        #: call when one of them is answered or ends (the fleet wakes the long requests waiting for their turn).
+        self.long_pending = 0
+        self.on_long_done: Callable[[], None] | None = None
 
     @property
     def rate(self) -> float:
@@ -145,8 +151,10 @@ class OwnAccounting:
         slowdown = _MAX_SLOWDOWN if expected <= 0 else min(_MAX_SLOWDOWN, (now - self.busy_since) / expected)
         return round(queued * max(1.0, slowdown))
 
-    def start(self, uncached_tokens: int, now: float) -> Attempt:
-        attempt = Attempt(uncached_tokens, self.remaining_prompt_tokens(now), now)
+    def start(self, uncached_tokens: int, now: float, long: bool = False) -> Attempt:
+        attempt = Attempt(uncached_tokens, self.remaining_prompt_tokens(now), now, long)
+        if long:
+            self.long_pending += 1
         if self.pending > 0:
             # Queued behind what is unanswered here: after it, even when that is overdue (counting from now
             # would hide how far behind the estimate the engine is).
@@ -164,7 +172,7 @@ class OwnAccounting:
     def adopt(self, attempt: Attempt, now: float) -> Attempt:
         """An attempt routed to another instance and served here (a sidecar chose this engine of its
         node): queued here from now, timed from when it was sent. The other instance `end`s its own."""
-        moved = self.start(attempt.tokens, now)
+        moved = self.start(attempt.tokens, now, attempt.long)
         moved.sent_at = attempt.sent_at
         return moved
 
@@ -174,6 +182,8 @@ class OwnAccounting:
         attempt.first_at = now
         self.queued_prompt_tokens -= attempt.tokens
         self.pending -= 1
+        if attempt.long:
+            self._long_done(attempt)
         ttft = now - attempt.sent_at
         self.ttft.add(ttft, now)
         # The instance prefilled what was queued ahead plus this prompt before answering.
@@ -197,6 +207,8 @@ class OwnAccounting:
         if attempt.first_at is None:
             self.queued_prompt_tokens -= attempt.tokens
             self.pending -= 1
+            if attempt.long:
+                self._long_done(attempt)
             if whole and completion_tokens >= 1:
                 self._split_whole(attempt, now, completion_tokens, engine_tpot)
         else:
@@ -205,6 +217,12 @@ class OwnAccounting:
             if completion_tokens > 1:
                 self.tpot.add(decode / (completion_tokens - 1), now)
         self.updated_at = now
+
+    def _long_done(self, attempt: Attempt) -> None:
+        attempt.long = False
+        self.long_pending -= 1
+        if self.on_long_done is not None:
+            self.on_long_done()
 
     def _split_whole(self, attempt: Attempt, now: float, tokens: int, engine_tpot: float) -> None:
         """A non-streamed answer's total time L = TTFT + (tokens - 1) * TPOT, with TPOT from this

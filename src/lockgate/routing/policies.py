@@ -85,6 +85,9 @@ class RouteRequest:
     blocks: tuple[int, ...] = ()
     #: At a sidecar: the engine a central gateway chose (taken when it can serve the request).
     pin: str | None = None
+    #: A streamed answer: only those take long prompts' turns (`Pool.is_long`; a whole answer's first token is
+    #: not seen, so it could not give its turn back at the end of its prefill).
+    stream: bool = False
 
 
 class Policy(Protocol):
