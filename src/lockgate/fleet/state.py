@@ -171,8 +171,10 @@ class OwnAccounting:
 
     def adopt(self, attempt: Attempt, now: float) -> Attempt:
         """An attempt routed to another instance and served here (a sidecar chose this engine of its
-        node): queued here from now, timed from when it was sent. The other instance `end`s its own."""
-        moved = self.start(attempt.tokens, now, attempt.long)
+        node): queued here from now, timed from when it was sent. The other instance `end`s its own (first:
+        `Lease.move`), which gives back a long prompt's turn there; none is taken here, as an instance behind a
+        sidecar never holds one (`Pool.is_long`)."""
+        moved = self.start(attempt.tokens, now)
         moved.sent_at = attempt.sent_at
         return moved
 
