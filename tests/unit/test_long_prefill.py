@@ -82,7 +82,7 @@ async def test_a_long_request_waits_for_a_turn_and_a_cancel_leaves_nothing_behin
         metrics = fleet._metrics
         waiting = asyncio.create_task(_take_turn(fleet, metrics, pool, request(LONG)))
         cancelled = asyncio.create_task(_take_turn(fleet, metrics, pool, request(LONG)))
-        await asyncio.sleep(0)  # both ran to their wait
+        await asyncio.sleep(0)  # one loop iteration: both tasks take their first step, up to the wait (asserted next)
         assert not waiting.done() and not cancelled.done() and waits(fleet) == 2
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
