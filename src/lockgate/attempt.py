@@ -61,7 +61,10 @@ async def open_attempts(
     drop: Callable[[], object],
     time_left: Callable[[], bool],
     priority: int | None = None,
+    before_send: Callable[[Instance], None] | None = None,
 ) -> Opened:
+    """Route and open the engine call (see the module docstring); `before_send` is called with each attempt's
+    instance just before its request goes out (a strict request makes room there: `PoolScheduler.make_room`)."""
     tried: set[str] = set()
     attempts = pool.config.retries + 1
     last_error: UpstreamError | None = None
@@ -94,6 +97,8 @@ async def open_attempts(
             instance, uncached, route.prompt_tokens, route.stream and stream and pool.is_long(instance, uncached)
         )
         hold(lease, call)
+        if before_send is not None:
+            before_send(instance)
         try:
             await call.open()
             if call.served_by != instance.name:

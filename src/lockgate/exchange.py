@@ -141,6 +141,11 @@ class Exchange:
     def instance(self) -> Instance | None:
         return self._lease.instance if self._lease is not None else None
 
+    @property
+    def lease(self) -> Lease | None:
+        """The current attempt's lease (None between attempts)."""
+        return self._lease
+
     def attach(self, lease: Lease, call: UpstreamCall) -> None:
         """Hold a lease and its upstream call (one attempt). A previous attempt must be detached."""
         if self._lease is not None or self._call is not None:

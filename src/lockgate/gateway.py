@@ -343,7 +343,7 @@ class Gateway:
         if klass in self.admission.preemptible and ex.api.endpoint.generates:
             return await resume.admit_and_relay(ex, request, tenant, klass, self.admission, self.dedup, self.fleet)
         await self.admission.admit(ex, tenant, klass)
-        return await relay(ex, request, self.dedup, self.fleet)
+        return await relay(ex, request, self.dedup, self.fleet, self.admission.room_for(ex.api.model, klass))
 
     @staticmethod
     def _deadline(request: Request, default_ms: int | None) -> float | None:

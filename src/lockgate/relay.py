@@ -24,15 +24,23 @@ from .respond import pump, whole_body
 from .upstream import too_large
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .dedup import Coalescer
-    from .fleet.instance import Lease
+    from .fleet.instance import Instance, Lease
     from .fleet.pool import Fleet
     from .upstream import UpstreamCall
 
 
-async def relay(ex: Exchange, http_request: Request, dedup: Coalescer, fleet: Fleet) -> Reply:
+async def relay(
+    ex: Exchange,
+    http_request: Request,
+    dedup: Coalescer,
+    fleet: Fleet,
+    before_send: Callable[[Instance], None] | None = None,
+) -> Reply:
     """An admitted request: served by a flight when `dedup` takes it, else straight from an engine of
-    `fleet`."""
+    `fleet` (`before_send`: see `open_attempts`)."""
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
     if key is not None:
         return await dedup.serve(ex, http_request, key)
@@ -52,6 +60,7 @@ async def relay(ex: Exchange, http_request: Request, dedup: Coalescer, fleet: Fl
         drop=ex.detach,
         time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
         priority=ex.engine_priority,
+        before_send=before_send,
     )
     ex.record.instance = opened.call.served_by  # behind a sidecar, the engine it chose
     try:

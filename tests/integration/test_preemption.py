@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import aiohttp
@@ -353,3 +354,67 @@ async def test_leaving_while_requeued_leaks_nothing(start_sim, start_gateway, ht
         for line in text.splitlines()
         if line.startswith(("lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{"))
     )
+
+
+async def first_of(n: int, events: list[asyncio.Event]) -> None:
+    """Wait until `n` of `events` are set."""
+    waits = {asyncio.ensure_future(e.wait()) for e in events}
+    try:
+        while len(events) - len(waits) < n:
+            _, waits = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+def gauges(sim: Any) -> tuple[int, int]:
+    """What the simulator runs and queues now."""
+    live = sim.engine.gauges()
+    return live.running, live.waiting
+
+
+async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_sim, start_gateway, http):
+    """The gateway sent an engine more than it runs at once (a ceiling above its two sequence slots, and no scrape
+    to discover them: as in a flood's first moments, or a probe above a learned limit). Two P2 requests wait in
+    the engine's own queue, first come, first served; a P0 request sent there would wait behind both for slots
+    to free, a whole generation each. Before it goes, they are stopped (the engine had not started them: no
+    token lost, no prefill counted again) and so is the newest running P2 request, so that the P0 request is
+    taken in at the engine's next step. Every P2 request still gets its whole answer, once."""
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0, max_num_seqs=2)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, max_concurrency=8)]}], scrape={"enabled": False}
+    )
+    gateway = gw.gateway
+    await uninterrupted(http, gw.url, chat(0, max_tokens=4))  # the instance's step time is measured
+    streams = [Stream(http, gw.url, chat(n, max_tokens=30), "P2", after=1) for n in (1, 2, 3, 4)]
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: gauges(s) == (2, 2))
+        await first_of(2, [s.started for s in streams])  # two answers have begun: the other two wait
+    exchanges = [e for e in gateway.registry.all() if e.record.priority == "P2"]
+    assert len(exchanges) == 4 and all(e.lease is not None for e in exchanges)
+    queued = [e for e in exchanges if not e.lease.answered]
+    running = [e.id for e in exchanges if e.lease.answered]
+    assert len(queued) == 2
+    # Overdue is a matter of time (three of the engine's steps past its estimate): wait until then.
+    due = max(e.lease.first_token_due() for e in queued)
+    await asyncio.sleep(max(0.0, due - time.monotonic()) + 0.005)
+    queued_ids = [e.id for e in queued]
+    status, answer = await post(http, gw.url, chat(99, max_tokens=4), "P0")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    for request_id in queued_ids:  # stopped where they waited, never given a slot there
+        record = await sim.wait_ended(request_id)
+        assert record["outcome"] == "aborted" and record["first_token_at"] is None
+    stopped = [rid for rid in running if (await sim.wait_ended(rid))["outcome"] == "aborted"]
+    assert len(stopped) == 1
+    for stream in streams:
+        await stream.wait()
+        assert stream.status == 200 and stream.done == 1
+        assert stream_summary(stream.events)[1]["completion_tokens"] == 30
+    rows = {r["request_id"]: r for r in await records(gw)}
+    assert {rid for rid, r in rows.items() if r["preemptions"]} == {*queued_ids, *stopped}
+    assert all(r["status"] == "completed" for r in rows.values())
+    metrics = gateway.metrics.render().decode()
+    assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 3.0' in metrics
+    # Only the running request's work is done again: its prompt and the tokens it had.
+    assert 0 < gateway.metrics.scheduling.reprefill_tokens.labels("m")._value.get() < 60
+    assert_no_leaks(gw)

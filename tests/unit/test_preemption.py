@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -223,9 +224,10 @@ def test_transcript_folds_attempts_into_one_generation() -> None:
 class _Victim:
     """A preemptible request's owner as the pool scheduler sees it (the tag of its ticket)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease: _Lease | None = None, preemptions: int = 0) -> None:
         self.stopped = 0
-        self.preemptions = 0
+        self.preemptions = preemptions
+        self.lease = lease
 
     def preemptible(self) -> bool:
         return True
@@ -237,6 +239,78 @@ class _Victim:
 
     def redo_tokens(self) -> int:
         return 10
+
+    def placed(self) -> Any:
+        return self.lease
+
+
+class _Lease:
+    """Where a victim's engine call runs, as `ahead_in_engine` reads it (a `Lease`'s timing)."""
+
+    def __init__(self, instance: object, sent_at: float, *, due: float | None = None, answered: bool = False):
+        self.instance = instance
+        self.sent_at = sent_at
+        self.due = due
+        self.answered = answered
+
+    def first_token_due(self) -> float | None:
+        return self.due
+
+
+async def test_a_strict_request_is_not_sent_behind_an_engines_own_queue() -> None:
+    """Requests of P2 wait in engine A's own queue (first come, first served: the oldest of them is overdue, and
+    every one sent after it waits too): before a P0 goes there, they are stopped, with the running one stopped
+    fewest times so that a slot frees. The engine had not started the waiting ones: no re-prefill is counted
+    for them. Engine B's queue and a prompt still within its prefill estimate stay."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    a: Any = object()
+    b: Any = object()
+    now = time.monotonic()
+    overdue, later = now - 1.0, now + 100.0
+    victims = {
+        "a-running-stopped-once": _Victim(_Lease(a, now - 9, answered=True), preemptions=1),
+        "a-running": _Victim(_Lease(a, now - 8, answered=True)),
+        "a-running-newer": _Victim(_Lease(a, now - 7.5, answered=True)),
+        "a-long-prefill": _Victim(_Lease(a, now - 7, due=later)),  # sent before the queue formed: prefilling
+        "a-queued-first": _Victim(_Lease(a, now - 6, due=overdue)),
+        "b-queued": _Victim(_Lease(b, now - 5.5, due=overdue)),
+        "a-queued-next": _Victim(_Lease(a, now - 5, due=later)),  # not overdue itself, but behind one that is
+        "between-calls": _Victim(None),
+    }
+    tickets = {name: scheduler.offer(2, v) for name, v in victims.items()}
+    assert all(t.running for t in tickets.values())
+    p0 = scheduler.offer(0)
+    assert p0.running  # room in the pool: nothing stopped at admission
+    scheduler.make_room(0, a)
+    stopped = {name for name, v in victims.items() if v.stopped}
+    # The newest of the running ones stopped fewest times (a-running-newer), not the one stopped before.
+    assert stopped == {"a-queued-first", "a-queued-next", "a-running-newer"}
+    # The pool has room: they are granted again at once, and their owners send them again, after the P0.
+    assert all(tickets[name].running for name in stopped) and scheduler.core.running_total == 9
+    assert metrics.reprefill_tokens.labels("m")._value.get() == 10  # the running one's work only
+    assert metrics.preemptions.labels("m", "P2", "resumed")._value.get() == 3
+
+
+async def test_no_room_is_made_while_the_engine_takes_in_what_it_is_sent() -> None:
+    """Nothing overdue on the instance: its engine took in everything it was sent, and a strict request sent
+    there is taken in at its next step. A request of a class that is not strict makes no room either."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    a: Any = object()
+    now = time.monotonic()
+    victims = [
+        _Victim(_Lease(a, now - 2, answered=True)),
+        _Victim(_Lease(a, now - 1, due=now + 1.0)),
+        _Victim(_Lease(a, now - 1, due=None)),  # the instance's step time is not measured yet
+    ]
+    for v in victims:
+        scheduler.offer(2, v)
+    scheduler.make_room(0, a)
+    overdue = _Victim(_Lease(a, now - 1, due=now - 0.5))
+    scheduler.offer(2, overdue)
+    scheduler.make_room(1, a)  # P1 is not strict
+    assert [v.stopped for v in [*victims, overdue]] == [0, 0, 0, 0]
 
 
 async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one() -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ..changes import Changes
 from ..errors import QueueFull, QueueTimeout
 from ..metrics import SchedulingMetrics
-from .preemption import Preemptee, choose_victim
+from .preemption import Preemptee, ahead_in_engine, choose_victim
 from .ratelimit import Bucket, RateLimiter, RateLimitExceeded, Reservation, TenantState
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
@@ -36,6 +36,7 @@ from .tenants import Tenant, TenantBook
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
+    from ..fleet.instance import Instance
     from ..fleet.pool import Pool
 
 Clock = Callable[[], float]
@@ -139,17 +140,33 @@ class PoolScheduler:
             victim = choose_victim(core, klass, self.preemptible, _stops_so_far)
             if victim is None:
                 return
-            assert isinstance(victim.tag, Preemptee)
-            redo = victim.tag.redo_tokens()
-            outcome = victim.tag.preempt()
-            self._waiters[victim] = asyncio.get_running_loop().create_future()
-            self._wake(core.requeue(victim, self._clock()))
-            victim_class = core.classes[victim.klass].name
-            self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
-            self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
-            self._metrics.reprefill_tokens.labels(self.model).inc(redo)
+            self._stop(victim)
             if until is not None and until.state is not TicketState.QUEUED:
                 return
+
+    def make_room(self, klass: int, instance: Instance) -> None:
+        """A request of class `klass` is about to be sent to `instance`: if it is strict, stop the less urgent
+        requests it would wait behind in that engine's own queue (`preemption.ahead_in_engine`)."""
+        if not self.preemptible:
+            return
+        # Lease times are `time.monotonic()` (the scheduler's clock may be a test's).
+        for victim in ahead_in_engine(self.core, klass, self.preemptible, instance, time.monotonic(), _stops_so_far):
+            self._stop(victim)
+
+    def _stop(self, victim: Ticket) -> None:
+        """Preempt one running ticket: its owner aborts its work synchronously; the ticket goes back to the
+        head of its queue. A request the engine had not started yet costs no prefill again."""
+        tag = victim.tag
+        assert isinstance(tag, Preemptee)
+        lease = tag.placed()
+        redo = tag.redo_tokens() if lease is None or lease.answered else 0
+        outcome = tag.preempt()
+        self._waiters[victim] = asyncio.get_running_loop().create_future()
+        self._wake(self.core.requeue(victim, self._clock()))
+        victim_class = self.core.classes[victim.klass].name
+        self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
+        self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
+        self._metrics.reprefill_tokens.labels(self.model).inc(redo)
 
     async def wait_granted(self, ticket: Ticket) -> None:
         """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.
@@ -309,6 +326,13 @@ class Admission:
 
     def class_name(self, klass: int) -> str:
         return self.classes[klass].name
+
+    def room_for(self, model: str, klass: int) -> Callable[[Instance], None] | None:
+        """What a request of `model` and class `klass` calls with each instance it is about to be sent to
+        (`PoolScheduler.make_room`): None unless the class is strict and a less urgent one is preemptible."""
+        if not self.classes[klass].strict or not any(k > klass for k in self.preemptible):
+            return None
+        return functools.partial(self.schedulers[model].make_room, klass)
 
     async def admit(self, ex: Exchange, tenant: Tenant, klass: int, *, tag: object = None) -> Ticket:
         """Take the tenant's allowance and a slot for `ex`, each owned by `ex` from the moment it is

@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..wire import ApiRequest, Endpoint
 from .scheduler import SchedulerCore, Ticket
+
+if TYPE_CHECKING:
+    from ..fleet.instance import Instance, Lease
 
 
 class Plan(StrEnum):
@@ -55,6 +58,10 @@ class Preemptee(Protocol):
     def redo_tokens(self) -> int:
         """Tokens the engine will prefill again when this request goes on (its prompt, and for a
         resumption the output so far): the price of stopping it, reported as re-prefill work."""
+        ...
+
+    def placed(self) -> Lease | None:
+        """The lease of its engine call now (None between calls): where it runs, and whether it has started."""
         ...
 
 
@@ -94,6 +101,60 @@ def choose_victim(
         if best is not None:
             return best
     return None
+
+
+def ahead_in_engine(
+    core: SchedulerCore,
+    klass: int,
+    preemptible: frozenset[int],
+    instance: Instance,
+    now: float,
+    stops_so_far: Callable[[Ticket], int | None],
+) -> list[Ticket]:
+    """The running tickets to stop before a request of strict class `klass` is sent to `instance` (empty
+    when none need be), so that it does not wait there behind less urgent work. Pure.
+
+    The engine admits waiting requests first come, first served, whatever the gateway's priorities. When
+    the gateway has sent an instance more than its engine runs at once (a flood before its limit was
+    discovered, a one-slot probe above it, a limit the workload no longer fits) the excess waits in that
+    queue, and a strict request sent there waits behind all of it for slots to free, one generation at a
+    time (seen: 100-200 ms where the engine's step is 10 ms). The queue shows in the gateway's own timing:
+    a request of a preemptible class there whose first token is overdue (`Lease.first_token_due`) waits
+    for a slot, and so does every one sent there after it. Those are stopped (they lose no work: the
+    engine has not started them), and with them the running one stopped fewest times, the newest of
+    those, so that a slot frees at the engine's next step. Nothing overdue: the engine took in all it was
+    sent, and the strict request is taken in at its next step anyway."""
+    spec = core.classes[klass]
+    if not spec.strict:
+        return []
+    waiting: list[tuple[Ticket, float]] = []
+    #: The running one to stop: of the least urgent class with one, the fewest stops, the newest of those.
+    best: Ticket | None = None
+    fewest = 0
+    since: float | None = None
+    for k in sorted(preemptible, reverse=True):
+        if k <= klass:
+            break
+        for ticket in core.running_newest_first(k):
+            tag = ticket.tag
+            lease = tag.placed() if isinstance(tag, Preemptee) else None
+            stops = stops_so_far(ticket)
+            if lease is None or lease.instance is not instance or stops is None:
+                continue
+            if lease.answered:
+                if best is None or (best.klass == k and stops < fewest):
+                    best, fewest = ticket, stops
+                continue
+            waiting.append((ticket, lease.sent_at))
+            due = lease.first_token_due()
+            if due is not None and now > due and (since is None or lease.sent_at < since):
+                since = lease.sent_at
+    if since is None:
+        return []
+    victims = [ticket for ticket, sent_at in waiting if sent_at >= since]
+    if best is not None:
+        victims.append(best)
+    return victims
 
 
 _UNRESUMABLE_FIELDS = (

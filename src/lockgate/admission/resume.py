@@ -114,6 +114,9 @@ class Resumable:
     def redo_tokens(self) -> int:
         return self.ex.api.estimated_prompt_tokens() + self.transcript.tokens
 
+    def placed(self) -> Lease | None:
+        return self.ex.lease
+
     def _plan(self) -> Plan | None:
         return plan(self._blocker, self.transcript, self.ex.api.max_tokens, sent=self.ex.response is not None)
 

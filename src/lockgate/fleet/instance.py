@@ -170,6 +170,22 @@ class Lease:
         if not self._released:
             self.instance.own.first_token(self._attempt, time.monotonic())
 
+    @property
+    def sent_at(self) -> float:
+        """When the attempt was sent (`time.monotonic()`)."""
+        return self._attempt.sent_at
+
+    @property
+    def answered(self) -> bool:
+        """Its first token has come back."""
+        return self._attempt.first_at is not None
+
+    def first_token_due(self) -> float | None:
+        """When an unanswered attempt's first token is overdue (`OwnAccounting.first_token_due`): past it, the
+        attempt waits in the engine's own queue. None once answered or while the instance's step time is
+        not measured."""
+        return self.instance.own.first_token_due(self._attempt)
+
     def whole(self, completion_tokens: int) -> None:
         """A non-streamed answer arrived complete: its timing still feeds the instance's TTFT/TPOT."""
         self.completion_tokens = completion_tokens

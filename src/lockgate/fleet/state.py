@@ -169,6 +169,16 @@ class OwnAccounting:
         self.updated_at = now
         return attempt
 
+    def first_token_due(self, attempt: Attempt) -> float | None:
+        """The latest `attempt` (sent here, unanswered) should have had its first token if the engine took it
+        in at once: its prefill and what was queued ahead of it, at the measured rate, plus three steps (the
+        rest of the step it arrived in, its own, and one of slack for a loaded host). Past that it waits in
+        the engine's own queue for a sequence slot. None once answered, or while the step time (TPOT) is not
+        measured here."""
+        if attempt.first_at is not None or not self.tpot.samples:
+            return None
+        return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + 3 * self.tpot.value
+
     def adopt(self, attempt: Attempt, now: float) -> Attempt:
         """An attempt routed to another instance and served here (a sidecar chose this engine of its
         node): queued here from now, timed from when it was sent. The other instance `end`s its own (first:
