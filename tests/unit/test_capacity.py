@@ -62,6 +62,34 @@ def test_a_queue_explained_by_prefill_work_does_not_cut_the_limit() -> None:
     assert limit.limit == 8
 
 
+def test_a_queue_while_the_engine_runs_below_its_recent_peak_does_not_cut_the_limit() -> None:
+    """`bench hol` (seed 7): an engine of 16 slots ran 13 at once, then one long prompt took a whole prefill step
+    while short requests arrived: 1 running, 2 waiting, and the gateway's prefill estimate too small to explain
+    it. The first backlog held the limit at 13, later cuts took it to 10-11, and short requests queued in the
+    gateway. Its slots were free: requests that wait while it runs far fewer than it just did wait for a step."""
+    limit = ConcurrencyLimit(256)
+    for running in [9, 13, 12, 11]:
+        assert not limit.observe(running=running, waiting=0, in_flight=running, decode_s=0.9)
+    for running, waiting in [(1, 2), (1, 4), (6, 5), (6, 5)]:
+        assert not limit.observe(running=running, waiting=waiting, in_flight=running + waiting, decode_s=0.9)
+    assert limit.limit == 256
+    # At its peak, the same queue is the engine's parallelism.
+    assert limit.observe(running=13, waiting=13, in_flight=26, decode_s=0.9) and limit.limit == 13
+
+
+def test_a_queue_none_of_whose_requests_is_overdue_does_not_cut_the_limit() -> None:
+    """Requests that wait for a slot wait for a generation to end: within a few steps the gateway's own timing
+    calls one of them overdue (`OwnAccounting.overdue`). A queue of requests all within their due time waits
+    for a step (arrivals during a long prefill step), not for a slot; not knowing (None) leaves the other rules."""
+    limit = ConcurrencyLimit(256)
+    for _ in range(4):
+        assert not limit.observe(running=8, waiting=8, in_flight=16, decode_s=0.4, overdue=False)
+    assert limit.limit == 256
+    assert limit.observe(running=8, waiting=8, in_flight=16, decode_s=0.4, overdue=True) and limit.limit == 8
+    other = ConcurrencyLimit(256)
+    assert other.observe(running=8, waiting=8, in_flight=16, decode_s=0.4, overdue=None) and other.limit == 8
+
+
 def test_no_queue_counts_before_the_instance_answered_a_request() -> None:
     # The first long prompts of a run queue behind each other's prefill before any timing is measured.
     limit = ConcurrencyLimit(256)

@@ -215,3 +215,23 @@ def test_an_instance_past_its_estimate_counts_as_slower_not_idle():
     args: dict[str, Any] = {"routable": True, "in_flight": 2, "max_concurrency": 16, "engine": None}
     overdue = merge(key="s", name="s", own=own, now=0.3, stale_after=1.0, **args)
     assert overdue.queued_prompt_tokens == round(40 * (0.3 - 0.2) / (40 / 6000))  # still unanswered: overdue again
+
+
+def test_an_attempt_past_its_prefill_and_three_steps_is_overdue() -> None:
+    """`OwnAccounting.overdue`: an unanswered attempt is due by its prefill (with the prompt work queued ahead
+    of it) at the measured rate plus three steps; later, it waits in the engine's own queue for a slot."""
+    own = OwnAccounting()
+    own.default_tps = 1000.0
+    first = own.start(100, 0.0)  # 0.1 s of prefill
+    assert own.overdue(10.0) is None  # no step time measured: nothing can be called overdue
+    own.tpot.add(0.01, 0.0)
+    assert own.first_token_due(first) == pytest.approx(0.1 + 0.03)
+    second = own.start(50, 0.06)  # queued behind what remains of the first (40 tokens): 0.09 s of prefill
+    assert own.first_token_due(second) == pytest.approx(0.06 + 0.09 + 0.03)
+    assert own.overdue(0.12) is False
+    assert own.overdue(0.14) is True  # the first
+    own.first_token(first, 0.14)
+    assert own.first_token_due(first) is None and own.overdue(0.14) is False
+    assert own.overdue(0.2) is True  # the second
+    own.end(second, 0.2, 0)
+    assert own.overdue(5.0) is False

@@ -41,7 +41,13 @@ sequences in the KV cache).
   measured prefill rate, must stay below half the mean time a request holds its slot decoding (`decode_s`;
   a slot-bound queue waits about that long, a prefill-bound one about the backlog). Before the instance
   has answered a request (no `decode_s` yet) no queue counts: the first long prompts of a run are
-  exactly when a prefill-bound queue looks like saturation.
+  exactly when a prefill-bound queue looks like saturation. Two more signals say a queue is not a slot limit,
+  which that estimate missed (`bench hol`: limits of 9-11 on engines of 16 slots, and short requests queued in
+  the gateway): the engine runs clearly fewer than it ran at once in the last few seconds (its slots are free;
+  requests arriving during a long prefill step wait for the step, not for a slot), or none of the gateway's own
+  requests there is past its first token's due time (`OwnAccounting.overdue`: its prefill, and what was queued
+  ahead of it, at the measured rate plus three steps). A request waiting for a slot waits for a generation to
+  end, which makes it overdue within a few steps;
 
 **Discovery**: until a first saturation is learned, a flood reaching a small engine queues inside it for
 the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arriving then waits there
@@ -136,12 +142,15 @@ class ConcurrencyLimit:
         in_flight: int,
         prefill_backlog_s: float = 0.0,
         decode_s: float | None = None,
+        overdue: bool | None = None,
     ) -> bool:
         """One scrape's signals and the gateway's requests there now; True if the limit changed.
         `prefill_backlog_s`: the prefill work the gateway has sent there and not seen answered, in seconds
         at its measured rate (0 when the rate is not measured); `decode_s`: the mean time a request holds
         its slot after its first token: 0.0 while not measured (no saturation is judged before the
-        instance answered a request), None when the caller has no such signal (the queue alone counts)."""
+        instance answered a request), None when the caller has no such signal (the queue alone counts);
+        `overdue`: whether a request the gateway sent there waits past its first token's due time
+        (`OwnAccounting.overdue`; None: not known)."""
         if not self.adaptive or running is None or waiting is None:
             self._streak = 0
             return False
@@ -149,7 +158,12 @@ class ConcurrencyLimit:
         self._prev_running = running
         self._recent.append(running)
         unexplained = decode_s is None or (decode_s > 0 and prefill_backlog_s < 0.5 * decode_s)
-        prefill_bound = waiting >= 1 and running >= 1 and not unexplained
+        # An engine at its parallelism runs about the most it ran lately while requests wait; one that runs clearly
+        # fewer has free slots, and its queue waits for something else (its step's token budget, behind a long
+        # prefill that the gateway's own count may have missed).
+        peak = max(self._recent)
+        below_peak = running < peak - max(1.0, 0.1 * peak)
+        prefill_bound = waiting >= 1 and running >= 1 and (not unexplained or below_peak or overdue is False)
         if self._trial_from is not None:  # a queue prefill explains neither confirms nor refutes a probe
             return self._judge(running, 0.0 if prefill_bound else waiting, in_flight)
         if prefill_bound:

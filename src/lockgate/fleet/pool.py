@@ -695,7 +695,12 @@ class Fleet:
             own = instance.own
             backlog_s = prefill_backlog_s(own.queued_prompt_tokens, own.prefill_tps.value, own.default_tps)
             if instance.concurrency.observe(
-                load.running, load.waiting, instance.in_flight, backlog_s, own.decode.value
+                load.running,
+                load.waiting,
+                instance.in_flight,
+                backlog_s,
+                own.decode.value,
+                own.overdue(time.monotonic()),
             ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",

@@ -117,6 +117,8 @@ class OwnAccounting:
         #: call when one of them is answered or ends (the fleet wakes the long requests waiting for their turn).
         self.long_pending = 0
         self.on_long_done: Callable[[], None] | None = None
+        #: The attempts sent here whose first token has not come back, oldest first (`overdue`).
+        self._unanswered: dict[Attempt, None] = {}
 
     @property
     def rate(self) -> float:
@@ -165,6 +167,7 @@ class OwnAccounting:
             self.prefill_until = max(now, self.prefill_until) + uncached_tokens / self.rate
         self.queued_prompt_tokens += uncached_tokens
         self.pending += 1
+        self._unanswered[attempt] = None
         self.prompt_tokens.add(uncached_tokens, now)
         self.updated_at = now
         return attempt
@@ -178,6 +181,17 @@ class OwnAccounting:
         if attempt.first_at is not None or not self.tpot.samples:
             return None
         return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + 3 * self.tpot.value
+
+    def overdue(self, now: float) -> bool | None:
+        """Whether an attempt sent here is past its `first_token_due`: it waits in the engine's own queue for a
+        sequence slot. None while the step time is not measured (nothing can be called overdue)."""
+        if not self.tpot.samples:
+            return None
+        for attempt in self._unanswered:
+            due = self.first_token_due(attempt)
+            if due is not None and now > due:
+                return True
+        return False
 
     def adopt(self, attempt: Attempt, now: float) -> Attempt:
         """An attempt routed to another instance and served here (a sidecar chose this engine of its
@@ -194,6 +208,7 @@ class OwnAccounting:
         attempt.first_at = now
         self.queued_prompt_tokens -= attempt.tokens
         self.pending -= 1
+        self._unanswered.pop(attempt, None)
         if attempt.long:
             self._long_done(attempt)
         ttft = now - attempt.sent_at
@@ -219,6 +234,7 @@ class OwnAccounting:
         if attempt.first_at is None:
             self.queued_prompt_tokens -= attempt.tokens
             self.pending -= 1
+            self._unanswered.pop(attempt, None)
             if attempt.long:
                 self._long_done(attempt)
             if whole and completion_tokens >= 1:
