@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ..changes import Changes
 from ..errors import QueueFull, QueueTimeout
 from ..metrics import SchedulingMetrics
-from .preemption import Preemptee, ahead_in_engine, choose_victim
+from .preemption import Preemptee, ahead_in_engine, choose_victim, waits_in_engine
 from .ratelimit import Bucket, RateLimiter, RateLimitExceeded, Reservation, TenantState
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
@@ -144,9 +144,10 @@ class PoolScheduler:
             if until is not None and until.state is not TicketState.QUEUED:
                 return
 
-    def make_room(self, klass: int, instance: Instance) -> None:
-        """A request of class `klass` is about to be sent to `instance`: if it is strict, stop the less urgent
-        requests it would wait behind in that engine's own queue (`preemption.ahead_in_engine`)."""
+    def make_room(self, klass: int, instance: object) -> None:
+        """A request of class `klass` is about to be sent to `instance` (an `Instance`, compared by identity): if it
+        is strict, stop the less urgent requests it would wait behind in that engine's own queue
+        (`preemption.ahead_in_engine`)."""
         if not self.preemptible:
             return
         # Lease times are `time.monotonic()` (the scheduler's clock may be a test's).
@@ -158,8 +159,7 @@ class PoolScheduler:
         head of its queue. A request the engine had not started yet costs no prefill again."""
         tag = victim.tag
         assert isinstance(tag, Preemptee)
-        lease = tag.placed()
-        redo = tag.redo_tokens() if lease is None or lease.answered else 0
+        redo = 0 if waits_in_engine(tag) else tag.redo_tokens()
         outcome = tag.preempt()
         self._waiters[victim] = asyncio.get_running_loop().create_future()
         self._wake(self.core.requeue(victim, self._clock()))

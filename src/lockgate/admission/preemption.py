@@ -32,7 +32,7 @@ from ..wire import ApiRequest, Endpoint
 from .scheduler import SchedulerCore, Ticket
 
 if TYPE_CHECKING:
-    from ..fleet.instance import Instance, Lease
+    from ..fleet.instance import Lease
 
 
 class Plan(StrEnum):
@@ -103,16 +103,24 @@ def choose_victim(
     return None
 
 
+def waits_in_engine(tag: Preemptee) -> bool:
+    """Whether the request's engine call has not started producing (no first token back): stopping it costs the
+    engine no prefill again."""
+    lease = tag.placed()
+    return lease is not None and not lease.answered
+
+
 def ahead_in_engine(
     core: SchedulerCore,
     klass: int,
     preemptible: frozenset[int],
-    instance: Instance,
+    instance: object,
     now: float,
     stops_so_far: Callable[[Ticket], int | None],
 ) -> list[Ticket]:
     """The running tickets to stop before a request of strict class `klass` is sent to `instance` (empty
-    when none need be), so that it does not wait there behind less urgent work. Pure.
+    when none need be), so that it does not wait there behind less urgent work (`instance`: an `Instance`, compared
+    by identity). Pure.
 
     The engine admits waiting requests first come, first served, whatever the gateway's priorities. When
     the gateway has sent an instance more than its engine runs at once (a flood before its limit was
