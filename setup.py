@@ -9,9 +9,9 @@ from setuptools import setup
 
 #: Mypyc compiles these. None of them may `await` inside an `except` or `finally` block (a compiled coroutine
 #: suspended there keeps the exception as the thread's handled one: tests/unit/test_compiled_modules.py), nor
-#: define async generators (mypyc has none: the stream readers are async-iterator classes). A class that tests patch
-#: (to count or cancel at its awaits) is marked `@mypyc_attr(native_class=False)`; no attribute may share a name with
-#: a C macro of the compiler (`self._unix` became `->__unix`, and gcc defines `unix`).
+#: define async generators (mypyc has none: the stream readers are async-iterator classes). Their classes are native,
+#: so tests cannot patch their methods: the awaits tests cancel or hold at call `lockgate.awaitpoints.hook`. No
+#: attribute may share a name with a C macro of the compiler (`self._unix` became `->__unix`, and gcc defines `unix`).
 COMPILED = [
     "src/lockgate/sse.py",
     "src/lockgate/assemble.py",

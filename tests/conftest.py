@@ -65,6 +65,34 @@ def instance(sim: SimServer, **extra: Any) -> dict[str, Any]:
     return {"url": sim.url, "engine": "vllm", **extra}
 
 
+@pytest.fixture
+def client_writes(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], list[bytes]]:
+    """`watch(url)`: the list, filled from then on, of the bytes of each socket write a server at `url` (the
+    gateway) makes to its clients. Counted at asyncio's transport, the last Python layer under the edge server
+    (whose classes are native in the compiled build, where patching their methods would count nothing)."""
+    from asyncio import selector_events
+    from urllib.parse import urlsplit
+
+    watched: dict[int, list[bytes]] = {}
+    transport: Any = selector_events._SelectorSocketTransport  # type: ignore[attr-defined]  # private, stable since 3.4
+    original = transport.write
+
+    def write(self: Any, data: Any) -> None:
+        sockname = self.get_extra_info("sockname")
+        if isinstance(sockname, tuple) and sockname[1] in watched:
+            watched[sockname[1]].append(bytes(data))
+        original(self, data)
+
+    monkeypatch.setattr(transport, "write", write)
+
+    def watch(url: str) -> list[bytes]:
+        port = urlsplit(url).port
+        assert port is not None
+        return watched.setdefault(port, [])
+
+    return watch
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd for the session (tests keep apart by cluster name); tests that stop etcd start their own."""

@@ -1,7 +1,8 @@
 """Cancel the request at every `await` of its path in turn (httpcore `test_cancellations.py` style).
 
 The awaits the gateway performs for a request — opening the upstream call, reading its body or each piece
-of its stream, preparing the client response and each write to it — are wrapped in checkpoints. Run N ends
+of its stream, preparing the client response and each write to it — meet checkpoints (the `lockgate.awaitpoints` hook,
+which the compiled build's native classes call where a patch could not reach). Run N ends
 the request at the Nth checkpoint, for N = 1, 2, ... until a run passes every checkpoint untouched, with
 each cause: the handler task is cancelled the way aiohttp cancels it when the client disconnects, the
 deadline expires (the request's own `asyncio.Timeout` is rescheduled to now), or an admin cancels it.
@@ -12,16 +13,13 @@ with a truthful status.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 import pytest
 
-from lockgate.edge.response import StreamResponse
+from lockgate import awaitpoints
 from lockgate.exchange import Exchange
 from lockgate.gateway import Gateway
-from lockgate.http import HttpPool
-from lockgate.http import Response as EngineResponse
 from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, body, wait_sim_idle
@@ -36,6 +34,8 @@ class Checkpoints:
         self.cause = ""
         self.count = 0
         self.fired = False
+        #: Every kind of await met (so that the test knows the hook saw the path's awaits).
+        self.names: set[str] = set()
 
     def arm(self, cancel_at: int, cause: str) -> None:
         self.cancel_at, self.cause, self.count, self.fired = cancel_at, cause, 0, False
@@ -73,41 +73,25 @@ class Checkpoints:
         await asyncio.sleep(0)
         raise AssertionError("the cancellation did not land")  # pragma: no cover
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        def wrap(cls: type, name: str) -> None:
-            original = getattr(cls, name)
-
-            async def checkpointed(*args: Any, **kwargs: Any) -> Any:
-                await self.hit()
-                return await original(*args, **kwargs)
-
-            monkeypatch.setattr(cls, name, checkpointed)
-
-        # The engine client's and the edge server's awaits: these classes stay regular Python classes in the
-        # compiled build (`@mypyc_attr(native_class=False)`), whose native classes (the `UpstreamCall` above them
-        # among others) cannot be patched.
-        for cls, name in (
-            (HttpPool, "request"),  # sending, up to the response's head
-            (EngineResponse, "read"),  # a whole body
-            (EngineResponse, "wait"),  # a piece of a stream, read by the request's task
-            (EngineResponse, "follow"),  # the rest of a stream, written from the engine connection's callbacks
-            (StreamResponse, "prepare"),
-            (StreamResponse, "write"),
-            (StreamResponse, "drained"),
-            (StreamResponse, "write_eof"),
-        ):
-            wrap(cls, name)
+    async def __call__(self, name: str, data: object) -> None:
+        """The `awaitpoints` hook: the engine client's and the edge server's awaits, which are those of native
+        classes in the compiled build (not patchable): `HttpPool.request` (sending, up to the response's head),
+        `Response.read` (a whole body), `Response.wait` (a piece of a stream, read by the request's task),
+        `Response.follow` (the rest of a stream, written from the engine connection's callbacks), and
+        `StreamResponse.prepare`, `.write`, `.drained` and `.write_eof`."""
+        self.names.add(name)
+        await self.hit()
 
 
 @pytest.mark.parametrize("cause", ["client_disconnect", "timeout", "admin"])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
-async def test_cancel_at_every_await(stream, cause, start_sim, start_gateway, tmp_path, monkeypatch) -> None:
+async def test_cancel_at_every_await(stream, cause, start_sim, start_gateway, tmp_path, stack) -> None:
     sim = await start_sim(prefill_tps=1e6, tpot_ms=0.5)
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     gateway = gw.gateway
     assert gateway is not None
     checkpoints = Checkpoints(gateway)
-    checkpoints.install(monkeypatch)
+    stack.enter_context(awaitpoints.installed(checkpoints))
     outcomes: list[tuple[int, bool]] = []
     answers: list[tuple[int, bytes]] = []
     async with aiohttp.ClientSession() as http:
@@ -153,5 +137,10 @@ async def test_cancel_at_every_await(stream, cause, start_sim, start_gateway, tm
                 assert raw.startswith(b"data: ") and b"[DONE]" not in raw and code in raw.rsplit(b"data: ", 1)[1]
             else:
                 assert status == expected_status and code in raw, (status, raw)
+    # The hook met the path's awaits (it is how the compiled build's native classes are reached at all).
+    expected = (
+        {"HttpPool.request", "Response.wait", "Response.follow"} if stream else {"HttpPool.request", "Response.read"}
+    )
+    assert expected <= checkpoints.names, checkpoints.names
     delivered = [r["completion_tokens"] for r in rows]
     assert delivered == sorted(delivered) and delivered[-1] == 3

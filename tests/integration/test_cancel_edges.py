@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 import pytest
 
-from lockgate.edge.response import StreamResponse
+from lockgate import awaitpoints
 from lockgate.exchange import Exchange
 from lockgate.records import read_records
 from tests.conftest import instance
@@ -78,7 +77,7 @@ async def test_reset_before_first_byte_is_a_clean_502(start_sim, start_gateway, 
 
 
 async def test_second_cause_while_ending_does_not_relabel_or_write_twice(
-    start_sim, start_gateway, http, tmp_path, monkeypatch
+    start_sim, start_gateway, http, tmp_path, stack
 ) -> None:
     """The deadline passes mid-stream; while its error event is being written an admin cancel arrives.
     The first cause wins: one error event (timeout), one record (timeout), one cancellation counted."""
@@ -87,16 +86,14 @@ async def test_second_cause_while_ending_does_not_relabel_or_write_twice(
     gateway = gw.gateway
     assert gateway is not None
     refused: list[bool] = []
-    original_write = StreamResponse.write
 
-    async def write(self: StreamResponse, data: Any) -> None:
-        if b'"deadline_exceeded"' in bytes(data):
+    async def write(name: str, data: object) -> None:
+        if name == "StreamResponse.write" and isinstance(data, bytes) and b'"deadline_exceeded"' in data:
             for ex in gateway.registry.all():
                 refused.append(ex.cancel("admin"))
             await asyncio.sleep(0)  # let a cancellation land here, if one was requested
-        await original_write(self, data)
 
-    monkeypatch.setattr(StreamResponse, "write", write)
+    stack.enter_context(awaitpoints.installed(write))
     async with asyncio.timeout(5):
         headers = {"x-lockgate-timeout-ms": "60000"}
         async with http.post(gw.url + "/v1/chat/completions", json=body(True), headers=headers) as resp:
@@ -118,7 +115,7 @@ async def test_second_cause_while_ending_does_not_relabel_or_write_twice(
 
 
 async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
-    start_sim, start_gateway, http, tmp_path, monkeypatch
+    start_sim, start_gateway, http, tmp_path, monkeypatch, stack
 ) -> None:
     """The final SSE error event cannot be written (the client stopped reading): after a grace period the
     request is cut off, the process can exit, and its record is still written."""
@@ -129,16 +126,14 @@ async def test_shutdown_does_not_hang_on_a_client_that_never_reads(
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     gateway = gw.gateway
     assert gateway is not None
-    original_write = StreamResponse.write
     stuck = asyncio.Event()
 
-    async def write(self: StreamResponse, data: Any) -> None:
-        if b'"error"' in bytes(data):
+    async def write(name: str, data: object) -> None:
+        if name == "StreamResponse.write" and isinstance(data, bytes) and b'"error"' in data:
             stuck.set()
             await asyncio.Event().wait()  # like a drain() that never returns
-        await original_write(self, data)
 
-    monkeypatch.setattr(StreamResponse, "write", write)
+    stack.enter_context(awaitpoints.installed(write))
     async with asyncio.timeout(5):
         async with http.post(gw.url + "/v1/chat/completions", json=body(True)) as resp:
             reader = StreamReader(resp)

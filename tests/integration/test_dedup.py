@@ -311,25 +311,19 @@ async def test_shutdown_stops_a_detached_flight(start_sim, start_gateway, http):
         await sim.wait_until(lambda s: s.stats.requests_aborted == 1)
 
 
-async def test_events_already_here_go_out_in_one_write(start_sim, start_gateway, http, monkeypatch):
+async def test_events_already_here_go_out_in_one_write(start_sim, start_gateway, http, client_writes):
     """A cached result is all there: its whole stream, [DONE] included, is one write (one send),
     not one per token."""
-    from lockgate.edge.response import StreamResponse
-
     sim, gw = await gateway(start_sim, start_gateway)
     status, _, _ = await call(http, gw.url, BODY)  # fills the completed-result cache
     assert status == 200
-    writes: list[tuple[bytes, bool]] = []
-    original = StreamResponse.send
-
-    def counting(self: StreamResponse, data: bytes, *, last: bool = False) -> bool:
-        writes.append((bytes(data), last))
-        return original(self, data, last=last)
-
-    monkeypatch.setattr(StreamResponse, "send", counting)
+    writes = client_writes(gw.url)
     status, headers, raw = await call(http, gw.url, {**BODY, "stream": True})
     assert status == 200 and headers["x-lockgate-cache"] == "hit"
     text, _ = stream_text(raw)
     assert text == await solo(sim, http, BODY)
-    # One send, which also ends the response (the head went with it: `start(hold_head=True)`).
-    assert len(writes) == 1 and writes[0][0].endswith(b"data: [DONE]\n\n") and writes[0][1]
+    # One write, which also ends the response (the head went with it: `start(hold_head=True)`; the chunked
+    # body's last chunk too).
+    assert len(writes) == 1, writes
+    assert writes[0].startswith(b"HTTP/1.1 200") and b"data: [DONE]\n\n" in writes[0]
+    assert writes[0].endswith(b"0\r\n\r\n")

@@ -279,9 +279,8 @@ async def test_an_answer_assembled_from_a_stream_is_bounded_too(start_sim, start
     assert_gateway_clean(gw.gateway)
 
 
-async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim, start_gateway, http, monkeypatch):
+async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim, start_gateway, http, client_writes):
     """A cached result is all there at once; it still goes out in writes of bounded size."""
-    from lockgate.edge.response import StreamResponse
     from lockgate.respond import MAX_BATCH_BYTES
 
     sim = await start_sim(tpot_ms=0.0)
@@ -290,19 +289,15 @@ async def test_a_stream_gathers_at_most_max_batch_bytes_into_one_write(start_sim
     async with http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
         assert resp.status == 200  # fills the result cache with the stream's 2,000 events
         await resp.read()
-    writes: list[int] = []
-    original = StreamResponse.send
-
-    def counting(self: StreamResponse, data: bytes, *, last: bool = False) -> bool:
-        writes.append(len(data))
-        return original(self, data, last=last)
-
-    monkeypatch.setattr(StreamResponse, "send", counting)
+    written = client_writes(gw.url)
     async with http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
         assert resp.headers["x-lockgate-cache"] == "hit"
         raw = await resp.read()
-    assert raw.endswith(b"data: [DONE]\n\n") and sum(writes) == len(raw)
-    assert len(writes) > 1 and max(writes) <= MAX_BATCH_BYTES + 1024, writes
+    assert raw.endswith(b"data: [DONE]\n\n")
+    # The socket writes carry the head, the body in chunked framing, and its last chunk.
+    sizes = [len(w) for w in written]
+    assert b"".join(written).endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and sum(sizes) > len(raw)
+    assert len(sizes) > 1 and max(sizes) <= MAX_BATCH_BYTES + 1024, sizes
 
 
 async def test_oversized_metrics_and_health_answers_are_failed_calls(start_gateway, serve_app):

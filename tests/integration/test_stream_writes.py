@@ -77,28 +77,21 @@ async def test_a_batch_is_flushed_before_the_source_waits(stack: Any) -> None:
 
 
 async def test_the_direct_path_writes_a_stream_from_the_engine_connections_callbacks(
-    start_sim, start_gateway, monkeypatch
+    start_sim, start_gateway, stack
 ) -> None:
     """`respond.pump`: after its first event, a direct-path stream is written from the engine connection's data
     callback, read by read; the request's task waits once (in `Response.follow`) for the whole rest, instead of
-    waking up per chunk."""
-    from lockgate.http import Response as EngineResponse
+    waking up per chunk (`Response.wait`)."""
+    from lockgate import awaitpoints
     from tests.conftest import instance
 
-    follows: list[int] = []
-    original = EngineResponse.follow
+    awaits: list[str] = []
 
-    async def counting(self: EngineResponse, step: Any) -> Any:
-        steps = len(follows)
-        follows.append(0)
+    async def seen(name: str, data: object) -> None:
+        if name.startswith("Response."):
+            awaits.append(name)
 
-        def counted() -> Any:
-            follows[steps] += 1
-            return step()
-
-        return await original(self, counted)
-
-    monkeypatch.setattr(EngineResponse, "follow", counting)
+    stack.enter_context(awaitpoints.installed(seen))
     sim = await start_sim(prefill_tps=1e6, tpot_ms=5.0)
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 12, "stream": True}
@@ -110,9 +103,10 @@ async def test_the_direct_path_writes_a_stream_from_the_engine_connections_callb
     events = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
     tokens = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
     assert len(tokens) == 12, [e["choices"] for e in events]
-    # One wait for the rest of the stream; its steps ran in the callbacks of the reads that brought the tokens
-    # (5 ms apart: most arrive in a read of their own; at least the first and the last do).
-    assert len(follows) == 1 and follows[0] >= 2, follows
+    # The task waited for the first event, then once for the whole rest: the 11 tokens after the first (5 ms
+    # apart, most in a read of their own) were written from the callbacks of the reads that brought them.
+    assert "Response.follow" in awaits and awaits.count("Response.follow") == 1, awaits
+    assert "Response.wait" not in awaits[awaits.index("Response.follow") :], awaits
 
 
 def sse_event(text: str) -> bytes:

@@ -27,9 +27,8 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from mypy_extensions import mypyc_attr
 
-from .. import header_lines
+from .. import awaitpoints, header_lines
 
 if TYPE_CHECKING:
     from .protocol import Connection
@@ -116,9 +115,6 @@ def json_response(data: Any, *, status: int = 200, headers: Mapping[str, str] | 
     return Response(status=status, body=orjson.dumps(data), content_type="application/json", headers=headers)
 
 
-# Compiled (setup.py), it stays a regular Python class (its methods compiled): tests patch its methods to
-# count or cancel at its awaits, which a native class would not let them do.
-@mypyc_attr(native_class=False)
 class StreamResponse:
     """A response written piece by piece (SSE). See the module docstring for the contract."""
 
@@ -154,6 +150,8 @@ class StreamResponse:
 
     async def prepare(self, request: Request) -> None:
         """Send the status line and headers (`start`, for callers that await)."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("StreamResponse.prepare", None)
         self.start(request)
 
     def start(self, request: Request, *, hold_head: bool = False) -> None:
@@ -189,6 +187,8 @@ class StreamResponse:
 
     async def write(self, data: bytes) -> None:
         """Send one chunk (nothing for empty data); waits while the transport is paused."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("StreamResponse.write", data)
         if self.send(data):
             await self.drained()
 
@@ -219,6 +219,8 @@ class StreamResponse:
     async def drained(self) -> None:
         """Wait while the transport is paused (the wait counts in `backpressure_s`); ConnectionResetError if the
         client goes meanwhile."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("StreamResponse.drained", None)
         conn = self._conn
         if conn is None:
             raise RuntimeError("drained() before prepare()")
@@ -246,6 +248,8 @@ class StreamResponse:
 
     async def write_eof(self) -> None:
         """End the response (`end`, for callers that await)."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("StreamResponse.write_eof", None)
         self.end()
 
     def end(self) -> None:

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
-from mypy_extensions import mypyc_attr
 
+from .. import awaitpoints
 from .errors import DisconnectedError, ProtocolError, ResponseTooLarge
 
 T = TypeVar("T")
@@ -53,9 +53,6 @@ WRITE_PIECE = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
 
-# Compiled (setup.py), it stays a regular Python class (its methods compiled): tests patch its methods to
-# count or cancel at its awaits, which a native class would not let them do.
-@mypyc_attr(native_class=False)
 class Response:
     """Status and headers of a response, and its body as it arrives.
 
@@ -108,6 +105,8 @@ class Response:
         """The whole body (Content-Length, chunked or until close); releases the connection. A body larger
         than `max_bytes` raises `ResponseTooLarge` (once more than that has arrived: at most one read beyond
         it is held) and closes the connection."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("Response.read", None)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -158,6 +157,8 @@ class Response:
 
     async def wait(self) -> None:
         """Wait until `next_nowait()` has something to say (a piece, the end, or an error)."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("Response.wait", None)
         if not self._body and not self.complete and self._error is None:
             await self._wait()
 
@@ -167,6 +168,8 @@ class Response:
         other than None; return that (or raise what `step` raised). A reader that handles each piece in the
         callback that received it needs no task to wake up per piece: the task waits here once. `step` is
         called at once first (for what has arrived already). `close()` stops following."""
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("Response.follow", None)
         result = step()
         if result is not None:
             return result

@@ -36,9 +36,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from mypy_extensions import mypyc_attr
-
-from .. import header_lines
+from .. import awaitpoints, header_lines
 from .connection import Connection, Response
 from .errors import ConnectError, DisconnectedError
 
@@ -55,9 +53,6 @@ class PoolStatistics:
     max_connections: int
 
 
-# Compiled (setup.py), it stays a regular Python class (its methods compiled): tests patch its methods to
-# count or cancel at its awaits, which a native class would not let them do.
-@mypyc_attr(native_class=False)
 class HttpPool:
     """Keep-alive connections to one origin: `http[s]://host[:port][/prefix]` or `unix:///path/to.sock`.
 
@@ -129,6 +124,8 @@ class HttpPool:
         The caller owns the returned response: it must be read to its end, released or closed. If this is
         cancelled while waiting, the connection is closed at once and never reused.
         """
+        if awaitpoints.hook is not None:
+            await awaitpoints.hook("HttpPool.request", None)
         head = self._render(method, path, len(body), headers)
         head_only = method == "HEAD"
         fresh = False
