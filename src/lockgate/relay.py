@@ -43,7 +43,7 @@ async def relay(
     `fleet` (`before_send`: see `open_attempts`)."""
     key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
     if key is not None:
-        return await dedup.serve(ex, http_request, key)
+        return await dedup.serve(ex, http_request, key, before_send)
 
     def hold(lease: Lease, call: UpstreamCall) -> None:
         ex.attach(lease, call)

@@ -373,13 +373,15 @@ def gauges(sim: Any) -> tuple[int, int]:
     return live.running, live.waiting
 
 
-async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_sim, start_gateway, http):
+@pytest.mark.parametrize("p0_path", ["direct", "flight"])
+async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_sim, start_gateway, http, p0_path):
     """The gateway sent an engine more than it runs at once (a ceiling above its two sequence slots, and no scrape
     to discover them: as in a flood's first moments, or a probe above a learned limit). Two P2 requests wait in
     the engine's own queue, first come, first served; a P0 request sent there would wait behind both for slots
     to free, a whole generation each. Before it goes, they are stopped (the engine had not started them: no
     token lost, no prefill counted again) and so is the newest running P2 request, so that the P0 request is
-    taken in at the engine's next step. Every P2 request still gets its whole answer, once."""
+    taken in at the engine's next step. Every P2 request still gets its whole answer, once. The same when the P0
+    request leads a de-duplication flight (its engine calls are the flight's)."""
     sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0, max_num_seqs=2)
     gw = await start_gateway(
         [{"name": "m", "instances": [instance(sim, max_concurrency=8)]}], scrape={"enabled": False}
@@ -399,7 +401,14 @@ async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_si
     due = max(e.lease.first_token_due() for e in queued)
     await asyncio.sleep(max(0.0, due - time.monotonic()) + 0.005)
     queued_ids = [e.id for e in queued]
-    status, answer = await post(http, gw.url, chat(99, max_tokens=4), "P0")
+    if p0_path == "direct":
+        status, answer = await post(http, gw.url, chat(99, max_tokens=4), "P0")
+    else:
+        async with http.post(
+            gw.url + "/v1/chat/completions", json=chat(99, max_tokens=4), headers={"x-priority": "P0"}
+        ) as resp:
+            status, answer = resp.status, await resp.json()
+            assert resp.headers["x-lockgate-cache"] == "miss"
     assert status == 200 and answer["usage"]["completion_tokens"] == 4
     for request_id in queued_ids:  # stopped where they waited, never given a slot there
         record = await sim.wait_ended(request_id)

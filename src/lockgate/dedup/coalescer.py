@@ -42,6 +42,7 @@ from .synthesize import events_of
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
+    from ..fleet.instance import Instance
     from ..fleet.pool import Fleet
     from ..metrics import GatewayMetrics
     from ..semantic import Embedder, Probe, SemanticCache
@@ -134,7 +135,15 @@ class Coalescer:
         return fingerprint(ex.record.tenant, api.endpoint, api.body)
 
     # --- serving ---------------------------------------------------------------------------------
-    async def serve(self, ex: Exchange, http_request: Request, key: Fingerprint) -> Reply:
+    async def serve(
+        self,
+        ex: Exchange,
+        http_request: Request,
+        key: Fingerprint,
+        before_send: Callable[[Instance], None] | None = None,
+    ) -> Reply:
+        """Serve `ex` from a flight (joined, or led: then `before_send` goes with its engine calls, see
+        `attempt.open_attempts`), a cached result or the semantic cache."""
         joined = self._join(ex, key)
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
@@ -153,7 +162,11 @@ class Coalescer:
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
         stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
-            key, ex.pool, upstream_request(ex.api, stream=stream), ex.pool.route_request(ex.api, http_request.headers)
+            key,
+            ex.pool,
+            upstream_request(ex.api, stream=stream),
+            ex.pool.route_request(ex.api, http_request.headers),
+            before_send,
         )
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)

@@ -37,7 +37,7 @@ MIXED_WINDOW_S = 60.0
 
 if TYPE_CHECKING:
     from ..config import FlightsConfig
-    from ..fleet.instance import Lease
+    from ..fleet.instance import Instance, Lease
     from ..fleet.pool import Fleet, Pool
     from ..metrics import GatewayMetrics
     from ..routing.policies import RouteRequest
@@ -112,8 +112,16 @@ class Flights:
     def all(self) -> list[Flight]:
         return list(self._running)
 
-    def start(self, key: Fingerprint, pool: Pool, api: ApiRequest, route: RouteRequest) -> Flight:
-        """Start a flight sending `api` (a streaming flight if `api.stream`, else a JSON one)."""
+    def start(
+        self,
+        key: Fingerprint,
+        pool: Pool,
+        api: ApiRequest,
+        route: RouteRequest,
+        before_send: Callable[[Instance], None] | None = None,
+    ) -> Flight:
+        """Start a flight sending `api` (a streaming flight if `api.stream`, else a JSON one); `before_send` goes
+        with its engine calls (`attempt.open_attempts`: its leader's class may make room at the engine)."""
         if self._closed:
             raise ShuttingDown("The gateway is shutting down.", retry_after=1)
         table = self._streams if api.stream else self._bodies
@@ -128,7 +136,16 @@ class Flights:
             flight_id: str, hold: Callable[[Lease, UpstreamCall], None], drop: Callable[[], object]
         ) -> Awaitable[Opened]:
             return open_attempts(
-                fleet, metrics, pool, api, route, flight_id, hold=hold, drop=drop, time_left=lambda: True
+                fleet,
+                metrics,
+                pool,
+                api,
+                route,
+                flight_id,
+                hold=hold,
+                drop=drop,
+                time_left=lambda: True,
+                before_send=before_send,
             )
 
         flight = Flight(
