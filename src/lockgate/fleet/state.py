@@ -95,8 +95,6 @@ _MAX_SLOWDOWN = 20.0
 class OwnAccounting:
     def __init__(self) -> None:
         self.queued_prompt_tokens = 0
-        #: Attempts sent whose first token has not come back (they are queued or in prefill there).
-        self.pending = 0
         self.ttft = Ewma()
         self.tpot = Ewma()
         self.decode = Ewma()
@@ -117,8 +115,13 @@ class OwnAccounting:
         #: call when one of them is answered or ends (the fleet wakes the long requests waiting for their turn).
         self.long_pending = 0
         self.on_long_done: Callable[[], None] | None = None
-        #: The attempts sent here whose first token has not come back, oldest first (`overdue`).
+        #: The attempts sent here whose first token has not come back (queued or in prefill there), oldest first.
         self._unanswered: dict[Attempt, None] = {}
+
+    @property
+    def pending(self) -> int:
+        """Attempts sent here whose first token has not come back (they are queued or in prefill there)."""
+        return len(self._unanswered)
 
     @property
     def rate(self) -> float:
@@ -166,7 +169,6 @@ class OwnAccounting:
                 self.busy_since = now
             self.prefill_until = max(now, self.prefill_until) + uncached_tokens / self.rate
         self.queued_prompt_tokens += uncached_tokens
-        self.pending += 1
         self._unanswered[attempt] = None
         self.prompt_tokens.add(uncached_tokens, now)
         self.updated_at = now
@@ -207,7 +209,6 @@ class OwnAccounting:
             return
         attempt.first_at = now
         self.queued_prompt_tokens -= attempt.tokens
-        self.pending -= 1
         self._unanswered.pop(attempt, None)
         if attempt.long:
             self._long_done(attempt)
@@ -233,7 +234,6 @@ class OwnAccounting:
         time was seen): its time is split into TTFT and decode by `_split_whole`."""
         if attempt.first_at is None:
             self.queued_prompt_tokens -= attempt.tokens
-            self.pending -= 1
             self._unanswered.pop(attempt, None)
             if attempt.long:
                 self._long_done(attempt)
@@ -390,7 +390,7 @@ def merge(
         if engine.waiting is not None:
             # Requests waiting there beyond those the gateway sent and has not heard back from are
             # someone else's: their prompt tokens are unknown; assume this gateway's mean.
-            foreign = engine.waiting - max(0, own.pending)
+            foreign = engine.waiting - own.pending
             if foreign > 0:
                 queued += int(foreign * own.prompt_tokens.value)
             waiting = max(waiting, engine.waiting)
@@ -404,7 +404,7 @@ def merge(
         in_flight=in_flight,
         max_concurrency=max_concurrency,
         queued_prompt_tokens=queued,
-        pending=max(0, own.pending),
+        pending=own.pending,
         waiting=int(waiting),
         running=int(running),
         kv_usage=kv,
