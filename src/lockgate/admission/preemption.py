@@ -146,8 +146,10 @@ def ahead_in_engine(
         for ticket in core.running_newest_first(k):
             tag = ticket.tag
             lease = tag.placed() if isinstance(tag, Preemptee) else None
-            stops = stops_so_far(ticket)
-            if lease is None or lease.instance is not instance or stops is None:
+            if lease is None or lease.instance is not instance:
+                continue
+            stops = stops_so_far(ticket)  # after the cheap check: it plans the request's resumption
+            if stops is None:
                 continue
             if lease.answered:
                 if best is None or (best.klass == k and stops < fewest):
