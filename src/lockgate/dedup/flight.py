@@ -622,8 +622,9 @@ class Subscription:
             ]
         else:
             stop = len(events)
-            if flight._ends[-1] - flight._consumed(position) > TAKE_BYTES:
-                stop = max(bisect_right(flight._ends, flight._consumed(position) + TAKE_BYTES, index), index + 1)
+            consumed = flight._consumed(position)
+            if flight._ends[-1] - consumed > TAKE_BYTES:
+                stop = max(bisect_right(flight._ends, consumed + TAKE_BYTES, index), index + 1)
             contents = flight._contents[index:stop]
             if leader:
                 out = list(zip(events[index:stop], flight._payloads[index:stop], contents, strict=True))
