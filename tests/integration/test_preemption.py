@@ -400,6 +400,7 @@ async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_si
     # Overdue is a matter of time (three of the engine's steps past its estimate): wait until then.
     due = max(e.lease.first_token_due() for e in queued)
     await asyncio.sleep(max(0.0, due - time.monotonic()) + 0.005)
+    assert all(e.lease.first_token_due() < time.monotonic() for e in queued)  # both wait in the engine's queue now
     queued_ids = [e.id for e in queued]
     if p0_path == "direct":
         status, answer = await post(http, gw.url, chat(99, max_tokens=4), "P0")
