@@ -61,10 +61,11 @@ async def open_attempts(
     drop: Callable[[], object],
     time_left: Callable[[], bool],
     priority: int | None = None,
-    before_send: Callable[[Instance], None] | None = None,
+    before_send: Callable[[Lease, bool], None] | None = None,
 ) -> Opened:
     """Route and open the engine call (see the module docstring); `before_send` is called with each attempt's
-    instance just before its request goes out (a strict request makes room there: `PoolScheduler.make_room`)."""
+    lease just before its request goes out, and whether the engine streams its answer (then the lease sees its
+    first token): a strict request makes room there (`PoolScheduler.make_room`)."""
     tried: set[str] = set()
     attempts = pool.config.retries + 1
     last_error: UpstreamError | None = None
@@ -98,7 +99,7 @@ async def open_attempts(
         )
         hold(lease, call)
         if before_send is not None:
-            before_send(instance)
+            before_send(lease, stream)
         try:
             await call.open()
             if call.served_by != instance.name:

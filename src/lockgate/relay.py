@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .dedup import Coalescer
-    from .fleet.instance import Instance, Lease
+    from .fleet.instance import Lease
     from .fleet.pool import Fleet
     from .upstream import UpstreamCall
 
@@ -37,7 +37,7 @@ async def relay(
     http_request: Request,
     dedup: Coalescer,
     fleet: Fleet,
-    before_send: Callable[[Instance], None] | None = None,
+    before_send: Callable[[Lease, bool], None] | None = None,
 ) -> Reply:
     """An admitted request: served by a flight when `dedup` takes it, else straight from an engine of
     `fleet` (`before_send`: see `open_attempts`)."""

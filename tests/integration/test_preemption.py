@@ -373,6 +373,41 @@ def gauges(sim: Any) -> tuple[int, int]:
     return live.running, live.waiting
 
 
+async def test_a_p0_waiting_for_a_slot_inside_a_full_engine_gets_one_when_its_first_token_is_due(
+    start_sim, start_gateway, http
+):
+    """The engine runs two sequences and both are P2 answers; nothing waits there, so nothing is stopped when a
+    P0 stream is sent (the gateway's ceiling is above the engine's slots, as in a flood's first moments, before
+    the limit is discovered). The P0 request waits in the engine's queue for a slot. When its first token is due
+    and has not come, the newest P2 request there is stopped: the P0 answer is whole while both P2 answers still
+    run, and both P2 answers are whole later (one resumed)."""
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=10.0, max_num_seqs=2)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, max_concurrency=8)]}], scrape={"enabled": False}
+    )
+    gateway = gw.gateway
+    await uninterrupted(http, gw.url, chat(0, max_tokens=4))  # the instance's step time is measured
+    p2 = [Stream(http, gw.url, chat(n, max_tokens=100), "P2", after=1) for n in (1, 2)]
+    async with asyncio.timeout(5):
+        await first_of(2, [s.started for s in p2])
+    assert gauges(sim) == (2, 0)
+    p0 = Stream(http, gw.url, chat(99, max_tokens=4), "P0", after=1)
+    await p0.wait()
+    assert p0.status == 200 and p0.done == 1 and stream_summary(p0.events)[1]["completion_tokens"] == 4
+    assert [s.done for s in p2] == [0, 0]  # without the stop, the P0 request would have waited for one to end
+    for stream in p2:
+        await stream.wait()
+        assert stream.status == 200 and stream.done == 1
+        assert stream_summary(stream.events)[1]["completion_tokens"] == 100
+    rows = [r for r in await records(gw) if r["priority"] == "P2" and r["preemptions"]]
+    assert len(rows) == 1 and rows[0]["status"] == "completed"
+    record = await sim.wait_ended(rows[0]["request_id"])
+    assert record["outcome"] == "aborted" and record["first_token_at"] is not None  # it was generating
+    metrics = gateway.metrics.render().decode()
+    assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 1.0' in metrics
+    assert_no_leaks(gw)
+
+
 @pytest.mark.parametrize("p0_path", ["direct", "flight"])
 async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_sim, start_gateway, http, p0_path):
     """The gateway sent an engine more than it runs at once (a ceiling above its two sequence slots, and no scrape

@@ -264,3 +264,20 @@ def test_a_declared_parallelism_is_the_limit_before_any_traffic_and_a_ceiling_fo
     assert restarted.declare(6) and restarted.limit == 6  # restarted with more slots
     fixed = ConcurrencyLimit(32, adaptive=False)  # a fixed limit (a sidecar's publication) ignores it
     assert not fixed.declare(4) and fixed.limit == 32
+
+
+def test_the_slots_an_engine_is_known_to_have() -> None:
+    """`known_slots`: what a strict request may count on (`Lease.engine_full`); the ceiling and a limit still
+    growing after a confirmed probe are guesses, not knowledge."""
+    limit = ConcurrencyLimit(256, cooldown=2)
+    assert limit.known_slots() is None  # the ceiling
+    assert limit.observe(running=4, waiting=9, in_flight=13, decode_s=None) and limit.known_slots() == 4  # held
+    assert not limit.observe(running=4, waiting=9, in_flight=13, decode_s=None) and limit.known_slots() == 4
+    while not limit.observe(running=4, waiting=0, in_flight=4, decode_s=None):
+        pass
+    assert limit.limit == 5 and limit.known_slots() == 4  # a probe on trial: the limit it started from
+    assert not limit.observe(running=5, waiting=0, in_flight=5, decode_s=None)  # confirmed: it runs more
+    assert limit.known_slots() is None
+    declared = ConcurrencyLimit(256)
+    declared.declare(6)
+    assert declared.known_slots() == 6

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from lockgate.admission.gate import PoolScheduler
 from lockgate.admission.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
 from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
+from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.wire import Endpoint, validate
 
@@ -228,6 +231,7 @@ class _Victim:
         self.stopped = 0
         self.preemptions = preemptions
         self.lease = lease
+        self.on_stop: Callable[[], None] = lambda: None
 
     def preemptible(self) -> bool:
         return True
@@ -235,6 +239,7 @@ class _Victim:
     def preempt(self) -> Plan:
         self.stopped += 1
         self.preemptions += 1
+        self.on_stop()
         return Plan.RESUME
 
     def redo_tokens(self) -> int:
@@ -252,6 +257,11 @@ class _Lease:
         self.sent_at = sent_at
         self.due = due
         self.answered = answered
+        self.released = False
+        self.full = False
+
+    def engine_full(self) -> bool:
+        return self.full
 
     def first_token_due(self) -> float | None:
         return self.due
@@ -282,7 +292,7 @@ async def test_a_strict_request_is_not_sent_behind_an_engines_own_queue() -> Non
     assert all(t.running for t in tickets.values())
     p0 = scheduler.offer(0)
     assert p0.running  # room in the pool: nothing stopped at admission
-    scheduler.make_room(0, a)
+    scheduler.make_room(0, _Lease(a, now), True)
     stopped = {name for name, v in victims.items() if v.stopped}
     # The newest of the running ones stopped fewest times (a-running-newer), not the one stopped before.
     assert stopped == {"a-queued-first", "a-queued-next", "a-running-newer"}
@@ -306,11 +316,96 @@ async def test_no_room_is_made_while_the_engine_takes_in_what_it_is_sent() -> No
     ]
     for v in victims:
         scheduler.offer(2, v)
-    scheduler.make_room(0, a)
+    scheduler.make_room(0, _Lease(a, now), True)
     overdue = _Victim(_Lease(a, now - 1, due=now - 0.5))
     scheduler.offer(2, overdue)
-    scheduler.make_room(1, a)  # P1 is not strict
+    scheduler.make_room(1, _Lease(a, now, due=now - 1.0), True)  # P1 is not strict: no room, no watch
     assert [v.stopped for v in [*victims, overdue]] == [0, 0, 0, 0]
+
+
+async def test_a_strict_request_whose_first_token_is_due_and_missing_is_given_a_slot() -> None:
+    """Nothing was overdue on engine A when the P0 went (a queue too young, or an engine exactly full): when the
+    P0's own first token is due and has not come, it waits there. The P2 requests sent there before it and still
+    unanswered are stopped (ahead of it, first come first served), and the running one stopped fewest times (a
+    slot); one sent after it (behind it), engine B's, and the rest stay. An answered or ended P0 stops nothing."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    a: Any = object()
+    b: Any = object()
+    now = time.monotonic()
+    victims = {
+        "a-running-stopped-once": _Victim(_Lease(a, now - 9, answered=True), preemptions=1),
+        "a-running": _Victim(_Lease(a, now - 8, answered=True)),
+        "a-before": _Victim(_Lease(a, now - 0.02, due=now + 1.0)),
+        "a-after": _Victim(_Lease(a, now - 0.005, due=now + 1.0)),
+        "b-before": _Victim(_Lease(b, now - 0.02, due=now + 1.0)),
+    }
+    for victim in victims.values():
+        scheduler.offer(2, victim)
+    loop = asyncio.get_running_loop()
+    answered, ended = _Lease(a, now - 0.01, due=now), _Lease(a, now - 0.01, due=now)
+    scheduler.make_room(0, answered, True)
+    scheduler.make_room(0, ended, True)
+    answered.answered, ended.released = True, True
+    p0 = _Lease(a, now - 0.01, due=now + 0.02)
+    scheduler.make_room(0, p0, True)
+    assert not any(v.stopped for v in victims.values())  # nothing overdue when it was sent
+    looked = asyncio.Event()
+    loop.call_later(0.001, looked.set)  # after the first two P0s' due times (now): they stopped nothing
+    await looked.wait()
+    assert not any(v.stopped for v in victims.values())
+    stopped = asyncio.Event()
+    victims["a-before"].on_stop = stopped.set
+    async with asyncio.timeout(5):
+        await stopped.wait()
+    assert {name for name, v in victims.items() if v.stopped} == {"a-before", "a-running"}
+    assert metrics.reprefill_tokens.labels("m")._value.get() == 10  # the running one's work only
+
+
+async def test_a_strict_request_sent_to_a_full_engine_makes_room_without_waiting_for_anything_overdue() -> None:
+    """Every slot engine A is known to have is generating (`Lease.engine_full`, e.g. a probe's slot in the pool
+    above a learned limit): the P2 requests waiting there, however young, are ahead of the P0 and no slot frees
+    before a generation ends. They are stopped at once, with the running one stopped fewest times."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    a: Any = object()
+    now = time.monotonic()
+    victims = {
+        "a-running-stopped-once": _Victim(_Lease(a, now - 9, answered=True), preemptions=1),
+        "a-running": _Victim(_Lease(a, now - 8, answered=True)),
+        "a-young": _Victim(_Lease(a, now - 0.001, due=now + 1.0)),
+    }
+    for victim in victims.values():
+        scheduler.offer(2, victim)
+    scheduler.make_room(0, _Lease(a, now), False)  # room while it is not full: nothing overdue, nothing stopped
+    assert not any(v.stopped for v in victims.values())
+    full = _Lease(a, now)
+    full.full = True
+    scheduler.make_room(0, full, False)
+    assert {name for name, v in victims.items() if v.stopped} == {"a-young", "a-running"}
+
+
+async def test_an_engine_is_full_when_its_known_slots_are_all_generating() -> None:
+    """`Lease.engine_full`: the slots an engine is known to have (here declared: 2) all hold requests whose first
+    token is back. One that has not answered yet may be starting in a slot or waiting: it does not count."""
+    config = parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]})
+    fleet = Fleet(config, GatewayMetrics())
+    fleet._build(config)  # not entered: no health probes, no scrapes
+    try:
+        [a] = fleet.pools["m"].instances
+        first = fleet.lease(a, 8, 8)
+        first.first_token()
+        assert not fleet.lease(a, 8, 8).engine_full()  # the engine's slots are not known
+        a.concurrency.declare(2)
+        young = fleet.lease(a, 8, 8)
+        assert not young.engine_full()  # one generating, one unanswered
+        young.first_token()
+        p0 = fleet.lease(a, 8, 8)
+        assert p0.engine_full()
+        first.release()
+        assert not p0.engine_full()
+    finally:
+        await fleet.aclose()
 
 
 async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one() -> None:

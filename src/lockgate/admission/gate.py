@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ..changes import Changes
 from ..errors import QueueFull, QueueTimeout
 from ..metrics import SchedulingMetrics
-from .preemption import Preemptee, ahead_in_engine, choose_victim, waits_in_engine
+from .preemption import Placement, Preemptee, ahead_in_engine, choose_victim, holding_up, waits_in_engine
 from .ratelimit import Bucket, RateLimiter, RateLimitExceeded, Reservation, TenantState
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
@@ -36,7 +36,7 @@ from .tenants import Tenant, TenantBook
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
-    from ..fleet.instance import Instance
+    from ..fleet.instance import Lease
     from ..fleet.pool import Pool
 
 Clock = Callable[[], float]
@@ -144,14 +144,28 @@ class PoolScheduler:
             if until is not None and until.state is not TicketState.QUEUED:
                 return
 
-    def make_room(self, klass: int, instance: object) -> None:
-        """A request of class `klass` is about to be sent to `instance` (an `Instance`, compared by identity): if it
-        is strict, stop the less urgent requests it would wait behind in that engine's own queue
-        (`preemption.ahead_in_engine`)."""
+    def make_room(self, klass: int, lease: Placement, watch: bool) -> None:
+        """A request of class `klass` is about to be sent with `lease`: if it is strict, stop the less urgent requests
+        it would wait behind in that engine's own queue (`preemption.ahead_in_engine`). With `watch` (the engine
+        streams: the lease sees its first token), look again when that token is due (`_rescue`)."""
         if not self.preemptible:
             return
         # Lease times are `time.monotonic()` (the scheduler's clock may be a test's).
-        for victim in ahead_in_engine(self.core, klass, self.preemptible, instance, time.monotonic(), _stops_so_far):
+        now = time.monotonic()
+        full = lease.engine_full()
+        for victim in ahead_in_engine(self.core, klass, self.preemptible, lease.instance, now, _stops_so_far, full):
+            self._stop(victim)
+        due = lease.first_token_due() if watch and self.core.classes[klass].strict else None
+        if due is not None:
+            # Bounded: one timer per strict engine call in flight, gone when it fires (within a few steps).
+            asyncio.get_running_loop().call_later(max(0.0, due - now), self._rescue, klass, lease)
+
+    def _rescue(self, klass: int, lease: Placement) -> None:
+        """A strict request's first token is due: if it has not come, stop what holds it up in the engine
+        (`preemption.holding_up`)."""
+        if lease.answered or lease.released:
+            return
+        for victim in holding_up(self.core, klass, self.preemptible, lease.instance, lease.sent_at, _stops_so_far):
             self._stop(victim)
 
     def _stop(self, victim: Ticket) -> None:
@@ -327,7 +341,7 @@ class Admission:
     def class_name(self, klass: int) -> str:
         return self.classes[klass].name
 
-    def room_for(self, model: str, klass: int) -> Callable[[Instance], None] | None:
+    def room_for(self, model: str, klass: int) -> Callable[[Lease, bool], None] | None:
         """What a request of `model` and class `klass` calls with each instance it is about to be sent to
         (`PoolScheduler.make_room`): None unless the class is strict and a less urgent one is preemptible."""
         if not self.classes[klass].strict or not any(k > klass for k in self.preemptible):

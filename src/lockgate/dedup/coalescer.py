@@ -42,7 +42,7 @@ from .synthesize import events_of
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
-    from ..fleet.instance import Instance
+    from ..fleet.instance import Lease
     from ..fleet.pool import Fleet
     from ..metrics import GatewayMetrics
     from ..semantic import Embedder, Probe, SemanticCache
@@ -140,7 +140,7 @@ class Coalescer:
         ex: Exchange,
         http_request: Request,
         key: Fingerprint,
-        before_send: Callable[[Instance], None] | None = None,
+        before_send: Callable[[Lease, bool], None] | None = None,
     ) -> Reply:
         """Serve `ex` from a flight (joined, or led: then `before_send` goes with its engine calls, see
         `attempt.open_attempts`), a cached result or the semantic cache."""

@@ -37,7 +37,7 @@ MIXED_WINDOW_S = 60.0
 
 if TYPE_CHECKING:
     from ..config import FlightsConfig
-    from ..fleet.instance import Instance, Lease
+    from ..fleet.instance import Lease
     from ..fleet.pool import Fleet, Pool
     from ..metrics import GatewayMetrics
     from ..routing.policies import RouteRequest
@@ -118,7 +118,7 @@ class Flights:
         pool: Pool,
         api: ApiRequest,
         route: RouteRequest,
-        before_send: Callable[[Instance], None] | None = None,
+        before_send: Callable[[Lease, bool], None] | None = None,
     ) -> Flight:
         """Start a flight sending `api` (a streaming flight if `api.stream`, else a JSON one); `before_send` goes
         with its engine calls (`attempt.open_attempts`: its leader's class may make room at the engine)."""

@@ -222,6 +222,14 @@ class ConcurrencyLimit:
                 return True
         return False
 
+    def known_slots(self) -> int | None:
+        """How many requests the engine is known to run at once (None: not known): while a probe above it is on
+        trial, the limit it started from; else the limit a saturation set, a first backlog holds or the engine
+        declared. Not the ceiling nor a limit still growing after a confirmed probe: those are guesses."""
+        if self._trial_from is not None:
+            return self._trial_from
+        return self.limit if self._learned is not None or self._held_from is not None else None
+
     def declare(self, parallelism: int | None) -> bool:
         """The engine's own count of what it runs at once (None: it says nothing, or no longer does):
         the ceiling and the learned limit from now on, under the configured ceiling. True if the limit

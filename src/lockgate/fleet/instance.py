@@ -180,6 +180,19 @@ class Lease:
         """Its first token has come back."""
         return self._attempt.first_at is not None
 
+    @property
+    def released(self) -> bool:
+        """The attempt has ended (`release()`)."""
+        return self._released
+
+    def engine_full(self) -> bool:
+        """Whether every slot the engine is known to have (`ConcurrencyLimit.known_slots`) is taken by a request
+        already generating there (its first token back): this attempt then waits for one of them to end. A whole
+        (non-streamed) answer never shows its first token and does not count: the answer errs towards "not full"."""
+        instance = self.instance
+        known = instance.concurrency.known_slots()
+        return known is not None and instance.in_flight - instance.own.pending >= known
+
     def first_token_due(self) -> float | None:
         """When an unanswered attempt's first token is overdue (`OwnAccounting.first_token_due`): past it, the
         attempt waits in the engine's own queue. None once answered or while the instance's step time is
