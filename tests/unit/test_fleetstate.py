@@ -226,6 +226,7 @@ def test_an_attempt_past_its_prefill_and_three_steps_is_overdue() -> None:
     assert own.overdue(10.0) is None  # no step time measured: nothing can be called overdue
     own.tpot.add(0.01, 0.0)
     assert own.first_token_due(first) == pytest.approx(0.1 + 0.03)
+    assert own.first_token_due(first, slack_steps=0) == pytest.approx(0.1 + 0.02)  # the engine's slots unknown
     second = own.start(50, 0.06)  # queued behind what remains of the first (40 tokens): 0.09 s of prefill
     assert own.first_token_due(second) == pytest.approx(0.06 + 0.09 + 0.03)
     assert own.overdue(0.12) is False

@@ -259,12 +259,17 @@ class _Lease:
         self.answered = answered
         self.released = False
         self.full = False
+        #: Whether the engine's slots are known; a step (here: a second) of slack in the due time only if so.
+        self.known = True
 
     def engine_full(self) -> bool:
         return self.full
 
-    def first_token_due(self) -> float | None:
-        return self.due
+    def first_token_due(self, slack_steps: int = 1) -> float | None:
+        return self.due - 1.0 + slack_steps if self.due is not None else None
+
+    def slots_known(self) -> bool:
+        return self.known
 
 
 async def test_a_strict_request_is_not_sent_behind_an_engines_own_queue() -> None:
@@ -383,6 +388,24 @@ async def test_a_strict_request_sent_to_a_full_engine_makes_room_without_waiting
     full.full = True
     scheduler.make_room(0, full, False)
     assert {name for name, v in victims.items() if v.stopped} == {"a-young", "a-running"}
+
+
+async def test_while_an_engines_slots_are_unknown_a_request_is_overdue_a_step_earlier() -> None:
+    """A flood's first moments, before the engine's parallelism is discovered: a P2 request not answered by its
+    due time without the step of slack waits in the engine's queue (it is stopped for a P0); once the slots are
+    known, the same request is still within its due time."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    a: Any = object()
+    now = time.monotonic()
+    waiting = _Victim(_Lease(a, now - 0.1, due=now + 0.5))  # overdue by half a step without the slack
+    scheduler.offer(2, waiting)
+    scheduler.make_room(0, _Lease(a, now), False)
+    assert waiting.stopped == 0
+    unknown = _Lease(a, now)
+    unknown.known = False
+    scheduler.make_room(0, unknown, False)
+    assert waiting.stopped == 1
 
 
 async def test_an_engine_is_full_when_its_known_slots_are_all_generating() -> None:

@@ -54,9 +54,11 @@ class Placement(Protocol):
     @property
     def released(self) -> bool: ...
 
-    def first_token_due(self) -> float | None: ...
+    def first_token_due(self, slack_steps: int = 1) -> float | None: ...
 
     def engine_full(self) -> bool: ...
+
+    def slots_known(self) -> bool: ...
 
 
 @runtime_checkable
@@ -135,6 +137,7 @@ def ahead_in_engine(
     now: float,
     stops_so_far: Callable[[Ticket], int | None],
     full: bool = False,
+    slack_steps: int = 1,
 ) -> list[Ticket]:
     """The running tickets to stop before a request of strict class `klass` is sent to `instance` (empty
     when none need be), so that it does not wait there behind less urgent work (`instance`: an `Instance`, compared
@@ -154,7 +157,7 @@ def ahead_in_engine(
     `full`: every slot the engine is known to have is taken by a request already generating (`Lease.engine_full`:
     a learned or declared limit, as during a one-slot probe above it). Then every request waiting there, however
     young, is ahead of the strict one and no slot frees before a generation ends: the same stops, without waiting
-    for anything to be overdue."""
+    for anything to be overdue. `slack_steps`: of the due time (`Lease.first_token_due`)."""
     spec = core.classes[klass]
     if not spec.strict:
         return []
@@ -179,7 +182,7 @@ def ahead_in_engine(
                     best, fewest = ticket, stops
                 continue
             waiting.append((ticket, lease.sent_at))
-            due = lease.first_token_due()
+            due = lease.first_token_due(slack_steps)
             if due is not None and now > due and (since is None or lease.sent_at < since):
                 since = lease.sent_at
     if full:

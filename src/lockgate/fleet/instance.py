@@ -193,11 +193,16 @@ class Lease:
         known = instance.concurrency.known_slots()
         return known is not None and instance.in_flight - instance.own.pending >= known
 
-    def first_token_due(self) -> float | None:
+    def slots_known(self) -> bool:
+        """Whether the engine's parallelism is known (`ConcurrencyLimit.known_slots`): else the gateway may have
+        sent it more than it runs (a flood's first moments), and the excess waits in its queue."""
+        return self.instance.concurrency.known_slots() is not None
+
+    def first_token_due(self, slack_steps: int = 1) -> float | None:
         """When an unanswered attempt's first token is overdue (`OwnAccounting.first_token_due`): past it, the
         attempt waits in the engine's own queue. None once answered or while the instance's step time is
         not measured."""
-        return self.instance.own.first_token_due(self._attempt)
+        return self.instance.own.first_token_due(self._attempt, slack_steps)
 
     def whole(self, completion_tokens: int) -> None:
         """A non-streamed answer arrived complete: its timing still feeds the instance's TTFT/TPOT."""

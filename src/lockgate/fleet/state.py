@@ -174,15 +174,16 @@ class OwnAccounting:
         self.updated_at = now
         return attempt
 
-    def first_token_due(self, attempt: Attempt) -> float | None:
+    def first_token_due(self, attempt: Attempt, slack_steps: int = 1) -> float | None:
         """The latest `attempt` (sent here, unanswered) should have had its first token if the engine took it
-        in at once: its prefill and what was queued ahead of it, at the measured rate, plus three steps (the
-        rest of the step it arrived in, its own, and one of slack for a loaded host). Past that it waits in
-        the engine's own queue for a sequence slot. None once answered, or while the step time (TPOT) is not
-        measured here."""
+        in at once: its prefill and what was queued ahead of it, at the measured rate, plus two steps (the
+        rest of the step it arrived in, and its own) and `slack_steps` more for a loaded host. Past that it
+        waits in the engine's own queue for a sequence slot. None once answered, or while the step time (TPOT)
+        is not measured here."""
         if attempt.first_at is not None or not self.tpot.samples:
             return None
-        return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + 3 * self.tpot.value
+        steps = 2 + slack_steps
+        return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + steps * self.tpot.value
 
     def overdue(self, now: float) -> bool | None:
         """Whether an attempt sent here is past its `first_token_due`: it waits in the engine's own queue for a
