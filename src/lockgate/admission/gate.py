@@ -349,7 +349,7 @@ class Admission:
         return self.classes[klass].name
 
     def room_for(self, model: str, klass: int) -> Callable[[Lease, bool], None] | None:
-        """What a request of `model` and class `klass` calls with each instance it is about to be sent to
+        """What a request of `model` and class `klass` calls with each engine call's lease just before it is sent
         (`PoolScheduler.make_room`): None unless the class is strict and a less urgent one is preemptible."""
         if not self.classes[klass].strict or not any(k > klass for k in self.preemptible):
             return None
