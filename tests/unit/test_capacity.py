@@ -281,3 +281,5 @@ def test_the_slots_an_engine_is_known_to_have() -> None:
     declared = ConcurrencyLimit(256)
     declared.declare(6)
     assert declared.known_slots() == 6
+    stated = ConcurrencyLimit(4, stated=True)  # `max_concurrency: 4`: the operator's number for this engine
+    assert stated.known_slots() == 4

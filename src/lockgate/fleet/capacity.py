@@ -93,6 +93,7 @@ class ConcurrencyLimit:
         "_learned",
         "_prev_running",
         "_recent",
+        "_stated",
         "_streak",
         "_trial_from",
         "_trial_scrapes",
@@ -104,11 +105,14 @@ class ConcurrencyLimit:
         "limit",
     )
 
-    def __init__(self, ceiling: int, *, adaptive: bool = True, cooldown: int = 300) -> None:
+    def __init__(self, ceiling: int, *, adaptive: bool = True, cooldown: int = 300, stated: bool = False) -> None:
+        """`stated`: the ceiling is a number given for this engine (`max_concurrency`, a sidecar's publication), taken
+        as its slots (`known_slots`) until the engine shows fewer; else it is only a bound (`max_connections`)."""
         if ceiling < 1:
             raise ValueError("ceiling must be >= 1")
         self.ceiling = ceiling
         self._configured = ceiling
+        self._stated = stated
         #: What the engine said it runs at once (`declare()`), if it says.
         self.declared: int | None = None
         #: The current limit (1..ceiling).
@@ -224,11 +228,14 @@ class ConcurrencyLimit:
 
     def known_slots(self) -> int | None:
         """How many requests the engine is known to run at once (None: not known): while a probe above it is on
-        trial, the limit it started from; else the limit a saturation set, a first backlog holds or the engine
-        declared. Not the ceiling nor a limit still growing after a confirmed probe: those are guesses."""
+        trial, the limit it started from; else the limit a saturation set, a first backlog holds, the engine
+        declared or the configuration stated. Not a default ceiling nor a limit still growing after a confirmed
+        probe: those are guesses."""
         if self._trial_from is not None:
             return self._trial_from
-        return self.limit if self._learned is not None or self._held_from is not None else None
+        if self._learned is not None or self._held_from is not None:
+            return self.limit
+        return self.limit if self._stated and self.limit == self._configured else None
 
     def declare(self, parallelism: int | None) -> bool:
         """The engine's own count of what it runs at once (None: it says nothing, or no longer does):

@@ -40,7 +40,9 @@ class Instance:
         self.url = config.url
         self.dialect: Dialect = dialect_for(config.engine)
         #: The concurrency limit: at most the configured ceiling, else discovered from the engine's queue.
-        self.concurrency = ConcurrencyLimit(config.max_concurrency or max_connections)
+        self.concurrency = ConcurrencyLimit(
+            config.max_concurrency or max_connections, stated=config.max_concurrency is not None
+        )
         self.api_key = config.api_key
         self.basic_authorization = config.basic_authorization
         #: Its prefix cache's size in tokens when configured (else learned from the engine's metrics).

@@ -496,7 +496,7 @@ class Fleet:
         """A concurrency limit from another source (what a sidecar publishes for its engine): fixed,
         not discovered here from scrapes."""
         if instance.concurrency.limit != limit or instance.concurrency.adaptive:
-            instance.concurrency = ConcurrencyLimit(max(1, limit), adaptive=False)
+            instance.concurrency = ConcurrencyLimit(max(1, limit), adaptive=False, stated=True)
             self._notify()
 
     # --- reload --------------------------------------------------------------------------------
