@@ -15,7 +15,7 @@ from lockgate.admission.preemption import Plan, Transcript, blocker, choose_vict
 from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
 from lockgate.fleet.pool import Fleet
-from lockgate.metrics import GatewayMetrics
+from lockgate.metrics import GatewayMetrics, SchedulingMetrics
 from lockgate.wire import Endpoint, validate
 
 CLASSES = (
@@ -328,25 +328,39 @@ async def test_no_room_is_made_while_the_engine_takes_in_what_it_is_sent() -> No
     assert [v.stopped for v in [*victims, overdue]] == [0, 0, 0, 0]
 
 
+def _generating_on(
+    a: object, now: float, others: dict[str, _Victim]
+) -> tuple[SchedulingMetrics, PoolScheduler, dict[str, _Victim]]:
+    """A pool scheduler running P2 requests: two generating on engine A (one stopped once before), then `others`."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    victims = {
+        "a-running-stopped-once": _Victim(_Lease(a, now - 9, answered=True), preemptions=1),
+        "a-running": _Victim(_Lease(a, now - 8, answered=True)),
+        **others,
+    }
+    for victim in victims.values():
+        scheduler.offer(2, victim)
+    return metrics, scheduler, victims
+
+
 async def test_a_strict_request_whose_first_token_is_due_and_missing_is_given_a_slot() -> None:
     """Nothing was overdue on engine A when the P0 went (a queue too young, or an engine exactly full): when the
     P0's own first token is due and has not come, it waits there. The P2 requests sent there before it and still
     unanswered are stopped (ahead of it, first come first served), and the running one stopped fewest times (a
     slot); one sent after it (behind it), engine B's, and the rest stay. An answered or ended P0 stops nothing."""
-    metrics = GatewayMetrics().scheduling
-    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
     a: Any = object()
     b: Any = object()
     now = time.monotonic()
-    victims = {
-        "a-running-stopped-once": _Victim(_Lease(a, now - 9, answered=True), preemptions=1),
-        "a-running": _Victim(_Lease(a, now - 8, answered=True)),
-        "a-before": _Victim(_Lease(a, now - 0.02, due=now + 1.0)),
-        "a-after": _Victim(_Lease(a, now - 0.005, due=now + 1.0)),
-        "b-before": _Victim(_Lease(b, now - 0.02, due=now + 1.0)),
-    }
-    for victim in victims.values():
-        scheduler.offer(2, victim)
+    metrics, scheduler, victims = _generating_on(
+        a,
+        now,
+        {
+            "a-before": _Victim(_Lease(a, now - 0.02, due=now + 1.0)),
+            "a-after": _Victim(_Lease(a, now - 0.005, due=now + 1.0)),
+            "b-before": _Victim(_Lease(b, now - 0.02, due=now + 1.0)),
+        },
+    )
     loop = asyncio.get_running_loop()
     answered, ended = _Lease(a, now - 0.01, due=now), _Lease(a, now - 0.01, due=now)
     scheduler.make_room(0, answered, True)
@@ -371,17 +385,9 @@ async def test_a_strict_request_sent_to_a_full_engine_makes_room_without_waiting
     """Every slot engine A is known to have is generating (`Lease.engine_full`, e.g. a probe's slot in the pool
     above a learned limit): the P2 requests waiting there, however young, are ahead of the P0 and no slot frees
     before a generation ends. They are stopped at once, with the running one stopped fewest times."""
-    metrics = GatewayMetrics().scheduling
-    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
     a: Any = object()
     now = time.monotonic()
-    victims = {
-        "a-running-stopped-once": _Victim(_Lease(a, now - 9, answered=True), preemptions=1),
-        "a-running": _Victim(_Lease(a, now - 8, answered=True)),
-        "a-young": _Victim(_Lease(a, now - 0.001, due=now + 1.0)),
-    }
-    for victim in victims.values():
-        scheduler.offer(2, victim)
+    _, scheduler, victims = _generating_on(a, now, {"a-young": _Victim(_Lease(a, now - 0.001, due=now + 1.0))})
     scheduler.make_room(0, _Lease(a, now), False)  # room while it is not full: nothing overdue, nothing stopped
     assert not any(v.stopped for v in victims.values())
     full = _Lease(a, now)

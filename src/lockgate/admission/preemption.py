@@ -24,7 +24,7 @@ and the simulator); the continuation's prompt is re-tokenized by the engine, whi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -158,33 +158,22 @@ def ahead_in_engine(
     a learned or declared limit, as during a one-slot probe above it). Then every request waiting there, however
     young, is ahead of the strict one and no slot frees before a generation ends: the same stops, without waiting
     for anything to be overdue. `slack_steps`: of the due time (`Lease.first_token_due`)."""
-    spec = core.classes[klass]
-    if not spec.strict:
+    if not core.classes[klass].strict:
         return []
     waiting: list[tuple[Ticket, float]] = []
     #: The running one to stop: of the least urgent class with one, the fewest stops, the newest of those.
     best: Ticket | None = None
     fewest = 0
     since: float | None = None
-    for k in sorted(preemptible, reverse=True):
-        if k <= klass:
-            break
-        for ticket in core.running_newest_first(k):
-            tag = ticket.tag
-            lease = tag.placed() if isinstance(tag, Preemptee) else None
-            if lease is None or lease.instance is not instance:
-                continue
-            stops = stops_so_far(ticket)  # after the cheap check: it plans the request's resumption
-            if stops is None:
-                continue
-            if lease.answered:
-                if best is None or (best.klass == k and stops < fewest):
-                    best, fewest = ticket, stops
-                continue
-            waiting.append((ticket, lease.sent_at))
-            due = lease.first_token_due(slack_steps)
-            if due is not None and now > due and (since is None or lease.sent_at < since):
-                since = lease.sent_at
+    for ticket, lease, stops in _stoppable_there(core, klass, preemptible, instance, stops_so_far):
+        if lease.answered:
+            if best is None or (best.klass == ticket.klass and stops < fewest):
+                best, fewest = ticket, stops
+            continue
+        waiting.append((ticket, lease.sent_at))
+        due = lease.first_token_due(slack_steps)
+        if due is not None and now > due and (since is None or lease.sent_at < since):
+            since = lease.sent_at
     if full:
         since = float("-inf")
     if since is None:
@@ -212,30 +201,43 @@ def holding_up(
     `ahead_in_engine` saw nothing to stop when it was sent: an engine exactly full, or a queue too young to be
     called overdue (a flood's first tenths of a second, before the instance's limit is discovered). Without this
     the request waits for a generation to end (seen: 98-124 ms where a step is 10 ms)."""
-    spec = core.classes[klass]
-    if not spec.strict:
+    if not core.classes[klass].strict:
         return []
     ahead: list[Ticket] = []
     best: Ticket | None = None
     fewest = 0
+    for ticket, lease, stops in _stoppable_there(core, klass, preemptible, instance, stops_so_far):
+        if not lease.answered:
+            if lease.sent_at < sent_at:
+                ahead.append(ticket)
+        elif best is None or (best.klass == ticket.klass and stops < fewest):
+            best, fewest = ticket, stops
+    if best is not None:
+        ahead.append(best)
+    return ahead
+
+
+def _stoppable_there(
+    core: SchedulerCore,
+    klass: int,
+    preemptible: frozenset[int],
+    instance: object,
+    stops_so_far: Callable[[Ticket], int | None],
+) -> Iterator[tuple[Ticket, Placement, int]]:
+    """The running tickets of preemptible classes less urgent than `klass` whose engine call is on `instance` and
+    that may be stopped now, with that call's lease and their stops so far: the least urgent class first, the
+    newest first within a class."""
     for k in sorted(preemptible, reverse=True):
         if k <= klass:
             break
         for ticket in core.running_newest_first(k):
             tag = ticket.tag
             lease = tag.placed() if isinstance(tag, Preemptee) else None
-            if lease is None or lease.instance is not instance or (not lease.answered and lease.sent_at >= sent_at):
+            if lease is None or lease.instance is not instance:
                 continue
-            stops = stops_so_far(ticket)
-            if stops is None:
-                continue
-            if not lease.answered:
-                ahead.append(ticket)
-            elif best is None or (best.klass == k and stops < fewest):
-                best, fewest = ticket, stops
-    if best is not None:
-        ahead.append(best)
-    return ahead
+            stops = stops_so_far(ticket)  # after the cheap check: it plans the request's resumption
+            if stops is not None:
+                yield ticket, lease, stops
 
 
 _UNRESUMABLE_FIELDS = (
