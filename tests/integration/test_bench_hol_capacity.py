@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 
@@ -47,3 +48,38 @@ def test_capacity_report_says_where_the_small_engines_limit_settled() -> None:
     text = capacity.report(None, small, settings)
     assert "settled at 8 (second half: min 8, max 9)" in text
     assert text.endswith("PASS  the limit settles at about 8")
+
+
+def _children(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(p) for p in f.read().split()}
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_engine_and_gateway_it_started() -> None:
+    """A CI job's timeout or a `kill` sends SIGTERM: the bench stops like Ctrl-C stops it (exit 143), and the
+    simulator and gateway it started as child processes are stopped with it, not left running."""
+    args = ["--modes", "large", "--large-seqs", "16", "--streams", "16", "--requests", "100000", "--rounds", "1"]
+    command = [sys.executable, "-m", "lockgate", "bench", "capacity", *args]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as bench:
+        try:
+            assert bench.stderr is not None
+            for line in bench.stderr:  # the progress line of the first measurement: both children are up
+                if b"round 1/1" in line:
+                    break
+            children = _children(bench.pid)
+            assert len(children) == 2  # the simulated engine and the gateway
+            bench.send_signal(signal.SIGTERM)
+            assert bench.wait(timeout=30) == 143
+            assert not [pid for pid in children if _alive(pid)]
+        finally:
+            if bench.poll() is None:
+                bench.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Not gone, nor a zombie waiting to be reaped by a parent that has left."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from ..runner import run_async
 from .progress import Progress
+
+#: The exit status of a bench stopped by SIGTERM (128 + 15, as a shell reports it).
+TERMINATED = 143
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """`run_async(main)`, stopped by SIGTERM the way Ctrl-C stops it: the coroutine is cancelled, so that the
+    engines, gateways and peers a bench started (`overhead.child`) are stopped on the way out instead of being
+    left running (a CI job's timeout, `kill`); exit status 143."""
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        terminated = False
+
+        def terminate() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+        try:
+            return await main()
+        except asyncio.CancelledError:
+            if not terminated:
+                raise
+            task.uncancel()
+            return TERMINATED
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    return run_async(guarded)
 
 
 def _overhead(args: argparse.Namespace) -> int:
@@ -36,7 +73,7 @@ def _overhead(args: argparse.Namespace) -> int:
         print(overhead.report(rows))
         return 0 if all(r.errors == 0 for r in rows) else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _routing(args: argparse.Namespace) -> int:
@@ -73,7 +110,7 @@ def _routing(args: argparse.Namespace) -> int:
         # Errors are expected only where an instance crashes (its streams in flight break).
         return 0 if all(r.errors == 0 for r in results if r.config != "failing") else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _priority(args: argparse.Namespace) -> int:
@@ -105,7 +142,7 @@ def _priority(args: argparse.Namespace) -> int:
             print(priority.diagnose(phases))
         return 0
 
-    return run_async(main)
+    return _run(main)
 
 
 def _hol(args: argparse.Namespace) -> int:
@@ -130,7 +167,7 @@ def _hol(args: argparse.Namespace) -> int:
         print(hol.report(phases, settings))
         return 0 if all(p.errors == 0 for p in phases) else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _capacity(args: argparse.Namespace) -> int:
@@ -153,7 +190,7 @@ def _capacity(args: argparse.Namespace) -> int:
         print(capacity.report(large, small, settings))
         return 0
 
-    return run_async(main)
+    return _run(main)
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -165,7 +202,7 @@ def _cancel(args: argparse.Namespace) -> int:
         print(cancel.report(results, args.target_ms))
         return 0
 
-    return run_async(main)
+    return _run(main)
 
 
 def _inprocess(args: argparse.Namespace) -> int:
@@ -190,7 +227,7 @@ def _inprocess(args: argparse.Namespace) -> int:
         print(inprocess.report(result))
         return 0 if result.ok == result.requests else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _dedup(args: argparse.Namespace) -> int:
@@ -211,7 +248,7 @@ def _dedup(args: argparse.Namespace) -> int:
         print(dedup.report(result))
         return 0 if result.errors == 0 else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -238,7 +275,7 @@ def _chaos(args: argparse.Namespace) -> int:
         print(chaos.report(result))
         return 0 if result.ok else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _write(path: Path, text: str) -> None:
@@ -266,7 +303,7 @@ def _overload(args: argparse.Namespace) -> int:
         print(f"curve written to {args.svg}")
         return 0 if all(level.failed == 0 for level in result.levels) else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -287,7 +324,7 @@ def _soak(args: argparse.Namespace) -> int:
         print(soak.report(result))
         return 0 if result.passed() else 1
 
-    return run_async(main)
+    return _run(main)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
