@@ -24,7 +24,7 @@ and the simulator); the continuation's prompt is re-tokenized by the engine, whi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,20 +106,8 @@ def choose_victim(
         return None
     if spec.max_running is not None and core.running(klass) >= spec.max_running:
         return None
-    for k in sorted(preemptible, reverse=True):
-        if k <= klass:
-            break
-        best: Ticket | None = None
-        fewest = 0
-        for ticket in core.running_newest_first(k):
-            stops = stops_so_far(ticket)
-            if stops is not None and (best is None or stops < fewest):
-                best, fewest = ticket, stops
-                if stops == 0:
-                    break
-        if best is not None:
-            return best
-    return None
+    running = _running_below(core, klass, preemptible)
+    return _fewest_stopped((t, stops) for t in running if (stops := stops_so_far(t)) is not None)
 
 
 def waits_in_engine(tag: Preemptee) -> bool:
@@ -161,14 +149,11 @@ def ahead_in_engine(
     if not core.classes[klass].strict:
         return []
     waiting: list[tuple[Ticket, float]] = []
-    #: The running one to stop: of the least urgent class with one, the fewest stops, the newest of those.
-    best: Ticket | None = None
-    fewest = 0
+    generating: list[tuple[Ticket, int]] = []
     since: float | None = None
     for ticket, lease, stops in _stoppable_there(core, klass, preemptible, instance, stops_so_far):
         if lease.answered:
-            if best is None or (best.klass == ticket.klass and stops < fewest):
-                best, fewest = ticket, stops
+            generating.append((ticket, stops))
             continue
         waiting.append((ticket, lease.sent_at))
         due = lease.first_token_due(slack_steps)
@@ -179,6 +164,7 @@ def ahead_in_engine(
     if since is None:
         return []
     victims = [ticket for ticket, sent_at in waiting if sent_at >= since]
+    best = _fewest_stopped(generating)
     if best is not None:
         victims.append(best)
     return victims
@@ -204,17 +190,40 @@ def holding_up(
     if not core.classes[klass].strict:
         return []
     ahead: list[Ticket] = []
-    best: Ticket | None = None
-    fewest = 0
+    generating: list[tuple[Ticket, int]] = []
     for ticket, lease, stops in _stoppable_there(core, klass, preemptible, instance, stops_so_far):
-        if not lease.answered:
-            if lease.sent_at < sent_at:
-                ahead.append(ticket)
-        elif best is None or (best.klass == ticket.klass and stops < fewest):
-            best, fewest = ticket, stops
+        if lease.answered:
+            generating.append((ticket, stops))
+        elif lease.sent_at < sent_at:
+            ahead.append(ticket)
+    best = _fewest_stopped(generating)
     if best is not None:
         ahead.append(best)
     return ahead
+
+
+def _running_below(core: SchedulerCore, klass: int, preemptible: frozenset[int]) -> Iterator[Ticket]:
+    """The running tickets of preemptible classes less urgent than `klass`: the least urgent class first, the newest
+    first within a class."""
+    for k in sorted(preemptible, reverse=True):
+        if k <= klass:
+            break
+        yield from core.running_newest_first(k)
+
+
+def _fewest_stopped(candidates: Iterable[tuple[Ticket, int]]) -> Ticket | None:
+    """Of `candidates` (tickets that may be stopped, with their stops so far, in `_running_below`'s order): in the
+    least urgent class among them, the one stopped fewest times, the newest of those."""
+    best: Ticket | None = None
+    fewest = 0
+    for ticket, stops in candidates:
+        if best is not None and ticket.klass != best.klass:
+            break  # a more urgent class: the rest are too
+        if best is None or stops < fewest:
+            best, fewest = ticket, stops
+            if stops == 0:
+                break  # none can do better
+    return best
 
 
 def _stoppable_there(
@@ -227,17 +236,14 @@ def _stoppable_there(
     """The running tickets of preemptible classes less urgent than `klass` whose engine call is on `instance` and
     that may be stopped now, with that call's lease and their stops so far: the least urgent class first, the
     newest first within a class."""
-    for k in sorted(preemptible, reverse=True):
-        if k <= klass:
-            break
-        for ticket in core.running_newest_first(k):
-            tag = ticket.tag
-            lease = tag.placed() if isinstance(tag, Preemptee) else None
-            if lease is None or lease.instance is not instance:
-                continue
-            stops = stops_so_far(ticket)  # after the cheap check: it plans the request's resumption
-            if stops is not None:
-                yield ticket, lease, stops
+    for ticket in _running_below(core, klass, preemptible):
+        tag = ticket.tag
+        lease = tag.placed() if isinstance(tag, Preemptee) else None
+        if lease is None or lease.instance is not instance:
+            continue
+        stops = stops_so_far(ticket)  # after the cheap check: it plans the request's resumption
+        if stops is not None:
+            yield ticket, lease, stops
 
 
 _UNRESUMABLE_FIELDS = (
