@@ -222,6 +222,23 @@ def test_discovery_holds_the_limit_at_the_first_backlog_and_undoes_a_hold_the_en
     assert ramp.limit == 256
 
 
+def test_discovery_holds_a_shorter_backlog_when_the_gateways_own_requests_there_are_overdue() -> None:
+    """A 16-slot engine under a flood: a hold waited for 16 requests waiting (`bench priority --slots 16 --tpot-ms
+    25 --trace`: ~0.7 s, P0 waiting there 100 ms). A backlog of a quarter of the batch holds as soon as a request the
+    gateway sent there is overdue (it waits for a slot, not for the next step); not without that evidence, where a
+    short queue is more often a step's arrivals."""
+    flood = ConcurrencyLimit(256)
+    assert flood.observe(running=16, waiting=4, in_flight=20, decode_s=0.5, overdue=True) and flood.limit == 16
+    assert not flood.observe(running=16, waiting=4, in_flight=20, decode_s=0.5, overdue=True)  # confirmed
+    assert flood.limit == 16 and flood.known_slots() == 16
+    for overdue in (None, False):
+        quiet = ConcurrencyLimit(256)
+        assert not quiet.observe(running=16, waiting=4, in_flight=20, decode_s=0.5, overdue=overdue)
+        assert quiet.limit == 256 and quiet.known_slots() is None
+    one = ConcurrencyLimit(256)  # one waiting is a step's arrival even when overdue: no backlog
+    assert not one.observe(running=16, waiting=1, in_flight=17, decode_s=0.5, overdue=True) and one.limit == 256
+
+
 def test_one_waiting_at_a_full_limit_does_not_cut_below_the_learned_limit() -> None:
     """With the strict reserve keeping a slot free, a 4-slot engine ran 3 for seconds at a time; a slot freed a
     moment before two scrapes (one waiting, the gateway's whole limit there) then cut its limit to 3 (`bench

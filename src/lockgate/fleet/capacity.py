@@ -56,7 +56,8 @@ what the engine runs (the pool shrinks at once: a P0 arriving then stops the exc
 confirms the hold (the saturation rule) or undoes it when the engine runs more than that (it was still
 taking a burst in); otherwise the first probe judges it (a one-slot trial that a flood refutes within a
 scrape; on an engine that runs more, growth by an eighth per scrape). Only a queue at least as long as
-the batch holds (a shorter one is more often a step's arrivals at low load); one hold per backlog.
+the batch holds (a shorter one is more often a step's arrivals at low load), or a backlog (two, and a
+quarter of the batch) while a request the gateway sent there is overdue: one hold per backlog.
 
 **Declared**: where the engine says what it runs at once (llama.cpp's `total_slots`, SGLang's
 `max_running_requests`, TGI's `max_batch_size`: `Dialect.parallelism`), `declare()` makes that the
@@ -194,10 +195,12 @@ class ConcurrencyLimit:
                     # the P1 + P2 flood). Such weak evidence does not cut below what a saturation learned.
                     found = max(found, self._learned)
                 return self._saturated(found)
-            if self._learned is None and not self._held and waiting >= running:
+            if self._learned is None and not self._held and (waiting >= running or (backlog and overdue)):
                 # Discovery: a first backlog as long as the batch holds the limit at what the engine runs
                 # until a later scrape confirms it (saturation), undoes it (running grew past it) or a probe
-                # judges it. A shorter queue is more often a step's arrivals at low load.
+                # judges it. A shorter queue is more often a step's arrivals at low load, unless the gateway's
+                # own requests there are overdue: then they wait for slots, not for a step (a 16-slot engine
+                # needed 16 waiting, ~0.7 s into a flood, while P0 waited there behind them).
                 self._held = True
                 cut = max(1, round(max(self._recent)))
                 if cut < self.limit:
