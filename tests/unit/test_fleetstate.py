@@ -236,3 +236,17 @@ def test_an_attempt_past_its_prefill_and_three_steps_is_overdue() -> None:
     assert own.overdue(0.2) is True  # the second
     own.end(second, 0.2, 0)
     assert own.overdue(5.0) is False
+
+
+def test_an_engine_queueing_more_than_arrived_within_the_last_step_is_full() -> None:
+    """`OwnAccounting.queued_beyond`: the requests the gateway sent an engine within the step before a scrape may
+    be waiting only for the step they arrived in; more waiting means older requests wait for a slot (full)."""
+    own = OwnAccounting()
+    own.start(10, 0.0)
+    assert own.queued_beyond(5, 1.0) is None  # no step time measured
+    own.tpot.add(0.01, 0.0)
+    own.start(10, 0.995)
+    own.start(10, 0.998)
+    assert own.queued_beyond(2, 1.0) is False  # the two sent within the last step
+    assert own.queued_beyond(3, 1.0) is True  # and one more: the one sent at 0.0 waits for a slot
+    assert own.queued_beyond(0, 1.0) is False

@@ -261,6 +261,9 @@ class _Lease:
         self.full = False
         #: Whether the engine's slots are known; a step (here: a second) of slack in the due time only if so.
         self.known = True
+        #: What a look at the engine's queue finds (None: it cannot tell), and how often it was looked at.
+        self.queued: bool | None = None
+        self.looks = 0
 
     def engine_full(self) -> bool:
         return self.full
@@ -270,6 +273,10 @@ class _Lease:
 
     def slots_known(self) -> bool:
         return self.known
+
+    async def queue_ahead(self) -> bool | None:
+        self.looks += 1
+        return self.queued
 
 
 async def test_a_strict_request_is_not_sent_behind_an_engines_own_queue() -> None:
@@ -412,6 +419,39 @@ async def test_while_an_engines_slots_are_unknown_a_request_is_overdue_a_step_ea
     unknown.known = False
     scheduler.make_room(0, unknown, False)
     assert waiting.stopped == 1
+
+
+async def test_while_an_engines_slots_are_unknown_a_look_at_its_queue_makes_room_before_the_due_time() -> None:
+    """Slots unknown and a P2 request sent to engine A just before the P0, too young to be overdue: a look at the
+    engine's queue (`Placement.queue_ahead`) decides at once. A queue beyond what arrived within the last step: it is
+    full, and the young request is ahead of the P0 (stopped, with the running one stopped fewest times). No such
+    queue, or no answer: nothing is stopped before the due time. No look where the slots are known, where nothing
+    unanswered was sent there before the P0, or when the overdue rule already made room."""
+    a: Any = object()
+    now = time.monotonic()
+    due = now + 100.0  # the P0's own rescue timer stays out of the way
+
+    def p0(queued: bool | None, *, known: bool = False) -> _Lease:
+        lease = _Lease(a, now, due=due)
+        lease.known, lease.queued = known, queued
+        return lease
+
+    _, scheduler, victims = _generating_on(a, now, {"a-young": _Victim(_Lease(a, now - 0.002, due=due))})
+    looked = [p0(False), p0(None), p0(True, known=True)]
+    for lease in looked:
+        scheduler.make_room(0, lease, True)
+    await asyncio.gather(*scheduler._looks)
+    assert [lease.looks for lease in looked] == [1, 1, 0]
+    assert not any(v.stopped for v in victims.values())
+    sent_first = _Lease(a, now - 0.003, due=due)
+    sent_first.known, sent_first.queued = False, True
+    scheduler.make_room(0, sent_first, True)  # the young request was sent after it: not ahead of it
+    assert sent_first.looks == 0
+    full = p0(True)
+    scheduler.make_room(0, full, True)
+    await asyncio.gather(*scheduler._looks)
+    assert full.looks == 1
+    assert {name for name, v in victims.items() if v.stopped} == {"a-young", "a-running"}
 
 
 async def test_an_engine_is_full_when_its_known_slots_are_all_generating() -> None:

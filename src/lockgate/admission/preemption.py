@@ -60,6 +60,8 @@ class Placement(Protocol):
 
     def slots_known(self) -> bool: ...
 
+    async def queue_ahead(self) -> bool | None: ...
+
 
 @runtime_checkable
 class Preemptee(Protocol):
@@ -200,6 +202,17 @@ def holding_up(
     if best is not None:
         ahead.append(best)
     return ahead
+
+
+def sent_ahead(core: SchedulerCore, klass: int, preemptible: frozenset[int], instance: object, sent_at: float) -> bool:
+    """Whether a running request of a less urgent preemptible class was sent to `instance` before `sent_at` and has
+    not been answered: a request of class `klass` sent then may wait behind it there. Pure."""
+    for ticket in _running_below(core, klass, preemptible):
+        tag = ticket.tag
+        lease = tag.placed() if isinstance(tag, Preemptee) else None
+        if lease is not None and lease.instance is instance and not lease.answered and lease.sent_at < sent_at:
+            return True
+    return False
 
 
 def _running_below(core: SchedulerCore, klass: int, preemptible: frozenset[int]) -> Iterator[Ticket]:

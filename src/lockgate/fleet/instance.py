@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -81,6 +82,8 @@ class Instance:
         self.own = OwnAccounting()
         self.engine_load: EngineLoad | None = None
         self.scrape_error: str | None = None
+        #: Its engine's load scraped now, or very recently (None: the fleet does not scrape it).
+        self.look: Callable[[], Awaitable[EngineLoad | None]] | None = None
         #: Set for an engine behind a sidecar (cluster mode): its state comes from etcd, not from probes.
         self.published: Published | None = None
         self.ejection = ejection or Ejection()
@@ -199,6 +202,19 @@ class Lease:
         """Whether the engine's parallelism is known (`ConcurrencyLimit.known_slots`): else the gateway may have
         sent it more than it runs (a flood's first moments), and the excess waits in its queue."""
         return self.instance.concurrency.known_slots() is not None
+
+    async def queue_ahead(self) -> bool | None:
+        """A look at the engine's queue now (`Instance.look`, a scrape): whether it holds requests sent before the
+        last step, so that this attempt waits behind them for a slot (`OwnAccounting.queued_beyond`). None: it
+        cannot be told (not scraped here, no queue signal, the step time not measured)."""
+        instance = self.instance
+        look = instance.look
+        if look is None or instance.published is not None:
+            return None
+        load = await look()
+        if load is None or load.waiting is None:
+            return None
+        return instance.own.queued_beyond(load.waiting, load.scraped_at)
 
     def first_token_due(self, slack_steps: int = 1) -> float | None:
         """When an unanswered attempt's first token is overdue (`OwnAccounting.first_token_due`): past it, the

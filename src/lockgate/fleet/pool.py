@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,6 +53,11 @@ from .state import Ewma
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
+
+
+#: How old a scrape may be for a strict request's look at its engine's queue (`Lease.queue_ahead`): a fresher one is
+#: taken again, an older one is scraped anew (a look per strict request at most, joined while one is under way).
+_LOOK_MAX_AGE_S = 0.01
 
 
 class HeaderLookup(Protocol):
@@ -329,6 +335,7 @@ class Fleet:
         self._tasks: set[asyncio.Task[None]] = set()
         self._health_task: asyncio.Task[None] | None = None
         self._scrape_task: asyncio.Task[None] | None = None
+        self.scraper = Scraper(self.instances.values, config.scrape, self._scraped)
         self._health_wake = asyncio.Event()
         self._changes = Changes()
         #: Notified when an instance's long prefill is answered or ends: long requests waiting for their turn
@@ -360,7 +367,6 @@ class Fleet:
         # Per-instance load state, read from the fleet when /metrics is scraped (nothing on the hot path).
         self._metrics.registry.register(FleetCollector(self))
         self._health_task = asyncio.create_task(self._health_loop(), name="lockgate-health")
-        self.scraper = Scraper(self.instances.values, self._config.scrape, self._scraped)
         if self._config.scrape.enabled:
             self._scrape_task = asyncio.create_task(self.scraper.run(), name="lockgate-scrape")
         return self
@@ -600,6 +606,8 @@ class Fleet:
             scrapes=scrapes,
         )
         instance.own.on_long_done = self.prefills.notify
+        if self._config.scrape.enabled and dialect.metrics_path:
+            instance.look = functools.partial(self.scraper.fresh, instance, _LOOK_MAX_AGE_S)
         return instance
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -610,6 +618,7 @@ class Fleet:
             return
         self._closed = True
         await cancel_and_wait(self._health_task, self._scrape_task)
+        await self.scraper.aclose()
         retiring, self._retiring = self._retiring, {}
         for task in retiring.values():
             task.cancel()

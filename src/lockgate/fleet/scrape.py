@@ -103,6 +103,8 @@ class Scraper:
         self._instances = instances
         self._config = config
         self._on_result = on_result
+        #: The scrape of each instance under way: a second asker joins it (an engine is never asked twice at once).
+        self._loading: dict[Instance, asyncio.Task[EngineLoad | None]] = {}
 
     async def run(self) -> None:
         interval = self._config.interval_ms / 1000
@@ -117,6 +119,39 @@ class Scraper:
         await asyncio.gather(*(self._scrape(i) for i in targets))
 
     async def _scrape(self, instance: Instance) -> None:
+        load = await self.fetch(instance)
+        self._on_result(instance, load is not None)
+
+    async def fresh(self, instance: Instance, max_age: float) -> EngineLoad | None:
+        """The engine's load at most `max_age` seconds old: the last scrape's, else a scrape now (`fetch`)."""
+        load = instance.engine_load
+        if load is not None and instance.scrape_error is None and time.monotonic() - load.scraped_at <= max_age:
+            return load
+        return await self.fetch(instance)
+
+    async def fetch(self, instance: Instance) -> EngineLoad | None:
+        """Scrape `instance` now (None: the scrape failed), or join its scrape under way. Sets its `engine_load` or
+        `scrape_error`; the caller that sees the result decides what else to do with it (the loop: `on_result`).
+        A caller cancelled leaves the scrape to finish for the others (bounded by the timeout; `aclose`)."""
+        task = self._loading.get(instance)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._get(instance), name="lockgate-scrape-one")
+            self._loading[instance] = task
+            task.add_done_callback(lambda done: self._loaded(instance, done))
+        return await asyncio.shield(task)
+
+    def _loaded(self, instance: Instance, task: asyncio.Task[EngineLoad | None]) -> None:
+        if self._loading.get(instance) is task:
+            del self._loading[instance]
+
+    async def aclose(self) -> None:
+        """Cancel the scrapes under way (the loop's own task is its owner's to cancel)."""
+        tasks = list(self._loading.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _get(self, instance: Instance) -> EngineLoad | None:
         path = instance.dialect.metrics_path
         assert path is not None
         try:
@@ -132,8 +167,7 @@ class Scraper:
             text = body.decode()
         except (HttpClientError, HttpStatusError, OSError, TimeoutError, UnicodeDecodeError) as exc:
             instance.scrape_error = f"metrics scrape failed: {exc!r}"[:300]
-            self._on_result(instance, False)
-            return
-        instance.engine_load = parse_load(text, instance.dialect.metrics, time.monotonic())
+            return None
+        load = instance.engine_load = parse_load(text, instance.dialect.metrics, time.monotonic())
         instance.scrape_error = None
-        self._on_result(instance, True)
+        return load

@@ -196,6 +196,23 @@ class OwnAccounting:
                 return True
         return False
 
+    def queued_beyond(self, waiting: float, at: float) -> bool | None:
+        """Whether an engine that had `waiting` requests in its queue at `at` (a scrape) holds more there than the
+        gateway sent it within the step before (`tpot`): those may only wait for the step they arrived in, but an
+        engine with a free slot takes every older request in at its next step. More waiting: older requests wait
+        for a slot, the engine is full, and a request sent there waits behind them. Other clients of the engine
+        count as older (an engine shared with other gateways is called full sooner). None while the step time is
+        not measured."""
+        if not self.tpot.samples:
+            return None
+        since = at - self.tpot.value
+        young = 0
+        for attempt in reversed(self._unanswered):  # newest first
+            if attempt.sent_at <= since:
+                break
+            young += 1
+        return waiting > young
+
     def adopt(self, attempt: Attempt, now: float) -> Attempt:
         """An attempt routed to another instance and served here (a sidecar chose this engine of its
         node): queued here from now, timed from when it was sent. The other instance `end`s its own (first:
