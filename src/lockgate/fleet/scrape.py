@@ -5,6 +5,9 @@ present wins, series summed over labels such as `model_name`) from Prometheus te
 the loop the fleet owns: a round never overlaps the next (it waits for the slowest call, which the
 timeout bounds), so a slow engine is never asked twice at once (llm-d #1842: scraping that stalls the
 engine). A failed scrape keeps the last good one, which then ages past `stale_after` and is ignored.
+Outside the loop, `Scraper.fresh` scrapes one engine on demand (a strict request's look at its queue,
+`Lease.queue_ahead`); every scrape of an instance goes through `fetch`, which joins the one under way, so
+the loop and the lookers never ask an engine twice at once either.
 
 Scrapes go through the instance's own lean pool of one connection (`Instance.scrapes`, `lockgate.http`), not
 aiohttp: several a second per engine, a scrape cost ~0.6 ms of CPU through aiohttp. The page is bounded by
