@@ -261,8 +261,9 @@ class _Lease:
         self.full = False
         #: Whether the engine's slots are known; a step (here: a second) of slack in the due time only if so.
         self.known = True
-        #: What a look at the engine's queue finds (None: it cannot tell), and how often it was looked at.
-        self.queued: bool | None = None
+        #: What the looks at the engine's queue find, in turn (None, or none left: it cannot tell), and how many
+        #: there were.
+        self.queued: list[bool | None] = []
         self.looks = 0
 
     def engine_full(self) -> bool:
@@ -276,7 +277,7 @@ class _Lease:
 
     async def queue_ahead(self) -> bool | None:
         self.looks += 1
-        return self.queued
+        return self.queued.pop(0) if self.queued else None
 
 
 async def test_a_strict_request_is_not_sent_behind_an_engines_own_queue() -> None:
@@ -421,36 +422,58 @@ async def test_while_an_engines_slots_are_unknown_a_request_is_overdue_a_step_ea
     assert waiting.stopped == 1
 
 
+def _unknown(a: object, now: float, *answers: bool | None, due_in: float, known: bool = False) -> _Lease:
+    """A P0's lease on engine A, sent now, first token due in `due_in` s (slots unknown: no slack), whose looks at the
+    engine's queue find `answers` in turn."""
+    lease = _Lease(a, now, due=now + 1.0 + due_in)
+    lease.known = known
+    lease.queued = list(answers)
+    return lease
+
+
 async def test_while_an_engines_slots_are_unknown_a_look_at_its_queue_makes_room_before_the_due_time() -> None:
     """Slots unknown and a P2 request sent to engine A just before the P0, too young to be overdue: a look at the
     engine's queue (`Placement.queue_ahead`) decides at once. A queue beyond what arrived within the last step: it is
     full, and the young request is ahead of the P0 (stopped, with the running one stopped fewest times). No such
-    queue, or no answer: nothing is stopped before the due time. No look where the slots are known, where nothing
-    unanswered was sent there before the P0, or when the overdue rule already made room."""
+    queue, or no answer: nothing is stopped then. No look where the slots are known, or where nothing unanswered was
+    sent there before the P0."""
     a: Any = object()
     now = time.monotonic()
-    due = now + 100.0  # the P0's own rescue timer stays out of the way
-
-    def p0(queued: bool | None, *, known: bool = False) -> _Lease:
-        lease = _Lease(a, now, due=due)
-        lease.known, lease.queued = known, queued
-        return lease
-
-    _, scheduler, victims = _generating_on(a, now, {"a-young": _Victim(_Lease(a, now - 0.002, due=due))})
-    looked = [p0(False), p0(None), p0(True, known=True)]
-    for lease in looked:
+    young = {"a-young": _Victim(_Lease(a, now - 0.002, due=now + 100.0))}
+    _, scheduler, victims = _generating_on(a, now, young)
+    quiet = [_unknown(a, now, False, due_in=0.2), _unknown(a, now, None, due_in=0.2)]
+    known = _unknown(a, now, True, due_in=0.2, known=True)
+    sent_first = _Lease(a, now - 0.003, due=now + 100.0)  # the young request was sent after it: not ahead of it
+    sent_first.known, sent_first.queued = False, [True]
+    for lease in (*quiet, known, sent_first):
         scheduler.make_room(0, lease, True)
-    await asyncio.gather(*scheduler._looks)
-    assert [lease.looks for lease in looked] == [1, 1, 0]
+    await asyncio.sleep(0)  # the looks' first step: one loop iteration
+    assert [lease.looks for lease in (*quiet, known, sent_first)] == [1, 1, 0, 0]
     assert not any(v.stopped for v in victims.values())
-    sent_first = _Lease(a, now - 0.003, due=due)
-    sent_first.known, sent_first.queued = False, True
-    scheduler.make_room(0, sent_first, True)  # the young request was sent after it: not ahead of it
-    assert sent_first.looks == 0
-    full = p0(True)
+    for lease in (*quiet, known):
+        lease.answered = True  # first tokens came: no second look, no rescue at the due time
+    await asyncio.gather(*scheduler._looks)
+    assert [lease.looks for lease in quiet] == [1, 1]
+    assert not any(v.stopped for v in victims.values())
+    _, scheduler, victims = _generating_on(a, now, {"a-young": _Victim(_Lease(a, now - 0.002, due=now + 100.0))})
+    full = _unknown(a, now, True, due_in=100.0)
     scheduler.make_room(0, full, True)
     await asyncio.gather(*scheduler._looks)
     assert full.looks == 1
+    assert {name for name, v in victims.items() if v.stopped} == {"a-young", "a-running"}
+
+
+async def test_an_engine_exactly_full_when_a_strict_request_was_sent_shows_at_a_second_look() -> None:
+    """The first look finds no queue beyond the last step's arrivals (the engine had just filled: the P0 itself and
+    the young P2 ahead of it were the queue). Half way to the P0's due time it is looked at again: the P0, older than a
+    step now and unanswered, still waits, so the stops are made then, a step before the due time would."""
+    a: Any = object()
+    now = time.monotonic()
+    _, scheduler, victims = _generating_on(a, now, {"a-young": _Victim(_Lease(a, now - 0.002, due=now + 100.0))})
+    lease = _unknown(a, now, False, True, due_in=2.0)  # the rescue at the due time comes a second after the look
+    scheduler.make_room(0, lease, True)
+    await asyncio.gather(*scheduler._looks)
+    assert lease.looks == 2
     assert {name for name, v in victims.items() if v.stopped} == {"a-young", "a-running"}
 
 
