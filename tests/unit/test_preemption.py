@@ -441,8 +441,8 @@ async def test_while_an_engines_slots_are_unknown_a_look_at_its_queue_makes_room
     now = time.monotonic()
     young = {"a-young": _Victim(_Lease(a, now - 0.002, due=now + 100.0))}
     _, scheduler, victims = _generating_on(a, now, young)
-    quiet = [_unknown(a, now, False, due_in=0.2), _unknown(a, now, None, due_in=0.2)]
-    known = _unknown(a, now, True, due_in=0.2, known=True)
+    quiet = [_unknown(a, now, False, due_in=1.0), _unknown(a, now, None, due_in=1.0)]
+    known = _unknown(a, now, True, due_in=1.0, known=True)
     sent_first = _Lease(a, now - 0.003, due=now + 100.0)  # the young request was sent after it: not ahead of it
     sent_first.known, sent_first.queued = False, [True]
     for lease in (*quiet, known, sent_first):
