@@ -207,12 +207,9 @@ def holding_up(
 def sent_ahead(core: SchedulerCore, klass: int, preemptible: frozenset[int], instance: object, sent_at: float) -> bool:
     """Whether a running request of a less urgent preemptible class was sent to `instance` before `sent_at` and has
     not been answered: a request of class `klass` sent then may wait behind it there. Pure."""
-    for ticket in _running_below(core, klass, preemptible):
-        tag = ticket.tag
-        lease = tag.placed() if isinstance(tag, Preemptee) else None
-        if lease is not None and lease.instance is instance and not lease.answered and lease.sent_at < sent_at:
-            return True
-    return False
+    return any(
+        not lease.answered and lease.sent_at < sent_at for _, lease in _placed_there(core, klass, preemptible, instance)
+    )
 
 
 def _running_below(core: SchedulerCore, klass: int, preemptible: frozenset[int]) -> Iterator[Ticket]:
@@ -249,14 +246,22 @@ def _stoppable_there(
     """The running tickets of preemptible classes less urgent than `klass` whose engine call is on `instance` and
     that may be stopped now, with that call's lease and their stops so far: the least urgent class first, the
     newest first within a class."""
-    for ticket in _running_below(core, klass, preemptible):
-        tag = ticket.tag
-        lease = tag.placed() if isinstance(tag, Preemptee) else None
-        if lease is None or lease.instance is not instance:
-            continue
+    for ticket, lease in _placed_there(core, klass, preemptible, instance):
         stops = stops_so_far(ticket)  # after the cheap check: it plans the request's resumption
         if stops is not None:
             yield ticket, lease, stops
+
+
+def _placed_there(
+    core: SchedulerCore, klass: int, preemptible: frozenset[int], instance: object
+) -> Iterator[tuple[Ticket, Placement]]:
+    """The running tickets of preemptible classes less urgent than `klass` whose engine call is on `instance` now, with
+    that call's lease, in `_running_below`'s order."""
+    for ticket in _running_below(core, klass, preemptible):
+        tag = ticket.tag
+        lease = tag.placed() if isinstance(tag, Preemptee) else None
+        if lease is not None and lease.instance is instance:
+            yield ticket, lease
 
 
 _UNRESUMABLE_FIELDS = (
