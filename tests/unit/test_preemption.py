@@ -265,6 +265,7 @@ class _Lease:
         #: there were.
         self.queued: list[bool | None] = []
         self.looks = 0
+        self.looked = asyncio.Event()
 
     def engine_full(self) -> bool:
         return self.full
@@ -277,6 +278,7 @@ class _Lease:
 
     async def queue_ahead(self) -> bool | None:
         self.looks += 1
+        self.looked.set()
         return self.queued.pop(0) if self.queued else None
 
 
@@ -447,13 +449,15 @@ async def test_while_an_engines_slots_are_unknown_a_look_at_its_queue_makes_room
     sent_first.known, sent_first.queued = False, [True]
     for lease in (*quiet, known, sent_first):
         scheduler.make_room(0, lease, True)
-    await asyncio.sleep(0)  # the looks' first step: one loop iteration
+    assert len(scheduler._looks) == 2  # the quiet leases' looks only
+    for lease in quiet:
+        await lease.looked.wait()
     assert [lease.looks for lease in (*quiet, known, sent_first)] == [1, 1, 0, 0]
     assert not any(v.stopped for v in victims.values())
     for lease in (*quiet, known):
         lease.answered = True  # first tokens came: no second look, no rescue at the due time
     await asyncio.gather(*scheduler._looks)
-    assert [lease.looks for lease in quiet] == [1, 1]
+    assert [lease.looks for lease in quiet] == [1, 1] and not scheduler._looks  # each look ends, and is forgotten
     assert not any(v.stopped for v in victims.values())
     _, scheduler, victims = _generating_on(a, now, {"a-young": _Victim(_Lease(a, now - 0.002, due=now + 100.0))})
     full = _unknown(a, now, True, due_in=100.0)
