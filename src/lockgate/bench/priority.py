@@ -424,6 +424,12 @@ async def run(settings: Settings, progress: Progress | None = None) -> tuple[lis
     return phases, {"capacity": capacity, "capacity_rps": capacity_rps}
 
 
+def p0_load(settings: Settings) -> float:
+    """The share of the fleet's slots P0 alone keeps busy (its rate x its generation time over the slots)."""
+    tokens = settings.p0_max_tokens or settings.max_tokens
+    return settings.p0_rate * tokens * settings.tpot_ms / 1000 / (settings.sims * settings.slots_per_sim)
+
+
 def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> str:
     baseline, floods = phases[0], phases[1:]
 
@@ -443,6 +449,14 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
         f"{'phase':<20}{'class':<6}{'sent':>6}{'ok':>6}{'429':>6}{'503':>6}{'left':>6}"
         f"{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'ok/s':>7}",
     ]
+    load = p0_load(settings)
+    if load > 0.5:
+        # The baseline is meant to be P0 on an idle fleet; a P0 load this high queues P0 behind P0 already.
+        lines.insert(
+            1,
+            f"note: P0 alone keeps {load:.0%} of the slots busy: the baseline is a loaded fleet, not an idle one, and "
+            "the ratios compare two queues (lower --p0-rate or --p0-max-tokens for an idle baseline)",
+        )
     for phase in phases:
         for priority in CLASSES:
             sent = sum(1 for o in phase.outcomes if o.priority == priority)

@@ -1,0 +1,25 @@
+"""`lockgate bench priority`'s report says when its baseline is not an idle fleet: P0 alone already keeping most
+of the slots busy makes the ratio compare two queues."""
+
+from __future__ import annotations
+
+from lockgate.bench.priority import Outcome, Phase, Settings, p0_load, report
+
+
+def _phases() -> list[Phase]:
+    def phase(name: str) -> Phase:
+        return Phase(name, 1.0, [Outcome("P0", 200, 0.02, 1.0), Outcome("P0", 200, 0.03, 1.0)])
+
+    return [phase("P0 only"), phase("P0 + P2 flood")]
+
+
+def test_the_report_notes_a_baseline_that_p0_alone_loads() -> None:
+    idle = Settings()  # 4 P0/s x 24 tokens x 10 ms over 8 slots
+    assert p0_load(idle) == 4 * 24 * 0.01 / 8
+    busy = Settings(sims=1, slots_per_sim=4, p0_rate=20.0, p0_max_tokens=12)  # 2.4 of 4 slots
+    assert abs(p0_load(busy) - 0.6) < 1e-9
+    info = {"capacity": 8.0, "capacity_rps": 33.0}
+    assert "note: P0 alone" not in report(_phases(), info, idle)
+    text = report(_phases(), info, busy)
+    assert "note: P0 alone keeps 60% of the slots busy" in text
+    assert "ratio 1.00x" in text
