@@ -7,11 +7,12 @@ import pytest
 
 from lockgate.config import parse_config
 from lockgate.errors import Unavailable
-from lockgate.fleet.instance import Instance
+from lockgate.fleet.instance import Instance, Lease
 from lockgate.fleet.pool import Pool
 from lockgate.metrics import GatewayMetrics
 from lockgate.routing.factory import make_policy
 from lockgate.routing.policies import InstanceView, Policy, PoolSnapshot, RouteRequest
+from lockgate.routing.prefix import UNTOUCHED_ROOM
 from lockgate.wire import Endpoint, parse_request
 
 
@@ -119,3 +120,23 @@ def test_predicted_ttft_charges_eviction_by_how_much_caches_are_reused() -> None
 
     assert chosen(1.0) == "b"  # evicting 1000 tokens of hot prefixes costs their prefill again
     assert chosen(0.0) == "a"  # nothing is reused: equal predictions, the emptier instance
+
+
+def test_an_instance_sent_nothing_yet_is_not_charged_for_evicting() -> None:
+    """Cache sizes unknown (a cold start): an instance the gateway has sent nothing to holds nothing of ours, so a
+    prompt placed there evicts nothing. A second request for a prefix still being prefilled on the first instance
+    then ties with a fresh prefill on the untouched one and goes there (the emptier), instead of queueing behind
+    that prefill on an engine whose speed nothing has measured yet (`bench routing` bursty/slow: the first ten
+    requests for the hot prefix queued on the slow engine, TTFT 190-250 ms)."""
+    p = two_instance_pool(make_policy("predicted_ttft"))
+    system = "a long shared system prompt " * 80
+    first = chat_route(p, system + "question 1")
+    home, cached = p.choose(first)
+    assert cached == 0
+    Lease(home, GatewayMetrics(), first.prompt_tokens, first.prompt_tokens)  # sent, unanswered
+    assert p.index.room(home.key) is None
+    other = next(i for i in p.instances if i is not home)
+    assert p.index.room(other.key) == UNTOUCHED_ROOM
+    second, _ = p.choose(chat_route(p, system + "question 2"))
+    assert second is other
+    assert p.index.room(other.key) is None  # it holds a prompt now: an unknown cache counts as full again

@@ -49,6 +49,8 @@ def prompt_blocks(text: str, block_chars: int) -> tuple[int, ...]:
 
 #: Bytes one block costs in an instance's own LRU (an OrderedDict node with a None value).
 RESIDENT_BYTES = 120
+#: `room()` of an instance no prompt was routed to yet, whatever its cache size: placing one there evicts nothing.
+UNTOUCHED_ROOM = 1 << 40
 
 
 class PrefixIndex:
@@ -104,10 +106,11 @@ class PrefixIndex:
         return None if slot is None else self._capacity.get(slot)
 
     def room(self, instance_key: str) -> int | None:
-        """Blocks the instance takes before its cache evicts (None: its cache size is unknown)."""
+        """Blocks the instance takes before its cache evicts (None: its cache size is unknown). An instance no
+        prompt was routed to yet holds nothing of ours to evict, whatever its size: `UNTOUCHED_ROOM`."""
         slot = self._slots.get(instance_key)
         if slot is None:
-            return None
+            return UNTOUCHED_ROOM
         capacity = self._capacity.get(slot)
         if capacity is None:
             return None
