@@ -18,9 +18,10 @@
                      have to be prefilled again; counting that once keeps a working set larger than one
                      cache partitioned over the instances instead of spread (and thrashing) over all of
                      them. An instance whose cache size is unknown (not reported yet, or never) counts as
-                     full. `reuse` is the share of recent prompts' tokens the pool found cached somewhere
-                     (1 until measured): where nothing is shared (uniform random prompts), evicting costs
-                     nothing later, and charging it anyway made the instances' modelled room decide.
+                     full, unless no prompt was routed there yet (it holds nothing of ours to evict).
+                     `reuse` is the share of recent prompts' tokens the pool found cached somewhere (1 until
+                     measured): where nothing is shared (uniform random prompts), evicting costs nothing
+                     later, and charging it anyway made the instances' modelled room decide.
 
 and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
 next to measured peers, a new instance would never be chosen and so never measured. The relaxation
@@ -84,7 +85,8 @@ def predict_ttft(
         wait += over * view.decode_s / view.max_concurrency
     # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
     # some engines never say) counts as full: the cold start is when prefixes find their homes, and
-    # a copy placed then on a second instance "for free" later crowds out a prefix of its own.
+    # a copy placed then on a second instance "for free" later crowds out a prefix of its own. An instance sent
+    # nothing yet has its room unbounded (`PrefixIndex.room`): it has nothing of ours to evict.
     evicted = max(0, uncached - (view.cache_room or 0)) * reuse
     # What it does to the others: an engine step lasts as long as the prefill it carries, and every
     # request waiting for its first token there (but the one in prefill now) shares a step with this
