@@ -137,6 +137,12 @@ class UpstreamCall:
 
     async def read_json(self) -> dict[str, Any]:
         """The whole non-streaming body, parsed."""
+        payload, _ = await self.read_json_bytes()
+        return payload
+
+    async def read_json_bytes(self) -> tuple[dict[str, Any], bytes]:
+        """The whole non-streaming body, parsed, and the engine's bytes of it (a flight keeps those as its result:
+        no encoding again)."""
         response = self._require()
         limit = self._fleet.upstream.max_response_bytes
         try:
@@ -155,7 +161,7 @@ class UpstreamCall:
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a body that is not JSON.") from None
         if not isinstance(payload, dict):
             raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
-        return payload
+        return payload, raw
 
     def events(self, lease: Lease) -> UpstreamEvents:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body; their tokens

@@ -47,13 +47,18 @@ class Result:
         body: dict[str, Any] | None = None,
         *,
         packed_events: bytes | None = None,
+        packed_body: bytes | None = None,
     ) -> None:
-        """`packed_events`: the events already packed, a JSON array (a flight joins the engine's bytes of each)."""
+        """`packed_events`: the events already packed, a JSON array (a flight joins the engine's bytes of each);
+        `packed_body`: the body already packed, a JSON object (the engine's bytes of a JSON flight's answer)."""
         if packed_events is not None:
             self._events: bytes | None = packed_events
         else:
             self._events = orjson.dumps(events) if events else None
-        self._body = orjson.dumps(body) if body is not None else None
+        if packed_body is not None:
+            self._body: bytes | None = packed_body
+        else:
+            self._body = orjson.dumps(body) if body is not None else None
         self.nbytes = nbytes
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens

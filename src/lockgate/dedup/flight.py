@@ -111,7 +111,7 @@ class EngineCall(Protocol):
 
     def abort(self) -> bool: ...
 
-    async def read_json(self) -> dict[str, Any]: ...
+    async def read_json_bytes(self) -> tuple[dict[str, Any], bytes]: ...
 
 
 class EngineReads(Protocol):
@@ -221,6 +221,8 @@ class Flight:
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0
+        #: A JSON flight's body as the engine sent it (None: assembled from a stream), packed as its result.
+        self._body_bytes: bytes | None = None
         #: The flight's loop (the registry sets it when it starts the task; else looked up when needed).
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Subscribers waiting for the next event or the end: one bare future each, none when nobody waits.
@@ -361,7 +363,7 @@ class Flight:
         call = opened.call
         events = opened.events
         if events is None:
-            body = await call.read_json()
+            body, self._body_bytes = await call.read_json_bytes()
             usage = body.get("usage")
             tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
             if isinstance(tokens, int):
@@ -469,7 +471,8 @@ class Flight:
                 completion_tokens=_int(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
                 complete=complete,
                 instance=self.served_by,
-                body=body,
+                body=body if self._body_bytes is None else None,
+                packed_body=self._body_bytes,
             )
         usage = usage_of(self.events)
         prompt = completion = 0
