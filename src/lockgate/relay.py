@@ -83,7 +83,7 @@ def _headers(ex: Exchange) -> dict[str, str]:
 async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
     events = opened.events
     if events is None:
-        body = await opened.call.read_json()
+        body, _ = await opened.call.read_json_bytes()
         usage = body.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, int):

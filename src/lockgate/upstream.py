@@ -81,7 +81,7 @@ class UpstreamCall:
         self._response: Response | None = None
         self._finished = False
         self.aborted = False
-        #: Bytes of event payloads yielded by `events()` so far, or of the body `read_json()` read (bounds what a
+        #: Bytes of event payloads yielded by `events()` so far, or of the body `read_json_bytes()` read (bounds what a
         #: caller assembles; a flight sizes its buffer and its result by it).
         self.received = 0
         #: The name of the engine that serves the call: the instance's, or, behind a sidecar that chose another
@@ -134,11 +134,6 @@ class UpstreamCall:
         self._fleet.report_success(instance)
         if instance.published is not None:
             self.served_by = served_by(instance.name, instance.published.node, response.headers)
-
-    async def read_json(self) -> dict[str, Any]:
-        """The whole non-streaming body, parsed."""
-        payload, _ = await self.read_json_bytes()
-        return payload
 
     async def read_json_bytes(self) -> tuple[dict[str, Any], bytes]:
         """The whole non-streaming body, parsed, and the engine's bytes of it (a flight keeps those as its result:
