@@ -50,7 +50,8 @@ class Result:
         packed_body: bytes | None = None,
     ) -> None:
         """`packed_events`: the events already packed, a JSON array (a flight joins the engine's bytes of each);
-        `packed_body`: the body already packed, a JSON object (the engine's bytes of a JSON flight's answer)."""
+        `packed_body`: the body already packed, a JSON object (the engine's bytes of a JSON flight's answer), kept
+        instead of encoding `body`."""
         if packed_events is not None:
             self._events: bytes | None = packed_events
         else:

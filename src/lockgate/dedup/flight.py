@@ -305,7 +305,7 @@ class Flight:
         try:
             opened = await self._open()
             if not self.stream:
-                self.body = await self._read_body(opened)
+                self.body, self._body_bytes = await self._read_body(opened)
                 self._nbytes = 64 + opened.call.received
                 self._complete()
                 return
@@ -357,18 +357,18 @@ class Flight:
             return False
         return None
 
-    async def _read_body(self, opened: EngineAnswer) -> dict[str, Any]:
-        """A JSON flight's completion: the engine's body, or (an engine read as a stream whatever was asked)
-        its events assembled; either within `upstream.max_response_bytes`."""
+    async def _read_body(self, opened: EngineAnswer) -> tuple[dict[str, Any], bytes | None]:
+        """A JSON flight's completion: the engine's body and its bytes, or (an engine read as a stream whatever was
+        asked) its events assembled (no bytes); either within `upstream.max_response_bytes`."""
         call = opened.call
         events = opened.events
         if events is None:
-            body, self._body_bytes = await call.read_json_bytes()
+            body, raw = await call.read_json_bytes()
             usage = body.get("usage")
             tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
             if isinstance(tokens, int):
                 opened.lease.whole(tokens)
-            return body
+            return body, raw
         limit = self.max_response_bytes
         held: list[dict[str, Any]] = []
         try:
@@ -379,7 +379,7 @@ class Flight:
                     raise too_large(call.instance.name, limit)
         finally:
             events.close()
-        return assemble(self.api.endpoint, held, model=self.api.model)
+        return assemble(self.api.endpoint, held, model=self.api.model), None
 
     # --- the bounds (see the module docstring) -------------------------------------------------------
     def _consumed(self, position: int) -> int:
@@ -471,7 +471,7 @@ class Flight:
                 completion_tokens=_int(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
                 complete=complete,
                 instance=self.served_by,
-                body=body if self._body_bytes is None else None,
+                body=body,
                 packed_body=self._body_bytes,
             )
         usage = usage_of(self.events)
