@@ -17,6 +17,7 @@ COMPILED = [
     "src/lockgate/assemble.py",
     "src/lockgate/respond.py",
     "src/lockgate/relay.py",
+    "src/lockgate/answer.py",
     "src/lockgate/upstream.py",
     "src/lockgate/attempt.py",
     "src/lockgate/wire.py",

@@ -14,14 +14,13 @@ exception anywhere in the process chains it (and those before it) as its context
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .assemble import assemble
+from .answer import read_whole
 from .attempt import Opened, open_attempts
 from .edge.server import Reply, Request
 from .exchange import Exchange, Phase
 from .respond import pump, whole_body
-from .upstream import too_large
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -81,24 +80,7 @@ def _headers(ex: Exchange) -> dict[str, str]:
 
 
 async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
-    events = opened.events
-    if events is None:
-        body, _ = await opened.call.read_json_bytes()
-        usage = body.get("usage")
-        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if isinstance(tokens, int):
-            opened.lease.whole(tokens)
-    else:
-        # An engine read as a stream for a non-streaming client: the events are held until the end, within
-        # `upstream.max_response_bytes` (counted in event payload bytes).
-        call = opened.call
-        held: list[dict[str, Any]] = []
-        async for event in events:
-            held.append(event)
-            if call.received > limit:
-                call.abort()
-                raise too_large(call.instance.name, limit)
-        body = assemble(ex.api.endpoint, held, model=ex.api.model)
+    body, _ = await read_whole(opened, ex.api.endpoint, ex.api.model, limit)
     return whole_body(ex, body, _headers(ex))
 
 

@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
+from lockgate.answer import EngineAnswer
 from lockgate.assemble import ClientView, assemble
 from lockgate.dedup import Result, ResultCache, eligible, fingerprint, opted_out, sampling_scope
-from lockgate.dedup.flight import EngineAnswer, Flight, FlightState
+from lockgate.dedup.flight import Flight, FlightState
 from lockgate.errors import UpstreamProtocolError
 from lockgate.wire import Endpoint, parse_request
 

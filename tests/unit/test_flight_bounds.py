@@ -11,9 +11,10 @@ from typing import Any, cast
 import orjson
 import pytest
 
+from lockgate.answer import EngineAnswer
 from lockgate.config import parse_config
 from lockgate.dedup import Coalescer, Result, ResultCache, fingerprint
-from lockgate.dedup.flight import EngineAnswer, Flight, FlightState
+from lockgate.dedup.flight import Flight, FlightState
 from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.wire import ApiRequest, Endpoint, parse_request

@@ -16,6 +16,7 @@ import sys
 #: with mypyc.
 HOT_MODULES = (
     "lockgate.relay",
+    "lockgate.answer",
     "lockgate.respond",
     "lockgate.assemble",
     "lockgate.sse",

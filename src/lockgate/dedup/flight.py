@@ -51,19 +51,19 @@ import functools
 import logging
 import time
 from bisect import bisect_right
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..assemble import assemble, usage_of
+from ..answer import EngineAnswer, EngineReads, read_whole
+from ..assemble import usage_of
 from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
-from ..upstream import too_large
 from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet.instance import Instance, Lease
+    from ..fleet.instance import Lease
     from ..upstream import UpstreamCall
     from ..wire import ApiRequest
 
@@ -95,61 +95,6 @@ class FlightOwner(Protocol):
     def flight_abandoned(self, flight: Flight, partial: Result | None) -> None: ...
 
     def flight_changed(self, flight: Flight) -> None: ...
-
-
-class EngineCall(Protocol):
-    """What a flight reads of its engine call (`upstream.UpstreamCall`)."""
-
-    @property
-    def received(self) -> int: ...
-
-    @property
-    def served_by(self) -> str: ...
-
-    @property
-    def instance(self) -> Instance: ...
-
-    def abort(self) -> bool: ...
-
-    async def read_json_bytes(self) -> tuple[dict[str, Any], bytes]: ...
-
-
-class EngineReads(Protocol):
-    """What a flight's step takes of its engine call's stream at each read."""
-
-    @property
-    def ended(self) -> bool: ...
-
-    @property
-    def broken(self) -> bool: ...
-
-    def take(self) -> list[tuple[dict[str, Any], bytes, bool]]: ...
-
-
-class EngineEvents(EngineReads, Protocol):
-    """What a flight reads of its engine call's stream (`upstream.UpstreamEvents`)."""
-
-    def follow(self, step: Callable[[], T | None]) -> Awaitable[T]: ...
-
-    def close(self) -> None: ...
-
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
-
-
-class EngineAnswer(Protocol):
-    """An opened engine call as a flight holds it (`attempt.Opened`). Protocols rather than those classes, so that
-    a flight can be driven by a fake engine in tests, compiled or not."""
-
-    @property
-    def call(self) -> EngineCall: ...
-
-    @property
-    def lease(self) -> Lease: ...
-
-    @property
-    def events(self) -> EngineEvents | None: ...
-
-    def close(self) -> None: ...
 
 
 #: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the flight's id, what
@@ -305,7 +250,9 @@ class Flight:
         try:
             opened = await self._open()
             if not self.stream:
-                self.body, self._body_bytes = await self._read_body(opened)
+                self.body, self._body_bytes = await read_whole(
+                    opened, self.api.endpoint, self.api.model, self.max_response_bytes
+                )
                 self._nbytes = 64 + opened.call.received
                 self._complete()
                 return
@@ -356,30 +303,6 @@ class Flight:
         ):
             return False
         return None
-
-    async def _read_body(self, opened: EngineAnswer) -> tuple[dict[str, Any], bytes | None]:
-        """A JSON flight's completion: the engine's body and its bytes, or (an engine read as a stream whatever was
-        asked) its events assembled (no bytes); either within `upstream.max_response_bytes`."""
-        call = opened.call
-        events = opened.events
-        if events is None:
-            body, raw = await call.read_json_bytes()
-            usage = body.get("usage")
-            tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-            if isinstance(tokens, int):
-                opened.lease.whole(tokens)
-            return body, raw
-        limit = self.max_response_bytes
-        held: list[dict[str, Any]] = []
-        try:
-            async for event in events:
-                held.append(event)
-                if call.received > limit:
-                    call.abort()
-                    raise too_large(call.instance.name, limit)
-        finally:
-            events.close()
-        return assemble(self.api.endpoint, held, model=self.api.model), None
 
     # --- the bounds (see the module docstring) -------------------------------------------------------
     def _consumed(self, position: int) -> int:
