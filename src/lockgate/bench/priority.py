@@ -116,6 +116,11 @@ class Settings:
     #: How long the answers of a phase may take after its arrivals end (the rest is abandoned).
     drain_s: float = 2.0
 
+    @property
+    def slots(self) -> int:
+        """The fleet's sequence slots."""
+        return self.sims * self.slots_per_sim
+
 
 def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[int], tmp: str) -> None:
     ceiling = "" if settings.max_concurrency is None else f", max_concurrency: {settings.max_concurrency}"
@@ -360,7 +365,7 @@ async def run(settings: Settings, progress: Progress | None = None) -> tuple[lis
     """Three phases on one fleet: P0 alone (the baseline); P0 under a P2 flood (the issue's benchmark:
     P0's latency must hold); P0 under a P1 + P2 flood (the weighted shares of P1 and P2)."""
     progress = progress or Progress.silent()
-    capacity = settings.sims * settings.slots_per_sim
+    capacity = settings.slots
     service_s = settings.max_tokens * settings.tpot_ms / 1000
     capacity_rps = capacity / service_s
     sim_ports = [free_port() for _ in range(settings.sims)]
@@ -427,7 +432,7 @@ async def run(settings: Settings, progress: Progress | None = None) -> tuple[lis
 def p0_load(settings: Settings) -> float:
     """The share of the fleet's slots P0 alone keeps busy (its rate x its generation time over the slots)."""
     tokens = settings.p0_max_tokens or settings.max_tokens
-    return settings.p0_rate * tokens * settings.tpot_ms / 1000 / (settings.sims * settings.slots_per_sim)
+    return settings.p0_rate * tokens * settings.tpot_ms / 1000 / settings.slots
 
 
 def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> str:
