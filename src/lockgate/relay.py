@@ -80,8 +80,8 @@ def _headers(ex: Exchange) -> dict[str, str]:
 
 
 async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
-    body, _ = await read_whole(opened, ex.api.endpoint, ex.api.model, limit)
-    return whole_body(ex, body, _headers(ex))
+    body, raw = await read_whole(opened, ex.api.endpoint, ex.api.model, limit)
+    return whole_body(ex, body, _headers(ex), raw)
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:

@@ -296,17 +296,21 @@ def _step(writer: SSEWriter, source: Followed) -> int | None:
             return None
 
 
-def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str]) -> Response:
-    """Answer a non-streaming client with a complete body (from the engine or assembled)."""
+def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw: bytes | None = None) -> Response:
+    """Answer a non-streaming client with a complete body (from the engine or assembled). `raw`: the engine's bytes of
+    `body`, sent as they are when the body already names the model the client asked for (nothing to rewrite)."""
     ex.phase = Phase.FINISHING
     ex.first_token()
-    body["model"] = ex.api.model
+    model = ex.api.model
+    if raw is None or body.get("model") != model:
+        body["model"] = model
+        raw = orjson.dumps(body)
     usage = body.get("usage")
     if isinstance(usage, dict):
         ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
         ex.record.completion_tokens = _int(usage.get("completion_tokens"))
     ex.record.http_status = 200
-    return ex.whole_response(orjson.dumps(body), headers)
+    return ex.whole_response(raw, headers)
 
 
 def _int(value: Any) -> int:
