@@ -218,12 +218,35 @@ def _message_from_body(body: bytes) -> str | None:
     except orjson.JSONDecodeError:
         text = body.decode("utf-8", "replace").strip()
         return text[:500] or None
-    if isinstance(parsed, dict):
-        err = parsed.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if isinstance(parsed.get("message"), str):
-            return str(parsed["message"])
+    return _message_of(parsed) if isinstance(parsed, dict) else None
+
+
+def _message_of(parsed: dict[str, Any]) -> str | None:
+    """The message of an error body: OpenAI's `{"error": {"message": ...}}`, `{"error": "..."}` (TGI) or a top-level
+    `message` (vLLM's older `{"object": "error", ...}`)."""
+    err = parsed.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])
+    if isinstance(err, str):
+        return err
+    if isinstance(parsed.get("message"), str):
+        return str(parsed["message"])
     return None
+
+
+#: The most of an engine's error message kept in the gateway's own error (the event itself is bounded by
+#: `upstream.max_event_bytes`).
+MAX_ENGINE_MESSAGE = 500
+
+
+def stream_error(event: dict[str, Any]) -> tuple[str, int | None] | None:
+    """An engine's error reported inside a stream, as an event, and its status if it names one; None for any other
+    event. vLLM and SGLang end a generation that failed after its stream began with such an event (`{"error":
+    {...}}`, older vLLM `{"object": "error", ...}`) followed by `[DONE]`; llama.cpp and TGI send `{"error": ...}`."""
+    err = event.get("error")
+    if not err and event.get("object") != "error":
+        return None  # (an engine may carry `"error": null` on its usual chunks)
+    message = (_message_of(event) or "the engine reported an error")[:MAX_ENGINE_MESSAGE]
+    code = err.get("code") if isinstance(err, dict) else event.get("code")
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else None
+    return message, status

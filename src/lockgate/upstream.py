@@ -12,8 +12,9 @@ lean pool of their own (`fleet/scrape.py`).
 
 Error handling: the client's errors are translated here into `UpstreamConnectError` (before any
 response: the request may be retried elsewhere), `UpstreamStatusError` (the engine said no) and
-`UpstreamProtocolError` (the stream broke after it started, or the engine sent more than the gateway
-holds: a body over `upstream.max_response_bytes`, an SSE event over `upstream.max_event_bytes`).
+`UpstreamProtocolError` (the stream broke after it started or carried the engine's error event, or the
+engine sent more than the gateway holds: a body over `upstream.max_response_bytes`, an SSE event over
+`upstream.max_event_bytes`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 import orjson
 
 from .assemble import has_content
-from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError
+from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError, stream_error
 from .fleet.instance import Instance, Lease, upstream_headers
 from .fleet.pool import Fleet
 from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
@@ -213,9 +214,10 @@ class UpstreamEvents:
 
     Error handling: a broken stream, an event over `upstream.max_event_bytes` or a body that ends without
     `[DONE]` aborts the call (reported as the engine's failure unless the gateway closed it) and raises
-    `UpstreamProtocolError`; an event that is not a JSON object raises it too. After an error or the end,
-    iteration stops. `close()` (synchronous, idempotent) ends the iteration; it does not abort the call,
-    which belongs to its owner."""
+    `UpstreamProtocolError`; so do an event that is not a JSON object and an error the engine reports as an event
+    (`errors.stream_error`: vLLM and SGLang send one, then `[DONE]`), which counts against the engine's health
+    unless it names a 4xx status. After an error or the end, iteration stops. `close()` (synchronous, idempotent)
+    ends the iteration; it does not abort the call, which belongs to its owner."""
 
     __slots__ = (
         "_call",
@@ -339,6 +341,11 @@ class UpstreamEvents:
                             f"Instance {call.instance.name} sent an event that is not a JSON object."
                         )
                     content = has_content(event)
+                    if not content and ("error" in event or event.get("object") == "error"):
+                        failure = stream_error(event)
+                        if failure is not None:
+                            self._index, self._done = index, True
+                            raise self._engine_error(*failure)
                     tokens += content
                     out.append((event, payload, content))
                 self._index = index
@@ -385,6 +392,19 @@ class UpstreamEvents:
         finally:
             if tokens:
                 self._lease.completion_tokens += tokens
+
+    def _engine_error(self, message: str, status: int | None) -> UpstreamProtocolError:
+        """The error an engine reported as an event of its stream (then usually `[DONE]`, which must not end the
+        client's stream as if it had succeeded): the call is aborted, and counted as the engine's failure unless
+        the error names a client error status (4xx: the request's fault, not the engine's health)."""
+        call = self._call
+        if status is not None and status < 500:
+            call.abort()
+        else:
+            call.broken("error event in the stream")
+        return UpstreamProtocolError(
+            f"Instance {call.instance.name} reported an error in the stream: {message}", code="upstream_stream_error"
+        )
 
     def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:
         """Call `step` (which takes what is here with `take()`) at once and then from the engine connection's
