@@ -39,8 +39,9 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None
-    #: Load shedding or a limit: the request was refused before it reached an engine.
-    rejected: ClassVar[bool] = False
+    #: The request was refused, not failed: load shedding or a limit of the gateway's, or an engine's 4xx (its usage
+    #: record says `rejected`; a failure says `error`, and only those count against the success objective).
+    rejected: bool = False
 
     def __init__(
         self,
@@ -189,8 +190,11 @@ class UpstreamStatusError(UpstreamError):
         self.upstream_status = status
         self.upstream_body = body
         self.content_type = content_type
-        # A 5xx from an overloaded or broken engine may succeed elsewhere; a 4xx will not.
+        # A 5xx from an overloaded or broken engine may succeed elsewhere; a 4xx will not: the engine refused the
+        # request itself (its content: too long a prompt, an unsupported parameter), which is not a failure of the
+        # service (`slo/usage.py`).
         self.retryable = status in (502, 503)
+        self.rejected = 400 <= status < 500
 
     @property
     def http_status(self) -> int:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from lockgate.cli import main
+from lockgate.records import read_records
 from lockgate.server import GatewayServer
 from lockgate.sim import SimServer
 from lockgate.slo import OBJECTIVES
@@ -28,9 +29,11 @@ def chat(n: int, stream: bool = False) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": f"q {n}"}], "max_tokens": 2, "stream": stream}
 
 
-async def _run(start_sim: Any, start_gateway: Any, *, failures: int) -> tuple[SimServer, GatewayServer]:
+async def _run(
+    start_sim: Any, start_gateway: Any, *, failures: int, status: int = 500
+) -> tuple[SimServer, GatewayServer]:
     """`REQUESTS` P0 requests through a gateway (half of them streams), the first `failures` of them
-    answered 500 by the engine (no retry: the failure reaches the client)."""
+    answered `status` by the engine (no retry: the failure reaches the client)."""
     sim = await start_sim(tpot_ms=0.0, prefill_tps=1e6)
     gw: GatewayServer = await start_gateway(
         [{"name": "m", "retries": 0, "dedup": "off", "instances": [instance(sim, name="e0")]}],
@@ -38,10 +41,10 @@ async def _run(start_sim: Any, start_gateway: Any, *, failures: int) -> tuple[Si
     )
     headers = {"x-priority": "P0"}
     async with aiohttp.ClientSession(gw.url) as http:
-        sim.control.fail_status = 500
+        sim.control.fail_status = status
         for n in range(failures):
             async with http.post("/v1/chat/completions", data=orjson.dumps(chat(n)), headers=headers) as r:
-                assert r.status == 500
+                assert r.status == status
         sim.control.fail_status = None
 
         async def one(n: int) -> int:
@@ -122,6 +125,27 @@ async def test_without_failures_the_success_objective_is_met(
     assert success["status"] == "met" and success["budget_remaining"] == 1.0
     assert success["windows"]["30d"] == {"events": 100, "bad": 0, "sli": 1.0, "burn_rate": 0.0}
     assert not any(a["firing"] for a in success["alerts"])
+
+
+async def test_an_engines_refusal_of_a_request_is_not_a_failure_of_the_service(
+    start_sim: Any, start_gateway: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The engine refuses a request for its content (400: too long a prompt, an unsupported parameter): the client's
+    # mistake, like one the gateway itself refuses. A client allowed P0 could otherwise page the operator at will.
+    _, gw = await _run(start_sim, start_gateway, failures=3, status=400)
+    (refused,) = {r["status"] for r in read_records(str(tmp_path / "usage.sqlite3")) if r["http_status"] == 400}
+    assert refused == "rejected"
+    main(["slo", "--config", str(_config_file(tmp_path, gw)), "--json"])
+    success = _objective(orjson.loads(capsys.readouterr().out), "p0_success")
+    assert success["status"] == "met" and success["windows"]["1h"] == {
+        "events": 100,
+        "bad": 0,
+        "sli": 1.0,
+        "burn_rate": 0.0,
+    }
+    async with aiohttp.ClientSession(gw.url) as http, http.get("/metrics") as r:
+        metrics = await r.text()
+    assert 'lockgate_requests_total{model="m",priority="P0",status="rejected"} 3.0' in metrics
 
 
 async def test_engine_idle_comes_from_the_scraped_busy_signal(start_sim: Any, start_gateway: Any) -> None:

@@ -11,6 +11,8 @@ What the events of each objective are (the usage records, `slo/usage.py`, and th
 `slo/idle.py`, count them; `slo/rules.py` says the same in PromQL):
 - `p0_success`: requests of the configured class, except those their client (or an admin) ended; bad:
   `error`, a `timeout` or `shutdown` cancellation, or a rejection with a 5xx status (queue timeout, no instance).
+  A request the engine refused with a 4xx is a rejection (`errors.UpstreamStatusError`), like one the gateway's
+  own checks refuse: the client's mistake, not the service's failure.
 - `p0_ttft`: completed streams of that class; bad: the first token later than the threshold.
 - `engine_idle`: engine samples (each engine with a fresh busy signal, once per sample); bad: it ran nothing.
 - `cancel_rate`: finished requests (not rejected); bad: cancelled.
