@@ -62,9 +62,12 @@ class ClientGone(Exception):
 
 class Subscription(Protocol):
     """A share of an upstream call owned by someone else (a flight). `close()` is idempotent and
-    returns True if closing it aborted that upstream call."""
+    returns True if closing it aborted that upstream call; `instance()` names the engine of that call once it
+    opened."""
 
     def close(self) -> bool: ...
+
+    def instance(self) -> str | None: ...
 
 
 class Host(Protocol):
@@ -171,8 +174,13 @@ class Exchange:
         subscription, self._subscription = self._subscription, None
         # `call.aborted` also counts an abort done while the cancellation unwound through `open()`.
         aborted = call is not None and (call.abort() or call.aborted)
-        if subscription is not None and subscription.close():
-            aborted = True
+        if subscription is not None:
+            if self.record.instance is None:
+                # The flight's engine, known once its call opened (a streamed answer's head may have gone out
+                # before; a flight that failed after opening still names it).
+                self.record.instance = subscription.instance()
+            if subscription.close():
+                aborted = True
         if aborted and self._cancel_detected_at is not None:
             self.host.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
         if lease is not None:

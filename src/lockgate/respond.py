@@ -85,6 +85,7 @@ class SSEWriter:
         "_batch_tokens",
         "_ex",
         "_headers",
+        "_instance",
         "_request",
         "_unconfirmed",
         "delivered",
@@ -92,11 +93,21 @@ class SSEWriter:
         "view",
     )
 
-    def __init__(self, ex: Exchange, http_request: Request, headers: dict[str, str], response_id: str | None) -> None:
+    def __init__(
+        self,
+        ex: Exchange,
+        http_request: Request,
+        headers: dict[str, str],
+        response_id: str | None,
+        instance: Callable[[], str | None] | None = None,
+    ) -> None:
         api = ex.api
         self._ex = ex
         self._request = http_request
         self._headers = headers
+        #: The engine serving the generation, asked when the head goes out (a flight's leader starts following
+        #: before its engine call has opened): named in `x-lockgate-instance`.
+        self._instance = instance
         self.view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
         self.response: StreamResponse | None = None
         #: Completion tokens written to the client.
@@ -149,15 +160,13 @@ class SSEWriter:
         """The status line goes out with the first event that has choices: until then, a failure can still be
         answered with an error status (or retried elsewhere)."""
         ex = self._ex
-        response = StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **self._headers,
-            },
-        )
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers.update(self._headers)
+        if self._instance is not None:
+            instance = self._instance()
+            if instance is not None:
+                headers["x-lockgate-instance"] = instance
+        response = StreamResponse(status=200, headers=headers)
         ex.record.http_status = 200
         ex.response = self.response = response
         try:
@@ -258,7 +267,13 @@ async def stream_events(
 
 
 async def pump(
-    ex: Exchange, http_request: Request, source: Followed, headers: dict[str, str], *, response_id: str | None = None
+    ex: Exchange,
+    http_request: Request,
+    source: Followed,
+    headers: dict[str, str],
+    *,
+    response_id: str | None = None,
+    instance: Callable[[], str | None] | None = None,
 ) -> Reply:
     """Relay a generation as SSE from its producer's callbacks (see the module docstring).
 
@@ -266,8 +281,8 @@ async def pump(
     send, so a read that brought several chunks costs one write. Backpressure: a step that leaves the
     client's transport paused stops taking events (an engine's bytes wait in its connection, which stops
     reading past its high-water mark; a flight's wait in its buffer, within its lag bound) until the task has
-    seen the transport drain. `response_id`: the client's own (None keeps the source's)."""
-    writer = SSEWriter(ex, http_request, headers, response_id)
+    seen the transport drain. `response_id`: the client's own (None keeps the source's); `instance`: see `SSEWriter`."""
+    writer = SSEWriter(ex, http_request, headers, response_id, instance)
     step = functools.partial(_step, writer, source)  # called per arrival: no Python frame of its own
     # Steps at once (for what is here already), then at each arrival, until the end or a full transport.
     while await source.follow(step) == _PAUSED:

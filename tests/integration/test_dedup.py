@@ -105,6 +105,10 @@ async def test_identical_requests_share_one_engine_call(start_sim, start_gateway
         ids |= stream_text(raw)[1] if stream else {orjson.loads(raw)["id"]}
     assert len(ids) == len(kinds)  # every client has its own response id
     assert sorted(h["x-lockgate-cache"] for _, h, _ in results) == ["coalesced"] * 5 + ["miss"]
+    # Each names the engine that produced the answer, the streaming leader too (it starts following the flight
+    # before the engine call has opened).
+    engines = {h.get("x-lockgate-instance") for _, h, _ in results}
+    assert len(engines) == 1 and None not in engines
     assert sim.statistics()["requests_started"] == 2  # the flight, and the solo reference call
     # A late identical request is served from the completed-result cache, as a normal SSE stream.
     status, headers, raw = await call(http, gw.url, {**BODY, "stream": True, "stream_options": {"include_usage": True}})
@@ -112,8 +116,9 @@ async def test_identical_requests_share_one_engine_call(start_sim, start_gateway
     assert stream_text(raw)[0] == expected and b'"usage":{"prompt_tokens"' in raw
     assert sim.statistics()["requests_started"] == 2
     await gw.gateway.records.wait_flushed()
-    served = sorted(r["served_by"] for r in read_records(gw.gateway.records._path))
-    assert served == ["coalesced"] * 5 + ["hit", "miss"]
+    rows = read_records(gw.gateway.records._path)
+    assert sorted(r["served_by"] for r in rows) == ["coalesced"] * 5 + ["hit", "miss"]
+    assert {r["instance"] for r in rows if r["served_by"] != "hit"} == engines  # a cache hit used no engine
     async with http.get(gw.url + "/metrics") as resp:
         families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     outcomes = {s.labels["outcome"]: s.value for s in families["lockgate_dedup"].samples if s.name.endswith("_total")}

@@ -253,7 +253,7 @@ class Coalescer:
         # out unchanged where its view leaves an event unchanged, as on the direct path. Written from the
         # flight's callbacks, as each event arrives.
         response_id = None if source.passes_through else self._response_id(ex.api.endpoint)
-        return await pump(ex, http_request, source, headers, response_id=response_id)
+        return await pump(ex, http_request, source, headers, response_id=response_id, instance=source.instance)
 
     def _response_id(self, endpoint: Endpoint) -> str:
         """A response id unique to this gateway's run (a random prefix and a counter: no system call)."""

@@ -497,6 +497,10 @@ class Subscription:
         streaming flight. It then keeps the engine's response id (the others get their own)."""
         return self.flight._raw_reader is self
 
+    def instance(self) -> str | None:
+        """The engine serving the flight, once its call opened (None before, and for a flight that never opens)."""
+        return self.flight.served_by
+
     def __aiter__(self) -> Subscription:
         return self
 
