@@ -123,7 +123,10 @@ class Gateway:
         #: Who may use `/admin/*`, `/dashboard` and (if configured) `/metrics`.
         self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
         self._route_table = self._routes()
-        self._known_paths = {path for _, path in self._route_table}
+        #: Each path's methods, for a 405's `Allow` (RFC 9110 15.5.6).
+        self._allowed: dict[str, str] = {}
+        for method, path in sorted(self._route_table):
+            self._allowed[path] = f"{self._allowed[path]}, {method}" if path in self._allowed else method
         #: Sidecars with `cluster.central_keys`: the tenant a central relays a request for.
         self.relayed: Relayed | None = None
         #: Central replicas: pass each request's tenant and class on to the sidecars.
@@ -350,13 +353,13 @@ class Gateway:
         raw = request.headers.get(TIMEOUT_HEADER)
         if raw is None:
             return default_ms / 1000 if default_ms else None
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
+        # Digits only: `int()` would also take signs, spaces and underscores ("1_000").
+        value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 12 else 0
         if value <= 0:
             raise InvalidRequest(
-                f"Header {TIMEOUT_HEADER} must be a positive integer (milliseconds).", param=TIMEOUT_HEADER
+                f"Header {TIMEOUT_HEADER} must be a positive integer (milliseconds).",
+                param=TIMEOUT_HEADER,
+                code="invalid_timeout",
             )
         if default_ms:
             value = min(value, default_ms)
@@ -451,9 +454,11 @@ class Gateway:
         return json_response(describe_fleet(self.fleet))
 
     def _unknown(self, request: Request) -> Response:
-        if request.path in self._known_paths:
+        allowed = self._allowed.get(request.path)
+        if allowed is not None:
             error = NotFound(f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed")
-            return Response(status=405, body=error.body_bytes(), content_type="application/json")
+            headers = {"Allow": allowed}
+            return Response(status=405, body=error.body_bytes(), content_type="application/json", headers=headers)
         error = NotFound(f"Unknown path: {request.method} {request.path}")
         return Response(status=404, body=error.body_bytes(), content_type="application/json")
 

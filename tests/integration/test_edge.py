@@ -183,7 +183,9 @@ async def test_health_ready_metrics_and_unknown_paths(start_sim, start_gateway, 
     async with http.get(gw.url + "/nope") as resp:
         assert resp.status == 404 and error_of(await resp.read())["type"] == "invalid_request_error"
     async with http.get(gw.url + "/v1/chat/completions") as resp:
-        assert resp.status == 405
+        assert resp.status == 405 and resp.headers["Allow"] == "POST"  # RFC 9110: a 405 says what is allowed
+    async with http.post(gw.url + "/v1/models") as resp:
+        assert resp.status == 405 and resp.headers["Allow"] == "GET, HEAD"
 
 
 async def test_gateway_listens_on_a_unix_socket(start_sim, tmp_path):
@@ -277,3 +279,15 @@ async def test_a_client_that_stops_reading_its_stream_is_gone_and_its_engine_req
     samples = {s.name: s.value for s in families["lockgate_stream_backpressure_seconds"].samples}
     assert samples["lockgate_stream_backpressure_seconds_count"] == 1
     assert samples["lockgate_stream_backpressure_seconds_sum"] >= 0.09
+
+
+async def test_a_timeout_header_that_is_not_plain_digits_is_refused_with_its_own_code(start_sim, start_gateway, http):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for value in ("1_000", "+5", "-5", "0", "1e3", "abc", "9" * 20):
+        status, _, raw = await post(http, gw.url, body, **{"x-lockgate-timeout-ms": value})
+        error = error_of(raw)
+        assert (status, error["code"], error["param"]) == (400, "invalid_timeout", "x-lockgate-timeout-ms"), value
+    status, _, _ = await post(http, gw.url, body, **{"x-lockgate-timeout-ms": "5000"})
+    assert status == 200
