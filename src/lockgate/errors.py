@@ -190,10 +190,10 @@ class UpstreamStatusError(UpstreamError):
         self.upstream_status = status
         self.upstream_body = body
         self.content_type = content_type
-        # A 5xx from an overloaded or broken engine may succeed elsewhere; a 4xx will not: the engine refused the
-        # request itself (its content: too long a prompt, an unsupported parameter), which is not a failure of the
-        # service (`slo/usage.py`).
-        self.retryable = status in (502, 503)
+        # A 500/502/503 from a broken or overloaded engine (vLLM answers 500 once its engine core died) may succeed
+        # elsewhere; a 4xx will not: the engine refused the request itself (its content: too long a prompt, an
+        # unsupported parameter), which is not a failure of the service either (`slo/usage.py`).
+        self.retryable = status in (500, 502, 503)
         self.rejected = 400 <= status < 500
 
     @property

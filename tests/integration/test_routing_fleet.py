@@ -144,6 +144,27 @@ async def test_error_status_before_first_byte_is_retried_within_the_retry_budget
     assert sum(s.statistics()["requests_started"] for s in (a, b, c)) == 2
 
 
+@pytest.mark.parametrize(("status", "retried"), [(500, True), (400, False)])
+async def test_an_engines_500_is_retried_elsewhere_and_a_4xx_is_not(start_sim, start_gateway, http, status, retried):
+    failing, good = await start_sim(), await start_sim()
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "retries": 1,
+                "instances": [instance(failing, name="failing"), instance(good, name="good")],
+            }
+        ],
+        scrape={"enabled": False},
+    )
+    await control(http, failing, fail_status=status)
+    answers = [await post(http, gw.url, chat()) for _ in range(2)]  # round robin: one of them goes there first
+    assert sorted(s for s, _, _ in answers) == ([200, 200] if retried else [200, status])
+    assert failing.statistics()["requests_started"] == 1
+    assert good.statistics()["requests_finished"] == (2 if retried else 1)
+
+
 async def test_instance_killed_mid_stream_yields_an_sse_error_not_a_retry(start_sim, start_gateway, http):
     doomed, spare = await start_sim(tpot_ms=30.0), await start_sim()
     gw = await start_gateway(
