@@ -58,6 +58,11 @@ class LimitsConfig(_Strict):
     keepalive_timeout_ms: Annotated[int, Field(ge=100)] = 75_000
     #: A client has this long to send a request's headers (and between body chunks): slow clients are cut off.
     header_timeout_ms: Annotated[int, Field(ge=100)] = 30_000
+    #: ... and this long to send a whole body after its headers (a body trickled a byte at a time): 408.
+    body_timeout_ms: Annotated[int, Field(ge=100)] = 60_000
+    #: Client connections open at once; one more is answered 503 and closed. With `max_body_bytes` it bounds
+    #: what clients can make the gateway hold (request bodies being read).
+    max_connections: Annotated[int, Field(ge=1)] = 8192
     #: A client that leaves the gateway's send buffer toward it full for this long (it stopped reading) is
     #: treated as gone: its connection is closed and its engine request aborted.
     write_timeout_ms: Annotated[int, Field(ge=100)] = 60_000

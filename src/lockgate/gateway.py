@@ -36,6 +36,7 @@ from .errors import (
     NotFound,
     PayloadTooLarge,
     ShuttingDown,
+    Unavailable,
 )
 from .exchange import Exchange, Registry
 from .fleet.pool import Fleet
@@ -273,9 +274,11 @@ class Gateway:
         """Errors the edge server answers itself (malformed HTTP, limits), in the OpenAI envelope."""
         if status == 413:
             return PayloadTooLarge(message).body_bytes()
+        if status == 503:
+            return Unavailable(message, code="too_many_connections").body_bytes()
         if status < 500 or status == 505:
-            code = {431: "headers_too_large", 505: "http_version_not_supported"}.get(status, "bad_http_request")
-            return InvalidRequest(message, code=code).body_bytes()
+            codes = {408: "request_timeout", 431: "headers_too_large", 505: "http_version_not_supported"}
+            return InvalidRequest(message, code=codes.get(status, "bad_http_request")).body_bytes()
         return GatewayError(message).body_bytes()
 
     def error_response(self, error: GatewayError, request_id: str, instance: str | None = None) -> Response:

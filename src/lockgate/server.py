@@ -136,6 +136,8 @@ class GatewayServer:
             keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
             header_timeout_s=limits.header_timeout_ms / 1000,
             write_timeout_s=limits.write_timeout_ms / 1000,
+            body_timeout_s=limits.body_timeout_ms / 1000,
+            max_connections=limits.max_connections,
             error_body=Gateway.edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
         )

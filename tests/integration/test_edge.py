@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
@@ -291,3 +292,19 @@ async def test_a_timeout_header_that_is_not_plain_digits_is_refused_with_its_own
         assert (status, error["code"], error["param"]) == (400, "invalid_timeout", "x-lockgate-timeout-ms"), value
     status, _, _ = await post(http, gw.url, body, **{"x-lockgate-timeout-ms": "5000"})
     assert status == 200
+
+
+async def test_a_body_not_received_in_time_is_408_in_the_openai_envelope(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], limits={"body_timeout_ms": 100})
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
+        raw = await reader.read()  # the gateway answers and closes
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert error_of(body)["code"] == "request_timeout"
+    assert sim.statistics()["requests_started"] == 0

@@ -680,8 +680,36 @@ async def test_incomplete_headers_are_cut_off_after_the_header_timeout() -> None
     calls: list[Request] = []
     async with serving(never_called(calls), header_timeout_s=0.05) as server, connect(server) as (reader, writer):
         writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n")
+        assert (await read_response(reader)).status == 408  # slow, maybe not gone: told why
         assert await reader.read() == b""
     assert calls == []
+
+
+async def test_a_body_trickled_slower_than_the_body_timeout_is_cut_off() -> None:
+    """Each chunk within `header_timeout_s` of the last, but the whole body not within `body_timeout_s`: 408."""
+    calls: list[Request] = []
+    async with (
+        serving(never_called(calls), header_timeout_s=30.0, body_timeout_s=0.05) as server,
+        connect(server) as (reader, writer),
+    ):
+        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
+        response = await read_response(reader)
+        assert response.status == 408 and b"not received in time" in response.body
+        assert await reader.read() == b""
+    assert calls == []
+
+
+async def test_a_connection_over_max_connections_is_answered_503_and_closed() -> None:
+    async with serving(echo, max_connections=1) as server, connect(server) as (reader, writer):
+        writer.write(http())
+        assert (await read_response(reader)).status == 200  # the one allowed is open (and accepted)
+        async with connect(server) as (reader2, _):
+            refused = await read_response(reader2)
+            assert refused.status == 503 and refused.headers["connection"] == "close"
+            assert await reader2.read() == b""
+        assert server.refused_connections == 1
+        writer.write(http())
+        assert (await read_response(reader)).status == 200  # the open one is served as before
 
 
 async def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout() -> None:

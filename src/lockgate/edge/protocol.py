@@ -53,6 +53,7 @@ class Connection(asyncio.Protocol):
 
     __slots__ = (
         "_body",
+        "_body_deadline",
         "_body_size",
         "_deadline",
         "_discarding",
@@ -118,6 +119,8 @@ class Connection(asyncio.Protocol):
         self._discarding = False
         self._lingering = False
         self._deadline = 0.0
+        #: When the body of the request being read must be complete (`body_timeout_s` after its headers).
+        self._body_deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
         #: `on_sent` callbacks of whole responses written while the transport was paused (not yet taken).
         self._unsent: list[Callable[[bool], None]] = []
@@ -134,11 +137,16 @@ class Connection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._server._connections.add(self)
-        if self._server._closing:  # accepted in the same loop iteration as the shutdown began
+        server = self._server
+        server._connections.add(self)
+        if server._closing:  # accepted in the same loop iteration as the shutdown began
             self.transport.close()
             return
-        self._arm(self._loop.time() + self._server._header_timeout_s)
+        if len(server._connections) > server._max_connections:
+            server.refused_connections += 1
+            self._fail(_Reject(503, "Too many connections to the gateway; try again later."))
+            return
+        self._arm(self._loop.time() + server._header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -270,6 +278,7 @@ class Connection(asyncio.Protocol):
         )
         self._body = []
         self._body_size = 0
+        self._body_deadline = self._loop.time() + server._body_timeout_s
         expect = items.get("expect")
         if expect is not None and expect.lower() == "100-continue" and version != "1.0":
             if self._task is None:
@@ -283,7 +292,7 @@ class Connection(asyncio.Protocol):
             raise self._rejecting(413, f"The request body is larger than {self._server._max_body_bytes} bytes.")
         self._body.append(chunk)
         if self._task is None:
-            self._deadline = self._loop.time() + self._server._header_timeout_s
+            self._deadline = min(self._loop.time() + self._server._header_timeout_s, self._body_deadline)
 
     def on_message_complete(self) -> None:
         request = self._request
@@ -521,9 +530,13 @@ class Connection(asyncio.Protocol):
         if self._loop.time() < self._deadline:
             self._timer = self._loop.call_at(self._deadline, self._on_timer)
             return
-        # Idle, headers or body too slow, a client that stopped reading its response, or the lingering period is
-        # over. abort(), not close(): close() would wait for a client that does not read to take what is still
-        # buffered. A handler in progress is cancelled by the connection_lost that follows.
+        if self._in_message and self._task is None and not self._lingering:
+            # Headers or body too slow: answered (the client may be alive, only slow), then lingering.
+            self._fail(_Reject(408, "The request was not received in time."))
+            return
+        # Idle, a client that stopped reading its response, or the lingering period is over. abort(), not
+        # close(): close() would wait for a client that does not read to take what is still buffered. A handler
+        # in progress is cancelled by the connection_lost that follows.
         self.transport.abort()
 
     def close_if_idle(self) -> None:

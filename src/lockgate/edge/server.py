@@ -5,10 +5,14 @@ Theory of operation
 One `Connection` (`protocol.py`) per accepted socket. Bytes go straight into the parser, whose callbacks collect a
 request (URL, a list of raw header pairs, body chunks). A connection is always in one of these states:
 
+- **refused**: accepted while `max_connections` were open already: answered 503 at once and closed (lingering).
+  With `max_body_bytes`, this bounds what clients can make the server hold while they send slowly.
 - **idle**: no request in progress, no bytes of the next one. Deadline: `keepalive_timeout_s` (for a new
   connection: `header_timeout_s`). When it passes, the connection is closed.
 - **reading**: a request has begun and is incomplete. Deadline: `header_timeout_s` until the headers are
-  complete, then `header_timeout_s` from each body chunk (a stalled body). Limits are checked here: headers
+  complete, then `header_timeout_s` from each body chunk (a stalled body), and the whole body within
+  `body_timeout_s` of its headers (a body trickled a byte at a time). A deadline passed while reading is answered
+  408 (lingering). Limits are checked here: headers
   over `max_header_bytes` -> 431, a `Content-Length` or a chunked body over `max_body_bytes` -> 413,
   malformed input or an Upgrade -> 400. `Expect: 100-continue` is answered when the headers are complete.
 - **busy**: the message is complete and one `asyncio.Task` runs the handler on it. No deadline, except while a
@@ -81,6 +85,8 @@ class HttpServer:
         keepalive_timeout_s: float = 75.0,
         header_timeout_s: float = 30.0,
         write_timeout_s: float = 60.0,
+        body_timeout_s: float = 60.0,
+        max_connections: int = 8192,
         error_body: Callable[[int, str], bytes] | None = None,
         error_headers: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
@@ -92,6 +98,10 @@ class HttpServer:
         self._keepalive_timeout_s = keepalive_timeout_s
         self._header_timeout_s = header_timeout_s
         self._write_timeout_s = write_timeout_s
+        self._body_timeout_s = body_timeout_s
+        self._max_connections = max_connections
+        #: Connections refused because `max_connections` were open.
+        self.refused_connections = 0
         self._error_body = error_body or default_error_body
         self._error_headers = error_headers
         self._server: asyncio.Server | None = None
