@@ -98,6 +98,7 @@ async def test_sigterm_drains_then_stops_and_exits_zero(start_sim, tmp_path) -> 
                 await read_line_with(proc.stdout, "shutting down")
                 async with probe.get(url + "/ready") as resp:
                     assert resp.status == 503  # at once, while the streams still run
+                    assert resp.headers.get("Connection") == "close"  # draining: not to be used again
                 assert not any(t.done() for t in tasks)
                 await asyncio.gather(*tasks)
                 assert await proc.wait() == 0

@@ -451,7 +451,7 @@ class Connection(asyncio.Protocol):
 
     def connection_header(self, request: Request) -> bytes:
         """The Connection header line for the response to `request`; decides whether the connection stays."""
-        if not request.keep_alive or self._server._closing or self.close_after:
+        if not request.keep_alive or self._server._draining or self.close_after:
             self.close_after = True
             return _CLOSE
         return _KEEP_ALIVE if request.version == "1.0" else b""

@@ -107,6 +107,7 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._connections: set[Connection] = set()
         self._closing = False
+        self._draining = False  # stopped accepting: responses close their connections
         self._drained: asyncio.Event | None = None  # during shutdown: no connection, no request in progress
         self._port: int | None = None
         self._requests_in_progress = 0
@@ -160,6 +161,9 @@ class HttpServer:
                 break
 
     def stop_accepting(self) -> None:
+        """No new connections; every response from now on says `Connection: close` (a client learns not to send
+        more on this connection: the gateway is draining)."""
+        self._draining = True
         if self._server is not None:
             self._server.close()
 
