@@ -276,8 +276,14 @@ class Gateway:
             return PayloadTooLarge(message).body_bytes()
         if status == 503:
             return Unavailable(message, code="too_many_connections").body_bytes()
-        if status < 500 or status == 505:
-            codes = {408: "request_timeout", 431: "headers_too_large", 505: "http_version_not_supported"}
+        if status < 500 or status in (501, 505):
+            codes = {
+                408: "request_timeout",
+                415: "unsupported_content_encoding",
+                431: "headers_too_large",
+                501: "unsupported_transfer_encoding",
+                505: "http_version_not_supported",
+            }
             return InvalidRequest(message, code=codes.get(status, "bad_http_request")).body_bytes()
         return GatewayError(message).body_bytes()
 

@@ -560,6 +560,33 @@ async def test_host_rules_and_http_version_of_rfc_9112(payload: bytes, status: i
     assert calls == []
 
 
+@pytest.mark.parametrize(
+    ("payload", "status"),
+    [
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n", 501),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\nhi", 415),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\nhi", 415),
+    ],
+    ids=["gzip-transfer-coding", "gzip-content", "brotli-content"],
+)
+async def test_a_coded_body_is_refused_not_passed_on_still_coded(payload: bytes, status: int) -> None:
+    """The server never decodes a body: one in a transfer coding other than chunked gets 501 (RFC 9112 6.1), one in
+    a content coding 415 (RFC 9110 15.5.16), instead of reaching the handler as bytes it would misread."""
+    calls: list[Request] = []
+    async with serving(never_called(calls)) as server, connect(server) as (reader, writer):
+        writer.write(payload)
+        assert "coding" in (await expect_error(reader, status))["message"].lower()
+    assert calls == []
+
+
+async def test_identity_and_chunked_codings_are_served() -> None:
+    async with serving(echo) as server, connect(server) as (reader, writer):
+        writer.write(http("POST", body=b"hi", headers=("Content-Encoding: identity",)))
+        assert orjson.loads((await read_response(reader)).body)["body"] == "hi"
+        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: Chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n")
+        assert orjson.loads((await read_response(reader)).body)["body"] == "hi"
+
+
 async def test_http10_without_host_is_served() -> None:
     calls: list[Request] = []
     async with serving(never_called(calls)) as server, connect(server) as (reader, writer):

@@ -258,6 +258,13 @@ class Connection(asyncio.Protocol):
                 raise self._rejecting(431, "Request headers are too large.")
         if parser.should_upgrade():
             raise self._rejecting(400, "Protocol upgrades are not supported.")
+        coding = items.get("transfer-encoding")
+        if coding is not None and coding.replace(" ", "").replace("\t", "").lower() != "chunked":
+            # llhttp frames `gzip, chunked` by its final coding and would pass the body on still compressed.
+            raise self._rejecting(501, f"Transfer-Encoding {coding!r} is not supported; only chunked.")
+        coding = items.get("content-encoding")
+        if coding is not None and coding.strip().lower() not in ("", "identity"):
+            raise self._rejecting(415, f"Content-Encoding {coding!r} is not supported; send the body uncompressed.")
         content_length: int | None = None
         length = items.get("content-length")
         if length is not None:
