@@ -362,6 +362,15 @@ class Config(_Strict):
                     spec.basic_authorization,
                 ):
                     raise ValueError(f"instance {spec.url} is listed with different credentials")
+        if self.cluster is None:  # (a cluster's gateways learn models from etcd: any name may come)
+            served = set(names) | simulated
+            for index, tenant in enumerate(self.tenants):
+                unknown = sorted(set(tenant.models or ()) - served)
+                if unknown:
+                    raise ValueError(
+                        f"tenants[{index}].models: no model named {', '.join(map(repr, unknown))} "
+                        f"(served: {', '.join(sorted(served))})"
+                    )
         return self
 
     def model(self, name: str) -> ModelConfig | None:

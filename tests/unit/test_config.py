@@ -146,3 +146,12 @@ def test_config_errors_never_quote_a_password(tmp_path, capsys):
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "not valid YAML" in err and "hunter2" not in err
+
+
+def test_a_tenant_naming_a_model_that_is_not_served_is_rejected():
+    models = [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.models: no model named 'typo' \(served: m\)"):
+        parse_config({"models": models, "tenants": [{"name": "t", "models": ["m", "typo"]}]})
+    parse_config({"models": models, "tenants": [{"name": "t", "models": ["m"]}]})  # a served one is fine
+    simulated = {"simulate": [{"models": ["s"]}], "tenants": [{"name": "t", "models": ["s"]}]}
+    parse_config(simulated)  # a simulated model is served
