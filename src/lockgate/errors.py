@@ -97,6 +97,10 @@ class Unauthorized(GatewayError):
     type = "authentication_error"
     default_code = "invalid_api_key"
 
+    def headers(self) -> dict[str, str]:
+        # RFC 9110 11.6.1: a 401 says how to authenticate (operator routes give their own realm).
+        return {**super().headers(), "WWW-Authenticate": 'Bearer realm="lockgate"'}
+
 
 class Forbidden(GatewayError):
     status = 403

@@ -267,7 +267,7 @@ async def test_tenants_keys_models_and_request_limits(start_sim, start_gateway, 
     )
     # 401 before anything else: even a malformed body is not looked at.
     async with http.post(gw.url + "/v1/chat/completions", data=b"{oops") as resp:
-        assert resp.status == 401
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"] == 'Bearer realm="lockgate"'  # RFC 9110
         assert (await resp.json())["error"]["type"] == "authentication_error"
     status, _, raw = await post(http, gw.url, chat(), Authorization="Bearer sk-wrong")
     assert status == 401 and "sk-wrong" not in raw.decode()
