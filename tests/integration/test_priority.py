@@ -329,14 +329,17 @@ async def test_engine_receives_the_class_as_priority(start_gateway, serve_app, h
     quiet = await start_gateway([{"name": "m", "instances": instances}])
     status, _, _ = await post(http, quiet.url, chat(), **{"x-priority": "P2"})
     assert status == 200  # off by default: a FCFS vLLM rejects any non-zero priority
+    # The engine's priority is the gateway's to give: a client's own (a P2 client jumping vLLM's queue) is dropped.
+    status, _, _ = await post(http, quiet.url, {**chat(), "priority": -100}, **{"x-priority": "P2"})
+    assert status == 200
     gw = await start_gateway([{"name": "m", "instances": instances}], scheduling={"engine_priority": True})
     for header in ("P0", "P2", None):
         extra = {"x-priority": header} if header else {}
-        status, _, _ = await post(http, gw.url, chat(), **extra)
+        status, _, _ = await post(http, gw.url, {**chat(), "priority": -100}, **extra)
         assert status == 200
     status, _, raw = await post(http, gw.url, chat(), **{"x-priority": "bogus"})
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
-    assert seen == [None, 0, 2, 1]
+    assert seen == [None, None, 0, 2, 1]
 
 
 async def test_capacity_follows_the_routable_instances(start_sim, start_gateway, http):

@@ -104,8 +104,13 @@ class Dialect:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options
-        if priority is not None and self.priority_field:
-            body[self.priority_field] = priority
+        if self.priority_field:
+            # The engine's queue order is the gateway's to set (`scheduling.engine_priority`): a client's own value
+            # would let a batch request jump ahead of interactive ones inside the engine.
+            if priority is not None:
+                body[self.priority_field] = priority
+            else:
+                body.pop(self.priority_field, None)
         if self.request_id_field:
             body[self.request_id_field] = request_id
         return body
