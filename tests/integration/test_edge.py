@@ -296,12 +296,14 @@ async def test_a_timeout_header_that_is_not_plain_digits_is_refused_with_its_own
 
 async def test_a_body_not_received_in_time_is_408_in_the_openai_envelope(start_sim, start_gateway):
     sim = await start_sim()
-    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], limits={"body_timeout_ms": 100})
+    limits = {"body_timeout_ms": 100, "header_timeout_ms": 3_600_000}  # the body deadline decides, not the hour
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], limits=limits)
     host, port = gw.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
-        raw = await reader.read()  # the gateway answers and closes
+        async with asyncio.timeout(10):
+            raw = await reader.read()  # the gateway answers and closes
     finally:
         writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")

@@ -286,6 +286,8 @@ class Connection(asyncio.Protocol):
         self._body = []
         self._body_size = 0
         self._body_deadline = self._loop.time() + server._body_timeout_s
+        if self._task is None and self._body_deadline < self._deadline:
+            self._arm(self._body_deadline)
         expect = items.get("expect")
         if expect is not None and expect.lower() == "100-continue" and version != "1.0":
             if self._task is None:
@@ -299,7 +301,13 @@ class Connection(asyncio.Protocol):
             raise self._rejecting(413, f"The request body is larger than {self._server._max_body_bytes} bytes.")
         self._body.append(chunk)
         if self._task is None:
-            self._deadline = min(self._loop.time() + self._server._header_timeout_s, self._body_deadline)
+            # Usually later than the deadline armed: stored only (the timer re-arms itself); earlier once the body
+            # deadline is near (`_arm` moves the timer).
+            deadline = min(self._loop.time() + self._server._header_timeout_s, self._body_deadline)
+            if deadline < self._deadline:
+                self._arm(deadline)
+            else:
+                self._deadline = deadline
 
     def on_message_complete(self) -> None:
         request = self._request
