@@ -286,9 +286,15 @@ def _check_prompt(prompt: Any) -> None:
             return
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
             return
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
+        ):
             return
-    raise _bad("prompt", "`prompt` is required: a string, an array of strings, or an array of token ids.")
+    raise _bad(
+        "prompt",
+        "`prompt` is required: a string, an array of strings, an array of token ids or an array of non-empty arrays "
+        "of token ids.",
+    )
 
 
 def _check_stop(stop: Any) -> None:

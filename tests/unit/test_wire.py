@@ -61,7 +61,7 @@ def test_completion_prompt_forms(prompt):
     assert req.prompt_text()
 
 
-@pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], {"x": 1}])
+@pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], {"x": 1}, [True], [[]], [[1], []], [[True]], [[1, 2.5]]])
 def test_completion_bad_prompt(prompt):
     import orjson
 
