@@ -1,0 +1,13 @@
+"""The logging level of a command: a bench's gateways do not print the failures the bench injects on purpose."""
+
+from lockgate.cli import build_parser, log_level
+
+
+def test_bench_logs_errors_only_unless_told_otherwise():
+    parser = build_parser()
+    bench = parser.parse_args(["bench", "routing"])
+    assert log_level(bench.command, bench.log_level) == "ERROR"
+    serve = parser.parse_args(["serve"])
+    assert log_level(serve.command, serve.log_level) == "WARNING"
+    told = parser.parse_args(["--log-level", "info", "bench", "routing"])
+    assert log_level(told.command, told.log_level) == "INFO"
