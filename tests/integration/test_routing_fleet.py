@@ -44,6 +44,13 @@ async def control(http, sim, **changes):
         assert resp.status == 200
 
 
+async def round_robin(start_gateway, named: dict[str, Any], *, retries: int = 1, **extra: Any):
+    """A gateway routing model `m` round-robin over the `named` simulators, scraping off."""
+    instances = [instance(sim, name=name) for name, sim in named.items()]
+    model = {"name": "m", "routing": "round_robin", "retries": retries, "instances": instances}
+    return await start_gateway([model], scrape={"enabled": False}, **extra)
+
+
 def upstream_errors(gw) -> dict[tuple[str, str], float]:
     out = {}
     for family in text_string_to_metric_families(gw.gateway.metrics.render().decode()):
@@ -57,17 +64,10 @@ def upstream_errors(gw) -> dict[tuple[str, str], float]:
 async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http, caplog):
     caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
     bad, good = await start_sim(), await start_sim()
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "retries": 1,
-                "instances": [instance(bad, name="bad"), instance(good, name="good")],
-            }
-        ],
+    gw = await round_robin(
+        start_gateway,
+        {"bad": bad, "good": good},
         health={"interval_ms": 60000, "ejection": {"consecutive_failures": 2, "base_ms": 50, "max_ms": 400}},
-        scrape={"enabled": False},
     )
     fleet = gw.gateway.fleet
     bad_instance = fleet.instances[bad.url]
@@ -99,17 +99,7 @@ async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start
 
 async def test_stream_failing_before_its_first_event_is_retried_on_another_instance(start_sim, start_gateway, http):
     broken, good = await start_sim(), await start_sim()
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "retries": 1,
-                "instances": [instance(broken, name="broken"), instance(good, name="good")],
-            }
-        ],
-        scrape={"enabled": False},
-    )
+    gw = await round_robin(start_gateway, {"broken": broken, "good": good})
     # The engine answers 200, then its connection drops before the first token.
     await control(http, broken, reset_after_tokens=0)
     async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(chat(stream=True))) as resp:
@@ -125,17 +115,7 @@ async def test_stream_failing_before_its_first_event_is_retried_on_another_insta
 
 async def test_error_status_before_first_byte_is_retried_within_the_retry_budget(start_sim, start_gateway, http):
     a, b, c = await start_sim(), await start_sim(), await start_sim()
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "retries": 1,
-                "instances": [instance(a, name="a"), instance(b, name="b"), instance(c, name="c")],
-            }
-        ],
-        scrape={"enabled": False},
-    )
+    gw = await round_robin(start_gateway, {"a": a, "b": b, "c": c})
     for sim in (a, b, c):
         await control(http, sim, fail_status=503)
     # One attempt and one retry (the budget), both failing: the engine's error reaches the client.
@@ -147,17 +127,7 @@ async def test_error_status_before_first_byte_is_retried_within_the_retry_budget
 @pytest.mark.parametrize(("status", "retried"), [(500, True), (400, False)])
 async def test_an_engines_500_is_retried_elsewhere_and_a_4xx_is_not(start_sim, start_gateway, http, status, retried):
     failing, good = await start_sim(), await start_sim()
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "retries": 1,
-                "instances": [instance(failing, name="failing"), instance(good, name="good")],
-            }
-        ],
-        scrape={"enabled": False},
-    )
+    gw = await round_robin(start_gateway, {"failing": failing, "good": good})
     await control(http, failing, fail_status=status)
     answers = [await post(http, gw.url, chat()) for _ in range(2)]  # round robin: one of them goes there first
     assert sorted(s for s, _, _ in answers) == ([200, 200] if retried else [200, status])
@@ -167,17 +137,7 @@ async def test_an_engines_500_is_retried_elsewhere_and_a_4xx_is_not(start_sim, s
 
 async def test_instance_killed_mid_stream_yields_an_sse_error_not_a_retry(start_sim, start_gateway, http):
     doomed, spare = await start_sim(tpot_ms=30.0), await start_sim()
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "retries": 2,
-                "instances": [instance(doomed, name="doomed"), instance(spare, name="spare")],
-            }
-        ],
-        scrape={"enabled": False},
-    )
+    gw = await round_robin(start_gateway, {"doomed": doomed, "spare": spare}, retries=2)
     body = chat(stream=True, max_tokens=200)
     async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body)) as resp:
         assert resp.status == 200 and resp.headers["x-lockgate-instance"] == "doomed"
