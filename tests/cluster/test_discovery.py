@@ -274,3 +274,38 @@ async def test_a_sidecars_discovered_concurrency_limit_reaches_the_centrals(
     assert engine.max_concurrency == 3
     scheduler = central.gateway.admission.schedulers["m"]
     await eventually(lambda: remote.max_concurrency == 3 and scheduler.core.capacity == 3, what="the published limit")
+
+
+async def test_a_sidecar_that_restarts_gets_traffic_again(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """A node that leaves (its sidecar stops: a restart, a rolling upgrade) and comes back under its old name
+    rejoins the model's pool, while the model stayed served by another node all along."""
+    name = unique_cluster("rejoin")
+    sims = await start_sims(stack, 2)
+
+    def sidecar(node: str, sim: SimServer, port: int = 0) -> GatewayServer:
+        config = sidecar_config(etcd.url, name, [sim], str(tmp_path / f"{node}.sqlite3"), node=node)
+        config["listen"]["port"] = port
+        return GatewayServer(parse_config(config), role="sidecar")
+
+    first = await stack.enter_async_context(sidecar("node-a", sims[0]))
+    await stack.enter_async_context(sidecar("node-b", sims[1]))
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"), routing="round_robin")))
+    )
+    assert central.gateway is not None
+    fleet = central.gateway.fleet
+    await fleet.wait_until(lambda f: routable(f) == 2)
+    port = int(first.url.rsplit(":", 1)[1])
+    await first.shutdown(drain_s=1)
+    await fleet.wait_until(lambda f: [i.name for i in f.pools["m"].instances] == ["node-b/engine-0"])
+    await stack.enter_async_context(sidecar("node-a", sims[0], port))  # the same node again, at its address
+    await fleet.wait_until(lambda f: routable(f) == 2)
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    seen = set()
+    for i in range(4):
+        async with session.post(central.url + "/v1/chat/completions", json=chat(f"again {i}")) as resp:
+            assert resp.status == 200, await resp.text()
+            seen.add(resp.headers["x-lockgate-instance"])
+    assert seen == {"node-a/engine-0", "node-b/engine-0"}

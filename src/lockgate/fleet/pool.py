@@ -156,9 +156,14 @@ class Pool:
                 self.model, self.policy.name, instance.name
             )
 
+    def holds(self, key: str) -> bool:
+        """Whether the instance `key` is a member now (`served` also keeps the names of instances discarded, for
+        the requests still on them)."""
+        return key in self._by_key
+
     def discard(self, key: str) -> None:
-        """Remove an instance (requests already on it keep their lease); its prefix index entries age
-        out by LRU."""
+        """Remove an instance (requests already on it keep their lease, and its served name); its prefix index
+        entries age out by LRU."""
         if self._by_key.pop(key, None) is not None:
             self.instances = [i for i in self.instances if i.key != key]
 
@@ -466,11 +471,11 @@ class Fleet:
                 pool.discovered = True
                 self._share(pool)
                 self.pools[model] = pool
-            if instance.key not in pool.served:
+            if not pool.holds(instance.key):  # (a node that left and came back under its old key is added again)
                 pool.add(instance, model)
                 changed = True
         for name, pool in list(self.pools.items()):
-            if name not in models and instance.key in pool.served:
+            if name not in models and pool.holds(instance.key):
                 self._leave(pool, instance.key)
                 changed = True
         return changed
