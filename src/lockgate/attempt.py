@@ -7,7 +7,8 @@ them up through `drop`, so whoever owns the request owns the engine call at ever
 
 An attempt may be retried on another instance for a failed connect, a retryable status (500/502/503),
 and for streams also a stream that breaks or ends before its first event. Retries are bounded by
-the model's `retries` and by the request's deadline.
+the model's `retries` and by the request's deadline. A connection that failed (refused, or dropped before an
+answer) rules out every instance at that address for the retry: the engines behind one sidecar share it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from .errors import GatewayError, UpstreamError, UpstreamProtocolError
+from .errors import GatewayError, UpstreamConnectError, UpstreamError, UpstreamProtocolError
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .fleet.pool import LongPrefillBusy
 from .routing.policies import RouteRequest
@@ -120,6 +121,10 @@ async def open_attempts(
                 raise
             last_error = exc
             tried.add(instance.key)
+            if isinstance(exc, UpstreamConnectError):
+                # The address failed, not only this engine: behind a sidecar that died with the request on it, the
+                # engines beside this one are gone too (a refused connection ejects them, a dropped one does not).
+                tried.update(other.key for other in pool.instances if other.url == instance.url)
             metrics.retries.labels(api.model).inc()
     raise AssertionError("unreachable")  # pragma: no cover
 

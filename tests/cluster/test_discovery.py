@@ -3,6 +3,7 @@ through the sidecar; it keeps serving while etcd is down and resynchronises when
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 from pathlib import Path
@@ -309,3 +310,43 @@ async def test_a_sidecar_that_restarts_gets_traffic_again(
             assert resp.status == 200, await resp.text()
             seen.add(resp.headers["x-lockgate-instance"])
     assert seen == {"node-a/engine-0", "node-b/engine-0"}
+
+
+async def test_a_request_on_a_sidecar_that_dies_is_retried_on_another_node(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """A non-streaming request in flight through a sidecar that dies (its connection drops before an answer) is
+    retried before its first byte, and not on the engine beside it behind the same dead sidecar."""
+    name = unique_cluster("crash")
+    sims = await start_sims(stack, 3)
+    dying = GatewayServer(
+        parse_config(sidecar_config(etcd.url, name, sims[:2], str(tmp_path / "a.sqlite3"), node="node-a")),
+        role="sidecar",
+    )
+    await stack.enter_async_context(dying)
+    central_cfg = central_config(etcd.url, name, str(tmp_path / "c.sqlite3"), routing="round_robin")
+    central = await stack.enter_async_context(GatewayServer(parse_config(central_cfg)))
+    assert central.gateway is not None
+    fleet = central.gateway.fleet
+    await fleet.wait_until(lambda f: routable(f) == 2)
+    other = sidecar_config(etcd.url, name, sims[2:], str(tmp_path / "b.sqlite3"), node="node-b")
+    await stack.enter_async_context(GatewayServer(parse_config(other), role="sidecar"))
+    await fleet.wait_until(lambda f: routable(f) == 3)
+    assert [i.name for i in fleet.pools["m"].instances] == ["node-a/engine-0", "node-a/engine-1", "node-b/engine-0"]
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    async with session.post(central.url + "/v1/chat/completions", json=chat("first")) as resp:
+        assert resp.headers["x-lockgate-instance"] == "node-a/engine-0"  # round robin: the next goes to engine-1
+    sims[0].control.hold = sims[1].control.hold = True
+    held = asyncio.create_task(session.post(central.url + "/v1/chat/completions", json=chat("held")))
+    async with asyncio.timeout(10):
+        await sims[1].wait_held(1)
+    # node-a dies: it takes no new connection and its open ones drop (what a killed process does to them).
+    assert dying._http is not None
+    dying._http.stop_accepting()
+    for connection in list(dying._http._connections):
+        connection.abort()
+    async with asyncio.timeout(10):
+        resp = await held
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["x-lockgate-instance"] == "node-b/engine-0"
+    resp.release()
