@@ -405,8 +405,7 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        # PyYAML quotes the offending line, which may hold an instance URL with a password.
-        raise ConfigError(redact(f"{path}: not valid YAML: {exc}")) from None
+        raise ConfigError(_yaml_error(path, exc)) from None
     try:
         data = substitute(data, os.environ if environ is None else environ)
     except UnsetVariable as exc:
@@ -414,9 +413,28 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     return parse_config(data, str(path))
 
 
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line: the file, where in it and what PyYAML found (not the offending line, which PyYAML quotes and which
+    may hold an instance URL with a password; nor its `<unicode string>` for the file's name)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or not isinstance(problem, str):
+        return redact(f"{path}: not valid YAML: {' '.join(str(exc).split())}")
+    context = getattr(exc, "context", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}"
+    return redact(f"{where}: not valid YAML: {problem}" + (f" ({context})" if isinstance(context, str) else ""))
+
+
 def describe_validation_error(exc: ValidationError, source: str) -> str:
-    """A pydantic error as lines naming each key path and the reason (never echoing a secret)."""
-    lines = [f"{source}: {exc.error_count()} problem(s):"]
+    """A pydantic error naming each key path and the reason (never echoing a secret): one line for one problem."""
+    if exc.error_count() == 1:
+        return redact(f"{source}: " + _problems(exc)[0])
+    lines = [f"{source}: {exc.error_count()} problems:", *(f"  {problem}" for problem in _problems(exc))]
+    return redact("\n".join(lines))  # the input quoted may be an instance URL with a password
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    lines = []
     for err in exc.errors():
         where = _loc(err["loc"]) or "(top level)"
         message = err["msg"].removeprefix("Value error, ")
@@ -426,8 +444,8 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
             pass  # never echo what may be a secret
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
-        lines.append(f"  {where}: {message}")
-    return redact("\n".join(lines))  # the input quoted may be an instance URL with a password
+        lines.append(f"{where}: {message}")
+    return lines
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

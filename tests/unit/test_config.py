@@ -155,3 +155,18 @@ def test_a_tenant_naming_a_model_that_is_not_served_is_rejected():
     parse_config({"models": models, "tenants": [{"name": "t", "models": ["m"]}]})  # a served one is fine
     simulated = {"simulate": [{"models": ["s"]}], "tenants": [{"name": "t", "models": ["s"]}]}
     parse_config(simulated)  # a simulated model is served
+
+
+def test_a_single_mistake_is_one_line_naming_the_file_and_where(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text("listen: {host: 127.0.0.1\nmodels: []\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}:2:7: not valid YAML: ")
+    assert "unicode string" not in message
+    path.write_text("models:\n  - name: m\n    instances: [{url: 'http://x:1', engine: vlm}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: models[0].instances[0].engine: Input should be")
+    assert "\n" not in str(info.value)
