@@ -87,15 +87,17 @@ def _hash_key(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockgate", description=__doc__)
     parser.add_argument("--version", action="version", version=f"lockgate {_version()}")
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        help="logging level (default WARNING; ERROR for bench, whose fleets fail on purpose; DEBUG shows tracebacks)",
+    level_help = (
+        "logging level (default WARNING; ERROR for bench, whose fleets fail on purpose; DEBUG shows tracebacks)"
     )
+    parser.add_argument("--log-level", default=None, help=level_help)
+    # Also after the command (`lockgate serve --log-level debug`): absent there, it leaves the value given before.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help=level_help)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
-        "serve", help="run the gateway (with no --config: in front of an embedded simulated fleet)"
+        "serve", parents=[common], help="run the gateway (with no --config: in front of an embedded simulated fleet)"
     )
     serve.add_argument("--config", "-c", help="YAML configuration file")
     serve.add_argument("--host", help="override listen.host")
@@ -107,39 +109,47 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     sidecar = commands.add_parser(
-        "sidecar", help="run the gateway of one engine node and publish its engines to etcd (`cluster:` section)"
+        "sidecar",
+        parents=[common],
+        help="run the gateway of one engine node and publish its engines to etcd (`cluster:` section)",
     )
     sidecar.add_argument("--config", "-c", required=True, help="YAML configuration file with a `cluster:` section")
     sidecar.add_argument("--host", help="override listen.host")
     sidecar.add_argument("--port", type=int, help="override listen.port")
     sidecar.set_defaults(func=_serve, role="sidecar")
 
-    check = commands.add_parser("check-config", help="validate a configuration file and exit")
+    check = commands.add_parser("check-config", parents=[common], help="validate a configuration file and exit")
     check.add_argument("config")
     check.set_defaults(func=_check_config)
 
     hashk = commands.add_parser(
-        "hash-key", help="print the sha256 digest of an API key for tenants[].keys (key read from stdin)"
+        "hash-key",
+        parents=[common],
+        help="print the sha256 digest of an API key for tenants[].keys (key read from stdin)",
     )
     hashk.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
     hashk.set_defaults(func=_hash_key)
 
     from .sim import cli as sim_cli
 
-    sim = commands.add_parser("sim", help="run an engine simulator that behaves like a vLLM instance")
+    sim = commands.add_parser("sim", parents=[common], help="run an engine simulator that behaves like a vLLM instance")
     sim_cli.add_arguments(sim)
     sim.set_defaults(func=sim_cli.run)
 
     from .slo import cli as slo_cli
 
     slo = commands.add_parser(
-        "slo", help="evaluate the SLOs (usage records or a running gateway), or write Prometheus rules for them"
+        "slo",
+        parents=[common],
+        help="evaluate the SLOs (usage records or a running gateway), or write Prometheus rules for them",
     )
     slo_cli.add_arguments(slo)
 
     from .bench import cli as bench_cli
 
-    bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline run in the same process)")
+    bench = commands.add_parser(
+        "bench", parents=[common], help="benchmarks (ratios against a baseline run in the same process)"
+    )
     bench_cli.add_arguments(bench)
     return parser
 
