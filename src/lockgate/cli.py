@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "slo",
         parents=[common],
         help="evaluate the SLOs (usage records or a running gateway), or write Prometheus rules for them",
+        epilog=f"Exit status: {slo_cli.EXIT_BURNING} while an objective burns, 0 otherwise (met or unknown).",
     )
     slo_cli.add_arguments(slo)
 
