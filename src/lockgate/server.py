@@ -307,15 +307,19 @@ def _banner(server: GatewayServer) -> str:
         lines.append(f"  model {model.name!r}: {len(model.instances)} instance(s): {urls}")
     if config.models and server.url.startswith("http"):
         example = config.models[0].name
+        # With tenant keys the gateway wants one (401 otherwise): the lines say where it goes.
+        keyed = any(tenant.keys for tenant in config.tenants)
+        key = "<a tenant's key>" if keyed else "unused"
+        auth = f" -H 'Authorization: Bearer {key}'" if keyed else ""
         lines += [
             "Try it:",
-            f"  curl -s {server.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f"  curl -s {server.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
             f'    -d \'{{"model": "{example}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'',
         ]
         if importlib.util.find_spec("openai") is None:
             lines.append(f"  OpenAI SDK (not installed here): {sys.executable} -m pip install openai")
         lines += [
-            f"  from openai import OpenAI; client = OpenAI(base_url='{server.url}/v1', api_key='unused')",
+            f"  from openai import OpenAI; client = OpenAI(base_url='{server.url}/v1', api_key=\"{key}\")",
             f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
         ]
         if server.gateway.dashboard is not None:
