@@ -119,7 +119,7 @@ class Etcd:
                         raw = await resp.read()
                 data = orjson.loads(raw)
             except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
-                failure = f"{url}: {exc!r}"
+                failure = f"{url}: {_reason(exc)}"
                 continue
             if not isinstance(data, dict):
                 failure = f"{url}: unexpected answer"
@@ -206,7 +206,7 @@ class Etcd:
         except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, OSError, ValueError) as exc:
             # HttpProcessingError: LineTooLong, a line past `max_line`.
             self._current = (self._current + 1) % len(self.endpoints)
-            raise StoreUnavailable(f"{url}: watch broke: {exc!r}") from exc
+            raise StoreUnavailable(f"{url}: watch broke: {_reason(exc)}") from exc
         self._current = (self._current + 1) % len(self.endpoints)
         raise StoreUnavailable(f"{url}: the watch stream ended")
 
@@ -248,3 +248,12 @@ def _watch_events(line: bytes) -> list[WatchEvent]:
             )
         )
     return events
+
+
+def _reason(exc: BaseException) -> str:
+    """An error for a person (`/admin/fleet`'s `last_error`, the log): its kind and message, not its repr (aiohttp's
+    nest the connection key's every field)."""
+    text = str(exc)
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
