@@ -88,6 +88,11 @@ class GatewayServer:
         self.cluster: Any = None
         self.url = ""
 
+    @property
+    def role(self) -> Role:
+        """`central` (`lockgate serve`) or `sidecar`: what its `cluster:` section, if any, makes it do."""
+        return self._role
+
     async def __aenter__(self) -> GatewayServer:
         try:
             await self._start()
@@ -305,6 +310,11 @@ def _banner(server: GatewayServer) -> str:
     for model in config.models:
         urls = ", ".join(i.name or redact_url(i.url) for i in model.instances)
         lines.append(f"  model {model.name!r}: {len(model.instances)} instance(s): {urls}")
+    cluster = config.cluster
+    if cluster is not None:
+        endpoints = ", ".join(redact_url(url) for url in cluster.endpoints)
+        doing = "publishing these engines" if server.role == "sidecar" else "discovering the sidecars' engines"
+        lines.append(f"  cluster {cluster.name!r}: {doing} through etcd at {endpoints}")
     if config.models and server.url.startswith("http"):
         example = config.models[0].name
         # With tenant keys the gateway wants one (401 otherwise): the lines say where it goes.

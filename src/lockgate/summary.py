@@ -43,6 +43,14 @@ def describe_served(config: Config) -> list[str]:
         parts += simulated.get(name, [])
         policy = model.routing.policy if model is not None else "predicted_ttft"
         lines.append(f"model {name!r}: {len(parts)} instance(s), routing {policy}: {', '.join(parts)}")
+    cluster = config.cluster
+    if cluster is not None:
+        endpoints = ", ".join(redact_url(url) for url in cluster.endpoints)
+        node = cluster.node or "its advertised host:port"
+        lines.append(
+            f"cluster {cluster.name!r} on etcd {endpoints}: `lockgate serve` discovers the sidecars' engines (and "
+            f"their models) there; `lockgate sidecar` publishes the instances above as node {node!r}"
+        )
     if config.tenants:
         keys = sum(len(t.keys) for t in config.tenants)
         lines.append(f"{len(config.tenants)} tenant(s), {keys} API key(s)")

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.config import parse_config
 from lockgate.fleet.pool import Fleet
-from lockgate.server import GatewayServer
+from lockgate.server import GatewayServer, _banner
 from lockgate.sim import SimConfig, SimServer
 from tests.cluster.support import central_config, eventually, sidecar_config, unique_cluster
 from tests.etcd_support import EtcdServer
@@ -59,6 +59,9 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
     await fleet.wait_until(lambda f: routable(f) == 2)
     names = sorted(i.name for i in fleet.pools["m"].instances)
     assert names == ["node-a/engine-0", "node-a/engine-1"]
+    # Each says at start what its cluster section makes it do.
+    assert f"cluster {name!r}: discovering the sidecars' engines through etcd at {etcd.url}" in _banner(central)
+    assert f"cluster {name!r}: publishing these engines through etcd at {etcd.url}" in _banner(sidecar)
 
     session = await stack.enter_async_context(aiohttp.ClientSession())
     async with session.get(central.url + "/v1/models") as resp:

@@ -170,3 +170,12 @@ def test_a_single_mistake_is_one_line_naming_the_file_and_where(tmp_path):
         load_config(path)
     assert str(info.value).startswith(f"{path}: models[0].instances[0].engine: Input should be")
     assert "\n" not in str(info.value)
+
+
+def test_check_config_says_what_the_cluster_section_does():
+    config = parse_config(
+        {"cluster": {"endpoints": ["http://u:pw@etcd-1:2379"], "name": "prod", "node": "gpu-7"}, "models": []}
+    )
+    (line,) = [line for line in describe_served(config) if line.startswith("cluster")]
+    assert line.startswith("cluster 'prod' on etcd http://***@etcd-1:2379: `lockgate serve` discovers")
+    assert "node 'gpu-7'" in line and "pw" not in line
