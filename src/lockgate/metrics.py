@@ -6,7 +6,7 @@ One `GatewayMetrics` per gateway; tests start several gateways in one process.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -80,6 +80,23 @@ class LoopHistogram:
     def observe(self, amount: float) -> None:
         self.counts[bisect_left(self._bounds, amount)] += 1  # `le`: a value on a bound counts in it
         self.sum += amount
+
+
+class ReadCounter(Collector):
+    """A counter kept elsewhere (the edge server's refused connections), read when the registry is rendered."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        #: Where the count comes from (0 until one is given).
+        self.read: Callable[[], float] = lambda: 0.0
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self.read())
 
 
 class LoopFamily(Collector):
@@ -268,6 +285,12 @@ class GatewayMetrics:
         self.tokens = TokenCounters(r, tenants, max_tenant_labels)
         self.client_requests_in_flight = Gauge(
             "lockgate_client_requests_in_flight", "Client requests being served.", registry=r
+        )
+        self.client_connections = Gauge("lockgate_client_connections", "Client connections open.", registry=r)
+        self.client_connections_refused = ReadCounter(
+            "lockgate_client_connections_refused",
+            "Client connections answered 503 and closed because limits.max_connections were open.",
+            r,
         )
         self.upstream_calls_in_flight = Family(
             Gauge("lockgate_upstream_calls_in_flight", "Engine calls open.", ["instance"], registry=r)

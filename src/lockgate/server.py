@@ -146,6 +146,9 @@ class GatewayServer:
             error_body=Gateway.edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
         )
+        http, metrics = self._http, self.gateway.metrics
+        metrics.client_connections.set_function(lambda: http.connections)
+        metrics.client_connections_refused.read = lambda: http.refused_connections
         listen = config.listen
         where = listen.unix or f"{self._host}:{self._port}"
         try:

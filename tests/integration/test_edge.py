@@ -310,3 +310,32 @@ async def test_a_body_not_received_in_time_is_408_in_the_openai_envelope(start_s
     assert head.startswith(b"HTTP/1.1 408 ")
     assert error_of(body)["code"] == "request_timeout"
     assert sim.statistics()["requests_started"] == 0
+
+
+async def _raw_get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> tuple[int, bytes]:
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
+    return int(head.split()[1]), await reader.readexactly(length)
+
+
+async def test_connections_over_the_limit_are_refused_and_counted(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], limits={"max_connections": 1})
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        assert (await _raw_get(reader, writer, "/health"))[0] == 200  # the one allowed, open and accepted
+        refused_reader, refused_writer = await asyncio.open_connection(host, int(port))
+        try:
+            answer = await refused_reader.read()
+        finally:
+            refused_writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and error_of(body)["code"] == "too_many_connections"
+        status, metrics = await _raw_get(reader, writer, "/metrics")
+        assert status == 200 and b"lockgate_client_connections_refused_total 1.0" in metrics
+    finally:
+        writer.close()
