@@ -270,6 +270,18 @@ async def test_upstream_error_fails_every_subscriber_and_removes_the_flight(star
     assert sim.statistics()["requests_started"] == 2
 
 
+async def test_a_flight_the_engine_refused_names_the_instance_it_went_to(start_sim, start_gateway, http):
+    """As on the direct path, an error after an instance was tried names it (header and record), though the
+    flight's call never opened."""
+    sim, gw = await gateway(start_sim, start_gateway, retries=0)
+    sim.control.fail_status = 400
+    status, headers, _ = await call(http, gw.url, BODY)
+    assert status == 400 and headers["x-lockgate-instance"] == sim.url
+    await gw.gateway.records.wait_flushed()
+    (row,) = read_records(gw.gateway.records._path)
+    assert (row["status"], row["instance"], row["served_by"]) == ("rejected", sim.url, "miss")
+
+
 async def test_distinct_or_non_deterministic_requests_are_never_merged(start_sim, start_gateway, http):
     sim, gw = await gateway(start_sim, start_gateway)
     sim.control.hold = True

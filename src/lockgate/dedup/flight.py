@@ -157,7 +157,8 @@ class Flight:
         self.error: GatewayError | None = None
         self.subscribers = 0
         self.subscribed_total = 0
-        #: The name of the engine that serves the flight (`UpstreamCall.served_by`), once its call opened.
+        #: The instance the flight's engine call went to (once an attempt started: a failure names it too), then,
+        #: once the call opened, the engine that serves it (`UpstreamCall.served_by`: behind a sidecar, its choice).
         self.served_by: str | None = None
         self.started = time.perf_counter()
         self.task: asyncio.Task[None] | None = None
@@ -370,6 +371,7 @@ class Flight:
 
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call
+        self.served_by = call.instance.name
 
     async def _open(self) -> EngineAnswer:
         opened = await self._open_engine(self.id, self._hold, self._release)
@@ -498,7 +500,8 @@ class Subscription:
         return self.flight._raw_reader is self
 
     def instance(self) -> str | None:
-        """The engine serving the flight, once its call opened (None before, and for a flight that never opens)."""
+        """The instance the flight's engine call went to, the engine serving it once the call opened (None before
+        any attempt)."""
         return self.flight.served_by
 
     def __aiter__(self) -> Subscription:
