@@ -232,6 +232,12 @@ class Exchange:
     def _finish_record(self) -> None:
         record = self.record
         record.finished_at = time.time()
+        if record.completion_tokens and not record.prompt_tokens:
+            # Output was delivered, so the engine processed the prompt, but it never said how long it was (a stream
+            # stopped before its usage chunk: the client left, a deadline; an engine that reports no usage): the
+            # gateway's estimate, as the tenant's rate limit is charged, rather than a prompt of 0 tokens. (The
+            # lease was released with the engine's count already: the estimate never teaches the token ratio.)
+            record.prompt_tokens = self.api.estimated_prompt_tokens()
         metrics = self.host.metrics
         priority = record.priority or ""
         reason = record.cancel_reason
