@@ -132,6 +132,7 @@ def assemble(
     choices: dict[int, dict[str, Any]] = {}
     created = None
     extra: dict[str, Any] = {}
+    pieces = 0  # choices' chunks that carried output: at least one token each
     for event in events:
         if created is None and isinstance(event.get("created"), int):
             created = event["created"]
@@ -147,9 +148,12 @@ def assemble(
             if acc is None:
                 acc = choices[index] = _new_choice(index, chat)
             if chat:
-                _fold_delta(acc["message"], choice.get("delta"))
+                delta = choice.get("delta")
+                _fold_delta(acc["message"], delta)
+                pieces += isinstance(delta, dict) and bool(delta.get("content") or delta.get("tool_calls"))
             elif isinstance(choice.get("text"), str):
                 acc["text"] += choice["text"]
+                pieces += bool(choice["text"])
             _fold_logprobs(acc, choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 acc["finish_reason"] = choice["finish_reason"]
@@ -162,10 +166,26 @@ def assemble(
         "created": created or 0,
         "model": model,
         "choices": [choices[i] for i in sorted(choices)],
-        "usage": usage_of(events),
+        "usage": _at_least(usage_of(events), pieces),
     }
     body.update(extra)
     return body
+
+
+def _at_least(usage: dict[str, Any] | None, pieces: int) -> dict[str, Any] | None:
+    """The engine's usage, with no fewer completion tokens than the chunks that carried output: OpenAI counts the
+    tokens of every choice, and llama.cpp reports one choice's for `n` > 1 (a client's answer of two 5-token
+    choices said 5)."""
+    if usage is None:
+        return None
+    completion = usage.get("completion_tokens")
+    if not isinstance(completion, int) or isinstance(completion, bool) or completion >= pieces:
+        return usage
+    prompt = usage.get("prompt_tokens")
+    fixed = {**usage, "completion_tokens": pieces}
+    if isinstance(prompt, int) and not isinstance(prompt, bool):
+        fixed["total_tokens"] = prompt + pieces
+    return fixed
 
 
 def _new_choice(index: int, chat: bool) -> dict[str, Any]:

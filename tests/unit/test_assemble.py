@@ -52,6 +52,18 @@ def test_completions_and_several_choices():
     assert body["choices"][0]["finish_reason"] == "length"
 
 
+def test_usage_counts_every_choices_tokens():
+    """llama.cpp reports one choice's completion tokens for `n` > 1: the whole answer counts every choice's chunks
+    (each at least a token), as OpenAI does; an engine's count above that stays as it is."""
+    chunks = [{"choices": [{"index": i, "delta": {"content": "x"}}]} for _ in range(3) for i in (0, 1)]
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    body = assemble(Endpoint.CHAT, [*chunks, {"choices": [], "usage": usage}], model="m")
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    more = {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}  # several tokens a chunk
+    assert assemble(Endpoint.CHAT, [*chunks, {"choices": [], "usage": more}], model="m")["usage"] == more
+    assert assemble(Endpoint.CHAT, chunks, model="m")["usage"] is None  # none reported: none made up
+
+
 def test_usage_on_a_finish_chunk_becomes_its_own_final_chunk():
     """llama.cpp puts a text completion's usage on its finish chunk; clients expect a separate chunk."""
     view = ClientView(model="m", include_usage=True)
