@@ -332,7 +332,7 @@ def _banner(server: GatewayServer) -> str:
         if importlib.util.find_spec("openai") is None:
             lines.append(f"  OpenAI SDK (not installed here): {sys.executable} -m pip install openai")
         lines += [
-            f"  from openai import OpenAI; client = OpenAI(base_url='{server.url}/v1', api_key=\"{key}\")",
+            f'  from openai import OpenAI; client = OpenAI(base_url="{server.url}/v1", api_key="{key}")',
             f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
         ]
         if server.gateway.dashboard is not None:
