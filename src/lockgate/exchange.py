@@ -63,11 +63,13 @@ class ClientGone(Exception):
 class Subscription(Protocol):
     """A share of an upstream call owned by someone else (a flight). `close()` is idempotent and
     returns True if closing it aborted that upstream call; `instance()` names the engine of that call once it
-    opened."""
+    opened; `attempts()` counts the engine calls the flight started."""
 
     def close(self) -> bool: ...
 
     def instance(self) -> str | None: ...
+
+    def attempts(self) -> int: ...
 
 
 class Host(Protocol):
@@ -179,6 +181,8 @@ class Exchange:
                 # The flight's engine, known once its call opened (a streamed answer's head may have gone out
                 # before; a flight that failed after opening still names it).
                 self.record.instance = subscription.instance()
+            if self.record.served_by == "miss":  # this request led the flight: its engine calls are its own
+                self.record.attempts = subscription.attempts()
             if subscription.close():
                 aborted = True
         if aborted and self._cancel_detected_at is not None:

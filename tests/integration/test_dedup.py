@@ -119,6 +119,8 @@ async def test_identical_requests_share_one_engine_call(start_sim, start_gateway
     rows = read_records(gw.gateway.records._path)
     assert sorted(r["served_by"] for r in rows) == ["coalesced"] * 5 + ["hit", "miss"]
     assert {r["instance"] for r in rows if r["served_by"] != "hit"} == engines  # a cache hit used no engine
+    # The leader's record counts the flight's engine call; the others made none of their own.
+    assert sorted((r["served_by"], r["attempts"]) for r in rows) == [("coalesced", 0)] * 5 + [("hit", 0), ("miss", 1)]
     async with http.get(gw.url + "/metrics") as resp:
         families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     outcomes = {s.labels["outcome"]: s.value for s in families["lockgate_dedup"].samples if s.name.endswith("_total")}

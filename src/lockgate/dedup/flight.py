@@ -160,6 +160,8 @@ class Flight:
         #: The instance the flight's engine call went to (once an attempt started: a failure names it too), then,
         #: once the call opened, the engine that serves it (`UpstreamCall.served_by`: behind a sidecar, its choice).
         self.served_by: str | None = None
+        #: Engine calls started for it (a retry elsewhere is one more): its leader's record counts them.
+        self.attempts = 0
         self.started = time.perf_counter()
         self.task: asyncio.Task[None] | None = None
         #: Called with the result when the flight completes (the semantic cache adds it).
@@ -372,6 +374,7 @@ class Flight:
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call
         self.served_by = call.instance.name
+        self.attempts += 1
 
     async def _open(self) -> EngineAnswer:
         opened = await self._open_engine(self.id, self._hold, self._release)
@@ -503,6 +506,10 @@ class Subscription:
         """The instance the flight's engine call went to, the engine serving it once the call opened (None before
         any attempt)."""
         return self.flight.served_by
+
+    def attempts(self) -> int:
+        """Engine calls the flight started so far."""
+        return self.flight.attempts
 
     def __aiter__(self) -> Subscription:
         return self
