@@ -62,8 +62,8 @@ class ClientGone(Exception):
 
 class Subscription(Protocol):
     """A share of an upstream call owned by someone else (a flight). `close()` is idempotent and
-    returns True if closing it aborted that upstream call; `instance()` names the engine of that call once it
-    opened; `attempts()` counts the engine calls the flight started."""
+    returns True if closing it aborted that upstream call; `instance()` names the instance that call went to (the
+    engine serving it once it opened); `attempts()` counts the engine calls the flight started."""
 
     def close(self) -> bool: ...
 
@@ -178,8 +178,8 @@ class Exchange:
         aborted = call is not None and (call.abort() or call.aborted)
         if subscription is not None:
             if self.record.instance is None:
-                # The flight's engine, known once its call opened (a streamed answer's head may have gone out
-                # before; a flight that failed after opening still names it).
+                # The flight's instance, known from its first attempt (a streamed answer's head may have gone out
+                # before it was set here; a flight that failed still names the instance it tried).
                 self.record.instance = subscription.instance()
             if self.record.served_by == "miss":  # this request led the flight: its engine calls are its own
                 self.record.attempts = subscription.attempts()
