@@ -22,6 +22,17 @@ def test_guard_keeps_numbers_and_negations_apart():
     assert compatible("Is it not safe?", "Isn't it safe?")
 
 
+def test_guard_reads_typed_apostrophes_signs_and_order():
+    # (found by an outside run: each of these pairs was served the other's cached answer)
+    assert not compatible("Why do cats purr when they are happy?", "Why don\u2019t cats purr when they are happy?")
+    assert not compatible("Is it true?", "Isnt it true?")
+    assert compatible("Why don\u2019t cats purr?", "Why don't cats purr?")
+    assert not compatible("Will it fall to 5 degrees?", "Will it fall to -5 degrees?")
+    assert not compatible("Will it fall to 5 degrees?", "Will it fall to \u22125 degrees?")
+    assert not compatible("What is 7 minus 12?", "What is 12 minus 7?")
+    assert compatible("pick between 5-10 apples", "pick between 5 and 10 apples")  # a range, not a minus
+
+
 def chat(content: str, **extra: Any) -> ApiRequest:
     return validate(
         Endpoint.CHAT,
@@ -111,6 +122,9 @@ async def test_paraphrase_hits_and_unrelated_misses(embedder):
         ("What is 12 times 7?", "What is 12 times 8?"),
         ("Convert 100 dollars to euros", "Convert 1000 dollars to euros"),
         ("List three uses of copper", "List five uses of copper"),
+        ("Why do cats purr when they are happy?", "Why don\u2019t cats purr when they are happy?"),
+        ("Will it fall to 5 degrees tonight?", "Will it fall to -5 degrees tonight?"),
+        ("What is 7 minus 12?", "What is 12 minus 7?"),
     ],
 )
 async def test_negations_and_numbers_never_hit(embedder, stored, asked):

@@ -3,17 +3,26 @@
 Sentence embeddings place "Is coffee bad for you?" and "Is coffee not bad for you?" closer together
 (cosine 0.98 with all-MiniLM-L6-v2) than many true paraphrases, and "12 times 7" near "12 times 8"
 (GPTCache issue #694 is this failure in production). A semantic hit is therefore only allowed when both
-texts carry the same numbers and the same number of negations; similarity decides only among texts
-that pass. Antonyms ("good" / "bad") are not caught here: the threshold has to.
+texts carry the same numbers, in the same order and with the same signs ("7 minus 12" is not "12 minus 7", "-5"
+is not "5"), and the same number of negations, however the apostrophe is typed (typographic, as phones and Macs
+type it, or left out: "dont"); similarity decides only among texts that pass. Antonyms ("good" / "bad") are not
+caught here: the threshold has to.
 """
 
 from __future__ import annotations
 
 import re
 
-_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
+#: A number's minus sign: a hyphen or minus sign right before its digits, not after a word or a digit ("5-10" is
+#: a range: 5 and 10).
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|(?<![\w.])[-\u2212]?\d+(?:[.,]\d+)*|\d+(?:[.,]\d+)*")
+#: Apostrophes as keyboards type them (typographic right and left quotes, the modifier letter, the prime, a backtick).
+_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "\u2032": "'", "`": "'"})
 _NEGATIONS = frozenset(
     {"not", "no", "never", "none", "nobody", "nothing", "nowhere", "neither", "nor", "without", "cannot", "nope"}
+    # Contractions typed without their apostrophe.
+    | {"dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "cant", "couldnt", "wouldnt", "shouldnt"}
+    | {"wont", "hasnt", "havent", "hadnt", "aint", "mustnt", "neednt", "mightnt", "shant"}
 )
 _SMALL_NUMBERS = [
     "zero",
@@ -62,19 +71,19 @@ _SCALE_WORDS = frozenset(
 
 
 def signature(text: str) -> tuple[tuple[str, ...], int]:
-    """The numbers in a text (sorted, as written or spelled) and how many negations it has."""
+    """The numbers in a text (in order, as written or spelled, with their signs) and how many negations it has."""
     numbers: list[str] = []
     negations = 0
-    for token in _WORD.findall(text.lower()):
-        if token[0].isdigit():
-            numbers.append(token.replace(",", ""))
+    for token in _WORD.findall(text.lower().translate(_APOSTROPHES)):
+        if token[0].isdigit() or token[0] in "-\u2212":
+            numbers.append(token.replace(",", "").replace("\u2212", "-"))
         elif token in _NUMBER_WORDS:
             numbers.append(str(_NUMBER_WORDS[token]))
         elif token in _SCALE_WORDS:
             numbers.append(token)
         elif token in _NEGATIONS or token.endswith("n't"):
             negations += 1
-    return tuple(sorted(numbers)), negations
+    return tuple(numbers), negations
 
 
 def compatible(a: str, b: str) -> bool:
