@@ -423,8 +423,8 @@ class Gateway:
         exchange = self.registry.get(request_id)
         if exchange is None:
             return self.error_response(NotFound(f"No request '{request_id}' is in flight."), request_id)
-        exchange.cancel("admin")
-        return json_response({"id": request_id, "cancelled": True})
+        # False: it was already ending (its own end, or an earlier cancel, decides how).
+        return json_response({"id": request_id, "cancelled": exchange.cancel("admin")})
 
     async def _admin_flights(self, request: Request) -> Response:
         """De-duplication: the shared engine calls in flight and the completed-result cache."""
