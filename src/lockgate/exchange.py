@@ -291,7 +291,8 @@ class Exchange:
             "id": self.id,
             "model": self.api.model,
             "tenant": self.record.tenant,
-            "instance": self.record.instance,
+            # (a request on a flight learns its instance from the flight: named in the record when it ends)
+            "instance": self.record.instance or (self._subscription.instance() if self._subscription else None),
             "priority": self.record.priority,
             "phase": self.phase.value,
             "stream": self.api.stream,

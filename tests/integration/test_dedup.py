@@ -142,6 +142,9 @@ async def test_late_joiner_mid_stream_gets_the_full_content(start_sim, start_gat
             listing = await resp.json()
         (flight,) = listing["flights"]
         assert flight["model"] == "m" and flight["state"] == "running" and flight["subscribers"] == 1
+        async with http.get(gw.url + "/admin/requests") as resp:
+            (leader,) = (await resp.json())["requests"]
+        assert leader["phase"] == "streaming" and leader["instance"] == sim.url  # the flight's, while it streams
         assert listing["statistics"]["cache"]["entries"] == 0
         late = await call(http, gw.url, body)
         rest = await first.read()
