@@ -287,12 +287,13 @@ class Exchange:
             ).observe(time.perf_counter() - self.started)
 
     def describe(self) -> dict[str, Any]:
+        # (a request on a flight learns its instance from the flight: named in the record when it ends)
+        subscription = self._subscription
         return {
             "id": self.id,
             "model": self.api.model,
             "tenant": self.record.tenant,
-            # (a request on a flight learns its instance from the flight: named in the record when it ends)
-            "instance": self.record.instance or (self._subscription.instance() if self._subscription else None),
+            "instance": self.record.instance or (subscription.instance() if subscription is not None else None),
             "priority": self.record.priority,
             "phase": self.phase.value,
             "stream": self.api.stream,

@@ -213,12 +213,12 @@ def _validate_embeddings(model: str, body: dict[str, Any]) -> ApiRequest:
         raise _bad("input", "`input` is required: a string, an array of strings, or an array of token ids.")
     elif len(text) > MAX_EMBEDDING_INPUTS:
         raise _bad("input", f"`input` may hold at most {MAX_EMBEDDING_INPUTS} items.")
-    elif not all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+    elif not _token_ids(text):
         for index, item in enumerate(text):
             if isinstance(item, str):
                 if item:
                     continue
-            elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            elif _token_ids(item):
                 continue
             raise _bad(
                 f"input[{index}]",
@@ -239,6 +239,13 @@ def _validate_embeddings(model: str, body: dict[str, Any]) -> ApiRequest:
     return ApiRequest(
         endpoint=Endpoint.EMBEDDINGS, body=body, model=model, stream=False, include_usage=False, max_tokens=0
     )
+
+
+def _token_ids(value: Any) -> bool:
+    """A non-empty array of token ids: integers (JSON's `true` and `false` are not)."""
+    if not isinstance(value, list) or not value:
+        return False
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _bad(param: str, message: str) -> InvalidRequest:
@@ -284,11 +291,7 @@ def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return
-        if all(
-            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
-        ):
+        if _token_ids(prompt) or all(_token_ids(p) for p in prompt):
             return
     raise _bad(
         "prompt",
