@@ -351,11 +351,20 @@ class Gateway:
         return await exchange.run(self._admit_and_relay, request, tenant, klass)
 
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
-        # Preemptible requests resume their generation elsewhere; an embedding has none to resume.
-        if klass in self.admission.preemptible and ex.api.endpoint.generates:
-            return await resume.admit_and_relay(ex, request, tenant, klass, self.admission, self.dedup, self.fleet)
-        await self.admission.admit(ex, tenant, klass)
-        return await relay(ex, request, self.dedup, self.fleet, self.admission.room_for(ex.api.model, klass))
+        """The request's path: the tenant's allowance, then de-duplication (a cached result or a flight to join
+        needs no slot: only a flight's leader takes one, `Coalescer.serve`), else a slot and an engine call —
+        resumed elsewhere after a preemption for the preemptible classes (an embedding has nothing to resume)."""
+        admission = self.admission
+        admission.allow(ex, tenant, klass)
+        room = admission.room_for(ex.api.model, klass)
+        key = self.dedup.plan(ex, request.headers.get("Cache-Control"))
+        if key is not None:
+            # A flight (possibly shared by several clients) is never preempted.
+            return await self.dedup.serve(ex, request, key, admission.slot(ex, klass), room)
+        if klass in admission.preemptible and ex.api.endpoint.generates:
+            return await resume.relay_resumable(ex, request, klass, admission, self.fleet)
+        await admission.slot(ex, klass).take()
+        return await relay(ex, request, self.fleet, room)
 
     @staticmethod
     def _deadline(request: Request, default_ms: int | None) -> float | None:

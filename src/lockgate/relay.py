@@ -1,5 +1,5 @@
 """The direct request path: route, call the engine (retrying elsewhere before the first byte), relay
-back. Requests that may be de-duplicated go to `dedup` instead.
+back. Requests that may be de-duplicated go to `dedup` instead (`Gateway._admit_and_relay` decides).
 
 Runs inside `Exchange.run()`, which owns every resource this code acquires and decides how the
 request ends; nothing here needs to clean up after itself on cancellation.
@@ -25,7 +25,6 @@ from .respond import pump, whole_body
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .dedup import Coalescer
     from .fleet.instance import Lease
     from .fleet.pool import Fleet
     from .upstream import UpstreamCall
@@ -34,15 +33,11 @@ if TYPE_CHECKING:
 async def relay(
     ex: Exchange,
     http_request: Request,
-    dedup: Coalescer,
     fleet: Fleet,
     before_send: Callable[[Lease, bool], None] | None = None,
 ) -> Reply:
-    """An admitted request: served by a flight when `dedup` takes it, else straight from an engine of
-    `fleet` (`before_send`: see `open_attempts`)."""
-    key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
-    if key is not None:
-        return await dedup.serve(ex, http_request, key, before_send)
+    """An admitted request that is not de-duplicated, straight from an engine of `fleet` (`before_send`: see
+    `open_attempts`)."""
 
     def hold(lease: Lease, call: UpstreamCall) -> None:
         ex.attach(lease, call)

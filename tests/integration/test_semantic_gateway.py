@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 import pytest
@@ -58,3 +60,30 @@ def _samples(text: bytes) -> dict[str, float]:
         if family.name == "lockgate_dedup":
             return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
     return {}
+
+
+async def test_a_semantic_hit_takes_no_slot(start_sim, start_gateway):
+    """A paraphrase of a completed answer is served while another request holds the pool's only slot (it took
+    2.1 s behind a stream when admission came before the caches)."""
+    sim = await start_sim(("m",), tpot_ms=1.0)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, max_concurrency=1)], "semantic": {"threshold": 0.9}}]
+    )
+    async with aiohttp.ClientSession() as http:
+        outcome, original = await ask(http, gw.url, "m", "How do I reset my password?")
+        assert outcome == "miss"
+        sim.control.hold = True
+        body = {"model": "m", "messages": [{"role": "user", "content": "Something else"}], "max_tokens": 6}
+        held = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body))
+        async with asyncio.timeout(5):
+            await sim.wait_held(1)
+        assert gw.gateway.admission.schedulers["m"].core.running_total == 1
+        async with asyncio.timeout(5):  # a guard against the old wait for the slot
+            assert await ask(http, gw.url, "m", "How can I reset my password?") == ("semantic", original)
+        sim.control.hold = False
+        sim.release()
+        async with asyncio.timeout(10):
+            response = await held
+        assert response.status == 200
+        response.release()
+    assert sim.statistics()["requests_started"] == 2

@@ -179,6 +179,32 @@ async def test_cancelled_while_queued_leaves_the_queue() -> None:
     assert s.core.running_total == 0
 
 
+async def test_a_wait_ended_by_its_other_future_leaves_the_queue() -> None:
+    """`wait_granted(ticket, unless)`: False when `unless` is done first (a request queued to lead a flight that
+    another request started meanwhile), True when the grant comes first, the other future left as it is."""
+    s = shell()
+    first = s.offer(1)
+    second = s.offer(1)
+    third = s.offer(1)
+    flight_started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(s.wait_granted(second, flight_started))
+    await asyncio.sleep(0)
+    flight_started.set_result(None)
+    async with asyncio.timeout(30):  # bounds a hang only
+        assert await waiting is False
+    s.release(second)  # what `Slot.wait` does then
+    assert second.state is TicketState.DONE and s.core.queued_total == 1
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(s.wait_granted(third, never))
+    await asyncio.sleep(0)
+    s.release(first)
+    async with asyncio.timeout(30):
+        assert await waiting is True
+    assert third.state is TicketState.RUNNING and not never.done()
+    s.release(third)
+    assert s.core.running_total == 0 and s.core.queued_total == 0 and s.statistics()["waiters"] == 0
+
+
 async def test_queue_deadline() -> None:
     s = shell(queue_timeout_s=0.01)
     first = s.offer(0)

@@ -1,14 +1,16 @@
 """Admission: tenant rate limits, then a slot from the model pool's scheduler. The async shell.
 
-Theory of operation: `Admission.admit(exchange, tenant, klass)` runs at the start of a request's
-work, inside `Exchange.run()`. Each resource it takes is handed to the exchange (`Exchange.hold`)
-*before* the next `await`, so the exchange's `_release()` returns it exactly once however the request
-ends — including while it is still queued:
+Theory of operation: admission runs at the start of a request's work, inside `Exchange.run()`, in two
+steps with de-duplication between them (`Gateway._admit_and_relay`). Each resource taken is handed to the
+exchange (`Exchange.hold`) *before* the next `await`, so the exchange's `_release()` returns it exactly
+once however the request ends — including while it is still queued:
 
-1. the tenant's rate-limit `Reservation` (one request, prompt + max_tokens tokens, a concurrency
-   slot); settled on release with the tokens actually delivered;
-2. a `Ticket` from the model's `PoolScheduler`: granted at once, queued, or refused (429 QueueFull);
-   a queued ticket waits on a future that the scheduler resolves when the sync core grants it.
+1. `Admission.allow`: the tenant's rate-limit `Reservation` (one request, prompt + max_tokens tokens, a
+   concurrency slot), for every request; settled on release with the tokens actually delivered;
+2. `Slot.take`, only for a request about to call an engine (not for a cached result or a flight's joiner):
+   a `Ticket` from the model's `PoolScheduler`: granted at once, queued, or refused (429 QueueFull); a
+   queued ticket waits on a future that the scheduler resolves when the sync core grants it (or, for a
+   request waiting to lead a flight, until an identical flight it can join starts: `Slot.wait(unless)`).
 
 Nothing polls and no state is read before an `await` and written after it: every decision is one
 synchronous call into `SchedulerCore` / `RateLimiter`. The race "granted just as the waiter is
@@ -228,21 +230,27 @@ class PoolScheduler:
         self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
         self._metrics.reprefill_tokens.labels(self.model).inc(redo)
 
-    async def wait_granted(self, ticket: Ticket) -> None:
-        """Wait until the ticket holds a slot; QueueTimeout after its class's queue deadline.
-        On any exit the ticket stays owned by the caller, who must `release()` it."""
+    async def wait_granted(self, ticket: Ticket, unless: asyncio.Future[None] | None = None) -> bool:
+        """Wait until the ticket holds a slot (True), or until `unless` is done while it does not (False);
+        QueueTimeout after its class's queue deadline. On any exit the ticket stays owned by the caller, who
+        must `release()` it."""
         if ticket.state is TicketState.RUNNING:
-            return
+            return True
         waiter = self._waiters.get(ticket)
         if waiter is None or ticket.state is not TicketState.QUEUED:
             raise RuntimeError(f"{ticket!r} is not waiting")
         spec = self.core.classes[ticket.klass]
         try:
             async with asyncio.timeout(spec.queue_timeout_s):
-                await waiter
+                if unless is None:
+                    await waiter
+                else:
+                    # Futures, not coroutines: `asyncio.wait` makes no task and cancels neither.
+                    await asyncio.wait((waiter, unless), return_when=asyncio.FIRST_COMPLETED)
+            return ticket.running  # the core, not the futures, says whether it holds a slot
         except TimeoutError:
             if ticket.running:  # granted in the same loop iteration
-                return
+                return True
             self.release(ticket)
             self._metrics.rejections.labels("queue_timeout", spec.name).inc()
             raise QueueTimeout(
@@ -284,6 +292,48 @@ class PoolScheduler:
 
     def statistics(self) -> dict[str, object]:
         return {**self.core.statistics(), "waiters": len(self._waiters)}
+
+
+class Slot:
+    """A request's slot at its pool's scheduler, taken only once it is about to call an engine (a request served
+    from the result cache or joining a flight takes none). The ticket is owned by the exchange from the moment it
+    is offered (`Exchange.hold`), so it is released however the request ends."""
+
+    __slots__ = ("_ex", "_klass", "_scheduler", "_tag", "ticket")
+
+    def __init__(self, scheduler: PoolScheduler, ex: Exchange, klass: int, tag: object) -> None:
+        self._scheduler = scheduler
+        self._ex = ex
+        self._klass = klass
+        self._tag = ex.id if tag is None else tag
+        self.ticket: Ticket | None = None
+
+    def offer(self) -> bool:
+        """Ask for the slot; True if it was granted at once (the uncontended case), else the ticket is queued
+        (`wait`). Raises QueueFull (429)."""
+        scheduler = self._scheduler
+        ticket = self.ticket = scheduler.offer(self._klass, self._tag)
+        self._ex.hold(lambda: scheduler.release(ticket))
+        return ticket.state is TicketState.RUNNING
+
+    async def wait(self, unless: asyncio.Future[None] | None = None) -> bool:
+        """Wait for the offered ticket's grant (True), or until `unless` is done first (False: the ticket has
+        left the queue; `offer` again to queue anew). QueueTimeout (503) after the class's queue deadline."""
+        assert self.ticket is not None
+        granted = await self._scheduler.wait_granted(self.ticket, unless)
+        if not granted:
+            self.give_back()
+        return granted
+
+    async def take(self) -> None:
+        """`offer`, then `wait` if the ticket was queued."""
+        if not self.offer():
+            await self.wait()
+
+    def give_back(self) -> None:
+        """Release the ticket now (idempotent: the exchange's release at the end finds it released)."""
+        if self.ticket is not None:
+            self._scheduler.release(self.ticket)
 
 
 def _stops_so_far(ticket: Ticket) -> int | None:
@@ -394,10 +444,9 @@ class Admission:
             return None
         return functools.partial(self.schedulers[model].make_room, klass)
 
-    async def admit(self, ex: Exchange, tenant: Tenant, klass: int, *, tag: object = None) -> Ticket:
-        """Take the tenant's allowance and a slot for `ex`, each owned by `ex` from the moment it is
-        taken; returns the granted ticket (tagged with `tag`, e.g. a `Preemptee`, else the request id).
-        Raises RateLimitExceeded / QueueFull (429) or QueueTimeout (503)."""
+    def allow(self, ex: Exchange, tenant: Tenant, klass: int) -> None:
+        """Take the tenant's allowance for `ex` (owned by `ex` from now on): every request passes here first,
+        those served from the result cache or a flight included. Raises RateLimitExceeded (429)."""
         api = ex.api
         max_tokens = api.max_tokens if api.max_tokens is not None else tenant.assumed_max_tokens
         reserve = api.estimated_prompt_tokens() + max_tokens
@@ -413,14 +462,12 @@ class Admission:
         limit_headers = self.limiter.headers(tenant, now)
         if limit_headers:
             ex.response_headers.update(limit_headers)
-        scheduler = self.schedulers[api.model]
-        ticket = scheduler.offer(klass, ex.id if tag is None else tag)
-        ex.hold(lambda: scheduler.release(ticket))
         if self.engine_priority:
             ex.engine_priority = klass
-        if ticket.state is not TicketState.RUNNING:  # granted at once: the uncontended common case
-            await scheduler.wait_granted(ticket)
-        return ticket
+
+    def slot(self, ex: Exchange, klass: int, *, tag: object = None) -> Slot:
+        """`ex`'s place at its model's scheduler, to be taken (`Slot.take`) by a request about to call an engine."""
+        return Slot(self.schedulers[ex.api.model], ex, klass, tag)
 
     def _settle(self, ex: Exchange, reservation: Reservation) -> None:
         """A request that delivered nothing costs nothing; otherwise prompt + delivered tokens."""

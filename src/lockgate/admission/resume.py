@@ -35,13 +35,11 @@ from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
 if TYPE_CHECKING:
-    from ..dedup import Coalescer
     from ..fleet.instance import Lease
     from ..fleet.pool import Fleet, HeaderLookup
     from ..upstream import UpstreamCall
     from .gate import Admission, PoolScheduler
     from .scheduler import Ticket
-    from .tenants import Tenant
 
 T = TypeVar("T")
 
@@ -219,23 +217,19 @@ class Resumable:
         return continuation(self.ex.api, t.text, t.tokens)
 
 
-async def admit_and_relay(
+async def relay_resumable(
     ex: Exchange,
     http_request: Request,
-    tenant: Tenant,
     klass: int,
     admission: Admission,
-    dedup: Coalescer,
     fleet: Fleet,
 ) -> Reply:
-    """Admission and the request path for a request of a preemptible class."""
+    """The request path of a request of a preemptible class, once its tenant's allowance is taken (and it is not
+    de-duplicated): its slot, then its generation over as many engine calls as preemptions make it take."""
     run = Resumable(ex, fleet, admission.schedulers[ex.api.model], admission.max_preemptions, http_request.headers)
-    run.ticket = await admission.admit(ex, tenant, klass, tag=run)
-    run.headers.update(ex.response_headers)  # admission adds the x-ratelimit-* headers
-    key = dedup.plan(ex, http_request.headers.get("Cache-Control"))
-    if key is not None:
-        # A flight (possibly shared by several clients) is never preempted: `run` stays inactive.
-        return await dedup.serve(ex, http_request, key)
+    slot = admission.slot(ex, klass, tag=run)
+    await slot.take()
+    run.ticket = slot.ticket
     events = run.events()
     try:
         if ex.api.stream:

@@ -3,9 +3,10 @@
 `plan()` runs for every request and must stay cheap: a mode check and two dict lookups decide
 eligibility; only eligible requests are fingerprinted. `serve()` then takes, in one synchronous step,
 the first of: a completed result in the cache (`hit`), a flight in progress to join (`coalesced`), or a
-new flight to lead (`miss`). The request's `Exchange` holds its subscription and releases it in
-`_release()`, so a disconnecting client unsubscribes at once; the flight (not the client) owns the
-engine call.
+new flight to lead (`miss`). Only a leader takes a slot at the scheduler: a hit or a joiner never waits
+behind other requests for one (a request queued for a slot joins a flight that starts meanwhile). The
+request's `Exchange` holds its subscription and releases it in `_release()`, so a disconnecting client
+unsubscribes at once; the flight (not the client) owns the engine call.
 
 A new flight asks the engine for what its leader asked for: a stream for a streaming leader, one JSON
 body for a non-streaming one (no stream to read and fold) — unless the model's clients were recently seen
@@ -24,7 +25,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..assemble import assemble
 from ..edge.server import Reply, Request
@@ -49,6 +50,20 @@ if TYPE_CHECKING:
     from ..wire import ApiRequest
 
 CACHE_HEADER = "x-lockgate-cache"
+
+
+class Slot(Protocol):
+    """A request's place at its pool's scheduler (`admission.gate.Slot`), taken only to lead a flight."""
+
+    def offer(self) -> bool:
+        """Ask for it; True if granted at once, else queued (`wait`)."""
+        ...
+
+    async def wait(self, unless: asyncio.Future[None] | None = None) -> bool:
+        """True once granted; False if `unless` was done first (then no longer queued)."""
+        ...
+
+    def give_back(self) -> None: ...
 
 
 class Coalescer:
@@ -81,6 +96,9 @@ class Coalescer:
         self.max_response_bytes = config.upstream.max_response_bytes
         self.metrics = DedupMetrics(metrics.registry)
         self.metrics.bind(lambda: len(self.flights), lambda: len(self.cache), lambda: self.cache.nbytes)
+        #: Requests waiting for a slot to lead a flight, by fingerprint: each one's future, done when a flight it may
+        #: join starts (and whether it streams). At most one entry per request in flight.
+        self._awaiting: dict[Fingerprint, dict[asyncio.Future[None], bool]] = {}
         #: Semantic caches of the models that configure one (loading the embedding model once).
         self.semantic: dict[str, SemanticCache] = {}
         configured = [m for m in config.models if m.semantic is not None and m.dedup != "off"]
@@ -140,10 +158,13 @@ class Coalescer:
         ex: Exchange,
         http_request: Request,
         key: Fingerprint,
+        slot: Slot | None = None,
         before_send: Callable[[Lease, bool], None] | None = None,
     ) -> Reply:
-        """Serve `ex` from a flight (joined, or led: then `before_send` goes with its engine calls, see
-        `attempt.open_attempts`), a cached result or the semantic cache."""
+        """Serve `ex` from a cached result, a flight in progress, the semantic cache, or else a new flight that it
+        leads: only then does it take `slot` (its place at the scheduler; None: admitted already), and `before_send`
+        goes with the flight's engine calls (see `attempt.open_attempts`). While it waits for the slot, a flight it
+        could join may start (an identical request admitted first): it joins that instead of waiting on."""
         joined = self._join(ex, key)
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
@@ -152,13 +173,25 @@ class Coalescer:
         if semantic is not None:
             probe = await semantic.probe(ex.record.tenant, ex.api)
             joined = self._join(ex, key)  # the world may have changed while the text was embedded
+            if joined is None and probe is not None:
+                joined = self._semantic_hit(ex, semantic, probe)
             if joined is not None:
                 return await self._respond(ex, http_request, *joined)
-            hit = semantic.lookup(probe) if probe is not None else None
-            if hit is not None:
-                if not semantic.shadow:
-                    return await self._respond(ex, http_request, "semantic", self._replay(ex, hit.result), hit.result)
-                self.metrics.outcome("semantic_shadow")
+        while slot is not None and not slot.offer():
+            started = self._await_flight(key, ex.api.stream)
+            try:
+                granted = await slot.wait(started)
+            finally:
+                self._stop_awaiting(key, started)
+            joined = self._join(ex, key)  # a flight it may join started (or one completed) while it waited
+            if joined is None and semantic is not None and probe is not None and not semantic.shadow:
+                joined = self._semantic_hit(ex, semantic, probe)
+            if joined is not None:
+                slot.give_back()
+                return await self._respond(ex, http_request, *joined)
+            if granted:
+                break
+            # Woken by a flight that ended before this request could join it: queue again.
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
         stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
@@ -168,9 +201,20 @@ class Coalescer:
             ex.pool.route_request(ex.api, http_request.headers),
             before_send,
         )
+        self._flight_started(key, stream)
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
         return await self._respond(ex, http_request, "miss", self._subscribe(ex, flight), None)
+
+    def _semantic_hit(self, ex: Exchange, semantic: SemanticCache, probe: Probe) -> tuple[str, Any, Result] | None:
+        """A completed answer to a paraphrase (None also in shadow mode, where a would-be hit is only counted)."""
+        hit = semantic.lookup(probe)
+        if hit is None:
+            return None
+        if semantic.shadow:
+            self.metrics.outcome("semantic_shadow")
+            return None
+        return "semantic", self._replay(ex, hit.result), hit.result
 
     def _join(self, ex: Exchange, key: Fingerprint) -> tuple[str, Any, Result | None] | None:
         """A cached result or a flight in progress for this fingerprint (synchronous)."""
@@ -181,6 +225,30 @@ class Coalescer:
         if flight is not None:
             return "coalesced", self._subscribe(ex, flight), None
         return None
+
+    # --- requests waiting for a slot to lead a flight ----------------------------------------------
+    def _await_flight(self, key: Fingerprint, stream: bool) -> asyncio.Future[None]:
+        """A future done when a flight that a (`stream`ing or not) request could join starts for `key`."""
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._awaiting.setdefault(key, {})[started] = stream
+        return started
+
+    def _stop_awaiting(self, key: Fingerprint, started: asyncio.Future[None]) -> None:
+        waiting = self._awaiting.get(key)
+        if waiting is not None:
+            waiting.pop(started, None)
+            if not waiting:
+                del self._awaiting[key]
+
+    def _flight_started(self, key: Fingerprint, stream: bool) -> None:
+        """Wake the requests waiting for a slot that may join this flight (a streaming client only joins a streaming
+        one, `Flights.get`); they leave the scheduler's queue."""
+        waiting = self._awaiting.get(key)
+        if waiting is None:
+            return
+        for started, wants_stream in waiting.items():
+            if (stream or not wants_stream) and not started.done():
+                started.set_result(None)
 
     @staticmethod
     def _replay(ex: Exchange, result: Result) -> _Replay | None:
