@@ -12,28 +12,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
-import pytest
 
 from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
 from tests.conftest import instance
+from tests.integration.test_priority import http, post
+
+__all__ = ["http"]  # the fixture
 
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0, **extra}
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str):
-    async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as resp:
-        return resp.status, resp.headers.copy(), await resp.read()
 
 
 def text(raw: bytes, stream: bool) -> str:
@@ -53,9 +43,36 @@ async def one_slot(start_sim, start_gateway, **extra: Any):
     return sim, gw, gw.gateway.admission.schedulers["m"]
 
 
+async def slot_taken(sim, gw, http, stream: bool = True) -> asyncio.Task[Any]:
+    """A request that takes the only slot and stays at the (held) engine."""
+    sim.control.hold = True
+    first = asyncio.create_task(post(http, gw.url, chat("first", stream=stream)))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    return first
+
+
+async def queued(scheduler, gw, http, body: dict[str, Any]) -> asyncio.Task[Any]:
+    """A request sent and waiting in the scheduler's queue (one more than before)."""
+    before = scheduler.core.queued_total
+    task = asyncio.create_task(post(http, gw.url, body))
+    await until(scheduler, lambda core: core.queued_total == before + 1)
+    return task
+
+
 async def until(waitable, predicate) -> None:
     async with asyncio.timeout(5):
         await waitable.wait_until(predicate)
+
+
+async def finish(sim, *tasks: asyncio.Task[Any]) -> list[tuple[int, Any, bytes]]:
+    """Let the engine go; every request's (status, headers, body), each answered 200."""
+    sim.control.hold = False
+    sim.release()
+    async with asyncio.timeout(10):
+        results = list(await asyncio.gather(*tasks))
+    assert [r[0] for r in results] == [200] * len(tasks)
+    return results
 
 
 def assert_nothing_held(gw, scheduler) -> None:
@@ -85,11 +102,8 @@ async def test_hits_and_joiners_take_no_slot(start_sim, start_gateway, http):
     flights = gw.gateway.dedup.flights
     await until(flights, lambda: flights.statistics()["subscribers"] == 2)
     assert scheduler.core.queued_total == 0 and scheduler.core.running_total == 1
-    sim.control.hold = False
-    sim.release()
-    async with asyncio.timeout(10):
-        (s1, h1, r1), (s2, h2, r2) = await asyncio.gather(leader, joiner)
-    assert (s1, h1["x-lockgate-cache"]) == (200, "miss") and (s2, h2["x-lockgate-cache"]) == (200, "coalesced")
+    (_, h1, r1), (_, h2, r2) = await finish(sim, leader, joiner)
+    assert (h1["x-lockgate-cache"], h2["x-lockgate-cache"]) == ("miss", "coalesced")
     assert text(r1, True) == text(r2, False) != ""
     assert sim.statistics()["requests_started"] == 2  # the cached question once, the held question once
     await gw.gateway.records.wait_flushed()
@@ -101,15 +115,10 @@ async def test_hits_and_joiners_take_no_slot(start_sim, start_gateway, http):
 
 async def test_a_queued_request_joins_a_flight_that_starts_while_it_waits(start_sim, start_gateway, http):
     sim, gw, scheduler = await one_slot(start_sim, start_gateway)
-    sim.control.hold = True
-    first = asyncio.create_task(post(http, gw.url, chat("first", stream=True)))
-    async with asyncio.timeout(5):
-        await sim.wait_held(1)
+    first = await slot_taken(sim, gw, http)
     # Two identical requests arrive while the slot is taken and no flight of theirs exists: both queue.
-    a = asyncio.create_task(post(http, gw.url, chat("second", stream=True)))
-    await until(scheduler, lambda core: core.queued_total == 1)
-    b = asyncio.create_task(post(http, gw.url, chat("second")))
-    await until(scheduler, lambda core: core.queued_total == 2)
+    a = await queued(scheduler, gw, http, chat("second", stream=True))
+    b = await queued(scheduler, gw, http, chat("second"))
     # The first ends: the slot goes to the head of the queue, which leads the flight; the other leaves the
     # queue and joins it, while the engine still holds it.
     sim.release()
@@ -119,11 +128,7 @@ async def test_a_queued_request_joins_a_flight_that_starts_while_it_waits(start_
     await until(flights, lambda: flights.statistics()["subscribers"] == 2)
     assert scheduler.core.queued_total == 0 and scheduler.core.running_total == 1
     assert len(gw.gateway.dedup._awaiting) == 0
-    sim.control.hold = False
-    sim.release()
-    async with asyncio.timeout(10):
-        results = await asyncio.gather(first, a, b)
-    assert [r[0] for r in results] == [200, 200, 200]
+    results = await finish(sim, first, a, b)
     assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss", "coalesced"]
     assert text(results[1][2], True) == text(results[2][2], False) != ""
     assert sim.statistics()["requests_started"] == 2
@@ -134,14 +139,9 @@ async def test_a_streaming_request_queued_for_a_slot_does_not_join_a_json_flight
     """A non-streaming leader's flight is one JSON body: a streaming client waiting for a slot is not woken by it
     (it could not join) and leads its own flight once it gets the slot."""
     sim, gw, scheduler = await one_slot(start_sim, start_gateway)
-    sim.control.hold = True
-    first = asyncio.create_task(post(http, gw.url, chat("first")))
-    async with asyncio.timeout(5):
-        await sim.wait_held(1)
-    whole = asyncio.create_task(post(http, gw.url, chat("second")))
-    await until(scheduler, lambda core: core.queued_total == 1)
-    streamed = asyncio.create_task(post(http, gw.url, chat("second", stream=True)))
-    await until(scheduler, lambda core: core.queued_total == 2)
+    first = await slot_taken(sim, gw, http, stream=False)
+    whole = await queued(scheduler, gw, http, chat("second"))
+    streamed = await queued(scheduler, gw, http, chat("second", stream=True))
     sim.release()  # "first" ends; "second" (JSON) leads and is held; the streaming one stays queued
     await until(scheduler, lambda core: core.queued_total == 1 and core.running_total == 1)
     flights = gw.gateway.dedup.flights
@@ -149,11 +149,7 @@ async def test_a_streaming_request_queued_for_a_slot_does_not_join_a_json_flight
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     assert scheduler.core.queued_total == 1  # not woken by the JSON flight
-    sim.control.hold = False
-    sim.release()
-    async with asyncio.timeout(10):
-        results = await asyncio.gather(first, whole, streamed)
-    assert [r[0] for r in results] == [200, 200, 200]
+    results = await finish(sim, first, whole, streamed)
     # The streaming one got the slot after the JSON flight had completed: its answer came from the cache.
     assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss", "hit"]
     assert text(results[1][2], False) == text(results[2][2], True) != ""
@@ -178,12 +174,8 @@ async def test_the_rate_limit_still_comes_before_the_cache(start_sim, start_gate
 
 async def test_a_client_leaving_while_queued_to_lead_leaves_nothing(start_sim, start_gateway, http):
     sim, gw, scheduler = await one_slot(start_sim, start_gateway)
-    sim.control.hold = True
-    first = asyncio.create_task(post(http, gw.url, chat("first", stream=True)))
-    async with asyncio.timeout(5):
-        await sim.wait_held(1)
-    leaving = asyncio.create_task(post(http, gw.url, chat("second", stream=True)))
-    await until(scheduler, lambda core: core.queued_total == 1)
+    first = await slot_taken(sim, gw, http)
+    leaving = await queued(scheduler, gw, http, chat("second", stream=True))
     assert len(gw.gateway.dedup._awaiting) == 1
     leaving.cancel()  # the client's connection closes while it waits for the slot
     await until(scheduler, lambda core: core.queued_total == 0)
