@@ -243,6 +243,7 @@ def _dedup(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens,
                 spread_ms=args.spread_ms,
                 tpot_ms=args.tpot_ms,
+                max_concurrency=args.max_concurrency,
                 progress=progress,
             )
         print(dedup.report(result))
@@ -492,6 +493,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dd.add_argument("--max-tokens", type=int, default=32)
     dd.add_argument("--spread-ms", type=float, default=200.0, help="arrivals spread over this much time")
     dd.add_argument("--tpot-ms", type=float, default=5.0, help="the simulated engine's time per output token")
+    dd.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=1024,
+        help="the gateway's slots for the engine (fewer than a window's distinct prompts: leaders queue, while "
+        "cache hits and joiners take no slot)",
+    )
     dd.set_defaults(func=_dedup)
     cancel = benches.add_parser(
         "cancel", help="client disconnect -> engine sees its connection closed, p50/p99 per phase"

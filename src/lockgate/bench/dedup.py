@@ -12,6 +12,9 @@ The target: engine calls == distinct fingerprints in every window. With mixed cl
 may miss it by a few calls: a streaming duplicate that arrives while only a non-streaming (JSON) flight
 runs leads a streaming flight of its own rather than wait for the whole answer; after that the model's
 flights stream for a while, whatever their leader asked (docs/decisions.md, issue 17).
+
+`--max-concurrency` below a window's distinct prompts saturates the gateway's slots: the leaders queue for them,
+while a duplicate joins its flight (or takes its cached result) without one.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ async def run(
     spread_ms: float,
     tpot_ms: float,
     seed: int = 1,
+    max_concurrency: int = 1024,
     progress: Progress | None = None,
 ) -> DedupResult:
     progress = progress or Progress.silent()
@@ -74,7 +78,10 @@ async def run(
                     "listen": {"host": "127.0.0.1", "port": 0},
                     "usage": {"path": f"{tmp}/usage.sqlite3"},
                     "models": [
-                        {"name": MODEL, "instances": [{"url": sim.url, "engine": "vllm", "max_concurrency": 1024}]}
+                        {
+                            "name": MODEL,
+                            "instances": [{"url": sim.url, "engine": "vllm", "max_concurrency": max_concurrency}],
+                        }
                     ],
                 },
                 "bench",
