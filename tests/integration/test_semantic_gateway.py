@@ -51,14 +51,24 @@ async def test_semantic_hits_shadow_mode_and_guards(start_sim, start_gateway):
     assert sim.statistics()["requests_started"] == 6
     outcomes = {k: v for k, v in _samples(gw.gateway.metrics.render()).items()}
     assert outcomes["semantic"] == 1 and outcomes["semantic_shadow"] == 1
+    # Each semantic cache's size is exported, and shadow mode's would-be hits are shown to the operator.
+    sizes = _samples(gw.gateway.metrics.render(), "lockgate_semantic_cache_entries", "model")
+    assert sizes == {"m": 2.0, "s": 2.0}  # "reset" and "not reset" (m); both questions (s: nothing was served)
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/admin/flights") as resp:
+        semantic = orjson.loads(await resp.read())["statistics"]["semantic"]
+    assert semantic["m"]["shadow"] is False and "shadow_hits" not in semantic["m"]
+    [shadow_hit] = semantic["s"]["shadow_hits"]
+    assert shadow_hit["question"] == "How can I reset my password?"
+    assert shadow_hit["matched"] == "How do I reset my password?" and shadow_hit["similarity"] >= 0.9
+    assert semantic["s"]["bytes"] > 0
 
 
-def _samples(text: bytes) -> dict[str, float]:
+def _samples(text: bytes, name: str = "lockgate_dedup", label: str = "outcome") -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(text.decode()):
-        if family.name == "lockgate_dedup":
-            return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+        if family.name == name:
+            return {s.labels[label]: s.value for s in family.samples if not s.name.endswith("_created")}
     return {}
 
 

@@ -109,7 +109,7 @@ class Coalescer:
             for model in configured:
                 sc = model.semantic
                 assert sc is not None
-                self.semantic[model.name] = SemanticCache(
+                cache = self.semantic[model.name] = SemanticCache(
                     shared,
                     threshold=sc.threshold,
                     shadow=sc.shadow,
@@ -118,6 +118,7 @@ class Coalescer:
                     max_bytes=sc.max_bytes,
                     clock=clock,
                 )
+                self.metrics.bind_semantic(model.name, cache.entries, cache.bytes_held)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -329,7 +330,10 @@ class Coalescer:
         return f"{prefix}{self._response_prefix}{next(self._response_count):x}"
 
     def statistics(self) -> dict[str, Any]:
-        return {"flights": self.flights.statistics(), "cache": self.cache.statistics()}
+        statistics = {"flights": self.flights.statistics(), "cache": self.cache.statistics()}
+        if self.semantic:
+            statistics["semantic"] = {model: cache.statistics() for model, cache in self.semantic.items()}
+        return statistics
 
 
 def upstream_request(api: ApiRequest, *, stream: bool) -> ApiRequest:

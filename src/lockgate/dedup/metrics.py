@@ -46,11 +46,27 @@ class DedupMetrics:
             "lockgate_dedup_cache_entries", "Completed results held in the cache.", registry=registry
         )
         self.cache_bytes = Gauge("lockgate_dedup_cache_bytes", "Bytes held by the result cache.", registry=registry)
+        self.semantic_entries = Gauge(
+            "lockgate_semantic_cache_entries",
+            "Completed answers held by a model's semantic cache (bounded by its max_entries).",
+            ["model"],
+            registry=registry,
+        )
+        self.semantic_bytes = Gauge(
+            "lockgate_semantic_cache_bytes",
+            "Bytes of answers held by a model's semantic cache (bounded by its max_bytes).",
+            ["model"],
+            registry=registry,
+        )
 
     def bind(self, flights: Callable[[], float], entries: Callable[[], float], nbytes: Callable[[], float]) -> None:
         self.flights_in_flight.set_function(flights)
         self.cache_entries.set_function(entries)
         self.cache_bytes.set_function(nbytes)
+
+    def bind_semantic(self, model: str, entries: Callable[[], float], nbytes: Callable[[], float]) -> None:
+        self.semantic_entries.labels(model).set_function(entries)
+        self.semantic_bytes.labels(model).set_function(nbytes)
 
     def _hit_ratio(self) -> float:
         count = {outcome: child.value for outcome, child in self._by_outcome.items()}

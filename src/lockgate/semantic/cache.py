@@ -60,6 +60,11 @@ def probe_input(tenant: str, api: ApiRequest) -> tuple[bytes, str] | None:
     return scope, text
 
 
+#: `statistics()`: the latest shadow-mode would-be hits shown, and the characters of each text.
+_SHADOW_SHOWN = 20
+_SHOWN = 200
+
+
 class SemanticCache:
     def __init__(
         self,
@@ -102,3 +107,25 @@ class SemanticCache:
 
     def add(self, probe: Probe, result: Result) -> None:
         self.index.add(probe.scope, probe.vector, probe.text, result)
+
+    def entries(self) -> int:
+        return len(self.index)
+
+    def bytes_held(self) -> int:
+        return self.index.nbytes
+
+    def statistics(self) -> dict[str, Any]:
+        """What `GET /admin/flights` shows: its size, and in shadow mode the latest would-be hits (the question, the
+        cached question it matched, their similarity: what an operator judges before turning hits on)."""
+        out: dict[str, Any] = {
+            "entries": self.entries(),
+            "bytes": self.bytes_held(),
+            "threshold": self.threshold,
+            "shadow": self.shadow,
+        }
+        if self.shadow:
+            out["shadow_hits"] = [
+                {"question": q[:_SHOWN], "matched": m[:_SHOWN], "similarity": round(sim, 4)}
+                for q, m, sim in list(self.shadow_log)[-_SHADOW_SHOWN:]
+            ]
+        return out
