@@ -37,25 +37,25 @@ def text(raw: bytes, stream: bool) -> str:
     return "".join(parts)
 
 
-async def one_slot(start_sim, start_gateway, **extra: Any):
+async def one_slot(start_sim, start_gateway, model: dict[str, Any] | None = None, **extra: Any):
     sim = await start_sim(prefill_tps=1e6, tpot_ms=1.0)
-    gw = await start_gateway([{"name": "m", "instances": [instance(sim, max_concurrency=1)]}], **extra)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, max_concurrency=1)], **(model or {})}], **extra)
     return sim, gw, gw.gateway.admission.schedulers["m"]
 
 
-async def slot_taken(sim, gw, http, stream: bool = True) -> asyncio.Task[Any]:
+async def slot_taken(sim, gw, http, stream: bool = True, question: str = "first") -> asyncio.Task[Any]:
     """A request that takes the only slot and stays at the (held) engine."""
     sim.control.hold = True
-    first = asyncio.create_task(post(http, gw.url, chat("first", stream=stream)))
+    first = asyncio.create_task(post(http, gw.url, chat(question, stream=stream)))
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     return first
 
 
-async def queued(scheduler, gw, http, body: dict[str, Any]) -> asyncio.Task[Any]:
+async def queued(scheduler, gw, http, body: dict[str, Any], **headers: str) -> asyncio.Task[Any]:
     """A request sent and waiting in the scheduler's queue (one more than before)."""
     before = scheduler.core.queued_total
-    task = asyncio.create_task(post(http, gw.url, body))
+    task = asyncio.create_task(post(http, gw.url, body, **headers))
     await until(scheduler, lambda core: core.queued_total == before + 1)
     return task
 
@@ -78,7 +78,7 @@ async def finish(sim, *tasks: asyncio.Task[Any]) -> list[tuple[int, Any, bytes]]
 def assert_nothing_held(gw, scheduler) -> None:
     assert scheduler.core.running_total == 0 and scheduler.core.queued_total == 0
     assert scheduler.statistics()["waiters"] == 0
-    assert gw.gateway.dedup._awaiting == {}
+    assert len(gw.gateway.dedup.waiting) == 0
     assert len(gw.gateway.registry) == 0
 
 
@@ -114,45 +114,118 @@ async def test_hits_and_joiners_take_no_slot(start_sim, start_gateway, http):
 
 
 async def test_a_queued_request_joins_a_flight_that_starts_while_it_waits(start_sim, start_gateway, http):
-    sim, gw, scheduler = await one_slot(start_sim, start_gateway)
+    sim, gw, scheduler = await one_slot(start_sim, start_gateway, scheduling={"preemption": {"enabled": False}})
     first = await slot_taken(sim, gw, http)
-    # Two identical requests arrive while the slot is taken and no flight of theirs exists: both queue.
-    a = await queued(scheduler, gw, http, chat("second", stream=True))
-    b = await queued(scheduler, gw, http, chat("second"))
-    # The first ends: the slot goes to the head of the queue, which leads the flight; the other leaves the
-    # queue and joins it, while the engine still holds it.
+    # Two identical requests arrive while the slot is taken and no flight of theirs exists; the second is more
+    # urgent, so it does not wait behind the first (`waiting.py`): both queue, each with a ticket.
+    a = await queued(scheduler, gw, http, chat("second"))
+    b = await queued(scheduler, gw, http, chat("second", stream=True), **{"x-priority": "P0"})
+    # The first ends: the slot goes to the P0 request, which leads the flight; the other leaves the queue and joins
+    # it, while the engine still holds it.
     sim.release()
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     flights = gw.gateway.dedup.flights
     await until(flights, lambda: flights.statistics()["subscribers"] == 2)
     assert scheduler.core.queued_total == 0 and scheduler.core.running_total == 1
-    assert len(gw.gateway.dedup._awaiting) == 0
+    assert len(gw.gateway.dedup.waiting) == 0
     results = await finish(sim, first, a, b)
-    assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss", "coalesced"]
-    assert text(results[1][2], True) == text(results[2][2], False) != ""
+    assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "coalesced", "miss"]
+    assert text(results[1][2], False) == text(results[2][2], True) != ""
     assert sim.statistics()["requests_started"] == 2
     assert_nothing_held(gw, scheduler)
 
 
-async def test_a_streaming_request_queued_for_a_slot_does_not_join_a_json_flight(start_sim, start_gateway, http):
-    """A non-streaming leader's flight is one JSON body: a streaming client waiting for a slot is not woken by it
-    (it could not join) and leads its own flight once it gets the slot."""
+async def test_a_streaming_request_queued_for_a_slot_takes_a_json_flights_result(start_sim, start_gateway, http):
+    """A non-streaming leader's flight is one JSON body, which a streaming client cannot join: one queued for a slot
+    is not woken when it starts, but when its result is stored, and served from it while the slot goes to the next
+    request (it waited for that request's whole generation, or timed out in the queue, while its answer was cached)."""
     sim, gw, scheduler = await one_slot(start_sim, start_gateway)
-    first = await slot_taken(sim, gw, http, stream=False)
-    whole = await queued(scheduler, gw, http, chat("second"))
+    whole = await slot_taken(sim, gw, http, stream=False, question="second")
+    other = await queued(scheduler, gw, http, chat("another question"))
     streamed = await queued(scheduler, gw, http, chat("second", stream=True))
-    sim.release()  # "first" ends; "second" (JSON) leads and is held; the streaming one stays queued
-    await until(scheduler, lambda core: core.queued_total == 1 and core.running_total == 1)
-    flights = gw.gateway.dedup.flights
-    await until(flights, lambda: len(flights) == 1 and flights.statistics()["subscribers"] == 1)
+    assert scheduler.core.queued_total == 2  # its own ticket: it could not join the JSON flight
+    sim.release()  # the JSON flight completes; the slot goes to "another question", held in turn
     async with asyncio.timeout(5):
-        await sim.wait_held(1)
-    assert scheduler.core.queued_total == 1  # not woken by the JSON flight
-    results = await finish(sim, first, whole, streamed)
-    # The streaming one got the slot after the JSON flight had completed: its answer came from the cache.
-    assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss", "hit"]
-    assert text(results[1][2], False) == text(results[2][2], True) != ""
+        status, headers, raw = await streamed
+    assert (status, headers["x-lockgate-cache"]) == (200, "hit")
+    assert not other.done() and scheduler.core.running_total == 1 and scheduler.core.queued_total == 0
+    results = await finish(sim, whole, other)
+    assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss"]
+    assert text(results[0][2], False) == text(raw, True) != ""
+    assert sim.statistics()["requests_started"] == 2
+    assert_nothing_held(gw, scheduler)
+
+
+async def test_a_flight_keeps_its_slot_after_its_leader_left(start_sim, start_gateway, http):
+    """The slot is the flight's once it starts: when its leader leaves and another client still follows it, the
+    engine call goes on and still counts against the pool (it gave the slot back with the leader, and the next
+    request was sent to the engine beside it: `max_concurrency` exceeded by one per abandoned leader)."""
+    sim, gw, scheduler = await one_slot(start_sim, start_gateway)
+    leader = await slot_taken(sim, gw, http, question="shared")
+    follower = asyncio.create_task(post(http, gw.url, chat("shared")))
+    flights = gw.gateway.dedup.flights
+    await until(flights, lambda: flights.statistics()["subscribers"] == 2)
+    leader.cancel()  # the leader's client leaves
+    await until(flights, lambda: flights.statistics()["subscribers"] == 1)
+    assert scheduler.core.running_total == 1
+    later = await queued(scheduler, gw, http, chat("later"))  # queued: the slot is still taken
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)  # only the flight is at the engine
+    results = await finish(sim, follower, later)
+    assert [r[1]["x-lockgate-cache"] for r in results] == ["coalesced", "miss"]
+    assert_nothing_held(gw, scheduler)
+
+
+async def test_a_flight_finishing_for_the_cache_keeps_its_slot(start_sim, start_gateway, http):
+    """`cancel_policy: finish_and_cache`: a flight whose only client left runs on to fill the cache, on its slot."""
+    sim, gw, scheduler = await one_slot(start_sim, start_gateway, model={"cancel_policy": "finish_and_cache"})
+    leader = await slot_taken(sim, gw, http, question="shared")
+    leader.cancel()
+    flights = gw.gateway.dedup.flights
+    await until(flights, lambda: flights.statistics()["subscribers"] == 0)
+    assert len(flights) == 1 and scheduler.core.running_total == 1
+    later = await queued(scheduler, gw, http, chat("later"))
+    [(_, headers, _)] = await finish(sim, later)
+    assert headers["x-lockgate-cache"] == "miss"
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: len(flights) == 0)
+    status, headers, _ = await post(http, gw.url, chat("shared"))
+    assert (status, headers["x-lockgate-cache"]) == (200, "hit")  # what it finished for
+    assert_nothing_held(gw, scheduler)
+
+
+async def test_duplicates_of_a_queued_request_wait_behind_it_without_a_place(start_sim, start_gateway, http):
+    """Identical requests queued while the slot is taken share one place in the queue: with room for one waiting
+    request, the others are not refused `queue_full` (they will cost nothing); one engine call serves them all."""
+    one_place = {"classes": [{"name": c, "max_queue": 1} for c in ("P0", "P1", "P2")], "preemption": {"enabled": False}}
+    sim, gw, scheduler = await one_slot(start_sim, start_gateway, scheduling=one_place)
+    first = await slot_taken(sim, gw, http)
+    ahead = await queued(scheduler, gw, http, chat("second", stream=True))
+    behind = [asyncio.create_task(post(http, gw.url, chat("second", stream=stream))) for stream in (False, True)]
+    waiting = gw.gateway.dedup.waiting
+    await until(waiting, lambda: len(waiting) == 3)
+    assert scheduler.core.queued_total == 1
+    status, _, raw = await post(http, gw.url, chat("something else"))  # the one place is taken
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_full"
+    results = await finish(sim, first, ahead, *behind)
+    assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss", "coalesced", "coalesced"]
+    assert sim.statistics()["requests_started"] == 2
+    assert_nothing_held(gw, scheduler)
+
+
+async def test_the_request_behind_takes_the_place_of_one_that_left(start_sim, start_gateway, http):
+    sim, gw, scheduler = await one_slot(start_sim, start_gateway)
+    first = await slot_taken(sim, gw, http)
+    ahead = await queued(scheduler, gw, http, chat("second", stream=True))
+    behind = asyncio.create_task(post(http, gw.url, chat("second", stream=True)))
+    waiting = gw.gateway.dedup.waiting
+    await until(waiting, lambda: len(waiting) == 2)
+    ahead.cancel()  # the request ahead leaves before it got the slot
+    await until(waiting, lambda: len(waiting) == 1)
+    await until(scheduler, lambda core: core.queued_total == 1)  # the one behind queued in its place
+    results = await finish(sim, first, behind)
+    assert [r[1]["x-lockgate-cache"] for r in results] == ["miss", "miss"]
     assert_nothing_held(gw, scheduler)
 
 
@@ -165,6 +238,7 @@ async def test_the_rate_limit_still_comes_before_the_cache(start_sim, start_gate
     auth = {"Authorization": "Bearer sk-acme"}
     status, headers, _ = await post(http, gw.url, chat("once"), **auth)
     assert (status, headers["x-lockgate-cache"]) == (200, "miss")
+    assert headers["x-ratelimit-remaining-requests"] == "0"  # on a de-duplicated answer too
     status, headers, raw = await post(http, gw.url, chat("once"), **auth)
     assert status == 429 and "x-lockgate-cache" not in headers
     assert orjson.loads(raw)["error"]["code"] == "rate_limit_exceeded"
@@ -176,11 +250,11 @@ async def test_a_client_leaving_while_queued_to_lead_leaves_nothing(start_sim, s
     sim, gw, scheduler = await one_slot(start_sim, start_gateway)
     first = await slot_taken(sim, gw, http)
     leaving = await queued(scheduler, gw, http, chat("second", stream=True))
-    assert len(gw.gateway.dedup._awaiting) == 1
+    assert len(gw.gateway.dedup.waiting) == 1
     leaving.cancel()  # the client's connection closes while it waits for the slot
     await until(scheduler, lambda core: core.queued_total == 0)
     # Released in one synchronous step with the ticket: the registry entry and the wait for a flight.
-    assert len(gw.gateway.registry) == 1 and gw.gateway.dedup._awaiting == {}
+    assert len(gw.gateway.registry) == 1 and len(gw.gateway.dedup.waiting) == 0
     sim.control.hold = False
     sim.release()
     async with asyncio.timeout(10):

@@ -297,24 +297,29 @@ class PoolScheduler:
 class Slot:
     """A request's slot at its pool's scheduler, taken only once it is about to call an engine (a request served
     from the result cache or joining a flight takes none). The ticket is owned by the exchange from the moment it
-    is offered (`Exchange.hold`), so it is released however the request ends."""
+    is offered (`Exchange.hold`), so it is released however the request ends — unless it is handed over to the
+    flight it then leads (`hand_over`), which outlives its leader when others follow it."""
 
-    __slots__ = ("_ex", "_klass", "_scheduler", "_tag", "ticket")
+    __slots__ = ("_ex", "_held", "_scheduler", "_tag", "klass", "ticket")
 
     def __init__(self, scheduler: PoolScheduler, ex: Exchange, klass: int, tag: object) -> None:
         self._scheduler = scheduler
         self._ex = ex
-        self._klass = klass
+        #: The class (lower: more urgent).
+        self.klass = klass
         self._tag = ex.id if tag is None else tag
         self.ticket: Ticket | None = None
+        #: The exchange holds a release of this slot (from the first `offer`), and still owns it.
+        self._held = False
 
     def offer(self) -> bool:
         """Ask for the slot; True if it was granted at once (the uncontended case), else the ticket is queued
         (`wait`). Raises QueueFull (429)."""
-        scheduler = self._scheduler
-        ticket = self.ticket = scheduler.offer(self._klass, self._tag)
-        self._ex.hold(lambda: scheduler.release(ticket))
-        return ticket.state is TicketState.RUNNING
+        self.ticket = self._scheduler.offer(self.klass, self._tag)
+        if not self._held:
+            self._held = True
+            self._ex.hold(self._release_held)
+        return self.ticket.state is TicketState.RUNNING
 
     async def wait(self, unless: asyncio.Future[None] | None = None) -> bool:
         """Wait for the offered ticket's grant (True), or until `unless` is done first (False: the ticket has
@@ -334,6 +339,18 @@ class Slot:
         """Release the ticket now (idempotent: the exchange's release at the end finds it released)."""
         if self.ticket is not None:
             self._scheduler.release(self.ticket)
+
+    def hand_over(self) -> Callable[[], None]:
+        """The granted slot's release, for whoever holds the engine call from now on (a flight: it runs on for its
+        other clients after its leader left, and the engine call it makes must go on counting against the pool's
+        capacity). The exchange no longer releases it."""
+        assert self.ticket is not None and self.ticket.running
+        self._held = False
+        return functools.partial(self._scheduler.release, self.ticket)
+
+    def _release_held(self) -> None:
+        if self._held:
+            self.give_back()
 
 
 def _stops_so_far(ticket: Ticket) -> int | None:

@@ -91,9 +91,10 @@ class ResultCache:
         ttl_ms: int,
         max_entry_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_stored: Callable[[], None] | None = None,
+        on_stored: Callable[[Fingerprint], None] | None = None,
     ) -> None:
-        """`on_stored` is called after each stored result (the coalescer arms its expiry timer)."""
+        """`on_stored` is called with the key of each stored result (the coalescer wakes those waiting for it and
+        arms its expiry timer)."""
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_entry_bytes = max_bytes if max_entry_bytes is None else min(max_entry_bytes, max_bytes)
@@ -163,7 +164,7 @@ class ResultCache:
             self._drop(oldest)
             self.evictions += 1
         if self._on_stored is not None:
-            self._on_stored()
+            self._on_stored(key)
         return True
 
     def sweep(self) -> int:

@@ -39,6 +39,7 @@ from .flight import Flight, Subscription
 from .flights import Flights
 from .metrics import DedupMetrics
 from .synthesize import events_of
+from .waiting import Waiting
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -55,6 +56,9 @@ CACHE_HEADER = "x-lockgate-cache"
 class Slot(Protocol):
     """A request's place at its pool's scheduler (`admission.gate.Slot`), taken only to lead a flight."""
 
+    #: Its class (lower: more urgent).
+    klass: int
+
     def offer(self) -> bool:
         """Ask for it; True if granted at once, else queued (`wait`)."""
         ...
@@ -64,6 +68,10 @@ class Slot(Protocol):
         ...
 
     def give_back(self) -> None: ...
+
+    def hand_over(self) -> Callable[[], None]:
+        """The granted slot's release, for the flight it now serves."""
+        ...
 
 
 class Coalescer:
@@ -89,16 +97,15 @@ class Coalescer:
             ttl_ms=rc.ttl_ms,
             max_entry_bytes=rc.max_entry_bytes,
             clock=clock,
-            on_stored=self._arm_sweep,
+            on_stored=self._stored,
         )
         self.flights = Flights(fleet, metrics, self.cache, config.flights, clock=clock)
         #: A non-streaming client's answer, assembled from a flight's events, may not be larger than this.
         self.max_response_bytes = config.upstream.max_response_bytes
         self.metrics = DedupMetrics(metrics.registry)
         self.metrics.bind(lambda: len(self.flights), lambda: len(self.cache), lambda: self.cache.nbytes)
-        #: Requests waiting for a slot to lead a flight, by fingerprint: each one's future, done when a flight it may
-        #: join starts (and whether it streams). At most one entry per request in flight.
-        self._awaiting: dict[Fingerprint, dict[asyncio.Future[None], bool]] = {}
+        #: Requests waiting for a slot to lead a flight (`waiting.py`).
+        self.waiting = Waiting()
         #: Semantic caches of the models that configure one (loading the embedding model once).
         self.semantic: dict[str, SemanticCache] = {}
         configured = [m for m in config.models if m.semantic is not None and m.dedup != "off"]
@@ -128,6 +135,11 @@ class Coalescer:
         await self.flights.aclose()
 
     # --- expiry of cached results ----------------------------------------------------------------
+    def _stored(self, key: Fingerprint) -> None:
+        """A result was stored: those waiting to lead a flight for it are served by it; its expiry is timed."""
+        self.waiting.stored(key)
+        self._arm_sweep()
+
     def _arm_sweep(self) -> None:
         """Make sure a timer drops the cache's oldest entry when it expires (one timer at a time)."""
         if self._sweep_timer is not None or self._closed:
@@ -178,13 +190,21 @@ class Coalescer:
                 joined = self._semantic_hit(ex, semantic, probe)
             if joined is not None:
                 return await self._respond(ex, http_request, *joined)
-        while slot is not None and not slot.offer():
-            started = self._await_flight(key, ex.api.stream)
+        while slot is not None:
+            # Behind an identical request queued to lead (`waiting.py`): no ticket of its own.
+            behind = self.waiting.ahead(key, ex.api.stream, slot.klass)
+            if not behind and slot.offer():
+                break
+            woken = self.waiting.add(key, ex.api.stream, None if behind else slot.klass)
             try:
-                granted = await slot.wait(started)
+                granted = False
+                if behind:
+                    await woken
+                else:
+                    granted = await slot.wait(woken)
             finally:
-                self._stop_awaiting(key, started)
-            joined = self._join(ex, key)  # a flight it may join started (or one completed) while it waited
+                self.waiting.remove(key, woken)
+            joined = self._join(ex, key)  # a flight it may join started, or a result was stored, while it waited
             if joined is None and semantic is not None and probe is not None and not semantic.shadow:
                 joined = self._semantic_hit(ex, semantic, probe)
             if joined is not None:
@@ -192,7 +212,7 @@ class Coalescer:
                 return await self._respond(ex, http_request, *joined)
             if granted:
                 break
-            # Woken by a flight that ended before this request could join it: queue again.
+            # Woken, but nothing to join (a flight ended before it could, the request ahead left): look again.
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
         stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
@@ -202,7 +222,9 @@ class Coalescer:
             ex.pool.route_request(ex.api, http_request.headers),
             before_send,
         )
-        self._flight_started(key, stream)
+        if slot is not None:
+            flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
+        self.waiting.flight_started(key, stream)
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
         return await self._respond(ex, http_request, "miss", self._subscribe(ex, flight), None)
@@ -226,30 +248,6 @@ class Coalescer:
         if flight is not None:
             return "coalesced", self._subscribe(ex, flight), None
         return None
-
-    # --- requests waiting for a slot to lead a flight ----------------------------------------------
-    def _await_flight(self, key: Fingerprint, stream: bool) -> asyncio.Future[None]:
-        """A future done when a flight that a (`stream`ing or not) request could join starts for `key`."""
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._awaiting.setdefault(key, {})[started] = stream
-        return started
-
-    def _stop_awaiting(self, key: Fingerprint, started: asyncio.Future[None]) -> None:
-        waiting = self._awaiting.get(key)
-        if waiting is not None:
-            waiting.pop(started, None)
-            if not waiting:
-                del self._awaiting[key]
-
-    def _flight_started(self, key: Fingerprint, stream: bool) -> None:
-        """Wake the requests waiting for a slot that may join this flight (a streaming client only joins a streaming
-        one, `Flights.get`); they leave the scheduler's queue."""
-        waiting = self._awaiting.get(key)
-        if waiting is None:
-            return
-        for started, wants_stream in waiting.items():
-            if (stream or not wants_stream) and not started.done():
-                started.set_result(None)
 
     @staticmethod
     def _replay(ex: Exchange, result: Result) -> _Replay | None:
@@ -291,7 +289,7 @@ class Coalescer:
 
     @staticmethod
     def _headers(ex: Exchange, outcome: str, source: Any) -> dict[str, str]:
-        headers = {"x-request-id": ex.record.client_request_id or ex.id, CACHE_HEADER: outcome}
+        headers = {"x-request-id": ex.record.client_request_id or ex.id, **ex.response_headers, CACHE_HEADER: outcome}
         if isinstance(source, Subscription) and source.flight.served_by is not None:
             # The engine that produced the answer (a cache hit used none).
             headers["x-lockgate-instance"] = ex.record.instance = source.flight.served_by

@@ -166,6 +166,9 @@ class Flight:
         self.task: asyncio.Task[None] | None = None
         #: Called with the result when the flight completes (the semantic cache adds it).
         self.on_completed: Callable[[Result], None] | None = None
+        #: Releases its leader's slot at the pool's scheduler (`Slot.hand_over`) when the flight ends, however it
+        #: ends (`Flights._forget`): its engine call counts against the pool's capacity after its leader left, too.
+        self.release_slot: Callable[[], None] | None = None
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         self._nbytes = 0

@@ -175,6 +175,9 @@ class Flights:
         self._changes.notify()
 
     def _forget(self, flight: Flight) -> None:
+        release_slot, flight.release_slot = flight.release_slot, None
+        if release_slot is not None:
+            release_slot()
         table = self._table(flight)
         if table.get(flight.key.digest) is flight:
             del table[flight.key.digest]
