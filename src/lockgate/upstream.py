@@ -336,6 +336,8 @@ class UpstreamEvents:
                             f"Instance {call.instance.name} sent an event that is not JSON."
                         ) from None
                     if not isinstance(event, dict):
+                        if event is None:
+                            continue  # llama.cpp opens a batched prompt's stream with `data: null`: nothing in it
                         self._index, self._done = index, True
                         raise UpstreamProtocolError(
                             f"Instance {call.instance.name} sent an event that is not a JSON object."

@@ -144,6 +144,20 @@ async def test_text_completion_usage_arrives_as_its_own_chunk(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+async def test_batched_prompts(client):
+    """llama.cpp opens a batched prompt's stream with `data: null` (the gateway streams from it for every client):
+    it answered 502 for every batched prompt."""
+    reply = await client.completions.create(
+        model="smol", prompt=["The sky is", "Grass is"], max_tokens=3, temperature=0
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1] and all(c.text for c in reply.choices)
+    stream = await client.completions.create(
+        model="smol", prompt=["The sky is", "Grass is"], max_tokens=3, temperature=0, stream=True
+    )
+    indexes = {c.index async for chunk in stream for c in chunk.choices}
+    assert indexes == {0, 1}
+
+
 async def test_stream_disconnect_frees_the_slot(client, engine):
     before = await decode_steps(engine.url)
     stream = await long_story(client, stream=True)

@@ -164,3 +164,12 @@ async def test_events_that_came_with_the_first_in_one_read_are_not_lost(start_ga
     writes = [sse_event("a") + sse_event("b") + sse_event("c"), sse_event("d") + b"data: [DONE]\n\n"]
     status, raw, events = await through_gateway(start_gateway, serve_app, writes)
     assert status == 200 and contents(events) == ["a", "b", "c", "d"] and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_null_event_is_skipped(start_gateway, serve_app) -> None:
+    """llama.cpp opens the stream of a batched prompt (`prompt: ["a", "b"]`) with `data: null`: it carries nothing,
+    and the gateway answered 502 "not a JSON object" for every batched prompt sent to llama.cpp."""
+    writes = [b"data: null\n\n", sse_event("first") + sse_event("second"), b"data: [DONE]\n\n"]
+    status, raw, events = await through_gateway(start_gateway, serve_app, writes)
+    assert status == 200 and contents(events) == ["first", "second"] and raw.endswith(b"data: [DONE]\n\n")
+    assert b"null" not in raw.split(b"\n\n")[0]
