@@ -91,13 +91,14 @@ class ClientView:
             return raw[: -len(_NULL_USAGE)] + b"}"
         return None
 
-    def final(self) -> dict[str, Any] | None:
-        """The closing usage chunk, if the client asked for usage and the engine reported it."""
+    def final(self, pieces: int = 0) -> dict[str, Any] | None:
+        """The closing usage chunk, if the client asked for usage and the engine reported it; `pieces`: the chunks
+        with output the client was sent (its completion tokens are no fewer, `_at_least`)."""
         if not self._include_usage or self.usage is None or self._last is None:
             return None
         keys: tuple[str, ...] = ("id", "object", "created", "model", "system_fingerprint")
         head: dict[str, Any] = {k: self._last[k] for k in keys if k in self._last}
-        return {**head, "choices": [], "usage": self.usage}
+        return {**head, "choices": [], "usage": _at_least(self.usage, pieces)}
 
 
 def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -226,7 +226,7 @@ class SSEWriter:
             raise UpstreamProtocolError("The engine sent an empty stream.")
         ex = self._ex
         ex.phase = Phase.FINISHING
-        final = self.view.final()
+        final = self.view.final(self.delivered + self._unconfirmed + self._batch_tokens)
         if final is not None:
             self._batch.append(sse.encode(final))
         self._batch.append(sse.DONE_EVENT)

@@ -158,6 +158,21 @@ async def test_batched_prompts(client):
     assert indexes == {0, 1}
 
 
+async def test_streamed_usage_counts_every_choice(client):
+    """llama.cpp's usage counts one choice's tokens for `n` > 1; the answer whole was fixed, the streamed one not."""
+    request: dict[str, Any] = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "n": 2,
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    whole = await client.chat.completions.create(**request)
+    stream = await client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens == 4
+
+
 async def test_stream_disconnect_frees_the_slot(client, engine):
     before = await decode_steps(engine.url)
     stream = await long_story(client, stream=True)

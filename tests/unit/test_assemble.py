@@ -75,6 +75,17 @@ def test_usage_on_a_finish_chunk_becomes_its_own_final_chunk():
     assert view.final() == {"id": "x", "model": "m", "choices": [], "usage": {"completion_tokens": 1}}
 
 
+def test_the_final_usage_counts_every_choices_tokens() -> None:
+    """llama.cpp reports one choice's tokens for `n` > 1: a streamed client's usage said 2 for two 2-token choices
+    (4 sent), where the same request answered whole said 4 (`assemble`)."""
+    view = ClientView(model="m", include_usage=True)
+    view.event({"id": "x", "choices": [{"index": 0, "text": "a"}]})
+    view.event({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+    final = view.final(pieces=4)
+    assert final is not None and final["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert view.final(pieces=1) == {**final, "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+
 def test_client_view_passes_an_event_that_needs_no_change_through_as_is() -> None:
     """The direct path then writes the engine's own bytes (pass-through): only when the event is exactly what
     the client would get (its model name, no response id imposed, `usage` as the client asked)."""
