@@ -50,12 +50,16 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        final: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
         self.retry_after = retry_after
+        #: Sending the request again cannot help (an operator cancelled it; it asks for more than a limit allows):
+        #: `x-should-retry: false`, which the OpenAI SDKs honour before their own rule (they retry 429 and 5xx).
+        self.final = final
 
     @property
     def http_status(self) -> int:
@@ -75,6 +79,8 @@ class GatewayError(Exception):
         return orjson.dumps(self.body())
 
     def headers(self) -> dict[str, str]:
+        if self.final:
+            return {"x-should-retry": "false"}
         if self.retry_after is None:
             return {}
         return {"Retry-After": str(max(1, round(self.retry_after + 0.4999)))}

@@ -339,8 +339,9 @@ class Exchange:
                 "admin": "The request was cancelled by an administrator.",
                 "shutdown": "The gateway is shutting down; the request was stopped.",
             }.get(reason, f"The request was cancelled ({reason}).")
-            # A request stopped by shutdown may be retried at once on another replica.
-            error = Cancelled(message, retry_after=1 if reason == "shutdown" else None)
+            # A request stopped by shutdown may be retried at once on another replica; one an operator cancelled must
+            # not be sent again by the client's SDK (it retries a 503 twice by default).
+            error = Cancelled(message, retry_after=1 if reason == "shutdown" else None, final=reason == "admin")
             return await self._end_with("cancelled", error, reason=reason)
         except ClientGone:
             self._cancel_detected_at = time.perf_counter()

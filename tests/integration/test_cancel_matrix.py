@@ -169,6 +169,8 @@ async def test_cancel_matrix(phase: str, cause: str, start_sim, start_gateway, h
             if cause == "shutdown":
                 assert "shutting down" in error["message"]
                 assert int(outcome["headers"]["Retry-After"]) >= 1
+            # An operator's cancel is final: the OpenAI SDKs retry a 503 (twice, by default) unless told not to.
+            assert outcome["headers"].get("x-should-retry") == ("false" if cause == "admin" else None)
 
     # One record, with the right status, reason and delivered tokens.
     rows = read_records(str(tmp_path / "usage.sqlite3"))

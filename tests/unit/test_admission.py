@@ -96,6 +96,10 @@ def test_rate_limits_reserve_refund_and_headers() -> None:
     with pytest.raises(RateLimitExceeded) as err:
         limiter.admit(tenant, 601, now=1000.0)
     assert err.value.code == "tokens_exceed_limit"
+    # It can never pass: no time to wait (it said 60 s, and the SDKs slept 60 s twice before failing), and the
+    # SDKs are told not to retry it.
+    headers = err.value.headers()
+    assert "Retry-After" not in headers and headers["x-should-retry"] == "false"
 
 
 def test_concurrency_limit() -> None:

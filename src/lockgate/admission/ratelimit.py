@@ -73,9 +73,16 @@ class RateLimitExceeded(RateLimited):
     """429 with `Retry-After` and the `x-ratelimit-*` headers."""
 
     def __init__(
-        self, reason: str, message: str, *, code: str, retry_after: float, limit_headers: dict[str, str]
+        self,
+        reason: str,
+        message: str,
+        *,
+        code: str,
+        retry_after: float | None,
+        limit_headers: dict[str, str],
     ) -> None:
-        super().__init__(message, code=code, retry_after=retry_after)
+        # No time to wait: the request can never pass (it asks for more than the limit allows at all).
+        super().__init__(message, code=code, retry_after=retry_after, final=retry_after is None)
         #: Which limit: "requests", "tokens" or "concurrency".
         self.reason = reason
         self.limit_headers = limit_headers
@@ -191,7 +198,7 @@ class RateLimiter:
                     f"This request may use {tokens} tokens (prompt + max_tokens), more than tenant "
                     f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens.",
                     code="tokens_exceed_limit",
-                    retry_after=60.0,
+                    retry_after=None,
                 )
             wait = state.tokens.wait_for(tokens)
             if wait > 0:
@@ -223,7 +230,7 @@ class RateLimiter:
         message: str,
         *,
         code: str,
-        retry_after: float,
+        retry_after: float | None,
     ) -> RateLimitExceeded:
         """Count a refusal for `reason` and return the error to raise (with the limit headers as they stand)."""
         state.rejected[reason] = state.rejected.get(reason, 0) + 1
