@@ -194,12 +194,15 @@ class UpstreamProtocolError(UpstreamError):
 class UpstreamStatusError(UpstreamError):
     """The engine answered with an error status; its status and body are passed through."""
 
-    def __init__(self, status: int, body: bytes, content_type: str | None) -> None:
+    def __init__(self, status: int, body: bytes, content_type: str | None, retry_after: str | None = None) -> None:
         message = _message_from_body(body) or f"upstream answered HTTP {status}"
         super().__init__(message, code="upstream_status")
         self.upstream_status = status
         self.upstream_body = body
         self.content_type = content_type
+        #: The engine's `Retry-After` (seconds, or an HTTP date), passed on: behind a rate-limited provider, a client
+        #: that is not told backs off by its SDK's default (0.5-1 s) and hammers it.
+        self.upstream_retry_after = retry_after if retry_after and _header_value(retry_after) else None
         # A 500/502/503 from a broken or overloaded engine (vLLM answers 500 once its engine core died) may succeed
         # elsewhere; a 4xx will not: the engine refused the request itself (its content: too long a prompt, an
         # unsupported parameter), which is not a failure of the service either (`slo/usage.py`).
@@ -209,6 +212,11 @@ class UpstreamStatusError(UpstreamError):
     @property
     def http_status(self) -> int:
         return self.upstream_status
+
+    def headers(self) -> dict[str, str]:
+        if self.upstream_retry_after is None:
+            return super().headers()
+        return {"Retry-After": self.upstream_retry_after}
 
     def body(self) -> dict[str, Any]:
         try:
@@ -224,6 +232,11 @@ class UpstreamStatusError(UpstreamError):
         if body.get("error", {}).get("code") == "upstream_status":
             return orjson.dumps(body)
         return self.upstream_body
+
+
+def _header_value(value: str) -> bool:
+    """A header value safe to send on: short, printable ASCII (no line breaks)."""
+    return len(value) <= 64 and value.isascii() and value.isprintable()
 
 
 def _message_from_body(body: bytes) -> str | None:

@@ -131,7 +131,7 @@ class UpstreamCall:
             finally:
                 self.abort()
             self._fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
-            raise UpstreamStatusError(response.status, body, response.content_type)
+            raise UpstreamStatusError(response.status, body, response.content_type, response.headers.get("retry-after"))
         self._fleet.report_success(instance)
         if instance.published is not None:
             self.served_by = served_by(instance.name, instance.published.node, response.headers)

@@ -144,3 +144,24 @@ def test_only_an_error_is_an_error_event():
     assert stream_error({"object": "error", "message": "m", "code": 503}) == ("m", 503)
     assert stream_error({"error": {"message": "x" * 2000, "code": 400}}) == ("x" * 500, 400)
     assert stream_error({"error": {"code": True}}) == ("the engine reported an error", None)
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_an_engines_retry_after_reaches_the_client(status: int, serve_app: Any, start_gateway: Any) -> None:
+    """An engine (or a hosted provider behind `engine: openai`) that says when to come back: the client is told the
+    same (its SDK otherwise backs off 0.5-1 s and hammers it), with the engine's status and body."""
+    body = {"error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "rate_limited"}}
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response(body, status=status, headers={"Retry-After": "7"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", refuse)
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "openai"}]}]
+    )
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=request) as resp:
+        assert resp.status == status and resp.headers["Retry-After"] == "7"
+        assert orjson.loads(await resp.read()) == body
