@@ -391,3 +391,28 @@ async def test_preemptible_class_answers_carry_rate_limit_headers(start_sim, sta
     assert status == 200
     assert headers["x-ratelimit-limit-requests"] == "5" and headers["x-ratelimit-remaining-requests"] == "4"
     assert headers["x-lockgate-instance"]
+
+
+async def test_a_request_refused_before_any_engine_costs_no_request(start_sim, start_gateway, http):
+    """`requests_per_minute` counts requests that reached an engine (or were served): a full queue's 429 (which an
+    SDK retries twice) used up the tenant's allowance, so a client of a busy gateway was then rate-limited too."""
+    sim, gw, scheduler = await busy_pool(
+        start_sim,
+        start_gateway,
+        scheduling=classes(p1_queue=0),
+        tenants=[{"name": "acme", "keys": [hash_key("sk-acme")], "requests_per_minute": 2}],
+    )
+    auth = {"Authorization": "Bearer sk-acme"}
+    first = asyncio.create_task(post(http, gw.url, chat(1), **auth))
+    await until(scheduler, lambda core: core.running_total == 1)
+    for n in range(3):
+        status, _, raw = await post(http, gw.url, chat(10 + n), **auth)
+        assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_full"
+    sim.control.hold = False
+    sim.release()
+    assert (await first)[0] == 200
+    status, headers, _ = await post(http, gw.url, chat(2), **auth)
+    assert status == 200 and headers["x-ratelimit-remaining-requests"] == "0"
+    status, _, raw = await post(http, gw.url, chat(3), **auth)
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "rate_limit_exceeded"
+    assert_no_leaks(gw)

@@ -487,12 +487,14 @@ class Admission:
         return Slot(self.schedulers[ex.api.model], ex, klass, tag)
 
     def _settle(self, ex: Exchange, reservation: Reservation) -> None:
-        """A request that delivered nothing costs nothing; otherwise prompt + delivered tokens."""
+        """A request that delivered nothing costs no tokens; otherwise prompt + delivered tokens. One that also
+        reached no engine (refused by the scheduler's queue, no healthy instance, cancelled while queued) does not
+        count as a request either: retried by its SDK, a full queue's 429 used up the tenant's requests per minute."""
         record = ex.record
         used = 0
         if record.completion_tokens > 0 or record.status == "completed":
             used = record.completion_tokens + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
-        reservation.settle(used, self._clock())
+        reservation.settle(used, self._clock(), refund_request=not used and record.attempts == 0)
 
     def _watch(self, tenant: Tenant) -> None:
         """Export the tenant's rate-limit state (computed when scraped), once per tenant."""

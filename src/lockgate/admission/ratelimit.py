@@ -113,13 +113,13 @@ class Reservation:
         self.settled = False
         self.used: int | None = None
 
-    def settle(self, used_tokens: int, now: float) -> None:
-        """Give back what the request did not use. Idempotent."""
+    def settle(self, used_tokens: int, now: float, *, refund_request: bool = False) -> None:
+        """Give back what the request did not use (`refund_request`: the request itself too). Idempotent."""
         if self.settled:
             return
         self.settled = True
         self.used = used_tokens
-        self._limiter._settle(self, used_tokens, now)
+        self._limiter._settle(self, used_tokens, now, refund_request)
 
 
 class RateLimiter:
@@ -238,10 +238,14 @@ class RateLimiter:
             reason, message, code=code, retry_after=retry_after, limit_headers=self.headers(tenant, now)
         )
 
-    def _settle(self, reservation: Reservation, used: int, now: float) -> None:
+    def _settle(self, reservation: Reservation, used: int, now: float, refund_request: bool) -> None:
         state = self._states[reservation.tenant.name]  # created by `admit`
         state.in_flight -= 1
         state.reserved_tokens -= reservation.reserved
+        requests = state.requests
+        if refund_request and requests is not None:
+            requests.refill(now)
+            requests.level = min(requests.capacity, requests.level + 1)
         tokens = state.tokens
         if tokens is not None:
             tokens.refill(now)
