@@ -158,6 +158,15 @@ def assemble(
             _fold_logprobs(acc, choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 acc["finish_reason"] = choice["finish_reason"]
+    if chat:
+        for acc in choices.values():
+            message = acc["message"]
+            if message["content"] is None and not message.get("tool_calls") and message.get("refusal") is None:
+                # No text came (llama.cpp holds back a trailing piece of a UTF-8 character while it streams: an answer
+                # of one or two tokens may have none): an empty string, as the engine answers whole, not null, which
+                # OpenAI sends only beside tool calls or a refusal (a client that appends the message to its history
+                # and sends it on was refused "content is required").
+                message["content"] = ""
     if response_id is None:
         # The default is made only when needed (`next()`'s default argument would make one for every call).
         response_id = next((e["id"] for e in events if isinstance(e.get("id"), str)), None) or new_response_id(endpoint)

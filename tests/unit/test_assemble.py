@@ -141,3 +141,16 @@ def test_a_spliced_chunk_is_what_the_view_gives_and_leaves_the_view_the_same():
     assert view.spliced(chunk, orjson.dumps(chunk)) == orjson.dumps({**chunk, "usage": None})
     view = ClientView(model="m", include_usage=False)
     assert view.spliced({**chunk, "usage": None}, orjson.dumps({**chunk, "usage": None})) == orjson.dumps(chunk)
+
+
+def test_a_chat_answer_without_text_has_empty_content() -> None:
+    """llama.cpp, streamed, holds back an incomplete UTF-8 character at the end: a one-token answer can come with no
+    text. Its content was null, which a client that appends the message to its history then sent back and was
+    refused ("content is required"); OpenAI's content is null only beside tool calls or a refusal."""
+    role = {"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    end = {"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    body = assemble(Endpoint.CHAT, [role, end], model="m")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ""}
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tool = {"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}
+    assert assemble(Endpoint.CHAT, [role, tool], model="m")["choices"][0]["message"]["content"] is None
