@@ -190,29 +190,10 @@ class Coalescer:
                 joined = self._semantic_hit(ex, semantic, probe)
             if joined is not None:
                 return await self._respond(ex, http_request, *joined)
-        while slot is not None:
-            # Behind an identical request queued to lead (`waiting.py`): no ticket of its own.
-            behind = self.waiting.ahead(key, ex.api.stream, slot.klass)
-            if not behind and slot.offer():
-                break
-            woken = self.waiting.add(key, ex.api.stream, None if behind else slot.klass)
-            try:
-                granted = False
-                if behind:
-                    await woken
-                else:
-                    granted = await slot.wait(woken)
-            finally:
-                self.waiting.remove(key, woken)
-            joined = self._join(ex, key)  # a flight it may join started, or a result was stored, while it waited
-            if joined is None and semantic is not None and probe is not None and not semantic.shadow:
-                joined = self._semantic_hit(ex, semantic, probe)
+        if slot is not None:
+            joined = await self._wait_to_lead(ex, key, slot, semantic, probe)
             if joined is not None:
-                slot.give_back()
                 return await self._respond(ex, http_request, *joined)
-            if granted:
-                break
-            # Woken, but nothing to join (a flight ended before it could, the request ahead left): look again.
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
         stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
@@ -228,6 +209,35 @@ class Coalescer:
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
         return await self._respond(ex, http_request, "miss", self._subscribe(ex, flight), None)
+
+    async def _wait_to_lead(
+        self, ex: Exchange, key: Fingerprint, slot: Slot, semantic: SemanticCache | None, probe: Probe | None
+    ) -> tuple[str, Any, Result | None] | None:
+        """Take `slot` to lead a flight: None once it is granted, or what serves the request without one if that
+        comes first (`waiting.py`: a flight to join, a result stored), the slot then given back. Waits behind an
+        identical request queued to lead, without a ticket of its own."""
+        while True:
+            behind = self.waiting.ahead(key, ex.api.stream, slot.klass)
+            if not behind and slot.offer():
+                return None
+            woken = self.waiting.add(key, ex.api.stream, None if behind else slot.klass)
+            try:
+                granted = False
+                if behind:
+                    await woken
+                else:
+                    granted = await slot.wait(woken)
+            finally:
+                self.waiting.remove(key, woken)
+            joined = self._join(ex, key)
+            if joined is None and semantic is not None and probe is not None and not semantic.shadow:
+                joined = self._semantic_hit(ex, semantic, probe)
+            if joined is not None:
+                slot.give_back()
+                return joined
+            if granted:
+                return None
+            # Woken, but nothing to join (a flight ended before it could, the request ahead left): look again.
 
     def _semantic_hit(self, ex: Exchange, semantic: SemanticCache, probe: Probe) -> tuple[str, Any, Result] | None:
         """A completed answer to a paraphrase (None also in shadow mode, where a would-be hit is only counted)."""
