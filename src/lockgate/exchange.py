@@ -291,6 +291,8 @@ class Exchange:
         subscription = self._subscription
         return {
             "id": self.id,
+            # The client's own `x-request-id`, if it sent one: how an operator finds a client's request.
+            "client_request_id": self.record.client_request_id,
             "model": self.api.model,
             "tenant": self.record.tenant,
             "instance": self.record.instance or (subscription.instance() if subscription is not None else None),

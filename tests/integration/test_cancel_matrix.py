@@ -56,6 +56,7 @@ async def _trigger(cause: str, ex: Exchange, gw: GatewayServer, http: aiohttp.Cl
         async with http.get(f"{gw.url}/admin/requests") as resp:
             [listed] = (await resp.json())["requests"]
         assert listed["id"] == ex.id and listed["model"] == "m" and listed["instance"]
+        assert listed["client_request_id"] == "client-7"  # how an operator finds a client's request
         assert listed["phase"] == ("streaming" if ex.response is not None else "connecting")
         assert listed["age_ms"] >= 0 and listed["completion_tokens"] >= (3 if ex.response is not None else 0)
         async with http.delete(f"{gw.url}/admin/requests/{ex.id}") as resp:
@@ -87,7 +88,7 @@ async def test_cancel_matrix(phase: str, cause: str, start_sim, start_gateway, h
         sim.control.hold_next = 1
     reader: StreamReader | None = None
     outcome: dict[str, Any] = {}
-    headers = {"x-lockgate-timeout-ms": "60000"}
+    headers = {"x-lockgate-timeout-ms": "60000", "x-request-id": "client-7"}
 
     async def client() -> None:
         nonlocal reader
