@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from lockgate.admission.config import SchedulingConfig, TenantConfig
-from lockgate.admission.gate import PoolScheduler
+from lockgate.admission.gate import PoolScheduler, Slot
 from lockgate.admission.ratelimit import RateLimiter, RateLimitExceeded, duration
 from lockgate.admission.scheduler import ClassSpec, TicketState
 from lockgate.admission.tenants import TenantBook, hash_key
@@ -207,6 +208,105 @@ async def test_a_wait_ended_by_its_other_future_leaves_the_queue() -> None:
     assert third.state is TicketState.RUNNING and not never.done()
     s.release(third)
     assert s.core.running_total == 0 and s.core.queued_total == 0 and s.statistics()["waiters"] == 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Owner:
+    """What a `Slot` needs of its exchange: an id, and `hold` (run at the end, as `Exchange._release` does)."""
+
+    def __init__(self, name: str) -> None:
+        self.id = name
+        self.holds: list[Any] = []
+
+    def hold(self, release: Any) -> None:
+        self.holds.append(release)
+
+
+def clocked(queue_timeout_s: float | None = 10.0) -> tuple[PoolScheduler, _Clock]:
+    clock = _Clock()
+    classes = (ClassSpec("P0", strict=True, max_queue=4), ClassSpec("P1", max_queue=4, queue_timeout_s=queue_timeout_s))
+    return PoolScheduler("m", classes, 1, GatewayMetrics().scheduling, clock=clock), clock
+
+
+async def test_a_request_that_waited_behind_another_keeps_its_place_by_arrival() -> None:
+    """A duplicate waits behind an identical request queued to lead, with no ticket; when that one leaves without
+    a slot, the duplicate queues by its own arrival: ahead of a request that arrived after it (it went to the tail,
+    behind later arrivals, and was shed for them)."""
+    s, clock = clocked()
+    running = s.offer(1)
+    ahead = s.offer(1)
+    clock.now = 1.0
+    behind = Slot(s, _Owner("behind"), 1, None)  # type: ignore[arg-type]
+    woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(behind.wait_behind(woken))
+    await asyncio.sleep(0)
+    clock.now = 2.0
+    later = s.offer(1)
+    s.release(ahead)  # the request ahead leaves: those behind it look again
+    woken.set_result(None)
+    async with asyncio.timeout(30):  # bounds a hang only
+        await waiting
+    assert behind.offer() is False and behind.ticket is not None
+    assert behind.ticket.offered_at == 1.0
+    s.release(running)
+    assert behind.ticket.state is TicketState.RUNNING and later.state is TicketState.QUEUED
+    s.release(behind.ticket)
+    s.release(later)
+    assert s.core.running_total == 0 and s.core.queued_total == 0
+
+
+async def test_a_queue_deadline_counts_from_when_the_request_began_waiting() -> None:
+    """Each duplicate behind the next one got a whole queue deadline of its own after the one ahead timed out: the
+    k-th waited (k + 1) times `queue_timeout_ms`. Waiting behind, then queued, a request's deadline is one."""
+    s, clock = clocked(queue_timeout_s=10.0)
+    running = s.offer(1)
+    behind = Slot(s, _Owner("behind"), 1, None)  # type: ignore[arg-type]
+    clock.now = 1.0
+    woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(behind.wait_behind(woken))
+    await asyncio.sleep(0)
+    clock.now = 11.5  # the request ahead timed out (its own deadline), 10.5 s after this one arrived
+    woken.set_result(None)
+    async with asyncio.timeout(30):
+        await waiting
+    assert behind.offer() is False
+    with pytest.raises(QueueTimeout):
+        async with asyncio.timeout(30):  # bounds a hang only: the deadline has passed
+            await behind.wait()
+    # Behind another for longer than its deadline: it does not wait on.
+    late = Slot(s, _Owner("late"), 1, None)  # type: ignore[arg-type]
+    late._since = 0.0
+    with pytest.raises(QueueTimeout):
+        async with asyncio.timeout(30):
+            await late.wait_behind(asyncio.get_running_loop().create_future())
+    s.release(running)
+    assert s.core.running_total == 0 and s.core.queued_total == 0
+
+
+async def test_a_preempted_request_queued_again_has_no_queue_deadline() -> None:
+    """The class's queue deadline bounds a request's first wait; one preempted and queued again always completes
+    (it got 503 `queue_timeout` after its output so far was thrown away)."""
+    s, _ = clocked(queue_timeout_s=0.0)
+    running = s.offer(1)
+    s.core.set_capacity(0, 0.0)
+    s.core.requeue(running, 0.0)  # preempted: queued again at the head, no slot free now
+    s._waiters[running] = asyncio.get_running_loop().create_future()  # as `_stop` does
+    waiting = asyncio.create_task(s.wait_granted(running))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    s.resize(1, 0)
+    async with asyncio.timeout(30):
+        assert await waiting is True
+    s.release(running)
+    assert s.core.running_total == 0 and s.core.queued_total == 0
 
 
 async def test_queue_deadline() -> None:

@@ -98,15 +98,16 @@ class PoolScheduler:
         self._shed_excess()
         self._changes.notify()
 
-    def offer(self, klass: int, tag: object = None) -> Ticket:
-        """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull."""
+    def offer(self, klass: int, tag: object = None, arrived: float | None = None) -> Ticket:
+        """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull. `arrived`: see
+        `SchedulerCore.offer` (this scheduler's clock)."""
         ticket = Ticket(klass, tag)
         now = self._clock()
         if self.core.grant_at_once(ticket, now):
             self._granted(ticket, now)
             self._changes.notify()
             return ticket
-        offer = self.core.offer(ticket, now)
+        offer = self.core.offer(ticket, now, arrived)
         if ticket.state is TicketState.QUEUED:
             # Only a queued ticket needs a future (the common, uncontended path skips it).
             self._waiters[ticket] = asyncio.get_running_loop().create_future()
@@ -230,6 +231,10 @@ class PoolScheduler:
         self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
         self._metrics.reprefill_tokens.labels(self.model).inc(redo)
 
+    def now(self) -> float:
+        """The scheduler's clock (what tickets' `offered_at` are on)."""
+        return self._clock()
+
     async def wait_granted(self, ticket: Ticket, unless: asyncio.Future[None] | None = None) -> bool:
         """Wait until the ticket holds a slot (True), or until `unless` is done while it does not (False);
         QueueTimeout after its class's queue deadline. On any exit the ticket stays owned by the caller, who
@@ -240,8 +245,13 @@ class PoolScheduler:
         if waiter is None or ticket.state is not TicketState.QUEUED:
             raise RuntimeError(f"{ticket!r} is not waiting")
         spec = self.core.classes[ticket.klass]
+        # The class's queue deadline bounds a request's first wait, counted from when it began waiting; a request
+        # preempted and queued again (`resumed`) always completes: no deadline but its own.
+        limit = spec.queue_timeout_s
+        if limit is not None:
+            limit = None if ticket.resumed else max(0.0, limit - (self._clock() - ticket.offered_at))
         try:
-            async with asyncio.timeout(spec.queue_timeout_s):
+            async with asyncio.timeout(limit):
                 if unless is None:
                     await waiter
                 else:
@@ -252,12 +262,17 @@ class PoolScheduler:
             if ticket.running:  # granted in the same loop iteration
                 return True
             self.release(ticket)
-            self._metrics.rejections.labels("queue_timeout", spec.name).inc()
-            raise QueueTimeout(
-                f"The request waited {spec.queue_timeout_s:g} s in the {spec.name} queue for model "
-                f"'{self.model}' without getting a slot.",
-                retry_after=self.core.retry_after(ticket.klass),
-            ) from None
+            raise self.queue_timeout(ticket.klass) from None
+
+    def queue_timeout(self, klass: int) -> QueueTimeout:
+        """The error of a request of class `klass` that waited its class's whole queue deadline (counted)."""
+        spec = self.core.classes[klass]
+        self._metrics.rejections.labels("queue_timeout", spec.name).inc()
+        return QueueTimeout(
+            f"The request waited {spec.queue_timeout_s:g} s in the {spec.name} queue for model "
+            f"'{self.model}' without getting a slot.",
+            retry_after=self.core.retry_after(klass),
+        )
 
     def release(self, ticket: Ticket) -> None:
         """The owner is done with the ticket (queued or running). Idempotent; never awaits."""
@@ -300,7 +315,7 @@ class Slot:
     is offered (`Exchange.hold`), so it is released however the request ends — unless it is handed over to the
     flight it then leads (`hand_over`), which outlives its leader when others follow it."""
 
-    __slots__ = ("_ex", "_held", "_scheduler", "_tag", "klass", "ticket")
+    __slots__ = ("_ex", "_held", "_scheduler", "_since", "_tag", "klass", "ticket")
 
     def __init__(self, scheduler: PoolScheduler, ex: Exchange, klass: int, tag: object) -> None:
         self._scheduler = scheduler
@@ -311,11 +326,15 @@ class Slot:
         self.ticket: Ticket | None = None
         #: The exchange holds a release of this slot (from the first `offer`), and still owns it.
         self._held = False
+        #: When the request began waiting (the scheduler's clock): its queue deadline counts from then.
+        self._since: float | None = None
 
     def offer(self) -> bool:
         """Ask for the slot; True if it was granted at once (the uncontended case), else the ticket is queued
         (`wait`). Raises QueueFull (429)."""
-        self.ticket = self._scheduler.offer(self.klass, self._tag)
+        self.ticket = self._scheduler.offer(self.klass, self._tag, self._since)
+        if self._since is None:
+            self._since = self.ticket.offered_at
         if not self._held:
             self._held = True
             self._ex.hold(self._release_held)
@@ -329,6 +348,22 @@ class Slot:
         if not granted:
             self.give_back()
         return granted
+
+    async def wait_behind(self, woken: asyncio.Future[None]) -> None:
+        """Wait without a ticket (behind an identical request queued to lead) until `woken` is done, within this
+        request's own queue deadline, counted from when it began waiting: QueueTimeout (503) after it."""
+        scheduler = self._scheduler
+        if self._since is None:
+            self._since = scheduler.now()
+        limit = scheduler.core.classes[self.klass].queue_timeout_s
+        if limit is None:
+            await woken
+            return
+        try:
+            async with asyncio.timeout(max(0.0, limit - (scheduler.now() - self._since))):
+                await woken
+        except TimeoutError:
+            raise scheduler.queue_timeout(self.klass) from None
 
     async def take(self) -> None:
         """`offer`, then `wait` if the ticket was queued."""

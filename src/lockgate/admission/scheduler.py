@@ -207,19 +207,28 @@ class SchedulerCore:
             self._pass[k] = max(self._pass[k], self._vtime)  # rejoin at the current virtual time
         return k
 
-    def offer(self, ticket: Ticket, now: float) -> Offer:
-        """A new request asks for a slot. It is granted now, queued, or rejected (queue full)."""
+    def offer(self, ticket: Ticket, now: float, arrived: float | None = None) -> Offer:
+        """A new request asks for a slot. It is granted now, queued, or rejected (queue full). `arrived`: when the
+        request began waiting, if earlier (it waited behind an identical request that left without a slot): it
+        takes its place in its class's queue by that time, and its queue deadline counts from it."""
         if self.grant_at_once(ticket, now):
             return Offer(admitted=True, queued=False, granted=(ticket,))
         k = self._take(ticket, now)
         queue = self._queues[k]
-        queue.append(ticket)
+        if arrived is None or arrived >= now:
+            queue.append(ticket)
+        else:
+            ticket.offered_at = arrived
+            place = len(queue)
+            while place and queue[place - 1].offered_at > arrived:
+                place -= 1
+            queue.insert(place, ticket)
         ticket.state = TicketState.QUEUED
         granted = tuple(self._dispatch(now))
         if ticket.state is TicketState.RUNNING:
             return Offer(admitted=True, queued=False, granted=granted)
         if len(queue) > self.classes[k].max_queue:
-            queue.pop()  # it is the newest entry: the one just added
+            queue.remove(ticket)  # the request just offered is the one refused (wherever it took its place)
             ticket.state = TicketState.DONE
             self.rejected_total[k] += 1
             return Offer(admitted=False, queued=False, retry_after_s=self.retry_after(k), granted=granted)

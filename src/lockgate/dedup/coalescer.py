@@ -67,6 +67,10 @@ class Slot(Protocol):
         """True once granted; False if `unless` was done first (then no longer queued)."""
         ...
 
+    async def wait_behind(self, woken: asyncio.Future[None]) -> None:
+        """Wait with no ticket until `woken` is done, within the request's own queue deadline."""
+        ...
+
     def give_back(self) -> None: ...
 
     def hand_over(self) -> Callable[[], None]:
@@ -224,7 +228,7 @@ class Coalescer:
             try:
                 granted = False
                 if behind:
-                    await woken
+                    await slot.wait_behind(woken)
                 else:
                     granted = await slot.wait(woken)
             finally:
