@@ -195,6 +195,22 @@ async def test_a_flight_finishing_for_the_cache_keeps_its_slot(start_sim, start_
     assert_nothing_held(gw, scheduler)
 
 
+async def test_a_flight_on_a_stuck_engine_gives_its_slot_back_at_the_models_timeout(start_sim, start_gateway, http):
+    """A flight run on for the cache holds the slot; on an engine that never answers it held it for good (a pool of
+    stuck calls is an outage). It ends at the model's `timeout_ms`, as its clients' requests do."""
+    model = {"cancel_policy": "finish_and_cache", "timeout_ms": 300}
+    sim, gw, scheduler = await one_slot(start_sim, start_gateway, model=model)
+    leader = await slot_taken(sim, gw, http, question="shared")
+    leader.cancel()
+    flights = gw.gateway.dedup.flights
+    await until(flights, lambda: len(flights) == 0)  # the gateway's own timer: 300 ms after the flight started
+    assert scheduler.core.running_total == 0
+    assert gw.gateway.dedup.flights.statistics()["failed"] == 1
+    sim.control.hold = False
+    sim.release()
+    assert_nothing_held(gw, scheduler)
+
+
 async def test_duplicates_of_a_queued_request_wait_behind_it_without_a_place(start_sim, start_gateway, http):
     """Identical requests queued while the slot is taken share one place in the queue: with room for one waiting
     request, the others are not refused `queue_full` (they will cost nothing); one engine call serves them all."""

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..answer import EngineAnswer, EngineReads, read_whole
 from ..assemble import usage_of
-from ..errors import Cancelled, GatewayError, ShuttingDown, UpstreamProtocolError
+from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
 from .cache import Result
 from .fingerprint import Fingerprint
@@ -116,8 +116,12 @@ class Flight:
         max_response_bytes: int,
         max_lag_bytes: int = 1 << 20,
         max_history_bytes: int = 4 << 20,
+        deadline_s: float | None = None,
     ) -> None:
         self.owner = owner
+        #: The model's `timeout_ms`: no client of the flight waits longer, and a flight run on for the cache
+        #: (`finish_and_cache`, every client gone) holds its slot no longer than that on a stuck engine.
+        self.deadline_s = deadline_s
         self.id = flight_id
         self.key = key
         #: The upstream request (the leader's prompt and headers), and how to open its engine call.
@@ -254,22 +258,25 @@ class Flight:
         """The flight's task body: never raises except CancelledError."""
         opened = None
         try:
-            opened = await self._open()
-            if not self.stream:
-                self.body, self._body_bytes = await read_whole(
-                    opened, self.api.endpoint, self.api.model, self.max_response_bytes
-                )
-                self._nbytes = 64 + opened.call.received
+            async with asyncio.timeout(self.deadline_s):
+                opened = await self._open()
+                if not self.stream:
+                    self.body, self._body_bytes = await read_whole(
+                        opened, self.api.endpoint, self.api.model, self.max_response_bytes
+                    )
+                    self._nbytes = 64 + opened.call.received
+                    self._complete()
+                    return
+                # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
+                # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
+                events = opened.events
+                assert events is not None  # a streaming flight's engine call is a stream
+                step = functools.partial(self._step, events)  # called per read: no Python frame of its own
+                while not await events.follow(step):
+                    await self._keep_within_bounds()
                 self._complete()
-                return
-            # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
-            # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
-            events = opened.events
-            assert events is not None  # a streaming flight's engine call is a stream
-            step = functools.partial(self._step, events)  # called per read: no Python frame of its own
-            while not await events.follow(step):
-                await self._keep_within_bounds()
-            self._complete()
+        except TimeoutError:
+            self._fail(DeadlineExceeded("The shared generation exceeded its model's timeout_ms."))
         except GatewayError as exc:
             self._fail(exc)
         except asyncio.CancelledError:

@@ -158,6 +158,7 @@ class Flights:
             max_response_bytes=fleet.upstream.max_response_bytes,
             max_lag_bytes=self._max_lag_bytes,
             max_history_bytes=self._max_history_bytes,
+            deadline_s=pool.config.timeout_ms / 1000 if pool.config.timeout_ms else None,
         )
         table[key.digest] = flight
         self._running.add(flight)
