@@ -211,6 +211,12 @@ class ModelConfig(_Strict):
     #: Off unless set.
     semantic: SemanticConfig | None = None
 
+    @field_validator("dedup", mode="before")
+    @classmethod
+    def _dedup_off(cls, value: object) -> object:
+        # `dedup: off` unquoted is YAML 1.1's false (PyYAML reads it so): it means what it says.
+        return "off" if value is False else value
+
 
 class UpstreamConfig(_Strict):
     connect_timeout_ms: Annotated[int, Field(ge=1)] = 2000
@@ -403,7 +409,7 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(_yaml_error(path, exc)) from None
     try:
@@ -411,6 +417,30 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     except UnsetVariable as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return parse_config(data, str(path))
+
+
+class _UniqueKeys(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML has no type information
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML says keys are unique, and PyYAML keeps
+    the last silently, so a stray `tenants: []` further down a file dropped every tenant key (the gateway then
+    open to anyone) and a second `listen:` replaced the first, with no word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, Any] = {}
+        for key_node, _ in node.value:
+            # Plain keys as written (a merge key `<<` brings keys that the mapping's own may override, as YAML says).
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.get(key_node.value)
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key '{key_node.value}' appears twice in one mapping (first at line {first.line + 1})",
+                    key_node.start_mark,
+                )
+            seen[key_node.value] = key_node.start_mark
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:

@@ -179,3 +179,32 @@ def test_check_config_says_what_the_cluster_section_does():
     (line,) = [line for line in describe_served(config) if line.startswith("cluster")]
     assert line.startswith("cluster 'prod' on etcd http://***@etcd-1:2379: `lockgate serve` discovers")
     assert "node 'gpu-7'" in line and "pw" not in line
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys: a stray `tenants: []` further down dropped every tenant key (the
+    gateway open to anyone, `check-config` saying so as if it were meant), a second `listen:` replaced the first."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(
+        "models:\n  - name: m\n    instances: [{url: 'http://127.0.0.1:1'}]\n"
+        "tenants:\n  - {name: a, keys: ['sha256:" + "a" * 64 + "']}\n"
+        "tenants: []\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"dup.yaml:6:1: .*key 'tenants' appears twice in one mapping \(first at line 4\)"
+    ):
+        load_config(path)
+    # Merge keys still override what they bring in (that is not a key given twice).
+    path.write_text(
+        "base: &base {url: 'http://127.0.0.1:1', max_concurrency: 2}\n"
+        "models:\n  - name: m\n    instances: [{<<: *base, max_concurrency: 4}]\n"
+    )
+    with pytest.raises(ConfigError, match="base"):  # an unknown top-level key, not a duplicate
+        load_config(path)
+
+
+def test_dedup_off_unquoted(tmp_path):
+    """`dedup: off` written as in the README is YAML 1.1's false: it was refused ("got False")."""
+    path = tmp_path / "off.yaml"
+    path.write_text("models:\n  - name: m\n    dedup: off\n    instances: [{url: 'http://127.0.0.1:1'}]\n")
+    assert load_config(path).models[0].dedup == "off"
