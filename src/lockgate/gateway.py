@@ -417,6 +417,10 @@ class Gateway:
     async def _ready(self, request: Request) -> Response:
         if self.draining:
             return json_response({"status": "draining"}, status=503)
+        if not self.fleet.pools:
+            # A central replica that has not learned of any engine yet (etcd not reached, no sidecar published): it
+            # can serve nothing, and a load balancer must not send it traffic.
+            return json_response({"status": "not_ready", "models": []}, status=503)
         not_ready = [name for name, pool in self.fleet.pools.items() if not pool.ready()]
         if not_ready:
             return json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)

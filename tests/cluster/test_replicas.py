@@ -163,3 +163,27 @@ async def test_replicas_agree_share_load_and_coalesce_at_the_sidecar(
     sims[held].release()
     assert await leader == await follower
     assert sum(s.statistics()["requests_started"] for s in sims) == asked + 1
+
+
+async def test_a_central_that_knows_no_engine_is_not_ready(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """A central started before any sidecar published (or before etcd could be reached) serves nothing: `/ready`
+    said 200 (every model it knew of, none, had an instance) and a load balancer sent it traffic to answer 404."""
+    name = unique_cluster("ready")
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))))
+    )
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    async with session.get(central.url + "/ready") as resp:
+        assert resp.status == 503 and (await resp.json()) == {"status": "not_ready", "models": []}
+    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",))))
+    await stack.enter_async_context(
+        GatewayServer(
+            parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), "node-0")), role="sidecar"
+        )
+    )
+    assert central.gateway is not None
+    await central.gateway.fleet.wait_until(lambda f: "m" in f.pools and any(i.routable for i in f.pools["m"].instances))
+    async with session.get(central.url + "/ready") as resp:
+        assert resp.status == 200
