@@ -129,6 +129,20 @@ def test_predicted_ttft_hot_prefix_does_not_attract_everything():
     assert pick(policy, REQ, snap(full, cold)) == "i1"
 
 
+def test_predicted_ttft_never_sends_an_instance_past_its_limit_while_another_has_room():
+    """`max_concurrency` (configured, or the engine's discovered slots) is a ceiling: an outside run saw an instance of
+    2 run 4 requests sharing its cached prefix while its neighbour ran none (waiting for a slot there was priced below
+    a cold prefill). Past the limit the queue is inside the engine, out of reach of priorities and preemption."""
+    policy = PredictedTTFT()
+    rate = 10_000.0
+    warm = view(0, cached_tokens=990, in_flight=2, max_concurrency=2, prefill_tps=rate, cache_room=5000, decode_s=0.1)
+    cold = view(1, prefill_tps=rate, cache_room=5000, max_concurrency=2)
+    assert predict_ttft(warm, REQ, rate) < predict_ttft(cold, REQ, rate)  # cheaper, by the estimate
+    assert pick(policy, REQ, snap(warm, cold)) == "i1"
+    # Every instance full (the pool's admission makes it rare): the estimate decides again.
+    assert pick(policy, REQ, snap(warm, replace(cold, in_flight=2))) == "i0"
+
+
 def test_predicted_ttft_uses_each_instances_measured_prefill_rate():
     policy = PredictedTTFT()
     fast, slow = view(0, prefill_tps=20_000), view(1, prefill_tps=2_000)
