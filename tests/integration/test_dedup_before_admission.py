@@ -30,7 +30,7 @@ def text(raw: bytes, stream: bool) -> str:
     if not stream:
         content: str = orjson.loads(raw)["choices"][0]["message"]["content"]
         return content
-    parts = []
+    parts: list[str] = []
     for line in raw.split(b"\n\n"):
         if line.startswith(b"data: {"):
             parts.extend(c["delta"].get("content") or "" for c in orjson.loads(line[6:])["choices"])
