@@ -41,6 +41,7 @@ COMPILED = [
     "src/lockgate/changes.py",
     "src/lockgate/dedup/flight.py",
     "src/lockgate/dedup/flights.py",
+    "src/lockgate/dedup/waiting.py",
     "src/lockgate/dedup/cache.py",
     "src/lockgate/dedup/fingerprint.py",
 ]

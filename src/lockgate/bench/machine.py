@@ -43,6 +43,7 @@ HOT_MODULES = (
     "lockgate.changes",
     "lockgate.dedup.flight",
     "lockgate.dedup.flights",
+    "lockgate.dedup.waiting",
     "lockgate.dedup.cache",
     "lockgate.dedup.fingerprint",
 )

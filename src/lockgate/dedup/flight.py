@@ -175,6 +175,8 @@ class Flight:
         self.release_slot: Callable[[], None] | None = None
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
+        #: The engine call once opened (closed when the flight's task ends).
+        self._opened: EngineAnswer | None = None
         self._nbytes = 0
         #: A JSON flight's body as the engine sent it (None: assembled from a stream), packed as its result.
         self._body_bytes: bytes | None = None
@@ -256,25 +258,12 @@ class Flight:
     # --- the engine call (owned by the flight's task) -------------------------------------------
     async def run(self) -> None:
         """The flight's task body: never raises except CancelledError."""
-        opened = None
         try:
-            async with asyncio.timeout(self.deadline_s):
-                opened = await self._open()
-                if not self.stream:
-                    self.body, self._body_bytes = await read_whole(
-                        opened, self.api.endpoint, self.api.model, self.max_response_bytes
-                    )
-                    self._nbytes = 64 + opened.call.received
-                    self._complete()
-                    return
-                # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
-                # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
-                events = opened.events
-                assert events is not None  # a streaming flight's engine call is a stream
-                step = functools.partial(self._step, events)  # called per read: no Python frame of its own
-                while not await events.follow(step):
-                    await self._keep_within_bounds()
-                self._complete()
+            if self.deadline_s is None:
+                await self._relay()
+            else:
+                async with asyncio.timeout(self.deadline_s):
+                    await self._relay()
         except TimeoutError:
             self._fail(DeadlineExceeded("The shared generation exceeded its model's timeout_ms."))
         except GatewayError as exc:
@@ -287,9 +276,29 @@ class Flight:
             log.exception("flight %s failed", self.id)
             self._fail(GatewayError(f"Internal error in the gateway: {exc.__class__.__name__}"))
         finally:
+            opened, self._opened = self._opened, None
             if opened is not None:
                 opened.close()  # synchronous: no await in a `finally` (see setup.py)
             self._release()
+
+    async def _relay(self) -> None:
+        """Open the engine call and keep what it sends until its end (`run` decides how the flight ends)."""
+        opened = self._opened = await self._open()
+        if not self.stream:
+            self.body, self._body_bytes = await read_whole(
+                opened, self.api.endpoint, self.api.model, self.max_response_bytes
+            )
+            self._nbytes = 64 + opened.call.received
+            self._complete()
+            return
+        # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
+        # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
+        events = opened.events
+        assert events is not None  # a streaming flight's engine call is a stream
+        step = functools.partial(self._step, events)  # called per read: no Python frame of its own
+        while not await events.follow(step):
+            await self._keep_within_bounds()
+        self._complete()
 
     def _step(self, stream: EngineReads) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
