@@ -10,7 +10,8 @@ once however the request ends — including while it is still queued:
 2. `Slot.take`, only for a request about to call an engine (not for a cached result or a flight's joiner):
    a `Ticket` from the model's `PoolScheduler`: granted at once, queued, or refused (429 QueueFull); a
    queued ticket waits on a future that the scheduler resolves when the sync core grants it (or, for a
-   request waiting to lead a flight, until an identical flight it can join starts: `Slot.wait(unless)`).
+   request waiting to lead a flight, until something serves it without a slot: `Slot.wait(unless)`,
+   `dedup/waiting.py`). A flight's leader hands its slot over to the flight (`Slot.hand_over`).
 
 Nothing polls and no state is read before an `await` and written after it: every decision is one
 synchronous call into `SchedulerCore` / `RateLimiter`. The race "granted just as the waiter is
