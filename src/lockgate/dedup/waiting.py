@@ -10,8 +10,9 @@ waits, it is woken to look again when:
 
 An identical request arriving while another is already queued to lead — of the same class or a more urgent one,
 whose flight it could join — waits behind that one without a ticket of its own: duplicates then take one place in
-the queue, not one each (nor a 429 `queue_full` for places that would have cost nothing). Its wait is bounded by the
-one ahead's queue deadline, then its own.
+the queue, not one each (nor a 429 `queue_full` for places that would have cost nothing). Its wait is bounded by its
+own queue deadline, counted from its arrival (`Slot.wait_behind`); if the one ahead leaves without leading, it queues
+in the scheduler by its arrival time, not behind those that came after it.
 
 Every entry belongs to one request, which removes it in its own `finally`: at most one entry per request in flight.
 """
