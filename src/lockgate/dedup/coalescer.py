@@ -175,13 +175,13 @@ class Coalescer:
         ex: Exchange,
         http_request: Request,
         key: Fingerprint,
-        slot: Slot | None = None,
+        slot: Slot,
         before_send: Callable[[Lease, bool], None] | None = None,
     ) -> Reply:
         """Serve `ex` from a cached result, a flight in progress, the semantic cache, or else a new flight that it
-        leads: only then does it take `slot` (its place at the scheduler; None: admitted already), and `before_send`
-        goes with the flight's engine calls (see `attempt.open_attempts`). While it waits for the slot, a flight it
-        could join may start (an identical request admitted first): it joins that instead of waiting on."""
+        leads: only then does it take `slot` (its place at the scheduler, handed over to the flight), and
+        `before_send` goes with the flight's engine calls (see `attempt.open_attempts`). While it waits for the slot,
+        something may serve it without one (`_wait_to_lead`)."""
         joined = self._join(ex, key)
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
@@ -194,10 +194,9 @@ class Coalescer:
                 joined = self._semantic_hit(ex, semantic, probe)
             if joined is not None:
                 return await self._respond(ex, http_request, *joined)
-        if slot is not None:
-            joined = await self._wait_to_lead(ex, key, slot, semantic, probe)
-            if joined is not None:
-                return await self._respond(ex, http_request, *joined)
+        joined = await self._wait_to_lead(ex, key, slot, semantic, probe)
+        if joined is not None:
+            return await self._respond(ex, http_request, *joined)
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
         stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
@@ -207,8 +206,7 @@ class Coalescer:
             ex.pool.route_request(ex.api, http_request.headers),
             before_send,
         )
-        if slot is not None:
-            flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
+        flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
         self.waiting.flight_started(key, stream)
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)
