@@ -245,12 +245,8 @@ class PoolScheduler:
         waiter = self._waiters.get(ticket)
         if waiter is None or ticket.state is not TicketState.QUEUED:
             raise RuntimeError(f"{ticket!r} is not waiting")
-        spec = self.core.classes[ticket.klass]
-        # The class's queue deadline bounds a request's first wait, counted from when it began waiting; a request
-        # preempted and queued again (`resumed`) always completes: no deadline but its own.
-        limit = spec.queue_timeout_s
-        if limit is not None:
-            limit = None if ticket.resumed else max(0.0, limit - (self._clock() - ticket.offered_at))
+        # A request preempted and queued again (`resumed`) always completes: no deadline but its own.
+        limit = None if ticket.resumed else self.queue_time_left(ticket.klass, ticket.offered_at)
         try:
             async with asyncio.timeout(limit):
                 if unless is None:
@@ -264,6 +260,13 @@ class PoolScheduler:
                 return True
             self.release(ticket)
             raise self.queue_timeout(ticket.klass) from None
+
+    def queue_time_left(self, klass: int, since: float) -> float | None:
+        """Seconds left of class `klass`'s queue deadline for a request that began waiting at `since` (this
+        scheduler's clock; in the queue or behind an identical request): it bounds a request's first wait as a
+        whole. None: the class has none."""
+        limit = self.core.classes[klass].queue_timeout_s
+        return None if limit is None else max(0.0, limit - (self._clock() - since))
 
     def queue_timeout(self, klass: int) -> QueueTimeout:
         """The error of a request of class `klass` that waited its class's whole queue deadline (counted)."""
@@ -356,12 +359,8 @@ class Slot:
         scheduler = self._scheduler
         if self._since is None:
             self._since = scheduler.now()
-        limit = scheduler.core.classes[self.klass].queue_timeout_s
-        if limit is None:
-            await woken
-            return
         try:
-            async with asyncio.timeout(max(0.0, limit - (scheduler.now() - self._since))):
+            async with asyncio.timeout(scheduler.queue_time_left(self.klass, self._since)):
                 await woken
         except TimeoutError:
             raise scheduler.queue_timeout(self.klass) from None
