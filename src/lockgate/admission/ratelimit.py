@@ -49,6 +49,11 @@ class Bucket:
             self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
         self.stamp = max(self.stamp, now)
 
+    def give_back(self, amount: float, now: float) -> None:
+        """Return `amount` (negative: take more, a debt refilled later), never above the capacity."""
+        self.refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
     def wait_for(self, amount: float) -> float:
         """Seconds until `amount` is available (0 if it is); call after `refill`."""
         missing = amount - self.level
@@ -242,15 +247,11 @@ class RateLimiter:
         state = self._states[reservation.tenant.name]  # created by `admit`
         state.in_flight -= 1
         state.reserved_tokens -= reservation.reserved
-        requests = state.requests
-        if refund_request and requests is not None:
-            requests.refill(now)
-            requests.level = min(requests.capacity, requests.level + 1)
-        tokens = state.tokens
-        if tokens is not None:
-            tokens.refill(now)
+        if refund_request and state.requests is not None:
+            state.requests.give_back(1, now)
+        if state.tokens is not None:
             # Refund the unused part; charge the excess if the estimate was low (a debt, refilled later).
-            tokens.level = min(tokens.capacity, tokens.level + reservation.reserved - used)
+            state.tokens.give_back(reservation.reserved - used, now)
 
     def reconfigure(self, tenants: Iterable[Tenant], now: float) -> None:
         """New limits for the tenants named: each bucket keeps its level (capped by its new capacity);

@@ -88,9 +88,8 @@ class Waiting:
                 _wake(woken)
 
     def stored(self, key: Fingerprint) -> None:
-        """A result for `key` was stored: it serves every request waiting for one (streaming or not)."""
-        for woken in self._by_key.get(key, {}):
-            _wake(woken)
+        """A result for `key` was stored: it serves every request waiting for one, as a streaming flight would."""
+        self.flight_started(key, stream=True)
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
