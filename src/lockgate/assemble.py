@@ -113,12 +113,14 @@ def has_content(event: dict[str, Any]) -> bool:
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        if choice.get("text"):
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+        if choice.get("text") or _delta_output(choice.get("delta")):
             return True
     return False
+
+
+def _delta_output(delta: Any) -> bool:
+    """Whether a chat chunk's delta carries output (text or a tool call's piece): a token at least."""
+    return isinstance(delta, dict) and bool(delta.get("content") or delta.get("tool_calls"))
 
 
 def assemble(
@@ -151,7 +153,7 @@ def assemble(
             if chat:
                 delta = choice.get("delta")
                 _fold_delta(acc["message"], delta)
-                pieces += isinstance(delta, dict) and bool(delta.get("content") or delta.get("tool_calls"))
+                pieces += _delta_output(delta)
             elif isinstance(choice.get("text"), str):
                 acc["text"] += choice["text"]
                 pieces += bool(choice["text"])
