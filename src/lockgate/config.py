@@ -60,9 +60,12 @@ class LimitsConfig(_Strict):
     header_timeout_ms: Annotated[int, Field(ge=100)] = 30_000
     #: ... and this long to send a whole body after its headers (a body trickled a byte at a time): 408.
     body_timeout_ms: Annotated[int, Field(ge=100)] = 60_000
-    #: Client connections open at once; one more is answered 503 and closed. With `max_body_bytes` it bounds
-    #: what clients can make the gateway hold (request bodies being read).
+    #: Client connections open at once; one more is answered 503 and closed.
     max_connections: Annotated[int, Field(ge=1)] = 8192
+    #: Bytes of request bodies the gateway holds at once: being received, or received and not yet answered (queued,
+    #: routed, in an engine call). A body that would take them past it is answered 503 (whatever the number of
+    #: clients: what they can make the gateway hold). At least `max_body_bytes` (one largest body always fits).
+    max_held_body_bytes: Annotated[int, Field(ge=1024)] = 512 * 1024 * 1024
     #: A client that leaves the gateway's send buffer toward it full for this long (it stopped reading) is
     #: treated as gone: its connection is closed and its engine request aborted.
     write_timeout_ms: Annotated[int, Field(ge=100)] = 60_000

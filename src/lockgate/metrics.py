@@ -292,6 +292,16 @@ class GatewayMetrics:
             "Client connections answered 503 and closed because limits.max_connections were open.",
             r,
         )
+        self.request_body_bytes_held = Gauge(
+            "lockgate_request_body_bytes_held",
+            "Bytes of request bodies being received or held by requests not yet answered (limits.max_held_body_bytes).",
+            registry=r,
+        )
+        self.request_bodies_refused = ReadCounter(
+            "lockgate_request_bodies_refused",
+            "Requests answered 503: their body would have taken the held bodies past limits.max_held_body_bytes.",
+            r,
+        )
         self.upstream_calls_in_flight = Family(
             Gauge("lockgate_upstream_calls_in_flight", "Engine calls open.", ["instance"], registry=r)
         )

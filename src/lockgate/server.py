@@ -143,12 +143,15 @@ class GatewayServer:
             write_timeout_s=limits.write_timeout_ms / 1000,
             body_timeout_s=limits.body_timeout_ms / 1000,
             max_connections=limits.max_connections,
+            max_held_body_bytes=max(limits.max_held_body_bytes, limits.max_body_bytes),
             error_body=Gateway.edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
         )
         http, metrics = self._http, self.gateway.metrics
         metrics.client_connections.set_function(lambda: http.connections)
         metrics.client_connections_refused.read = lambda: http.refused_connections
+        metrics.request_body_bytes_held.set_function(lambda: http.held_body_bytes)
+        metrics.request_bodies_refused.read = lambda: http.refused_bodies
         listen = config.listen
         where = listen.unix or f"{self._host}:{self._port}"
         try:

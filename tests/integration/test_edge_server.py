@@ -42,6 +42,7 @@ async def serving(handler: Handler, **kwargs: Any) -> AsyncIterator[HttpServer]:
         await server.shutdown(1.0)
         assert server.connections == 0
         assert server.requests_in_progress == 0
+        assert server.held_body_bytes == 0  # every body given back
 
 
 @contextlib.asynccontextmanager
@@ -738,6 +739,51 @@ async def test_a_connection_over_max_connections_is_answered_503_and_closed() ->
         assert server.refused_connections == 1
         writer.write(http())
         assert (await read_response(reader)).status == 200  # the open one is served as before
+
+
+async def test_bodies_past_max_held_body_bytes_are_answered_503_whatever_the_clients() -> None:
+    """The bodies held at once (being read, or read and not yet answered) are bounded for the whole server: a body
+    that would take them past `max_held_body_bytes` is refused, by its declared length before it is read, or at the
+    chunk that does not fit; bytes are given back when a request is answered."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def holding(request: Request) -> Response:
+        entered.set()
+        await release.wait()
+        return json_response({"size": len(request.body)})
+
+    async with (
+        serving(holding, max_body_bytes=1000, max_held_body_bytes=1500) as server,
+        connect(server) as (reader, writer),
+    ):
+        writer.write(http("POST", body=b"a" * 1000))
+        await entered.wait()
+        assert server.held_body_bytes == 1000  # held while its request is being served
+        async with connect(server) as (reader2, writer2):
+            writer2.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n")
+            error = await expect_error(reader2, 503)
+            assert "max_held_body_bytes" in error["message"]
+        async with connect(server) as (reader3, writer3):
+            writer3.write(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer3.write((b"12c\r\n" + b"b" * 300 + b"\r\n") * 2)
+            await expect_error(reader3, 503)
+        assert server.refused_bodies == 2
+        release.set()
+        answered = await read_response(reader)
+        assert answered.status == 200 and orjson.loads(answered.body) == {"size": 1000}
+        writer.write(http("POST", body=b"c" * 1000))  # the first body was given back: another fits
+        assert orjson.loads((await read_response(reader)).body) == {"size": 1000}
+
+
+async def test_a_body_being_read_is_given_back_when_its_client_leaves() -> None:
+    calls: list[Request] = []
+    server = HttpServer(never_called(calls), max_body_bytes=1024)
+    conn = Connection(server, asyncio.get_running_loop())
+    conn.connection_made(FakeTransport())
+    conn.data_received(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n" + b"x" * 40)
+    assert server.held_body_bytes == 40
+    conn.connection_lost(None)
+    assert server.held_body_bytes == 0 and calls == []
 
 
 async def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout() -> None:

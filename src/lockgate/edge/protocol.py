@@ -60,6 +60,7 @@ class Connection(asyncio.Protocol):
         "_drain_waiter",
         "_expect_pending",
         "_header_bytes_raw",
+        "_held",
         "_in_headers",
         "_in_message",
         "_lingering",
@@ -102,6 +103,8 @@ class Connection(asyncio.Protocol):
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
+        #: Bytes of this connection's request bodies counted on the server's held bodies (`_hold`).
+        self._held = 0
         self._header_bytes_raw = 0  # bytes received while in the header phase, in earlier reads
         self._read_size = 0  # of the read being parsed
         self._in_headers = False
@@ -162,6 +165,9 @@ class Connection(asyncio.Protocol):
                 self._task = None
                 self._server._requests_in_progress -= 1
         self._pipeline.clear()
+        if self._held:
+            self._server._held_body_bytes -= self._held
+            self._held = 0
         if self._unsent:
             self._tell_sent(False)
         waiter = self._drain_waiter
@@ -274,6 +280,8 @@ class Connection(asyncio.Protocol):
                 raise self._rejecting(400, "Invalid Content-Length.") from None
             if content_length > server._max_body_bytes:
                 raise self._rejecting(413, f"The request body is larger than {server._max_body_bytes} bytes.")
+            if server._held_body_bytes + content_length > server._max_held_body_bytes:
+                raise self._refusing_body()
         try:
             raw_path, path, query = split_target(url)
         except httptools.HttpParserError:
@@ -296,9 +304,15 @@ class Connection(asyncio.Protocol):
                 self._expect_pending = True  # answered when the request in progress is done
 
     def on_body(self, chunk: bytes) -> None:
-        self._body_size += len(chunk)
-        if self._body_size > self._server._max_body_bytes:
-            raise self._rejecting(413, f"The request body is larger than {self._server._max_body_bytes} bytes.")
+        size = len(chunk)
+        self._body_size += size
+        server = self._server
+        if self._body_size > server._max_body_bytes:
+            raise self._rejecting(413, f"The request body is larger than {server._max_body_bytes} bytes.")
+        if server._held_body_bytes + size > server._max_held_body_bytes:
+            raise self._refusing_body()
+        server._held_body_bytes += size
+        self._held += size
         self._body.append(chunk)
         if self._task is None:
             # Usually later than the deadline armed: stored only (the timer re-arms itself); earlier once the body
@@ -326,6 +340,13 @@ class Connection(asyncio.Protocol):
             if not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pause_reading()
+
+    def _refusing_body(self) -> _Reject:
+        """503 for a body that would take the server's held bodies past `max_held_body_bytes`."""
+        self._server.refused_bodies += 1
+        return self._rejecting(
+            503, "The gateway holds as many request bodies as it may; try again shortly (limits.max_held_body_bytes)."
+        )
 
     def _rejecting(self, status: int, message: str) -> _Reject:
         self._reject = _Reject(status, message)
@@ -370,6 +391,10 @@ class Connection(asyncio.Protocol):
                 # Never written (the client left first, or writing it failed): the client has none of it.
                 on_sent, response.on_sent = response.on_sent, None
                 self._call_on_sent(on_sent, False)
+            size = len(request.body)
+            if size and not self.lost:  # (a lost connection gave back everything it held)
+                self._held -= size
+                self._server._held_body_bytes -= size
             self._request_done()
 
     async def _finish_other(self, response: Response | StreamResponse, request: Request) -> None:

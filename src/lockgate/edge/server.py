@@ -6,14 +6,15 @@ One `Connection` (`protocol.py`) per accepted socket. Bytes go straight into the
 request (URL, a list of raw header pairs, body chunks). A connection is always in one of these states:
 
 - **refused**: accepted while `max_connections` were open already: answered 503 at once and closed (lingering).
-  With `max_body_bytes`, this bounds what clients can make the server hold while they send slowly.
 - **idle**: no request in progress, no bytes of the next one. Deadline: `keepalive_timeout_s` (for a new
   connection: `header_timeout_s`). When it passes, the connection is closed.
 - **reading**: a request has begun and is incomplete. Deadline: `header_timeout_s` until the headers are
   complete, then `header_timeout_s` from each body chunk (a stalled body), and the whole body within
   `body_timeout_s` of its headers (a body trickled a byte at a time). A deadline passed while reading is answered
   408 (lingering). Limits are checked here: headers
-  over `max_header_bytes` -> 431, a `Content-Length` or a chunked body over `max_body_bytes` -> 413,
+  over `max_header_bytes` -> 431, a `Content-Length` or a chunked body over `max_body_bytes` -> 413, a body
+  that would take the bytes of bodies held by the whole server (being read, or read and not yet answered) past
+  `max_held_body_bytes` -> 503 (the server's bound on what clients can make it hold: see below),
   malformed input or an Upgrade -> 400. `Expect: 100-continue` is answered when the headers are complete.
 - **busy**: the message is complete and one `asyncio.Task` runs the handler on it. No deadline, except while a
   response waits for the client to take what was written (the transport paused writing): if writing stays
@@ -38,6 +39,10 @@ Who closes what: the connection closes itself after a response that said `Connec
 HTTP/1.0 without keep-alive, shutdown in progress, a streamed body to an HTTP/1.0 client), after an error it
 produced itself (lingering), and on a deadline. `HttpServer.shutdown` stops listening, closes idle connections,
 lets busy ones finish (their responses say `Connection: close`) and aborts what is left at its timeout.
+
+What a connection holds: the body being read and the bodies of its requests not yet answered (the one in progress,
+one pipelined). Their bytes count on the server from the first body byte until the request's handler has ended (or
+the connection is lost), so the bodies held at once are bounded by `max_held_body_bytes` however many clients send.
 
 Headers: names are lower-cased; a repeated header's values are joined with ", " (RFC 9110 list semantics).
 """
@@ -87,6 +92,7 @@ class HttpServer:
         write_timeout_s: float = 60.0,
         body_timeout_s: float = 60.0,
         max_connections: int = 8192,
+        max_held_body_bytes: int = 512 * 1024 * 1024,
         error_body: Callable[[int, str], bytes] | None = None,
         error_headers: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
@@ -100,6 +106,11 @@ class HttpServer:
         self._write_timeout_s = write_timeout_s
         self._body_timeout_s = body_timeout_s
         self._max_connections = max_connections
+        self._max_held_body_bytes = max_held_body_bytes
+        #: Bytes of request bodies held: being received, or received and not yet answered (`max_held_body_bytes`).
+        self._held_body_bytes = 0
+        #: Requests answered 503 because their body would have taken the held bodies past `max_held_body_bytes`.
+        self.refused_bodies = 0
         #: Connections refused because `max_connections` were open.
         self.refused_connections = 0
         self._error_body = error_body or default_error_body
@@ -115,6 +126,11 @@ class HttpServer:
     @property
     def requests_in_progress(self) -> int:
         return self._requests_in_progress
+
+    @property
+    def held_body_bytes(self) -> int:
+        """Bytes of request bodies being received or held by requests not yet answered."""
+        return self._held_body_bytes
 
     @property
     def connections(self) -> int:
