@@ -178,6 +178,23 @@ def test_every_policy_skips_unhealthy_and_excluded(name):
     assert policy.choose(replace(REQ, exclude=frozenset({"i1", "i2"})), s) is None
 
 
+@pytest.mark.parametrize(
+    "name", ["round_robin", "least_load", "power_of_two", "consistent_hash", "score", "cache_aware", "predicted_ttft"]
+)
+def test_every_policy_keeps_an_instance_at_its_limit_while_another_has_room(name):
+    """An instance's `max_concurrency` is a ceiling for every policy, not only the default: round-robin, power of two,
+    score and a session's ring home sent requests past it while a neighbour had free slots (queued inside the
+    engine, out of the gateway's priorities). Past it only when every instance is at its limit."""
+    policy = make_policy(name)
+    # The full one looks best to each policy's own measure: a cached prefix, an empty engine queue, a fast TTFT.
+    full = view(0, in_flight=2, max_concurrency=2, cached_tokens=1000, ttft_s=0.01, prefill_tps=50_000.0)
+    roomy = view(1, in_flight=3, max_concurrency=8, waiting=4, ttft_s=0.5, prefill_tps=1_000.0)
+    sessions = [replace(REQ, affinity_key=f"user-{u}") for u in range(20)]
+    assert {pick(policy, request, snap(full, roomy)) for request in sessions} == {"i1"}
+    everyone_full = snap(full, replace(roomy, in_flight=8))
+    assert {pick(policy, request, everyone_full) for request in sessions} <= {"i0", "i1"}  # still routed
+
+
 def test_config_accepts_old_and_new_routing_forms():
     base = {"instances": [{"url": "http://127.0.0.1:1"}]}
     old = parse_config({"models": [{"name": "a", "routing": "least_load", **base}]})

@@ -64,8 +64,10 @@ class ConsistentHash:
         by_key = {o.key: o for o in options}
         total = sum(o.in_flight for o in options)
         bound = math.ceil(self._options.load_factor * (total + 1) / len(options))
+        # An instance's limit is a ceiling too (`with_room`): past it, the session spills to the next on the ring.
+        room = any(o.in_flight < o.max_concurrency for o in options)
         for key in self._ring_for(snapshot).walk(request.affinity_key):
             view = by_key.get(key)
-            if view is not None and view.in_flight < bound:
+            if view is not None and view.in_flight < bound and (view.in_flight < view.max_concurrency or not room):
                 return view
-        return self._fallback.choose(request, snapshot)  # pragma: no cover - the bound always admits one
+        return self._fallback.choose(request, snapshot)  # none under both the bound and its limit: the least loaded

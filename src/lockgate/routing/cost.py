@@ -50,7 +50,7 @@ the prefill another instance would need, traffic moves, and that instance caches
 from __future__ import annotations
 
 from .config import CacheAwareOptions, PredictedTTFTOptions, ScoreWeights
-from .policies import InstanceView, PoolSnapshot, RouteRequest, _Cursor, candidates, lowest
+from .policies import InstanceView, PoolSnapshot, RouteRequest, _Cursor, candidates, lowest, with_room
 
 
 def relaxed(measured: float, peers: float, age_s: float, half_life_s: float) -> float:
@@ -118,11 +118,9 @@ class PredictedTTFT:
             return None
         rate = _mean_measured([o.prefill_tps for o in options]) or self._default_tps
         tpot = _mean_measured([o.tpot_s for o in options])
-        # An instance's concurrency limit is a ceiling (configured, or the engine's discovered slots): past it the
-        # request would queue inside the engine, out of reach of the gateway's priorities. A cached prefix made
-        # waiting there look cheaper than a cold prefill next door, and an instance of 2 ran 4 while its neighbour
-        # ran none. Over the limit only when every candidate is (the pool's admission keeps that rare).
-        options = [o for o in options if o.in_flight < o.max_concurrency] or options
+        # The limit is a ceiling (`with_room`): a cached prefix made waiting there look cheaper than a cold prefill
+        # next door, and an instance of 2 ran 4 while its neighbour ran none.
+        options = with_room(options)
         reuse = snapshot.reuse
         costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse) for o in options]
         # Equal predictions (an idle fleet, a prompt cached nowhere), or as good as equal (`near_tie`): the
@@ -144,7 +142,7 @@ class Score:
         self._cursor = _Cursor()
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
-        options = candidates(request, snapshot)
+        options = with_room(candidates(request, snapshot))
         if not options:
             return None
         w = self._w

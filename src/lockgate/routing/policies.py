@@ -104,6 +104,14 @@ def candidates(request: RouteRequest, snapshot: PoolSnapshot) -> list[InstanceVi
     return [i for i in snapshot.instances if i.healthy and i.key not in request.exclude]
 
 
+def with_room(options: list[InstanceView]) -> list[InstanceView]:
+    """The candidates below their concurrency limit, or all of them when none is. An instance's limit (configured,
+    or the engine's discovered slots) is a ceiling: past it a request queues inside the engine, out of reach of the
+    gateway's priorities, while another instance may have a free slot. Over it only when every candidate is (the
+    pool's admission keeps that rare)."""
+    return [o for o in options if o.in_flight < o.max_concurrency] or options
+
+
 class _Cursor:
     """Round-robin among ties, so an idle fleet spreads instead of piling onto the first instance."""
 
@@ -131,7 +139,7 @@ class RoundRobin:
         self._cursor = _Cursor()
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
-        options = candidates(request, snapshot)
+        options = with_room(candidates(request, snapshot))
         return self._cursor.pick(options) if options else None
 
 
@@ -161,7 +169,7 @@ class PowerOfTwo:
         self._rng = random.Random(seed)
 
     def choose(self, request: RouteRequest, snapshot: PoolSnapshot) -> InstanceView | None:
-        options = candidates(request, snapshot)
+        options = with_room(candidates(request, snapshot))
         if len(options) <= 1:
             return options[0] if options else None
         a, b = self._rng.sample(options, 2)
