@@ -76,8 +76,10 @@ async def open_attempts(
             pool, instance, cached = _choose(fleet, pool, request) or await _take_turn(fleet, metrics, pool, request)
         except GatewayError:
             if last_error is not None:
-                raise last_error from None
+                raise last_error from None  # nowhere else to go: the engine's error, and no retry happened
             raise
+        if last_error is not None:
+            metrics.retries.labels(api.model).inc()  # moved to another instance
         # Embeddings are one body from every engine (nothing to abort mid-way, nothing to stream).
         stream = api.stream or (instance.dialect.stream_upstream_always and api.endpoint.generates)
         body = instance.dialect.upstream_body(
@@ -125,7 +127,6 @@ async def open_attempts(
                 # The address failed, not only this engine: behind a sidecar that died with the request on it, the
                 # engines beside this one are gone too (a refused connection ejects them, a dropped one does not).
                 tried.update(other.key for other in pool.instances if other.url == instance.url)
-            metrics.retries.labels(api.model).inc()
     raise AssertionError("unreachable")  # pragma: no cover
 
 

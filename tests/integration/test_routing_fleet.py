@@ -61,6 +61,14 @@ def upstream_errors(gw) -> dict[tuple[str, str], float]:
     return out
 
 
+def retries(gw) -> float:
+    """`lockgate_upstream_retries_total` of model `m`."""
+    for family in text_string_to_metric_families(gw.gateway.metrics.render().decode()):
+        if family.name == "lockgate_upstream_retries":
+            return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["model"] == "m")
+    return 0.0
+
+
 async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http, caplog):
     caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
     bad, good = await start_sim(), await start_sim()
@@ -122,6 +130,18 @@ async def test_error_status_before_first_byte_is_retried_within_the_retry_budget
     status, _, raw = await post(http, gw.url, chat())
     assert status == 503 and b"injected failure" in raw
     assert sum(s.statistics()["requests_started"] for s in (a, b, c)) == 2
+    assert retries(gw) == 1
+
+
+async def test_a_retry_with_no_other_instance_to_go_to_is_not_counted(start_sim, start_gateway, http):
+    """An outside run: a one-instance model answering 503 counted a retry in `lockgate_upstream_retries_total`
+    ("attempts moved to another instance") though nothing moved (the record said one attempt)."""
+    only = await start_sim()
+    gw = await round_robin(start_gateway, {"only": only}, retries=2)
+    await control(http, only, fail_status=503)
+    status, _, _ = await post(http, gw.url, chat())
+    assert status == 503 and only.statistics()["requests_started"] == 1
+    assert retries(gw) == 0
 
 
 @pytest.mark.parametrize(("status", "retried"), [(500, True), (400, False)])
