@@ -328,9 +328,10 @@ class GatewayMetrics:
         self.cancellations = Family(
             Counter(
                 "lockgate_cancellations",
-                "Engine generations stopped early, by model, priority and reason: client_disconnect, timeout, "
-                "admin, shutdown (the request ended) or preempted (stopped for a more urgent request, then "
-                "resumed or restarted; details in lockgate_preemptions_total).",
+                "Requests that ended before their answer was complete, by model, priority and reason: "
+                "client_disconnect, timeout, admin, shutdown (with or without an engine call of their own); "
+                "preempted: an engine generation stopped for a more urgent request, then resumed or restarted "
+                "(details in lockgate_preemptions_total). Engine calls aborted: lockgate_upstream_abort_seconds_count.",
                 ["model", "priority", "reason"],
                 registry=r,
             )

@@ -182,12 +182,13 @@ class _UsageFile:
         self.db.execute("CREATE INDEX usage_finished_at ON usage (finished_at)")
         self.count = 0
 
-    def add(self, finished_at: float, status: str = "completed", n: int = 1) -> None:
+    def add(self, finished_at: float, status: str = "completed", n: int = 1, served_by: str = "upstream") -> None:
         for _ in range(n):
             self.count += 1
             record = records.UsageRecord(
                 request_id=f"r{self.count:08d}", tenant="t", model="m", endpoint="chat", stream=False,
                 priority="P0", status=status, started_at=finished_at - 1, finished_at=finished_at,
+                served_by=served_by,
             )  # fmt: skip
             marks = ", ".join("?" * len(records._COLUMNS))
             self.db.execute(f"INSERT INTO usage ({', '.join(records._COLUMNS)}) VALUES ({marks})", records._ROW(record))
@@ -220,6 +221,19 @@ def test_long_windows_re_read_only_recent_buckets_and_agree_with_exact_counts(tm
     counts = windows.counts(now + 300)["p0_success"]
     assert counts["6h"] == Counts(events=6 + 3 + 1, bad=1 + 3)  # 6 hourly ones, the 3 new errors, the late one
     assert len(windows) <= 30 * 86400 // 300 + 2
+
+
+def test_dedup_saving_counts_requests_whatever_their_end_as_lockgate_dedup_total_does(tmp_path: Any) -> None:
+    """An outside run: the records counted completed requests only (1 saved of 5: met) where the Prometheus rule over
+    `lockgate_dedup_total` counted every request de-duplication served, abandoned streams too (1 of 9: burning)."""
+    path = str(tmp_path / "usage.sqlite3")
+    add = _UsageFile(path).add
+    add(100.0, served_by="coalesced")
+    add(100.0, n=4)  # distinct prompts, each its own engine call
+    add(100.0, "cancelled", n=4)  # streams their clients abandoned: each led its own call
+    add(100.0, "rejected", n=3)  # refused before de-duplication: not counted
+    counts = count_windows(connect_readonly(path), SloConfig(), 101.0, {"5m": 300})
+    assert counts["dedup_saving"]["5m"] == Counts(events=9, bad=8)
 
 
 def test_the_exit_status_says_whether_an_objective_burns() -> None:

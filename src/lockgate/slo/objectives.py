@@ -16,7 +16,9 @@ What the events of each objective are (the usage records, `slo/usage.py`, and th
 - `p0_ttft`: completed streams of that class; bad: the first token later than the threshold.
 - `engine_idle`: engine samples (each engine with a fresh busy signal, once per sample); bad: it ran nothing.
 - `cancel_rate`: finished requests (not rejected); bad: cancelled.
-- `dedup_saving`: completed requests; good: served without an engine call of their own (coalesced or a cache hit).
+- `dedup_saving`: finished requests (not rejected), whatever their end: a stream its client abandoned spent the
+  engine's work if it led its call, and none if it joined one; good: served without an engine call of their own
+  (coalesced or a cache hit). What `lockgate_dedup_total` counts, so the Prometheus rule reads the same.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ _AGGREGATES = {
     ),
     "cancel_rate": ("status != 'rejected'", "status = 'cancelled'"),
     "dedup_saving": (
-        "status = 'completed'",
-        "status = 'completed' AND served_by NOT IN ('coalesced', 'hit', 'semantic')",
+        "status != 'rejected'",
+        "status != 'rejected' AND served_by NOT IN ('coalesced', 'hit', 'semantic')",
     ),
 }
 #: The objectives counted from the usage records.
