@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lockgate.admission.config import SchedulingConfig, TenantConfig
-from lockgate.admission.gate import PoolScheduler, Slot
+from lockgate.admission.gate import Admission, PoolScheduler, Slot
 from lockgate.admission.ratelimit import RateLimiter, RateLimitExceeded, duration
 from lockgate.admission.scheduler import ClassSpec, TicketState
 from lockgate.admission.tenants import TenantBook, hash_key
@@ -331,3 +331,39 @@ def test_hash_key_cli_reads_stdin(monkeypatch, capsys) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("sk-test\n"))
     assert main(["hash-key"]) == 0
     assert capsys.readouterr().out.strip() == hash_key("sk-test")
+
+
+def test_every_configured_tenants_gauges_are_exported_from_the_start_and_follow_reloads() -> None:
+    """An outside run: the per-tenant limit gauges appeared only at a tenant's first request, and a tenant a reload
+    removed kept its series (its remaining requests refilling forever)."""
+
+    def config(*tenants: dict[str, Any]) -> Any:
+        model = {"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}
+        return parse_config({"models": [model], "tenants": [{"keys": [hash_key(t["name"])], **t} for t in tenants]})
+
+    metrics = GatewayMetrics()
+
+    def series() -> set[str]:
+        text = metrics.render().decode()
+        names = ("lockgate_ratelimit_remaining", "lockgate_tenant_requests_in_flight", "lockgate_tokens_reserved")
+        return {line.split(" ")[0] for line in text.splitlines() if line.startswith(names)}
+
+    admission = Admission(
+        config({"name": "acme", "requests_per_minute": 60, "tokens_per_minute": 6000}, {"name": "beta"}),
+        metrics.scheduling,
+    )
+    assert series() == {
+        'lockgate_ratelimit_remaining_requests{tenant="acme"}',
+        'lockgate_ratelimit_remaining_tokens{tenant="acme"}',
+        'lockgate_tenant_requests_in_flight{tenant="acme"}',
+        'lockgate_tenant_requests_in_flight{tenant="beta"}',
+        'lockgate_tokens_reserved{tenant="acme"}',
+        'lockgate_tokens_reserved{tenant="beta"}',
+    }
+    assert 'lockgate_ratelimit_remaining_requests{tenant="acme"} 60.0' in metrics.render().decode()
+    admission.reconfigure(config({"name": "acme", "tokens_per_minute": 6000}))  # beta removed, acme's rpm too
+    assert series() == {
+        'lockgate_ratelimit_remaining_tokens{tenant="acme"}',
+        'lockgate_tenant_requests_in_flight{tenant="acme"}',
+        'lockgate_tokens_reserved{tenant="acme"}',
+    }

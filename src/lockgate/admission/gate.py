@@ -22,11 +22,14 @@ and `release()` returns the slot (granting the next waiter) or leaves the queue 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
+
+from prometheus_client import Gauge
 
 from ..changes import Changes
 from ..errors import QueueFull, QueueTimeout
@@ -433,7 +436,9 @@ class Admission:
         self._strict_window_s = window_ms / 1000 if window_ms else None
         self.schedulers: dict[str, PoolScheduler] = {}
         self._add_schedulers(config)
+        #: Tenants whose gauges are exported: every configured one from the start, others from their first request.
         self._watched: set[str] = set()
+        self._export_tenants()
 
     def _add_schedulers(self, config: Config) -> None:
         for m in config.models:
@@ -459,8 +464,20 @@ class Admission:
         the reservation and the ticket they hold; a tenant's buckets keep their level within the new limits."""
         self.book = TenantBook(config.tenants, config.scheduling)
         self.limiter.reconfigure([*self.book.tenants.values(), self.book.default], self._clock())
-        self._watched.clear()  # export the new limits
+        self._export_tenants()
         self._add_schedulers(config)
+
+    def _export_tenants(self) -> None:
+        """Export the gauges of every configured tenant now (before its first request) with its current limits, and
+        drop the series of tenants no longer configured (a reload removed them) and of limits a reload removed."""
+        m = self._metrics
+        for name in self._watched - self.book.tenants.keys():
+            for gauge in (m.ratelimit_remaining_requests, m.ratelimit_remaining_tokens, m.tenant_in_flight):
+                _unlabel(gauge, name)
+            _unlabel(m.tokens_reserved, name)
+        self._watched.clear()
+        for tenant in self.book.tenants.values():
+            self._watch(tenant)
 
     def _reserve(self, capacity: int) -> int:
         headroom = self._headroom
@@ -544,8 +561,12 @@ class Admission:
 
         if tenant.requests_per_minute is not None:
             m.ratelimit_remaining_requests.labels(tenant.name).set_function(lambda: remaining(state().requests))
+        else:
+            _unlabel(m.ratelimit_remaining_requests, tenant.name)  # (a reload removed the limit)
         if tenant.tokens_per_minute is not None:
             m.ratelimit_remaining_tokens.labels(tenant.name).set_function(lambda: remaining(state().tokens))
+        else:
+            _unlabel(m.ratelimit_remaining_tokens, tenant.name)
         m.tenant_in_flight.labels(tenant.name).set_function(lambda: state().in_flight)
         m.tokens_reserved.labels(tenant.name).set_function(lambda: state().reserved_tokens)
 
@@ -557,3 +578,9 @@ class Admission:
                 for name, st in self.limiter.tenants().items()
             },
         }
+
+
+def _unlabel(gauge: Gauge, tenant: str) -> None:
+    """Drop `gauge`'s series of `tenant`, if it has one."""
+    with contextlib.suppress(KeyError):
+        gauge.remove(tenant)
