@@ -288,6 +288,8 @@ async def test_a_queue_deadline_counts_from_when_the_request_began_waiting() -> 
             await late.wait_behind(asyncio.get_running_loop().create_future())
     s.release(running)
     assert s.core.running_total == 0 and s.core.queued_total == 0
+    # Both counted as the class's queue's refusals (the dashboard's per-class "rejected", as a full queue is).
+    assert s.core.statistics()["classes"]["P1"]["rejected"] == 2
 
 
 async def test_a_preempted_request_queued_again_has_no_queue_deadline() -> None:

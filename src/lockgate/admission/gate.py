@@ -275,6 +275,7 @@ class PoolScheduler:
         """The error of a request of class `klass` that waited its class's whole queue deadline (counted)."""
         spec = self.core.classes[klass]
         self._metrics.rejections.labels("queue_timeout", spec.name).inc()
+        self.core.rejected_total[klass] += 1  # refused by its class's queue, as a full one refuses
         return QueueTimeout(
             f"The request waited {spec.queue_timeout_s:g} s in the {spec.name} queue for model "
             f"'{self.model}' without getting a slot.",

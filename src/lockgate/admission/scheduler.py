@@ -143,6 +143,7 @@ class SchedulerCore:
         self._strict = [i for i, c in enumerate(classes) if c.strict]
         self._shared = [i for i, c in enumerate(classes) if not c.strict]
         self.granted_total = [0] * n
+        #: Per class: requests its queue refused, full (`offer`) or at their queue deadline (`PoolScheduler`).
         self.rejected_total = [0] * n
         self.mean_hold_s = _INITIAL_HOLD_S
         if strict_window_s is not None and strict_window_s <= 0:
