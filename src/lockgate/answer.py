@@ -15,7 +15,7 @@ from .upstream import too_large
 
 if TYPE_CHECKING:
     from .fleet.instance import Instance, Lease
-    from .wire import Endpoint
+    from .wire import ApiRequest
 
 T = TypeVar("T")
 
@@ -74,9 +74,7 @@ class EngineAnswer(Protocol):
     def close(self) -> None: ...
 
 
-async def read_whole(
-    opened: EngineAnswer, endpoint: Endpoint, model: str, limit: int
-) -> tuple[dict[str, Any], bytes | None]:
+async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple[dict[str, Any], bytes | None]:
     """The whole answer for a non-streaming client: the engine's body and its bytes (its completion tokens counted on
     the lease), or, from an engine read as a stream whatever was asked (llama.cpp: `stream_upstream_always`), its
     events assembled (no bytes), held until the end within `limit` (`upstream.max_response_bytes`, counted in event
@@ -96,4 +94,4 @@ async def read_whole(
         if call.received > limit:
             call.abort()
             raise too_large(call.instance.name, limit)
-    return assemble(endpoint, held, model=model), None
+    return assemble(api.endpoint, held, model=api.model, prompt_tokens=api.estimated_prompt_tokens()), None

@@ -96,8 +96,8 @@ class ClientView:
         with output the client was sent (its completion tokens are no fewer, `_at_least`)."""
         if not self._include_usage or self.usage is None or self._last is None:
             return None
-        keys: tuple[str, ...] = ("id", "object", "created", "model", "system_fingerprint")
-        head: dict[str, Any] = {k: self._last[k] for k in keys if k in self._last}
+        # The chunk's own fields as this client saw them (id, model, `system_fingerprint`, `service_tier`, ...).
+        head = {k: v for k, v in self._last.items() if k != "choices" and k != "usage"}
         return {**head, "choices": [], "usage": _at_least(self.usage, pieces)}
 
 
@@ -123,14 +123,24 @@ def _delta_output(delta: Any) -> bool:
     return isinstance(delta, dict) and bool(delta.get("content") or delta.get("tool_calls"))
 
 
+#: Keys `assemble` builds itself: of an event, and of one of its choices.
+_EVENT_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage"})
+_CHOICE_KEYS = frozenset({"index", "delta", "text", "logprobs", "finish_reason", "message"})
+
+
 def assemble(
     endpoint: Endpoint,
     events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
     *,
     model: str,
     response_id: str | None = None,
+    prompt_tokens: int = 0,
 ) -> dict[str, Any]:
-    """The non-streaming response a client would have received for this generation."""
+    """The non-streaming response a client would have received for this generation. Fields the gateway does not know
+    are kept as the engine sent them (`system_fingerprint`, `service_tier`, llama.cpp's `timings`; a choice's
+    `stop_reason`; a message's `reasoning` and any other text folded piece by piece). `prompt_tokens`: the gateway's
+    estimate, for an engine whose stream reports no usage (then the usage is estimated: that prompt, and a token
+    for each chunk with output)."""
     chat = endpoint is Endpoint.CHAT
     choices: dict[int, dict[str, Any]] = {}
     created = None
@@ -139,8 +149,9 @@ def assemble(
     for event in events:
         if created is None and isinstance(event.get("created"), int):
             created = event["created"]
-        if event.get("system_fingerprint") is not None:
-            extra["system_fingerprint"] = event["system_fingerprint"]
+        for key, value in event.items():
+            if key not in _EVENT_KEYS:
+                _keep(extra, key, value)
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
@@ -160,10 +171,16 @@ def assemble(
             _fold_logprobs(acc, choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 acc["finish_reason"] = choice["finish_reason"]
+            for key, value in choice.items():
+                if key not in _CHOICE_KEYS:
+                    _keep(acc, key, value)
     if chat:
         for acc in choices.values():
             message = acc["message"]
-            if message["content"] is None and not message.get("tool_calls") and message.get("refusal") is None:
+            if message.get("tool_calls"):
+                if message["content"] == "":
+                    message["content"] = None  # beside tool calls, as engines and OpenAI answer whole
+            elif message["content"] is None and message.get("refusal") is None:
                 # No text came (llama.cpp holds back a trailing piece of a UTF-8 character while it streams: an answer
                 # of one or two tokens may have none): an empty string, as the engine answers whole, not null, which
                 # OpenAI sends only beside tool calls or a refusal (a client that appends the message to its history
@@ -172,16 +189,25 @@ def assemble(
     if response_id is None:
         # The default is made only when needed (`next()`'s default argument would make one for every call).
         response_id = next((e["id"] for e in events if isinstance(e.get("id"), str)), None) or new_response_id(endpoint)
+    usage = usage_of(events)
+    if usage is None and prompt_tokens:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": pieces, "total_tokens": prompt_tokens + pieces}
     body: dict[str, Any] = {
         "id": response_id,
         "object": endpoint.object_name,
         "created": created or 0,
         "model": model,
         "choices": [choices[i] for i in sorted(choices)],
-        "usage": _at_least(usage_of(events), pieces),
+        "usage": _at_least(usage, pieces),
     }
     body.update(extra)
     return body
+
+
+def _keep(target: dict[str, Any], key: str, value: Any) -> None:
+    """A field assembled as the engine last sent it (a null does not replace a value sent before)."""
+    if value is not None or key not in target:
+        target[key] = value
 
 
 def _at_least(usage: dict[str, Any] | None, pieces: int) -> dict[str, Any] | None:
@@ -212,19 +238,35 @@ def _new_choice(index: int, chat: bool) -> dict[str, Any]:
 
 
 def _fold_delta(message: dict[str, Any], delta: Any) -> None:
+    """Text fields (`content`, `refusal`, `reasoning`, `reasoning_content`, any other) are joined piece by piece;
+    tool calls by their index; a list (`annotations`) extended; anything else kept as last sent."""
     if not isinstance(delta, dict):
         return
-    if isinstance(delta.get("role"), str):
-        message["role"] = delta["role"]
-    for key in ("content", "refusal", "reasoning_content"):
-        piece = delta.get(key)
-        if isinstance(piece, str):
-            message[key] = (message.get(key) or "") + piece
-    for call in delta.get("tool_calls") or ():
+    for key, value in delta.items():
+        if key == "tool_calls":
+            _fold_tool_calls(message, value)
+        elif key == "role":
+            if isinstance(value, str):
+                message["role"] = value
+        elif isinstance(value, str):
+            message[key] = (message.get(key) or "") + value
+        elif isinstance(value, list):
+            existing = message.get(key)
+            message[key] = existing + value if isinstance(existing, list) else list(value)
+        else:
+            _keep(message, key, value)
+
+
+def _fold_tool_calls(message: dict[str, Any], pieces: Any) -> None:
+    if not isinstance(pieces, list):
+        return
+    calls: list[dict[str, Any]] = message.setdefault("tool_calls", [])
+    for call in pieces:
         if not isinstance(call, dict):
             continue
-        calls: list[dict[str, Any]] = message.setdefault("tool_calls", [])
         index = call.get("index", len(calls))
+        if not isinstance(index, int) or index < 0:
+            index = len(calls)
         while len(calls) <= index:
             calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
         target = calls[index]
@@ -241,13 +283,19 @@ def _fold_delta(message: dict[str, Any], delta: Any) -> None:
 
 
 def _fold_logprobs(acc: dict[str, Any], logprobs: Any) -> None:
+    """Lists (`content`, `refusal`, a completion's `tokens`, ...) are joined across chunks; a null one (a role chunk's
+    `{"content": null}`) holds nothing yet; other fields are kept as first sent."""
     if not isinstance(logprobs, dict):
         return
     if acc["logprobs"] is None:
         acc["logprobs"] = {}
     target = acc["logprobs"]
     for key, value in logprobs.items():
+        existing = target.get(key)
         if isinstance(value, list):
-            target.setdefault(key, []).extend(value)
+            if isinstance(existing, list):
+                existing.extend(value)
+            else:
+                target[key] = list(value)
         elif key not in target:
             target[key] = value

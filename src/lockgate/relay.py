@@ -75,7 +75,7 @@ def _headers(ex: Exchange) -> dict[str, str]:
 
 
 async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
-    body, raw = await read_whole(opened, ex.api.endpoint, ex.api.model, limit)
+    body, raw = await read_whole(opened, ex.api, limit)
     return whole_body(ex, body, _headers(ex), raw)
 
 

@@ -211,11 +211,21 @@ def test_a_stream_synthesized_from_a_body_assembles_back_to_it():
             },
             {
                 "index": 1,
-                "message": {"role": "assistant", "content": "hi"},
+                # vLLM's whole answer: a reasoning model's `reasoning`, nulls and an empty list, the `stop_reason`.
+                "message": {
+                    "role": "assistant",
+                    "content": "hi",
+                    "reasoning": "short",
+                    "refusal": None,
+                    "annotations": None,
+                    "tool_calls": [],
+                },
                 "logprobs": None,
                 "finish_reason": "stop",
+                "stop_reason": None,
             },
         ],
+        "service_tier": None,
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
     events = events_of(Endpoint.CHAT, chat)

@@ -154,3 +154,64 @@ def test_a_chat_answer_without_text_has_empty_content() -> None:
     call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     tool = {"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}
     assert assemble(Endpoint.CHAT, [role, tool], model="m")["choices"][0]["message"]["content"] is None
+
+
+def _chunk(delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
+    return {"id": "x", "model": "up", "choices": [{"index": 0, "delta": delta, **choice}]}
+
+
+def test_a_null_logprobs_list_before_the_first_tokens_is_joined_not_a_crash() -> None:
+    """An outside run: an engine's role chunk with `logprobs: {"content": null}`, then lists, made every whole answer
+    assembled from the stream a 500 (and a cached one: the hits within its lifetime too)."""
+    token = {"token": "a", "logprob": -0.1, "top_logprobs": []}
+    events = [
+        _chunk({"role": "assistant", "content": ""}, logprobs={"content": None, "refusal": None}),
+        _chunk({"content": "a"}, logprobs={"content": [token]}),
+        _chunk({"content": "a"}, logprobs={"content": [token]}, finish_reason="stop"),
+    ]
+    choice = assemble(Endpoint.CHAT, events, model="m")["choices"][0]
+    assert choice["logprobs"] == {"content": [token, token], "refusal": None}
+
+
+def test_fields_the_gateway_does_not_know_are_kept_as_the_engine_sent_them() -> None:
+    """vLLM streams a reasoning model's thinking as `reasoning` (`reasoning_content` before), a choice's `stop_reason`,
+    llama.cpp its `timings`; OpenAI `service_tier`, messages' `annotations`. An assembled answer dropped them all."""
+    events = [
+        {**_chunk({"role": "assistant", "reasoning": "Let me"}), "service_tier": "default"},
+        _chunk({"reasoning": " think."}),
+        _chunk({"content": "4", "annotations": [{"type": "url_citation"}]}),
+        {**_chunk({}, finish_reason="stop", stop_reason=None), "timings": {"predicted_n": 2}},
+        {**_chunk({}, stop_reason=128001)},
+        {"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}},
+    ]
+    body = assemble(Endpoint.CHAT, events, model="m")
+    assert body["service_tier"] == "default" and body["timings"] == {"predicted_n": 2}
+    choice = body["choices"][0]
+    assert choice["stop_reason"] == 128001 and choice["finish_reason"] == "stop"
+    message = choice["message"]
+    assert message["reasoning"] == "Let me think." and message["content"] == "4"
+    assert message["annotations"] == [{"type": "url_citation"}]
+
+
+def test_content_beside_tool_calls_is_null_even_after_an_empty_role_chunk() -> None:
+    """vLLM opens a tool call's stream with `content: ""`: the whole answer said "" where the engine says null."""
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    events = [_chunk({"role": "assistant", "content": ""}), _chunk({"tool_calls": [call]}, finish_reason="tool_calls")]
+    assert assemble(Endpoint.CHAT, events, model="m")["choices"][0]["message"]["content"] is None
+
+
+def test_a_stream_without_usage_is_answered_whole_with_the_gateways_estimate() -> None:
+    """An engine that puts no usage in its streams: the non-streaming clients of a shared call were told `usage: null`
+    and recorded 0 tokens (the leader's record had the estimate)."""
+    events = [_chunk({"role": "assistant", "content": "a"}), _chunk({"content": "b"}, finish_reason="stop")]
+    assert assemble(Endpoint.CHAT, events, model="m")["usage"] is None  # nothing to go by
+    usage = assemble(Endpoint.CHAT, events, model="m", prompt_tokens=6)["usage"]
+    assert usage == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+
+
+def test_the_closing_usage_chunk_keeps_the_chunks_own_fields() -> None:
+    view = ClientView(model="m", include_usage=True)
+    view.event({**_chunk({"content": "a"}), "service_tier": "flex", "system_fingerprint": "fp"})
+    view.event({"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    final = view.final(1)
+    assert final is not None and final["service_tier"] == "flex" and final["system_fingerprint"] == "fp"

@@ -238,7 +238,10 @@ async def relay_resumable(
         async for _ in events:
             if run.received > limit:
                 raise too_large(run.headers.get("x-lockgate-instance", "?"), limit)
-        body = assemble(ex.api.endpoint, run.transcript.events, model=ex.api.model)
+        api = ex.api
+        body = assemble(
+            api.endpoint, run.transcript.events, model=api.model, prompt_tokens=api.estimated_prompt_tokens()
+        )
         return whole_body(ex, body, run.headers)
     finally:
         await events.aclose()

@@ -320,7 +320,14 @@ class Coalescer:
         if body is not None:
             out = {**body, "id": self._response_id(endpoint)}
         else:
-            out = assemble(endpoint, events, response_id=self._response_id(endpoint), model=ex.api.model)
+            api = ex.api
+            out = assemble(
+                endpoint,
+                events,
+                response_id=self._response_id(endpoint),
+                model=api.model,
+                prompt_tokens=api.estimated_prompt_tokens(),
+            )
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:

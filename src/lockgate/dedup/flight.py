@@ -285,9 +285,7 @@ class Flight:
         """Open the engine call and keep what it sends until its end (`run` decides how the flight ends)."""
         opened = self._opened = await self._open()
         if not self.stream:
-            self.body, self._body_bytes = await read_whole(
-                opened, self.api.endpoint, self.api.model, self.max_response_bytes
-            )
+            self.body, self._body_bytes = await read_whole(opened, self.api, self.max_response_bytes)
             self._nbytes = 64 + opened.call.received
             self._complete()
             return

@@ -2,7 +2,8 @@
 
 A non-streaming flight keeps the engine's one JSON completion; a streaming client later served from it
 (a cache hit, a semantic hit) gets it as stream events: one chunk per choice carrying its whole
-message (role, content, refusal, reasoning, tool calls with their `index`, logprobs, finish reason),
+message (role, content, refusal, reasoning, tool calls with their `index`, every other field as it is, logprobs,
+finish reason and the choice's other fields),
 then a `choices: []` chunk with the usage. `assemble(events_of(body))` gives the body back (up to the
 response id, which each client gets its own of anyway). The whole answer is already there, so nothing
 is lost by sending it in one piece: this is never used for a generation still in progress.
@@ -24,8 +25,9 @@ def events_of(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any],
         "created": body.get("created") if isinstance(body.get("created"), int) else 0,
         "model": body.get("model"),
     }
-    if body.get("system_fingerprint") is not None:
-        head["system_fingerprint"] = body["system_fingerprint"]
+    for key, value in body.items():  # `system_fingerprint`, `service_tier`, llama.cpp's `timings`, ...
+        if key not in _BODY_KEYS:
+            head[key] = value
     events: list[dict[str, Any]] = []
     for choice in body.get("choices") or ():
         if not isinstance(choice, dict):
@@ -37,6 +39,9 @@ def events_of(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any],
             out["text"] = choice.get("text") if isinstance(choice.get("text"), str) else ""
         out["logprobs"] = choice.get("logprobs")
         out["finish_reason"] = choice.get("finish_reason")
+        for key, value in choice.items():  # `stop_reason`, ...
+            if key not in out and key != "message":
+                out[key] = value
         events.append({**head, "choices": [out]})
     usage = body.get("usage")
     if isinstance(usage, dict):
@@ -44,14 +49,20 @@ def events_of(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any],
     return tuple(events)
 
 
+#: The keys of a completion `events_of` rebuilds itself; the others go on every chunk as they are.
+_BODY_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage"})
+
+
 def _delta(message: Any) -> dict[str, Any]:
+    """The message as one delta: every field as it is (`content`, `refusal`, `reasoning`, `annotations`, ...), tool
+    calls with their `index`."""
     if not isinstance(message, dict):
         return {}
     delta: dict[str, Any] = {"role": message.get("role") or "assistant"}
-    for key in ("content", "refusal", "reasoning_content"):
-        if isinstance(message.get(key), str):
-            delta[key] = message[key]
-    calls = message.get("tool_calls")
-    if isinstance(calls, list) and calls:
-        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(calls) if isinstance(call, dict)]
+    for key, value in message.items():
+        if key == "tool_calls":
+            if isinstance(value, list):
+                delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(value) if isinstance(call, dict)]
+        elif key != "role":
+            delta[key] = value
     return delta
