@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .assemble import assemble
+from .errors import UpstreamProtocolError
 from .upstream import too_large
 
 if TYPE_CHECKING:
@@ -83,6 +84,10 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
     events = opened.events
     if events is None:
         body, raw = await call.read_json_bytes()
+        field = "choices" if api.endpoint.generates else "data"
+        if not isinstance(body.get(field), list):
+            # A 200 that is not an answer (`{}`, a proxy's JSON page): served, it was a success without one.
+            raise UpstreamProtocolError(f"Instance {call.instance.name} answered without `{field}`.")
         usage = body.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, int):

@@ -227,7 +227,11 @@ async def test_an_engine_event_over_max_event_bytes_is_a_502(start_gateway, serv
     assert error["code"] == "upstream_response_too_large" and "max_event_bytes" in error["message"]
 
 
-async def test_an_engine_response_head_that_never_ends_is_a_502(start_gateway, stack, http):
+@pytest.mark.parametrize("whole", [False, True], ids=["endless", "one-write"])
+async def test_an_engine_response_head_over_64_kib_is_a_502(start_gateway, stack, http, whole):
+    """`endless`: a head that never ends; `one-write`: a 100 KiB head that arrives whole with its body (an outside run:
+    the bound held only for a head still incomplete after a read, so heads up to ~127 KiB were served)."""
+
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             head = await reader.readuntil(b"\r\n\r\n")
@@ -235,6 +239,11 @@ async def test_an_engine_response_head_that_never_ends_is_a_502(start_gateway, s
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
                 head = await reader.readuntil(b"\r\n\r\n")
             await reader.readuntil(b"}")  # the body (JSON)
+            if whole:
+                body = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}]}'
+                big = b"X-Big: " + b"a" * (100 * 1024) + b"\r\n"
+                writer.write(b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (big, len(body), body))
+                await reader.read()  # until the gateway hangs up
             writer.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
             while True:  # until the gateway hangs up
                 writer.write(b"a" * 16384)

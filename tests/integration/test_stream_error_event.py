@@ -165,3 +165,36 @@ async def test_an_engines_retry_after_reaches_the_client(status: int, serve_app:
     async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=request) as resp:
         assert resp.status == status and resp.headers["Retry-After"] == "7"
         assert orjson.loads(await resp.read()) == body
+
+
+@pytest.mark.parametrize("dedup", ["off", "deterministic"])
+async def test_an_engines_200_without_an_answer_is_a_502_not_a_success(
+    dedup: str, serve_app: Any, start_gateway: Any
+) -> None:
+    """An outside run: an engine (or a proxy in front of one) answering 200 `{}` was served as a success (the SDK's
+    `choices` was None) and recorded `completed`; a stream from it was already a 502."""
+
+    async def empty(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", empty)
+    app.router.add_post("/v1/embeddings", empty)
+    app.router.add_get("/v1/models", models)  # health checks
+    url = await serve_app(app)
+    gw = await start_gateway(
+        [{"name": "m", "dedup": dedup, "retries": 0, "instances": [{"url": url, "engine": "openai"}]}]
+    )
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    async with aiohttp.ClientSession() as http:
+        for path, body, field in (
+            ("chat/completions", chat, "choices"),
+            ("embeddings", {"model": "m", "input": "x"}, "data"),
+        ):
+            async with http.post(f"{gw.url}/v1/{path}", json=body) as resp:
+                assert resp.status == 502, await resp.text()
+                error = orjson.loads(await resp.read())["error"]
+                assert error["code"] == "upstream_protocol_error" and f"without `{field}`" in error["message"]

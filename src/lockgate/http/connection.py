@@ -415,6 +415,12 @@ class Connection(asyncio.Protocol):
             return
         if 100 <= status < 200:  # informational: llhttp completes it as a message of its own; skip it
             return
+        if self._head_bytes > MAX_HEAD_BYTES and _head_size(headers) > MAX_HEAD_BYTES:
+            # Complete within the read that took the bytes received past the bound (counted only then).
+            message = f"the response head is larger than {MAX_HEAD_BYTES} bytes"
+            self._fail(ProtocolError(message), ProtocolError(message))
+            self.abort()
+            return
         self._head = None
         response = self._response = Response(self, status, headers)
         if self._head_only:
@@ -498,3 +504,8 @@ def listener_of(step: Callable[[], T | None], done: asyncio.Future[T]) -> Callab
             done.set_result(result)
 
     return listener
+
+
+def _head_size(headers: dict[str, str]) -> int:
+    """The bytes of a response head's header lines (a lower bound of the head: without its status line)."""
+    return sum(len(name) + len(value) + 4 for name, value in headers.items())
