@@ -87,7 +87,7 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
         field = "choices" if api.endpoint.generates else "data"
         if not isinstance(body.get(field), list):
             # A 200 that is not an answer (`{}`, a proxy's JSON page): served, it was a success without one.
-            raise UpstreamProtocolError(f"Instance {call.instance.name} answered without `{field}`.")
+            raise UpstreamProtocolError(f"Instance {call.served_by} answered without `{field}`.")
         usage = body.get("usage")
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, int):
@@ -98,5 +98,5 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
         held.append(event)
         if call.received > limit:
             call.abort()
-            raise too_large(call.instance.name, limit)
+            raise too_large(call.served_by, limit)
     return assemble(api.endpoint, held, model=api.model, prompt_tokens=api.estimated_prompt_tokens()), None

@@ -145,18 +145,18 @@ class UpstreamCall:
             raw = await response.read(limit)
         except ResponseTooLarge:
             self.abort()
-            raise too_large(self.instance.name, limit) from None
+            raise too_large(self.served_by, limit) from None
         except ProtocolError as exc:
             self.abort()
-            raise UpstreamProtocolError(f"Instance {self.instance.name} broke the response: {exc}") from None
+            raise UpstreamProtocolError(f"Instance {self.served_by} broke the response: {exc}") from None
         self.release()
         self.received = len(raw)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise UpstreamProtocolError(f"Instance {self.instance.name} sent a body that is not JSON.") from None
+            raise UpstreamProtocolError(f"Instance {self.served_by} sent a body that is not JSON.") from None
         if not isinstance(payload, dict):
-            raise UpstreamProtocolError(f"Instance {self.instance.name} sent a JSON body that is not an object.")
+            raise UpstreamProtocolError(f"Instance {self.served_by} sent a JSON body that is not an object.")
         return payload, raw
 
     def events(self, lease: Lease) -> UpstreamEvents:
@@ -184,7 +184,11 @@ class UpstreamCall:
     def _finish(self) -> None:
         if not self._finished:
             self._finished = True
-            self.instance.open_calls -= 1
+            instance = self.instance
+            instance.open_calls -= 1
+            if instance.open_calls <= 0 and instance.in_flight <= 0 and instance.idle is not None:
+                # Its connection is back, or closed: a retired instance waiting for it may close now (`wait_idle`).
+                instance.idle.set()
 
     @property
     def finished(self) -> bool:
@@ -285,7 +289,7 @@ class UpstreamEvents:
         except BaseException:
             self.close()  # no `await` in a handler (see `relay.py`)
             raise
-        raise UpstreamProtocolError(f"Instance {self._call.instance.name} sent an empty stream.")
+        raise UpstreamProtocolError(f"Instance {self._call.served_by} sent an empty stream.")
 
     def take(self) -> list[tuple[dict[str, Any], bytes, bool]]:
         """Every event that can be had without waiting — the events read ahead, then those decoded from what the
@@ -333,14 +337,14 @@ class UpstreamEvents:
                     except orjson.JSONDecodeError:
                         self._index, self._done = index, True
                         raise UpstreamProtocolError(
-                            f"Instance {call.instance.name} sent an event that is not JSON."
+                            f"Instance {call.served_by} sent an event that is not JSON."
                         ) from None
                     if not isinstance(event, dict):
                         if event is None:
                             continue  # llama.cpp opens a batched prompt's stream with `data: null`: nothing in it
                         self._index, self._done = index, True
                         raise UpstreamProtocolError(
-                            f"Instance {call.instance.name} sent an event that is not a JSON object."
+                            f"Instance {call.served_by} sent an event that is not a JSON object."
                         )
                     content = has_content(event)
                     if not content and ("error" in event or event.get("object") == "error"):
@@ -355,7 +359,7 @@ class UpstreamEvents:
                     # The engine ended the body without `[DONE]`: an incomplete stream.
                     self._done = True
                     call.broken("stream ended without [DONE]")
-                    raise UpstreamProtocolError(f"Instance {call.instance.name} ended the stream without [DONE].")
+                    raise UpstreamProtocolError(f"Instance {call.served_by} ended the stream without [DONE].")
                 if not more:
                     return out
                 # What the body has brought since the last read, or at its end what the decoder still holds.
@@ -374,13 +378,13 @@ class UpstreamEvents:
                     self._done = True
                     call.broken(repr(exc))
                     raise UpstreamProtocolError(
-                        f"Instance {call.instance.name} broke the stream: {exc.__class__.__name__}"
+                        f"Instance {call.served_by} broke the stream: {exc.__class__.__name__}"
                     ) from None
                 except EventTooLarge:
                     self._done = True
                     call.broken("event too large")
                     raise UpstreamProtocolError(
-                        f"Instance {call.instance.name} sent an SSE event larger than upstream.max_event_bytes "
+                        f"Instance {call.served_by} sent an SSE event larger than upstream.max_event_bytes "
                         f"({self._decoder.max_event_bytes} bytes).",
                         code="upstream_response_too_large",
                     ) from None
@@ -405,7 +409,7 @@ class UpstreamEvents:
         else:
             call.broken("error event in the stream")
         return UpstreamProtocolError(
-            f"Instance {call.instance.name} reported an error in the stream: {message}", code="upstream_stream_error"
+            f"Instance {call.served_by} reported an error in the stream: {message}", code="upstream_stream_error"
         )
 
     def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:

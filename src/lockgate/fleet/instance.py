@@ -105,8 +105,10 @@ class Instance:
         return self.healthy and not self.retired and not self.ejection.ejected
 
     async def wait_idle(self) -> None:
-        """Wait until no lease is held on the instance (its requests have ended)."""
-        while self.in_flight > 0:
+        """Wait until no lease is held on the instance (its requests have ended) and no engine call is open on its
+        connections: behind a sidecar that served a call on another engine of its node, the lease moved there while
+        the call's connection is still this instance's (closing it would cut that stream)."""
+        while self.in_flight > 0 or self.open_calls > 0:
             self.idle = asyncio.Event()
             await self.idle.wait()
 
