@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,12 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lockgate.cluster.discovery import Discovery
+from lockgate.cluster.keys import EngineRecord, NodeRecord, encode_node, node_key
+from lockgate.cluster.store import WatchEvent
 from lockgate.config import parse_config
 from lockgate.fleet.pool import Fleet
+from lockgate.metrics import GatewayMetrics
 from lockgate.server import GatewayServer, _banner
 from lockgate.sim import SimConfig, SimServer
 from tests.cluster.support import central_config, eventually, sidecar_config, unique_cluster
@@ -353,3 +358,41 @@ async def test_a_request_on_a_sidecar_that_dies_is_retried_on_another_node(
     assert resp.status == 200, await resp.text()
     assert resp.headers["x-lockgate-instance"] == "node-b/engine-0"
     resp.release()
+
+
+async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless_it_stopped(tmp_path: Path) -> None:
+    """An outside run: after etcd stalled past the lease TTL (or lost its data), every node key expired and the
+    centrals dropped every engine before the sidecars re-registered ~50 ms later: clients got 404
+    `model_not_found` (which SDKs do not retry) for a model served by live sidecars, and every engine was rebuilt.
+    Now a node whose key went without it stopping keeps its engines (taking no requests) for one lease TTL; a
+    sidecar that stopped (its record said draining) leaves at once."""
+    config = parse_config(central_config("http://127.0.0.1:1", unique_cluster("grace"), str(tmp_path / "c.sqlite3")))
+    assert config.cluster is not None
+    fleet = Fleet(config, GatewayMetrics())
+    discovery = Discovery(config.cluster, fleet)
+    key = node_key(config.cluster.name, "node-g")
+    record = NodeRecord("node-g", "http://127.0.0.1:9", (EngineRecord("e0", "engine-0", ("m",)),), seq=1)
+
+    def put(node: NodeRecord) -> WatchEvent:
+        return WatchEvent("put", key, encode_node(node), 0)
+
+    gone = WatchEvent("delete", key, b"", 0)
+    try:
+        discovery.apply([put(record)], 0.0)
+        (engine,) = fleet.pools["m"].instances
+        assert engine.routable
+        discovery.apply([gone], 0.0)  # the lease expired
+        assert fleet.pools["m"].instances == [engine] and not engine.routable  # 503 for now, not 404
+        discovery.apply([put(record)], 0.0)  # it re-registered
+        assert fleet.pools["m"].instances == [engine] and engine.routable and not engine.retired  # the same engine
+        discovery.apply([gone], 0.0)
+        async with asyncio.timeout(30):  # bounds a hang only: it leaves at the lease TTL's timer
+            await fleet.wait_until(lambda f: "m" not in f.pools)
+        assert engine.retired
+        discovery.apply([put(record)], 0.0)
+        assert fleet.pools["m"].instances[0] is not engine  # back after it left: a new engine
+        discovery.apply([put(dataclasses.replace(record, draining=True)), gone], 0.0)
+        assert "m" not in fleet.pools  # a sidecar that stopped leaves at once
+    finally:
+        await discovery.aclose()
+        await fleet.aclose()

@@ -94,6 +94,8 @@ class Discovery:
         self.events = 0
         self.last_error: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: etcd key -> the timer that detaches the engines of a node whose key went without it stopping (`_delete`).
+        self._leaving: dict[str, asyncio.TimerHandle] = {}
 
     async def __aenter__(self) -> Discovery:
         await self.etcd.__aenter__()
@@ -107,6 +109,9 @@ class Discovery:
         await self.aclose()
 
     async def aclose(self) -> None:
+        for timer in self._leaving.values():
+            timer.cancel()
+        self._leaving.clear()
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(*tasks)
         if tasks:
@@ -183,7 +188,11 @@ class Discovery:
             log.warning("etcd key %s does not hold a node record; ignored", key)
             return
         fleet = self._fleet
-        if key not in self.nodes:
+        leaving = self._leaving.pop(key, None)
+        if leaving is not None:
+            leaving.cancel()
+            log.info("sidecar %s (%s) is back: its engines stay", record.node, record.url)
+        elif key not in self.nodes:
             log.info("sidecar %s (%s) joined with %d engine(s)", record.node, record.url, len(record.engines))
         self.nodes[key] = (record, now)
         owned = self._owned.setdefault(key, set())
@@ -244,11 +253,36 @@ class Discovery:
         self._owned[key] = current
 
     def _delete(self, key: str) -> None:
+        """A node's key is gone. A sidecar that stopped (its record said it was draining) leaves at once. Otherwise
+        its lease expired (killed, cut off, or etcd itself stalled past the lease's TTL or lost its data: then every
+        sidecar re-registers within moments): its engines take no new requests now and leave after one lease TTL
+        unless the node is back by then, so a model served by live sidecars never answers 404 for that moment,
+        and engines that come back keep their state."""
         if self.replicas.pop(key, None) is not None:
             return
         entry = self.nodes.pop(key, None)
-        if entry is not None:
-            log.info("sidecar %s left (its key is gone)", entry[0].node)
+        if entry is None or key in self._leaving:
+            return
+        record = entry[0]
+        if record.draining:
+            log.info("sidecar %s left (it stopped)", record.node)
+            self._detach(key)
+            return
+        log.info("sidecar %s lost its key: its engines take no requests, and leave unless it is back", record.node)
+        for ikey in self._owned.get(key, ()):
+            instance = self._fleet.instances.get(ikey)
+            if instance is not None:
+                self._fleet.set_health(instance, False)
+        grace = self.config.lease_ttl_ms / 1000
+        self._leaving[key] = asyncio.get_running_loop().call_later(grace, self._left, key, record.node)
+
+    def _left(self, key: str, node: str) -> None:
+        """A node whose key went without it stopping did not come back within a lease TTL."""
+        if self._leaving.pop(key, None) is not None:
+            log.info("sidecar %s left (its key is gone)", node)
+            self._detach(key)
+
+    def _detach(self, key: str) -> None:
         for ikey in self._owned.pop(key, set()):
             self._forget(ikey)
 
