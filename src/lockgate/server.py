@@ -165,10 +165,14 @@ class GatewayServer:
             raise StartupError(f"cannot listen on {where}: {_reason(exc)}") from exc
         if config.cluster is not None:
             from .cluster.member import join
+            from .cluster.publisher import NodeNameTaken
 
-            self.cluster = await self._stack.enter_async_context(
-                join(self._role, config.cluster, self.gateway, self.url)
-            )
+            try:
+                self.cluster = await self._stack.enter_async_context(
+                    join(self._role, config.cluster, self.gateway, self.url)
+                )
+            except NodeNameTaken as exc:
+                raise StartupError(str(exc)) from exc
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()

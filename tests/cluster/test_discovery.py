@@ -396,3 +396,30 @@ async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless
     finally:
         await discovery.aclose()
         await fleet.aclose()
+
+
+async def test_a_second_sidecar_under_a_running_ones_node_name_refuses_to_start(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """An outside run: a second sidecar given the same `cluster.node` started silently; every central swapped the
+    node between the two URLs at each publication (~600 engine rebuilds in 20 s), and stopping one took the
+    other's key with it. The same sidecar stopped and started again registers as before."""
+    from lockgate.server import StartupError
+
+    name = unique_cluster("dup")
+    sims = await start_sims(stack, 1)
+
+    def sidecar(usage: str, port: int = 0) -> GatewayServer:
+        config = sidecar_config(etcd.url, name, sims, str(tmp_path / usage), node="node-d")
+        config["listen"]["port"] = port
+        return GatewayServer(parse_config(config), role="sidecar")
+
+    first = await stack.enter_async_context(sidecar("a.sqlite3"))
+    with pytest.raises(StartupError, match="node 'node-d' is published by a running sidecar at"):
+        async with sidecar("b.sqlite3"):
+            pass
+    assert first.cluster.connected
+    port = int(first.url.rsplit(":", 1)[1])
+    await first.shutdown(drain_s=1)
+    async with sidecar("a.sqlite3", port) as again:  # the same node at its address: no conflict
+        assert again.cluster.node == "node-d"

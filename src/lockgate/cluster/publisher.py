@@ -21,9 +21,13 @@ from ..fleet.pool import Fleet
 from ..routing.residency import anchors
 from ..tasks import cancel_and_wait
 from .config import ClusterConfig
-from .keys import MAX_RESIDENT, EngineRecord, NodeRecord, encode_node, node_key
+from .keys import MAX_RESIDENT, EngineRecord, NodeRecord, decode_node, encode_node, node_key
 from .lease import Registration
-from .store import Etcd
+from .store import Etcd, StoreUnavailable
+
+
+class NodeNameTaken(Exception):
+    """Another running sidecar publishes under this sidecar's node name."""
 
 
 def node_record(
@@ -125,11 +129,41 @@ class Publisher:
         for pool in self._fleet.pools.values():
             pool.report_routed = self._routed
         await self.etcd.__aenter__()
+        try:
+            await self._claim()
+        except BaseException:
+            await self.etcd.aclose()
+            raise
         self._task = asyncio.create_task(self.registration.run(), name="lockgate-cluster-publish")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def _claim(self) -> None:
+        """Refuse to take a node name another live sidecar publishes under: two sidecars sharing one key made every
+        central swap the node between their URLs at every publication (rebuilding its engines each time), and the
+        one that stopped took the key of the other with it. A record of this URL (this sidecar's earlier run) or of
+        a sidecar that no longer publishes (killed: its key waits for its lease to expire) is taken over; etcd out
+        of reach skips the check (the registration retries on its own)."""
+        key = self.registration.key
+        interval = self.config.publish_interval_ms / 1000
+        seen: int | None = None
+        for _ in range(4):  # a live sidecar rewrites its record every interval (its `seq` grows)
+            try:
+                _, kvs = await self.etcd.get_prefix(key)
+            except StoreUnavailable:
+                return
+            record = next((decode_node(kv.value) for kv in kvs if kv.key == key), None)
+            if record is None or record.url == self.url:
+                return
+            if seen is not None and record.seq != seen:
+                raise NodeNameTaken(
+                    f"cluster {self.config.name!r}: node {self.node!r} is published by a running sidecar at "
+                    f"{record.url}; give this one another `cluster.node`"
+                )
+            seen = record.seq
+            await asyncio.sleep(interval)
 
     async def aclose(self) -> None:
         if self._task is not None:
