@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Literal
 
+from .argtypes import tcp_port
 from .runner import run_async
 
 
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", "-c", help="YAML configuration file")
     serve.add_argument("--host", help="override listen.host")
-    serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument("--port", type=tcp_port, help="override listen.port")
     serve.add_argument(
         "--workers", type=int, default=1, help="N processes sharing the port, replicas of the config's cluster"
     )
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sidecar.add_argument("--config", "-c", required=True, help="YAML configuration file with a `cluster:` section")
     sidecar.add_argument("--host", help="override listen.host")
-    sidecar.add_argument("--port", type=int, help="override listen.port")
+    sidecar.add_argument("--port", type=tcp_port, help="override listen.port")
     sidecar.set_defaults(func=_serve, role="sidecar")
 
     check = commands.add_parser("check-config", parents=[common], help="validate a configuration file and exit")

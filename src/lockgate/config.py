@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -138,6 +139,15 @@ class InstanceConfig(_Strict):
             return value
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http://, https:// or unix://")
+        try:
+            parts = urllib.parse.urlsplit(value)
+            port = parts.port  # raises for a port that is not a number in 0-65535
+        except ValueError as exc:
+            raise ValueError(f"is not a usable URL: {exc}") from None
+        if not parts.hostname:
+            raise ValueError("needs a host, e.g. http://127.0.0.1:8000")
+        if port == 0:
+            raise ValueError("needs a port in 1-65535 (or none: 80 for http, 443 for https)")
         return value.rstrip("/")
 
     #: The URL's userinfo as written (compared by `==`, so a reload sees a changed credential).

@@ -208,3 +208,20 @@ def test_dedup_off_unquoted(tmp_path):
     path = tmp_path / "off.yaml"
     path.write_text("models:\n  - name: m\n    dedup: off\n    instances: [{url: 'http://127.0.0.1:1'}]\n")
     assert load_config(path).models[0].dedup == "off"
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://127.0.0.1:notaport", "Port could not be cast"),
+        ("http://", "needs a host"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:0", "needs a port in 1-65535"),
+    ],
+)
+def test_an_instance_url_that_cannot_be_reached_is_a_config_error_naming_the_key(url: str, reason: str) -> None:
+    """A newcomer's run: these passed `check-config` ("OK") and then failed `serve` with a ValueError naming no key."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"models": [{"name": "m", "instances": [{"url": url}]}]})
+    assert "models[0].instances[0].url" in str(err.value) and reason in str(err.value)

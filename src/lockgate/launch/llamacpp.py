@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import IO, Any, Self
 
+from ..argtypes import tcp_port
+
 __all__ = [
     "SMOLLM2_GGUF",
     "EngineStartError",
@@ -138,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m lockgate.launch.llamacpp",
         description="Run llama.cpp's HTTP server (xllamacpp) until SIGTERM/SIGINT.",
     )
-    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
+    parser.add_argument("--port", type=tcp_port, required=True, help="TCP port; 0 picks a free one")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--model-path", type=pathlib.Path, default=None, help="GGUF file (default: SmolLM2)")
     parser.add_argument("--parallel", type=int, default=2, help="number of slots (n_parallel)")

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+from ..argtypes import tcp_port
 from ..runner import run_async
 from .config import SimConfig
 from .server import SimServer
@@ -15,7 +16,7 @@ from .server import SimServer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SimConfig()
     parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="TCP port (0 picks a free one)")
     parser.add_argument("--uds", default=None, help="serve on this unix socket path instead of TCP")
     parser.add_argument(
         "--model",
