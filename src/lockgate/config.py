@@ -483,8 +483,8 @@ def _problems(exc: ValidationError) -> list[str]:
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and indentation)"
-        elif "keys" in err["loc"] or "api_key" in err["loc"]:
-            pass  # never echo what may be a secret
+        elif any(isinstance(part, str) and (part == "api_key" or part.endswith("keys")) for part in err["loc"]):
+            pass  # never echo what may be a secret (`keys`, `central_keys`, `api_key`)
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
         lines.append(f"{where}: {message}")

@@ -225,3 +225,11 @@ def test_an_instance_url_that_cannot_be_reached_is_a_config_error_naming_the_key
     with pytest.raises(ConfigError) as err:
         parse_config({"models": [{"name": "m", "instances": [{"url": url}]}]})
     assert "models[0].instances[0].url" in str(err.value) and reason in str(err.value)
+
+
+def test_a_plaintext_central_key_is_refused_without_echoing_it() -> None:
+    """A newcomer's run: `cluster.central_keys` quoted the plaintext key in its error (tenants' and admin's did not)."""
+    cluster = {"endpoints": ["http://127.0.0.1:2379"], "name": "c", "central_keys": ["my-plaintext-secret"]}
+    with pytest.raises(ConfigError) as err:
+        parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}], "cluster": cluster})
+    assert "cluster.central_keys" in str(err.value) and "my-plaintext-secret" not in str(err.value)
