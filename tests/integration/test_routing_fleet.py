@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import aiohttp
@@ -346,3 +347,21 @@ async def test_a_scrape_does_not_wait_behind_generation_requests(start_sim, star
         await fleet.scraper.scrape_all()
         assert engine.scrape_error is None and engine.engine_load is not None
         assert engine.engine_load.running == 1  # the request in flight, as the engine reports it
+
+
+async def test_an_engine_never_reachable_is_reported_at_its_first_health_check(start_gateway, caplog):
+    """A newcomer's run: an instance URL with nothing listening logged nothing at the default level (every request
+    got 503 and the reason was only in `/admin/fleet`'s `last_error`, as a long exception repr)."""
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    gw = await start_gateway(
+        [{"name": "m", "instances": [{"url": f"http://127.0.0.1:{port}", "name": "nowhere"}]}],
+        health={"interval_ms": 60000, "timeout_ms": 1000},
+    )
+    fleet = gw.gateway.fleet
+    async with asyncio.timeout(30):  # bounds a hang only: the first check runs at start
+        await fleet.wait_until(lambda f: not f.instances[next(iter(f.instances))].healthy)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("instance nowhere is now unhealthy: health check failed: Cannot connect") for m in warnings)

@@ -847,13 +847,16 @@ class Fleet:
                     if not ok:
                         instance.last_error = f"health check answered HTTP {resp.status}"
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            instance.last_error = f"health check failed: {exc!r}"
+            instance.last_error = f"health check failed: {exc or exc.__class__.__name__}"
         instance.last_probe_at = time.time()
         return ok
 
     def _set_health(self, instance: Instance, healthy: bool) -> None:
         if instance.healthy != healthy:
-            log.info("instance %s is now %s", instance.name, "healthy" if healthy else "unhealthy")
+            if healthy:
+                log.info("instance %s is now healthy", instance.name)
+            else:  # (an instance starts healthy: one never reachable is reported at its first check)
+                log.warning("instance %s is now unhealthy: %s", instance.name, instance.last_error or "no reason known")
             if not healthy:
                 # Down (a failed check, a refused connection): when it answers again it is most likely a
                 # restarted engine with an empty cache; believing it still holds its prefixes would send
