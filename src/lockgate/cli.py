@@ -23,7 +23,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     role: Literal["central", "sidecar"] = "sidecar" if getattr(args, "role", None) == "sidecar" else "central"
     if role == "sidecar" and config.cluster is None:
-        print(f"{args.config}: a sidecar needs a `cluster:` section (etcd endpoints, cluster name)", file=sys.stderr)
+        print(
+            f"lockgate: {args.config}: a sidecar needs a `cluster:` section (etcd endpoints, cluster name)",
+            file=sys.stderr,
+        )
         return 2
     workers = getattr(args, "workers", 1)
     if workers > 1:
@@ -79,7 +82,7 @@ def _hash_key(args: argparse.Namespace) -> int:
     # Read from stdin by default so the key stays out of shell history and process listings.
     key = args.key if args.key is not None else sys.stdin.readline().strip()
     if not key:
-        print("no key given (pass it on stdin)", file=sys.stderr)
+        print("lockgate: no key given (pass it on stdin)", file=sys.stderr)
         return 2
     print(hash_key(key))
     return 0
