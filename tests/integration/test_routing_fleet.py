@@ -365,3 +365,16 @@ async def test_an_engine_never_reachable_is_reported_at_its_first_health_check(s
         await fleet.wait_until(lambda f: not f.instances[next(iter(f.instances))].healthy)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(m.startswith("instance nowhere is now unhealthy: health check failed: Cannot connect") for m in warnings)
+
+
+async def test_an_engine_that_does_not_know_the_model_name_is_reported_once(start_sim, start_gateway, http, caplog):
+    """A newcomer's run: a model named `llama-3` in front of an engine serving `m` (no `served_model`) answered every
+    request with the engine's 404 while `/v1/models` listed it, and nothing pointed at `served_model`."""
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "llama-3", "instances": [instance(sim, name="engine")]}])
+    for _ in range(2):
+        async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps({**chat(), "model": "llama-3"})) as r:
+            assert r.status == 404  # the engine's answer, passed on
+    hints = [r.getMessage() for r in caplog.records if "served_model" in r.getMessage()]
+    assert len(hints) == 1 and hints[0].startswith("instance engine answered 404")

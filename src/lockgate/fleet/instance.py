@@ -79,6 +79,8 @@ class Instance:
         #: Its engine was asked how many sequences it runs at once since it last came up (`declared.py`).
         self.parallelism_asked = False
         self.last_error: str | None = None
+        #: It answered 404 once (logged once: a model name its engine does not serve, `served_model`).
+        self.told_not_found = False
         self.own = OwnAccounting()
         self.engine_load: EngineLoad | None = None
         self.scrape_error: str | None = None

@@ -669,6 +669,14 @@ class Fleet:
                 self._metrics.ejections_held_back.labels(instance.name).inc()
         else:
             ejected = False  # the engine refused this request (4xx): says nothing about its health
+            if kind == "http_404" and not instance.told_not_found:
+                instance.told_not_found = True  # once per instance: the usual cause is its configuration
+                log.warning(
+                    "instance %s answered 404 (%s): if its engine serves the model under another name, set the "
+                    "model's `served_model`",
+                    instance.name,
+                    detail[:120],
+                )
         if ejected:
             log.warning(
                 "instance %s ejected for %.1fs after failures (%s)", instance.name, instance.ejection.backoff(), detail
