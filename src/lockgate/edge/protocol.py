@@ -103,7 +103,7 @@ class Connection(asyncio.Protocol):
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
-        #: Bytes of this connection's request bodies counted on the server's held bodies (`_hold`).
+        #: Bytes of this connection's request bodies counted in the server's held bodies (`max_held_body_bytes`).
         self._held = 0
         self._header_bytes_raw = 0  # bytes received while in the header phase, in earlier reads
         self._read_size = 0  # of the read being parsed
