@@ -26,11 +26,15 @@ _NULL_USAGE = b',"usage":null}'
 class ClientView:
     """One streaming client's view of a generation's events."""
 
-    __slots__ = ("_include_usage", "_last", "_response_id", "model", "plain", "usage")
+    __slots__ = ("_include_usage", "_last", "_prompt_tokens", "_response_id", "model", "plain", "usage")
 
-    def __init__(self, *, model: str, include_usage: bool, response_id: str | None = None) -> None:
+    def __init__(
+        self, *, model: str, include_usage: bool, response_id: str | None = None, prompt_tokens: int = 0
+    ) -> None:
+        """`prompt_tokens`: the gateway's estimate, for the closing usage chunk of an engine that reports none."""
         self.model = model
         self._include_usage = include_usage
+        self._prompt_tokens = prompt_tokens
         self._response_id = response_id
         self._last: dict[str, Any] | None = None
         #: The generation's usage, once an event carried it.
@@ -92,13 +96,19 @@ class ClientView:
         return None
 
     def final(self, pieces: int = 0) -> dict[str, Any] | None:
-        """The closing usage chunk, if the client asked for usage and the engine reported it; `pieces`: the chunks
-        with output the client was sent (its completion tokens are no fewer, `_at_least`)."""
-        if not self._include_usage or self.usage is None or self._last is None:
+        """The closing usage chunk, if the client asked for usage; `pieces`: the chunks with output the client was
+        sent (its completion tokens are no fewer, `_at_least`). From an engine whose stream reports no usage, the
+        gateway's estimate (`prompt_tokens`, a token a piece), as a whole answer assembled from it says."""
+        if not self._include_usage or self._last is None:
             return None
+        usage = self.usage
+        if usage is None:
+            if not self._prompt_tokens:
+                return None
+            usage = _estimate(self._prompt_tokens, pieces)
         # The chunk's own fields as this client saw them (id, model, `system_fingerprint`, `service_tier`, ...).
         head = {k: v for k, v in self._last.items() if k != "choices" and k != "usage"}
-        return {**head, "choices": [], "usage": _at_least(self.usage, pieces)}
+        return {**head, "choices": [], "usage": _at_least(usage, pieces)}
 
 
 def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -191,7 +201,7 @@ def assemble(
         response_id = next((e["id"] for e in events if isinstance(e.get("id"), str)), None) or new_response_id(endpoint)
     usage = usage_of(events)
     if usage is None and prompt_tokens:
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": pieces, "total_tokens": prompt_tokens + pieces}
+        usage = _estimate(prompt_tokens, pieces)
     body: dict[str, Any] = {
         "id": response_id,
         "object": endpoint.object_name,
@@ -202,6 +212,11 @@ def assemble(
     }
     body.update(extra)
     return body
+
+
+def _estimate(prompt_tokens: int, pieces: int) -> dict[str, Any]:
+    """The gateway's usage for an engine that reported none: its prompt estimate, a token for each chunk with output."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": pieces, "total_tokens": prompt_tokens + pieces}
 
 
 def _keep(target: dict[str, Any], key: str, value: Any) -> None:

@@ -108,7 +108,12 @@ class SSEWriter:
         #: The engine serving the generation, asked when the head goes out (a flight's leader starts following
         #: before its engine call has opened): named in `x-lockgate-instance`.
         self._instance = instance
-        self.view = ClientView(model=api.model, include_usage=api.include_usage, response_id=response_id)
+        self.view = ClientView(
+            model=api.model,
+            include_usage=api.include_usage,
+            response_id=response_id,
+            prompt_tokens=api.estimated_prompt_tokens() if api.include_usage else 0,
+        )
         self.response: StreamResponse | None = None
         #: Completion tokens written to the client.
         self.delivered = 0

@@ -215,3 +215,14 @@ def test_the_closing_usage_chunk_keeps_the_chunks_own_fields() -> None:
     view.event({"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
     final = view.final(1)
     assert final is not None and final["service_tier"] == "flex" and final["system_fingerprint"] == "fp"
+
+
+def test_a_streamed_client_that_asked_for_usage_gets_the_estimate_from_an_engine_that_reports_none() -> None:
+    """The streamed counterpart of the whole answer's estimate: the client asked for usage and got no usage chunk."""
+    view = ClientView(model="m", include_usage=True, prompt_tokens=6)
+    view.event(_chunk({"role": "assistant", "content": "a"}))
+    view.event(_chunk({"content": "b"}, finish_reason="stop"))
+    final = view.final(2)
+    assert final is not None and final["choices"] == []
+    assert final["usage"] == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    assert ClientView(model="m", include_usage=True).final(2) is None  # nothing seen, nothing said
