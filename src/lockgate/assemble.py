@@ -129,8 +129,15 @@ def has_content(event: dict[str, Any]) -> bool:
 
 
 def _delta_output(delta: Any) -> bool:
-    """Whether a chat chunk's delta carries output (text or a tool call's piece): a token at least."""
-    return isinstance(delta, dict) and bool(delta.get("content") or delta.get("tool_calls"))
+    """Whether a chat chunk's delta carries output (text, reasoning, a tool or function call's piece): a token at
+    least."""
+    return isinstance(delta, dict) and bool(
+        delta.get("content")
+        or delta.get("tool_calls")
+        or delta.get("reasoning")
+        or delta.get("reasoning_content")
+        or delta.get("function_call")
+    )
 
 
 #: Keys `assemble` builds itself: of an event, and of one of its choices.
@@ -187,7 +194,7 @@ def assemble(
     if chat:
         for acc in choices.values():
             message = acc["message"]
-            if message.get("tool_calls"):
+            if message.get("tool_calls") or message.get("function_call"):
                 if message["content"] == "":
                     message["content"] = None  # beside tool calls, as engines and OpenAI answer whole
             elif message["content"] is None and message.get("refusal") is None:
@@ -252,18 +259,25 @@ def _new_choice(index: int, chat: bool) -> dict[str, Any]:
     return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
 
 
+#: A message's text fields, streamed piece by piece.
+_TEXT_FIELDS = frozenset({"content", "refusal", "reasoning", "reasoning_content"})
+
+
 def _fold_delta(message: dict[str, Any], delta: Any) -> None:
-    """Text fields (`content`, `refusal`, `reasoning`, `reasoning_content`, any other) are joined piece by piece;
-    tool calls by their index; a list (`annotations`) extended; anything else kept as last sent."""
+    """Text fields (`_TEXT_FIELDS`) are joined piece by piece; tool calls by their index, a legacy `function_call` by
+    its name and arguments; a list (`annotations`) extended; anything else kept as last sent."""
     if not isinstance(delta, dict):
         return
     for key, value in delta.items():
         if key == "tool_calls":
             _fold_tool_calls(message, value)
+        elif key == "function_call":
+            if isinstance(value, dict):
+                _fold_function(message.setdefault("function_call", {"name": "", "arguments": ""}), value)
         elif key == "role":
             if isinstance(value, str):
                 message["role"] = value
-        elif isinstance(value, str):
+        elif key in _TEXT_FIELDS and isinstance(value, str):
             message[key] = (message.get(key) or "") + value
         elif isinstance(value, list):
             existing = message.get(key)
@@ -291,10 +305,14 @@ def _fold_tool_calls(message: dict[str, Any], pieces: Any) -> None:
             target["type"] = call["type"]
         function = call.get("function")
         if isinstance(function, dict):
-            if isinstance(function.get("name"), str):
-                target["function"]["name"] += function["name"]
-            if isinstance(function.get("arguments"), str):
-                target["function"]["arguments"] += function["arguments"]
+            _fold_function(target["function"], function)
+
+
+def _fold_function(target: dict[str, Any], piece: dict[str, Any]) -> None:
+    """A function call's name and arguments, joined piece by piece."""
+    for key in ("name", "arguments"):
+        if isinstance(piece.get(key), str):
+            target[key] = (target.get(key) or "") + piece[key]
 
 
 def _fold_logprobs(acc: dict[str, Any], logprobs: Any) -> None:

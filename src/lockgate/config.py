@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import ssl
-import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,6 +32,7 @@ from .observe.config import AccessLogConfig, AdminConfig, MetricsConfig, Tracing
 from .routing.config import EjectionConfig, RoutingConfig, ScrapeConfig
 from .routing.config import PolicyName as PolicyName
 from .slo.config import SloConfig
+from .urlcheck import http_url_problem
 from .userinfo import basic_credential, join, redact, split
 
 EngineName = Literal["vllm", "sglang", "tgi", "llamacpp", "openai"]
@@ -139,15 +139,9 @@ class InstanceConfig(_Strict):
             return value
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http://, https:// or unix://")
-        try:
-            parts = urllib.parse.urlsplit(value)
-            port = parts.port  # raises for a port that is not a number in 0-65535
-        except ValueError as exc:
-            raise ValueError(f"is not a usable URL: {exc}") from None
-        if not parts.hostname:
-            raise ValueError("needs a host, e.g. http://127.0.0.1:8000")
-        if port == 0:
-            raise ValueError("needs a port in 1-65535 (or none: 80 for http, 443 for https)")
+        problem = http_url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value.rstrip("/")
 
     #: The URL's userinfo as written (compared by `==`, so a reload sees a changed credential).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,9 @@ async def start_sims(stack: contextlib.AsyncExitStack, n: int) -> list[SimServer
 
 
 async def test_central_routes_to_each_engine_through_its_sidecar(
-    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="lockgate.cluster.discovery")
     name = unique_cluster("discovery")
     sims = await start_sims(stack, 2)
     config = sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="node-a")
@@ -99,6 +101,10 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
     async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["param"] == "model"
+    # Idle, its drain published nothing: its last record says it stopped all the same (an outside run saw an idle
+    # sidecar's clean stop taken for a lease that expired: 503 for a lease TTL, then 404).
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sidecar node-a ")]
+    assert said[-1] == "sidecar node-a left (it stopped)" and not any("lost its key" in m for m in said)
 
 
 @pytest.mark.parametrize("choice", ["sidecar", "central"])
@@ -417,6 +423,12 @@ async def test_a_second_sidecar_under_a_running_ones_node_name_refuses_to_start(
     first = await stack.enter_async_context(sidecar("a.sqlite3"))
     with pytest.raises(StartupError, match="node 'node-d' is published by a running sidecar at"):
         async with sidecar("b.sqlite3"):
+            pass
+    # One that publishes seldom (its record unchanged for a while) is alive all the same: its key outlives a TTL.
+    slow = first.cluster
+    slow.registration.republish_s = 30.0
+    with pytest.raises(StartupError, match="node 'node-d' is published by a running sidecar at"):
+        async with sidecar("c.sqlite3"):
             pass
     assert first.cluster.connected
     port = int(first.url.rsplit(":", 1)[1])

@@ -226,3 +226,19 @@ def test_a_streamed_client_that_asked_for_usage_gets_the_estimate_from_an_engine
     assert final is not None and final["choices"] == []
     assert final["usage"] == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
     assert ClientView(model="m", include_usage=True).final(2) is None  # nothing seen, nothing said
+
+
+def test_a_legacy_function_call_is_joined_piece_by_piece() -> None:
+    """The regression run: the first version kept a streamed `function_call` as its last piece (name lost, only the
+    last argument fragment) and counted no completion tokens."""
+    events = [
+        _chunk({"role": "assistant", "content": "", "function_call": {"name": "get_weather", "arguments": ""}}),
+        _chunk({"function_call": {"arguments": '{"city": '}}),
+        _chunk({"function_call": {"arguments": '"Paris"}'}}, finish_reason="function_call"),
+        {**_chunk({"type": "text"}), "service_tier": "default"},  # a repeated non-text field is not joined
+    ]
+    body = assemble(Endpoint.CHAT, events, model="m", prompt_tokens=5)
+    message = body["choices"][0]["message"]
+    assert message["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert message["content"] is None and message["type"] == "text"
+    assert body["usage"]["completion_tokens"] == 3

@@ -233,3 +233,12 @@ def test_a_plaintext_central_key_is_refused_without_echoing_it() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}], "cluster": cluster})
     assert "cluster.central_keys" in str(err.value) and "my-plaintext-secret" not in str(err.value)
+
+
+def test_a_sidecars_advertised_url_is_checked_as_an_instance_url() -> None:
+    """The regression run: `advertise_url: http://127.0.0.1:99999` passed check-config; every central then refused the
+    published URL (a warning at the publication rate) and the model answered 404."""
+    cluster = {"endpoints": ["http://127.0.0.1:2379"], "name": "c", "advertise_url": "http://127.0.0.1:99999"}
+    with pytest.raises(ConfigError) as err:
+        parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}], "cluster": cluster})
+    assert "cluster.advertise_url" in str(err.value) and "Port out of range" in str(err.value)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..admission.config import check_key_digests
 from ..routing.config import RoutingConfig
+from ..urlcheck import http_url_problem
 
 
 class ClusterConfig(BaseModel):
@@ -73,6 +74,11 @@ class ClusterConfig(BaseModel):
     @field_validator("advertise_url")
     @classmethod
     def _check_advertise(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
+        if value is None:
+            return None
+        if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
-        return None if value is None else value.rstrip("/")
+        problem = http_url_problem(value)  # what every central will check it against (an instance's URL)
+        if problem is not None:
+            raise ValueError(problem)
+        return value.rstrip("/")

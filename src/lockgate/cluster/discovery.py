@@ -242,6 +242,8 @@ class Discovery:
                 prefix_queries=engine.prefix_queries,
                 foreign_in_flight=max(0, engine.in_flight - instance.in_flight),
             )
+            if record.draining or not engine.routable:
+                instance.last_error = "its sidecar is stopping" if record.draining else "its sidecar reports it down"
             fleet.set_health(instance, engine.routable and not record.draining)
             if engine.resident:
                 for model in engine.models:
@@ -272,7 +274,8 @@ class Discovery:
         for ikey in self._owned.get(key, ()):
             instance = self._fleet.instances.get(ikey)
             if instance is not None:
-                self._fleet.set_health(instance, False)
+                instance.last_error = "its sidecar's key in etcd expired"
+                self._fleet.set_health(instance, False, cache_lost=False)  # its engine may well run on
         grace = self.config.lease_ttl_ms / 1000
         self._leaving[key] = asyncio.get_running_loop().call_later(grace, self._left, key, record.node)
 

@@ -114,9 +114,12 @@ class Registration:
             if self._on_change is not None:
                 self._on_change(False)
 
-    async def aclose(self) -> None:
-        """Revoke the lease (its keys go at once); best effort, bounded by the client's timeout."""
+    async def aclose(self, last: bytes | None = None) -> None:
+        """Revoke the lease (its keys go at once); best effort, bounded by the client's timeout. `last`: a value
+        written first, so that readers see it before the key goes (a sidecar's record saying it stopped)."""
         lease, self.lease = self.lease, None
         if lease is not None:
             with contextlib.suppress(StoreUnavailable):
+                if last is not None and last != self._written:
+                    await self.etcd.put(self.key, last, lease=lease)
                 await self.etcd.revoke(lease)

@@ -91,6 +91,7 @@ class Publisher:
         self._draining = draining
         self.etcd = Etcd(config.endpoints, timeout_s=config.timeout_ms / 1000)
         self.seq = 0
+        self._stopping = False
         self.registration = Registration(
             self.etcd,
             node_key(config.name, self.node),
@@ -118,7 +119,7 @@ class Publisher:
             node=self.node,
             url=self.url,
             seq=self.seq,
-            draining=self._draining(),
+            draining=self._stopping or self._draining(),
             now=time.monotonic(),
             resident=resident,
         )
@@ -143,13 +144,15 @@ class Publisher:
     async def _claim(self) -> None:
         """Refuse to take a node name another live sidecar publishes under: two sidecars sharing one key made every
         central swap the node between their URLs at every publication (rebuilding its engines each time), and the
-        one that stopped took the key of the other with it. A record of this URL (this sidecar's earlier run) or of
-        a sidecar that no longer publishes (killed: its key waits for its lease to expire) is taken over; etcd out
-        of reach skips the check (the registration retries on its own)."""
+        one that stopped took the key of the other with it. A record of this URL (this sidecar's earlier run) is
+        taken over; one of another URL is another sidecar's: alive if its record changes, or if its key outlives a
+        lease TTL (a killed sidecar's key goes within its TTL, and is then taken over); draining, it is refused too
+        (it still publishes until it stops). etcd out of reach skips the check (the registration retries)."""
         key = self.registration.key
-        interval = self.config.publish_interval_ms / 1000
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(self.config.lease_ttl_ms / 1000, 2.0) + 1.0  # etcd's TTLs are 2 s at least
         seen: int | None = None
-        for _ in range(4):  # a live sidecar rewrites its record every interval (its `seq` grows)
+        while True:
             try:
                 _, kvs = await self.etcd.get_prefix(key)
             except StoreUnavailable:
@@ -157,19 +160,27 @@ class Publisher:
             record = next((decode_node(kv.value) for kv in kvs if kv.key == key), None)
             if record is None or record.url == self.url:
                 return
-            if seen is not None and record.seq != seen:
+            if record.draining:
+                raise NodeNameTaken(
+                    f"cluster {self.config.name!r}: node {self.node!r} is draining at {record.url}; start this one "
+                    "once it has stopped, or give it another `cluster.node`"
+                )
+            if (seen is not None and record.seq != seen) or loop.time() >= deadline:
                 raise NodeNameTaken(
                     f"cluster {self.config.name!r}: node {self.node!r} is published by a running sidecar at "
                     f"{record.url}; give this one another `cluster.node`"
                 )
             seen = record.seq
-            await asyncio.sleep(interval)
+            await asyncio.sleep(0.1)
 
     async def aclose(self) -> None:
         if self._task is not None:
             task, self._task = self._task, None
             await cancel_and_wait(task)
-            await self.registration.aclose()
+            # The last record says it stopped, whatever the drain published: centrals then let the node go at
+            # once when its key goes, instead of keeping its engines as they do for a node whose lease expired.
+            self._stopping = True
+            await self.registration.aclose(last=self._value())
         await self.etcd.aclose()
 
     @property

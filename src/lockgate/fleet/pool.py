@@ -497,10 +497,11 @@ class Fleet:
         if pool.discovered and not pool.instances:
             del self.pools[pool.model]
 
-    def set_health(self, instance: Instance, healthy: bool) -> None:
-        """Health from another source (a sidecar's publication): applied and announced like a probe's."""
+    def set_health(self, instance: Instance, healthy: bool, *, cache_lost: bool = True) -> None:
+        """Health from another source (a sidecar's publication): applied and announced like a probe's.
+        `cache_lost=False`: out of service while its engine still runs (its prefixes stay believed)."""
         if instance.healthy != healthy:
-            self._set_health(instance, healthy)
+            self._set_health(instance, healthy, cache_lost=cache_lost)
             self._notify()
 
     def set_concurrency(self, instance: Instance, limit: int) -> None:
@@ -859,13 +860,13 @@ class Fleet:
         instance.last_probe_at = time.time()
         return ok
 
-    def _set_health(self, instance: Instance, healthy: bool) -> None:
+    def _set_health(self, instance: Instance, healthy: bool, *, cache_lost: bool = True) -> None:
         if instance.healthy != healthy:
             if healthy:
                 log.info("instance %s is now healthy", instance.name)
             else:  # (an instance starts healthy: one never reachable is reported at its first check)
                 log.warning("instance %s is now unhealthy: %s", instance.name, instance.last_error or "no reason known")
-            if not healthy:
+            if not healthy and cache_lost:
                 # Down (a failed check, a refused connection): when it answers again it is most likely a
                 # restarted engine with an empty cache; believing it still holds its prefixes would send
                 # their traffic there to miss. (Passive ejection keeps the residency: the engine runs.)

@@ -1,0 +1,22 @@
+"""Whether an http(s) URL names something a client can connect to: a host, and a port that is a number in 1-65535.
+
+Config validators call it (an instance's URL, a sidecar's `advertise_url`), so that a URL that passes `check-config`
+does not fail later, at `serve` or at every central that reads it."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+
+def http_url_problem(url: str) -> str | None:
+    """What is wrong with the http(s) URL `url` (its scheme already checked), or None."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port that is not a number in 0-65535
+    except ValueError as exc:
+        return f"is not a usable URL: {exc}"
+    if not parts.hostname:
+        return "needs a host, e.g. http://127.0.0.1:8000"
+    if port == 0:
+        return "needs a port in 1-65535 (or none: 80 for http, 443 for https)"
+    return None
