@@ -375,6 +375,17 @@ class Config(_Strict):
                     spec.basic_authorization,
                 ):
                     raise ValueError(f"instance {spec.url} is listed with different credentials")
+        limits: dict[str, int | None] = {}
+        for model in self.models:
+            for spec in model.instances:
+                # One URL is one engine with one limit: the first listing's was taken silently.
+                first = limits.setdefault(spec.url, spec.max_concurrency)
+                if first != spec.max_concurrency:
+                    shown = " and ".join("unset" if v is None else str(v) for v in (first, spec.max_concurrency))
+                    raise ValueError(
+                        f"instance {redact(spec.url)} is listed with different max_concurrency ({shown}): one URL is "
+                        "one engine, with one limit; give every listing the same"
+                    )
         if self.cluster is None:  # (a cluster's gateways learn models from etcd: any name may come)
             served = set(names) | simulated
             for index, tenant in enumerate(self.tenants):

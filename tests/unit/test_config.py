@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 
 from lockgate.config import ConfigError, load_config, parse_config
@@ -242,3 +244,14 @@ def test_a_sidecars_advertised_url_is_checked_as_an_instance_url() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}], "cluster": cluster})
     assert "cluster.advertise_url" in str(err.value) and "Port out of range" in str(err.value)
+
+
+def test_one_engine_listed_under_two_models_with_different_limits_is_a_config_error() -> None:
+    """The regression run: `max_concurrency: 2` on the second listing of a shared URL was silently ignored (the first
+    listing's, unset, was taken: 256), which also disabled the routing ceiling the limit is for."""
+    first = {"name": "a", "instances": [{"url": "http://127.0.0.1:1"}]}
+    limited: dict[str, Any] = {"url": "http://127.0.0.1:1", "max_concurrency": 2}
+    with pytest.raises(ConfigError, match=r"different max_concurrency \(unset and 2\)"):
+        parse_config({"models": [first, {"name": "b", "instances": [limited]}]})
+    same = {"name": "b", "instances": [{"url": "http://127.0.0.1:1"}]}
+    parse_config({"models": [first, same]})  # the same (unset) on both: one engine, fine
