@@ -33,6 +33,22 @@ def test_guard_reads_typed_apostrophes_signs_and_order():
     assert compatible("pick between 5-10 apples", "pick between 5 and 10 apples")  # a range, not a minus
 
 
+@pytest.mark.parametrize("mark", ["\u00b4", "\uff07", "\u201b", "\u02b9", "\u02be"])
+def test_guard_reads_any_mark_typed_as_an_apostrophe(mark: str) -> None:
+    """A second outside run: an acute accent (European keyboards), a fullwidth apostrophe and other marks hid the
+    negation ("isn\u00b4t" became "isn" and "t"), and the cached answer to the positive question was served."""
+    assert not compatible("Is it safe to take ibuprofen with alcohol?", f"Isn{mark}t it safe to take ibuprofen?")
+    assert compatible("The internet is fast", "The internet is fast")
+
+
+def test_guard_reads_commas_between_numbers_as_separators_unless_they_group_thousands() -> None:
+    """The same run: every comma was removed, so "1,2,3" equalled "12,3" and a European "1,5" equalled 15."""
+    assert not compatible("show your working: 1,2,3", "show your working: 12,3")
+    assert not compatible("What is 1,5 times 2?", "What is 15 times 2?")
+    assert compatible("Is 1,234 more than 1,000?", "Is 1234 more than 1000?")
+    assert signature("-1,2") == (("-1", "2"), 0)
+
+
 def chat(content: str, **extra: Any) -> ApiRequest:
     return validate(
         Endpoint.CHAT,
@@ -64,6 +80,14 @@ def test_probe_scope_is_exact_on_everything_but_the_last_message():
         },
     )
     assert probe_scope("t", with_context) != scope  # the conversation before the last message
+
+    # The last message's own fields: "greet me by my name" from alice is not from bob (an outside run: bob got
+    # alice's answer).
+    def named(name: str) -> ApiRequest:
+        message = {"role": "user", "name": name, "content": "hi"}
+        return validate(Endpoint.CHAT, {"model": "m", "temperature": 0, "messages": [message]})
+
+    assert probe_scope("t", named("alice")) != probe_scope("t", named("bob"))
     assistant_last = validate(Endpoint.CHAT, {"model": "m", "messages": [{"role": "assistant", "content": "x"}]})
     assert probe_input("t", assistant_last) is None
 

@@ -43,7 +43,8 @@ def probe_input(tenant: str, api: ApiRequest) -> tuple[bytes, str] | None:
         content = last.get("content")
         if last.get("role") != "user" or not isinstance(content, str):
             return None
-        text, context = content, messages[:-1]
+        # The last message's other fields (its `name`: "greet me by my name") change the answer as much as the text.
+        text, context = content, [*messages[:-1], {k: v for k, v in last.items() if k != "content"}]
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
