@@ -100,12 +100,17 @@ def plan_reload(
         for name in type(new_file).model_fields
         if name not in HOT_SECTIONS and _differs(running_file, new_file, name)
     ]
-    old_semantic = {m.name: m.semantic for m in served.models}
+    old_models = {m.name: m for m in served.models}
     models: list[ModelConfig] = []
     for model in new_file.models:
-        semantic = old_semantic.get(model.name)
-        if model.semantic != semantic:
-            # The semantic cache (and its embedding model) is set up at start.
+        old = old_models.get(model.name)
+        semantic = old.semantic if old is not None else None
+        # The semantic cache (and its embedding model) is set up at start, for a model that de-duplicates: a change
+        # of either that would need one where none runs (or the other way) needs a restart. A model added by a
+        # reload gets none (one removed and added again lost its cache with it).
+        running = semantic is not None and old is not None and old.dedup != "off"
+        wanted = model.semantic is not None and model.dedup != "off"
+        if model.semantic != semantic or running != wanted:
             restart.append(f"models[{model.name}].semantic")
             model = model.model_copy(update={"semantic": semantic})
         models.append(model)

@@ -97,6 +97,19 @@ def test_plan_keeps_the_semantic_cache_settings_until_a_restart() -> None:
     assert plan.served.models[0].semantic is None
 
 
+def test_a_reload_that_turns_on_dedup_for_a_model_with_a_semantic_section_needs_a_restart() -> None:
+    """An outside run: `dedup: off` with a `semantic:` section (no cache built at start), reloaded with dedup on:
+    `restart_required: []`, and the semantic cache never existed. A model a reload adds gets none either."""
+    semantic = {"threshold": 0.9}
+    old = config([{"name": "m", "dedup": "off", "instances": [{"url": A}], "semantic": semantic}])
+    new = config([{"name": "m", "dedup": "deterministic", "instances": [{"url": A}], "semantic": semantic}])
+    assert plan_reload(old, new, old, {}).restart_required == ("models[m].semantic",)
+    added = config(
+        [*[m.model_dump() for m in old.models], {"name": "n", "instances": [{"url": A}], "semantic": semantic}]
+    )
+    assert plan_reload(old, added, old, {}).restart_required == ("models[n].semantic",)
+
+
 def test_rate_limits_take_new_capacities_and_keep_levels() -> None:
     tenant = Tenant(name="t", models=None, default_priority=1, max_priority=0, requests_per_minute=10)
     limiter = RateLimiter()

@@ -396,3 +396,20 @@ async def test_a_failed_flight_hands_its_events_then_its_error():
     assert not subscription.ended
     with pytest.raises(UpstreamError, match="went away"):
         subscription.take()
+
+
+async def test_a_model_a_reload_removed_takes_its_semantic_cache_with_it() -> None:
+    """An outside run: a model removed by a reload and added again answered a paraphrase from the semantic cache
+    filled before (perhaps in front of other engines now), and its semantic gauges stayed while it was gone."""
+    config = parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9"}]}]})
+    metrics = GatewayMetrics()
+    coalescer = Coalescer(config, metrics, Fleet(config, metrics))  # a fleet never started
+    try:
+        coalescer.semantic["m"] = cast(Any, object())  # (the real cache loads an embedding model: not needed here)
+        coalescer.metrics.bind_semantic("m", lambda: 3.0, lambda: 300.0)
+        assert 'lockgate_semantic_cache_entries{model="m"} 3.0' in metrics.render().decode()
+        coalescer.forget_models(["m", "never-had-one"])
+        assert "m" not in coalescer.semantic
+        assert "lockgate_semantic_cache_entries{" not in metrics.render().decode()
+    finally:
+        await coalescer.aclose()

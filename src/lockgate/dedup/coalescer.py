@@ -24,7 +24,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..assemble import assemble
@@ -345,6 +345,13 @@ class Coalescer:
         """A response id unique to this gateway's run (a random prefix and a counter: no system call)."""
         prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
         return f"{prefix}{self._response_prefix}{next(self._response_count):x}"
+
+    def forget_models(self, models: Iterable[str]) -> None:
+        """Models a reload removed: their semantic caches go with them (one added again under the name, perhaps in
+        front of other engines, must not answer from the answers of before; a new cache needs a restart)."""
+        for model in models:
+            if self.semantic.pop(model, None) is not None:
+                self.metrics.unbind_semantic(model)
 
     def statistics(self) -> dict[str, Any]:
         statistics = {"flights": self.flights.statistics(), "cache": self.cache.statistics()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -67,6 +68,11 @@ class DedupMetrics:
     def bind_semantic(self, model: str, entries: Callable[[], float], nbytes: Callable[[], float]) -> None:
         self.semantic_entries.labels(model).set_function(entries)
         self.semantic_bytes.labels(model).set_function(nbytes)
+
+    def unbind_semantic(self, model: str) -> None:
+        for gauge in (self.semantic_entries, self.semantic_bytes):
+            with contextlib.suppress(KeyError):
+                gauge.remove(model)
 
     def _hit_ratio(self) -> float:
         count = {outcome: child.value for outcome, child in self._by_outcome.items()}
