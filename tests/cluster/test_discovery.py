@@ -21,7 +21,7 @@ from lockgate.cluster.store import WatchEvent
 from lockgate.config import parse_config
 from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
-from lockgate.server import GatewayServer, _banner
+from lockgate.server import GatewayServer, StartupError, _banner
 from lockgate.sim import SimConfig, SimServer
 from tests.cluster.support import central_config, eventually, sidecar_config, unique_cluster
 from tests.etcd_support import EtcdServer
@@ -410,8 +410,6 @@ async def test_a_second_sidecar_under_a_running_ones_node_name_refuses_to_start(
     """An outside run: a second sidecar given the same `cluster.node` started silently; every central swapped the
     node between the two URLs at each publication (~600 engine rebuilds in 20 s), and stopping one took the
     other's key with it. The same sidecar stopped and started again registers as before."""
-    from lockgate.server import StartupError
-
     name = unique_cluster("dup")
     sims = await start_sims(stack, 1)
 
@@ -435,3 +433,25 @@ async def test_a_second_sidecar_under_a_running_ones_node_name_refuses_to_start(
     await first.shutdown(drain_s=1)
     async with sidecar("a.sqlite3", port) as again:  # the same node at its address: no conflict
         assert again.cluster.node == "node-d"
+
+
+async def test_of_two_sidecars_starting_at_once_under_one_node_name_one_refuses(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """The last outside run: started at the same instant, both read the name free and both ran (2 starts in 6). The
+    name is taken in one etcd transaction: one of them takes it, the other finds it taken."""
+    name = unique_cluster("race")
+    sims = await start_sims(stack, 1)
+
+    def sidecar(usage: str) -> GatewayServer:
+        config = sidecar_config(etcd.url, name, sims, str(tmp_path / usage), node="node-r")
+        return GatewayServer(parse_config(config), role="sidecar")
+
+    async def start(server: GatewayServer) -> GatewayServer:
+        return await stack.enter_async_context(server)
+
+    outcomes = await asyncio.gather(start(sidecar("a.sqlite3")), start(sidecar("b.sqlite3")), return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, StartupError)]
+    running = [o for o in outcomes if isinstance(o, GatewayServer)]
+    assert len(refused) == 1 and len(running) == 1, outcomes
+    assert "node 'node-r' is published by a running sidecar" in str(refused[0])

@@ -56,6 +56,10 @@ class Registration:
         self._written: bytes | None = None
         self.last_error: str | None = None
 
+    def adopt(self, lease: int, written: bytes) -> None:
+        """Keep the key that `written` was stored at under `lease` (a sidecar that created it itself: `Publisher`)."""
+        self.lease, self._written = lease, written
+
     async def run(self) -> None:
         """Keep the key in etcd until cancelled."""
         loop = asyncio.get_running_loop()

@@ -158,7 +158,19 @@ class Publisher:
             except StoreUnavailable:
                 return
             record = next((decode_node(kv.value) for kv in kvs if kv.key == key), None)
-            if record is None or record.url == self.url:
+            if record is None:
+                # Free: take it in one transaction, so that of two sidecars starting at the same instant one does.
+                try:
+                    lease, _ = await self.etcd.grant(self.registration.ttl_s)
+                    value = self._value()
+                    if await self.etcd.create(key, value, lease=lease):
+                        self.registration.adopt(lease, value)
+                        return
+                    await self.etcd.revoke(lease)
+                except StoreUnavailable:
+                    return
+                continue  # another sidecar took it meanwhile: is it alive?
+            if record.url == self.url:
                 return
             if record.draining:
                 raise NodeNameTaken(

@@ -161,6 +161,15 @@ class Etcd:
         data = await self._call("/v3/kv/put", body)
         return _revision(data)
 
+    async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        """Write `key` only if it does not exist (one transaction); whether it was written."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        compare = {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        data = await self._call("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
+        return bool(data.get("succeeded"))
+
     async def delete(self, key: str) -> None:
         await self._call("/v3/kv/deleterange", {"key": _b64(key)})
 
