@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -83,7 +83,13 @@ class Host(Protocol):
     log_prompts: bool
     loop: asyncio.AbstractEventLoop
 
-    def error_response(self, error: GatewayError, request_id: str, instance: str | None = None) -> Response: ...
+    def error_response(
+        self,
+        error: GatewayError,
+        request_id: str,
+        instance: str | None = None,
+        extra: Mapping[str, str] | None = None,
+    ) -> Response: ...
 
 
 class Exchange:
@@ -392,7 +398,8 @@ class Exchange:
             return self.response or self.host.error_response(error, self._echo_id(), self.record.instance)
         self._set_end(status, reason=reason, error=error)
         if self.response is None or not self._stream_started():
-            return self.host.error_response(error, self._echo_id(), self.record.instance)
+            # (`response_headers`: the tenant's `x-ratelimit-*` as of its admission, as its answers carry them)
+            return self.host.error_response(error, self._echo_id(), self.record.instance, self.response_headers)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
             await self.response.write(sse.encode_error(error.body()))

@@ -12,7 +12,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import orjson
@@ -288,10 +288,18 @@ class Gateway:
             return InvalidRequest(message, code=codes.get(status, "bad_http_request")).body_bytes()
         return GatewayError(message).body_bytes()
 
-    def error_response(self, error: GatewayError, request_id: str, instance: str | None = None) -> Response:
+    def error_response(
+        self,
+        error: GatewayError,
+        request_id: str,
+        instance: str | None = None,
+        extra: Mapping[str, str] | None = None,
+    ) -> Response:
         """The error in the OpenAI envelope; `instance`: the name of the instance that answered or was
-        tried last (none if the request reached no instance)."""
+        tried last (none if the request reached no instance); `extra`: headers it carries too (the error's own win)."""
         headers = {"x-request-id": request_id, **error.headers()} if request_id else error.headers()
+        if extra:
+            headers = {**extra, **headers}
         if instance:
             headers["x-lockgate-instance"] = instance
         return Response(

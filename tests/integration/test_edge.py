@@ -339,3 +339,17 @@ async def test_connections_over_the_limit_are_refused_and_counted(start_sim, sta
         assert status == 200 and b"lockgate_client_connections_refused_total 1.0" in metrics
     finally:
         writer.close()
+
+
+async def test_a_failure_after_admission_carries_the_tenants_rate_limit_headers(start_gateway, http):
+    """Noticed in an earlier session: 503/504 after admission carried no `x-ratelimit-*` while every answer did, so a
+    client backing off by them lost track of its allowance exactly when it failed."""
+    from lockgate.admission.tenants import hash_key
+
+    url = f"http://127.0.0.1:{closed_port()}"
+    tenant = {"name": "acme", "keys": [hash_key("sk-acme")], "requests_per_minute": 60}
+    gw = await start_gateway([{"name": "m", "retries": 0, "instances": [{"url": url}]}], tenants=[tenant])
+    await gw.gateway.fleet.probe_all()  # nothing listens: no healthy instance
+    status, headers, raw = await post(http, gw.url, CHAT, Authorization="Bearer sk-acme")
+    assert status == 503 and error_of(raw)["code"] == "no_healthy_instance" and int(headers["Retry-After"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == "60" and "x-ratelimit-remaining-requests" in headers
