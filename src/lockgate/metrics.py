@@ -477,24 +477,33 @@ class SchedulingMetrics:
                 registry=r,
             )
         )
-        self.ratelimit_remaining_requests = Gauge(
-            "lockgate_ratelimit_remaining_requests",
-            "Requests left in the tenant's per-minute allowance (as of its last admission or settlement).",
-            ["tenant"],
-            registry=r,
+        # Per tenant (`Family`: a reload drops the series of the tenants and limits it removed).
+        self.ratelimit_remaining_requests = Family(
+            Gauge(
+                "lockgate_ratelimit_remaining_requests",
+                "Requests left in the tenant's per-minute allowance (as of its last admission or settlement).",
+                ["tenant"],
+                registry=r,
+            )
         )
-        self.ratelimit_remaining_tokens = Gauge(
-            "lockgate_ratelimit_remaining_tokens",
-            "Tokens left in the tenant's per-minute allowance (as of its last admission or settlement).",
-            ["tenant"],
-            registry=r,
+        self.ratelimit_remaining_tokens = Family(
+            Gauge(
+                "lockgate_ratelimit_remaining_tokens",
+                "Tokens left in the tenant's per-minute allowance (as of its last admission or settlement).",
+                ["tenant"],
+                registry=r,
+            )
         )
-        self.tenant_in_flight = Gauge(
-            "lockgate_tenant_requests_in_flight", "Admitted requests in flight, by tenant.", ["tenant"], registry=r
+        self.tenant_in_flight = Family(
+            Gauge(
+                "lockgate_tenant_requests_in_flight", "Admitted requests in flight, by tenant.", ["tenant"], registry=r
+            )
         )
-        self.tokens_reserved = Gauge(
-            "lockgate_tokens_reserved",
-            "Tokens reserved by requests in flight, by tenant (returns to 0).",
-            ["tenant"],
-            registry=r,
+        self.tokens_reserved = Family(
+            Gauge(
+                "lockgate_tokens_reserved",
+                "Tokens reserved by requests in flight, by tenant (returns to 0).",
+                ["tenant"],
+                registry=r,
+            )
         )

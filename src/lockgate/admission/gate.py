@@ -22,14 +22,11 @@ and `release()` returns the slot (granting the next waiter) or leaves the queue 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
-
-from prometheus_client import Gauge
 
 from ..changes import Changes
 from ..errors import QueueFull, QueueTimeout
@@ -472,10 +469,10 @@ class Admission:
         """Export the gauges of every configured tenant now (before its first request) with its current limits, and
         drop the series of tenants no longer configured (a reload removed them) and of limits a reload removed."""
         m = self._metrics
+        families = (m.ratelimit_remaining_requests, m.ratelimit_remaining_tokens, m.tenant_in_flight, m.tokens_reserved)
         for name in self._watched - self.book.tenants.keys():
-            for gauge in (m.ratelimit_remaining_requests, m.ratelimit_remaining_tokens, m.tenant_in_flight):
-                _unlabel(gauge, name)
-            _unlabel(m.tokens_reserved, name)
+            for family in families:
+                family.remove(name)
         self._watched.clear()
         for tenant in self.book.tenants.values():
             self._watch(tenant)
@@ -563,11 +560,11 @@ class Admission:
         if tenant.requests_per_minute is not None:
             m.ratelimit_remaining_requests.labels(tenant.name).set_function(lambda: remaining(state().requests))
         else:
-            _unlabel(m.ratelimit_remaining_requests, tenant.name)  # (a reload removed the limit)
+            m.ratelimit_remaining_requests.remove(tenant.name)  # (a reload removed the limit)
         if tenant.tokens_per_minute is not None:
             m.ratelimit_remaining_tokens.labels(tenant.name).set_function(lambda: remaining(state().tokens))
         else:
-            _unlabel(m.ratelimit_remaining_tokens, tenant.name)
+            m.ratelimit_remaining_tokens.remove(tenant.name)
         m.tenant_in_flight.labels(tenant.name).set_function(lambda: state().in_flight)
         m.tokens_reserved.labels(tenant.name).set_function(lambda: state().reserved_tokens)
 
@@ -579,9 +576,3 @@ class Admission:
                 for name, st in self.limiter.tenants().items()
             },
         }
-
-
-def _unlabel(gauge: Gauge, tenant: str) -> None:
-    """Drop `gauge`'s series of `tenant`, if it has one."""
-    with contextlib.suppress(KeyError):
-        gauge.remove(tenant)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from ..metrics import LoopFamily
+from ..metrics import Family, LoopFamily
 
 OUTCOMES = ("miss", "coalesced", "hit", "semantic", "bypass", "semantic_shadow")
 
@@ -47,17 +46,22 @@ class DedupMetrics:
             "lockgate_dedup_cache_entries", "Completed results held in the cache.", registry=registry
         )
         self.cache_bytes = Gauge("lockgate_dedup_cache_bytes", "Bytes held by the result cache.", registry=registry)
-        self.semantic_entries = Gauge(
-            "lockgate_semantic_cache_entries",
-            "Completed answers held by a model's semantic cache (bounded by its max_entries).",
-            ["model"],
-            registry=registry,
+        # Per model (`Family`: a model a reload removed takes its series with it).
+        self.semantic_entries = Family(
+            Gauge(
+                "lockgate_semantic_cache_entries",
+                "Completed answers held by a model's semantic cache (bounded by its max_entries).",
+                ["model"],
+                registry=registry,
+            )
         )
-        self.semantic_bytes = Gauge(
-            "lockgate_semantic_cache_bytes",
-            "Bytes of answers held by a model's semantic cache (bounded by its max_bytes).",
-            ["model"],
-            registry=registry,
+        self.semantic_bytes = Family(
+            Gauge(
+                "lockgate_semantic_cache_bytes",
+                "Bytes of answers held by a model's semantic cache (bounded by its max_bytes).",
+                ["model"],
+                registry=registry,
+            )
         )
 
     def bind(self, flights: Callable[[], float], entries: Callable[[], float], nbytes: Callable[[], float]) -> None:
@@ -70,9 +74,8 @@ class DedupMetrics:
         self.semantic_bytes.labels(model).set_function(nbytes)
 
     def unbind_semantic(self, model: str) -> None:
-        for gauge in (self.semantic_entries, self.semantic_bytes):
-            with contextlib.suppress(KeyError):
-                gauge.remove(model)
+        self.semantic_entries.remove(model)
+        self.semantic_bytes.remove(model)
 
     def _hit_ratio(self) -> float:
         count = {outcome: child.value for outcome, child in self._by_outcome.items()}
