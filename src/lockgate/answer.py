@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .assemble import assemble
+from .assemble import assemble_for
 from .errors import UpstreamProtocolError
 from .upstream import too_large
 
@@ -99,4 +99,4 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
         if call.received > limit:
             call.abort()
             raise too_large(call.served_by, limit)
-    return assemble(api.endpoint, held, model=api.model, prompt_tokens=api.estimated_prompt_tokens()), None
+    return assemble_for(api, held), None

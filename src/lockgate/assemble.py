@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .wire import Endpoint
+from .wire import ApiRequest, Endpoint
 
 
 def new_response_id(endpoint: Endpoint) -> str:
@@ -219,6 +219,15 @@ def assemble(
     }
     body.update(extra)
     return body
+
+
+def assemble_for(
+    api: ApiRequest, events: tuple[dict[str, Any], ...] | list[dict[str, Any]], response_id: str | None = None
+) -> dict[str, Any]:
+    """`assemble` for the client request `api`: its endpoint, its model, its prompt's estimate."""
+    return assemble(
+        api.endpoint, events, model=api.model, response_id=response_id, prompt_tokens=api.estimated_prompt_tokens()
+    )
 
 
 def _estimate(prompt_tokens: int, pieces: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..assemble import assemble
+from ..assemble import assemble_for
 from ..attempt import Opened, open_attempts
 from ..edge.server import Reply, Request
 from ..exchange import Exchange, Phase
@@ -238,10 +238,7 @@ async def relay_resumable(
         async for _ in events:
             if run.received > limit:
                 raise too_large(run.headers.get("x-lockgate-instance", "?"), limit)
-        api = ex.api
-        body = assemble(
-            api.endpoint, run.transcript.events, model=api.model, prompt_tokens=api.estimated_prompt_tokens()
-        )
+        body = assemble_for(ex.api, run.transcript.events)
         return whole_body(ex, body, run.headers)
     finally:
         await events.aclose()

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..assemble import assemble
+from ..assemble import assemble_for
 from ..edge.server import Reply, Request
 from ..exchange import Phase
 from ..respond import pump, stream_events, whole_body
@@ -320,14 +320,7 @@ class Coalescer:
         if body is not None:
             out = {**body, "id": self._response_id(endpoint)}
         else:
-            api = ex.api
-            out = assemble(
-                endpoint,
-                events,
-                response_id=self._response_id(endpoint),
-                model=api.model,
-                prompt_tokens=api.estimated_prompt_tokens(),
-            )
+            out = assemble_for(ex.api, events, self._response_id(endpoint))
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:
