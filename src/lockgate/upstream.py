@@ -184,11 +184,8 @@ class UpstreamCall:
     def _finish(self) -> None:
         if not self._finished:
             self._finished = True
-            instance = self.instance
-            instance.open_calls -= 1
-            if instance.open_calls <= 0 and instance.in_flight <= 0 and instance.idle is not None:
-                # Its connection is back, or closed: a retired instance waiting for it may close now (`wait_idle`).
-                instance.idle.set()
+            self.instance.open_calls -= 1
+            self.instance.wake_if_idle()  # its connection is back, or closed
 
     @property
     def finished(self) -> bool:

@@ -106,6 +106,11 @@ class Instance:
     def routable(self) -> bool:
         return self.healthy and not self.retired and not self.ejection.ejected
 
+    def wake_if_idle(self) -> None:
+        """No lease held and no engine call open on its connections: wake `wait_idle` (a retired instance closes)."""
+        if self.in_flight <= 0 and self.open_calls <= 0 and self.idle is not None:
+            self.idle.set()
+
     async def wait_idle(self) -> None:
         """Wait until no lease is held on the instance (its requests have ended) and no engine call is open on its
         connections: behind a sidecar that served a call on another engine of its node, the lease moved there while
@@ -266,11 +271,9 @@ class Lease:
 
     def _vacate(self, instance: Instance) -> None:
         instance.in_flight -= 1
-        if instance.in_flight <= 0:
-            if instance.in_flight < 0:
-                self._metrics.leaks.labels("negative_in_flight").inc()
-            if instance.idle is not None:
-                instance.idle.set()
+        if instance.in_flight < 0:
+            self._metrics.leaks.labels("negative_in_flight").inc()
+        instance.wake_if_idle()
 
 
 def _auth(instance: Instance) -> dict[str, str]:
