@@ -366,22 +366,18 @@ class Config(_Strict):
             urls = [i.url for i in model.instances]
             if len(set(urls)) != len(urls):
                 raise ValueError(f"models[{index}] ({model.name}) lists the same instance URL twice")
-        credentials: dict[str, tuple[str | None, str | None]] = {}
+        listed: dict[str, InstanceConfig] = {}
         for model in self.models:
             for spec in model.instances:
-                # One URL is one engine (one connection pool): it cannot log in two ways.
-                if credentials.setdefault(spec.url, (spec.api_key, spec.basic_authorization)) != (
-                    spec.api_key,
-                    spec.basic_authorization,
-                ):
+                # One URL is one engine (one connection pool): it cannot log in two ways, and it has one limit (the
+                # first listing's was taken silently).
+                first = listed.setdefault(spec.url, spec)
+                if (first.api_key, first.basic_authorization) != (spec.api_key, spec.basic_authorization):
                     raise ValueError(f"instance {spec.url} is listed with different credentials")
-        limits: dict[str, int | None] = {}
-        for model in self.models:
-            for spec in model.instances:
-                # One URL is one engine with one limit: the first listing's was taken silently.
-                first = limits.setdefault(spec.url, spec.max_concurrency)
-                if first != spec.max_concurrency:
-                    shown = " and ".join("unset" if v is None else str(v) for v in (first, spec.max_concurrency))
+                if first.max_concurrency != spec.max_concurrency:
+                    shown = " and ".join(
+                        "unset" if v is None else str(v) for v in (first.max_concurrency, spec.max_concurrency)
+                    )
                     raise ValueError(
                         f"instance {redact(spec.url)} is listed with different max_concurrency ({shown}): one URL is "
                         "one engine, with one limit; give every listing the same"
