@@ -16,7 +16,7 @@ import math
 import xxhash
 
 from .config import ConsistentHashOptions
-from .policies import InstanceView, LeastLoad, PoolSnapshot, RouteRequest, candidates
+from .policies import InstanceView, LeastLoad, PoolSnapshot, RouteRequest, candidates, with_room
 
 
 class HashRing:
@@ -64,10 +64,10 @@ class ConsistentHash:
         by_key = {o.key: o for o in options}
         total = sum(o.in_flight for o in options)
         bound = math.ceil(self._options.load_factor * (total + 1) / len(options))
-        # An instance's limit is a ceiling too (`with_room`): past it, the session spills to the next on the ring.
-        room = any(o.in_flight < o.max_concurrency for o in options)
+        # An instance's limit is a ceiling too: past it, the session spills to the next on the ring.
+        roomy = {o.key for o in with_room(options)}
         for key in self._ring_for(snapshot).walk(request.affinity_key):
             view = by_key.get(key)
-            if view is not None and view.in_flight < bound and (view.in_flight < view.max_concurrency or not room):
+            if view is not None and view.in_flight < bound and key in roomy:
                 return view
         return self._fallback.choose(request, snapshot)  # none under both the bound and its limit: the least loaded
