@@ -151,7 +151,7 @@ async def test_who_picks_the_engine_among_a_sidecars_own(
 
 
 async def test_central_serves_through_an_etcd_outage_and_resyncs(
-    stack: contextlib.AsyncExitStack, tmp_path: Path
+    stack: contextlib.AsyncExitStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     etcd = EtcdServer(tmp_path / "etcd")
     etcd.start()
@@ -190,11 +190,17 @@ async def test_central_serves_through_an_etcd_outage_and_resyncs(
     assert report["cluster"]["connected"] is False
     assert report["cluster"]["nodes"][0]["age_s"] > 0
 
+    said = [r for r in caplog.records if r.name == "lockgate.cluster.discovery"]
+    assert [r.levelname for r in said if "watch lost" in r.message] == ["WARNING"]  # once, not every retry
+
     resyncs = discovery.resyncs
+    caplog.set_level(logging.INFO, logger="lockgate.cluster.discovery")
     etcd.start()
     await eventually(lambda: discovery.connected and discovery.resyncs > resyncs, what="resynchronisation")
     assert routable(fleet) == 1
     assert await ask("after the outage") == 200
+    # The operator who saw the loss also sees the return.
+    assert "etcd watch resumed: 1 sidecar(s) in the fleet" in caplog.text
 
 
 @pytest.mark.parametrize("bad", [b"not json", b'{"node": "x"}', b'{"node": "x", "url": "ftp://h", "engines": []}'])

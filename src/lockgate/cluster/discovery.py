@@ -135,6 +135,9 @@ class Discovery:
             try:
                 revision, kvs = await self.etcd.get_prefix(self.prefix)
                 self.resync(kvs, time.monotonic())
+                if self.last_error is not None:
+                    log.info("etcd watch resumed: %d sidecar(s) in the fleet", len(self.nodes))
+                    self.last_error = None
                 self.watching = True
                 async for events in self.etcd.watch_prefix(self.prefix, revision + 1):
                     self.apply(events, time.monotonic())
