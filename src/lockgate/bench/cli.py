@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from ..argtypes import non_negative_float, non_negative_int, positive_float, positive_int, share
 from ..runner import run_async
 from .progress import Progress
 
@@ -333,25 +334,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over = benches.add_parser(
         "overhead", help="gateway vs direct (and peers): throughput, latency, CPU per request and per chunk"
     )
-    over.add_argument("--concurrency", type=int, nargs="+", default=[64], help="connections, non-streaming")
-    over.add_argument("--stream-concurrency", type=int, nargs="+", default=[256], help="concurrent streams")
+    over.add_argument("--concurrency", type=positive_int, nargs="+", default=[64], help="connections, non-streaming")
+    over.add_argument("--stream-concurrency", type=positive_int, nargs="+", default=[256], help="concurrent streams")
     over.add_argument(
         "--generator",
         choices=["auto", "wrk", "builtin"],
         default="auto",
         help="load generator: wrk (an external process) when installed, else the built-in client",
     )
-    over.add_argument("--duration", type=float, default=5.0, help="seconds per target and round (wrk)")
-    over.add_argument("--requests", type=int, default=5000, help="requests per target and round (built-in client)")
-    over.add_argument("--rounds", type=int, default=3, help="rounds of direct, gateway, peers per measurement")
+    over.add_argument("--duration", type=positive_float, default=5.0, help="seconds per target and round (wrk)")
+    over.add_argument(
+        "--requests", type=positive_int, default=5000, help="requests per target and round (built-in client)"
+    )
+    over.add_argument("--rounds", type=positive_int, default=3, help="rounds of direct, gateway, peers per measurement")
     over.add_argument(
         "--client",
         choices=["lean", "aiohttp"],
         default="lean",
         help="the built-in generator's HTTP client: lockgate's lean pool (~40 us/request) or aiohttp's (~90)",
     )
-    over.add_argument("--max-tokens", type=int, default=16, help="tokens of a non-streaming answer")
-    over.add_argument("--chunks", type=int, default=20, help="token chunks of each stream")
+    over.add_argument("--max-tokens", type=positive_int, default=16, help="tokens of a non-streaming answer")
+    over.add_argument("--chunks", type=positive_int, default=20, help="token chunks of each stream")
     over.add_argument(
         "--compare",
         action="append",
@@ -363,7 +366,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--modes", nargs="+", choices=["nonstream", "stream"], default=["nonstream", "stream"])
     over.add_argument(
         "--tpot-ms",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="the engine writes each token this long after the last, so each chunk is a network read of its own "
         "(as from a real engine); default: sim --fast, a whole stream in one write",
@@ -379,16 +382,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client, gateway and a canned engine in one process: CPU per request the gateway adds "
         "(exact under valgrind --tool=callgrind)",
     )
-    inproc.add_argument("--requests", type=int, default=10_000)
-    inproc.add_argument("--warmup", type=int, default=1000)
-    inproc.add_argument("--concurrency", type=int, default=64)
+    inproc.add_argument("--requests", type=positive_int, default=10_000)
+    inproc.add_argument("--warmup", type=non_negative_int, default=1000)
+    inproc.add_argument("--concurrency", type=positive_int, default=64)
     inproc.add_argument(
         "--target", choices=["both", "gateway", "direct"], default="both", help="what to measure (one for callgrind)"
     )
     inproc.add_argument("--stream", action="store_true", help="streamed answers (19 events a request)")
     inproc.add_argument(
         "--tokens",
-        type=int,
+        type=positive_int,
         default=16,
         help="token chunks of a streamed answer (two sizes give the exact cost of a chunk under callgrind)",
     )
@@ -404,7 +407,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --stream: the engine writes its events one loop iteration apart (a network read each), not at once",
     )
     inproc.add_argument(
-        "--instances", type=int, default=1, help="the canned engine listed this many times (routing chooses)"
+        "--instances", type=positive_int, default=1, help="the canned engine listed this many times (routing chooses)"
     )
     inproc.add_argument("--routing", default="least_load", help="the model's routing policy")
     inproc.add_argument(
@@ -426,34 +429,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument(
         "--seeds", type=int, nargs="+", default=[7, 8, 9], help="one run per seed; rows show medians and pooled p99s"
     )
-    route.add_argument("--rate", type=float, default=65.0, help="mean requests per second (Poisson)")
-    route.add_argument("--duration", type=float, default=5.0, help="seconds of trace per run")
-    route.add_argument("--instances", type=int, default=4)
-    route.add_argument("--block-size", type=int, default=16, help="the simulators' KV block size (tokens)")
+    route.add_argument("--rate", type=positive_float, default=65.0, help="mean requests per second (Poisson)")
+    route.add_argument("--duration", type=positive_float, default=5.0, help="seconds of trace per run")
+    route.add_argument("--instances", type=positive_int, default=4)
+    route.add_argument("--block-size", type=positive_int, default=16, help="the simulators' KV block size (tokens)")
     route.add_argument(
-        "--small-share", type=float, default=0.25, help="share of the working set one cache holds in small/slow/failing"
+        "--small-share",
+        type=positive_float,
+        default=0.25,
+        help="share of the working set one cache holds in small/slow/failing",
     )
     route.add_argument("--no-repeat", action="store_true", help="do not run the default twice (no noise estimate)")
     route.add_argument(
-        "--replicas", type=int, default=1, help="also run N central replicas + sidecars through a local etcd"
+        "--replicas", type=positive_int, default=1, help="also run N central replicas + sidecars through a local etcd"
     )
-    route.add_argument("--index-prompts", type=int, default=1_000_000, help="0 skips the index memory check")
-    route.add_argument("--index-bytes", type=int, default=8 * 1024 * 1024)
+    route.add_argument(
+        "--index-prompts", type=non_negative_int, default=1_000_000, help="0 skips the index memory check"
+    )
+    route.add_argument("--index-bytes", type=positive_int, default=8 * 1024 * 1024)
     route.set_defaults(func=_routing)
     prio = benches.add_parser("priority", help="P0 TTFT under a P2 flood, P2 progress, shares, rejections")
-    prio.add_argument("--duration", type=float, default=8.0, help="seconds per phase (three phases)")
-    prio.add_argument("--sims", type=int, default=2)
-    prio.add_argument("--slots", type=int, default=4, help="sequence slots per simulator")
-    prio.add_argument("--tpot-ms", type=float, default=10.0, help="the simulators' time per output token")
-    prio.add_argument("--max-tokens", type=int, default=24, help="answer length (of P0 too unless --p0-max-tokens)")
-    prio.add_argument("--p0-max-tokens", type=int, default=None, help="answer length of P0 (default: --max-tokens)")
-    prio.add_argument("--seed", type=int, default=1, help="seed of the arrival processes")
-    prio.add_argument("--p0-rate", type=float, default=4.0, help="P0 requests per second")
-    prio.add_argument("--p2-factor", type=float, default=2.0, help="P2 arrival rate, times the fleet's capacity")
-    prio.add_argument("--p1-factor", type=float, default=1.0, help="P1 arrival rate, times the fleet's capacity")
-    prio.add_argument("--headroom", type=float, default=None, help="scheduling.strict_headroom (default: the config's)")
+    prio.add_argument("--duration", type=positive_float, default=8.0, help="seconds per phase (three phases)")
+    prio.add_argument("--sims", type=positive_int, default=2)
+    prio.add_argument("--slots", type=positive_int, default=4, help="sequence slots per simulator")
+    prio.add_argument("--tpot-ms", type=non_negative_float, default=10.0, help="the simulators' time per output token")
     prio.add_argument(
-        "--max-concurrency", type=int, default=None, help="instances' max_concurrency (default: discovered)"
+        "--max-tokens", type=positive_int, default=24, help="answer length (of P0 too unless --p0-max-tokens)"
+    )
+    prio.add_argument(
+        "--p0-max-tokens", type=positive_int, default=None, help="answer length of P0 (default: --max-tokens)"
+    )
+    prio.add_argument("--seed", type=int, default=1, help="seed of the arrival processes")
+    prio.add_argument("--p0-rate", type=positive_float, default=4.0, help="P0 requests per second")
+    prio.add_argument(
+        "--p2-factor", type=positive_float, default=2.0, help="P2 arrival rate, times the fleet's capacity"
+    )
+    prio.add_argument(
+        "--p1-factor", type=non_negative_float, default=1.0, help="P1 arrival rate, times the fleet's capacity"
+    )
+    prio.add_argument(
+        "--headroom", type=non_negative_float, default=None, help="scheduling.strict_headroom (default: the config's)"
+    )
+    prio.add_argument(
+        "--max-concurrency", type=positive_int, default=None, help="instances' max_concurrency (default: discovered)"
     )
     prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
@@ -462,14 +480,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     prio.set_defaults(func=_priority)
     hol = benches.add_parser("hol", help="short requests behind long ones in one class: short TTFT, mixed vs alone")
-    hol.add_argument("--duration", type=float, default=5.0, help="seconds per phase (three phases)")
-    hol.add_argument("--sims", type=int, default=2)
-    hol.add_argument("--prefill-tps", type=float, default=8000.0)
-    hol.add_argument("--max-batched-tokens", type=int, default=2048, help="the simulators' tokens per step")
-    hol.add_argument("--short-tokens", type=int, default=8)
-    hol.add_argument("--long-tokens", type=int, default=2000)
-    hol.add_argument("--short-rate", type=float, default=20.0, help="short requests per second")
-    hol.add_argument("--long-load", type=float, default=0.6, help="long prompts' share of the prefill capacity")
+    hol.add_argument("--duration", type=positive_float, default=5.0, help="seconds per phase (three phases)")
+    hol.add_argument("--sims", type=positive_int, default=2)
+    hol.add_argument("--prefill-tps", type=positive_float, default=8000.0)
+    hol.add_argument("--max-batched-tokens", type=positive_int, default=2048, help="the simulators' tokens per step")
+    hol.add_argument("--short-tokens", type=positive_int, default=8)
+    hol.add_argument("--long-tokens", type=positive_int, default=2000)
+    hol.add_argument("--short-rate", type=positive_float, default=20.0, help="short requests per second")
+    hol.add_argument(
+        "--long-load", type=positive_float, default=0.6, help="long prompts' share of the prefill capacity"
+    )
     hol.add_argument("--policy", choices=POLICIES, default="predicted_ttft")
     hol.add_argument("--seed", type=int, default=3)
     hol.set_defaults(func=_hol)
@@ -477,25 +497,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "capacity", help="no max_concurrency: 256 streams to an engine of 256 vs direct; the limit an engine of 8 gets"
     )
     cap.add_argument("--modes", nargs="+", choices=["large", "small"], default=["large", "small"])
-    cap.add_argument("--large-seqs", type=int, default=256, help="sequences the large engine runs at once")
-    cap.add_argument("--streams", type=int, default=256, help="concurrent clients against the large engine")
-    cap.add_argument("--max-tokens", type=int, default=20, help="chunks per stream")
-    cap.add_argument("--requests", type=int, default=1024, help="streams per round and target")
-    cap.add_argument("--rounds", type=int, default=2)
-    cap.add_argument("--small-seqs", type=int, default=8, help="sequences the small engine runs at once")
-    cap.add_argument("--settle", type=float, default=6.0, help="seconds of load on the small engine")
+    cap.add_argument("--large-seqs", type=positive_int, default=256, help="sequences the large engine runs at once")
+    cap.add_argument("--streams", type=positive_int, default=256, help="concurrent clients against the large engine")
+    cap.add_argument("--max-tokens", type=positive_int, default=20, help="chunks per stream")
+    cap.add_argument("--requests", type=positive_int, default=1024, help="streams per round and target")
+    cap.add_argument("--rounds", type=positive_int, default=2)
+    cap.add_argument("--small-seqs", type=positive_int, default=8, help="sequences the small engine runs at once")
+    cap.add_argument("--settle", type=positive_float, default=6.0, help="seconds of load on the small engine")
     cap.set_defaults(func=_capacity)
     dd = benches.add_parser("dedup", help="burst of partly duplicate requests: engine calls, coalescing, latency")
-    dd.add_argument("--windows", type=int, default=5)
-    dd.add_argument("--burst", type=int, default=200, help="requests per window")
-    dd.add_argument("--dup-share", type=float, default=0.8, help="share of requests that repeat another")
-    dd.add_argument("--stream-share", type=float, default=0.5)
-    dd.add_argument("--max-tokens", type=int, default=32)
-    dd.add_argument("--spread-ms", type=float, default=200.0, help="arrivals spread over this much time")
-    dd.add_argument("--tpot-ms", type=float, default=5.0, help="the simulated engine's time per output token")
+    dd.add_argument("--windows", type=positive_int, default=5)
+    dd.add_argument("--burst", type=positive_int, default=200, help="requests per window")
+    dd.add_argument("--dup-share", type=share, default=0.8, help="share of requests that repeat another")
+    dd.add_argument("--stream-share", type=share, default=0.5)
+    dd.add_argument("--max-tokens", type=positive_int, default=32)
+    dd.add_argument("--spread-ms", type=non_negative_float, default=200.0, help="arrivals spread over this much time")
+    dd.add_argument(
+        "--tpot-ms", type=non_negative_float, default=5.0, help="the simulated engine's time per output token"
+    )
     dd.add_argument(
         "--max-concurrency",
-        type=int,
+        type=positive_int,
         default=1024,
         help="the gateway's slots for the engine (fewer than a window's distinct prompts: leaders queue, while "
         "cache hits and joiners take no slot)",
@@ -504,9 +526,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cancel = benches.add_parser(
         "cancel", help="client disconnect -> engine sees its connection closed, p50/p99 per phase"
     )
-    cancel.add_argument("--trials", type=int, default=200, help="trials per phase")
-    cancel.add_argument("--tpot-ms", type=float, default=10.0, help="the simulated engine's time per token")
-    cancel.add_argument("--target-ms", type=float, default=5.0, help="the p99 target to report against")
+    cancel.add_argument("--trials", type=positive_int, default=200, help="trials per phase")
+    cancel.add_argument("--tpot-ms", type=positive_float, default=10.0, help="the simulated engine's time per token")
+    cancel.add_argument("--target-ms", type=positive_float, default=5.0, help="the p99 target to report against")
     cancel.set_defaults(func=_cancel)
     from .chaos import Settings as ChaosSettings
 
@@ -516,41 +538,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="faults (upstream resets, client disconnects, slow readers) then checks: quiescence, one usage record "
         "per accepted request, RSS and fds back near their baseline; exits 1 on a violation",
     )
-    ch.add_argument("--requests", type=int, default=d.requests)
-    ch.add_argument("--duration", type=float, default=None, help="run this many seconds instead (a soak)")
-    ch.add_argument("--concurrency", type=int, default=d.concurrency)
-    ch.add_argument("--engines", type=int, default=d.engines)
-    ch.add_argument("--reset", type=float, default=d.reset, help="share of engine requests reset by the proxies")
-    ch.add_argument("--disconnect", type=float, default=d.disconnect, help="share of clients leaving early")
-    ch.add_argument("--slow", type=float, default=d.slow, help="share of (staying) clients reading slowly")
-    ch.add_argument("--repeat", type=float, default=d.repeat_share, help="share of deterministic repeats (dedup)")
-    ch.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ch.add_argument("--requests", type=positive_int, default=d.requests)
+    ch.add_argument("--duration", type=positive_float, default=None, help="run this many seconds instead (a soak)")
+    ch.add_argument("--concurrency", type=positive_int, default=d.concurrency)
+    ch.add_argument("--engines", type=positive_int, default=d.engines)
+    ch.add_argument("--reset", type=share, default=d.reset, help="share of engine requests reset by the proxies")
+    ch.add_argument("--disconnect", type=share, default=d.disconnect, help="share of clients leaving early")
+    ch.add_argument("--slow", type=share, default=d.slow, help="share of (staying) clients reading slowly")
+    ch.add_argument("--repeat", type=share, default=d.repeat_share, help="share of deterministic repeats (dedup)")
+    ch.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
     ch.add_argument("--seed", type=int, default=d.seed)
-    ch.add_argument("--quiesce", type=float, default=d.quiesce_s, help="seconds allowed to become quiescent")
-    ch.add_argument("--rss-slack-mb", type=float, default=d.rss_slack_mb)
-    ch.add_argument("--fd-slack", type=int, default=d.fd_slack)
+    ch.add_argument("--quiesce", type=positive_float, default=d.quiesce_s, help="seconds allowed to become quiescent")
+    ch.add_argument("--rss-slack-mb", type=non_negative_float, default=d.rss_slack_mb)
+    ch.add_argument("--fd-slack", type=non_negative_int, default=d.fd_slack)
     ch.set_defaults(func=_chaos)
     over_load = benches.add_parser(
         "overload", help="offered load swept past the engine's capacity: throughput and p99, drawn as an SVG"
     )
     over_load.add_argument(
-        "--levels", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5], help="x capacity"
+        "--levels",
+        type=positive_float,
+        nargs="+",
+        default=[0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5],
+        help="x capacity",
     )
-    over_load.add_argument("--duration", type=float, default=5.0, help="seconds per level")
-    over_load.add_argument("--slots", type=int, default=8, help="the engine's sequence slots (= max_concurrency)")
-    over_load.add_argument("--tpot-ms", type=float, default=10.0)
-    over_load.add_argument("--max-tokens", type=int, default=8)
-    over_load.add_argument("--max-queue", type=int, default=0, help="each priority class's max_queue")
+    over_load.add_argument("--duration", type=positive_float, default=5.0, help="seconds per level")
+    over_load.add_argument(
+        "--slots", type=positive_int, default=8, help="the engine's sequence slots (= max_concurrency)"
+    )
+    over_load.add_argument("--tpot-ms", type=positive_float, default=10.0)
+    over_load.add_argument("--max-tokens", type=positive_int, default=8)
+    over_load.add_argument("--max-queue", type=non_negative_int, default=0, help="each priority class's max_queue")
     over_load.add_argument("--svg", default="overload.svg", help="where to write the curve")
     over_load.add_argument(
         "--scrape", action="store_true", help="scrape the engine (its concurrency limit discovered, not fixed)"
     )
     over_load.set_defaults(func=_overload)
     soak = benches.add_parser("soak", help="mixed load for a long time: RSS and open fds must stay flat")
-    soak.add_argument("--duration", type=float, default=3600.0, help="seconds")
-    soak.add_argument("--interval", type=float, default=60.0, help="seconds between samples")
-    soak.add_argument("--warmup", type=float, default=None, help="seconds (default: min(300, duration / 3))")
-    soak.add_argument("--concurrency", type=int, default=16)
-    soak.add_argument("--rss-tolerance-mb", type=float, default=16.0, help="allowed RSS growth after warm-up")
-    soak.add_argument("--fd-tolerance", type=int, default=16, help="allowed growth of open fds after warm-up")
+    soak.add_argument("--duration", type=positive_float, default=3600.0, help="seconds")
+    soak.add_argument("--interval", type=positive_float, default=60.0, help="seconds between samples")
+    soak.add_argument(
+        "--warmup", type=non_negative_float, default=None, help="seconds (default: min(300, duration / 3))"
+    )
+    soak.add_argument("--concurrency", type=positive_int, default=16)
+    soak.add_argument(
+        "--rss-tolerance-mb", type=non_negative_float, default=16.0, help="allowed RSS growth after warm-up"
+    )
+    soak.add_argument(
+        "--fd-tolerance", type=non_negative_int, default=16, help="allowed growth of open fds after warm-up"
+    )
     soak.set_defaults(func=_soak)
