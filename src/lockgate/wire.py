@@ -101,6 +101,17 @@ class ApiRequest:
             self._prompt_tokens = max(1, len(self.prompt_text()) // 4)
         return self._prompt_tokens
 
+    def sequences(self) -> int:
+        """How many generations the engine runs for it (`n`, or a completion's larger `best_of`): each may use
+        `max_tokens`, and its usage counts them all."""
+        body = self.body
+        most = 1
+        for key in ("n", "best_of"):
+            value = body.get(key)
+            if type(value) is int and value > most:
+                most = value
+        return most
+
     def streamed_with_usage(self, body: dict[str, Any]) -> ApiRequest:
         """This request as a stream that reports its usage, sending `body` (a flight's engine request), with the
         prompt's text and estimate already computed carried over (`dataclasses.replace` would compute them again,

@@ -256,6 +256,32 @@ async def test_token_reservation_refunded_on_cancel(start_sim, start_gateway, ht
     assert_no_leaks(gw)
 
 
+async def test_a_reservation_counts_every_choice(start_sim, start_gateway, http):
+    """`max_tokens` bounds each of `n` choices (and of a completion's `best_of`): the reservation is n times it,
+    so a request that may use more than the tenant's tokens per minute is refused before any engine runs it."""
+    sim = await start_sim(**QUICK)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "default", "tokens_per_minute": 600, "requests_per_minute": 1000}],
+    )
+
+    async def complete(**extra: int) -> tuple[int, Any, bytes]:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 100, **extra}
+        async with http.post(gw.url + "/v1/completions", data=orjson.dumps(body)) as resp:
+            return resp.status, resp.headers.copy(), await resp.read()
+
+    for extra in ({"n": 8}, {"best_of": 8}):
+        status, headers, raw = await complete(**extra)
+        assert status == 429, raw
+        error = orjson.loads(raw)["error"]
+        assert error["code"] == "tokens_exceed_limit" and "may use 801 tokens" in error["message"], error
+        assert headers["x-should-retry"] == "false"
+    assert sim.stats.requests_started == 0
+    # One choice of the same size fits, and reserves a single max_tokens.
+    status, headers, _ = await complete()
+    assert status == 200 and int(headers["x-ratelimit-remaining-tokens"]) == 600 - 101
+
+
 async def test_tenants_keys_models_and_request_limits(start_sim, start_gateway, http):
     sim = await start_sim(**QUICK)
     gw = await start_gateway(

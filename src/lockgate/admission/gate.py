@@ -5,8 +5,8 @@ steps with de-duplication between them (`Gateway._admit_and_relay`). Each resour
 exchange (`Exchange.hold`) *before* the next `await`, so the exchange's `_release()` returns it exactly
 once however the request ends — including while it is still queued:
 
-1. `Admission.allow`: the tenant's rate-limit `Reservation` (one request, prompt + max_tokens tokens, a
-   concurrency slot), for every request; settled on release with the tokens actually delivered;
+1. `Admission.allow`: the tenant's rate-limit `Reservation` (one request, prompt + max_tokens tokens for
+   each choice, a concurrency slot), for every request; settled on release with the tokens actually delivered;
 2. `Slot.take`, only for a request about to call an engine (not for a cached result or a flight's joiner):
    a `Ticket` from the model's `PoolScheduler`: granted at once, queued, or refused (429 QueueFull); a
    queued ticket waits on a future that the scheduler resolves when the sync core grants it (or, for a
@@ -516,7 +516,8 @@ class Admission:
         those served from the result cache or a flight included. Raises RateLimitExceeded (429)."""
         api = ex.api
         max_tokens = api.max_tokens if api.max_tokens is not None else tenant.assumed_max_tokens
-        reserve = api.estimated_prompt_tokens() + max_tokens
+        # `max_tokens` bounds each of the `n` choices: eight of them may use eight times as much.
+        reserve = api.estimated_prompt_tokens() + max_tokens * api.sequences()
         if tenant.name not in self._watched:
             self._watch(tenant)
         now = self._clock()
