@@ -369,3 +369,52 @@ def test_every_configured_tenants_gauges_are_exported_from_the_start_and_follow_
         'lockgate_tenant_requests_in_flight{tenant="acme"}',
         'lockgate_tokens_reserved{tenant="acme"}',
     }
+
+
+def test_retry_after_waits_for_every_short_limit() -> None:
+    """Both per-minute limits short: Retry-After is when both are back (it said the requests' wait, and the retry
+    then found the tokens short)."""
+    b = book(TenantConfig(name="t", requests_per_minute=2, tokens_per_minute=600))
+    tenant = b.tenants["t"]
+    limiter = RateLimiter()
+    limiter.admit(tenant, 290, now=0.0).settle(290, now=0.0)
+    limiter.admit(tenant, 290, now=0.0).settle(290, now=0.0)
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(tenant, 580, now=0.0)  # one request back in 30 s, 580 tokens in 56 s (20 left)
+    assert err.value.reason == "tokens" and err.value.retry_after == pytest.approx(56.0)
+    assert "this request reserves 580" in err.value.message
+    with pytest.raises(RateLimitExceeded):
+        limiter.admit(tenant, 580, now=30.0)
+    limiter.admit(tenant, 580, now=56.0)
+    # The requests' wait the longer: it is the reason given.
+    limiter2 = RateLimiter()
+    limiter2.admit(tenant, 1, now=0.0).settle(1, now=0.0)
+    limiter2.admit(tenant, 1, now=0.0).settle(1, now=0.0)
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter2.admit(tenant, 10, now=0.0)
+    assert err.value.reason == "requests" and err.value.retry_after == pytest.approx(30.0)
+
+
+def test_a_request_that_can_never_pass_is_told_so_whatever_else_is_short() -> None:
+    b = book(TenantConfig(name="t", requests_per_minute=1, tokens_per_minute=600))
+    tenant = b.tenants["t"]
+    limiter = RateLimiter()
+    limiter.admit(tenant, 1, now=0.0)
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(tenant, 601, now=0.0)  # it said "retry in 60 s", then refused it for good
+    assert err.value.code == "tokens_exceed_limit" and err.value.retry_after is None
+
+
+def test_a_full_concurrency_limit_says_how_long_requests_hold_it() -> None:
+    """Retry-After of `max_concurrent`'s 429 follows how long the tenant's requests take (it was always 1 s: an
+    SDK's two retries failed behind 3-second requests)."""
+    b = book(TenantConfig(name="t", max_concurrent=1))
+    tenant = b.tenants["t"]
+    limiter = RateLimiter()
+    for start in range(20):
+        limiter.admit(tenant, 1, float(start * 10)).settle(1, float(start * 10 + 3))
+    limiter.admit(tenant, 1, 500.0)
+    with pytest.raises(RateLimitExceeded) as err:
+        limiter.admit(tenant, 1, 500.5)
+    assert err.value.reason == "concurrency" and err.value.retry_after == pytest.approx(3.0, abs=0.1)
+    assert err.value.headers()["Retry-After"] == "3"

@@ -74,6 +74,10 @@ def _resized(bucket: Bucket | None, capacity: float | None, now: float) -> Bucke
     return bucket
 
 
+#: Weight of the latest request in a tenant's mean hold time.
+_HOLD_EWMA = 0.2
+
+
 class RateLimitExceeded(RateLimited):
     """429 with `Retry-After` and the `x-ratelimit-*` headers."""
 
@@ -104,17 +108,20 @@ class TenantState:
     reserved_tokens: int = 0
     admitted: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    #: How long the tenant's requests hold their place (EWMA, seconds): when one in flight is likely to end.
+    mean_hold_s: float = 1.0
 
 
 class Reservation:
     """What one admitted request holds: a request slot, a concurrency slot and reserved tokens."""
 
-    __slots__ = ("_limiter", "reserved", "settled", "tenant", "used")
+    __slots__ = ("_limiter", "admitted_at", "reserved", "settled", "tenant", "used")
 
-    def __init__(self, limiter: RateLimiter, tenant: Tenant, reserved: int) -> None:
+    def __init__(self, limiter: RateLimiter, tenant: Tenant, reserved: int, admitted_at: float) -> None:
         self._limiter = limiter
         self.tenant = tenant
         self.reserved = reserved
+        self.admitted_at = admitted_at
         self.settled = False
         self.used: int | None = None
 
@@ -179,44 +186,44 @@ class RateLimiter:
                 f"Tenant '{tenant.name}' already has {state.in_flight} requests in flight "
                 f"(limit {tenant.max_concurrent}).",
                 code="concurrency_limit_exceeded",
-                retry_after=1.0,
+                # Not a fixed second: an SDK's two quick retries would fail behind requests that take longer.
+                retry_after=max(1.0, state.mean_hold_s),
             )
-        if state.requests is not None:
-            wait = state.requests.wait_for(1)
-            if wait > 0:
-                raise self._refusal(
-                    tenant,
-                    state,
-                    now,
-                    "requests",
-                    f"Rate limit reached for tenant '{tenant.name}': {tenant.requests_per_minute} requests per minute.",
-                    code="rate_limit_exceeded",
-                    retry_after=wait,
+        if state.tokens is not None and tokens > (tenant.tokens_per_minute or 0):
+            # First: whatever else is short, this request can never pass (and its client must not retry).
+            raise self._refusal(
+                tenant,
+                state,
+                now,
+                "tokens",
+                f"This request may use {tokens} tokens (prompt + max_tokens for each choice), more than tenant "
+                f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens.",
+                code="tokens_exceed_limit",
+                retry_after=None,
+            )
+        requests_wait = state.requests.wait_for(1) if state.requests is not None else 0.0
+        tokens_wait = state.tokens.wait_for(tokens) if state.tokens is not None else 0.0
+        if requests_wait > 0 or tokens_wait > 0:
+            # Retry-After is when both are back: a retry once the requests are would still find the tokens short.
+            wait = max(requests_wait, tokens_wait)
+            if requests_wait >= tokens_wait:
+                reason = "requests"
+                message = f"{tenant.requests_per_minute} requests per minute"
+            else:
+                reason = "tokens"
+                message = (
+                    f"{tenant.tokens_per_minute} tokens per minute; this request reserves {tokens} "
+                    "(prompt + max_tokens for each choice)"
                 )
-        if state.tokens is not None:
-            if tokens > (tenant.tokens_per_minute or 0):
-                raise self._refusal(
-                    tenant,
-                    state,
-                    now,
-                    "tokens",
-                    f"This request may use {tokens} tokens (prompt + max_tokens), more than tenant "
-                    f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens.",
-                    code="tokens_exceed_limit",
-                    retry_after=None,
-                )
-            wait = state.tokens.wait_for(tokens)
-            if wait > 0:
-                raise self._refusal(
-                    tenant,
-                    state,
-                    now,
-                    "tokens",
-                    f"Rate limit reached for tenant '{tenant.name}': {tenant.tokens_per_minute} tokens per "
-                    f"minute; this request reserves {tokens} (prompt + max_tokens).",
-                    code="rate_limit_exceeded",
-                    retry_after=wait,
-                )
+            raise self._refusal(
+                tenant,
+                state,
+                now,
+                reason,
+                f"Rate limit reached for tenant '{tenant.name}': {message}.",
+                code="rate_limit_exceeded",
+                retry_after=wait,
+            )
         if state.requests is not None:
             state.requests.level -= 1
         if state.tokens is not None:
@@ -224,7 +231,7 @@ class RateLimiter:
         state.in_flight += 1
         state.reserved_tokens += tokens
         state.admitted += 1
-        return Reservation(self, tenant, tokens)
+        return Reservation(self, tenant, tokens, now)
 
     def _refusal(
         self,
@@ -247,6 +254,7 @@ class RateLimiter:
         state = self._states[reservation.tenant.name]  # created by `admit`
         state.in_flight -= 1
         state.reserved_tokens -= reservation.reserved
+        state.mean_hold_s += _HOLD_EWMA * (max(0.0, now - reservation.admitted_at) - state.mean_hold_s)
         if refund_request and state.requests is not None:
             state.requests.give_back(1, now)
         if state.tokens is not None:
