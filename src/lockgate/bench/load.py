@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
+import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,45 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def poisson_offsets(rate: float, seconds: float, rng: random.Random) -> Iterator[float]:
+    """The arrival times (seconds after the start) of a Poisson process at `rate` per second over `seconds`, from
+    `rng`'s exponential gaps. A rate that is not positive and finite is refused: a negative one made negative
+    gaps, a schedule that never reached its end."""
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"an arrival rate must be positive and finite, got {rate}")
+    at = 0.0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= seconds:
+            return
+        yield at
+
+
+async def open_loop(
+    rate: float,
+    seconds: float,
+    rng: random.Random,
+    send: Callable[[int], object],
+    *,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], Awaitable[None]] | None = None,
+) -> int:
+    """Calls `send(n)` (n = 1, 2, ...) at each arrival of `poisson_offsets`, against times fixed from the start: a
+    loop woken late sends the arrivals already due at once and the later ones on time (gaps slept one after the
+    other added each wake-up's lag, and offered a fraction of the rate). It awaits before every arrival (0 s when
+    late), so a cancellation is always heard. Returns the number sent. `clock` and `sleep`: time.perf_counter and
+    asyncio.sleep unless given."""
+    clock = clock or time.perf_counter
+    sleep = sleep or asyncio.sleep
+    start = clock()
+    n = 0
+    for at in poisson_offsets(rate, seconds, rng):
+        await sleep(max(0.0, start + at - clock()))
+        n += 1
+        send(n)
+    return n
 
 
 @dataclass

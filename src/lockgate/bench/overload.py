@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from .load import closed_loop, percentile
+from .load import closed_loop, open_loop, percentile
 from .overhead import child, free_port, wait_http
 from .progress import Progress
 
@@ -173,18 +173,7 @@ async def _open_loop(url: str, rate: float, factor: float, settings: Settings, r
                 failed += 1
 
         async with asyncio.TaskGroup() as group:
-            started = time.perf_counter()
-            at = started
-            n = 0
-            while True:
-                at += rng.expovariate(rate)
-                if at - started >= settings.duration_s:
-                    break
-                delay = at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                n += 1
-                group.create_task(one(n))
+            await open_loop(rate, settings.duration_s, rng, lambda n: group.create_task(one(n)))
     return Level(factor, rate, settings.duration_s, admitted, refused, failed)
 
 

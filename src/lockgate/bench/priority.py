@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 
 from ..records import read_records
-from .load import cpu_seconds, percentile
+from .load import cpu_seconds, open_loop, percentile
 from .overhead import child, free_port, wait_http
 from .progress import Progress
 
@@ -185,18 +185,14 @@ async def _arrivals(
     rng: random.Random,
     tasks: list[asyncio.Task[Outcome]],
 ) -> None:
-    """Open-loop Poisson arrivals; every request's task goes into `tasks` (owned by the phase)."""
+    """Open-loop Poisson arrivals on `open_loop`'s fixed schedule; every request's task goes into `tasks` (owned by
+    the phase)."""
     if rate <= 0:
         return
-    end = time.perf_counter() + seconds
-    n = 0
-    while True:
-        await asyncio.sleep(rng.expovariate(rate))
-        if time.perf_counter() >= end:
-            return
-        n += 1
-        max_tokens = settings.p0_max_tokens if priority == "P0" and settings.p0_max_tokens else settings.max_tokens
-        tasks.append(asyncio.create_task(_one(session, url, priority, n, max_tokens)))
+    max_tokens = settings.p0_max_tokens if priority == "P0" and settings.p0_max_tokens else settings.max_tokens
+    await open_loop(
+        rate, seconds, rng, lambda n: tasks.append(asyncio.create_task(_one(session, url, priority, n, max_tokens)))
+    )
 
 
 async def _observe(
