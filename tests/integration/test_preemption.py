@@ -463,3 +463,45 @@ async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_si
     # Only the running request's work is done again: its prompt and the tokens it had.
     assert 0 < gateway.metrics.scheduling.reprefill_tokens.labels("m")._value.get() < 60
     assert_no_leaks(gw)
+
+
+async def test_a_request_without_max_tokens_is_not_resumed_past_the_engines_own_cap(start_sim, start_gateway, http):
+    """The engine's default cap (here the simulator's 12 tokens) is unknown to the gateway: a continuation got all
+    of it again (a stream of 12 + 12 tokens where one run gives 12). Such a request is stopped only while nothing
+    has reached its client, and then restarted from scratch; a stream already under way runs to its end."""
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0, default_max_tokens=12)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, max_concurrency=1)]}])
+    body = chat(7)
+    del body["max_tokens"]
+    expected_text, expected_usage, _, _ = stream_summary(await uninterrupted(http, gw.url, body))
+    assert expected_usage["completion_tokens"] == 12
+
+    victim = Stream(http, gw.url, body, "P2")
+    async with asyncio.timeout(5):
+        await victim.started.wait()
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await victim.wait()
+    assert (await urgent)[0] == 200
+    text, usage, _, _ = stream_summary(victim.events)
+    assert text == expected_text and usage_of(usage) == usage_of(expected_usage)
+
+    # Not streamed: nothing reaches the client before the end, so it is restarted (not resumed): the same answer.
+    waiting = asyncio.create_task(post(http, gw.url, body, "P2"))
+
+    def generating(s) -> bool:
+        return any(r.completion_tokens >= 3 for r in s.stats.open.values())
+
+    async with asyncio.timeout(5):
+        await sim.wait_until(generating)
+    urgent, p2_id = await preempt_with_p0(sim, gw, sched := gw.gateway.admission.schedulers["m"], http)
+    await let_go(sim)
+    assert (await urgent)[0] == 200
+    status, answer = await waiting
+    assert status == 200 and answer["usage"]["completion_tokens"] == 12
+    assert answer["choices"][0]["message"]["content"] == expected_text
+    rows = {r["request_id"]: r for r in await records(gw)}
+    assert rows[p2_id]["restarts"] == 1 and rows[p2_id]["completion_tokens"] == 12
+    assert sched.core.running(P2) == 0
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'outcome="resumed"' not in metrics
+    assert_no_leaks(gw)

@@ -139,18 +139,22 @@ def completion(**extra: Any):
     ("api", "chat_continuation", "why"),
     [
         (chat(max_tokens=10), True, None),
-        (chat(), False, "dialect"),
+        (chat(max_completion_tokens=10), True, None),
+        # The engine's default cap is unknown: a continuation could not be bounded at what is left.
+        (chat(), True, "max_tokens"),
+        (completion(), False, "max_tokens"),
+        (chat(max_tokens=10), False, "dialect"),
         (chat(n=2), True, "n"),
-        (chat(logprobs=True), True, "logprobs"),
-        (chat(logprobs=False), True, None),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
-        (chat(response_format={"type": "json_object"}), True, "response_format"),
-        (chat(stop=["\n"]), True, "stop"),
-        (completion(), False, None),  # any engine continues a text prompt
-        (completion(prompt=["once"]), False, None),
-        (completion(prompt=[1, 2, 3]), False, "prompt"),
-        (completion(echo=True), False, "echo"),
-        (completion(logprobs=2), False, "logprobs"),
+        (chat(max_tokens=10, logprobs=True), True, "logprobs"),
+        (chat(max_tokens=10, logprobs=False), True, None),
+        (chat(max_tokens=10, tools=[{"type": "function", "function": {"name": "f"}}]), True, "tools"),
+        (chat(max_tokens=10, response_format={"type": "json_object"}), True, "response_format"),
+        (chat(max_tokens=10, stop=["\n"]), True, "stop"),
+        (completion(max_tokens=10), False, None),  # any engine continues a text prompt
+        (completion(max_tokens=10, prompt=["once"]), False, None),
+        (completion(max_tokens=10, prompt=[1, 2, 3]), False, "prompt"),
+        (completion(max_tokens=10, echo=True), False, "echo"),
+        (completion(max_tokens=10, logprobs=2), False, "logprobs"),
     ],
 )
 def test_blocker(api, chat_continuation: bool, why: str | None) -> None:

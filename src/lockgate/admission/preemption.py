@@ -11,7 +11,8 @@ continuation (text completions: prompt + output, chat: an assistant prefix with
 uninterrupted generation. `Transcript` folds the attempts' events into that one generation
 (one response id, one role chunk, usage = original prompt + all completion tokens).
 
-Where a continuation is impossible (the pool's dialect cannot continue a chat message, n > 1,
+Where a continuation is impossible (no `max_tokens`: the engine's own default cap is not known, so a continuation
+could not be bounded at what is left; the pool's dialect cannot continue a chat message, n > 1,
 logprobs, tools or structured output, stop sequences that could straddle the cut, tool calls already
 produced) the request may still be restarted from scratch — but only while nothing has been sent to
 its client; after that it is not preemptible at all (`plan`).
@@ -294,6 +295,10 @@ def blocker(api: ApiRequest, *, chat_continuation: bool) -> str | None:
         value = body.get(key)
         if isinstance(value, int) and value > 1:
             return key
+    if api.max_tokens is None:
+        # The engine's own cap (vLLM's generation config, TGI's or the simulator's default, ...) is unknown here: a
+        # continuation would get all of it again and run past where one generation stops.
+        return "max_tokens"
     for key in _UNRESUMABLE_FIELDS:
         value = body.get(key)
         if value is not None and value is not False and value != [] and value != 0:
