@@ -161,35 +161,76 @@ def _sum(results: list[LoadResult]) -> LoadResult:
     )
 
 
-def report(large: Large | None, small: Small | None, settings: Settings) -> str:
-    lines: list[str] = []
+def _large_lines(large: Large, settings: Settings) -> tuple[list[str], list[tuple[bool, str]]]:
+    """The large engine's table and its checks: chunks/s of answered streams only (a gateway whose every request
+    failed at once made many "requests" per second), no request failed."""
+    direct, gateway = _sum(large.direct), _sum(large.gateway)
+    lines = [
+        f"large: engine runs {settings.large_seqs} at once, {settings.streams} clients streaming "
+        f"{settings.max_tokens} chunks, no max_concurrency",
+        f"{'target':<9}{'chunks/s':>10}{'first p50 ms':>14}{'first p99 ms':>14}{'errors':>8}",
+    ]
+    for name, r in (("direct", direct), ("gateway", gateway)):
+        lines.append(
+            f"{name:<9}{r.rps * settings.max_tokens:>10.0f}{percentile(r.ttfts, 50) * 1000:>14.1f}"
+            f"{percentile(r.ttfts, 99) * 1000:>14.1f}{r.errors:>8}"
+        )
+    ratio = gateway.rps / direct.rps if direct.rps else float("nan")
+    gap = (percentile(gateway.ttfts, 99) - percentile(direct.ttfts, 99)) * 1000
+    rounds = " ".join(
+        f"{g.rps / d.rps:.2f}" if d.rps else "-" for d, g in zip(large.direct, large.gateway, strict=True)
+    )
+    checks = [
+        (direct.errors + gateway.errors == 0, f"no failed request (direct {direct.errors}, gateway {gateway.errors})"),
+        (ratio >= 0.9, f"chunks/s {ratio:.2f}x direct (rounds: {rounds}; target >= 0.9x)"),
+        (gap <= 50, f"first-chunk p99 {gap:+.1f} ms vs direct (target <= +50 ms)"),
+    ]
+    return lines, checks
+
+
+def _small_lines(small: Small, settings: Settings) -> tuple[list[str], list[tuple[bool, str]]]:
+    """Where the small engine's limit settled, and the load's failures (none expected: the gateway queues)."""
+    errors = small.result.errors if small.result is not None else 0
+    requests = small.result.requests if small.result is not None else 0
+    if not small.limits:
+        return [f"small: engine runs {settings.small_seqs}; no limit sampled"], [
+            (False, f"the limit settles at about {settings.small_seqs}: never sampled"),
+            (errors == 0, f"no failed request ({errors} of {requests})"),
+        ]
+    settled = [limit for t, limit in small.limits if t >= settings.settle_s / 2]
+    trail = " ".join(f"{t:.1f}s:{limit}" for t, limit in small.limits[:: max(1, len(small.limits) // 12)])
+    final = settled[-1] if settled else small.limits[-1][1]
+    lines = [
+        f"small: engine runs {settings.small_seqs}; limit over time: {trail}; settled at {final} "
+        f"(second half: min {min(settled, default=final)}, max {max(settled, default=final)}); "
+        f"{errors} of {requests} streams failed"
+    ]
+    ok = abs(final - settings.small_seqs) <= max(1, settings.small_seqs // 4)
+    return lines, [
+        (errors == 0, f"no failed request ({errors} of {requests})"),
+        (ok, f"the limit settles at about {settings.small_seqs}"),
+    ]
+
+
+def checks(large: Large | None, small: Small | None, settings: Settings) -> list[tuple[bool, str]]:
+    """Every check of the run (the command exits 1 unless all pass)."""
+    out: list[tuple[bool, str]] = []
     if large is not None:
-        direct, gateway = _sum(large.direct), _sum(large.gateway)
-        lines.append(
-            f"large: engine runs {settings.large_seqs} at once, {settings.streams} clients streaming "
-            f"{settings.max_tokens} chunks, no max_concurrency"
-        )
-        lines.append(f"{'target':<9}{'chunks/s':>10}{'first p50 ms':>14}{'first p99 ms':>14}{'errors':>8}")
-        for name, r in (("direct", direct), ("gateway", gateway)):
-            lines.append(
-                f"{name:<9}{r.rps * settings.max_tokens:>10.0f}{percentile(r.ttfts, 50) * 1000:>14.1f}"
-                f"{percentile(r.ttfts, 99) * 1000:>14.1f}{r.errors:>8}"
-            )
-        ratio = gateway.rps / direct.rps if direct.rps else float("nan")
-        gap = (percentile(gateway.ttfts, 99) - percentile(direct.ttfts, 99)) * 1000
-        rounds = " ".join(f"{g.rps / d.rps:.2f}" for d, g in zip(large.direct, large.gateway, strict=True))
-        lines.append(
-            f"{'PASS' if ratio >= 0.9 else 'MISS'}  chunks/s {ratio:.2f}x direct (rounds: {rounds}; target >= 0.9x)"
-        )
-        lines.append(f"{'PASS' if gap <= 50 else 'MISS'}  first-chunk p99 {gap:+.1f} ms vs direct (target <= +50 ms)")
-    if small is not None and small.limits:
-        settled = [limit for t, limit in small.limits if t >= settings.settle_s / 2]
-        trail = " ".join(f"{t:.1f}s:{limit}" for t, limit in small.limits[:: max(1, len(small.limits) // 12)])
-        final = settled[-1] if settled else small.limits[-1][1]
-        lines.append(
-            f"small: engine runs {settings.small_seqs}; limit over time: {trail}; settled at {final} "
-            f"(second half: min {min(settled, default=final)}, max {max(settled, default=final)})"
-        )
-        ok = abs(final - settings.small_seqs) <= max(1, settings.small_seqs // 4)
-        lines.append(f"{'PASS' if ok else 'MISS'}  the limit settles at about {settings.small_seqs}")
+        out += _large_lines(large, settings)[1]
+    if small is not None:
+        out += _small_lines(small, settings)[1]
+    return out
+
+
+def passed(large: Large | None, small: Small | None, settings: Settings) -> bool:
+    """Every target met and no request failed."""
+    return all(ok for ok, _ in checks(large, small, settings))
+
+
+def report(large: Large | None, small: Small | None, settings: Settings) -> str:
+    parts = [_large_lines(large, settings)] if large is not None else []
+    parts += [_small_lines(small, settings)] if small is not None else []
+    lines: list[str] = []
+    for text, part_checks in parts:
+        lines += text + [f"{'PASS' if ok else 'MISS'}  {what}" for ok, what in part_checks]
     return "\n".join(lines)

@@ -189,7 +189,7 @@ def _capacity(args: argparse.Namespace) -> int:
             large = await capacity.run_large(settings, progress) if "large" in args.modes else None
             small = await capacity.run_small(settings, progress) if "small" in args.modes else None
         print(capacity.report(large, small, settings))
-        return 0
+        return 0 if capacity.passed(large, small, settings) else 1
 
     return _run(main)
 

@@ -81,15 +81,23 @@ async def open_loop(
 
 @dataclass
 class LoadResult:
+    #: Requests sent, failed ones included.
     requests: int
+    #: Requests not answered 200 (a status, or the connection failed).
     errors: int
     seconds: float
     latencies: list[float]
     ttfts: list[float]
 
     @property
+    def ok(self) -> int:
+        """Requests answered 200: the throughput (a failed request is no work done)."""
+        return max(0, self.requests - self.errors)
+
+    @property
     def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
+        """Successful requests per second (a gateway whose every request failed fast did not serve them)."""
+        return self.ok / self.seconds if self.seconds else 0.0
 
 
 #: One request: its HTTP status (0 when the client failed) and, for a stream, when it ended being read
@@ -177,10 +185,11 @@ async def _drive(
             start = time.perf_counter()
             status, first = await post(body)
             if status != 200:
-                errors += 1
-            if first is not None:
-                ttfts.append(first - start)
-            latencies.append(time.perf_counter() - start)
+                errors += 1  # not timed: a refusal or a reset is fast, and would flatter the percentiles
+            else:
+                if first is not None:
+                    ttfts.append(first - start)
+                latencies.append(time.perf_counter() - start)
             if on_done is not None:
                 on_done()
 

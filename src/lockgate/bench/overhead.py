@@ -155,7 +155,8 @@ class Sample:
 
     @property
     def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
+        """Successful requests per second."""
+        return max(0, self.requests - self.errors) / self.seconds if self.seconds else 0.0
 
 
 @dataclass
@@ -179,8 +180,10 @@ class Row:
 
     @property
     def rps(self) -> float:
+        """Successful requests per second over the rounds (failed ones are no throughput)."""
         seconds = sum(s.seconds for s in self.samples)
-        return self.requests / seconds if seconds else 0.0
+        ok = sum(max(0, s.requests - s.errors) for s in self.samples)
+        return ok / seconds if seconds else 0.0
 
     def median(self, value: Callable[[Sample], float | None]) -> float | None:
         values = [v for v in (value(s) for s in self.samples) if v is not None]
