@@ -11,6 +11,7 @@ parsed here (wrk's human summary rounds them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -114,5 +115,16 @@ async def run_wrk(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
-        out, _ = await proc.communicate()
+        try:
+            out, _ = await proc.communicate()
+        finally:
+            await _reap(proc)
     return parse(out.decode(errors="replace"))
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Kill wrk unless it has exited, and wait for it: a bench cancelled (Ctrl-C, SIGTERM) left it loading."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
