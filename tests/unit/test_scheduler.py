@@ -322,3 +322,22 @@ def test_grant_at_once_only_when_nobody_waits_and_changes_nothing_otherwise() ->
     assert not core.grant_at_once(stray, 1.0)
     with pytest.raises(ValueError):
         core.offer(stray, 1.0)
+
+
+def test_retry_after_follows_the_hold_time_of_what_runs() -> None:
+    """Short P0 requests do not shorten the wait told to P2 behind long P2 requests (one average over every class
+    said 1 s where slots freed after 4)."""
+    core = SchedulerCore(DEFAULT, capacity=2)
+    assert core.mean_hold_s == 1.0  # nothing measured yet
+    long = [offer(core, 2) for _ in range(2)]
+    for t in long:
+        core.release(t, 4.0)  # granted at 0, held 4 s
+    for _ in range(15):
+        core.release(offer(core, 0), 0.0)  # instant P0 requests
+    assert core.hold_s[0] == 0.0 and core.hold_s[2] == 4.0
+    running = [offer(core, 2) for _ in range(2)]
+    assert all(t.state is TicketState.RUNNING for t in running)
+    assert core.mean_hold_s == 4.0
+    assert core.retry_after(2) == 4.0  # one ahead of two slots: the next to free
+    core.release(running[0], 1.0)
+    assert core.hold_s[2] == pytest.approx(4.0 + 0.2 * (1.0 - 4.0))

@@ -145,7 +145,9 @@ class SchedulerCore:
         self.granted_total = [0] * n
         #: Per class: requests its queue refused, full (`offer`) or at their queue deadline (`PoolScheduler`).
         self.rejected_total = [0] * n
-        self.mean_hold_s = _INITIAL_HOLD_S
+        #: Per class: how long its requests hold a slot (EWMA, seconds; None until one has finished). Short P0
+        #: requests do not shorten the wait told to P2 behind long P2 requests.
+        self.hold_s: list[float | None] = [None] * n
         if strict_window_s is not None and strict_window_s <= 0:
             raise ValueError("strict_window_s must be > 0")
         #: Adaptive strict reserve (None: off): peak strict demand per half-window, current and previous.
@@ -251,7 +253,8 @@ class SchedulerCore:
             self._running_total -= 1
             if ticket.granted_at is not None:
                 held = max(0.0, now - ticket.granted_at)
-                self.mean_hold_s += _EWMA * (held - self.mean_hold_s)
+                last = self.hold_s[ticket.klass]
+                self.hold_s[ticket.klass] = held if last is None else last + _EWMA * (held - last)
             if self.strict_window_s is not None and now - self._bucket_start >= self.strict_window_s / 2:
                 self._age(now)
                 self._set_need()
@@ -331,6 +334,22 @@ class SchedulerCore:
         if limit is not None:
             slots = max(1, min(slots, limit))
         return math.ceil(ahead / slots) * self.mean_hold_s
+
+    @property
+    def mean_hold_s(self) -> float:
+        """How long a slot is held now: the running requests' classes' hold times, weighted by how many run (the
+        slots that free are theirs); 1 s before any request has finished."""
+        known = [h for h in self.hold_s if h is not None]
+        if not known:
+            return _INITIAL_HOLD_S
+        fallback = max(known)  # a class not measured yet: assume the longest seen, not the guess
+        total = weighted = 0.0
+        for klass, running in enumerate(self._running):
+            if running:
+                hold = self.hold_s[klass]
+                total += len(running)
+                weighted += len(running) * (fallback if hold is None else hold)
+        return weighted / total if total else fallback
 
     def statistics(self) -> dict[str, Any]:
         return {
