@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from lockgate.bench.peer import Peer
-from lockgate.bench.wrk import body_template, parse, script
+from lockgate.bench.wrk import body_template, parse, script, wrk_seconds
 
 
 def test_body_template_makes_each_request_a_distinct_deterministic_completion() -> None:
@@ -37,3 +37,23 @@ def test_peer_is_a_url_or_a_command_with_a_port_placeholder() -> None:
     assert Peer("/opt/bin/vllm-router --worker-urls {engine} --port {port}").name == "vllm-router"
     with pytest.raises(ValueError, match="port"):
         Peer("vllm-router --worker-urls {engine}")
+
+
+def test_wrk_runs_whole_seconds_and_the_header_says_how_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wrk's `-d` takes whole seconds: the header said 0.3 s while wrk ran 1 s."""
+    from lockgate.bench import overhead
+
+    assert (wrk_seconds(0.3), wrk_seconds(2.6), wrk_seconds(5)) == (1, 3, 5)
+    monkeypatch.setattr(overhead, "wrk_path", lambda: "/usr/bin/wrk")
+    lines = overhead.header(overhead.Settings(generator="wrk", duration_s=0.3))
+    assert any("wrk (/usr/bin/wrk), 1 s per target and round" in line for line in lines)
+
+
+def test_overhead_duration_is_whole_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    from lockgate.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "overhead", "--duration", "2"]).duration == 2
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench", "overhead", "--duration", "1.5"])
+    assert exit_.value.code == 2
+    assert "argument --duration:" in capsys.readouterr().err

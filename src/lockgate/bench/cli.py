@@ -342,7 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="load generator: wrk (an external process) when installed, else the built-in client",
     )
-    over.add_argument("--duration", type=positive_float, default=5.0, help="seconds per target and round (wrk)")
+    over.add_argument(
+        "--duration", type=positive_int, default=5, help="seconds per target and round (wrk: whole seconds)"
+    )
     over.add_argument(
         "--requests", type=positive_int, default=5000, help="requests per target and round (built-in client)"
     )

@@ -37,7 +37,7 @@ from .load import closed_loop, cpu_seconds, percentile
 from .machine import build, interpreter, machine
 from .peer import Peer, spawn, stderr_tail, stop
 from .progress import Progress
-from .wrk import body_template, run_wrk, wrk_path
+from .wrk import body_template, run_wrk, wrk_path, wrk_seconds
 
 MODEL = "bench-model"
 
@@ -328,7 +328,7 @@ def header(settings: Settings) -> list[str]:
     """The lines printed before the table: machine, interpreter, build, load generator."""
     generator = settings.resolved_generator()
     if generator == "wrk":
-        gen = f"load generator: wrk ({wrk_path()}), {settings.duration_s:g} s per target and round"
+        gen = f"load generator: wrk ({wrk_path()}), {wrk_seconds(settings.duration_s)} s per target and round"
     else:
         why = " (wrk is not installed)" if settings.generator == "auto" else ""
         gen = f"load generator: built-in ({settings.client} client, in the benchmark's process){why}"

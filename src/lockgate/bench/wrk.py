@@ -87,6 +87,11 @@ def parse(output: str) -> WrkResult:
     raise RuntimeError(f"wrk printed no summary: {output[-1000:]}")
 
 
+def wrk_seconds(duration_s: float) -> int:
+    """The duration wrk runs for `duration_s`: its `-d` takes whole seconds only (`-d1.5s` is a usage error)."""
+    return max(1, round(duration_s))
+
+
 def _write_script(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -107,7 +112,7 @@ async def run_wrk(
             executable,
             "-t1",
             f"-c{connections}",
-            f"-d{max(1, round(duration_s))}s",
+            f"-d{wrk_seconds(duration_s)}s",
             f"--timeout={round(timeout_s)}s",
             "-s",
             lua,
