@@ -23,3 +23,21 @@ def test_the_report_notes_a_baseline_that_p0_alone_loads() -> None:
     text = report(_phases(), info, busy)
     assert "note: P0 alone keeps 60% of the slots busy" in text
     assert "ratio 1.00x" in text
+
+
+def _flood(name: str) -> Phase:
+    outcomes = [Outcome("P0", 200, 0.02, 1.0), Outcome("P2", 200, 0.5, 1.0)]
+    if "P1" in name:
+        outcomes.append(Outcome("P1", 200, 0.3, 1.0))
+    return Phase(name, 1.0, outcomes)
+
+
+def test_the_p1_p2_figures_only_when_that_phase_ran() -> None:
+    """`--p1-factor 0` runs no P1 + P2 flood: its shares and P2 throughput were printed from the P2-only flood."""
+    info = {"capacity": 8.0, "capacity_rps": 33.0}
+    without = report([_flood("P0 only"), _flood("P0 + P2 flood")], info, Settings(p1_factor=0))
+    assert "under the P1 + P2 flood" not in without
+    assert "P1 + P2 flood: not run (--p1-factor 0)" in without
+    with_ = report([_flood("P0 only"), _flood("P0 + P2 flood"), _flood("P0 + P1 + P2 flood")], info, Settings())
+    assert "shares of completed P1+P2 under the P1 + P2 flood: P1 0.50" in with_
+    assert "P2 throughput under the P1 + P2 flood: 1.0 req/s" in with_

@@ -37,6 +37,8 @@ from .progress import Progress
 MODEL = "bench-model"
 CLASSES = ("P0", "P1", "P2")
 WEIGHTS = {"P1": 0.3, "P2": 0.1}
+#: The phase with both shared classes backlogged (left out at `--p1-factor 0`).
+MIXED_FLOOD = "P0 + P1 + P2 flood"
 
 
 @dataclass
@@ -408,7 +410,7 @@ async def run(settings: Settings, progress: Progress | None = None) -> tuple[lis
             phases = [baseline]
             floods = {
                 "P0 + P2 flood": {"P0": settings.p0_rate, "P2": settings.p2_factor * capacity_rps},
-                "P0 + P1 + P2 flood": {
+                MIXED_FLOOD: {
                     "P0": settings.p0_rate,
                     "P1": settings.p1_factor * capacity_rps,
                     "P2": settings.p2_factor * capacity_rps,
@@ -498,18 +500,7 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
             f"{m.get('preemptions_resumed', 0):.0f}, restarted {m.get('preemptions_restarted', 0):.0f}; "
             f"P0 queued > 5 ms (cumulative): {m.get('p0_queue_wait_count', 0) - m.get('p0_queue_wait_le_5ms', 0):.0f}"
         )
-    flood = floods[-1]  # the mixed flood: both shared classes backlogged
-    completed = Counter(o.priority for o in flood.outcomes if o.status == 200 and o.priority in WEIGHTS)
-    total = sum(completed.values())
-    if total:
-        total_w = sum(WEIGHTS.values())
-        shares = ", ".join(f"{p} {completed[p] / total:.2f} (configured {w / total_w:.2f})" for p, w in WEIGHTS.items())
-        lines.append(f"shares of completed P1+P2 under the P1 + P2 flood: {shares}")
-    p2_ok = completed["P2"]
-    lines.append(
-        f"P2 throughput under the P1 + P2 flood: {p2_ok / flood.seconds:.1f} req/s "
-        f"({'progressing' if p2_ok else 'STARVED'})"
-    )
+    lines += _mixed_flood_lines(floods)
     for phase in floods:
         # Every admitted P2 request finishes: how long it took (queue + preemptions + generation).
         done = [o.duration for o in phase.outcomes if o.priority == "P2" and o.status == 200]
@@ -527,6 +518,27 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
         rejected = ", ".join(f"{k}={v}" for k, v in sorted(by_status.items())) or "none"
         lines.append(f"rejections under the {phase.name[5:]}: {rejected}")
     return "\n".join(lines)
+
+
+def _mixed_flood_lines(floods: list[Phase]) -> list[str]:
+    """The shares and P2's throughput under the P1 + P2 flood (both shared classes backlogged), when it ran
+    (`--p1-factor 0` leaves it out: the P2-only flood's figures were printed under its name)."""
+    flood = next((p for p in floods if p.name == MIXED_FLOOD), None)
+    if flood is None:
+        return ["P1 + P2 flood: not run (--p1-factor 0)"]
+    lines: list[str] = []
+    completed = Counter(o.priority for o in flood.outcomes if o.status == 200 and o.priority in WEIGHTS)
+    total = sum(completed.values())
+    if total:
+        total_w = sum(WEIGHTS.values())
+        shares = ", ".join(f"{p} {completed[p] / total:.2f} (configured {w / total_w:.2f})" for p, w in WEIGHTS.items())
+        lines.append(f"shares of completed P1+P2 under the P1 + P2 flood: {shares}")
+    p2_ok = completed["P2"]
+    lines.append(
+        f"P2 throughput under the P1 + P2 flood: {p2_ok / flood.seconds:.1f} req/s "
+        f"({'progressing' if p2_ok else 'STARVED'})"
+    )
+    return lines
 
 
 def _base_id(request_id: str) -> str:
