@@ -83,3 +83,26 @@ def test_the_validators() -> None:
     ]:
         with pytest.raises(argparse.ArgumentTypeError):
             check(text)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("no-such-router-xyz --port {port}", "no such program: 'no-such-router-xyz'"),
+        ("/usr/bin/env --port 1", "{port} placeholder"),
+    ],
+)
+def test_a_compare_command_that_cannot_run_is_a_usage_error_naming_it(
+    spec: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench", "overhead", "--compare", spec])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --compare:" in err and says in err
+
+
+def test_a_compare_url_or_existing_program_is_accepted() -> None:
+    specs = ["http://127.0.0.1:9000", "env --port {port}"]
+    args = build_parser().parse_args(["bench", "overhead", *(x for s in specs for x in ("--compare", s))])
+    assert args.compare == specs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -329,6 +330,20 @@ def _soak(args: argparse.Namespace) -> int:
     return _run(main)
 
 
+def peer_spec(text: str) -> str:
+    """A `--compare` value: a URL, or a command with a `{port}` placeholder whose program exists (a missing one
+    failed later with `FileNotFoundError(2, ...)`, its name nowhere)."""
+    from .peer import Peer
+
+    try:
+        peer = Peer(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not peer.is_url and shutil.which(peer.program) is None:
+        raise argparse.ArgumentTypeError(f"no such program: {peer.program!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     over = benches.add_parser(
@@ -359,6 +374,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--chunks", type=positive_int, default=20, help="token chunks of each stream")
     over.add_argument(
         "--compare",
+        type=peer_spec,
         action="append",
         default=[],
         metavar="URL_OR_COMMAND",

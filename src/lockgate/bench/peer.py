@@ -40,6 +40,8 @@ class Peer:
         if not self.is_url and "{port}" not in spec:
             raise ValueError(f"--compare command needs a {{port}} placeholder: {spec!r}")
         first = spec if self.is_url else shlex.split(spec)[0]
+        #: The command's program (the URL for a URL).
+        self.program = first
         #: A short label for the report (the URL, or the command's program name).
         self.name = first.rstrip("/") if self.is_url else first.rsplit("/", 1)[-1]
 
