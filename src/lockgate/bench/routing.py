@@ -517,8 +517,8 @@ def verdicts(results: list[RunResult], hit_points: float = 0.03, p99_ratio: floa
         hits, p99s = _paired(results, m)
         out.append(
             (
-                f"{label}: hit rate within 5 points of one gateway's (per seed: median {statistics.median(hits):+.1%}, "
-                f"{min(hits):+.1%} to {max(hits):+.1%})",
+                f"{label}: hit rate within 5 points of one gateway's (per seed: median "
+                f"{_points(statistics.median(hits))}, {_points(min(hits))} to {_points(max(hits))} points)",
                 _status(abs(statistics.median(hits)) <= 0.05),
             )
         )
@@ -540,6 +540,11 @@ def verdicts(results: list[RunResult], hit_points: float = 0.03, p99_ratio: floa
 
 def _status(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def _points(difference: float) -> str:
+    """A difference of two hit rates in percentage points (`+2.0`, not `+2.0%`: 2% of a 50% rate is 1 point)."""
+    return f"{difference * 100:+.1f}"
 
 
 def _paired(results: list[RunResult], row: Row) -> tuple[list[float], list[float]]:
