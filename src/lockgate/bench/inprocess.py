@@ -199,6 +199,10 @@ class _Client(asyncio.Protocol):
 async def _drive(
     port: int, requests: int, connections: int, stream: bool = False, deterministic: bool = False, usage: bool = True
 ) -> int:
+    """`requests` over `connections` keep-alive connections; the number answered 200. No connection would wait
+    forever (the last one closing is what ends the load)."""
+    if connections < 1:
+        raise ValueError(f"at least one connection is needed, got {connections}")
     loop = asyncio.get_running_loop()
     load = _Load(port, requests, connections, stream, deterministic, usage)
     transports = [
