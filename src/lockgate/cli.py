@@ -33,11 +33,15 @@ def _serve(args: argparse.Namespace) -> int:
         from .workers import WorkersError, run_workers
 
         try:
-            return run_workers(config, args.config, workers, host=args.host, port=args.port)
+            return run_workers(config, args.config, workers, host=args.host, port=args.port, log_level=args.log_level)
         except WorkersError as exc:
             print(f"lockgate: {exc}", file=sys.stderr)
             return 2
     worker = getattr(args, "worker", None)
+    if worker is not None:
+        from .workers import follow_supervisor
+
+        follow_supervisor()
     usage_path = None
     if worker is not None and config.usage.path != ":memory:":
         usage_path = f"{config.usage.path}.worker-{worker}"  # one SQLite writer per file

@@ -49,6 +49,7 @@ from .records import RecordWriter
 from .relay import relay
 from .slo import SloService
 from .wire import Endpoint, parse_request
+from .workers import reload_all_workers
 
 if TYPE_CHECKING:
     from .config_diff import ConfigDiff
@@ -468,7 +469,9 @@ class Gateway:
             diff = await self.reloader.reload()
         except ConfigError as exc:
             return self.error_response(InvalidConfig(str(exc)), "")
-        return json_response({"reloaded": True, "changes": diff.describe()})
+        # Under `--workers`, this is one worker of several: the others reload the same file (SIGHUP via the
+        # supervisor), or a revoked key would go on working on all but one.
+        return json_response({"reloaded": True, "changes": diff.describe(), "all_workers": reload_all_workers()})
 
     def _dashboard_events(self, request: Request) -> Awaitable[Reply]:
         """The dashboard's SSE feed; its id header is given before the stream starts (`_with_request_id`

@@ -8,26 +8,51 @@ duplicates meeting at the sidecar), so a configuration without `cluster:` is ref
 writes its usage records to `<usage.path>.worker-<i>` (one SQLite writer per file).
 
 This process only supervises: it forwards SIGINT, SIGTERM and SIGHUP to every worker and exits when
-they all have, with the first non-zero status among theirs (0 if none); a worker that fails (e.g. it
-cannot start) stops the others.
+they all have, with the first non-zero status among theirs (0 if none). A worker that ends on its own after it
+started (killed, out of memory) is started again, up to `MAX_RESTARTS` times a minute; one that fails within
+`START_GRACE_S` of its start (it cannot start: a port, a file) stops the others. A worker reloaded over HTTP
+(`POST /admin/reload`) asks this process to reload every worker (SIGHUP), and a worker whose supervisor is gone
+(even by SIGKILL) stops itself (Linux): no worker goes on serving the port unsupervised.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections import deque
 from types import FrameType
 
 from .config import Config
+
+log = logging.getLogger(__name__)
+
+#: Set in each worker's environment: its supervisor's process id.
+SUPERVISOR_ENV = "LOCKGATE_SUPERVISOR_PID"
+#: A worker that fails this soon after its start could not start: starting it again would fail again.
+START_GRACE_S = 5.0
+#: Restarts of one worker within a minute before the supervisor gives up (and stops the others).
+MAX_RESTARTS = 5
+_PR_SET_PDEATHSIG = 1
 
 
 class WorkersError(Exception):
     """`--workers` cannot be used with this configuration."""
 
 
-def run_workers(config: Config, config_path: str | None, workers: int, *, host: str | None, port: int | None) -> int:
+def run_workers(
+    config: Config,
+    config_path: str | None,
+    workers: int,
+    *,
+    host: str | None,
+    port: int | None,
+    log_level: str | None = None,
+) -> int:
     if config.cluster is None or config_path is None:
         raise WorkersError(
             "--workers needs a configuration file with a `cluster:` section: the workers are replicas that "
@@ -35,29 +60,99 @@ def run_workers(config: Config, config_path: str | None, workers: int, *, host: 
         )
     if config.listen.unix or (port if port is not None else config.listen.port) == 0:
         raise WorkersError("--workers needs a TCP port (listen.port or --port, not 0 or a unix socket)")
+    return _Supervisor(worker_command(config_path, host=host, port=port, log_level=log_level), workers).run()
+
+
+def worker_command(config_path: str, *, host: str | None, port: int | None, log_level: str | None) -> list[str]:
+    """Each worker's command line (before its `--worker i`): the supervisor's own options passed on."""
     command = [sys.executable, "-m", "lockgate", "serve", "--config", config_path]
     if host is not None:
         command += ["--host", host]
     if port is not None:
         command += ["--port", str(port)]
-    children = [subprocess.Popen([*command, "--worker", str(n)]) for n in range(workers)]
+    if log_level is not None:
+        command += ["--log-level", log_level]  # it was not: a worker's reload summaries (INFO) were never logged
+    return command
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        for child in children:
+
+class _Supervisor:
+    def __init__(self, command: list[str], workers: int) -> None:
+        self._command = command
+        self._env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}  # worker index -> its process
+        self._started: dict[int, float] = {}
+        self._restarts: dict[int, deque[float]] = {n: deque() for n in range(workers)}
+        self._stopping = False
+        self._codes: list[int] = []
+        for n in range(workers):
+            self._spawn(n)
+
+    def _spawn(self, n: int) -> None:
+        self._children[n] = subprocess.Popen([*self._command, "--worker", str(n)], env=self._env)
+        self._started[n] = time.monotonic()
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        if signum != signal.SIGHUP:
+            self._stopping = True
+        for child in self._children.values():
             if child.poll() is None:
                 child.send_signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
-    by_pid = {child.pid: child for child in children}
-    codes: list[int] = []
-    while len(codes) < len(children):
-        pid, status = os.waitpid(-1, 0)
-        child = by_pid.get(pid)
-        if child is None:
-            continue
-        child.returncode = os.waitstatus_to_exitcode(status)
-        codes.append(child.returncode)
-        if child.returncode != 0:
-            forward(signal.SIGTERM, None)  # one worker failed (e.g. could not start): stop the others
-    return next((code for code in codes if code != 0), 0)
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._forward)
+        while self._children:
+            pid, status = os.waitpid(-1, 0)
+            n = next((i for i, child in self._children.items() if child.pid == pid), None)
+            if n is None:
+                continue
+            child = self._children.pop(n)
+            child.returncode = os.waitstatus_to_exitcode(status)
+            if self._stopping or child.returncode == 0:
+                self._codes.append(child.returncode)
+            elif self._may_restart(n):
+                log.warning("lockgate: worker %d ended (status %d); starting it again", n, child.returncode)
+                self._spawn(n)
+            else:
+                self._codes.append(child.returncode)
+                self._forward(signal.SIGTERM, None)  # it cannot run: stop the others
+        return next((code for code in self._codes if code != 0), 0)
+
+    def _may_restart(self, n: int) -> bool:
+        now = time.monotonic()
+        if now - self._started[n] < START_GRACE_S:
+            return False
+        recent = self._restarts[n]
+        while recent and now - recent[0] > 60.0:
+            recent.popleft()
+        if len(recent) >= MAX_RESTARTS:
+            return False
+        recent.append(now)
+        return True
+
+
+def follow_supervisor() -> None:
+    """In a worker: stop (SIGTERM: drain and exit) when the supervisor dies, even by SIGKILL (Linux's
+    parent-death signal), and at once if it is gone already. Elsewhere a no-op."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if supervisor is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != supervisor:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def reload_all_workers() -> bool:
+    """In a worker: ask the supervisor to reload every worker (it forwards SIGHUP to each, this one
+    included: reloading an unchanged file again changes nothing). False outside `--workers`."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if supervisor is None:
+        return False
+    try:
+        os.kill(int(supervisor), signal.SIGHUP)
+    except (OSError, ValueError):
+        return False
+    return True

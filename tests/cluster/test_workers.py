@@ -18,7 +18,7 @@ import yaml
 from lockgate.config import parse_config
 from lockgate.server import GatewayServer
 from lockgate.sim import SimConfig, SimServer
-from lockgate.workers import WorkersError, run_workers
+from lockgate.workers import WorkersError, run_workers, worker_command
 from tests.cluster.support import central_config, poll_until, sidecar_config, unique_cluster
 from tests.etcd_support import EtcdServer, free_port
 
@@ -84,3 +84,123 @@ def test_workers_need_a_cluster_and_a_port() -> None:
     clustered = parse_config({"cluster": {"name": "c"}, "listen": {"port": 0}})
     with pytest.raises(WorkersError, match="needs a TCP port"):
         run_workers(clustered, "c.yaml", 2, host=None, port=None)
+
+
+def children_of(pid: int) -> set[int]:
+    """Live processes whose parent is `pid` (Linux /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_workers_are_replaced_reloaded_together_and_never_outlive_their_supervisor(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """Outside runs: a worker killed took the whole gateway down; `POST /admin/reload` reloaded only the worker
+    that took it (a revoked key went on working on the other); workers of a supervisor killed with SIGKILL went on
+    serving the port."""
+    name = unique_cluster("workers-life")
+    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",), fast=True)))
+    await stack.enter_async_context(
+        GatewayServer(
+            parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), "node-l")), role="sidecar"
+        )
+    )
+    port = free_port()
+    config: dict[str, Any] = central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))
+    config["listen"] = {"host": "127.0.0.1", "port": port}
+    path = tmp_path / "central.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started = asyncio.get_running_loop().time()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lockgate", "serve", "--config", str(path), "--workers", "2",
+        stdout=asyncio.subprocess.PIPE, env=env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+
+    async def statuses(n: int, **headers: str) -> list[int]:
+        out = []
+        for _ in range(n):  # a new connection each: the kernel spreads them over the workers
+            async with session.post(
+                url + "/v1/chat/completions", json=body, headers={"Connection": "close", **headers}
+            ) as resp:
+                await resp.read()
+                out.append(resp.status)
+        return out
+
+    async def listening(count: int) -> None:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            for _ in range(count):
+                while b"lockgate listening on" not in await proc.stdout.readline():
+                    assert not proc.stdout.at_eof(), "a worker exited early"
+
+    try:
+        await listening(2)
+        workers = children_of(proc.pid)
+        assert len(workers) == 2
+        assert await statuses(6) == [200] * 6
+
+        # One worker killed after it started: it is started again, the gateway never stops serving.
+        await asyncio.sleep(max(0.0, started + 5.5 - asyncio.get_running_loop().time()))  # past START_GRACE_S
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        await listening(1)  # its replacement
+        assert proc.returncode is None
+        replaced = children_of(proc.pid)
+        assert len(replaced) == 2 and victim not in replaced
+
+        async def all_ok() -> bool:
+            return await statuses(6) == [200] * 6
+
+        await poll_until(all_ok, what="both workers serving again")
+
+        # A reload over HTTP reaches every worker: a key added closes the gateway on each.
+        config["tenants"] = [{"name": "t", "keys": ["sha256:" + "ab" * 32]}]
+        path.write_text(yaml.safe_dump(config))
+        async with session.post(url + "/admin/reload", headers={"Connection": "close"}) as resp:
+            answer = await resp.json()
+        assert answer["reloaded"] is True and answer["all_workers"] is True, answer
+
+        async def every_worker_closed() -> bool:
+            return await statuses(8) == [401] * 8
+
+        await poll_until(every_worker_closed, what="every worker to require a key")
+
+        # The supervisor killed outright: its workers stop themselves.
+        proc.kill()
+        await proc.wait()
+
+        async def workers_gone() -> bool:
+            return not any(alive(pid) for pid in replaced)
+
+        await poll_until(workers_gone, what="the orphaned workers to stop")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_a_workers_command_carries_the_supervisors_options() -> None:
+    command = worker_command("c.yaml", host="0.0.0.0", port=9000, log_level="info")
+    assert command[3:] == ["serve", "--config", "c.yaml", "--host", "0.0.0.0", "--port", "9000", "--log-level", "info"]
+    assert "--log-level" not in worker_command("c.yaml", host=None, port=None, log_level=None)
