@@ -195,7 +195,7 @@ class UpstreamStatusError(UpstreamError):
     """The engine answered with an error status; its status and body are passed through."""
 
     def __init__(self, status: int, body: bytes, content_type: str | None, retry_after: str | None = None) -> None:
-        message = _message_from_body(body) or f"upstream answered HTTP {status}"
+        message = message_from_body(body) or f"upstream answered HTTP {status}"
         super().__init__(message, code="upstream_status")
         self.upstream_status = status
         self.upstream_body = body
@@ -239,7 +239,8 @@ def _header_value(value: str) -> bool:
     return len(value) <= 64 and value.isascii() and value.isprintable()
 
 
-def _message_from_body(body: bytes) -> str | None:
+def message_from_body(body: bytes) -> str | None:
+    """The message of an engine's error body (its text, cut, when it is not JSON)."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:

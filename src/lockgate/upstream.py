@@ -130,8 +130,12 @@ class UpstreamCall:
                 body = b""
             finally:
                 self.abort()
-            self._fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
-            raise UpstreamStatusError(response.status, body, response.content_type, response.headers.get("retry-after"))
+            status, content_type = response.status, response.content_type
+            blamed = instance.dialect.request_error(status, body)
+            if blamed is not None:
+                status, body, content_type = 400, blamed, "application/json"
+            self._fleet.report_failure(instance, f"http_{status}", body[:200].decode("utf-8", "replace"))
+            raise UpstreamStatusError(status, body, content_type, response.headers.get("retry-after"))
         self._fleet.report_success(instance)
         if instance.published is not None:
             self.served_by = served_by(instance.name, instance.published.node, response.headers)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from ..errors import message_from_body
 from ..wire import ApiRequest
 
 
@@ -81,6 +84,22 @@ class Dialect:
     #: then starts there instead of being discovered from its queue (`fleet/capacity.py`).
     parallelism_path: str | None = None
     parallelism_keys: tuple[str, ...] = ()
+    #: Words of a 5xx error by which the engine blames the request itself (llama.cpp answers an embedding input
+    #: longer than its batch with a 500): answered 400, neither retried elsewhere nor held against the engine.
+    request_error_words: tuple[str, ...] = ()
+
+    def request_error(self, status: int, body: bytes) -> bytes | None:
+        """For an engine's 5xx that is really the request's fault: the 400 body to answer (OpenAI's envelope, the
+        engine's message); None otherwise."""
+        if status < 500 or not self.request_error_words:
+            return None
+        text = body.decode("utf-8", "replace")
+        if not any(words in text for words in self.request_error_words):
+            return None
+        message = message_from_body(body) or text
+        return orjson.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_input"}}
+        )
 
     def upstream_body(
         self,

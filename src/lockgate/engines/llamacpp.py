@@ -24,4 +24,7 @@ LLAMACPP = Dialect(
     # `--parallel N` slots: exactly what it runs at once.
     parallelism_path="/props",
     parallelism_keys=("total_slots",),
+    # `/v1/embeddings` with an input longer than its batch (`-b`, 512 by default): "input (601 tokens) is too large
+    # to process. increase the physical batch size", with status 500.
+    request_error_words=("is too large to process",),
 )
