@@ -256,12 +256,18 @@ async def test_a_reload_keeps_the_discovered_engines_and_the_limit_shares(
     fleet = central.gateway.fleet
     await fleet.wait_until(lambda f: routable(f) == 2)
 
+    assert fleet.pools["m"].config.timeout_ms is None
     data["tenants"] = [{"name": "acme", "keys": [hash_key("sk-acme")], "requests_per_minute": 60}]
+    # Settings for the discovered model, added by the reload: they apply (the discovered pool was kept, with
+    # defaults, though the reload said the model was added).
+    data["models"] = [{"name": "m", "timeout_ms": 4321}]
     path.write_text(yaml.safe_dump(data))
     session = await stack.enter_async_context(aiohttp.ClientSession())
     async with session.post(central.url + "/admin/reload") as resp:
         assert resp.status == 200, await resp.text()
+        assert (await resp.json())["changes"]["models"]["added"] == ["m"]
     assert routable(fleet) == 2
+    assert fleet.pools["m"].config.timeout_ms == 4321
     headers = {"Authorization": "Bearer sk-acme"}
     async with session.post(central.url + "/v1/chat/completions", json=chat("after"), headers=headers) as resp:
         assert resp.status == 200, await resp.text()

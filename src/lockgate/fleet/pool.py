@@ -522,11 +522,10 @@ class Fleet:
         for key in (*diff.removed_instances, *diff.changed_instances):
             self._retire(self.instances.pop(key))
         previous = self.pools
-        unchanged = {
-            name: pool
-            for name, pool in previous.items()
-            if name not in diff.changed_models and name not in diff.removed_models
-        }
+        # A model the file adds may have a pool already: a central replica's, built from the engines it discovered
+        # (with defaults): the file's settings replace it.
+        renewed = {*diff.changed_models, *diff.removed_models, *diff.added_models}
+        unchanged = {name: pool for name, pool in previous.items() if name not in renewed}
         self._build(config, previous)
         self.pools = {name: unchanged.get(name, pool) for name, pool in self.pools.items()}
         self._config = config
