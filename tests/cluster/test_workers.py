@@ -158,7 +158,11 @@ async def test_workers_are_replaced_reloaded_together_and_never_outlive_their_su
         await listening(2)
         workers = children_of(proc.pid)
         assert len(workers) == 2
-        assert await statuses(6) == [200] * 6
+
+        async def all_ok() -> bool:
+            return await statuses(6) == [200] * 6
+
+        await poll_until(all_ok, what="both workers to see the sidecar's engines")
 
         # One worker killed after it started: it is started again, the gateway never stops serving.
         await asyncio.sleep(max(0.0, started + 5.5 - asyncio.get_running_loop().time()))  # past START_GRACE_S
@@ -168,9 +172,6 @@ async def test_workers_are_replaced_reloaded_together_and_never_outlive_their_su
         assert proc.returncode is None
         replaced = children_of(proc.pid)
         assert len(replaced) == 2 and victim not in replaced
-
-        async def all_ok() -> bool:
-            return await statuses(6) == [200] * 6
 
         await poll_until(all_ok, what="both workers serving again")
 
