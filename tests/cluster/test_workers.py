@@ -27,14 +27,17 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
-async def test_two_workers_share_a_port_as_replicas(
-    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
-) -> None:
-    name = unique_cluster("workers")
+async def workers_behind_a_sidecar(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, label: str
+) -> tuple[asyncio.subprocess.Process, str, Path, dict[str, Any]]:
+    """A sidecar with a fast simulator, and `lockgate serve --workers 2` as central replicas of its cluster: the
+    supervisor's process, its URL, its config file and the config written there."""
+    name = unique_cluster(label)
     sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",), fast=True)))
     await stack.enter_async_context(
         GatewayServer(
-            parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), "node-w")), role="sidecar"
+            parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), f"node-{label}")),
+            role="sidecar",
         )
     )
     port = free_port()
@@ -47,7 +50,14 @@ async def test_two_workers_share_a_port_as_replicas(
         stdout=asyncio.subprocess.PIPE, env=env(),
     )  # fmt: skip
     assert proc.stdout is not None
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", path, config
+
+
+async def test_two_workers_share_a_port_as_replicas(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    proc, url, _, _ = await workers_behind_a_sidecar(etcd, stack, tmp_path, "w")
+    assert proc.stdout is not None
     try:
         async with asyncio.timeout(30):
             for _ in range(2):
@@ -115,25 +125,8 @@ async def test_workers_are_replaced_reloaded_together_and_never_outlive_their_su
     """Outside runs: a worker killed took the whole gateway down; `POST /admin/reload` reloaded only the worker
     that took it (a revoked key went on working on the other); workers of a supervisor killed with SIGKILL went on
     serving the port."""
-    name = unique_cluster("workers-life")
-    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",), fast=True)))
-    await stack.enter_async_context(
-        GatewayServer(
-            parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), "node-l")), role="sidecar"
-        )
-    )
-    port = free_port()
-    config: dict[str, Any] = central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))
-    config["listen"] = {"host": "127.0.0.1", "port": port}
-    path = tmp_path / "central.yaml"
-    path.write_text(yaml.safe_dump(config))
-    started = asyncio.get_running_loop().time()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lockgate", "serve", "--config", str(path), "--workers", "2",
-        stdout=asyncio.subprocess.PIPE, env=env(),
-    )  # fmt: skip
-    assert proc.stdout is not None
-    url = f"http://127.0.0.1:{port}"
+    proc, url, path, config = await workers_behind_a_sidecar(etcd, stack, tmp_path, "l")
+    started = asyncio.get_running_loop().time()  # just after the workers were spawned
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     session = await stack.enter_async_context(aiohttp.ClientSession())
 
