@@ -212,24 +212,21 @@ def _small_lines(small: Small, settings: Settings) -> tuple[list[str], list[tupl
     ]
 
 
-def checks(large: Large | None, small: Small | None, settings: Settings) -> list[tuple[bool, str]]:
-    """Every check of the run (the command exits 1 unless all pass)."""
-    out: list[tuple[bool, str]] = []
-    if large is not None:
-        out += _large_lines(large, settings)[1]
-    if small is not None:
-        out += _small_lines(small, settings)[1]
-    return out
+def _parts(
+    large: Large | None, small: Small | None, settings: Settings
+) -> list[tuple[list[str], list[tuple[bool, str]]]]:
+    """Each mode that ran: its lines and its checks."""
+    parts = [_large_lines(large, settings)] if large is not None else []
+    return parts + ([_small_lines(small, settings)] if small is not None else [])
 
 
 def passed(large: Large | None, small: Small | None, settings: Settings) -> bool:
-    """Every target met and no request failed."""
-    return all(ok for ok, _ in checks(large, small, settings))
+    """Every target met and no request failed (the command exits 1 otherwise)."""
+    return all(ok for _, part_checks in _parts(large, small, settings) for ok, _ in part_checks)
 
 
 def report(large: Large | None, small: Small | None, settings: Settings) -> str:
-    parts = [_large_lines(large, settings)] if large is not None else []
-    parts += [_small_lines(small, settings)] if small is not None else []
+    parts = _parts(large, small, settings)
     lines: list[str] = []
     for text, part_checks in parts:
         lines += text + [f"{'PASS' if ok else 'MISS'}  {what}" for ok, what in part_checks]

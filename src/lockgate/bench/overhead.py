@@ -154,9 +154,14 @@ class Sample:
     target_cpu_s: float | None
 
     @property
+    def ok(self) -> int:
+        """Requests answered (a failed one is no throughput)."""
+        return max(0, self.requests - self.errors)
+
+    @property
     def rps(self) -> float:
         """Successful requests per second."""
-        return max(0, self.requests - self.errors) / self.seconds if self.seconds else 0.0
+        return self.ok / self.seconds if self.seconds else 0.0
 
 
 @dataclass
@@ -182,7 +187,7 @@ class Row:
     def rps(self) -> float:
         """Successful requests per second over the rounds (failed ones are no throughput)."""
         seconds = sum(s.seconds for s in self.samples)
-        ok = sum(max(0, s.requests - s.errors) for s in self.samples)
+        ok = sum(s.ok for s in self.samples)
         return ok / seconds if seconds else 0.0
 
     def median(self, value: Callable[[Sample], float | None]) -> float | None:
