@@ -98,7 +98,11 @@ async def open_attempts(
         )
         uncached = max(0, route.prompt_tokens - cached)
         lease = fleet.lease(
-            instance, uncached, route.prompt_tokens, route.stream and stream and pool.is_long(instance, uncached)
+            instance,
+            pool.model,
+            uncached,
+            route.prompt_tokens,
+            route.stream and stream and pool.is_long(instance, uncached),
         )
         hold(lease, call)
         if before_send is not None:

@@ -155,6 +155,7 @@ class Gateway:
         self.admission.reconfigure(config)
         self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
+        self.admission.withdraw([model for model in diff.removed_models if model not in self.fleet.pools])
         self.dedup.forget_models(diff.removed_models)
         self.config = config
         self._set_models(config)

@@ -53,9 +53,9 @@ async def test_a_look_at_an_engines_queue_is_one_scrape_for_all_askers_and_reads
         assert scrapes == 1
         answer.clear()
         asked.clear()
-        old = fleet.lease(engine, 8, 8)
+        old = fleet.lease(engine, "m", 8, 8)
         old._attempt.sent_at = time.monotonic() - 10.0  # sent long before: an engine with a free slot took it in
-        young = fleet.lease(engine, 8, 8)
+        young = fleet.lease(engine, "m", 8, 8)
         engine.own.tpot.add(1.0, time.monotonic())  # a slow step: the young lease stays young
         age(engine, 10.0)  # too old for a look: the engine is asked again
         looks = [asyncio.create_task(lease.queue_ahead()) for lease in (old, young, young)]

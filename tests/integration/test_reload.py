@@ -233,3 +233,112 @@ async def test_the_embedded_default_has_nothing_to_reload(start_gateway: Any, st
         error = (await resp.json())["error"]
     assert error["code"] == "nothing_to_reload"
     assert "--config" in error["message"]
+
+
+async def test_a_queued_request_goes_to_a_new_engine_without_waiting_for_the_removed_ones(
+    gateway: Any, tmp_path: Path
+) -> None:
+    """A reload swaps engine A for engine B while A runs a request and another waits for the pool's only slot: the
+    waiting request starts on B at once (A's request no longer takes a slot of the pool's new capacity), and A's
+    request, once ended, frees no slot beyond B's."""
+    server, path, (sim_a, sim_b) = gateway
+    gw = server.gateway
+    assert gw is not None
+    usage = tmp_path / "usage.sqlite3"
+    scheduler = gw.admission.schedulers["m"]
+
+    def queued(core: Any) -> int:
+        return sum(core.queued(k) for k in range(len(core.classes)))
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+        write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 1")
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert resp.status == 200
+        served: list[str] = []
+
+        async def one(n: int) -> None:
+            async with http.post(server.url + "/v1/chat/completions", json=chat(n, False), headers=auth(KEY_A)) as resp:
+                assert resp.status == 200, await resp.text()
+                served.append(resp.headers["x-lockgate-instance"])
+                await resp.read()
+
+        sim_a.control.hold_next = 1
+        first = asyncio.create_task(one(0))
+        await sim_a.wait_held(1)
+        second = asyncio.create_task(one(1))
+        await scheduler.wait_until(lambda core: queued(core) == 1)
+
+        # A is swapped for B (another engine, the same single slot): the queued request goes to B now.
+        path.write_text(path.read_text().replace(sim_a.url, sim_b.url).replace("name: A", "name: B"))
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert (await resp.json())["changes"]["instances"] == {"added": ["B"], "removed": ["A"], "replaced": []}
+        await second
+        assert served == ["B"] and not first.done()
+        assert scheduler.core.capacity == 2  # B's slot, and A's request's until it ends
+
+        # While A's request runs, B still takes one request at a time.
+        sim_b.control.hold_next = 1
+        third = asyncio.create_task(one(2))
+        await sim_b.wait_held(1)
+        fourth = asyncio.create_task(one(3))
+        await scheduler.wait_until(lambda core: queued(core) == 1)
+
+        # A's request ends: its slot leaves with it (the request queued for B still waits).
+        sim_a.release()
+        await first
+        await gw.fleet.wait_retired()
+        assert scheduler.core.capacity == 1 and queued(scheduler.core) == 1 and not fourth.done()
+        sim_b.release()
+        await asyncio.gather(third, fourth)
+        assert served == ["B", "A", "B", "B"]
+    assert_gateway_clean(gw)
+
+
+@pytest.mark.parametrize("temperature", [None, 0.0])
+async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
+    gateway: Any, tmp_path: Path, temperature: float | None
+) -> None:
+    """A reload removes model `gone` while one of its requests runs and another waits for its only slot: the waiting
+    request is answered 404 `model_not_found` at once, saying a reload removed the model (it waited for the running
+    request and then got 503 `no_healthy_instance`); the running one completes. At temperature 0 the requests may be
+    de-duplicated: the queued one waits to lead a flight (`Slot.wait(unless)`), and is told as well."""
+    server, path, (sim_a, sim_b) = gateway
+    gw = server.gateway
+    assert gw is not None
+    usage = tmp_path / "usage.sqlite3"
+    write(path, usage, [sim_b], {"a": KEY_A})
+    both = path.read_text().replace(
+        "tenants:",
+        f"  - name: gone\n    instances: [{{url: '{sim_a.url}', max_concurrency: 1, served_model: m}}]\ntenants:",
+    )
+    path.write_text(both)
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert resp.status == 200, await resp.text()
+        scheduler = gw.admission.schedulers["gone"]
+
+        async def one(n: int) -> tuple[int, Any]:
+            body = {**chat(n, False), "model": "gone"}
+            if temperature is not None:
+                body["temperature"] = temperature
+            async with http.post(server.url + "/v1/chat/completions", json=body, headers=auth(KEY_A)) as resp:
+                return resp.status, await resp.json()
+
+        sim_a.control.hold_next = 1
+        running = asyncio.create_task(one(0))
+        await sim_a.wait_held(1)
+        waiting = asyncio.create_task(one(1))
+        await scheduler.wait_until(lambda core: sum(core.queued(k) for k in range(len(core.classes))) == 1)
+
+        write(path, usage, [sim_b], {"a": KEY_A})
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert (await resp.json())["changes"]["models"]["removed"] == ["gone"]
+        status, answer = await waiting
+        assert status == 404 and not running.done()
+        assert answer["error"]["code"] == "model_not_found"
+        assert "removed" in answer["error"]["message"] and "'gone'" in answer["error"]["message"]
+        sim_a.release()
+        assert (await running)[0] == 200
+    await gw.fleet.wait_retired()
+    assert_gateway_clean(gw)

@@ -48,14 +48,14 @@ async def test_a_long_prompt_goes_where_no_long_prefill_is_outstanding_and_short
     try:
         pool = fleet.pools["m"]
         a, b = pool.instances
-        busy_with_shorts = [fleet.lease(b, SHORT, SHORT) for _ in range(3)]
+        busy_with_shorts = [fleet.lease(b, "m", SHORT, SHORT) for _ in range(3)]
         first, _ = pool.choose(request(LONG))
         assert first is a and pool.is_long(a, LONG) and not pool.is_long(a, SHORT)
-        long_a = fleet.lease(a, LONG, LONG, long=True)
+        long_a = fleet.lease(a, "m", LONG, LONG, long=True)
         # The least loaded instance is still `a` (1 request against 3), but it is prefilling a long prompt.
         second, _ = pool.choose(request(LONG))
         assert second is b
-        long_b = fleet.lease(b, LONG, LONG, long=True)
+        long_b = fleet.lease(b, "m", LONG, LONG, long=True)
         with pytest.raises(LongPrefillBusy):
             pool.choose(request(LONG))
         assert not pool.long_turn(request(LONG))
@@ -77,8 +77,8 @@ async def test_a_long_request_waits_for_a_turn_and_a_cancel_leaves_nothing_behin
     try:
         pool = fleet.pools["m"]
         a, b = pool.instances
-        long_a = fleet.lease(a, LONG, LONG, long=True)
-        long_b = fleet.lease(b, LONG, LONG, long=True)
+        long_a = fleet.lease(a, "m", LONG, LONG, long=True)
+        long_b = fleet.lease(b, "m", LONG, LONG, long=True)
         metrics = fleet._metrics
         waiting = asyncio.create_task(_take_turn(fleet, metrics, pool, request(LONG)))
         cancelled = asyncio.create_task(_take_turn(fleet, metrics, pool, request(LONG)))
@@ -117,7 +117,7 @@ async def test_a_turn_the_policy_will_not_take_does_not_hold_the_request_for_goo
         pool = fleet.pools["m"]
         pool.policy = OnlyFirst()
         a, _ = pool.instances
-        long_a = fleet.lease(a, LONG, LONG, long=True)
+        long_a = fleet.lease(a, "m", LONG, LONG, long=True)
         with pytest.raises(LongPrefillBusy):
             pool.choose(request(LONG))
         assert pool.long_turn(request(LONG))
@@ -135,7 +135,7 @@ async def test_long_prefill_ms_0_holds_nothing() -> None:
         pool = fleet.pools["m"]
         [a] = pool.instances
         assert not pool.is_long(a, 100 * LONG)
-        lease = fleet.lease(a, LONG, LONG, long=pool.is_long(a, LONG))
+        lease = fleet.lease(a, "m", LONG, LONG, long=pool.is_long(a, LONG))
         assert pool.choose(request(LONG))[0] is a
         lease.release()
     finally:

@@ -493,14 +493,14 @@ async def test_an_engine_is_full_when_its_known_slots_are_all_generating() -> No
     fleet._build(config)  # not entered: no health probes, no scrapes
     try:
         [a] = fleet.pools["m"].instances
-        first = fleet.lease(a, 8, 8)
+        first = fleet.lease(a, "m", 8, 8)
         first.first_token()
-        assert not fleet.lease(a, 8, 8).engine_full()  # the engine's slots are not known
+        assert not fleet.lease(a, "m", 8, 8).engine_full()  # the engine's slots are not known
         a.concurrency.declare(2)
-        young = fleet.lease(a, 8, 8)
+        young = fleet.lease(a, "m", 8, 8)
         assert not young.engine_full()  # one generating, one unanswered
         young.first_token()
-        p0 = fleet.lease(a, 8, 8)
+        p0 = fleet.lease(a, "m", 8, 8)
         assert p0.engine_full()
         first.release()
         assert not p0.engine_full()
@@ -542,6 +542,25 @@ async def test_a_shrink_under_running_strict_work_sheds_the_excess_at_once(p0_ru
     else:
         assert [v.stopped for v in victims] == [0] * 8
         assert scheduler.core.running_total == 8
+
+
+async def test_a_lent_slot_ending_with_its_request_sheds_nothing() -> None:
+    """A reload retired the engine a P2 request runs on: the pool lends it a slot on top of its members' one, where a
+    P0 runs. When the P2's lease ends (before its ticket), the lent slot goes: for that moment the pool holds one
+    more than its capacity, which is not an excess to stop (nothing is preempted), and the P2's ticket, released
+    next, grants nothing."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 1, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    retired = _Victim()
+    p2 = scheduler.offer(2, retired)
+    scheduler.resize(1, 0, lent=1)  # the reload: one member slot, one lent to the P2 on the retired engine
+    p0 = scheduler.offer(0)
+    queued = scheduler.offer(2, _Victim())
+    assert p0.running and not queued.running and scheduler.core.capacity == 2
+    scheduler.resize(1, 0, lent=0)  # the P2's lease ended
+    assert retired.stopped == 0 and scheduler.core.capacity == 1
+    scheduler.release(p2)
+    assert not queued.running and scheduler.core.running_total == 1 and scheduler.lent == 0
 
 
 def test_a_resumed_request_is_not_charged_its_class_share_again() -> None:

@@ -33,7 +33,7 @@ async def test_a_retired_instance_stays_open_while_a_call_on_its_connections_run
     picked = Instance(InstanceConfig(url="http://127.0.0.1:1", engine="vllm"), cast(Any, None), "http://x")
     served = Instance(InstanceConfig(url="http://127.0.0.1:1", engine="vllm"), cast(Any, None), "http://x")
     call = UpstreamCall(fleet, metrics, picked, "/v1/chat/completions", b"{}", "r1", stream=True)
-    lease = fleet.lease(picked, 0, 0)
+    lease = fleet.lease(picked, "m", 0, 0)
     lease.move(served)  # the sidecar's answer named the other engine
     assert picked.in_flight == 0 and picked.open_calls == 1
     idle = asyncio.create_task(picked.wait_idle())

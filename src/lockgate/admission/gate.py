@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..changes import Changes
-from ..errors import QueueFull, QueueTimeout
+from ..errors import ModelNotFound, QueueFull, QueueTimeout
 from ..metrics import SchedulingMetrics
 from .preemption import (
     Placement,
@@ -70,6 +70,9 @@ class PoolScheduler:
     ) -> None:
         self.model = model
         self.core = SchedulerCore(classes, capacity, reserve=reserve, strict_window_s=strict_window_s)
+        #: The capacity of the pool's members, and the slots lent on top of it (see `resize`).
+        self._members = capacity
+        self.lent = 0
         #: Classes whose running requests a strict-class arrival may stop (see `preemption.py`).
         self.preemptible = preemptible
         self._metrics = metrics
@@ -89,14 +92,21 @@ class PoolScheduler:
             for spec in core.classes
         ]
 
-    def resize(self, capacity: int, reserve: int) -> None:
-        """The pool grew or shrank (instances ejected, unhealthy or back): grant what now fits."""
+    def resize(self, capacity: int, reserve: int, lent: int = 0) -> None:
+        """The pool grew or shrank (instances ejected, unhealthy or back): grant what now fits. `lent`: its requests
+        still running on instances a reload retired (`Pool.lent`), counted on top: they hold no slot of the members'.
+        One of them ending takes its lent slot along with its own (the lease ends before the ticket): the excess of
+        that moment is not shed."""
         core = self.core
-        if capacity == core.capacity and reserve == core.reserve:
+        shrank = capacity < self._members
+        self._members = capacity
+        self.lent = lent
+        if capacity + lent == core.capacity and reserve == core.reserve:
             return
         core.reserve = reserve
-        self._wake(core.set_capacity(capacity, self._clock()))
-        self._shed_excess()
+        self._wake(core.set_capacity(capacity + lent, self._clock()))
+        if shrank:
+            self._shed_excess()
         self._changes.notify()
 
     def offer(self, klass: int, tag: object = None, arrived: float | None = None) -> Ticket:
@@ -254,12 +264,22 @@ class PoolScheduler:
                 else:
                     # Futures, not coroutines: `asyncio.wait` makes no task and cancels neither.
                     await asyncio.wait((waiter, unless), return_when=asyncio.FIRST_COMPLETED)
+                    if waiter.done() and not waiter.cancelled():
+                        waiter.result()  # raises what `withdraw` set
             return ticket.running  # the core, not the futures, says whether it holds a slot
         except TimeoutError:
             if ticket.running:  # granted in the same loop iteration
                 return True
             self.release(ticket)
             raise self.queue_timeout(ticket.klass) from None
+
+    def withdraw(self, error: Callable[[], Exception]) -> None:
+        """The pool is gone (a reload removed its model): every queued request fails now with `error()` instead of
+        waiting for a slot that leads nowhere. Running ones go on."""
+        for ticket, waiter in list(self._waiters.items()):
+            if ticket.state is TicketState.QUEUED and not waiter.done():
+                waiter.set_exception(error())
+                self.release(ticket)
 
     def queue_time_left(self, klass: int, since: float) -> float | None:
         """Seconds left of class `klass`'s queue deadline for a request that began waiting at `since` (this
@@ -311,7 +331,7 @@ class PoolScheduler:
         queue_wait.observe(max(0.0, now - ticket.offered_at))
 
     def statistics(self) -> dict[str, object]:
-        return {**self.core.statistics(), "waiters": len(self._waiters)}
+        return {**self.core.statistics(), "lent": self.lent, "waiters": len(self._waiters)}
 
 
 class Slot:
@@ -487,6 +507,7 @@ class Admission:
         for name, pool in pools.items():
             live = sum(i.max_concurrency for i in pool.instances if i.routable)
             capacity = live or sum(i.max_concurrency for i in pool.instances)
+            lent = pool.lent() if pool.lenders else 0
             scheduler = self.schedulers.get(name)
             if scheduler is None:  # a model discovered at run time (cluster mode)
                 self.schedulers[name] = PoolScheduler(
@@ -499,7 +520,20 @@ class Admission:
                     preemptible=self.preemptible,
                 )
                 continue
-            scheduler.resize(capacity, self._reserve(capacity))
+            scheduler.resize(capacity, self._reserve(capacity), lent)
+
+    def withdraw(self, models: Sequence[str]) -> None:
+        """A reload removed `models`: their queued requests are told so now (404; the running ones go on)."""
+        for model in models:
+            scheduler = self.schedulers.get(model)
+            if scheduler is not None:
+                scheduler.withdraw(
+                    functools.partial(
+                        ModelNotFound,
+                        f"The model '{model}' is no longer served: a configuration reload removed it.",
+                        param="model",
+                    )
+                )
 
     def class_name(self, klass: int) -> str:
         return self.classes[klass].name

@@ -74,6 +74,11 @@ class Instance:
         self.idle: asyncio.Event | None = None
         #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
         self.in_flight = 0
+        #: Leases held, by the model (pool) they were taken for: once retired, what it still runs of each pool's
+        #: requests (`Fleet.apply`: capacity the pool lends until they end).
+        self.leased: dict[str, int] = {}
+        #: Set once retired: told each time one of its leases ends (the fleet's pools shrink what they lend).
+        self.on_vacated: Callable[[], None] | None = None
         self.open_calls = 0
         self.last_probe_at: float | None = None
         #: Its engine was asked how many sequences it runs at once since it last came up (`declared.py`).
@@ -156,7 +161,16 @@ class Instance:
 class Lease:
     """A routing slot on one instance, held by one request attempt. `release()` is idempotent."""
 
-    __slots__ = ("_attempt", "_estimate", "_metrics", "_released", "_whole", "completion_tokens", "instance")
+    __slots__ = (
+        "_attempt",
+        "_estimate",
+        "_metrics",
+        "_released",
+        "_whole",
+        "completion_tokens",
+        "instance",
+        "model",
+    )
 
     def __init__(
         self,
@@ -165,10 +179,12 @@ class Lease:
         uncached_tokens: int = 0,
         prompt_tokens: int = 0,
         long: bool = False,
+        model: str = "",
     ) -> None:
         """`long`: a long streamed prompt, holding the instance's turn for one (`Pool.is_long`) until its first
-        token or its end."""
+        token or its end. `model`: the pool it was taken for."""
         self.instance = instance
+        self.model = model
         #: The gateway's estimate of the prompt's tokens (characters / 4).
         self._estimate = prompt_tokens
         self._metrics = metrics
@@ -177,6 +193,8 @@ class Lease:
         self.completion_tokens = 0
         self._whole = False
         instance.in_flight += 1
+        leased = instance.leased
+        leased[model] = leased.get(model, 0) + 1
         self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic(), long)
 
     def first_token(self) -> None:
@@ -247,6 +265,7 @@ class Lease:
         before.own.end(self._attempt, now, 0)  # no first token yet: no sample, only the queue undone
         self._attempt = to.own.adopt(self._attempt, now)
         to.in_flight += 1
+        to.leased[self.model] = to.leased.get(self.model, 0) + 1
         self.instance = to
         self._vacate(before)
 
@@ -271,8 +290,16 @@ class Lease:
 
     def _vacate(self, instance: Instance) -> None:
         instance.in_flight -= 1
+        leased = instance.leased
+        left = leased.get(self.model, 0) - 1
+        if left > 0:
+            leased[self.model] = left
+        else:
+            leased.pop(self.model, None)
         if instance.in_flight < 0:
             self._metrics.leaks.labels("negative_in_flight").inc()
+        if instance.on_vacated is not None:
+            instance.on_vacated()
         instance.wake_if_idle()
 
 

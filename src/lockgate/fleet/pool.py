@@ -128,6 +128,10 @@ class Pool:
         self.report_routed: Callable[[str, tuple[int, ...]], None] | None = None
         #: `routing.long_prefill_ms`, in seconds (0: off): see `is_long`.
         self.long_prefill_s = config.routing.long_prefill_ms / 1000
+        #: Members a reload (or a node leaving) retired while they still run this pool's requests, on engines no member
+        #: shares: those requests hold slots of the pool's scheduler that are not the new members' to wait for
+        #: (`lent`).
+        self.lenders: list[Instance] = []
         for spec in config.instances:
             if spec.cache_tokens is not None:
                 self.set_cache_tokens(spec.key, spec.cache_tokens)
@@ -142,6 +146,17 @@ class Pool:
             return False
         self.index.set_capacity(key, blocks)
         return True
+
+    def lent(self) -> int:
+        """This pool's requests still running on retired members' engines: slots its scheduler counts on top of its
+        members' capacity until they end (else they would hold back requests the new members could take)."""
+        return sum(lender.leased.get(self.model, 0) for lender in self.lenders)
+
+    def lend_from(self, retired: Instance) -> None:
+        """`retired` left this pool with requests in flight: count them as lent unless a member shares its engine (an
+        instance replaced at the same URL: the engine's slots are the same, its requests do hold them)."""
+        if retired.leased.get(self.model) and all(i.url != retired.url for i in self.instances):
+            self.lenders.append(retired)
 
     def add(self, instance: Instance, served_model: str) -> None:
         """Add an instance discovered at run time (a no-op if it is a member)."""
@@ -487,7 +502,9 @@ class Fleet:
             return
         instance = self.instances.pop(key)
         for pool in list(self.pools.values()):
-            self._leave(pool, key)
+            if pool.holds(key):
+                self._leave(pool, key)
+                pool.lend_from(instance)
         self._retire(instance)
         self.generation += 1
         self._notify()
@@ -519,8 +536,9 @@ class Fleet:
         its requests in flight end (those keep the instance they hold; their next attempts route
         through `pools`, see `attempt.py`). New instances are probed at once and scraped with the
         others. Unchanged pools stay as they are."""
-        for key in (*diff.removed_instances, *diff.changed_instances):
-            self._retire(self.instances.pop(key))
+        retired = [self.instances.pop(key) for key in (*diff.removed_instances, *diff.changed_instances)]
+        for instance in retired:
+            self._retire(instance)
         previous = self.pools
         # A model the file adds may have a pool already: a central replica's, built from the engines it discovered
         # (with defaults): the file's settings replace it.
@@ -528,6 +546,12 @@ class Fleet:
         unchanged = {name: pool for name, pool in previous.items() if name not in renewed}
         self._build(config, previous)
         self.pools = {name: unchanged.get(name, pool) for name, pool in self.pools.items()}
+        for name, pool in self.pools.items():
+            before = previous.get(name)
+            if before is None or pool is before:
+                continue
+            for instance in (*before.lenders, *(i for i in before.instances if i.retired)):
+                pool.lend_from(instance)
         self._config = config
         if diff.added_instances or diff.changed_instances:
             self._health_wake.set()
@@ -535,6 +559,8 @@ class Fleet:
 
     def _retire(self, instance: Instance) -> None:
         instance.retired = True
+        # Each of its requests that ends gives back what its pool lent (`Pool.lent`).
+        instance.on_vacated = self._notify
         log.info("instance %s retires (%d request(s) in flight)", instance.name, instance.in_flight)
         if self._closed:
             return
@@ -547,6 +573,9 @@ class Fleet:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close_instance(instance)
         self._retiring.pop(instance, None)
+        for pool in self.pools.values():
+            if instance in pool.lenders:
+                pool.lenders.remove(instance)
         log.info("instance %s closed", instance.name)
 
     async def _close_instance(self, instance: Instance) -> None:
@@ -638,8 +667,11 @@ class Fleet:
     def pool(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def lease(self, instance: Instance, uncached_tokens: int = 0, prompt_tokens: int = 0, long: bool = False) -> Lease:
-        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens, long)
+    def lease(
+        self, instance: Instance, model: str, uncached_tokens: int = 0, prompt_tokens: int = 0, long: bool = False
+    ) -> Lease:
+        """A slot on `instance` for a request of the pool `model`."""
+        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens, long, model)
 
     def ready(self) -> bool:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())
