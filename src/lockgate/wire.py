@@ -102,14 +102,19 @@ class ApiRequest:
         return self._prompt_tokens
 
     def sequences(self) -> int:
-        """How many generations the engine runs for it (`n`, or a completion's larger `best_of`): each may use
-        `max_tokens`, and its usage counts them all."""
+        """How many generations the engine runs for it (`n`, or a completion's larger `best_of`, for each prompt of a
+        batched completion): each may use `max_tokens`, and its usage counts them all."""
         body = self.body
         most = 1
         for key in ("n", "best_of"):
             value = body.get(key)
             if type(value) is int and value > most:
                 most = value
+        if self.endpoint is Endpoint.COMPLETIONS:
+            prompt = body.get("prompt")
+            # A list of strings or of token-id lists is a batch (one generation each); a list of ints is one prompt.
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                most *= len(prompt)
         return most
 
     def streamed_with_usage(self, body: dict[str, Any]) -> ApiRequest:

@@ -265,16 +265,18 @@ async def test_a_reservation_counts_every_choice(start_sim, start_gateway, http)
         tenants=[{"name": "default", "tokens_per_minute": 600, "requests_per_minute": 1000}],
     )
 
-    async def complete(**extra: int) -> tuple[int, Any, bytes]:
+    async def complete(**extra: Any) -> tuple[int, Any, bytes]:
         body = {"model": "m", "prompt": "hi", "max_tokens": 100, **extra}
         async with http.post(gw.url + "/v1/completions", data=orjson.dumps(body)) as resp:
             return resp.status, resp.headers.copy(), await resp.read()
 
-    for extra in ({"n": 8}, {"best_of": 8}):
+    # A batched prompt (strings or token-id lists) is a generation for each: 8 x 100 as well.
+    for extra in ({"n": 8}, {"best_of": 8}, {"prompt": ["h"] * 8}, {"prompt": [[1, 2]] * 8}):
         status, headers, raw = await complete(**extra)
         assert status == 429, raw
         error = orjson.loads(raw)["error"]
-        assert error["code"] == "tokens_exceed_limit" and "may use 801 tokens" in error["message"], error
+        assert error["code"] == "tokens_exceed_limit", error
+        assert 800 < int(error["message"].split("may use ")[1].split()[0]) < 820, error
         assert headers["x-should-retry"] == "false"
     assert sim.stats.requests_started == 0
     # One choice of the same size fits, and reserves a single max_tokens.

@@ -53,12 +53,20 @@ def test_chat_errors_name_the_field(raw, param):
     assert info.value.body()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
-def test_completion_prompt_forms(prompt):
+@pytest.mark.parametrize(
+    ("prompt", "generations"), [("text", 1), (["a", "b"], 2), ([1, 2, 3], 1), ([[1, 2], [3]], 2), (["a"] * 5, 5)]
+)
+def test_completion_prompt_forms(prompt, generations):
+    """Each form is valid; a batch (strings or token-id lists) is one generation a prompt, each `n` choices (what
+    admission reserves `max_tokens` for)."""
     import orjson
 
     req = parse_request(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": prompt}))
     assert req.prompt_text()
+    assert req.sequences() == generations
+    assert parse_request(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": prompt, "n": 3})).sequences() == (
+        3 * generations
+    )
 
 
 @pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], {"x": 1}, [True], [[]], [[1], []], [[True]], [[1, 2.5]]])
