@@ -41,6 +41,7 @@ from .wire import ApiRequest
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from .admission.gate import Allowance
     from .fleet.instance import Instance, Lease
     from .fleet.pool import Pool
     from .metrics import GatewayMetrics
@@ -139,6 +140,8 @@ class Exchange:
         self._holds: list[Callable[[], None]] = []
         #: Headers added to the response (e.g. x-ratelimit-*).
         self.response_headers: dict[str, str] = {}
+        #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
+        self.allowance: Allowance | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
         #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).

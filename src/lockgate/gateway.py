@@ -446,6 +446,10 @@ class Gateway:
     def _admin_cancel(self, request_id: str) -> Response:
         exchange = self.registry.get(request_id)
         if exchange is None:
+            # A flight's id (`GET /admin/flights`): one that runs on after its clients left is stopped the same way.
+            stopped = self.dedup.flights.cancel(request_id)
+            if stopped is not None:
+                return json_response({"id": request_id, "cancelled": stopped})
             return self.error_response(NotFound(f"No request '{request_id}' is in flight."), request_id)
         # False: it was already ending (its own end, or an earlier cancel, decides how).
         return json_response({"id": request_id, "cancelled": exchange.cancel("admin")})

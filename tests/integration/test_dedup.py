@@ -349,3 +349,58 @@ async def test_events_already_here_go_out_in_one_write(start_sim, start_gateway,
     assert len(writes) == 1, writes
     assert writes[0].startswith(b"HTTP/1.1 200") and b"data: [DONE]\n\n" in writes[0]
     assert writes[0].endswith(b"0\r\n\r\n")
+
+
+async def test_a_detached_flight_is_its_tenants_work_until_it_ends(start_sim, start_gateway, http):
+    """`finish_and_cache`: every client left, the flight runs on. It still counts against its tenant's
+    `max_concurrent` (a client could start any number of generations and leave at once), the tokens it produced are
+    charged when it ends, and an administrator can stop it by its id (`DELETE /admin/requests/{id}`)."""
+    import time
+
+    sim = await start_sim(tpot_ms=2.0)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)], "cancel_policy": "finish_and_cache"}],
+        tenants=[{"name": "default", "max_concurrent": 1, "tokens_per_minute": 10_000}],
+    )
+    gateway_ = gw.gateway
+    limiter, tenant = gateway_.admission.limiter, gateway_.admission.book.default
+    flights = gateway_.dedup.flights
+
+    async def abandoned(body: dict[str, Any]) -> None:
+        """One client starts the flight while the engine holds it, and leaves."""
+        sim.control.hold = True
+        task = asyncio.create_task(call(http, gw.url, body))
+        async with asyncio.timeout(5):
+            await sim.wait_held(1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await wait_subscribers(gw, 0)
+        sim.control.hold = False
+
+    await abandoned(BODY)
+    assert len(flights) == 1 and limiter.state(tenant, time.monotonic()).in_flight == 1
+    other = {**BODY, "messages": [{"role": "user", "content": "something else"}]}
+    status, _, raw = await call(http, gw.url, other)
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "concurrency_limit_exceeded"
+
+    sim.release()
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: len(flights) == 0)
+    state = limiter.state(tenant, time.monotonic())
+    assert state.in_flight == 0 and state.reserved_tokens == 0
+    assert state.tokens is not None and 10_000 - state.tokens.level >= 12  # the 12 tokens generated, and the prompt
+    status, _, _ = await call(http, gw.url, other)
+    assert status == 200
+
+    # Another detached flight, stopped by an administrator: its allowance is settled and its slot freed.
+    again = {**BODY, "messages": [{"role": "user", "content": "a third story"}]}
+    await abandoned(again)
+    [flight] = flights.all()
+    async with http.delete(f"{gw.url}/admin/requests/{flight.id}") as resp:
+        assert resp.status == 200 and (await resp.json()) == {"id": flight.id, "cancelled": True}
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: len(flights) == 0)
+        await sim.wait_until(lambda s: s.stats.requests_aborted == 1)
+    assert limiter.state(tenant, time.monotonic()).in_flight == 0
+    assert gateway_.admission.schedulers["m"].core.running_total == 0

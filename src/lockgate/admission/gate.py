@@ -334,6 +334,40 @@ class PoolScheduler:
         return {**self.core.statistics(), "lent": self.lent, "waiters": len(self._waiters)}
 
 
+class Allowance:
+    """A request's rate-limit reservation, settled once every holder is done with it: the request itself, and the
+    flight it leads (`share`), which may run on after every client left (`cancel_policy: finish_and_cache`). The
+    flight's engine work is the tenant's: until it ends it counts against the tenant's `max_concurrent`, and the
+    tokens charged are the most any holder reports (else a client could start generations and leave at once, free)."""
+
+    __slots__ = ("_clock", "_holders", "_reached", "_used", "reservation")
+
+    def __init__(self, reservation: Reservation, clock: Clock) -> None:
+        self.reservation = reservation
+        self._clock = clock
+        self._holders = 1
+        self._used = 0
+        self._reached = False
+
+    def share(self) -> Callable[[int, bool], None]:
+        """One more holder (a flight): it calls what this returns, once, when it ends (see `done`)."""
+        self._holders += 1
+        return self.done_by_flight
+
+    def done_by_flight(self, used: int, reached_engine: bool) -> None:
+        self.done(used, reached_engine=reached_engine)
+
+    def done(self, used: int, *, reached_engine: bool) -> None:
+        """A holder is done: `used` tokens (prompt + completion, 0 if nothing was produced), and whether it reached an
+        engine. The last one settles: a request that reached none is refunded (see `Admission._settle`)."""
+        self._used = max(self._used, used)
+        self._reached = self._reached or reached_engine
+        self._holders -= 1
+        if self._holders == 0:
+            used = self._used
+            self.reservation.settle(used, self._clock(), refund_request=not used and not self._reached)
+
+
 class Slot:
     """A request's slot at its pool's scheduler, taken only once it is about to call an engine (a request served
     from the result cache or joining a flight takes none). The ticket is owned by the exchange from the moment it
@@ -560,7 +594,8 @@ class Admission:
         except RateLimitExceeded as exc:
             self._metrics.rejections.labels(f"rate_limit_{exc.reason}", self.class_name(klass)).inc()
             raise
-        ex.hold(lambda: self._settle(ex, reservation))
+        allowance = ex.allowance = Allowance(reservation, self._clock)
+        ex.hold(lambda: self._settle(ex, allowance))
         limit_headers = self.limiter.headers(tenant, now)
         if limit_headers:
             ex.response_headers.update(limit_headers)
@@ -571,7 +606,8 @@ class Admission:
         """`ex`'s place at its model's scheduler, to be taken (`Slot.take`) by a request about to call an engine."""
         return Slot(self.schedulers[ex.api.model], ex, klass, tag)
 
-    def _settle(self, ex: Exchange, reservation: Reservation) -> None:
+    @staticmethod
+    def _settle(ex: Exchange, allowance: Allowance) -> None:
         """A request that delivered nothing costs no tokens; otherwise prompt + delivered tokens. One that also
         reached no engine (refused by the scheduler's queue, no healthy instance, cancelled while queued) does not
         count as a request either: retried by its SDK, a full queue's 429 used up the tenant's requests per minute."""
@@ -579,7 +615,7 @@ class Admission:
         used = 0
         if record.completion_tokens > 0 or record.status == "completed":
             used = record.completion_tokens + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
-        reservation.settle(used, self._clock(), refund_request=not used and record.attempts == 0)
+        allowance.done(used, reached_engine=record.attempts > 0)
 
     def _watch(self, tenant: Tenant) -> None:
         """Export the tenant's rate-limit state (computed when scraped), once per tenant."""

@@ -207,6 +207,8 @@ class Coalescer:
             before_send,
         )
         flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
+        if ex.allowance is not None:
+            flight.settle_allowance = ex.allowance.share()  # and counts as the tenant's work until it ends
         self.waiting.flight_started(key, stream)
         if semantic is not None and probe is not None:
             flight.on_completed = functools.partial(semantic.add, probe)

@@ -173,6 +173,11 @@ class Flight:
         #: Releases its leader's slot at the pool's scheduler (`Slot.hand_over`) when the flight ends, however it
         #: ends (`Flights._forget`): its engine call counts against the pool's capacity after its leader left, too.
         self.release_slot: Callable[[], None] | None = None
+        #: Tells its leader's rate-limit allowance (`Allowance.share`) what the flight used when it ends
+        #: (`Flights._forget`): prompt + completion tokens, and whether it reached an engine.
+        self.settle_allowance: Callable[[int, bool], None] | None = None
+        #: Token-bearing events received (one token each, as the transcript of a preempted request counts them).
+        self.tokens = 0
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         #: The engine call once opened (closed when the flight's task ends).
@@ -306,13 +311,17 @@ class Flight:
         if taken:
             events, payloads, ends, contents = self.events, self._payloads, self._ends, self._contents
             nbytes = self._nbytes
+            tokens = self.tokens
             for event, raw, content in taken:
                 nbytes += 64 + len(raw)  # sized by the engine's bytes, not by serialising the event again
                 events.append(event)
                 payloads.append(raw)
                 ends.append(nbytes)
                 contents.append(content)
+                if content:
+                    tokens += 1
             self._nbytes = nbytes
+            self.tokens = tokens
             self._notify()
         if stream.ended:
             return True

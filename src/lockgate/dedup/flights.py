@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..attempt import Opened, open_attempts
 from ..changes import Changes
-from ..errors import ShuttingDown
+from ..errors import Cancelled, ShuttingDown
 from .cache import Result, ResultCache
 from .fingerprint import Fingerprint
 from .flight import Flight
@@ -112,6 +112,17 @@ class Flights:
     def all(self) -> list[Flight]:
         return list(self._running)
 
+    def cancel(self, flight_id: str) -> bool | None:
+        """Stop the running flight `flight_id` (an administrator's cancel): its clients, if any are left, get the
+        error. None: no such flight; False: it was already ending."""
+        flight = next((f for f in self._running if f.id == flight_id), None)
+        if flight is None:
+            return None
+        if flight.done:
+            return False
+        flight.abort(Cancelled("The shared generation was cancelled by an administrator.", final=True))
+        return True
+
     def start(
         self,
         key: Fingerprint,
@@ -175,10 +186,18 @@ class Flights:
         self._tasks.discard(task)
         self._changes.notify()
 
-    def _forget(self, flight: Flight) -> None:
+    def _forget(self, flight: Flight, result: Result | None = None) -> None:
         release_slot, flight.release_slot = flight.release_slot, None
         if release_slot is not None:
             release_slot()
+        settle, flight.settle_allowance = flight.settle_allowance, None
+        if settle is not None:
+            # What the engine reported for a completed flight, else what it was seen to produce.
+            if result is not None and result.completion_tokens:
+                used = result.prompt_tokens + result.completion_tokens
+            else:
+                used = flight.tokens + flight.api.estimated_prompt_tokens() if flight.tokens else 0
+            settle(used, flight.attempts > 0)
         table = self._table(flight)
         if table.get(flight.key.digest) is flight:
             del table[flight.key.digest]
@@ -190,7 +209,7 @@ class Flights:
         self.completed += 1
         if result is not None:
             self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
-        self._forget(flight)
+        self._forget(flight, result)
         if flight.on_completed is not None and result is not None and result.nbytes <= self.cache.max_entry_bytes:
             flight.on_completed(result)  # the semantic cache: the same per-entry bound
 
