@@ -104,8 +104,11 @@ class Exchange:
         deadline_s: float | None,
         tenant: str = "default",
         priority: str | None = None,
+        scope: str | None = None,
     ) -> None:
         self.host = host
+        #: Whose results it may share (`Tenant.cache_scope`): its tenant's name unless that says otherwise.
+        self.scope = tenant if scope is None else scope
         self.id = request_id
         self.api = api
         self.pool = pool

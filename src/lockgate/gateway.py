@@ -352,6 +352,7 @@ class Gateway:
             deadline_s=deadline_s,
             tenant=tenant.name,
             priority=self.admission.class_name(klass),
+            scope=tenant.cache_scope,
         )
         exchange.record.client_request_id = client_id
         if api.trace_headers:

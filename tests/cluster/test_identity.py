@@ -42,6 +42,42 @@ def test_only_a_central_key_relays_a_tenant_and_names_are_bounded() -> None:
     tenants = [relayed.tenant(f"Bearer {CENTRAL_KEY}", f"t{n}") for n in range(identity.MAX_TENANTS + 10)]
     names = {t.name for t in tenants if t is not None}
     assert len(names) == identity.MAX_TENANTS - 1 and identity.OVERFLOW_TENANT in names
+    # Counted under one name, each keeps its own results; so does a name not taken as it is (here too long).
+    scopes = {t.cache_scope for t in tenants if t is not None}
+    assert len(scopes) == len(tenants) and acme.cache_scope not in scopes
+    long_a, long_b = (relayed.tenant(f"Bearer {CENTRAL_KEY}", c * 200) for c in "ab")
+    assert long_a is not None and long_b is not None and long_a.name == long_b.name == "default"
+    assert long_a.cache_scope != long_b.cache_scope
+    # Apart from every local tenant, whatever its name.
+    assert all(not scope.isprintable() for scope in scopes)
+
+
+async def test_relayed_tenants_counted_as_one_share_no_results(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Past the sidecar's bound of relayed names, new ones are counted as `other`: they must not get each other's
+    cached answers (nor those of a local tenant named `other`)."""
+    monkeypatch.setattr(identity, "MAX_TENANTS", 1)
+    name = unique_cluster("scope")
+    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",))))
+    config = sidecar(etcd.url, name, sim, str(tmp_path / "s.sqlite3"))
+    config["tenants"][0]["name"] = "other"
+    side = await stack.enter_async_context(GatewayServer(parse_config(config), role="sidecar"))
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+    body = {"model": "m", "messages": [{"role": "user", "content": "a secret"}], "max_tokens": 3, "temperature": 0}
+
+    async def ask(key: str, **headers: str) -> str:
+        hdrs = {"Authorization": f"Bearer {key}", **headers}
+        async with http.post(side.url + "/v1/chat/completions", json=body, headers=hdrs) as resp:
+            assert resp.status == 200, await resp.text()
+            return resp.headers["x-lockgate-cache"]
+
+    assert await ask(CENTRAL_KEY, **{TENANT_HEADER: "first"}) == "miss"  # the one name kept
+    assert await ask(CENTRAL_KEY, **{TENANT_HEADER: "victim"}) == "miss"
+    assert await ask(CENTRAL_KEY, **{TENANT_HEADER: "victim"}) == "hit"
+    assert await ask(CENTRAL_KEY, **{TENANT_HEADER: "attacker"}) == "miss"
+    assert await ask(DIRECT_KEY) == "miss"
+    assert sim.stats.requests_started == 4
 
 
 def sidecar(etcd_url: str, cluster: str, sim: SimServer, usage: str) -> dict[str, Any]:

@@ -159,6 +159,14 @@ def test_a_tenant_naming_a_model_that_is_not_served_is_rejected():
     parse_config(simulated)  # a simulated model is served
 
 
+def test_a_tenant_name_must_be_printable():
+    """It becomes a metric label, a record's field and a header a central relays: no control characters."""
+    models = [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.name: .*printable"):
+        parse_config({"models": models, "tenants": [{"name": "a\x1fb"}]})
+    parse_config({"models": models, "tenants": [{"name": "acme corp"}]})
+
+
 def test_a_single_mistake_is_one_line_naming_the_file_and_where(tmp_path):
     path = tmp_path / "gw.yaml"
     path.write_text("listen: {host: 127.0.0.1\nmodels: []\n")

@@ -144,6 +144,14 @@ class TenantConfig(_Strict):
     def _hashed(cls, value: list[str]) -> list[str]:
         return check_key_digests(value)
 
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        # It becomes a metric label, a usage record's field and, relayed by a central, a request header.
+        if not value.isprintable():
+            raise ValueError("a tenant name must be printable (no control characters)")
+        return value
+
 
 def check_admission(tenants: list[TenantConfig], scheduling: SchedulingConfig) -> None:
     """Cross-section checks (raises ValueError naming the key)."""

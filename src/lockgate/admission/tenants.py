@@ -33,6 +33,13 @@ class Tenant:
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
     assumed_max_tokens: int = 1024
+    #: Whose results its requests may share (de-duplication, the caches): its name unless set. A tenant relayed by a
+    #: central has its own (`cluster/identity.py`): several relayed names may be counted under one label (`other`).
+    scope: str | None = None
+
+    @property
+    def cache_scope(self) -> str:
+        return self.name if self.scope is None else self.scope
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -16,11 +16,15 @@ At the sidecar a relayed tenant has no limits of its own (the centrals enforce t
 sidecar sees only its share of the traffic) and may use any model and any class.
 
 Bound: at most `MAX_TENANTS` distinct relayed tenant names are kept (each has rate-limiter state and
-metric labels at the sidecar); beyond that, requests of new names are relayed as tenant `other`.
+metric labels at the sidecar); beyond that, requests of new names are counted and recorded as tenant `other`
+(and a name that is empty, longer than `MAX_NAME` or not printable as `default`). Each still shares results
+(de-duplication, the caches) only with its own name's requests: a relayed tenant's `scope` is the name the central
+sent, apart from every local tenant's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable
 
@@ -31,6 +35,8 @@ MAX_TENANTS = 1024
 OVERFLOW_TENANT = "other"
 #: Longest tenant name taken from the header (configured names are short identifiers).
 MAX_NAME = 128
+#: Prefix of relayed tenants' scopes: a control character, which no configured (local) tenant's name has.
+_RELAYED = "\x1frelayed:"
 
 
 class Relayed:
@@ -52,15 +58,20 @@ class Relayed:
             return None
         if "sha256:" + hashlib.sha256(key.encode()).hexdigest() not in self._digests:
             return None
+        scope = _RELAYED + (name or DEFAULT_TENANT)
         if not name or len(name) > MAX_NAME or not name.isprintable():
             name = DEFAULT_TENANT
         tenant = self._tenants.get(name)
         if tenant is None:
-            if len(self._tenants) >= MAX_TENANTS:
-                name = OVERFLOW_TENANT
-                tenant = self._tenants.get(name)
-            if tenant is None:
-                tenant = self._tenants[name] = Tenant(
-                    name=name, models=None, default_priority=self._default_priority, max_priority=0
+            if len(self._tenants) < MAX_TENANTS:
+                tenant = self._tenants[name] = self._new(name, scope)
+            else:
+                tenant = self._tenants.get(OVERFLOW_TENANT) or self._tenants.setdefault(
+                    OVERFLOW_TENANT, self._new(OVERFLOW_TENANT, _RELAYED + OVERFLOW_TENANT)
                 )
+        if tenant.scope != scope:
+            tenant = dataclasses.replace(tenant, scope=scope)  # counted under another name, its results its own
         return tenant
+
+    def _new(self, name: str, scope: str) -> Tenant:
+        return Tenant(name=name, models=None, default_priority=self._default_priority, max_priority=0, scope=scope)

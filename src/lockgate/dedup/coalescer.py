@@ -167,7 +167,7 @@ class Coalescer:
         if not api.endpoint.generates or not eligible(ex.pool.config.dedup, api.body, cache_control):
             self.metrics.outcome("bypass")
             return None
-        return fingerprint(ex.record.tenant, api.endpoint, api.body)
+        return fingerprint(ex.scope, api.endpoint, api.body)
 
     # --- serving ---------------------------------------------------------------------------------
     async def serve(
@@ -188,7 +188,7 @@ class Coalescer:
         semantic = self.semantic.get(ex.pool.model)
         probe: Probe | None = None
         if semantic is not None:
-            probe = await semantic.probe(ex.record.tenant, ex.api)
+            probe = await semantic.probe(ex.scope, ex.api)
             joined = self._join(ex, key)  # the world may have changed while the text was embedded
             if joined is None and probe is not None:
                 joined = self._semantic_hit(ex, semantic, probe)
