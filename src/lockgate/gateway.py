@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from .admission import resume
-from .admission.admin import AdminGate
+from .admission.admin import AdminGate, cross_site
 from .admission.admin import challenge as admin_challenge
 from .admission.gate import Admission
 from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
@@ -29,6 +29,7 @@ from .dashboard.assets import STATIC_PREFIX
 from .dedup import Coalescer
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
+    Forbidden,
     GatewayError,
     InvalidConfig,
     InvalidRequest,
@@ -235,8 +236,17 @@ class Gateway:
         return guarded
 
     def _denied(self, request: Request) -> Response | None:
+        asked = request.headers
         try:
-            self.admin_gate.check(request.headers.get("authorization"))
+            self.admin_gate.check(asked.get("authorization"))
+            forwarded = asked.get("x-forwarded-host")
+            hosts = (asked.get("host"), forwarded.split(",")[0] if forwarded else None)
+            if cross_site(request.method, asked.get("origin"), asked.get("sec-fetch-site"), hosts):
+                raise Forbidden(
+                    "A cross-site request may not change anything here: send it from the dashboard's own page, or "
+                    "without an Origin header (curl, an SDK).",
+                    code="cross_site_request",
+                )
         except GatewayError as exc:
             headers = exc.headers()
             if exc.http_status == 401:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 from typing import Any
 
 import aiohttp
@@ -150,3 +151,43 @@ async def test_a_reload_that_adds_tenant_keys_closes_the_admin_api_at_once(stack
         async with http.post(server.url + "/v1/chat/completions", data=data, headers=bearer("newco-key")) as resp:
             assert resp.status == 200
     assert 'lockgate_completion_tokens_total{model="m",tenant="newco"} 2.0' in server.gateway.metrics.render().decode()
+
+
+async def _answer(
+    http: aiohttp.ClientSession, url: str, auth: dict[str, str], method: str, path: str, **headers: str
+) -> tuple[int, str | None]:
+    """The status and error code of `method path` with the credentials `auth` and `headers`."""
+    async with http.request(method, url + path, headers={**auth, **headers}) as resp:
+        body = orjson.loads(await resp.read())
+        return resp.status, body.get("error", {}).get("code") if isinstance(body, dict) else None
+
+
+async def test_another_sites_page_cannot_change_anything_with_a_browsers_cached_credentials(start_sim, start_gateway):
+    """Cross-site request forgery: the dashboard's Basic login is cached by the browser and sent with any request to
+    this origin, also a form another site posts here. A change (reload, cancel) from another site's page is refused
+    (403 `cross_site_request`); the dashboard's own requests, API clients (no Origin) and reads pass. The same holds
+    on an open gateway, where no key is needed at all."""
+    sim = await start_sim()
+    for admin in (ADMIN, None):
+        extra = {"tenants": TENANTS, "admin": admin} if admin is not None else {}
+        gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], **extra)
+        own = gw.url  # http://127.0.0.1:<port>: what the dashboard's page sends as its Origin
+        host = own.split("://")[1]
+        auth = basic("ops", "admin-key") if admin is not None else {}
+        async with aiohttp.ClientSession() as http:
+            status = functools.partial(_answer, http, own, auth)
+            for method, path in (("POST", "/admin/reload"), ("DELETE", "/admin/requests/lg-unknown")):
+                forged = [
+                    {"Origin": "http://evil.example", "Content-Type": "application/x-www-form-urlencoded"},
+                    {"Origin": "null"},
+                    {"Sec-Fetch-Site": "cross-site"},
+                    {"Sec-Fetch-Site": "same-site", "Origin": own},  # another subdomain's page
+                ]
+                for headers in forged:
+                    assert await status(method, path, **headers) == (403, "cross_site_request"), (path, headers)
+                # Past the check: the route's own answer (nothing to reload, no such request).
+                for headers in ({}, {"Origin": own}, {"Origin": own, "Sec-Fetch-Site": "same-origin"}):
+                    assert (await status(method, path, **headers))[0] in (400, 404), (path, headers)
+                behind_proxy = {"Origin": "https://gw.example", "Host": host, "X-Forwarded-Host": "gw.example"}
+                assert (await status(method, path, **behind_proxy))[0] in (400, 404)
+            assert (await status("GET", "/admin/requests", Origin="http://evil.example"))[0] == 200

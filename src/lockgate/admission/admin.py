@@ -62,6 +62,24 @@ def presented_key(authorization: str) -> str | None:
     return password or user or None
 
 
+def cross_site(method: str, origin: str | None, fetch_site: str | None, hosts: tuple[str | None, ...]) -> bool:
+    """Whether a request that changes something (not GET/HEAD) comes from another site's page: a browser that
+    cached the dashboard's Basic credentials would otherwise send them with another site's form posted here (a
+    reload, a cancel: cross-site request forgery). Browsers say where a request comes from: `Sec-Fetch-Site`
+    (anything but `same-origin`, or `none` for one the user typed, is refused), else `Origin`, compared with the
+    request's `hosts` (`Host`, and `X-Forwarded-Host` behind a proxy). API clients (curl, the SDKs) send neither
+    and pass."""
+    if method in ("GET", "HEAD"):
+        return False
+    if fetch_site is not None:
+        return fetch_site.strip().lower() not in ("same-origin", "none")
+    if origin is None:
+        return False
+    _, _, authority = origin.strip().partition("://")
+    # "null" (a sandboxed page, a file) has no authority: not this gateway's own dashboard.
+    return not authority or all(host is None or authority.lower() != host.strip().lower() for host in hosts)
+
+
 class AdminGate:
     """`tenants` returns the tenant book in force (a reload replaces it: a gateway that gains tenant keys
     closes its operator routes at once)."""
