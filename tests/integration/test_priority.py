@@ -368,6 +368,13 @@ async def test_engine_receives_the_class_as_priority(start_gateway, serve_app, h
     status, _, raw = await post(http, gw.url, chat(), **{"x-priority": "bogus"})
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
     assert seen == [None, None, 0, 2, 1]
+    # Nor to an engine without a priority of its own (a generic OpenAI-compatible server may read one).
+    seen.clear()
+    generic = await start_gateway(
+        [{"name": "m", "instances": [{**instances[0], "engine": "openai"}]}], scheduling={"engine_priority": True}
+    )
+    status, _, _ = await post(http, generic.url, {**chat(), "priority": -100}, **{"x-priority": "P0"})
+    assert status == 200 and seen == [None]
 
 
 async def test_capacity_follows_the_routable_instances(start_sim, start_gateway, http):

@@ -123,13 +123,14 @@ class Dialect:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options
+        # The engine's queue order is the gateway's to set (`scheduling.engine_priority`): a client's own value
+        # would let a batch request jump ahead of interactive ones inside the engine (or, behind a generic
+        # OpenAI-compatible server, ask it for whatever it reads a `priority` as).
+        body.pop("priority", None)
         if self.priority_field:
-            # The engine's queue order is the gateway's to set (`scheduling.engine_priority`): a client's own value
-            # would let a batch request jump ahead of interactive ones inside the engine.
+            body.pop(self.priority_field, None)
             if priority is not None:
                 body[self.priority_field] = priority
-            else:
-                body.pop(self.priority_field, None)
         if self.request_id_field:
             body[self.request_id_field] = request_id
         return body
