@@ -14,7 +14,16 @@ def http_url_problem(url: str) -> str | None:
         parts = urllib.parse.urlsplit(url)
         port = parts.port  # raises for a port that is not a number in 0-65535
     except ValueError as exc:
+        if "@" in url:
+            # The parser's message quotes what it took for the port: part of a password, when the password has a
+            # character that ends the host part.
+            return (
+                "is not a usable URL: its port is not a number (a user name or password with `/`, `?`, `#` or `@` "
+                "must be percent-encoded)"
+            )
         return f"is not a usable URL: {exc}"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "must not have a query or fragment (the API's paths are appended to it)"
     if not parts.hostname:
         return "needs a host, e.g. http://127.0.0.1:8000"
     if port == 0:

@@ -14,7 +14,10 @@ import base64
 import re
 from urllib.parse import unquote
 
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
+#: A URL's userinfo: up to the last `@` of the URL (a password with an unencoded `/`, `?`, `#` or `@` is hidden too).
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^\s'\"]*@")
+#: A URL's query and fragment (they may carry a key: `?api_key=`).
+_QUERY = re.compile(r"(?P<url>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"?#]*)[?#][^\s'\"]*")
 
 
 def split(url: str) -> tuple[str, str | None]:
@@ -48,5 +51,5 @@ def basic_credential(userinfo: str) -> str:
 
 def redact(text: str) -> str:
     """`text` with the userinfo of every URL in it replaced by `***` (`http://***@host`): a user name alone
-    may be a token too."""
-    return _USERINFO.sub(r"\g<scheme>***@", text)
+    may be a token too; and its query or fragment (`http://host/?***`)."""
+    return _QUERY.sub(r"\g<url>?***", _USERINFO.sub(r"\g<scheme>***@", text))

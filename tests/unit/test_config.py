@@ -143,6 +143,21 @@ def test_config_errors_never_quote_a_password(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "models[0].instances[0].url" in err and "ftp://***@h:1" in err
     assert "hunter2" not in err and "admin" not in err
+    # A password with a character that should have been percent-encoded makes the URL unusable: still hidden.
+    for password in ("pa/SUPERSECRET23", "pa#SUPERSECRET23", "pa?SUPERSECRET23"):
+        path.write_text(f'models: [{{name: m, instances: [{{url: "http://u:{password}@127.0.0.1:1"}}]}}]\n')
+        assert main(["check-config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "models[0].instances[0].url" in err and "SUPERSECRET" not in err and "'pa'" not in err, err
+    # An unencoded `@` is read as part of the password (the host follows the last one).
+    path.write_text('models: [{name: m, instances: [{url: "http://u:p@SUPERSECRET23@127.0.0.1:1"}]}]\n')
+    assert main(["check-config", str(path)]) == 0
+    assert "SUPERSECRET" not in capsys.readouterr().out
+    # A query or fragment cannot be part of an engine's base URL (the API's paths are appended to it).
+    path.write_text('models: [{name: m, instances: [{url: "http://127.0.0.1:1/?api_key=SUPERSECRET"}]}]\n')
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "query" in err and "SUPERSECRET" not in err, err
     # PyYAML quotes the line it could not parse.
     path.write_text('u: "http://admin:hunter2@h:1" x\n')
     assert main(["check-config", str(path)]) == 2
