@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 class Phase(StrEnum):
     QUEUED = "queued"
     CONNECTING = "connecting"  # waiting for the engine's first byte (prefill)
+    #: (Shown only, never set) the engine streams tokens that the client gets as one answer at the end (an engine
+    #: read as a stream for a non-streaming client: llama.cpp, a resumable class).
+    GENERATING = "generating"
     STREAMING = "streaming"
     FINISHING = "finishing"
 
@@ -301,6 +304,13 @@ class Exchange:
     def describe(self) -> dict[str, Any]:
         # (a request on a flight learns its instance from the flight: named in the record when it ends)
         subscription = self._subscription
+        phase, tokens = self.phase, self.record.completion_tokens
+        lease = self._lease
+        if lease is not None and not lease.released and lease.answered:
+            # Read from the engine before anything reaches the client (an answer assembled from a stream).
+            tokens = max(tokens, lease.completion_tokens)
+            if phase is Phase.CONNECTING:
+                phase = Phase.GENERATING
         return {
             "id": self.id,
             # The client's own `x-request-id`, if it sent one: how an operator finds a client's request.
@@ -309,10 +319,10 @@ class Exchange:
             "tenant": self.record.tenant,
             "instance": self.record.instance or (subscription.instance() if subscription is not None else None),
             "priority": self.record.priority,
-            "phase": self.phase.value,
+            "phase": phase.value,
             "stream": self.api.stream,
             "age_ms": round((time.perf_counter() - self.started) * 1000, 1),
-            "completion_tokens": self.record.completion_tokens,
+            "completion_tokens": tokens,
         }
 
     # --- the one place where a request's fate is decided ---------------------------------------

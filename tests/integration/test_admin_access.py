@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from lockgate.admission.tenants import hash_key
 from tests.conftest import instance
@@ -191,3 +193,50 @@ async def test_another_sites_page_cannot_change_anything_with_a_browsers_cached_
                 behind_proxy = {"Origin": "https://gw.example", "Host": host, "X-Forwarded-Host": "gw.example"}
                 assert (await status(method, path, **behind_proxy))[0] in (400, 404)
             assert (await status("GET", "/admin/requests", Origin="http://evil.example"))[0] == 200
+
+
+async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_generating(start_gateway, serve_app):
+    """A non-streaming P2 request is read from its engine as a stream (to be resumable): while the engine generates,
+    `GET /admin/requests` shows it `generating` with the tokens so far (it showed `connecting` and 0 until the end)."""
+    more = asyncio.Event()
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] is True
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            event = {"id": "x", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+
+        await chunk({"role": "assistant", "content": ""})
+        for word in ("one", " two", " three"):
+            await chunk({"content": word})
+        await more.wait()
+        await chunk({}, "stop")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    app.router.add_get("/health", health)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
+    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 10}
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body, headers={"x-priority": "P2"}))
+        listed: dict[str, Any] = {}
+        async with asyncio.timeout(5):
+            while listed.get("completion_tokens") != 3:  # the engine's three tokens reach the gateway
+                await asyncio.sleep(0.01)
+                async with http.get(gw.url + "/admin/requests") as resp:
+                    listed = next(iter((await resp.json())["requests"]), {})
+        assert listed["phase"] == "generating" and listed["stream"] is False
+        more.set()
+        async with await task as resp:
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["message"]["content"] == "one two three"
