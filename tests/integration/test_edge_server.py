@@ -219,6 +219,30 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         assert log == ["start /1", "end /1", "start /2", "end /2", "start /3", "end /3"]
 
 
+async def test_a_read_holding_a_large_body_and_the_next_requests_start_counts_only_that_start() -> None:
+    """A pipelined request whose first bytes arrive in the same read as the end of a large body: its headers are
+    small, and it is answered (the whole read was counted as its headers: 431 past 16 KiB)."""
+
+    async def handler(request: Request) -> Response:
+        return Response(body=str(len(request.body)).encode())
+
+    async with serving(handler, max_header_bytes=16 * 1024) as server, connect(server) as (reader, writer):
+        second = http("GET", "/2", headers=("X-Small: yes",))
+        writer.write(http("POST", "/1", body=b"x" * 30_000) + second[:20])  # one read, as a client sends it
+        assert (await read_response(reader)).body == b"30000"
+        writer.write(second[20:])
+        resp = await read_response(reader)
+        assert resp.status == 200 and resp.body == b"0"
+        # Many small requests in one read: each counts only its own bytes.
+        writer.write(b"".join(http("POST", f"/{n}", body=b"y" * 100) for n in range(300)))
+        assert [(await read_response(reader)).status for _ in range(300)] == [200] * 300
+        # Headers that do grow past the limit after such a start still get 431.
+        writer.write(http("POST", "/a", body=b"z" * 30_000) + b"GET /b HTTP/1.1\r\nHost: test\r\nX-Huge: ")
+        assert (await read_response(reader)).status == 200
+        writer.write(b"h" * 20_000)
+        assert (await read_response(reader)).status == 431
+
+
 async def test_duplicate_headers_are_joined_and_iteration_yields_pairs() -> None:
     seen: list[tuple[str, str]] = []
 

@@ -52,6 +52,7 @@ class Connection(asyncio.Protocol):
     """One client connection; its states are described in `lockgate.edge.server`."""
 
     __slots__ = (
+        "_began_in_read",
         "_body",
         "_body_deadline",
         "_body_size",
@@ -106,6 +107,8 @@ class Connection(asyncio.Protocol):
         #: Bytes of this connection's request bodies counted in the server's held bodies (`max_held_body_bytes`).
         self._held = 0
         self._header_bytes_raw = 0  # bytes received while in the header phase, in earlier reads
+        #: Messages begun during the read being parsed (`data_received`).
+        self._began_in_read = 0
         self._read_size = 0  # of the read being parsed
         self._in_headers = False
         self._in_message = False
@@ -201,6 +204,8 @@ class Connection(asyncio.Protocol):
         if self._discarding:
             return
         self._read_size = len(data)
+        continuing = self._in_message
+        self._began_in_read = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -215,14 +220,25 @@ class Connection(asyncio.Protocol):
             return
         if self._in_headers:
             # The headers are still incomplete: what llhttp holds of them is bounded by counting every byte read
-            # since the message began (an upper bound when this read also held the end of a pipelined message).
-            self._header_bytes_raw += len(data)
+            # since the message began. When this read also held the end of the previous (pipelined) message, its
+            # bytes are not this one's: count what this message's callbacks saw (a header still partial at the end of
+            # this read is then counted from the next read on: within one read's size).
+            began = self._began_in_read
+            if began > 1 or (began and continuing):
+                self._header_bytes_raw = self._header_size()
+            else:
+                self._header_bytes_raw += len(data)
             if self._header_bytes_raw > self._server._max_header_bytes:
                 self._fail(_Reject(431, "Request headers are too large."))
 
     # -- parser callbacks ------------------------------------------------------------------------------------------
 
+    def _header_size(self) -> int:
+        """The request line's target and the complete header lines received so far, in bytes."""
+        return len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
+
     def on_message_begin(self) -> None:
+        self._began_in_read += 1
         self._in_message = True
         self._in_headers = True
         self._url = b""
@@ -257,11 +273,10 @@ class Connection(asyncio.Protocol):
                 items[key] = value.decode("latin-1")
         if "host" not in items and version == "1.1":
             raise self._rejecting(400, "An HTTP/1.1 request must carry a Host header.")
-        if self._header_bytes_raw + self._read_size > server._max_header_bytes:
-            # The headers may be over the limit (they are not when all reads since the message began fit in it).
-            size = len(url) + sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
-            if size > server._max_header_bytes:
-                raise self._rejecting(431, "Request headers are too large.")
+        # The headers may be over the limit only when the reads since the message began are (then they are counted).
+        limit = server._max_header_bytes
+        if self._header_bytes_raw + self._read_size > limit and self._header_size() > limit:
+            raise self._rejecting(431, "Request headers are too large.")
         if parser.should_upgrade():
             raise self._rejecting(400, "Protocol upgrades are not supported.")
         coding = items.get("transfer-encoding")
