@@ -174,6 +174,23 @@ def test_plan_resumes_restarts_or_refuses() -> None:
     assert plan(None, done, 3, sent=True) is None  # everything produced: finishing anyway
 
 
+def test_an_output_past_the_kept_text_bound_is_no_longer_resumed() -> None:
+    """The output is kept for a continuation up to `max_chars` (`upstream.max_response_bytes`: a continuation is a
+    prompt): past it the text is dropped, and the request is restarted while its client has seen nothing, else not
+    stopped (a client could make a P2 stream endless and its transcript with it)."""
+    t = Transcript(Endpoint.COMPLETIONS, keep_events=False, max_chars=10)
+    for _ in range(5):
+        t.take(chunk(text="ab"))
+    assert (t.text, t.overflow, plan(None, t, 100, sent=True)) == ("ababababab", False, Plan.RESUME)
+    t.take(chunk(text="c"))
+    assert (t.text, t.tokens, t.overflow) == ("", 6, True)
+    assert plan(None, t, 100, sent=True) is None and plan(None, t, 100, sent=False) is Plan.RESTART
+    t.take(chunk(text="d"))
+    assert (t.text, t.tokens) == ("", 7)  # still counted, not kept
+    t.reset()
+    assert not t.overflow and t.take(chunk(text="e")) is not None and t.text == "e"
+
+
 def test_continuation_bodies() -> None:
     api = chat(max_tokens=10, stream=False, temperature=0)
     c = continuation(api, " alpha bravo", 2)

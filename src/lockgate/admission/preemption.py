@@ -318,7 +318,7 @@ def plan(static_blocker: str | None, transcript: Transcript, max_tokens: int | N
     """How the request would go on if stopped now; None: it must not be stopped. Pure."""
     if max_tokens is not None and transcript.tokens >= max_tokens:
         return None  # it has produced all it may: finishing, not worth stopping
-    if static_blocker is None and not transcript.tool_calls:
+    if static_blocker is None and not transcript.tool_calls and not transcript.overflow:
         return Plan.RESUME
     return None if sent else Plan.RESTART
 
@@ -366,30 +366,40 @@ class Transcript:
     `take(event)` returns the event as the client must see it — the first attempt's `id` and
     `created`, no second assistant-role chunk, usage counted against the original prompt — or None
     when nothing is left of it. With `keep_events` (non-streaming clients) the events taken are kept
-    (`events`), to be assembled at the end; a streaming client's are not."""
+    (`events`), to be assembled at the end; a streaming client's are not. The output's text is kept for a
+    continuation up to `max_chars` (a continuation is a prompt too: past it, the text is dropped and the
+    generation can no longer be resumed, `overflow`)."""
 
     __slots__ = (
+        "_chars",
         "_created",
         "_id",
         "_keep",
+        "_max_chars",
         "_offset",
+        "_parts",
         "_role_seen",
         "chat",
         "events",
-        "text",
+        "overflow",
         "tokens",
         "tool_calls",
     )
 
-    def __init__(self, endpoint: Endpoint, *, keep_events: bool = True) -> None:
+    def __init__(self, endpoint: Endpoint, *, keep_events: bool = True, max_chars: int | None = None) -> None:
         self.chat = endpoint is Endpoint.CHAT
         self._keep = keep_events
+        self._max_chars = max_chars
         self.reset()
 
     def reset(self) -> None:
         """Forget everything (a restart from scratch: the client has seen none of it)."""
         self.events: list[dict[str, Any]] = []
-        self.text = ""
+        #: The output's text, in the pieces it came in (joined only for a continuation: appending to one string
+        #: copied the whole output at every token).
+        self._parts: list[str] = []
+        self._chars = 0
+        self.overflow = False
         #: Content-bearing events taken (the tokens delivered, as the gateway counts them).
         self.tokens = 0
         self.tool_calls = False
@@ -441,14 +451,29 @@ class Transcript:
                 self.tool_calls = True
                 self.tokens += 1
             elif isinstance(content, str) and content:
-                self.text += content
-                self.tokens += 1
+                self._add(content)
             return True
         text = choice.get("text")
         if isinstance(text, str) and text:
-            self.text += text
-            self.tokens += 1
+            self._add(text)
         return True
+
+    def _add(self, text: str) -> None:
+        self.tokens += 1
+        if self.overflow:
+            return
+        self._chars += len(text)
+        limit = self._max_chars
+        if limit is not None and self._chars > limit:
+            self.overflow = True
+            self._parts = []
+        else:
+            self._parts.append(text)
+
+    @property
+    def text(self) -> str:
+        """The output so far (empty once `overflow`)."""
+        return "".join(self._parts)
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The continuation's usage, restated for the whole generation."""

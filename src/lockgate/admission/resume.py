@@ -64,7 +64,10 @@ class Resumable:
         self._request_headers = request_headers
         self.ticket: Ticket | None = None
         # Only a non-streaming client needs the events kept (to assemble its answer at the end).
-        self.transcript = Transcript(ex.api.endpoint, keep_events=not ex.api.stream)
+        # Its text is kept for a continuation up to the most of an answer the gateway holds.
+        self.transcript = Transcript(
+            ex.api.endpoint, keep_events=not ex.api.stream, max_chars=fleet.upstream.max_response_bytes
+        )
         #: Bytes of event payloads read from the engine, over every attempt (bounds a non-streaming answer).
         self.received = 0
         self.preemptions = 0
