@@ -24,7 +24,7 @@ import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockgate.edge.protocol import Connection
+from lockgate.edge.protocol import Connection, parsed_weight
 from lockgate.edge.request import split_target
 from lockgate.edge.server import HttpServer, Request, Response, StreamResponse, json_response
 
@@ -797,6 +797,37 @@ async def test_bodies_past_max_held_body_bytes_are_answered_503_whatever_the_cli
         assert answered.status == 200 and orjson.loads(answered.body) == {"size": 1000}
         writer.write(http("POST", body=b"c" * 1000))  # the first body was given back: another fits
         assert orjson.loads((await read_response(reader)).body) == {"size": 1000}
+
+
+async def test_a_body_counts_what_parsing_it_will_take() -> None:
+    """A body of many tiny JSON values takes ~20x its bytes once parsed: it counts in the held bodies with the weight
+    of its values (`parsed_weight`), so two of them no longer fit where their bytes alone did, and all of it is given
+    back when it is answered. A text body weighs little more than its bytes."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def holding(request: Request) -> Response:
+        entered.set()
+        await release.wait()
+        return json_response({"size": len(request.body)})
+
+    tiny = b'{"x":[' + b",".join([b"[]"] * 300) + b"]}"  # 906 bytes, ~600 values
+    assert parsed_weight(tiny) == 64 * (1 + 301 + 299)
+    async with (
+        serving(holding, max_body_bytes=4000, max_held_body_bytes=40_000) as server,
+        connect(server) as (reader, writer),
+    ):
+        writer.write(http("POST", body=tiny))
+        await entered.wait()
+        assert server.held_body_bytes == len(tiny) + parsed_weight(tiny)  # 39,370: its bytes alone were 906
+        async with connect(server) as (reader2, writer2):
+            writer2.write(http("POST", body=tiny))
+            assert "max_held_body_bytes" in (await expect_error(reader2, 503))["message"]
+        release.set()
+        assert (await read_response(reader)).status == 200
+        text = orjson.dumps({"prompt": "a plain text prompt, with a comma " * 50})
+        writer.write(http("POST", body=text))
+        assert (await read_response(reader)).status == 200
+    assert parsed_weight(text) == 64 * 51 and server.held_body_bytes == 0
 
 
 async def test_a_body_being_read_is_given_back_when_its_client_leaves() -> None:

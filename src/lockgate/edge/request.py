@@ -56,6 +56,7 @@ class Request:
         "body",
         "content_length",
         "headers",
+        "held",
         "keep_alive",
         "method",
         "path",
@@ -88,6 +89,9 @@ class Request:
         self.content_length = content_length
         self.remote = conn.remote
         self.body = b""
+        #: What it counts in the server's held bodies (`max_held_body_bytes`) until answered: its body's bytes and the
+        #: weight of what parsing it makes (`protocol.parsed_weight`).
+        self.held = 0
 
     async def read(self) -> bytes:
         """The body (already read; for code written against aiohttp)."""
