@@ -352,12 +352,9 @@ class Allowance:
     def share(self) -> Callable[[int, bool], None]:
         """One more holder (a flight): it calls what this returns, once, when it ends (see `done`)."""
         self._holders += 1
-        return self.done_by_flight
+        return self.done
 
-    def done_by_flight(self, used: int, reached_engine: bool) -> None:
-        self.done(used, reached_engine=reached_engine)
-
-    def done(self, used: int, *, reached_engine: bool) -> None:
+    def done(self, used: int, reached_engine: bool) -> None:
         """A holder is done: `used` tokens (prompt + completion, 0 if nothing was produced), and whether it reached an
         engine. The last one settles: a request that reached none is refunded (see `Admission._settle`)."""
         self._used = max(self._used, used)
@@ -615,7 +612,7 @@ class Admission:
         used = 0
         if record.completion_tokens > 0 or record.status == "completed":
             used = record.completion_tokens + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
-        allowance.done(used, reached_engine=record.attempts > 0)
+        allowance.done(used, record.attempts > 0)
 
     def _watch(self, tenant: Tenant) -> None:
         """Export the tenant's rate-limit state (computed when scraped), once per tenant."""
