@@ -10,7 +10,9 @@ writes its usage records to `<usage.path>.worker-<i>` (one SQLite writer per fil
 This process only supervises: it forwards SIGINT, SIGTERM and SIGHUP to every worker and exits when
 they all have, with the first non-zero status among theirs (0 if none). A worker that ends on its own after it
 started (killed, out of memory) is started again, up to `MAX_RESTARTS` times a minute; one that fails within
-`START_GRACE_S` of its start (it cannot start: a port, a file) stops the others. A worker reloaded over HTTP
+`START_GRACE_S` of the launch (it cannot start: a port, a file) stops the others. A restarted worker that fails
+soon again is only counted against `MAX_RESTARTS` (an out-of-memory kill right after a restart is not a start
+failure). A worker reloaded over HTTP
 (`POST /admin/reload`) asks this process to reload every worker (SIGHUP), and a worker whose supervisor is gone
 (even by SIGKILL) stops itself (Linux): no worker goes on serving the port unsupervised.
 """
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 #: Set in each worker's environment: its supervisor's process id.
 SUPERVISOR_ENV = "LOCKGATE_SUPERVISOR_PID"
-#: A worker that fails this soon after its start could not start: starting it again would fail again.
+#: A worker that fails this soon after the launch could not start: starting it again would fail again.
 START_GRACE_S = 5.0
 #: Restarts of one worker within a minute before the supervisor gives up (and stops the others).
 MAX_RESTARTS = 5
@@ -80,7 +82,7 @@ class _Supervisor:
         self._command = command
         self._env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # worker index -> its process
-        self._started: dict[int, float] = {}
+        self._launched = time.monotonic()
         self._restarts: dict[int, deque[float]] = {n: deque() for n in range(workers)}
         self._stopping = False
         self._codes: list[int] = []
@@ -89,7 +91,6 @@ class _Supervisor:
 
     def _spawn(self, n: int) -> None:
         self._children[n] = subprocess.Popen([*self._command, "--worker", str(n)], env=self._env)
-        self._started[n] = time.monotonic()
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
@@ -110,25 +111,31 @@ class _Supervisor:
             child.returncode = os.waitstatus_to_exitcode(status)
             if self._stopping or child.returncode == 0:
                 self._codes.append(child.returncode)
-            elif self._may_restart(n):
+                continue
+            refusal = self._refusal(n)
+            if refusal is None:
                 log.warning("lockgate: worker %d ended (status %d); starting it again", n, child.returncode)
                 self._spawn(n)
             else:
+                log.error(
+                    "lockgate: worker %d ended (status %d) %s: stopping every worker", n, child.returncode, refusal
+                )
                 self._codes.append(child.returncode)
                 self._forward(signal.SIGTERM, None)  # it cannot run: stop the others
         return next((code for code in self._codes if code != 0), 0)
 
-    def _may_restart(self, n: int) -> bool:
+    def _refusal(self, n: int) -> str | None:
+        """Why worker `n`, just ended, is not started again (None: it is)."""
         now = time.monotonic()
-        if now - self._started[n] < START_GRACE_S:
-            return False
+        if now - self._launched < START_GRACE_S and not self._restarts[n]:
+            return f"within {START_GRACE_S:g} s of the launch (it cannot start)"
         recent = self._restarts[n]
         while recent and now - recent[0] > 60.0:
             recent.popleft()
         if len(recent) >= MAX_RESTARTS:
-            return False
+            return f"after {MAX_RESTARTS} restarts within a minute"
         recent.append(now)
-        return True
+        return None
 
 
 def follow_supervisor() -> None:
