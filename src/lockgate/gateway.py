@@ -339,6 +339,12 @@ class Gateway:
             self.admission.book.check_model(tenant, api.model)
             pool = self.fleet.pool(api.model)
             if pool is None:
+                if self.fleet.gone_recently(api.model):
+                    raise Unavailable(
+                        f"The model '{api.model}' has no engine right now: the last one serving it left the cluster "
+                        "moments ago (a sidecar restarting?); retry shortly.",
+                        retry_after=1,
+                    )
                 raise ModelNotFound(
                     f"The model '{api.model}' does not exist or you do not have access to it.",
                     param="model",

@@ -19,7 +19,7 @@ from lockgate.cluster.discovery import Discovery
 from lockgate.cluster.keys import EngineRecord, NodeRecord, encode_node, node_key
 from lockgate.cluster.store import WatchEvent
 from lockgate.config import parse_config
-from lockgate.fleet.pool import Fleet
+from lockgate.fleet.pool import GONE_GRACE_S, Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.server import GatewayServer, StartupError, _banner
 from lockgate.sim import SimConfig, SimServer
@@ -95,9 +95,17 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
     assert metric(text, "lockgate_cluster_nodes") == 1.0
 
     # A sidecar that stops cleanly revokes its lease: its engines leave at once, and so does the model
-    # nobody configured at the central gateway.
+    # nobody configured at the central gateway. For a while its clients are told to retry (a sidecar restarting
+    # takes seconds: a 404 ended every request of a single-node model's planned restart, as SDKs do not retry it),
+    # then that it does not exist.
     await sidecar.shutdown(drain_s=1)
     await fleet.wait_until(lambda f: "m" not in f.pools)
+    async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert "left the cluster" in (await resp.json())["error"]["message"]
+    async with session.post(central.url + "/v1/chat/completions", json={**chat("x"), "model": "never"}) as resp:
+        assert resp.status == 404
+    fleet._gone["m"] -= GONE_GRACE_S  # the grace has passed
     async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["param"] == "model"

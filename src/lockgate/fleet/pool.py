@@ -67,6 +67,9 @@ class HeaderLookup(Protocol):
 
 
 log = logging.getLogger(__name__)
+#: How long a model that only discovered instances served answers 503 (retry) after its last one left, rather
+#: than 404 (a model nobody serves): a sidecar restarting takes seconds.
+GONE_GRACE_S = 60.0
 
 
 class LongPrefillBusy(Exception):
@@ -381,6 +384,8 @@ class Fleet:
         self._discovered: dict[str, tuple[InstanceConfig, tuple[str, ...], RoutingConfig | None]] = {}
         #: Extra sections of `GET /admin/fleet` (cluster mode adds the etcd view), by name.
         self.reports: dict[str, Callable[[], Any]] = {}
+        #: Models only discovered instances served, gone with the last of them, and when (`gone_recently`).
+        self._gone: dict[str, float] = {}
 
     async def __aenter__(self) -> Fleet:
         self._build(self._config)
@@ -474,6 +479,7 @@ class Fleet:
         for model in models:
             pool = self.pools.get(model)
             if pool is None:
+                self._gone.pop(model, None)
                 config = ModelConfig(name=model, instances=[], routing=routing or RoutingConfig())
                 pool = Pool(
                     config,
@@ -513,6 +519,15 @@ class Fleet:
         pool.discard(key)
         if pool.discovered and not pool.instances:
             del self.pools[pool.model]
+            now = time.monotonic()
+            self._gone = {model: at for model, at in self._gone.items() if now - at < GONE_GRACE_S}
+            self._gone[pool.model] = now
+
+    def gone_recently(self, model: str) -> bool:
+        """Whether `model` was served by discovered instances until less than `GONE_GRACE_S` ago (a sidecar
+        restarting, a node replaced): its clients get a 503 to retry, not a 404 their SDKs take for final."""
+        at = self._gone.get(model)
+        return at is not None and time.monotonic() - at < GONE_GRACE_S
 
     def set_health(self, instance: Instance, healthy: bool, *, cache_lost: bool = True) -> None:
         """Health from another source (a sidecar's publication): applied and announced like a probe's.
