@@ -16,7 +16,7 @@ replicas together admit the tenant's limit. Concurrency limits stay per replica.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import RateLimited
@@ -139,9 +139,25 @@ class RateLimiter:
         self._states: dict[str, TenantState] = {}
         #: Tenant -> this gateway's fraction of its per-minute limits (absent: all of them).
         self._shares: dict[str, float] = {}
+        #: The fraction of its allowance a tenant's buckets start with when its first request here creates them
+        #: (None: full). A replica joining a running cluster starts where the others stand (`cluster/limits.py`):
+        #: started full, every restart minted a fresh share of a tenant's limit.
+        self.start_fill: Callable[[str], float] | None = None
 
     def share(self, tenant: str) -> float:
         return self._shares.get(tenant, 1.0)
+
+    def fill(self, tenant: str, now: float) -> float:
+        """The fraction of the tenant's allowance here still available (the lower of its two buckets'; 1.0 before
+        its first request)."""
+        state = self._states.get(tenant)
+        fill = 1.0
+        if state is not None:
+            for bucket in (state.requests, state.tokens):
+                if bucket is not None and bucket.capacity > 0:
+                    bucket.refill(now)
+                    fill = min(fill, max(0.0, bucket.level) / bucket.capacity)
+        return fill
 
     def set_share(self, tenant: Tenant, share: float, now: float) -> None:
         """This gateway's fraction (0..1] of the tenant's per-minute limits; the rest belongs to other
@@ -163,10 +179,11 @@ class RateLimiter:
         state = self._states.get(tenant.name)
         if state is None:
             share = self._shares.get(tenant.name, 1.0)
+            fill = 1.0 if self.start_fill is None else min(1.0, max(0.0, self.start_fill(tenant.name)))
             rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
             state = TenantState(
-                requests=None if rpm is None else Bucket(rpm * share, rpm * share, now),
-                tokens=None if tpm is None else Bucket(tpm * share, tpm * share, now),
+                requests=None if rpm is None else Bucket(rpm * share, rpm * share * fill, now),
+                tokens=None if tpm is None else Bucket(tpm * share, tpm * share * fill, now),
             )
             self._states[tenant.name] = state
         for bucket in (state.requests, state.tokens):

@@ -99,15 +99,19 @@ class NodeRecord:
 @dataclass(frozen=True, slots=True)
 class ReplicaRecord:
     """A central replica and the demand it sees per rate-limited tenant (requests offered per second,
-    admitted or not: what it would use if it could)."""
+    admitted or not: what it would use if it could), and the fraction of each one's allowance it still holds
+    (`fill`: where a replica that joins starts)."""
 
     id: str
     started_at: float = 0.0
     demand: tuple[tuple[str, float], ...] = ()
+    fill: tuple[tuple[str, float], ...] = ()
 
 
 def encode_replica(record: ReplicaRecord) -> bytes:
-    return orjson.dumps({"id": record.id, "started_at": record.started_at, "demand": dict(record.demand)})
+    return orjson.dumps(
+        {"id": record.id, "started_at": record.started_at, "demand": dict(record.demand), "fill": dict(record.fill)}
+    )
 
 
 def decode_replica(raw: bytes) -> ReplicaRecord | None:
@@ -116,12 +120,14 @@ def decode_replica(raw: bytes) -> ReplicaRecord | None:
         if not isinstance(data, dict):
             return None
         demand = data.get("demand", {})
-        if not isinstance(demand, dict):
+        fill = data.get("fill", {})  # (absent from an older replica's record)
+        if not isinstance(demand, dict) or not isinstance(fill, dict):
             return None
         return ReplicaRecord(
             id=_str(data["id"]),
             started_at=float(data.get("started_at", 0.0)),
             demand=tuple(sorted((_str(k), max(0.0, float(v))) for k, v in demand.items())),
+            fill=tuple(sorted((_str(k), min(1.0, max(0.0, float(v)))) for k, v in fill.items())),
         )
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return None

@@ -12,6 +12,12 @@ clients connect. Demand counts only once there is enough of it to measure (a han
 make the ratio noise), and never entirely (`EQUAL_PART`), so that a replica with no traffic for a tenant
 can take its first requests. A replica that joins or leaves (its lease expires) changes `n` and the
 shares at once; shares move only by more than `HYSTERESIS` (each move resizes the buckets).
+
+A replica that joins a running cluster (a new one, a restart, a `--workers` worker started again) starts each
+tenant's buckets at the mean fraction the other replicas' records say they still hold (`fill`), not full: a
+tenant that used its limit does not get a fresh share at every restart (a restarted central admitted 10-12 more
+of a spent 60-a-minute limit each time), and one that is idle finds the joiner full. Alone (a cold start) it
+starts full, as a single gateway does.
 While etcd is unreachable the last shares stay (a replica that died meanwhile keeps its share until
 etcd returns: conservative). `share_of` is pure; `ClusterLimits` applies it to the rate limiter.
 """
@@ -60,6 +66,14 @@ class ClusterLimits:
         self.replicas: dict[str, dict[str, float]] = {}
         #: Per tenant: the number of replicas its share was last computed for (a change applies at once).
         self._count: dict[str, int] = {}
+        #: Replica id -> the fraction of each tenant's allowance it said it still holds.
+        self._fills: dict[str, dict[str, float]] = {}
+        limiter.start_fill = self.start_fill
+
+    def start_fill(self, tenant: str) -> float:
+        """Where this replica's buckets for `tenant` start: the mean of what the other replicas hold (1.0 alone)."""
+        fills = [fill.get(tenant, 1.0) for rid, fill in self._fills.items() if rid != self.replica]
+        return sum(fills) / len(fills) if fills else 1.0
 
     @property
     def _tenants(self) -> dict[str, Tenant]:
@@ -87,11 +101,13 @@ class ClusterLimits:
                 old = self._rate.get(name, 0.0)
                 self._rate[name] = old + alpha * ((offered - previous) / elapsed - old)
         demand = tuple(sorted((name, round(rate, 3)) for name, rate in self._rate.items()))
-        return encode_replica(ReplicaRecord(self.replica, self.started_at, demand))
+        fill = tuple(sorted((name, round(self._limiter.fill(name, now), 3)) for name in self._tenants))
+        return encode_replica(ReplicaRecord(self.replica, self.started_at, demand, fill))
 
     def apply(self, replicas: Mapping[str, ReplicaRecord]) -> None:
         """The live replicas changed (or their demand did): recompute and apply this replica's shares."""
         self.replicas = {r.id: dict(r.demand) for r in replicas.values()}
+        self._fills = {r.id: dict(r.fill) for r in replicas.values()}
         now = time.monotonic()
         for name, tenant in self._tenants.items():
             demand = {rid: d.get(name, 0.0) for rid, d in self.replicas.items()}
