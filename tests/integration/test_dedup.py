@@ -185,10 +185,10 @@ async def test_leader_leaving_mid_stream_does_not_affect_followers(start_sim, st
     assert stats["requests_started"] == 2 and stats["requests_aborted"] == 0
 
 
-async def held_then_abandoned(sim, gw, http, body: dict[str, Any]) -> None:
-    """Two clients join a held flight, then both leave."""
+async def held_then_abandoned(sim, gw, http, body: dict[str, Any], kinds: tuple[bool, ...] = (True, False)) -> None:
+    """Clients (streaming or not, as `kinds` says; two by default) join a held flight, then all leave."""
     sim.control.hold = True
-    tasks = await join_in_order(gw, http, body, (True, False))
+    tasks = await join_in_order(gw, http, body, kinds)
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     for task in tasks:
@@ -366,19 +366,7 @@ async def test_a_detached_flight_is_its_tenants_work_until_it_ends(start_sim, st
     limiter, tenant = gateway_.admission.limiter, gateway_.admission.book.default
     flights = gateway_.dedup.flights
 
-    async def abandoned(body: dict[str, Any]) -> None:
-        """One client starts the flight while the engine holds it, and leaves."""
-        sim.control.hold = True
-        task = asyncio.create_task(call(http, gw.url, body))
-        async with asyncio.timeout(5):
-            await sim.wait_held(1)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await wait_subscribers(gw, 0)
-        sim.control.hold = False
-
-    await abandoned(BODY)
+    await held_then_abandoned(sim, gw, http, BODY, (False,))  # one client: its tenant's max_concurrent is 1
     assert len(flights) == 1 and limiter.state(tenant, time.monotonic()).in_flight == 1
     other = {**BODY, "messages": [{"role": "user", "content": "something else"}]}
     status, _, raw = await call(http, gw.url, other)
@@ -395,7 +383,7 @@ async def test_a_detached_flight_is_its_tenants_work_until_it_ends(start_sim, st
 
     # Another detached flight, stopped by an administrator: its allowance is settled and its slot freed.
     again = {**BODY, "messages": [{"role": "user", "content": "a third story"}]}
-    await abandoned(again)
+    await held_then_abandoned(sim, gw, http, again, (False,))
     [flight] = flights.all()
     async with http.delete(f"{gw.url}/admin/requests/{flight.id}") as resp:
         assert resp.status == 200 and (await resp.json()) == {"id": flight.id, "cancelled": True}

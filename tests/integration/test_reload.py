@@ -57,6 +57,20 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def queued(core: Any) -> int:
+    """Requests waiting in a scheduler's queues."""
+    return sum(core.queued(k) for k in range(len(core.classes)))
+
+
+async def one_slot_on(
+    http: aiohttp.ClientSession, server: GatewayServer, path: Path, usage: Path, sim: SimServer
+) -> None:
+    """Reload to model `m` on `sim` alone, with one slot (`max_concurrency: 1`)."""
+    write(path, usage, [sim], {"a": KEY_A}, extra=", max_concurrency: 1")
+    async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+        assert resp.status == 200
+
+
 @pytest.fixture
 async def gateway(stack: Any, start_sim: Any, tmp_path: Path) -> tuple[GatewayServer, Path, list[SimServer]]:
     sims = [await start_sim(prefill_tps=1e6, tpot_ms=1.0), await start_sim(prefill_tps=1e6, tpot_ms=1.0)]
@@ -193,13 +207,8 @@ async def test_a_queued_request_goes_to_the_instance_that_replaced_its_own(gatew
     usage = tmp_path / "usage.sqlite3"
     scheduler = gw.admission.schedulers["m"]
 
-    def queued(core: Any) -> int:
-        return sum(core.queued(k) for k in range(len(core.classes)))
-
     async with aiohttp.ClientSession() as http, asyncio.timeout(30):
-        write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 1")
-        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
-            assert resp.status == 200
+        await one_slot_on(http, server, path, usage, sim_a)
         statuses: list[int] = []
 
         async def one(n: int) -> None:
@@ -247,13 +256,8 @@ async def test_a_queued_request_goes_to_a_new_engine_without_waiting_for_the_rem
     usage = tmp_path / "usage.sqlite3"
     scheduler = gw.admission.schedulers["m"]
 
-    def queued(core: Any) -> int:
-        return sum(core.queued(k) for k in range(len(core.classes)))
-
     async with aiohttp.ClientSession() as http, asyncio.timeout(30):
-        write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 1")
-        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
-            assert resp.status == 200
+        await one_slot_on(http, server, path, usage, sim_a)
         served: list[str] = []
 
         async def one(n: int) -> None:
@@ -329,7 +333,7 @@ async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
         running = asyncio.create_task(one(0))
         await sim_a.wait_held(1)
         waiting = asyncio.create_task(one(1))
-        await scheduler.wait_until(lambda core: sum(core.queued(k) for k in range(len(core.classes))) == 1)
+        await scheduler.wait_until(lambda core: queued(core) == 1)
 
         write(path, usage, [sim_b], {"a": KEY_A})
         async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
