@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from ..errors import message_from_body
+from ..errors import InvalidRequest, message_from_body
 from ..wire import ApiRequest
 
 
@@ -96,10 +94,7 @@ class Dialect:
         text = body.decode("utf-8", "replace")
         if not any(words in text for words in self.request_error_words):
             return None
-        message = message_from_body(body) or text
-        return orjson.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_input"}}
-        )
+        return InvalidRequest(message_from_body(body) or text, code="invalid_input").body_bytes()
 
     def upstream_body(
         self,
