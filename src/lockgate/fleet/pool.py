@@ -551,9 +551,8 @@ class Fleet:
         its requests in flight end (those keep the instance they hold; their next attempts route
         through `pools`, see `attempt.py`). New instances are probed at once and scraped with the
         others. Unchanged pools stay as they are."""
-        retired = [self.instances.pop(key) for key in (*diff.removed_instances, *diff.changed_instances)]
-        for instance in retired:
-            self._retire(instance)
+        for key in (*diff.removed_instances, *diff.changed_instances):
+            self._retire(self.instances.pop(key))
         previous = self.pools
         # A model the file adds may have a pool already: a central replica's, built from the engines it discovered
         # (with defaults): the file's settings replace it.
