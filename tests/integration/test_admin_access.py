@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from lockgate import awaitpoints
 from lockgate.admission.tenants import hash_key
 from tests.conftest import instance
 
@@ -227,12 +228,21 @@ async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_
     app.router.add_get("/health", health)
     gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
     body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 10}
-    async with aiohttp.ClientSession() as http:
-        task = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body, headers={"x-priority": "P2"}))
-        listed: dict[str, Any] = {}
-        async with asyncio.timeout(5):
+    # The gateway's engine client waits for more (`Response.wait`) each time it has read all that came: a look then.
+    waiting = asyncio.Event()
+
+    async def hook(name: str, data: object) -> None:
+        if name == "Response.wait":
+            waiting.set()
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(5):
+        with awaitpoints.installed(hook):
+            post = http.post(gw.url + "/v1/chat/completions", json=body, headers={"x-priority": "P2"})
+            task = asyncio.create_task(post)
+            listed: dict[str, Any] = {}
             while listed.get("completion_tokens") != 3:  # the engine's three tokens reach the gateway
-                await asyncio.sleep(0.01)
+                await waiting.wait()
+                waiting.clear()
                 async with http.get(gw.url + "/admin/requests") as resp:
                     listed = next(iter((await resp.json())["requests"]), {})
         assert listed["phase"] == "generating" and listed["stream"] is False
