@@ -155,8 +155,9 @@ def test_predicted_ttft_counts_near_equal_predictions_as_equal_and_takes_the_emp
     """Identical engines measured a few percent apart: noise in the estimates must not herd requests onto
     the one that measured fastest while it holds more work (seen in `bench routing`, uniform prompts)."""
     policy = PredictedTTFT()
-    quick = view(0, prefill_tps=10_500, in_flight=3, queued_prompt_tokens=0)
-    other = view(1, prefill_tps=10_000, in_flight=1, queued_prompt_tokens=0)
+    # Both hold the same part of the prompt (cached nowhere, a rotation decides: the next test).
+    quick = view(0, prefill_tps=10_500, in_flight=3, queued_prompt_tokens=0, cached_tokens=200)
+    other = view(1, prefill_tps=10_000, in_flight=1, queued_prompt_tokens=0, cached_tokens=200)
     assert predict_ttft(quick, REQ, 10_250) < predict_ttft(other, REQ, 10_250)  # by ~5%
     assert pick(policy, REQ, snap(quick, other)) == "i1"
     # A real difference still decides: a cached prefix, or a rate twice as high.
@@ -165,6 +166,27 @@ def test_predicted_ttft_counts_near_equal_predictions_as_equal_and_takes_the_emp
     # And exact ties only, when asked.
     exact = PredictedTTFT(PredictedTTFTOptions(near_tie=0.0, near_tie_ms=0.0))
     assert pick(exact, REQ, snap(quick, other)) == "i0"
+
+
+def test_predicted_ttft_rotates_a_prompt_cached_nowhere_among_the_instances_near_the_best():
+    """With nothing cached anywhere only the waits differ, and the estimates of them are rough: picking the emptier
+    instance sent consecutive arrivals to the same few, whose prefills collided (`bench routing`, uniform prompts: TTFT
+    p99 1.05-1.10x `round_robin`'s). Within a step and half the prompt's prefill of the best, the instance chosen
+    least recently takes it; an instance the estimates see backlogged stays out."""
+    rate, step = 10_000.0, 0.002  # REQ's prefill: 0.1 s, so the window is 0.052 s
+    fleet = [view(n, prefill_tps=rate, tpot_s=step, cache_room=10_000) for n in range(3)]
+    fleet[0] = replace(fleet[0], in_flight=5)  # more requests decoding there
+    fleet[1] = replace(fleet[1], queued_prompt_tokens=300)  # 0.03 s of prefill ahead: inside the window
+    backlogged = view(3, prefill_tps=rate, tpot_s=step, cache_room=10_000, queued_prompt_tokens=600)  # 0.06 s
+    policy = PredictedTTFT()
+    picks = [pick(policy, REQ, snap(*fleet, backlogged)) for _ in range(9)]
+    assert picks == ["i0", "i1", "i2"] * 3
+    # A prompt cached somewhere is not rotated: the cheaper prediction (the prefix) and near ties the emptier.
+    assert pick(policy, REQ, snap(replace(fleet[0], cached_tokens=600), *fleet[1:])) == "i0"
+    # Instances that left are forgotten: what the rotation remembers stays within twice the pool.
+    for n in range(100):
+        pick(policy, REQ, snap(view(100 + n)))
+    assert len(policy._chosen) <= 2
 
 
 @pytest.mark.parametrize(
