@@ -36,7 +36,7 @@ from . import sse
 from .edge.server import Reply, Response, StreamResponse
 from .errors import Cancelled, DeadlineExceeded, GatewayError
 from .records import UsageRecord
-from .wire import ApiRequest
+from .wire import ApiRequest, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,16 @@ class Exchange:
         priority = record.priority or ""
         reason = record.cancel_reason
         status = reason or record.status
+        elapsed = time.perf_counter() - self.started
         metrics.requests.labels(record.model, priority, status).inc()
-        metrics.request_duration.labels(record.model, priority, status).observe(time.perf_counter() - self.started)
+        metrics.request_duration.labels(record.model, priority, status).observe(elapsed)
+        if (
+            record.first_token_at is None
+            and record.status != "rejected"
+            and self.api.endpoint is not Endpoint.EMBEDDINGS
+        ):
+            # Waited and got nothing: a stuck engine whose clients give up must not look fast (the TTFT objective).
+            metrics.unanswered.labels(record.model, priority, "true" if self.api.stream else "false").observe(elapsed)
         metrics.endpoint_requests.labels(record.endpoint, status).inc()
         if reason:
             metrics.cancellations.labels(record.model, priority, reason).inc()
@@ -297,6 +305,8 @@ class Exchange:
     def first_token(self) -> None:
         if self.record.first_token_at is None:
             self.record.first_token_at = time.time()
+            if self.api.endpoint is Endpoint.EMBEDDINGS:
+                return  # no tokens: its answer time would pull the whole answers' TTFT down
             self.host.metrics.ttft.labels(
                 self.api.model, self.record.priority or "", "true" if self.api.stream else "false"
             ).observe(time.perf_counter() - self.started)

@@ -87,6 +87,7 @@ class Gateway:
         self.metrics = GatewayMetrics(
             tenants=_tenant_order(config),
             max_tenant_labels=config.metrics.max_tenant_labels,
+            ttft_bounds=(config.slo.ttft_threshold_ms / 1000,),
         )
         self.fleet = Fleet(config, self.metrics)
         self.records = RecordWriter(

@@ -243,7 +243,9 @@ class GatewayMetrics:
     """Every metric of one gateway. `tenants` (configuration order) and `max_tenant_labels` bound the
     tenant label of the token counters."""
 
-    def __init__(self, *, tenants: Sequence[str] = (), max_tenant_labels: int = 100) -> None:
+    def __init__(
+        self, *, tenants: Sequence[str] = (), max_tenant_labels: int = 100, ttft_bounds: Sequence[float] = ()
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.endpoint_requests = LoopFamily(
@@ -273,7 +275,16 @@ class GatewayMetrics:
             "stream (false: a whole response, whose first token is its last).",
             ["model", "priority", "stream"],
             r,
-            buckets=_LATENCY_BUCKETS,
+            # With the SLO's threshold among the bounds (here and in `unanswered`): its rules count what is within it.
+            buckets=tuple(sorted({*_LATENCY_BUCKETS, *ttft_bounds})),
+        )
+        self.unanswered = LoopFamily(
+            "lockgate_unanswered_wait_seconds",
+            "Requests that ended without a first token (their client left or timed out, the request failed; "
+            "rejections are not counted), by how long they had waited, by model, priority and stream.",
+            ["model", "priority", "stream"],
+            r,
+            buckets=tuple(sorted({*_LATENCY_BUCKETS, *ttft_bounds})),
         )
         self.backpressure = LoopFamily(
             "lockgate_stream_backpressure_seconds",

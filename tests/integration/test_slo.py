@@ -250,3 +250,41 @@ async def test_lockgate_slo_url_sends_the_admin_key(
     monkeypatch.setenv("LOCKGATE_ADMIN_KEY", "admin-key")
     assert await asyncio.to_thread(main, ["slo", "--url", gw.url, "--json"]) == 0
     assert [o["name"] for o in orjson.loads(capsys.readouterr().out)["objectives"]] == list(OBJECTIVES)
+
+
+async def test_p0_streams_given_up_on_a_stuck_engine_are_bad_ttft_events(start_sim: Any, start_gateway: Any) -> None:
+    """An outside run: P0 streams waited 7.2 s on a stuck engine, their clients left, and p0_ttft read "met" (only
+    completed streams counted; the histogram the Prometheus rule reads never saw them). An embeddings answer is not a
+    first token either (it pulled the whole answers' TTFT series down)."""
+    sim = await start_sim(tpot_ms=0.0, prefill_tps=1e6)
+    gw: GatewayServer = await start_gateway(
+        [{"name": "m", "dedup": "off", "instances": [instance(sim)]}], slo={"ttft_threshold_ms": 200}
+    )
+    assert gw.gateway is not None
+    headers = {"x-priority": "P0"}
+    async with aiohttp.ClientSession(gw.url) as http:
+        async with http.post("/v1/chat/completions", data=orjson.dumps(chat(0, True)), headers=headers) as r:
+            await r.read()
+        async with http.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers) as r:
+            assert r.status == 200
+        sim.control.hold_next = 1
+        stuck = asyncio.create_task(
+            http.post("/v1/chat/completions", data=orjson.dumps(chat(1, True)), headers=headers)
+        )
+        async with asyncio.timeout(10):
+            await sim.wait_held(1)
+            await asyncio.sleep(0.3)  # the client waits past the 200 ms threshold (what is under test), then leaves
+            stuck.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stuck
+            await gw.gateway.registry.wait_empty()
+            await gw.gateway.records.wait_flushed()
+        async with http.get("/metrics") as r:
+            exposed = await r.text()
+    evaluation = await gw.gateway.slo.evaluate()
+    assert _objective(evaluation, "p0_ttft")["windows"]["5m"] == {"events": 2, "bad": 1, "sli": 0.5, "burn_rate": 50.0}
+    labels = 'model="m",priority="P0",stream="true"'
+    assert f'lockgate_unanswered_wait_seconds_bucket{{le="0.2",{labels}}} 0.0' in exposed
+    assert f"lockgate_unanswered_wait_seconds_count{{{labels}}} 1.0" in exposed
+    assert f"lockgate_time_to_first_token_seconds_count{{{labels}}} 1.0" in exposed
+    assert 'lockgate_time_to_first_token_seconds_count{model="m",priority="P0",stream="false"}' not in exposed

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 from lockgate import records
 from lockgate.config import ConfigError, parse_config
 from lockgate.fleet.state import EngineLoad
+from lockgate.metrics import GatewayMetrics
 from lockgate.slo import OBJECTIVES, Counts, SloConfig, evaluate
 from lockgate.slo.cli import EXIT_BURNING, exit_status
 from lockgate.slo.config import duration_s
@@ -166,10 +168,30 @@ def test_prometheus_rules_match_the_objectives_and_alerts() -> None:
     )
     ttft = next(r["expr"] for r in recording["rules"] if r["record"] == "lockgate_slo:p0_ttft:error_ratio_rate5m")
     assert 'le="2.0"' in ttft and 'priority="P0",stream="true"' in ttft
+    # The streams that ended without a first token after waiting past the threshold are bad events too.
+    assert 'lockgate_unanswered_wait_seconds_bucket{priority="P0",stream="true",le="2.0"}' in ttft
     # Another class and threshold follow the configuration.
     custom = prometheus_rules(SloConfig(priority="gold", ttft_threshold_ms=500))
     exprs = " ".join(r["expr"] for r in custom["groups"][0]["rules"])
     assert 'priority="gold"' in exprs and 'le="0.5"' in exprs and 'priority="P0"' not in exprs
+
+
+def test_the_ttft_threshold_is_a_bound_of_the_histograms_the_rules_read() -> None:
+    """An outside run: with `ttft_threshold_ms: 1500` the rules read `le="1.5"`, a bucket the TTFT histogram did not
+    have (0.005 ... 1.0, 2.0, ...): the alert could never fire, and nothing said so."""
+    config = SloConfig(ttft_threshold_ms=1500)
+    metrics = GatewayMetrics(ttft_bounds=(config.ttft_threshold_ms / 1000,))
+    metrics.ttft.labels("m", "P0", "true").observe(1.2)
+    metrics.unanswered.labels("m", "P0", "true").observe(1.7)
+    exposed = generate_latest(metrics.registry).decode()
+    rule = next(
+        r["expr"]
+        for r in prometheus_rules(config)["groups"][0]["rules"]
+        if r["record"] == "lockgate_slo:p0_ttft:error_ratio_rate5m"
+    )
+    for name, within in (("lockgate_time_to_first_token_seconds", 1.0), ("lockgate_unanswered_wait_seconds", 0.0)):
+        assert f'{name}_bucket{{le="1.5",model="m",priority="P0",stream="true"}} {within}' in exposed
+        assert f'{name}_bucket{{priority="P0",stream="true",le="1.5"}}' in rule
 
 
 class _UsageFile:
@@ -182,13 +204,27 @@ class _UsageFile:
         self.db.execute("CREATE INDEX usage_finished_at ON usage (finished_at)")
         self.count = 0
 
-    def add(self, finished_at: float, status: str = "completed", n: int = 1, served_by: str = "upstream") -> None:
+    def add(
+        self,
+        finished_at: float,
+        status: str = "completed",
+        n: int = 1,
+        served_by: str = "upstream",
+        *,
+        stream: bool = False,
+        waited: float = 1.0,
+        first_token_after: float | None = None,
+    ) -> None:
+        """`n` records of requests that ended at `finished_at` after `waited` seconds, their first token
+        `first_token_after` seconds in (None: none)."""
+        started_at = finished_at - waited
+        first_at = None if first_token_after is None else started_at + first_token_after
         for _ in range(n):
             self.count += 1
             record = records.UsageRecord(
-                request_id=f"r{self.count:08d}", tenant="t", model="m", endpoint="chat", stream=False,
-                priority="P0", status=status, started_at=finished_at - 1, finished_at=finished_at,
-                served_by=served_by,
+                request_id=f"r{self.count:08d}", tenant="t", model="m", endpoint="chat", stream=stream,
+                priority="P0", status=status, started_at=started_at, finished_at=finished_at,
+                served_by=served_by, first_token_at=first_at,
             )  # fmt: skip
             marks = ", ".join("?" * len(records._COLUMNS))
             self.db.execute(f"INSERT INTO usage ({', '.join(records._COLUMNS)}) VALUES ({marks})", records._ROW(record))
@@ -234,6 +270,25 @@ def test_dedup_saving_counts_requests_whatever_their_end_as_lockgate_dedup_total
     add(100.0, "rejected", n=3)  # refused before de-duplication: not counted
     counts = count_windows(connect_readonly(path), SloConfig(), 101.0, {"5m": 300})
     assert counts["dedup_saving"]["5m"] == Counts(events=9, bad=8)
+
+
+def test_ttft_counts_streams_that_sent_a_first_token_and_those_that_gave_up_waiting_past_the_threshold(
+    tmp_path: Any,
+) -> None:
+    """An outside run: five P0 streams waited 7.2 s on a stuck engine and their clients left; p0_ttft still read met
+    (completed streams only), and the Prometheus rule, over every first token, counted other streams than this."""
+    path = str(tmp_path / "usage.sqlite3")
+    add = _UsageFile(path).add
+    add(100.0, stream=True, first_token_after=0.5)  # good
+    add(100.0, stream=True, first_token_after=3.0)  # late
+    add(100.0, "cancelled", stream=True, first_token_after=0.2)  # its client left after a fast first token: good
+    add(100.0, "error", stream=True, waited=4.0, first_token_after=2.5)  # failed after a late first token
+    add(100.0, "cancelled", stream=True, waited=7.2, n=5)  # gave up on a stuck engine: bad
+    add(100.0, "cancelled", stream=True, waited=0.5)  # left before the threshold: no TTFT event
+    add(100.0, "rejected", stream=True, waited=3.0)  # refused (a queue timeout): p0_success's, not a TTFT
+    add(100.0, first_token_after=3.0)  # a whole answer: not a stream
+    counts = count_windows(connect_readonly(path), SloConfig(), 101.0, {"5m": 300})
+    assert counts["p0_ttft"]["5m"] == Counts(events=9, bad=7)
 
 
 def test_the_exit_status_says_whether_an_objective_burns() -> None:

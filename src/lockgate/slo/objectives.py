@@ -13,7 +13,9 @@ What the events of each objective are (the usage records, `slo/usage.py`, and th
   `error`, a `timeout` or `shutdown` cancellation, or a rejection with a 5xx status (queue timeout, no instance).
   A request the engine refused with a 4xx is a rejection (`errors.UpstreamStatusError`), like one the gateway's
   own checks refuse: the client's mistake, not the service's failure.
-- `p0_ttft`: completed streams of that class; bad: the first token later than the threshold.
+- `p0_ttft`: streams of that class that sent a first token, however they ended, and those that ended without one
+  after waiting longer than the threshold (their client gave up: a stuck engine must not read as met); bad: the
+  first token later than the threshold, or none. Rejections do not count.
 - `engine_idle`: engine samples (each engine with a fresh busy signal, once per sample); bad: it ran nothing.
 - `cancel_rate`: finished requests (not rejected); bad: cancelled.
 - `dedup_saving`: finished requests (not rejected), whatever their end: a stream its client abandoned spent the

@@ -8,8 +8,9 @@ rules: `LockgateSlo<Objective>Burn<Severity>`, one per objective and configured 
 Differences from the usage-record evaluation, where the metrics cannot say the same thing:
 - `p0_success` counts rejections with a 5xx as `lockgate_rejections_total{reason="queue_timeout"}` (the
   records know each rejection's status; the metrics only the admission's reasons).
-- `p0_ttft` counts every stream that sent a first token (the records: completed streams only), and the
-  threshold must be a bucket bound of `lockgate_time_to_first_token_seconds` (2 s is one).
+- `p0_ttft` reads the threshold's bucket of `lockgate_time_to_first_token_seconds` and of
+  `lockgate_unanswered_wait_seconds` (the streams that ended without a first token): a gateway adds its configured
+  threshold to both histograms' bounds when it starts (a threshold changed by a reload needs a restart there).
 - `engine_idle` samples `lockgate_instance_engine_running` at each rule evaluation (healthy instances
   with a known value), like the gateway's own sampler; an idle engine counts only while requests wait
   (`lockgate_queue_depth`, or an engine's own queue).
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+from prometheus_client.utils import floatToGoString
 
 from .config import SloConfig
 from .objectives import budget, objectives
@@ -44,10 +46,13 @@ def _error_ratio(name: str, config: SloConfig, window: str) -> str:
         return f"({bad}) / {total}"
     if name == "p0_ttft":
         labels = f'priority="{p}",stream="true"'
-        le = repr(config.ttft_threshold_ms / 1000)
-        count = f"sum(rate(lockgate_time_to_first_token_seconds_count{{{labels}}}[{window}]))"
-        within = f'sum(rate(lockgate_time_to_first_token_seconds_bucket{{{labels},le="{le}"}}[{window}]))'
-        return f"({count} - {within}) / {count}"
+        le = floatToGoString(config.ttft_threshold_ms / 1000)  # as prometheus-client writes the bound
+        first, gone = "lockgate_time_to_first_token_seconds", "lockgate_unanswered_wait_seconds"
+        count = _sum_rate(f"{first}_count{{{labels}}}", window)
+        within = _sum_rate(f'{first}_bucket{{{labels},le="{le}"}}', window)
+        gone_bucket = _sum_rate(f'{gone}_bucket{{{labels},le="{le}"}}', window)
+        gave_up = f"({_sum_rate(f'{gone}_count{{{labels}}}', window)} - {gone_bucket})"
+        return f"({count} - {within} + {gave_up}) / ({count} + {gave_up})"
     if name == "engine_idle":
         return f"avg_over_time(lockgate_slo:engine_idle:ratio[{window}])"
     if name == "cancel_rate":

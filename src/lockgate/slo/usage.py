@@ -29,9 +29,10 @@ _AGGREGATES = {
         " OR (status = 'rejected' AND http_status >= 500))",
     ),
     "p0_ttft": (
-        "priority = :p AND stream = 1 AND status = 'completed' AND first_token_at IS NOT NULL",
-        "priority = :p AND stream = 1 AND status = 'completed' AND first_token_at IS NOT NULL"
-        " AND first_token_at - started_at > :ttft",
+        "priority = :p AND stream = 1 AND status != 'rejected'"
+        " AND (first_token_at IS NOT NULL OR finished_at - started_at > :ttft)",
+        "priority = :p AND stream = 1 AND status != 'rejected'"
+        " AND COALESCE(first_token_at, finished_at) - started_at > :ttft",
     ),
     "cancel_rate": ("status != 'rejected'", "status = 'cancelled'"),
     "dedup_saving": (
