@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from prometheus_client.utils import floatToGoString
 
 from .config import SloConfig
 from .objectives import budget, objectives
@@ -46,7 +45,7 @@ def _error_ratio(name: str, config: SloConfig, window: str) -> str:
         return f"({bad}) / {total}"
     if name == "p0_ttft":
         labels = f'priority="{p}",stream="true"'
-        le = floatToGoString(config.ttft_threshold_ms / 1000)  # as prometheus-client writes the bound
+        le = repr(config.ttft_threshold_ms / 1000)  # as prometheus-client writes the bound (`floatToGoString`)
         first, gone = "lockgate_time_to_first_token_seconds", "lockgate_unanswered_wait_seconds"
         count = _sum_rate(f"{first}_count{{{labels}}}", window)
         within = _sum_rate(f'{first}_bucket{{{labels},le="{le}"}}', window)
