@@ -38,10 +38,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"lockgate: {exc}", file=sys.stderr)
             return 2
     worker = getattr(args, "worker", None)
+    workers = None
     if worker is not None:
         from .workers import follow_supervisor
+        from .workerset import WorkerSet
 
         follow_supervisor()
+        workers = WorkerSet.from_env(worker)
     usage_path = None
     if worker is not None and config.usage.path != ":memory:":
         usage_path = f"{config.usage.path}.worker-{worker}"  # one SQLite writer per file
@@ -56,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
                 role=role,
                 usage_path=usage_path,
                 reuse_port=worker is not None,
+                workers=workers,
             )
         )
     except StartupError as exc:

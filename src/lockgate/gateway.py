@@ -13,7 +13,7 @@ import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -51,6 +51,7 @@ from .relay import relay
 from .slo import SloService
 from .wire import Endpoint, parse_request
 from .workers import reload_all_workers
+from .workerset import LOCAL_HEADER, WorkerSet, merge_metrics
 
 if TYPE_CHECKING:
     from .config_diff import ConfigDiff
@@ -135,6 +136,8 @@ class Gateway:
         self.relayed: Relayed | None = None
         #: Central replicas: pass each request's tenant and class on to the sidecars.
         self.relays_identity = False
+        #: Under `--workers`: the other workers, whom operator requests ask too (`workerset.py`).
+        self.workers: WorkerSet | None = None
         self._set_models(config)
 
     def _set_models(self, config: Config) -> None:
@@ -271,7 +274,7 @@ class Gateway:
         if denied is not None:
             reply: Reply = denied
         elif request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
-            reply = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+            reply = await self._admin_cancel_anywhere(request)
         elif request.path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
             reply = self._model(request, request.path[len(_MODEL_PREFIX) :])
         elif (
@@ -455,11 +458,48 @@ class Gateway:
             return json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)
         return json_response({"status": "ready"})
 
+    def _gathering(self, request: Request) -> WorkerSet | None:
+        """The other workers to ask too (`--workers`), unless one of them asks for this worker's own answer."""
+        workers = self.workers
+        return None if workers is None or LOCAL_HEADER in request.headers else workers
+
     async def _metrics(self, request: Request) -> Response:
-        return Response(body=self.metrics.render(), content_type="text/plain; charset=utf-8")
+        body = self.metrics.render()
+        workers = self._gathering(request)
+        if workers is not None:
+            answers, missing = await workers.ask("GET", "/metrics", request.headers.get("authorization"))
+            texts = {workers.index: body} | {a.worker: a.body for a in answers if a.status == 200}
+            missing += [a.worker for a in answers if a.status != 200]
+            body = await asyncio.to_thread(merge_metrics, texts, missing)
+        return Response(body=body, content_type="text/plain; charset=utf-8")
 
     async def _admin_list(self, request: Request) -> Response:
-        return json_response({"requests": [e.describe() for e in self.registry.all()]})
+        entries = self._own([e.describe() for e in self.registry.all()])
+        answer: dict[str, Any] = {"requests": entries}
+        workers = self._gathering(request)
+        if workers is not None:
+            others, answer["workers_unreachable"] = await workers.others_json(
+                request.path, request.headers.get("authorization")
+            )
+            entries += [entry for _, other in others for entry in other.get("requests", ())]
+        return json_response(answer)
+
+    def _own(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`entries` of this worker's state marked with its index (under `--workers`)."""
+        if self.workers is not None:
+            for entry in entries:
+                entry["worker"] = self.workers.index
+        return entries
+
+    async def _admin_cancel_anywhere(self, request: Request) -> Response:
+        """`DELETE /admin/requests/{id}`: here, else (`--workers`) at the worker that holds it."""
+        here = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+        workers = self._gathering(request)
+        if here.status != 404 or workers is None:
+            return here
+        answers, _ = await workers.ask("DELETE", request.path, request.headers.get("authorization"))
+        found = next((a for a in answers if a.status == 200), None)
+        return here if found is None else Response(body=found.body, content_type="application/json")
 
     def _admin_cancel(self, request_id: str) -> Response:
         exchange = self.registry.get(request_id)
@@ -474,9 +514,19 @@ class Gateway:
 
     async def _admin_flights(self, request: Request) -> Response:
         """De-duplication: the shared engine calls in flight and the completed-result cache."""
-        return json_response(
-            {"flights": [f.describe() for f in self.dedup.flights.all()], "statistics": self.dedup.statistics()}
-        )
+        flights = self._own([f.describe() for f in self.dedup.flights.all()])
+        answer: dict[str, Any] = {"flights": flights, "statistics": self.dedup.statistics()}
+        workers = self._gathering(request)
+        if workers is not None:
+            others, answer["workers_unreachable"] = await workers.others_json(
+                request.path, request.headers.get("authorization")
+            )
+            flights += [flight for _, other in others for flight in other.get("flights", ())]
+            # Each worker's own caches and counts (`statistics` is this worker's).
+            answer["statistics_by_worker"] = {str(workers.index): answer["statistics"]} | {
+                str(n): other.get("statistics") for n, other in others
+            }
+        return json_response(answer)
 
     async def _admin_reload(self, request: Request) -> Response:
         """Re-read the configuration file and apply it (what SIGHUP does); an invalid file changes

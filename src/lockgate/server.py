@@ -45,6 +45,7 @@ from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from .cluster.member import Role
+    from .workerset import WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,18 @@ class GatewayServer:
         config_path: str | Path | None = None,
         role: Role = "central",
         reuse_port: bool = False,
+        workers: WorkerSet | None = None,
     ) -> None:
         """`config` as read from `config_path` (which SIGHUP and `POST /admin/reload` re-read; None:
         nothing to reload); `host`/`port` override `listen` (the command line's `--host`/`--port`);
-        `reuse_port`: share the port with other processes (`--workers`)."""
+        `reuse_port`: share the port with other processes (`--workers`); `workers`: this worker's others (it also
+        listens on its socket for them)."""
         self._config = config
         self._role: Role = role
         self._reuse_port = reuse_port
+        self._workers = workers
+        #: The listener on this worker's socket (`--workers`), for the other workers' operator requests.
+        self._private: HttpServer | None = None
         self._port = config.listen.port if port is None else port
         self._host = config.listen.host if host is None else host
         self._usage_path = usage_path
@@ -133,20 +139,7 @@ class GatewayServer:
             raise StartupError(f"cannot open the usage database {usage!r}: {_reason(exc)}") from exc
         if self._config_path is not None:
             self.gateway.reloader = Reloader(self._config_path, self._config, self.gateway, self.simulated)
-        limits = config.limits
-        self._http = HttpServer(
-            self.gateway.handle,
-            max_body_bytes=limits.max_body_bytes,
-            max_header_bytes=limits.max_header_bytes,
-            keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
-            header_timeout_s=limits.header_timeout_ms / 1000,
-            write_timeout_s=limits.write_timeout_ms / 1000,
-            body_timeout_s=limits.body_timeout_ms / 1000,
-            max_connections=limits.max_connections,
-            max_held_body_bytes=max(limits.max_held_body_bytes, limits.max_body_bytes),
-            error_body=Gateway.edge_error_body,
-            error_headers=lambda: {"x-request-id": new_request_id()},
-        )
+        self._http = self._edge(config)
         http, metrics = self._http, self.gateway.metrics
         metrics.client_connections.set_function(lambda: http.connections)
         metrics.client_connections_refused.read = lambda: http.refused_connections
@@ -163,6 +156,13 @@ class GatewayServer:
                 self.url = f"http://{self._host}:{self._http.port}"
         except OSError as exc:
             raise StartupError(f"cannot listen on {where}: {_reason(exc)}") from exc
+        if self._workers is not None:
+            self._private = self._edge(config)
+            try:
+                await self._private.start(self._host, 0, unix_path=self._workers.socket)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {self._workers.socket}: {_reason(exc)}") from exc
+            self.gateway.workers = self._workers
         if config.cluster is not None:
             from .cluster.member import join
             from .cluster.publisher import NodeNameTaken
@@ -173,6 +173,24 @@ class GatewayServer:
                 )
             except NodeNameTaken as exc:
                 raise StartupError(str(exc)) from exc
+
+    def _edge(self, config: Config) -> HttpServer:
+        """An HTTP server in front of the gateway, with the configuration's limits."""
+        assert self.gateway is not None
+        limits = config.limits
+        return HttpServer(
+            self.gateway.handle,
+            max_body_bytes=limits.max_body_bytes,
+            max_header_bytes=limits.max_header_bytes,
+            keepalive_timeout_s=limits.keepalive_timeout_ms / 1000,
+            header_timeout_s=limits.header_timeout_ms / 1000,
+            write_timeout_s=limits.write_timeout_ms / 1000,
+            body_timeout_s=limits.body_timeout_ms / 1000,
+            max_connections=limits.max_connections,
+            max_held_body_bytes=max(limits.max_held_body_bytes, limits.max_body_bytes),
+            error_body=Gateway.edge_error_body,
+            error_headers=lambda: {"x-request-id": new_request_id()},
+        )
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
@@ -221,6 +239,11 @@ class GatewayServer:
         if self._http is not None:
             http, self._http = self._http, None
             await http.shutdown(timeout_s=5.0)
+        if self._private is not None:
+            private, self._private = self._private, None
+            await private.shutdown(timeout_s=1.0)
+        if self._workers is not None:
+            await self._workers.aclose()
 
 
 async def serve(
@@ -233,6 +256,7 @@ async def serve(
     role: Role = "central",
     usage_path: str | None = None,
     reuse_port: bool = False,
+    workers: WorkerSet | None = None,
 ) -> int:
     """Run until SIGINT/SIGTERM, then shut down gracefully; SIGHUP reloads `config_path`. Returns the
     exit status. Raises `StartupError` if the gateway cannot start."""
@@ -251,6 +275,7 @@ async def serve(
             role=role,
             usage_path=usage_path,
             reuse_port=reuse_port,
+            workers=workers,
         ) as server:
             assert server.gateway is not None
             tune_gc()

@@ -22,13 +22,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from types import FrameType
 
+from . import workerset
 from .config import Config
 
 log = logging.getLogger(__name__)
@@ -80,7 +83,14 @@ def worker_command(config_path: str, *, host: str | None, port: int | None, log_
 class _Supervisor:
     def __init__(self, command: list[str], workers: int) -> None:
         self._command = command
-        self._env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        #: The workers' sockets, through which the one an operator request reaches asks the others (`workerset.py`).
+        self._sockets = tempfile.mkdtemp(prefix="lockgate-workers-")
+        self._env = {
+            **os.environ,
+            SUPERVISOR_ENV: str(os.getpid()),
+            workerset.DIRECTORY_ENV: self._sockets,
+            workerset.COUNT_ENV: str(workers),
+        }
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # worker index -> its process
         self._launched = time.monotonic()
         self._restarts: dict[int, deque[float]] = {n: deque() for n in range(workers)}
@@ -100,6 +110,12 @@ class _Supervisor:
                 child.send_signal(signum)
 
     def run(self) -> int:
+        try:
+            return self._supervise()
+        finally:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+
+    def _supervise(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._forward)
         while self._children:

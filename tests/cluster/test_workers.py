@@ -28,12 +28,17 @@ def env() -> dict[str, str]:
 
 
 async def workers_behind_a_sidecar(
-    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, label: str
+    etcd: EtcdServer,
+    stack: contextlib.AsyncExitStack,
+    tmp_path: Path,
+    label: str,
+    sim_config: SimConfig | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[asyncio.subprocess.Process, str, Path, dict[str, Any]]:
-    """A sidecar with a fast simulator, and `lockgate serve --workers 2` as central replicas of its cluster: the
-    supervisor's process, its URL, its config file and the config written there."""
+    """A sidecar with a simulator (default: a fast one), and `lockgate serve --workers 2` as central replicas of its
+    cluster: the supervisor's process, its URL, its config file and the config written there."""
     name = unique_cluster(label)
-    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",), fast=True)))
+    sim = await stack.enter_async_context(SimServer(sim_config or SimConfig(models=("m",), fast=True)))
     await stack.enter_async_context(
         GatewayServer(
             parse_config(sidecar_config(etcd.url, name, [sim], str(tmp_path / "s.sqlite3"), f"node-{label}")),
@@ -47,7 +52,7 @@ async def workers_behind_a_sidecar(
     path.write_text(yaml.safe_dump(config))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "lockgate", "serve", "--config", str(path), "--workers", "2",
-        stdout=asyncio.subprocess.PIPE, env=env(),
+        stdout=asyncio.subprocess.PIPE, env={**env(), **(extra_env or {})},
     )  # fmt: skip
     assert proc.stdout is not None
     return proc, f"http://127.0.0.1:{port}", path, config
@@ -206,3 +211,85 @@ def test_a_workers_command_carries_the_supervisors_options() -> None:
     command = worker_command("c.yaml", host="0.0.0.0", port=9000, log_level="info")
     assert command[3:] == ["serve", "--config", "c.yaml", "--host", "0.0.0.0", "--port", "9000", "--log-level", "info"]
     assert "--log-level" not in worker_command("c.yaml", host=None, port=None, log_level=None)
+
+
+async def test_operator_routes_answer_for_every_worker(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """Outside runs: under `--workers`, `/metrics` and `/admin/*` answered for the worker the connection reached: a
+    scrape saw one worker's counters, and a cancel by id reaching another worker than the request's got 404. Each
+    worker is asked here through its own socket (which one the shared port picks is the kernel's choice)."""
+    slow = SimConfig(models=("m",), tpot_ms=20.0, prefill_tps=1e6)
+    proc, url, _, _ = await workers_behind_a_sidecar(
+        etcd, stack, tmp_path, "o", sim_config=slow, extra_env={"TMPDIR": str(tmp_path)}
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            for _ in range(2):
+                while b"lockgate listening on" not in await proc.stdout.readline():
+                    assert not proc.stdout.at_eof(), "a worker exited early"
+        [sockets] = await asyncio.to_thread(lambda: list(tmp_path.glob("lockgate-workers-*")))
+        worker = {
+            n: await stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sockets / f"worker-{n}.sock")))
+            )
+            for n in (0, 1)
+        }
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        async def served() -> bool:
+            async with session.post(url + "/v1/chat/completions", json=body, headers={"Connection": "close"}) as r:
+                await r.read()
+                return r.status == 200
+
+        await poll_until(served, what="the workers to see the sidecar's engines")
+        # A stream of 5,000 tokens at 20 ms each (100 s): in flight at one worker until cancelled.
+        long = {**body, "max_tokens": 5000, "stream": True}
+        stream = await session.post(url + "/v1/chat/completions", json=long)
+        assert stream.status == 200
+        await stream.content.readline()  # its first event: the request is in flight
+
+        listed = {}
+        for n in (0, 1):
+            async with worker[n].get("http://w/admin/requests") as r:
+                answer = await r.json()
+            assert answer["workers_unreachable"] == []
+            [listed[n]] = answer["requests"]  # the stream, whichever worker holds it
+        assert listed[0]["id"] == listed[1]["id"] and listed[0]["worker"] == listed[1]["worker"]
+        holder = listed[0]["worker"]
+        assert holder in (0, 1)
+        for n in (0, 1):
+            async with worker[n].get("http://w/metrics") as r:
+                text = await r.text()
+            assert "lockgate_workers_unreachable 0.0" in text
+            assert (
+                'lockgate_client_connections{worker="0"}' in text and 'lockgate_client_connections{worker="1"}' in text
+            )
+            served_here = [
+                line
+                for line in text.splitlines()
+                if line.startswith("lockgate_requests_total{") and "completed" in line
+            ]
+            assert sum(float(line.rsplit(" ", 1)[1]) for line in served_here) >= 1
+        # The worker that does not hold it cancels it (it asks the other).
+        async with worker[1 - holder].delete(f"http://w/admin/requests/{listed[0]['id']}") as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json()) == {"id": listed[0]["id"], "cancelled": True}
+        async with asyncio.timeout(10):
+            rest = await stream.content.read()
+        assert b"cancelled" in rest or b"error" in rest
+        stream.release()
+        # An id no worker holds: 404.
+        async with worker[holder].delete("http://w/admin/requests/nope") as r:
+            assert r.status == 404
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            await proc.stdout.read()
+            assert await proc.wait() == 0
+        assert not sockets.exists()  # the supervisor removes the workers' sockets
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
