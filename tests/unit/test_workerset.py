@@ -19,9 +19,8 @@ def exposition(requests: int, ttft: float) -> bytes:
 def test_every_workers_series_is_kept_with_its_worker_label_and_families_stay_whole() -> None:
     merged = merge_metrics({1: exposition(5, 0.5), 0: exposition(3, 0.05)}, unreachable=[2])
     families = {f.name: f for f in text_string_to_metric_families(merged.decode())}  # parses: families are whole
-    requests = {
-        s.labels["worker"]: s.value for s in families["lockgate_requests"].samples if s.name == "lockgate_requests_total"
-    }
+    counted = families["lockgate_requests"].samples
+    requests = {s.labels["worker"]: s.value for s in counted if s.name == "lockgate_requests_total"}
     assert requests == {"0": 3.0, "1": 5.0}
     assert families["lockgate_requests"].type == "counter"
     buckets = {
