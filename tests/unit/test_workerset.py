@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lockgate import workerset
 from lockgate.workerset import merge_metrics
 
 
@@ -31,3 +35,33 @@ def test_every_workers_series_is_kept_with_its_worker_label_and_families_stay_wh
     assert buckets[("0", "0.1")] == 1.0 and buckets[("1", "0.1")] == 0.0 and buckets[("1", "1.0")] == 1.0
     assert [s.value for s in families["lockgate_workers_unreachable"].samples] == [1.0]
     assert merged.decode().count("# TYPE lockgate_requests_total counter") == 1
+
+
+async def test_a_worker_that_does_not_answer_or_answers_too_much_is_left_out(tmp_path: Any, monkeypatch: Any) -> None:
+    """Asking the others is bounded: a worker without a socket (restarting) and one whose answer is over the cap are
+    named as unreachable; the one that answers is heard."""
+    monkeypatch.setattr(workerset, "MAX_ANSWER_BYTES", 1024)
+
+    async def small(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"requests": [{"worker": 1}]}', content_type="application/json")
+
+    async def large(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 4096)
+
+    runners = []
+    for n, handler in ((1, small), (2, large)):
+        app = web.Application()
+        app.router.add_get("/admin/requests", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.UnixSite(runner, workerset.socket_path(str(tmp_path), n)).start()
+        runners.append(runner)
+    workers = workerset.WorkerSet(str(tmp_path), index=0, count=4)  # worker 3 has no socket
+    try:
+        answers, missing = await workers.others_json("/admin/requests", None)
+    finally:
+        await workers.aclose()
+        for runner in runners:
+            await runner.cleanup()
+    assert answers == [(1, {"requests": [{"worker": 1}]})]
+    assert missing == [2, 3]
