@@ -38,16 +38,15 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"lockgate: {exc}", file=sys.stderr)
             return 2
     worker = getattr(args, "worker", None)
-    workers = None
+    workers = usage_path = None
     if worker is not None:
+        from . import workerset
         from .workers import follow_supervisor
-        from .workerset import WorkerSet
 
         follow_supervisor()
-        workers = WorkerSet.from_env(worker)
-    usage_path = None
-    if worker is not None and config.usage.path != ":memory:":
-        usage_path = f"{config.usage.path}.worker-{worker}"  # one SQLite writer per file
+        workers = workerset.WorkerSet.from_env(worker)
+        if config.usage.path != ":memory:":
+            usage_path = workerset.usage_path(config.usage.path, worker)
     try:
         return run_async(
             lambda: serve(

@@ -53,6 +53,11 @@ def socket_path(directory: str, index: int) -> str:
     return os.path.join(directory, f"worker-{index}.sock")
 
 
+def usage_path(path: str, index: int) -> str:
+    """Worker `index`'s usage database when the configuration's is `path` (one SQLite writer per file)."""
+    return f"{path}.worker-{index}"
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     worker: int
@@ -80,6 +85,10 @@ class WorkerSet:
         if not directory or not count or not count.isdigit():
             return None
         return cls(directory, index, int(count))
+
+    def usage_paths(self, path: str) -> list[str]:
+        """Every worker's usage database, when the configuration's is `path`."""
+        return [usage_path(path, n) for n in range(self.count)]
 
     @property
     def socket(self) -> str:

@@ -34,6 +34,7 @@ async def workers_behind_a_sidecar(
     label: str,
     sim_config: SimConfig | None = None,
     extra_env: dict[str, str] | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> tuple[asyncio.subprocess.Process, str, Path, dict[str, Any]]:
     """A sidecar with a simulator (default: a fast one), and `lockgate serve --workers 2` as central replicas of its
     cluster: the supervisor's process, its URL, its config file and the config written there."""
@@ -48,6 +49,7 @@ async def workers_behind_a_sidecar(
     port = free_port()
     config: dict[str, Any] = central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))
     config["listen"] = {"host": "127.0.0.1", "port": port}
+    config.update(extra_config or {})
     path = tmp_path / "central.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = await asyncio.create_subprocess_exec(
@@ -221,8 +223,9 @@ async def test_operator_routes_answer_for_every_worker(
     worker is asked here through its own socket (which one the shared port picks is the kernel's choice)."""
     slow = SimConfig(models=("m",), tpot_ms=20.0, prefill_tps=1e6)
     proc, url, _, _ = await workers_behind_a_sidecar(
-        etcd, stack, tmp_path, "o", sim_config=slow, extra_env={"TMPDIR": str(tmp_path)}
-    )
+        etcd, stack, tmp_path, "o", sim_config=slow, extra_env={"TMPDIR": str(tmp_path)},
+        extra_config={"slo": {"cache_ms": 100}},
+    )  # fmt: skip
     assert proc.stdout is not None
     try:
         async with asyncio.timeout(30):
@@ -284,6 +287,18 @@ async def test_operator_routes_answer_for_every_worker(
         # An id no worker holds: 404.
         async with worker[holder].delete("http://w/admin/requests/nope") as r:
             assert r.status == 404
+
+        # `/admin/slo` reads every worker's records: both count the one cancelled request among the same ones.
+        async def cancel_rate(n: int) -> dict[str, Any]:
+            async with worker[n].get("http://w/admin/slo") as r:
+                evaluation = await r.json()
+            return next(o for o in evaluation["objectives"] if o["name"] == "cancel_rate")["windows"]["5m"]
+
+        async def both_count_it() -> bool:
+            counts = [await cancel_rate(n) for n in (0, 1)]
+            return counts[0] == counts[1] and counts[0]["bad"] == 1
+
+        await poll_until(both_count_it, what="every worker's records in each worker's /admin/slo")
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             await proc.stdout.read()

@@ -20,7 +20,14 @@ from lockgate.slo.cli import EXIT_BURNING, exit_status
 from lockgate.slo.config import duration_s
 from lockgate.slo.idle import MAX_HORIZON_S, IdleSamples, busy_and_idle, waiting_for
 from lockgate.slo.rules import prometheus_rules, rules_yaml
-from lockgate.slo.usage import BucketedWindows, connect_readonly, count_windows
+from lockgate.slo.usage import (
+    BucketedWindows,
+    UsageUnavailable,
+    connect_readonly,
+    count_file,
+    count_windows,
+    record_files,
+)
 
 WINDOWS = ("5m", "30m", "1h", "6h", "30d")
 
@@ -289,6 +296,19 @@ def test_ttft_counts_streams_that_sent_a_first_token_and_those_that_gave_up_wait
     add(100.0, first_token_after=3.0)  # a whole answer: not a stream
     counts = count_windows(connect_readonly(path), SloConfig(), 101.0, {"5m": 300})
     assert counts["p0_ttft"]["5m"] == Counts(events=9, bad=7)
+
+
+def test_lockgate_slo_config_reads_every_workers_records(tmp_path: Any) -> None:
+    """Under `--workers` each worker writes `<usage.path>.worker-<i>` and no file has the configured name: `lockgate
+    slo --config` found no records (every record objective unknown). It reads them all, and only them."""
+    base = str(tmp_path / "usage.sqlite3")
+    with pytest.raises(UsageUnavailable, match="no usage records"):
+        count_file(base, SloConfig(), 101.0)
+    _UsageFile(base + ".worker-0").add(100.0, "error")
+    _UsageFile(base + ".worker-1").add(100.0, n=3)
+    _UsageFile(base + ".worker-1.old").add(100.0, n=5)  # not a worker's file
+    assert record_files(base) == [base + ".worker-0", base + ".worker-1"]
+    assert count_file(base, SloConfig(), 101.0)["p0_success"]["5m"] == Counts(events=4, bad=1)
 
 
 def test_the_exit_status_says_whether_an_objective_burns() -> None:

@@ -26,7 +26,7 @@ from ..tasks import cancel_and_wait
 from .config import SloConfig
 from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle, waiting_for
 from .objectives import Counts, evaluate
-from .usage import BucketedWindows, UsageUnavailable, connect_readonly
+from .usage import BucketedWindows, UsageUnavailable, add_counts, connect_readonly
 
 if TYPE_CHECKING:
     from ..fleet.pool import Fleet
@@ -52,25 +52,21 @@ class SloService:
         only while its model had requests waiting)."""
         self.config = config
         self._queued = queued
-        self._usage_path = usage_path
+        #: The usage databases read: this gateway's, or under `--workers` every worker's (the server sets them).
+        self.usage_paths = [usage_path]
         self._fleet = fleet
         self._stale_after_s = stale_after_s
         self._windows = config.windows()
         horizon = max((s for s in self._windows.values() if s <= MAX_HORIZON_S), default=3600)
         self._interval_s = config.idle_sample_ms / 1000
         self.idle = IdleSamples(horizon, self._interval_s)
-        self._db: sqlite3.Connection | None = None
+        self._files: dict[str, _Records] = {}
         #: Held by the worker thread reading the records: a caller cancelled while it runs (a client gone from
         #: `/admin/slo`, shutdown) releases the asyncio lock, not the connection and the buckets.
         self._reading = threading.Lock()
         self._closed = False
         self._evaluation: dict[str, Any] | None = None
         self._evaluated_at = -math.inf
-        short = {w: s for w, s in self._windows.items() if s <= _SHORT_WINDOW_S}
-        long = {w: s for w, s in self._windows.items() if s > _SHORT_WINDOW_S}
-        self._short = BucketedWindows(config, short, bucket_s=60, settle_s=120)
-        self._long = BucketedWindows(config, long, bucket_s=300, settle_s=900)
-        self._long_at = -math.inf
         self._lock = asyncio.Lock()
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -95,9 +91,9 @@ class SloService:
     def _close(self) -> None:
         with self._reading:
             self._closed = True
-            if self._db is not None:
-                db, self._db = self._db, None
-                db.close()
+            files, self._files = self._files, {}
+            for records in files.values():
+                records.db.close()
 
     def cached(self) -> Mapping[str, Any] | None:
         """The last evaluation (None before the first); asks the service's task for a new one when it is
@@ -128,19 +124,24 @@ class SloService:
             return evaluation
 
     def _count_records(self, now: float, wall: float) -> dict[str, dict[str, Counts]]:
-        """In a worker thread: every window's counts, from buckets brought up to date."""
+        """In a worker thread: every window's counts, from buckets brought up to date, summed over the usage
+        databases (another worker's that cannot be read yet is left out; none readable: UsageUnavailable)."""
         with self._reading:
             if self._closed:
                 raise UsageUnavailable("the gateway is shutting down")
-            if self._db is None:
-                self._db = connect_readonly(self._usage_path)
-            if now - self._long_at >= _LONG_WINDOW_REFRESH_S:
-                self._long.refresh(self._db, wall)
-                self._long_at = now
-            self._short.refresh(self._db, wall)
-            counts = self._short.counts(wall)
-            for name, by_window in self._long.counts(wall).items():
-                counts[name].update(by_window)
+            counts: dict[str, dict[str, Counts]] = {}
+            unavailable: UsageUnavailable | None = None
+            for path in self.usage_paths:
+                records = self._files.get(path)
+                if records is None:
+                    try:
+                        records = self._files[path] = _Records(self.config, self._windows, connect_readonly(path))
+                    except UsageUnavailable as exc:
+                        unavailable = exc
+                        continue
+                add_counts(counts, records.counts(now, wall))
+            if not counts and unavailable is not None:
+                raise unavailable
             return counts
 
     def sample(self) -> None:
@@ -167,3 +168,27 @@ class SloService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(next_sample):
                     await self._wanted.wait()
+
+
+class _Records:
+    """One usage database's connection and per-bucket aggregates (`usage.BucketedWindows`)."""
+
+    def __init__(self, config: SloConfig, windows: Mapping[str, int], db: sqlite3.Connection) -> None:
+        self.db = db
+        self._short = BucketedWindows(
+            config, {w: s for w, s in windows.items() if s <= _SHORT_WINDOW_S}, bucket_s=60, settle_s=120
+        )
+        self._long = BucketedWindows(
+            config, {w: s for w, s in windows.items() if s > _SHORT_WINDOW_S}, bucket_s=300, settle_s=900
+        )
+        self._long_at = -math.inf
+
+    def counts(self, now: float, wall: float) -> dict[str, dict[str, Counts]]:
+        if now - self._long_at >= _LONG_WINDOW_REFRESH_S:
+            self._long.refresh(self.db, wall)
+            self._long_at = now
+        self._short.refresh(self.db, wall)
+        counts = self._short.counts(wall)
+        for name, by_window in self._long.counts(wall).items():
+            counts[name].update(by_window)
+        return counts

@@ -12,7 +12,9 @@ writer's lock. Two shapes:
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
+import re
 import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
@@ -149,7 +151,42 @@ class BucketedWindows:
         return out
 
 
+#: What follows `usage.path` in a worker's usage database (`--workers`); its SQLite companions (-wal) do not match.
+_WORKER_FILE = re.compile(r"\.worker-\d+")
+
+
+def record_files(path: str) -> list[str]:
+    """The usage databases of a gateway configured with `usage.path: path`: that file, and under `--workers` each
+    worker's `<path>.worker-<i>` (those that exist)."""
+    base = Path(path)
+    workers = sorted(
+        (
+            str(p)
+            for p in base.parent.glob(glob.escape(base.name) + ".worker-*")
+            if _WORKER_FILE.fullmatch(p.name[len(base.name) :])
+        ),
+        key=lambda name: int(name.rsplit("-", 1)[1]),
+    )
+    return ([path] if base.is_file() else []) + workers
+
+
+def add_counts(into: dict[str, dict[str, Counts]], more: Mapping[str, Mapping[str, Counts]]) -> None:
+    """`into` += `more`, window by window (the records of several workers)."""
+    for name, by_window in more.items():
+        target = into.setdefault(name, {})
+        for window, counts in by_window.items():
+            had = target.get(window)
+            target[window] = counts if had is None else Counts(had.events + counts.events, had.bad + counts.bad)
+
+
 def count_file(path: str, config: SloConfig, now: float) -> dict[str, dict[str, Counts]]:
-    """`count_windows` over every window of `config`, on a connection of its own (the CLI: exact, once)."""
-    with contextlib.closing(connect_readonly(path)) as db:
-        return count_windows(db, config, now, config.windows())
+    """`count_windows` over every window of `config` in the records of `usage.path: path` (its workers' files
+    too: `record_files`), on connections of their own (the CLI: exact, once)."""
+    files = record_files(path)
+    if not files:
+        raise UsageUnavailable(f"no usage records at {path}")
+    out: dict[str, dict[str, Counts]] = {}
+    for file in files:
+        with contextlib.closing(connect_readonly(file)) as db:
+            add_counts(out, count_windows(db, config, now, config.windows()))
+    return out
