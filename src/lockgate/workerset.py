@@ -2,7 +2,7 @@
 for all of them.
 
 The kernel hands each connection on the shared port to one worker, so a Prometheus scrape, `GET
-/admin/requests` or a cancel by id reached one worker's state at random: a scrape saw a third of the
+/admin/requests` or a cancel by id reached one worker's state at random: a scrape saw one worker's share of the
 counters, a cancel of a request held by another worker was answered 404. Each worker therefore also listens
 on a unix socket of its own, `worker-<i>.sock` in a directory the supervisor made for this run (0700,
 removed when it exits), and the worker that takes an operator request asks the others over those sockets,
@@ -15,8 +15,9 @@ would its own). What is gathered:
 - `DELETE /admin/requests/{id}`: this worker first, then the others; the first that holds it answers.
 
 A worker that does not answer within `TIMEOUT_S` (restarting, stuck) is left out and named in the answer
-(`workers_unreachable`, or the metric `lockgate_workers_unreachable`). Everything else (`/admin/slo`, the
-dashboard, `/admin/fleet`) is still each worker's own (README, "Cluster").
+(`workers_unreachable`, or the metric `lockgate_workers_unreachable`). `/admin/slo` needs no asking: it reads every
+worker's usage database (`usage_path`). The dashboard and `/admin/fleet` (the same for every replica) are each
+worker's own (README, "Cluster").
 """
 
 from __future__ import annotations
