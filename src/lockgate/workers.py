@@ -14,7 +14,9 @@ started (killed, out of memory) is started again, up to `MAX_RESTARTS` times a m
 soon again is only counted against `MAX_RESTARTS` (an out-of-memory kill right after a restart is not a start
 failure). A worker reloaded over HTTP
 (`POST /admin/reload`) asks this process to reload every worker (SIGHUP), and a worker whose supervisor is gone
-(even by SIGKILL) stops itself (Linux): no worker goes on serving the port unsupervised.
+(even by SIGKILL) stops itself (Linux): no worker goes on serving the port unsupervised. It also makes the private
+directory of the workers' sockets, through which operator requests reach every worker (`workerset.py`), and removes
+it when it exits.
 """
 
 from __future__ import annotations
