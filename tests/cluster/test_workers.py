@@ -291,8 +291,10 @@ async def test_operator_routes_answer_for_every_worker(
         # `/admin/slo` reads every worker's records: both count the one cancelled request among the same ones.
         async def cancel_rate(n: int) -> dict[str, Any]:
             async with worker[n].get("http://w/admin/slo") as r:
-                evaluation = await r.json()
-            return next(o for o in evaluation["objectives"] if o["name"] == "cancel_rate")["windows"]["5m"]
+                evaluation: dict[str, Any] = await r.json()
+            objective = next(o for o in evaluation["objectives"] if o["name"] == "cancel_rate")
+            counts: dict[str, Any] = objective["windows"]["5m"]
+            return counts
 
         async def both_count_it() -> bool:
             counts = [await cancel_rate(n) for n in (0, 1)]
