@@ -9,10 +9,12 @@ writes its usage records to `<usage.path>.worker-<i>` (one SQLite writer per fil
 
 This process only supervises: it forwards SIGINT, SIGTERM and SIGHUP to every worker and exits when
 they all have, with the first non-zero status among theirs (0 if none). A worker that ends on its own after it
-started (killed, out of memory) is started again, up to `MAX_RESTARTS` times a minute; one that fails within
-`START_GRACE_S` of the launch (it cannot start: a port, a file) stops the others. A restarted worker that fails
-soon again is only counted against `MAX_RESTARTS` (an out-of-memory kill right after a restart is not a start
-failure). A worker reloaded over HTTP
+started (killed, out of memory, a signal of its own, whatever its status) is started again, at once the first time,
+then after pauses of 1, 2, 4 and 8 s (`MAX_RESTARTS` a minute), then every `RETRY_S` while the others serve: one
+that cannot start again (a configuration file broken since the launch) neither spins nor takes the healthy workers
+down; only when none is left running does the supervisor stop. One that fails within `START_GRACE_S` of the launch
+(it cannot start: a port, a file) stops the others. Workers start with SIGHUP ignored until they handle it (a reload
+forwarded to a worker still starting ended it). A worker reloaded over HTTP
 (`POST /admin/reload`) asks this process to reload every worker (SIGHUP), and a worker whose supervisor is gone
 (even by SIGKILL) stops itself (Linux): no worker goes on serving the port unsupervised. It also makes the private
 directory of the workers' sockets, through which operator requests reach every worker (`workerset.py`), and removes
@@ -42,8 +44,9 @@ log = logging.getLogger(__name__)
 SUPERVISOR_ENV = "LOCKGATE_SUPERVISOR_PID"
 #: A worker that fails this soon after the launch could not start: starting it again would fail again.
 START_GRACE_S = 5.0
-#: Restarts of one worker within a minute before the supervisor gives up (and stops the others).
+#: Restarts of one worker within a minute (after pauses of 0, 1, 2, 4 and 8 s) before it is tried only every `RETRY_S`.
 MAX_RESTARTS = 5
+RETRY_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -94,15 +97,20 @@ class _Supervisor:
             workerset.COUNT_ENV: str(workers),
         }
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # worker index -> its process
+        self._count = workers
         self._launched = time.monotonic()
         self._restarts: dict[int, deque[float]] = {n: deque() for n in range(workers)}
         self._stopping = False
         self._codes: list[int] = []
-        for n in range(workers):
-            self._spawn(n)
+        #: Workers waiting to be started again, and when (monotonic).
+        self._due: dict[int, float] = {}
 
     def _spawn(self, n: int) -> None:
-        self._children[n] = subprocess.Popen([*self._command, "--worker", str(n)], env=self._env)
+        # Started with SIGHUP ignored (inherited across exec) until its gateway handles it: a reload forwarded while
+        # a worker was still starting ended it (the default action), and at the launch that stopped every worker.
+        self._children[n] = subprocess.Popen(
+            [*self._command, "--worker", str(n)], env=self._env, preexec_fn=_ignore_hangup
+        )
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
@@ -120,40 +128,102 @@ class _Supervisor:
     def _supervise(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._forward)
-        while self._children:
-            pid, status = os.waitpid(-1, 0)
+        self._launched = time.monotonic()
+        for index in range(self._count):
+            self._spawn(index)
+        while self._children or (self._due and not self._stopping):
+            self._start_due()
+            ended = self._wait(max(0.0, min(self._due.values()) - time.monotonic()) if self._due else None)
+            if ended is None:
+                continue
+            pid, status = ended
             n = next((i for i, child in self._children.items() if child.pid == pid), None)
             if n is None:
                 continue
             child = self._children.pop(n)
             child.returncode = os.waitstatus_to_exitcode(status)
-            if self._stopping or child.returncode == 0:
+            if self._stopping:
                 self._codes.append(child.returncode)
                 continue
-            refusal = self._refusal(n)
-            if refusal is None:
-                log.warning("lockgate: worker %d ended (status %d); starting it again", n, child.returncode)
-                self._spawn(n)
-            else:
-                log.error(
-                    "lockgate: worker %d ended (status %d) %s: stopping every worker", n, child.returncode, refusal
-                )
-                self._codes.append(child.returncode)
-                self._forward(signal.SIGTERM, None)  # it cannot run: stop the others
+            self._ended(n, child.returncode)
         return next((code for code in self._codes if code != 0), 0)
 
-    def _refusal(self, n: int) -> str | None:
-        """Why worker `n`, just ended, is not started again (None: it is)."""
+    def _wait(self, timeout: float | None) -> tuple[int, int] | None:
+        """A child that ended (pid, wait status), waiting at most `timeout` seconds (None: until one does)."""
+        if timeout is None:
+            return os.waitpid(-1, 0)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # none running: every worker waits for its restart
+                pid = 0
+            if pid:
+                return pid, status
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopping:
+                return None
+            time.sleep(min(left, 0.05))
+
+    def _start_due(self) -> None:
+        if self._stopping:
+            self._due.clear()
+            return
+        now = time.monotonic()
+        for n, at in list(self._due.items()):
+            if at <= now:
+                del self._due[n]
+                self._spawn(n)
+
+    def _ended(self, n: int, status: int) -> None:
+        """Worker `n` ended on its own (status `status`): start it again, at once or after a pause, or stop."""
         now = time.monotonic()
         if now - self._launched < START_GRACE_S and not self._restarts[n]:
-            return f"within {START_GRACE_S:g} s of the launch (it cannot start)"
+            log.error(
+                "lockgate: worker %d ended (status %d) within %g s of the launch (it cannot start): stopping every "
+                "worker",
+                n,
+                status,
+                START_GRACE_S,
+            )
+            self._codes.append(status)
+            self._forward(signal.SIGTERM, None)
+            return
         recent = self._restarts[n]
         while recent and now - recent[0] > 60.0:
             recent.popleft()
-        if len(recent) >= MAX_RESTARTS:
-            return f"after {MAX_RESTARTS} restarts within a minute"
-        recent.append(now)
-        return None
+        if len(recent) < MAX_RESTARTS:
+            # Backed off: a worker that cannot start again (a configuration file broken since the launch) does not
+            # spin, and a single crash is repaired at once.
+            delay = 0.0 if not recent else min(RETRY_S, 2.0 ** (len(recent) - 1))
+            recent.append(now)
+            log.warning("lockgate: worker %d ended (status %d); starting it again in %g s", n, status, delay)
+            self._due[n] = now + delay
+        elif any(child.poll() is None for child in self._children.values()):
+            log.error(
+                "lockgate: worker %d ended (status %d) after %d restarts within a minute; the other workers go on "
+                "serving, and it is tried again every %g s",
+                n,
+                status,
+                MAX_RESTARTS,
+                RETRY_S,
+            )
+            self._due[n] = now + RETRY_S
+        else:
+            log.error(
+                "lockgate: worker %d ended (status %d) after %d restarts within a minute, and no worker is running: "
+                "stopping",
+                n,
+                status,
+                MAX_RESTARTS,
+            )
+            self._codes.append(status)
+            self._forward(signal.SIGTERM, None)
+
+
+def _ignore_hangup() -> None:
+    """In a worker's process before it runs lockgate (`preexec_fn`; the supervisor has no threads)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def follow_supervisor() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -310,3 +311,94 @@ async def test_operator_routes_answer_for_every_worker(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def supervise(worker_script: str, **constants: float) -> subprocess.Popen[str]:
+    """A supervisor of two stand-in workers (`worker_script`, its last argument the worker's index) in a process of
+    its own, with `workers` module constants set (the timings of these tests)."""
+    settings = "".join(f"workers.{name} = {value!r}\n" for name, value in constants.items())
+    code = (
+        "import sys\nfrom lockgate import workers\n"
+        + settings
+        + f"command = [sys.executable, '-c', {worker_script!r}]\n"
+        "sys.exit(workers._Supervisor(command, 2).run())\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env())
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+def sleepers(pid: int) -> set[int]:
+    """The children of `pid` running the stand-in that sleeps (a healthy worker)."""
+    found = set()
+    for child in children_of(pid):
+        with open(f"/proc/{child}/cmdline") as fh:
+            if "sleep" in fh.read():
+                found.add(child)
+    return found
+
+
+def ignored_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return int(next(line for line in fh if line.startswith("SigIgn:")).split()[1], 16)
+
+
+async def test_a_reload_reaching_workers_still_starting_does_not_end_them() -> None:
+    """An outside run: SIGHUP half a second after the launch ended a worker still starting (the default action of
+    SIGHUP before its handler is installed), and with it, every worker. Workers now start with SIGHUP ignored."""
+    proc = supervise("import time\ntime.sleep(60)\n")  # stand-ins that never handle SIGHUP
+    try:
+
+        async def hangup_ignored() -> bool:
+            workers = children_of(proc.pid)
+            return len(workers) == 2 and all(ignored_signals(pid) & (1 << (signal.SIGHUP - 1)) for pid in workers)
+
+        await poll_until(hangup_ignored, what="two workers that ignore SIGHUP")
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGTERM)
+        # Ended by the SIGTERM forwarded after the SIGHUP (status -15), not by the SIGHUP (-1).
+        assert await asyncio.to_thread(proc.wait, 30) == -signal.SIGTERM & 0xFF
+    finally:
+        stop(proc)
+
+
+async def test_a_worker_that_cannot_start_again_is_retried_while_the_others_serve() -> None:
+    """An outside run: a broken configuration file on disk and one worker's crash stopped the gateway in 0.9 s (five
+    restarts failing at once, then every worker stopped, the healthy one too). Now restarts back off, and a worker
+    past its restarts is retried while another serves; a worker ended by its own SIGTERM (status 0) is restarted."""
+    script = "import sys, time\nif sys.argv[-1] == '0':\n    time.sleep(60)\nsys.exit(3)\n"  # worker 1 cannot start
+    proc = supervise(script, MAX_RESTARTS=2, RETRY_S=0.05, START_GRACE_S=0.0)
+    assert proc.stderr is not None
+    try:
+        said: list[str] = []
+        async with asyncio.timeout(30):
+            while sum("the other workers go on serving" in line for line in said) < 2:
+                line = await asyncio.to_thread(proc.stderr.readline)
+                assert line, f"the supervisor stopped: {said}"
+                said.append(line)
+        assert any("starting it again in 0 s" in line for line in said)
+        assert any("starting it again in 0.05 s" in line for line in said)  # backed off (up to RETRY_S)
+        [healthy] = sleepers(proc.pid)
+        assert proc.poll() is None
+        os.kill(healthy, signal.SIGTERM)  # a signal of its own (a lockgate worker ends it with status 0)
+
+        async def replaced() -> bool:
+            return bool(sleepers(proc.pid) - {healthy})
+
+        await poll_until(replaced, what="the worker ended by its own SIGTERM to be started again")
+    finally:
+        stop(proc)
+
+
+async def test_workers_that_all_cannot_start_again_stop_the_supervisor() -> None:
+    proc = supervise("import sys\nsys.exit(3)\n", MAX_RESTARTS=2, RETRY_S=0.05, START_GRACE_S=0.0)
+    try:
+        assert await asyncio.to_thread(proc.wait, 30) == 3
+        assert proc.stderr is not None and "no worker is running: stopping" in proc.stderr.read()
+    finally:
+        stop(proc)
