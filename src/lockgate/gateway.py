@@ -12,6 +12,7 @@ import functools
 import itertools
 import os
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -493,13 +494,27 @@ class Gateway:
 
     async def _admin_cancel_anywhere(self, request: Request) -> Response:
         """`DELETE /admin/requests/{id}`: here, else (`--workers`) at the worker that holds it."""
-        here = self._admin_cancel(request.path[len(_CANCEL_PREFIX) :])
+        request_id = request.path[len(_CANCEL_PREFIX) :]
+        here = self._admin_cancel(request_id)
         workers = self._gathering(request)
         if here.status != 404 or workers is None:
             return here
-        answers, _ = await workers.ask("DELETE", request.path, request.headers.get("authorization"))
+        path = _CANCEL_PREFIX + urllib.parse.quote(request_id, safe="")  # the path is decoded: encoded again
+        answers, missing = await workers.ask("DELETE", path, request.headers.get("authorization"))
         found = next((a for a in answers if a.status == 200), None)
-        return here if found is None else Response(body=found.body, content_type="application/json")
+        if found is not None:
+            return Response(body=found.body, content_type="application/json")
+        missing += [a.worker for a in answers if a.status != 404]
+        if missing:
+            # Not "no such request": it may be held by a worker that did not answer.
+            silent = ", ".join(map(str, sorted(missing)))
+            error = Unavailable(
+                f"No worker that answered holds request '{request_id}'; worker(s) {silent} did not answer: try again.",
+                code="worker_unreachable",
+                retry_after=1,
+            )
+            return self.error_response(error, "")
+        return here
 
     def _admin_cancel(self, request_id: str) -> Response:
         exchange = self.registry.get(request_id)

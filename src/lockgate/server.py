@@ -244,6 +244,9 @@ class GatewayServer:
         if self._private is not None:
             private, self._private = self._private, None
             await private.shutdown(timeout_s=1.0)
+            if self._workers is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._workers.socket)  # gone with the worker (a supervisor killed outright leaves it)
         if self._workers is not None:
             await self._workers.aclose()
 

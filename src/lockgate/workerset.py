@@ -120,7 +120,7 @@ class WorkerSet:
                     response.close()
                     raise
                 return Answer(n, response.status, body)
-        except (TimeoutError, OSError, HttpClientError) as exc:
+        except (TimeoutError, OSError, HttpClientError, ValueError) as exc:  # ValueError: a path it cannot send
             log.warning("worker %d: no answer from worker %d to %s %s: %s", self.index, n, method, path, exc)
             return None
 

@@ -285,9 +285,19 @@ async def test_operator_routes_answer_for_every_worker(
             rest = await stream.content.read()
         assert b"cancelled" in rest or b"error" in rest
         stream.release()
-        # An id no worker holds: 404.
-        async with worker[holder].delete("http://w/admin/requests/nope") as r:
-            assert r.status == 404
+        # An id no worker holds: 404, an encoded one too (it was forwarded decoded: a 500).
+        for unknown in ("nope", "a%20b", "a%0d%0aX-Evil:%201"):
+            async with worker[holder].delete(f"http://w/admin/requests/{unknown}") as r:
+                assert r.status == 404, await r.text()
+        # One that a stopped worker may hold: not "no such request", but 503 to retry.
+        [stopped] = [pid for pid in children_of(proc.pid) if worker_index(pid) == 1 - holder]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            async with worker[holder].delete("http://w/admin/requests/nope") as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert (await r.json())["error"]["code"] == "worker_unreachable"
+        finally:
+            os.kill(stopped, signal.SIGCONT)
 
         # `/admin/slo` reads every worker's records: both count the one cancelled request among the same ones.
         async def cancel_rate(n: int) -> dict[str, Any]:
@@ -324,6 +334,13 @@ def supervise(worker_script: str, **constants: float) -> subprocess.Popen[str]:
         "sys.exit(workers._Supervisor(command, 2).run())\n"
     )
     return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env())
+
+
+def worker_index(pid: int) -> int | None:
+    """The `--worker` index of process `pid` (None: not a worker)."""
+    with open(f"/proc/{pid}/cmdline") as fh:
+        args = fh.read().split("\0")
+    return int(args[args.index("--worker") + 1]) if "--worker" in args else None
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
