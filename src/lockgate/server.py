@@ -163,8 +163,7 @@ class GatewayServer:
             except OSError as exc:
                 raise StartupError(f"cannot listen on {self._workers.socket}: {_reason(exc)}") from exc
             self.gateway.workers = self._workers
-            if config.usage.path != ":memory:":  # `/admin/slo` over every worker's records
-                self.gateway.slo.usage_paths = self._workers.usage_paths(config.usage.path)
+            self.gateway.slo.records_path = config.usage.path  # `/admin/slo` over every worker's records
         if config.cluster is not None:
             from .cluster.member import join
             from .cluster.publisher import NodeNameTaken

@@ -87,10 +87,6 @@ class WorkerSet:
             return None
         return cls(directory, index, int(count))
 
-    def usage_paths(self, path: str) -> list[str]:
-        """Every worker's usage database, when the configuration's is `path`."""
-        return [usage_path(path, n) for n in range(self.count)]
-
     @property
     def socket(self) -> str:
         """Where this worker listens for the others."""

@@ -6,6 +6,7 @@ its budget numbers; without the failure, as met. Engine idle comes from the scra
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,11 @@ from lockgate.cli import main
 from lockgate.records import read_records
 from lockgate.server import GatewayServer
 from lockgate.sim import SimServer
-from lockgate.slo import OBJECTIVES
+from lockgate.slo import OBJECTIVES, SloConfig
 from lockgate.slo.cli import EXIT_BURNING
+from lockgate.slo.usage import count_file
 from tests.conftest import instance
+from tests.unit.test_slo import _UsageFile
 
 REQUESTS = 100
 
@@ -288,3 +291,26 @@ async def test_p0_streams_given_up_on_a_stuck_engine_are_bad_ttft_events(start_s
     assert f"lockgate_unanswered_wait_seconds_count{{{labels}}} 1.0" in exposed
     assert f"lockgate_time_to_first_token_seconds_count{{{labels}}} 1.0" in exposed
     assert 'lockgate_time_to_first_token_seconds_count{model="m",priority="P0",stream="false"}' not in exposed
+
+
+async def test_admin_slo_reads_the_same_records_as_lockgate_slo_config(
+    start_sim: Any, start_gateway: Any, tmp_path: Path
+) -> None:
+    """An outside run: `lockgate slo --config` counted `<usage.path>` and every `<usage.path>.worker-<i>` while
+    `/admin/slo` read its own file only (a gateway run once with `--workers` showed 0 events there, 860 in the CLI)."""
+    earlier = _UsageFile(str(tmp_path / "usage.sqlite3.worker-1"))  # a run with --workers before this one
+    earlier.add(time.time() - 10, "error", n=2)
+    sim = await start_sim(tpot_ms=0.0, prefill_tps=1e6)
+    gw: GatewayServer = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    assert gw.gateway is not None
+    body, headers = orjson.dumps(chat(0)), {"x-priority": "P0"}
+    async with (
+        aiohttp.ClientSession(gw.url) as http,
+        http.post("/v1/chat/completions", data=body, headers=headers) as r,
+    ):
+        assert r.status == 200
+    await gw.gateway.records.wait_flushed()
+    evaluation = await gw.gateway.slo.evaluate()
+    assert _objective(evaluation, "p0_success")["windows"]["5m"]["events"] == 3
+    cli = count_file(str(tmp_path / "usage.sqlite3"), SloConfig(), time.time())
+    assert cli["p0_success"]["5m"].events == 3

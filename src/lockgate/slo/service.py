@@ -26,7 +26,7 @@ from ..tasks import cancel_and_wait
 from .config import SloConfig
 from .idle import MAX_HORIZON_S, IdleSamples, busy_and_idle, waiting_for
 from .objectives import Counts, evaluate
-from .usage import BucketedWindows, UsageUnavailable, add_counts, connect_readonly
+from .usage import BucketedWindows, UsageUnavailable, add_counts, connect_readonly, record_files
 
 if TYPE_CHECKING:
     from ..fleet.pool import Fleet
@@ -52,8 +52,9 @@ class SloService:
         only while its model had requests waiting)."""
         self.config = config
         self._queued = queued
-        #: The usage databases read: this gateway's, or under `--workers` every worker's (the server sets them).
-        self.usage_paths = [usage_path]
+        #: The configured usage path whose records are read: its file and every `<path>.worker-<i>` (`record_files`;
+        #: under `--workers` the server sets the configuration's path, each worker writing a file of its own).
+        self.records_path = usage_path
         self._fleet = fleet
         self._stale_after_s = stale_after_s
         self._windows = config.windows()
@@ -131,7 +132,7 @@ class SloService:
                 raise UsageUnavailable("the gateway is shutting down")
             counts: dict[str, dict[str, Counts]] = {}
             unavailable: UsageUnavailable | None = None
-            for path in self.usage_paths:
+            for path in record_files(self.records_path) or [self.records_path]:
                 records = self._files.get(path)
                 if records is None:
                     try:

@@ -156,8 +156,8 @@ _WORKER_FILE = re.compile(r"\.worker-\d+")
 
 
 def record_files(path: str) -> list[str]:
-    """The usage databases of a gateway configured with `usage.path: path`: that file, and under `--workers` each
-    worker's `<path>.worker-<i>` (those that exist)."""
+    """The usage databases of a gateway configured with `usage.path: path`: that file, and every `<path>.worker-<i>`
+    written under `--workers` (this run's or an earlier one's: the same gateway's records), those that exist."""
     base = Path(path)
     workers = sorted(
         (
