@@ -115,6 +115,10 @@ class WorkerSet:
                 except BaseException:
                     response.close()
                     raise
+                if response.status not in (200, 404):  # e.g. 401: it was restarted on an edited key list
+                    log.warning(
+                        "worker %d: worker %d answered %d to %s %s", self.index, n, response.status, method, path
+                    )
                 return Answer(n, response.status, body)
         except (TimeoutError, OSError, HttpClientError, ValueError) as exc:  # ValueError: a path it cannot send
             log.warning("worker %d: no answer from worker %d to %s %s: %s", self.index, n, method, path, exc)
