@@ -179,15 +179,7 @@ class _Supervisor:
         """Worker `n` ended on its own (status `status`): start it again, at once or after a pause, or stop."""
         now = time.monotonic()
         if now - self._launched < START_GRACE_S and not self._restarts[n]:
-            log.error(
-                "lockgate: worker %d ended (status %d) within %g s of the launch (it cannot start): stopping every "
-                "worker",
-                n,
-                status,
-                START_GRACE_S,
-            )
-            self._codes.append(status)
-            self._forward(signal.SIGTERM, None)
+            self._stop_all(n, status, f"within {START_GRACE_S:g} s of the launch (it cannot start)")
             return
         recent = self._restarts[n]
         while recent and now - recent[0] > 60.0:
@@ -210,15 +202,12 @@ class _Supervisor:
             )
             self._due[n] = now + RETRY_S
         else:
-            log.error(
-                "lockgate: worker %d ended (status %d) after %d restarts within a minute, and no worker is running: "
-                "stopping",
-                n,
-                status,
-                MAX_RESTARTS,
-            )
-            self._codes.append(status)
-            self._forward(signal.SIGTERM, None)
+            self._stop_all(n, status, f"after {MAX_RESTARTS} restarts within a minute, and no worker is running")
+
+    def _stop_all(self, n: int, status: int, why: str) -> None:
+        log.error("lockgate: worker %d ended (status %d) %s: stopping every worker", n, status, why)
+        self._codes.append(status)
+        self._forward(signal.SIGTERM, None)
 
 
 def _ignore_hangup() -> None:

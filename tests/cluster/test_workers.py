@@ -61,16 +61,30 @@ async def workers_behind_a_sidecar(
     return proc, f"http://127.0.0.1:{port}", path, config
 
 
+async def listening(proc: asyncio.subprocess.Process, count: int) -> None:
+    """Until `count` more workers of `proc` said they listen (30 s at most)."""
+    assert proc.stdout is not None
+    async with asyncio.timeout(30):
+        for _ in range(count):
+            while b"lockgate listening on" not in await proc.stdout.readline():
+                assert not proc.stdout.at_eof(), "a worker exited early"
+
+
+async def terminated(proc: asyncio.subprocess.Process) -> int:
+    """SIGTERM to the supervisor: its exit status, once its workers' output has ended (30 s at most)."""
+    assert proc.stdout is not None
+    proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        await proc.stdout.read()
+        return await proc.wait()
+
+
 async def test_two_workers_share_a_port_as_replicas(
     etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
 ) -> None:
     proc, url, _, _ = await workers_behind_a_sidecar(etcd, stack, tmp_path, "w")
-    assert proc.stdout is not None
     try:
-        async with asyncio.timeout(30):
-            for _ in range(2):
-                while b"lockgate listening on" not in await proc.stdout.readline():
-                    assert not proc.stdout.at_eof(), "a worker exited early"
+        await listening(proc, 2)
         session = await stack.enter_async_context(aiohttp.ClientSession())
 
         async def both_replicas_ready() -> bool:
@@ -83,10 +97,7 @@ async def test_two_workers_share_a_port_as_replicas(
         for _ in range(6):
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200, await resp.text()
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            await proc.stdout.read()
-            assert await proc.wait() == 0
+        assert await terminated(proc) == 0
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -148,15 +159,8 @@ async def test_workers_are_replaced_reloaded_together_and_never_outlive_their_su
                 out.append(resp.status)
         return out
 
-    async def listening(count: int) -> None:
-        assert proc.stdout is not None
-        async with asyncio.timeout(30):
-            for _ in range(count):
-                while b"lockgate listening on" not in await proc.stdout.readline():
-                    assert not proc.stdout.at_eof(), "a worker exited early"
-
     try:
-        await listening(2)
+        await listening(proc, 2)
         workers = children_of(proc.pid)
         assert len(workers) == 2
 
@@ -171,13 +175,13 @@ async def test_workers_are_replaced_reloaded_together_and_never_outlive_their_su
         await asyncio.sleep(max(0.0, started + START_GRACE_S + 0.5 - asyncio.get_running_loop().time()))
         victim = min(workers)
         os.kill(victim, signal.SIGKILL)
-        await listening(1)  # its replacement
+        await listening(proc, 1)  # its replacement
         assert proc.returncode is None
         # Its replacement killed at once (out of memory again, right after its restart): started again too, not
         # taken for a worker that cannot start (that stopped the whole gateway).
         [again] = set(children_of(proc.pid)) - set(workers)
         os.kill(again, signal.SIGKILL)
-        await listening(1)
+        await listening(proc, 1)
         assert proc.returncode is None
         replaced = children_of(proc.pid)
         assert len(replaced) == 2 and victim not in replaced and again not in replaced
@@ -227,12 +231,8 @@ async def test_operator_routes_answer_for_every_worker(
         etcd, stack, tmp_path, "o", sim_config=slow, extra_env={"TMPDIR": str(tmp_path)},
         extra_config={"slo": {"cache_ms": 100}},
     )  # fmt: skip
-    assert proc.stdout is not None
     try:
-        async with asyncio.timeout(30):
-            for _ in range(2):
-                while b"lockgate listening on" not in await proc.stdout.readline():
-                    assert not proc.stdout.at_eof(), "a worker exited early"
+        await listening(proc, 2)
         [sockets] = await asyncio.to_thread(lambda: list(tmp_path.glob("lockgate-workers-*")))
         worker = {
             n: await stack.enter_async_context(
@@ -312,10 +312,7 @@ async def test_operator_routes_answer_for_every_worker(
             return counts[0] == counts[1] and counts[0]["bad"] == 1
 
         await poll_until(both_count_it, what="every worker's records in each worker's /admin/slo")
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            await proc.stdout.read()
-            assert await proc.wait() == 0
+        assert await terminated(proc) == 0
         assert not sockets.exists()  # the supervisor removes the workers' sockets
     finally:
         if proc.returncode is None:
