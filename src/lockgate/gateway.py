@@ -52,7 +52,7 @@ from .relay import relay
 from .slo import SloService
 from .wire import Endpoint, parse_request
 from .workers import reload_all_workers
-from .workerset import LOCAL_HEADER, WorkerSet, merge_metrics
+from .workerset import LOCAL_HEADER, WorkerSet
 
 if TYPE_CHECKING:
     from .config_diff import ConfigDiff
@@ -468,10 +468,7 @@ class Gateway:
         body = self.metrics.render()
         workers = self._gathering(request)
         if workers is not None:
-            answers, missing = await workers.ask("GET", "/metrics", request.headers.get("authorization"))
-            texts = {workers.index: body} | {a.worker: a.body for a in answers if a.status == 200}
-            missing += [a.worker for a in answers if a.status != 200]
-            body = await asyncio.to_thread(merge_metrics, texts, missing)
+            body = await workers.scrape(body, request.headers.get("authorization"))
         return Response(body=body, content_type="text/plain; charset=utf-8")
 
     async def _admin_list(self, request: Request) -> Response:

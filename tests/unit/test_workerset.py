@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -65,3 +66,39 @@ async def test_a_worker_that_does_not_answer_or_answers_too_much_is_left_out(tmp
             await runner.cleanup()
     assert answers == [(1, {"requests": [{"worker": 1}]})]
     assert missing == [2, 3]
+
+
+async def test_scrapes_arriving_while_one_is_gathered_share_it(tmp_path: Any) -> None:
+    """An outside run: 16 concurrent scrapes of a large fleet each gathered and parsed every worker's text, took
+    seconds, and left live workers out (past the 2 s limit). Scrapes that arrive during a gathering now share it."""
+    asked, release = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def metrics(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        asked.set()
+        await release.wait()
+        return web.Response(body=exposition(7, 0.5), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, workerset.socket_path(str(tmp_path), 1)).start()
+    workers = workerset.WorkerSet(str(tmp_path), index=0, count=2)
+    try:
+        scrapes = [asyncio.create_task(workers.scrape(exposition(1, 0.05), None)) for _ in range(5)]
+        async with asyncio.timeout(10):
+            await asked.wait()
+            scrapes[0].cancel()  # a scraper that leaves does not end the gathering for the others
+            release.set()
+            bodies = await asyncio.gather(*scrapes[1:])
+        assert calls == 1 and len(set(bodies)) == 1
+        assert b'lockgate_requests_total{status="completed",worker="1"} 7.0' in bodies[0]
+        # A scrape after it gathers anew.
+        await workers.scrape(exposition(1, 0.05), None)
+        assert calls == 2
+    finally:
+        await workers.aclose()
+        await runner.cleanup()
