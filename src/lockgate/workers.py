@@ -23,6 +23,7 @@ it when it exits.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -47,6 +48,8 @@ START_GRACE_S = 5.0
 #: Restarts of one worker within a minute (after pauses of 0, 1, 2, 4 and 8 s) before it is tried only every `RETRY_S`.
 MAX_RESTARTS = 5
 RETRY_S = 30.0
+#: While stopping, the stop signal is sent again to the workers still running this often.
+_RESEND_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -101,6 +104,7 @@ class _Supervisor:
         self._launched = time.monotonic()
         self._restarts: dict[int, deque[float]] = {n: deque() for n in range(workers)}
         self._stopping = False
+        self._stop_signal: int = signal.SIGTERM
         self._codes: list[int] = []
         #: Workers waiting to be started again, and when (monotonic).
         self._due: dict[int, float] = {}
@@ -115,9 +119,12 @@ class _Supervisor:
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
             self._stopping = True
+            self._stop_signal = signum
+        # Every child in `_children` is unreaped (the loop reaps, then removes it), so its pid is not reused yet.
+        # (`Popen.poll` or `send_signal` here would reap one behind the loop's back: it then waited for it forever.)
         for child in self._children.values():
-            if child.poll() is None:
-                child.send_signal(signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
 
     def run(self) -> int:
         try:
@@ -133,8 +140,15 @@ class _Supervisor:
             self._spawn(index)
         while self._children or (self._due and not self._stopping):
             self._start_due()
-            ended = self._wait(max(0.0, min(self._due.values()) - time.monotonic()) if self._due else None)
+            if self._stopping:
+                timeout: float | None = _RESEND_S
+            else:
+                timeout = max(0.0, min(self._due.values()) - time.monotonic()) if self._due else None
+            ended = self._wait(timeout)
             if ended is None:
+                if self._stopping:
+                    # A signal sent while a worker was between fork and exec is lost with its image: again.
+                    self._forward(self._stop_signal, None)
                 continue
             pid, status = ended
             n = next((i for i, child in self._children.items() if child.pid == pid), None)
@@ -153,6 +167,7 @@ class _Supervisor:
         if timeout is None:
             return os.waitpid(-1, 0)
         deadline = time.monotonic() + timeout
+        stopping = self._stopping
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -161,7 +176,7 @@ class _Supervisor:
             if pid:
                 return pid, status
             left = deadline - time.monotonic()
-            if left <= 0 or self._stopping:
+            if left <= 0 or (self._stopping and not stopping):
                 return None
             time.sleep(min(left, 0.05))
 
@@ -191,7 +206,7 @@ class _Supervisor:
             recent.append(now)
             log.warning("lockgate: worker %d ended (status %d); starting it again in %g s", n, status, delay)
             self._due[n] = now + delay
-        elif any(child.poll() is None for child in self._children.values()):
+        elif self._children:  # others still run (it was taken out)
             log.error(
                 "lockgate: worker %d ended (status %d) after %d restarts within a minute; the other workers go on "
                 "serving, and it is tried again every %g s",
