@@ -248,6 +248,8 @@ class GatewayMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # With the SLO's threshold among the bounds (TTFT and `unanswered` alike): its rules count what is within it.
+        first_token_buckets = tuple(sorted({*_LATENCY_BUCKETS, *ttft_bounds}))
         self.endpoint_requests = LoopFamily(
             "lockgate_endpoint_requests",
             "Client requests by endpoint (chat, completions, embeddings) and final status.",
@@ -275,8 +277,7 @@ class GatewayMetrics:
             "stream (false: a whole response, whose first token is its last).",
             ["model", "priority", "stream"],
             r,
-            # With the SLO's threshold among the bounds (here and in `unanswered`): its rules count what is within it.
-            buckets=tuple(sorted({*_LATENCY_BUCKETS, *ttft_bounds})),
+            buckets=first_token_buckets,
         )
         self.unanswered = LoopFamily(
             "lockgate_unanswered_wait_seconds",
@@ -284,7 +285,7 @@ class GatewayMetrics:
             "rejections are not counted), by how long they had waited, by model, priority and stream.",
             ["model", "priority", "stream"],
             r,
-            buckets=tuple(sorted({*_LATENCY_BUCKETS, *ttft_bounds})),
+            buckets=first_token_buckets,
         )
         self.backpressure = LoopFamily(
             "lockgate_stream_backpressure_seconds",
