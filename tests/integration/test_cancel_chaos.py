@@ -155,7 +155,15 @@ async def test_chaos(start_sim, start_gateway, tmp_path, monkeypatch) -> None:
     by_status: dict[Any, int] = {}
     for r in rows:
         by_status[(r["status"], r["cancel_reason"])] = by_status.get((r["status"], r["cancel_reason"]), 0) + 1
-    assert by_status.get(("cancelled", "client_disconnect"), 0) >= len(left)
+    # Each measured departure is recorded as the client's, unless the request's own end reached the gateway first:
+    # an engine reset (5% of calls: an error) or its last token (completed, every token generated). A fresh-clone
+    # run saw 560 departures recorded for 562 measured, the other two among the 62 errors.
+    outcome = {r["request_id"]: (r["status"], r["cancel_reason"]) for r in rows}
+    for rid, _, limit in left:
+        ended_first = outcome[rid] == ("error", None) or (
+            outcome[rid] == ("completed", None) and engine_tokens(rid) == limit
+        )
+        assert outcome[rid] == ("cancelled", "client_disconnect") or ended_first, (rid, outcome[rid])
     assert by_status.get(("completed", None), 0) >= REQUESTS / 2
     print(
         f"chaos: {REQUESTS} requests in {elapsed:.1f}s; records {by_status}; engine aborted {aborted}, "
