@@ -87,6 +87,8 @@ class Host(Protocol):
     log_prompts: bool
     loop: asyncio.AbstractEventLoop
 
+    def count_dedup(self, outcome: str) -> None: ...
+
     def error_response(
         self,
         error: GatewayError,
@@ -127,6 +129,9 @@ class Exchange:
             priority=priority,
             started_at=time.time(),
         )
+        #: How de-duplication served it (`lockgate_dedup_total`'s outcome, set by the coalescer), counted when the
+        #: request ends unless it was rejected: the metric counts the requests the usage records count.
+        self.dedup_outcome: str | None = None
         self.response: StreamResponse | None = None
         #: Set once the complete answer is on the wire (`[DONE]` written): the request can only complete.
         self.answered = False
@@ -272,6 +277,8 @@ class Exchange:
             # Waited and got nothing: a stuck engine whose clients give up must not look fast (the TTFT objective).
             metrics.unanswered.labels(record.model, priority, "true" if self.api.stream else "false").observe(elapsed)
         metrics.endpoint_requests.labels(record.endpoint, status).inc()
+        if self.dedup_outcome is not None and record.status != "rejected":
+            self.host.count_dedup(self.dedup_outcome)
         if reason:
             metrics.cancellations.labels(record.model, priority, reason).inc()
         if self.host.log_prompts:

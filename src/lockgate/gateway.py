@@ -305,6 +305,10 @@ class Gateway:
             return InvalidRequest(message, code=codes.get(status, "bad_http_request")).body_bytes()
         return GatewayError(message).body_bytes()
 
+    def count_dedup(self, outcome: str) -> None:
+        """An ended request's de-duplication outcome (`Exchange.dedup_outcome`)."""
+        self.dedup.metrics.outcome(outcome)
+
     def error_response(
         self,
         error: GatewayError,

@@ -139,7 +139,9 @@ async def test_an_engines_refusal_of_a_request_is_not_a_failure_of_the_service(
     (refused,) = {r["status"] for r in read_records(str(tmp_path / "usage.sqlite3")) if r["http_status"] == 400}
     assert refused == "rejected"
     main(["slo", "--config", str(_config_file(tmp_path, gw)), "--json"])
-    success = _objective(orjson.loads(capsys.readouterr().out), "p0_success")
+    evaluation = orjson.loads(capsys.readouterr().out)
+    success = _objective(evaluation, "p0_success")
+    assert _objective(evaluation, "dedup_saving")["windows"]["1h"]["events"] == 97
     assert success["status"] == "met" and success["windows"]["1h"] == {
         "events": 100,
         "bad": 0,
@@ -149,6 +151,9 @@ async def test_an_engines_refusal_of_a_request_is_not_a_failure_of_the_service(
     async with aiohttp.ClientSession(gw.url) as http, http.get("/metrics") as r:
         metrics = await r.text()
     assert 'lockgate_requests_total{model="m",priority="P0",status="rejected"} 3.0' in metrics
+    # The de-duplication outcomes count the same requests as the records: the refused ones are not `bypass`es (they
+    # were, counted before the engine answered, so that the rule's saving differed from `/admin/slo`'s).
+    assert 'lockgate_dedup_total{outcome="bypass"} 97.0' in metrics
 
 
 async def test_engine_idle_comes_from_the_scraped_busy_signal(start_sim: Any, start_gateway: Any) -> None:

@@ -161,12 +161,14 @@ class Coalescer:
 
     # --- the decision (synchronous, on every request) -------------------------------------------
     def plan(self, ex: Exchange, cache_control: str | None) -> Fingerprint | None:
-        """The request's fingerprint if it may be de-duplicated, else None (counted as `bypass`)."""
+        """The request's fingerprint if it may be de-duplicated, else None (its outcome `bypass`; an eligible
+        request's is `miss` until something serves it: `Exchange.dedup_outcome`)."""
         api = ex.api
         # Flights share token streams: embeddings (one body) are not coalesced.
         if not api.endpoint.generates or not eligible(ex.pool.config.dedup, api.body, cache_control):
-            self.metrics.outcome("bypass")
+            ex.dedup_outcome = "bypass"
             return None
+        ex.dedup_outcome = "miss"
         return fingerprint(ex.scope, api.endpoint, api.body)
 
     # --- serving ---------------------------------------------------------------------------------
@@ -286,8 +288,7 @@ class Coalescer:
         source: Any,
         cached: Result | None,
     ) -> Reply:
-        ex.record.served_by = outcome
-        self.metrics.outcome(outcome)
+        ex.record.served_by = ex.dedup_outcome = outcome
         if ex.api.stream:
             response = await self._stream(ex, http_request, outcome, source)
         elif cached is not None:

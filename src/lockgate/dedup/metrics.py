@@ -16,9 +16,9 @@ class DedupMetrics:
         # Updated on every request, from the event loop only: lock-free families.
         self.outcomes = LoopFamily(
             "lockgate_dedup",
-            "Requests by how de-duplication served them (miss: led a new upstream call; coalesced: joined one "
-            "in flight; hit/semantic: served from a cache; bypass: not eligible or opted out; semantic_shadow: "
-            "a semantic hit recorded but not served).",
+            "Requests that ended (not rejected) by how de-duplication served them (miss: eligible, served by an "
+            "upstream call of its own or none; coalesced: joined one in flight; hit/semantic: served from a cache; "
+            "bypass: not eligible or opted out; semantic_shadow: a semantic hit recorded but not served, when seen).",
             ["outcome"],
             registry,
         )

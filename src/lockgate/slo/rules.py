@@ -14,9 +14,8 @@ Differences from the usage-record evaluation, where the metrics cannot say the s
 - `engine_idle` samples `lockgate_instance_engine_running` at each rule evaluation (healthy instances
   with a known value), like the gateway's own sampler; an idle engine counts only while requests wait
   (`lockgate_queue_depth`, or an engine's own queue).
-- `dedup_saving` counts the de-duplication outcomes (`lockgate_dedup_total`): every admitted request, embeddings
-  as `bypass`, like the records; a request that left while queued for a slot before leading a call has no outcome
-  (the records count it, as not saved).
+- `dedup_saving` counts the de-duplication outcomes (`lockgate_dedup_total`): every request that ended and was not
+  rejected, embeddings as `bypass`, the same requests as the records.
 Labels come from the SLI metrics of issue 15 (`{model, priority, status}` on the request counter, `{model,
 priority, stream}` on TTFT, `{model, priority, reason}` on cancellations; docs/metrics.md).
 """
