@@ -35,6 +35,7 @@ COMPILED = [
     "src/lockgate/edge/request.py",
     "src/lockgate/edge/response.py",
     "src/lockgate/fleet/pool.py",
+    "src/lockgate/fleet/fleet.py",
     "src/lockgate/fleet/instance.py",
     "src/lockgate/metrics.py",
     "src/lockgate/dedup/coalescer.py",

@@ -28,8 +28,9 @@ from .upstream import UpstreamCall, UpstreamEvents
 from .wire import ApiRequest
 
 if TYPE_CHECKING:
+    from .fleet.fleet import Fleet
     from .fleet.instance import Instance
-    from .fleet.pool import Fleet, Pool
+    from .fleet.pool import Pool
     from .metrics import GatewayMetrics
 
 

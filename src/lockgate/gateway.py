@@ -41,7 +41,7 @@ from .errors import (
     Unavailable,
 )
 from .exchange import Exchange, Registry
-from .fleet.pool import Fleet
+from .fleet.fleet import Fleet
 from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
 from .observe.access_log import AccessLog

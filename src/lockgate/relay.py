@@ -25,8 +25,8 @@ from .respond import pump, whole_body
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from .fleet.fleet import Fleet
     from .fleet.instance import Lease
-    from .fleet.pool import Fleet
     from .upstream import UpstreamCall
 
 

@@ -26,8 +26,8 @@ import orjson
 
 from .assemble import has_content
 from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError, stream_error
+from .fleet.fleet import Fleet
 from .fleet.instance import Instance, Lease, upstream_headers
-from .fleet.pool import Fleet
 from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
 from .metrics import GatewayMetrics
 from .sse import DONE, EventTooLarge, SSEDecoder

@@ -19,7 +19,7 @@ from lockgate.cluster.discovery import Discovery
 from lockgate.cluster.keys import EngineRecord, NodeRecord, encode_node, node_key
 from lockgate.cluster.store import WatchEvent
 from lockgate.config import parse_config
-from lockgate.fleet.pool import GONE_GRACE_S, Fleet
+from lockgate.fleet.fleet import GONE_GRACE_S, Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.server import GatewayServer, StartupError, _banner
 from lockgate.sim import SimConfig, SimServer

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from lockgate.config import parse_config
-from lockgate.fleet.pool import Fleet
+from lockgate.fleet.fleet import Fleet
 from lockgate.routing.placement import rendezvous_spread
 from lockgate.server import GatewayServer
 from lockgate.sim import SimConfig, SimServer

@@ -11,8 +11,8 @@ import time
 from aiohttp import web
 
 from lockgate.config import parse_config
+from lockgate.fleet.fleet import Fleet
 from lockgate.fleet.instance import Instance
-from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
 
 

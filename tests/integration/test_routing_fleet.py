@@ -71,7 +71,7 @@ def retries(gw) -> float:
 
 
 async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http, caplog):
-    caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
     bad, good = await start_sim(), await start_sim()
     gw = await round_robin(
         start_gateway,
@@ -352,7 +352,7 @@ async def test_a_scrape_does_not_wait_behind_generation_requests(start_sim, star
 async def test_an_engine_never_reachable_is_reported_at_its_first_health_check(start_gateway, caplog):
     """A newcomer's run: an instance URL with nothing listening logged nothing at the default level (every request
     got 503 and the reason was only in `/admin/fleet`'s `last_error`, as a long exception repr)."""
-    caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
     with socket.socket() as free:  # a port nobody listens on
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -370,7 +370,7 @@ async def test_an_engine_never_reachable_is_reported_at_its_first_health_check(s
 async def test_an_engine_that_does_not_know_the_model_name_is_reported_once(start_sim, start_gateway, http, caplog):
     """A newcomer's run: a model named `llama-3` in front of an engine serving `m` (no `served_model`) answered every
     request with the engine's 404 while `/v1/models` listed it, and nothing pointed at `served_model`."""
-    caplog.set_level(logging.WARNING, logger="lockgate.fleet.pool")
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
     sim = await start_sim()
     gw = await start_gateway([{"name": "llama-3", "instances": [instance(sim, name="engine")]}])
     for _ in range(2):

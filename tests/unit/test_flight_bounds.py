@@ -15,7 +15,7 @@ from lockgate.answer import EngineAnswer
 from lockgate.config import parse_config
 from lockgate.dedup import Coalescer, Result, ResultCache, fingerprint
 from lockgate.dedup.flight import Flight, FlightState
-from lockgate.fleet.pool import Fleet
+from lockgate.fleet.fleet import Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.wire import ApiRequest, Endpoint, parse_request
 

@@ -11,7 +11,8 @@ import pytest
 
 from lockgate.attempt import _take_turn
 from lockgate.config import parse_config
-from lockgate.fleet.pool import Fleet, LongPrefillBusy
+from lockgate.fleet.fleet import Fleet
+from lockgate.fleet.pool import LongPrefillBusy
 from lockgate.metrics import GatewayMetrics
 from lockgate.routing.policies import InstanceView, PoolSnapshot, RouteRequest
 

@@ -14,7 +14,7 @@ from lockgate.admission.gate import PoolScheduler
 from lockgate.admission.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
 from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
-from lockgate.fleet.pool import Fleet
+from lockgate.fleet.fleet import Fleet
 from lockgate.metrics import GatewayMetrics, SchedulingMetrics
 from lockgate.wire import Endpoint, validate
 

@@ -6,8 +6,8 @@ import asyncio
 from typing import Any, cast
 
 from lockgate.config import InstanceConfig, parse_config
+from lockgate.fleet.fleet import Fleet
 from lockgate.fleet.instance import Instance
-from lockgate.fleet.pool import Fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.upstream import UpstreamCall
 

@@ -35,8 +35,9 @@ from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
 
 if TYPE_CHECKING:
+    from ..fleet.fleet import Fleet
     from ..fleet.instance import Lease
-    from ..fleet.pool import Fleet, HeaderLookup
+    from ..fleet.pool import HeaderLookup
     from ..upstream import UpstreamCall
     from .gate import Admission, PoolScheduler
     from .scheduler import Ticket

@@ -37,6 +37,7 @@ HOT_MODULES = (
     "lockgate.edge.request",
     "lockgate.edge.response",
     "lockgate.fleet.pool",
+    "lockgate.fleet.fleet",
     "lockgate.fleet.instance",
     "lockgate.metrics",
     "lockgate.dedup.coalescer",

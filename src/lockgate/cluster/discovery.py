@@ -33,7 +33,7 @@ import orjson
 from pydantic import ValidationError
 
 from ..config import InstanceConfig
-from ..fleet.pool import Fleet
+from ..fleet.fleet import Fleet
 from ..fleet.state import EngineLoad, Published
 from ..tasks import cancel_and_wait
 from .config import ClusterConfig

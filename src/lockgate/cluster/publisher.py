@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..fleet.pool import Fleet
+from ..fleet.fleet import Fleet
 from ..routing.residency import anchors
 from ..tasks import cancel_and_wait
 from .config import ClusterConfig

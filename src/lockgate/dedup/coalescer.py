@@ -44,8 +44,8 @@ from .waiting import Waiting
 if TYPE_CHECKING:
     from ..config import Config
     from ..exchange import Exchange
+    from ..fleet.fleet import Fleet
     from ..fleet.instance import Lease
-    from ..fleet.pool import Fleet
     from ..metrics import GatewayMetrics
     from ..semantic import Embedder, Probe, SemanticCache
     from ..wire import ApiRequest

@@ -37,8 +37,9 @@ MIXED_WINDOW_S = 60.0
 
 if TYPE_CHECKING:
     from ..config import FlightsConfig
+    from ..fleet.fleet import Fleet
     from ..fleet.instance import Lease
-    from ..fleet.pool import Fleet, Pool
+    from ..fleet.pool import Pool
     from ..metrics import GatewayMetrics
     from ..routing.policies import RouteRequest
     from ..upstream import UpstreamCall

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from .state import EngineLoad
 
 if TYPE_CHECKING:
-    from .pool import Fleet
+    from .fleet import Fleet
 
 _GAUGES = (
     ("in_flight", "Requests the gateway has in flight on the instance."),

@@ -6,8 +6,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .fleet import Fleet
     from .instance import Instance
-    from .pool import Fleet
     from .state import Ewma
 
 

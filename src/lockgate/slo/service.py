@@ -29,7 +29,7 @@ from .objectives import Counts, evaluate
 from .usage import BucketedWindows, UsageUnavailable, add_counts, connect_readonly, record_files
 
 if TYPE_CHECKING:
-    from ..fleet.pool import Fleet
+    from ..fleet.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
