@@ -19,7 +19,9 @@
     └── UpstreamError                 502     upstream_error
         ├── UpstreamConnectError      502     (nothing was sent to the engine, or no answer)
         ├── UpstreamProtocolError     502     (the engine broke the stream or sent garbage)
-        └── UpstreamStatusError       any     (the engine's own status and body, passed through)
+        └── UpstreamStatusError       any     (the engine's own status; its error in this envelope, a 4xx as
+                                              invalid_request_error, code=context_length_exceeded when the
+                                              prompt does not fit)
 
 [rejected]: the gateway shed the request before it reached an engine; its usage record says
 `rejected` rather than `error`.
@@ -30,6 +32,7 @@ Foreign exceptions (the HTTP client's, OSError, orjson) are translated where the
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import orjson
@@ -192,7 +195,7 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class UpstreamStatusError(UpstreamError):
-    """The engine answered with an error status; its status and body are passed through."""
+    """The engine answered with an error status: passed on, with its error in the OpenAI envelope (`body`)."""
 
     def __init__(self, status: int, body: bytes, content_type: str | None, retry_after: str | None = None) -> None:
         message = message_from_body(body) or f"upstream answered HTTP {status}"
@@ -219,19 +222,63 @@ class UpstreamStatusError(UpstreamError):
         return {"Retry-After": self.upstream_retry_after}
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error envelope, whatever the engine's shape (`{"error": {...}}` with an integer `code` from vLLM,
+        SGLang and llama.cpp, vLLM's older top-level `{"object": "error", ...}`, TGI's `{"error": "..."}`, plain
+        text): its message; `invalid_request_error` for a 4xx (the request's fault), `upstream_error` otherwise; its
+        `param` if it names one; a string `code`: `context_length_exceeded` when it says the prompt does not fit
+        (what OpenAI answers and clients test to trim a conversation), else its own string code or type. The
+        engine's other fields (llama.cpp's `n_prompt_tokens`, `n_ctx`) are kept. An error in OpenAI's shape already
+        (string type and code: a hosted provider's) is left as it is."""
         try:
             parsed = orjson.loads(self.upstream_body)
         except orjson.JSONDecodeError:
             parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            return parsed
-        return super().body()
+        engine: dict[str, Any] = {}
+        if isinstance(parsed, dict):
+            err = parsed.get("error")
+            engine = err if isinstance(err, dict) else parsed if parsed.get("object") == "error" else {}
+        kind = engine.get("type", parsed.get("error_type") if isinstance(parsed, dict) else None)
+        code = engine.get("code")
+        if engine is not parsed and _openai_shaped(engine):
+            return {"error": engine}  # (a hosted provider's, `engine: openai`; an engine that speaks it already)
+        if _CONTEXT_LENGTH.search(self.message) or kind == "exceed_context_size_error":
+            code = "context_length_exceeded"
+        elif not isinstance(code, str):
+            code = kind if isinstance(kind, str) and kind else self.code
+        param = engine.get("param")
+        extra = {k: v for k, v in engine.items() if k not in _ENVELOPE and k != "object"}
+        return {
+            "error": {
+                **extra,
+                "message": self.message,
+                "type": self._type(),
+                "param": param if isinstance(param, str) else None,
+                "code": code,
+            }
+        }
+
+    def _type(self) -> str:
+        if self.upstream_status == 429:
+            return RateLimited.type
+        return InvalidRequest.type if self.rejected else self.type
 
     def body_bytes(self) -> bytes:
-        body = self.body()
-        if body.get("error", {}).get("code") == "upstream_status":
-            return orjson.dumps(body)
-        return self.upstream_body
+        return orjson.dumps(self.body())
+
+
+_ENVELOPE = ("message", "type", "param", "code")
+
+
+def _openai_shaped(error: dict[str, Any]) -> bool:
+    return (
+        isinstance(error.get("message"), str)
+        and isinstance(error.get("type"), str)
+        and all(error.get(key) is None or isinstance(error[key], str) for key in ("param", "code"))
+    )
+#: Engines' ways of saying that a prompt (with its output) does not fit the model's context: vLLM's "This model's
+#: maximum context length is N tokens", SGLang's "longer than the model's context length", llama.cpp's "exceeds the
+#: available context size", TGI's "`inputs` tokens + `max_new_tokens` must be <= N".
+_CONTEXT_LENGTH = re.compile(r"context length|context size|context window|`inputs` tokens \+ `max_new_tokens`", re.I)
 
 
 def _header_value(value: str) -> bool:

@@ -100,6 +100,10 @@ async def test_typed_errors(client):
     with pytest.raises(openai.APIStatusError) as big:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * (5 << 20)}])
     assert big.value.status_code == 413
+    # The engine's own refusal, in OpenAI's terms: a client that trims its conversation tests this code.
+    with pytest.raises(openai.BadRequestError) as long:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1 << 20)
+    assert long.value.code == "context_length_exceeded" and "maximum context length" in long.value.message
 
 
 async def test_typed_errors_for_fleet_failures(start_sim, start_gateway):
