@@ -21,8 +21,9 @@ class EventTooLarge(ValueError):
 class SSEDecoder:
     """Accumulates bytes and returns the data payloads of every complete event.
 
-    Bounded: the incomplete event kept between feeds (and the data lines of one event) may not exceed
-    `max_event_bytes`; beyond it `feed` raises `EventTooLarge`."""
+    Bounded: an event's data, whole or still incomplete between feeds (the data lines of one event together), may
+    not exceed `max_event_bytes`; beyond it `feed` raises `EventTooLarge` (for an event that arrived whole in one
+    read too: an engine's read can hold more than the bound)."""
 
     __slots__ = ("_buffer", "_data", "_data_bytes", "max_event_bytes")
 
@@ -41,6 +42,8 @@ class SSEDecoder:
             and chunk.endswith(b"\n\n")
             and chunk.find(b"\r") < 0
         ):
+            if len(chunk) - 8 > self.max_event_bytes:
+                raise EventTooLarge(f"an event is larger than {self.max_event_bytes} bytes")
             return [chunk[6:-2]]  # an engine's usual read: one whole `data:` event, one line, nothing pending
         buffer = self._buffer + chunk if self._buffer else chunk
         # `find`, not `in`: on Python 3.11 `bytes in bytes` raises (and clears) a TypeError before searching.
@@ -58,7 +61,9 @@ class SSEDecoder:
                 elif block:
                     events += self._feed_lines(block + b"\n\n")
             self._buffer = rest
-        if len(self._buffer) + self._data_bytes > self.max_event_bytes:
+        if len(self._buffer) + self._data_bytes > self.max_event_bytes or any(
+            len(event) > self.max_event_bytes for event in events
+        ):
             raise EventTooLarge(f"an event is larger than {self.max_event_bytes} bytes")
         return events
 

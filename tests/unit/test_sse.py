@@ -71,6 +71,16 @@ def test_an_event_larger_than_the_bound_raises():
     with pytest.raises(EventTooLarge):
         for _ in range(10):  # a line that never ends
             decoder.feed(b"y" * 200)
+    # An event that arrives whole in one read is held to the bound too (an outside run: a 1.1 MB event passed a
+    # 1 MiB bound whenever the engine's read brought it whole): alone, among others, and line by line.
+    for whole in (
+        b"data: " + b"z" * 1025 + b"\n\n",
+        b"data: a\n\ndata: " + b"z" * 1025 + b"\n\n",
+        b"data: " + b"z" * 1025 + b"\r\n\r\n",
+    ):
+        with pytest.raises(EventTooLarge):
+            SSEDecoder(max_event_bytes=1024).feed(whole)
+    assert SSEDecoder(max_event_bytes=1024).feed(b"data: " + b"z" * 1024 + b"\n\n") == [b"z" * 1024]
     lines = SSEDecoder(max_event_bytes=1024)  # many short data lines of one event count together
     with pytest.raises(EventTooLarge):
         for _ in range(100):
