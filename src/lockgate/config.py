@@ -71,6 +71,16 @@ class LimitsConfig(_Strict):
     #: treated as gone: its connection is closed and its engine request aborted.
     write_timeout_ms: Annotated[int, Field(ge=100)] = 60_000
 
+    @model_validator(mode="after")
+    def _one_largest_body_fits(self) -> LimitsConfig:
+        # (It was raised to `max_body_bytes` silently: an outside run set 300 kB and saw 400 kB held.)
+        if self.max_held_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_held_body_bytes ({self.max_held_body_bytes}) must be at least max_body_bytes "
+                f"({self.max_body_bytes}): one largest body must fit; lower max_body_bytes too"
+            )
+        return self
+
 
 class TlsConfig(_Strict):
     """TLS toward an `https://` instance. The certificate is verified against `ca_file` (default: the system's

@@ -288,12 +288,12 @@ class Gateway:
         return reply
 
     @staticmethod
-    def edge_error_body(status: int, message: str) -> bytes:
+    def edge_error_body(status: int, message: str, code: str | None = None) -> bytes:
         """Errors the edge server answers itself (malformed HTTP, limits), in the OpenAI envelope."""
         if status == 413:
             return PayloadTooLarge(message).body_bytes()
         if status == 503:
-            return Unavailable(message, code="too_many_connections").body_bytes()
+            return Unavailable(message, code=code or "service_unavailable").body_bytes()
         if status < 500 or status in (501, 505):
             codes = {
                 408: "request_timeout",

@@ -188,7 +188,7 @@ class GatewayServer:
             write_timeout_s=limits.write_timeout_ms / 1000,
             body_timeout_s=limits.body_timeout_ms / 1000,
             max_connections=limits.max_connections,
-            max_held_body_bytes=max(limits.max_held_body_bytes, limits.max_body_bytes),
+            max_held_body_bytes=limits.max_held_body_bytes,
             error_body=Gateway.edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
         )

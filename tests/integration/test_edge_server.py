@@ -645,7 +645,7 @@ async def test_handler_exception_is_a_500_and_the_server_keeps_serving(caplog: p
             raise RuntimeError("kaput")
         return Response(body=b"fine")
 
-    def error_body(status: int, message: str) -> bytes:
+    def error_body(status: int, message: str, code: str | None) -> bytes:
         return orjson.dumps({"error": {"message": message, "type": "custom", "param": None, "code": status}})
 
     async with serving(handler, error_body=error_body) as server:
@@ -786,7 +786,8 @@ async def test_bodies_past_max_held_body_bytes_are_answered_503_whatever_the_cli
         async with connect(server) as (reader2, writer2):
             writer2.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n")
             error = await expect_error(reader2, 503)
-            assert "max_held_body_bytes" in error["message"]
+            # (its code was the connection limit's, `too_many_connections`, in the gateway's envelope)
+            assert "max_held_body_bytes" in error["message"] and error["code"] == "too_many_request_bodies"
         async with connect(server) as (reader3, writer3):
             writer3.write(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
             writer3.write((b"12c\r\n" + b"b" * 300 + b"\r\n") * 2)

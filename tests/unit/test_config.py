@@ -46,6 +46,11 @@ models:
         ),
         ({"listen": {"port": 99999}, "models": [{"name": "m", "instances": [{"url": "http://x"}]}]}, "listen.port"),
         ({}, "at least one model"),
+        # (raised to max_body_bytes silently before: an outside run set 300 kB and saw 400 kB of bodies held)
+        (
+            {"limits": {"max_held_body_bytes": 300000}, "models": [{"name": "m", "instances": [{"url": "http://x"}]}]},
+            "limits: max_held_body_bytes (300000) must be at least max_body_bytes (4194304)",
+        ),
     ],
 )
 def test_errors_name_the_key(data, expected):

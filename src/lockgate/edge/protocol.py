@@ -33,19 +33,21 @@ _KEEP_ALIVE = b"Connection: keep-alive\r\n"
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
-def default_error_body(status: int, message: str) -> bytes:
+def default_error_body(status: int, message: str, code: str | None = None) -> bytes:
     """An OpenAI-style error envelope."""
     kind = "invalid_request_error" if status < 500 or status == 505 else "server_error"
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 class _Reject(Exception):
-    """Raised in a parser callback to stop parsing and answer with this status."""
+    """Raised in a parser callback to stop parsing and answer with this status (and `code`, where the status alone
+    does not say which limit refused: the connections' or the held bodies' 503)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
 
 
 #: Bytes a parsed JSON value takes beyond its text, about (a Python list, dict, string or number object and the
@@ -162,7 +164,7 @@ class Connection(asyncio.Protocol):
             return
         if len(server._connections) > server._max_connections:
             server.refused_connections += 1
-            self._fail(_Reject(503, "Too many connections to the gateway; try again later."))
+            self._fail(_Reject(503, "Too many connections to the gateway; try again later.", "too_many_connections"))
             return
         self._arm(self._loop.time() + server._header_timeout_s)
 
@@ -379,11 +381,13 @@ class Connection(asyncio.Protocol):
         """503 for a body that would take the server's held bodies past `max_held_body_bytes`."""
         self._server.refused_bodies += 1
         return self._rejecting(
-            503, "The gateway holds as many request bodies as it may; try again shortly (limits.max_held_body_bytes)."
+            503,
+            "The gateway holds as many request bodies as it may; try again shortly (limits.max_held_body_bytes).",
+            "too_many_request_bodies",
         )
 
-    def _rejecting(self, status: int, message: str) -> _Reject:
-        self._reject = _Reject(status, message)
+    def _rejecting(self, status: int, message: str, code: str | None = None) -> _Reject:
+        self._reject = _Reject(status, message, code)
         return self._reject
 
     # -- requests --------------------------------------------------------------------------------------------------
@@ -558,15 +562,15 @@ class Connection(asyncio.Protocol):
             self._send_error(reject)
 
     def _send_error(self, reject: _Reject) -> None:
-        self._write_error(reject.status, reject.message, _CLOSE)
+        self._write_error(reject.status, reject.message, _CLOSE, reject.code)
         self._linger()
 
-    def _write_error(self, status: int, message: str, connection: bytes) -> None:
+    def _write_error(self, status: int, message: str, connection: bytes, code: str | None = None) -> None:
         try:
-            body = self._server._error_body(status, message)
+            body = self._server._error_body(status, message, code)
         except Exception:
             log.exception("error_body failed")
-            body = default_error_body(status, message)
+            body = default_error_body(status, message, code)
         extra = self._server._error_headers
         self.transport.write(
             b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"

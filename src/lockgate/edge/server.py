@@ -96,11 +96,12 @@ class HttpServer:
         body_timeout_s: float = 60.0,
         max_connections: int = 8192,
         max_held_body_bytes: int = 512 * 1024 * 1024,
-        error_body: Callable[[int, str], bytes] | None = None,
+        error_body: Callable[[int, str, str | None], bytes] | None = None,
         error_headers: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
-        """`error_body(status, message)` renders the body of the errors the server answers itself
-        (malformed HTTP, limits); `error_headers()` gives the extra headers they carry (e.g. a request id)."""
+        """`error_body(status, message, code)` renders the body of the errors the server answers itself
+        (malformed HTTP, limits; `code` names the limit where the status does not); `error_headers()` gives the
+        extra headers they carry (e.g. a request id)."""
         self._handler = handler
         self._max_body_bytes = max_body_bytes
         self._max_header_bytes = max_header_bytes
