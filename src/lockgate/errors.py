@@ -275,6 +275,8 @@ def _openai_shaped(error: dict[str, Any]) -> bool:
         and isinstance(error.get("type"), str)
         and all(error.get(key) is None or isinstance(error[key], str) for key in ("param", "code"))
     )
+
+
 #: Engines' ways of saying that a prompt (with its output) does not fit the model's context: vLLM's "This model's
 #: maximum context length is N tokens", SGLang's "longer than the model's context length", llama.cpp's "exceeds the
 #: available context size", TGI's "`inputs` tokens + `max_new_tokens` must be <= N".

@@ -38,6 +38,7 @@ from .errors import (
     NotFound,
     PayloadTooLarge,
     ShuttingDown,
+    Unauthorized,
     Unavailable,
 )
 from .exchange import Exchange, Registry
@@ -73,6 +74,14 @@ def new_request_id() -> str:
     is zero-padded so that ids sort in creation order: the usage table's key index then grows at its
     end instead of splitting pages at random places."""
     return f"{_ID_PREFIX}{next(_ID_COUNTER):010x}"
+
+
+#: The API's endpoints, by path (POST).
+_ENDPOINTS = {
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/completions": Endpoint.COMPLETIONS,
+    "/v1/embeddings": Endpoint.EMBEDDINGS,
+}
 
 
 def _client_request_id(request: Request) -> str | None:
@@ -214,9 +223,7 @@ class Gateway:
             "/admin/slo": self._admin_slo,
         }
         routes: dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]] = {
-            ("POST", "/v1/chat/completions"): functools.partial(self._serve, endpoint=Endpoint.CHAT),
-            ("POST", "/v1/completions"): functools.partial(self._serve, endpoint=Endpoint.COMPLETIONS),
-            ("POST", "/v1/embeddings"): functools.partial(self._serve, endpoint=Endpoint.EMBEDDINGS),
+            ("POST", path): functools.partial(self._serve, endpoint=endpoint) for path, endpoint in _ENDPOINTS.items()
         }
         if self.dashboard is not None:
             get["/dashboard"] = get["/dashboard/"] = self.dashboard.page
@@ -330,16 +337,39 @@ class Gateway:
             headers=headers,
         )
 
+    def _tenant(self, request: Request) -> Tenant:
+        """The request's tenant, from its key (a central's relayed one at a sidecar); `Unauthorized` without one."""
+        authorization = request.headers.get("authorization")
+        relayed = self.relayed
+        return (
+            relayed.tenant(authorization, request.headers.get(TENANT_HEADER)) if relayed is not None else None
+        ) or self.admission.book.authenticate(authorization)
+
+    def precheck(self, request: Request) -> Response | None:
+        """The edge server's look at a request's headers before its body is read (see `HttpServer`): a request to
+        an endpoint without a valid key (tenants configured), or to an operator route without the operator's, is
+        refused there, with the answer the handler would give."""
+        endpoint = _ENDPOINTS.get(request.path) if request.method == "POST" else None
+        if endpoint is not None:
+            if self.admission.book.open and self.relayed is None:
+                return None
+            try:
+                self._tenant(request)
+            except Unauthorized as exc:
+                self.metrics.requests.labels("", "", "rejected").inc()
+                self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
+                return self.error_response(exc, _client_request_id(request) or new_request_id())
+            return None
+        if self.admin_gate.protects(request.path):
+            return self._denied(request)
+        return None
+
     async def _serve(self, request: Request, endpoint: Endpoint) -> Reply:
         client_id = _client_request_id(request)
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
-            authorization = request.headers.get("authorization")
-            relayed = self.relayed
-            tenant = (
-                relayed.tenant(authorization, request.headers.get(TENANT_HEADER)) if relayed is not None else None
-            ) or self.admission.book.authenticate(authorization)
+            tenant = self._tenant(request)
             # The edge server has read the whole body (within `limits.max_body_bytes`).
             raw = request.body
             if self.draining:

@@ -191,6 +191,7 @@ class GatewayServer:
             max_held_body_bytes=limits.max_held_body_bytes,
             error_body=Gateway.edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
+            precheck=self.gateway.precheck,
         )
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -250,3 +250,49 @@ async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_
         async with await task as resp:
             assert resp.status == 200
             assert (await resp.json())["choices"][0]["message"]["content"] == "one two three"
+
+
+async def _send_head(url: str, head: str) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    """Send a request's head only (no body yet) and read what the gateway answers (up to its close)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head.encode())
+    await writer.drain()
+    return await reader.read(), reader, writer
+
+
+async def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(start_sim, start_gateway):
+    """An outside run: with tenant keys, a request with an unknown key and `Expect: 100-continue` was told to go on
+    (`100 Continue`) and then waited for its body until the header timeout (408); without `Expect`, a 3 MB upload was
+    read whole before the 401. The key is now checked when the head arrives: a body that follows is never read."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=TENANTS, admin=ADMIN)
+    for head in (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer wrong\r\nExpect: 100-continue\r\n"
+        "Content-Length: 50\r\nContent-Type: application/json\r\n\r\n",
+        "POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nContent-Length: 3000000\r\n\r\n",  # no key at all
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer wrong\r\nTransfer-Encoding: chunked\r\n\r\n",
+        # An operator route: a tenant's key is not the operator's.
+        "POST /admin/reload HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer tenant-key\r\nContent-Length: 10\r\n\r\n",
+    ):
+        answer, _, writer = await _send_head(gw.url, head)  # read() returns: the gateway closed the connection
+        writer.close()
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert b"100 Continue" not in answer, head
+        head_part, _, body = rest.partition(b"\r\n\r\n")
+        error = orjson.loads(body)["error"]
+        if "/admin/" in head:
+            assert status_line == b"HTTP/1.1 403 Forbidden" and error["type"] == "permission_error"
+        else:
+            assert status_line == b"HTTP/1.1 401 Unauthorized" and error["type"] == "authentication_error", answer
+            assert b"www-authenticate: bearer" in head_part.lower() and b"x-request-id: " in head_part.lower()
+            assert b"connection: close" in head_part.lower()
+    # A valid key still sends its body and is served (on a connection that stays open).
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=bearer("tenant-key")) as resp:
+            assert resp.status == 200
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=bearer("wrong")) as resp:
+            assert resp.status == 401
+        async with http.get(gw.url + "/metrics", headers=bearer("admin-key")) as resp:
+            assert 'lockgate_endpoint_requests_total{endpoint="chat",status="rejected"} 2.0' in await resp.text()

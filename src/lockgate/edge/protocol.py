@@ -43,11 +43,13 @@ class _Reject(Exception):
     """Raised in a parser callback to stop parsing and answer with this status (and `code`, where the status alone
     does not say which limit refused: the connections' or the held bodies' 503)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, response: Response | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        #: The whole answer, when the server's `precheck` gave it (else an error body is rendered).
+        self.response = response
 
 
 #: Bytes a parsed JSON value takes beyond its text, about (a Python list, dict, string or number object and the
@@ -325,6 +327,13 @@ class Connection(asyncio.Protocol):
         self._body_deadline = self._loop.time() + server._body_timeout_s
         if self._task is None and self._body_deadline < self._deadline:
             self._arm(self._body_deadline)
+        precheck = server._precheck
+        if precheck is not None and (content_length or "transfer-encoding" in items):
+            refusal = self._precheck(precheck)
+            if refusal is not None:
+                self._request = None
+                self._reject = _Reject(refusal.status, "", response=refusal)
+                raise self._reject
         expect = items.get("expect")
         if expect is not None and expect.lower() == "100-continue" and version != "1.0":
             if self._task is None:
@@ -561,8 +570,23 @@ class Connection(asyncio.Protocol):
         else:
             self._send_error(reject)
 
+    def _precheck(self, precheck: Callable[[Request], Response | None]) -> Response | None:
+        request = self._request
+        assert request is not None
+        try:
+            return precheck(request)
+        except Exception:  # a bug in it: the handler decides, as it would have without one
+            log.exception("precheck failed")
+            return None
+
     def _send_error(self, reject: _Reject) -> None:
-        self._write_error(reject.status, reject.message, _CLOSE, reject.code)
+        response = reject.response
+        if response is None:
+            self._write_error(reject.status, reject.message, _CLOSE, reject.code)
+        else:
+            head = render_head(response.status, response.content_type, response.headers)
+            body = response.body
+            self.transport.write(b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), _CLOSE, body))
         self._linger()
 
     def _write_error(self, status: int, message: str, connection: bytes, code: str | None = None) -> None:

@@ -98,10 +98,13 @@ class HttpServer:
         max_held_body_bytes: int = 512 * 1024 * 1024,
         error_body: Callable[[int, str, str | None], bytes] | None = None,
         error_headers: Callable[[], Mapping[str, str]] | None = None,
+        precheck: Callable[[Request], Response | None] | None = None,
     ) -> None:
         """`error_body(status, message, code)` renders the body of the errors the server answers itself
         (malformed HTTP, limits; `code` names the limit where the status does not); `error_headers()` gives the
-        extra headers they carry (e.g. a request id)."""
+        extra headers they carry (e.g. a request id). `precheck(request)`, called when a request's headers have
+        arrived and a body follows, may refuse it there with a response (sent, and the connection closed, before
+        the body is read: a client without a valid key does not get to send megabytes first, nor a `100 Continue`)."""
         self._handler = handler
         self._max_body_bytes = max_body_bytes
         self._max_header_bytes = max_header_bytes
@@ -119,6 +122,7 @@ class HttpServer:
         self.refused_connections = 0
         self._error_body = error_body or default_error_body
         self._error_headers = error_headers
+        self._precheck = precheck
         self._server: asyncio.Server | None = None
         self._connections: set[Connection] = set()
         self._closing = False
