@@ -289,10 +289,10 @@ async def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(
             assert b"connection: close" in head_part.lower()
     # A valid key still sends its body and is served (on a connection that stays open).
     async with aiohttp.ClientSession() as http:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=bearer("tenant-key")) as resp:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(gw.url + "/v1/chat/completions", json=chat, headers=bearer("tenant-key")) as resp:
             assert resp.status == 200
-        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=bearer("wrong")) as resp:
+        async with http.post(gw.url + "/v1/chat/completions", json=chat, headers=bearer("wrong")) as resp:
             assert resp.status == 401
         async with http.get(gw.url + "/metrics", headers=bearer("admin-key")) as resp:
             assert 'lockgate_endpoint_requests_total{endpoint="chat",status="rejected"} 2.0' in await resp.text()
