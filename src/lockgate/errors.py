@@ -5,7 +5,7 @@
     │   └── InvalidConfig             422     code=invalid_config     (a reload refused the file)
     ├── Unauthorized                  401     authentication_error
     ├── Forbidden                     403     permission_error         (a valid key without the right)
-    ├── ModelNotFound                 404     invalid_request_error   code=model_not_found
+    ├── ModelNotFound                 404     invalid_request_error   code=model_not_found  [rejected]
     ├── NotFound                      404     invalid_request_error
     ├── PayloadTooLarge               413     invalid_request_error
     ├── RateLimited                   429     rate_limit_exceeded      (Retry-After)  [rejected]
@@ -125,6 +125,8 @@ class NotFound(GatewayError):
 
 class ModelNotFound(NotFound):
     default_code = "model_not_found"
+    #: (Raised after admission too: a reload removed the model of a queued request.)
+    rejected = True
 
 
 class PayloadTooLarge(GatewayError):

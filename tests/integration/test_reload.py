@@ -17,6 +17,7 @@ import pytest
 
 from lockgate.admission.tenants import hash_key
 from lockgate.config import load_config
+from lockgate.records import read_records
 from lockgate.server import GatewayServer
 from lockgate.sim import SimServer
 from tests.integration.cancel_support import StreamReader, assert_gateway_clean
@@ -346,3 +347,7 @@ async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
         assert (await running)[0] == 200
     await gw.fleet.wait_retired()
     assert_gateway_clean(gw)
+    # Refused, not failed (it was recorded `error`, and counted against the success objective).
+    await gw.records.wait_flushed()
+    by_model = {r["model"]: r for r in read_records(str(usage)) if r["http_status"] == 404}
+    assert by_model["gone"]["status"] == "rejected"
