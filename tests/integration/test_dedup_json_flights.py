@@ -229,7 +229,14 @@ def test_a_stream_synthesized_from_a_body_assembles_back_to_it():
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
     events = events_of(Endpoint.CHAT, chat)
-    assert [e["object"] for e in events] == ["chat.completion.chunk"] * 3 and events[-1]["choices"] == []
+    assert [e["object"] for e in events] == ["chat.completion.chunk"] * 7 and events[-1]["choices"] == []
+    # As an engine streams a choice (an outside run: clients that expect a role-only first chunk saw one chunk with
+    # everything): its role, its message, then its finish reason.
+    first = [e["choices"][0] for e in events[:3]]
+    assert first[0]["delta"] == {"role": "assistant"} and first[0]["finish_reason"] is None  # (content None: tools)
+    assert "tool_calls" in first[1]["delta"] and first[1]["finish_reason"] is None
+    assert first[2]["delta"] == {} and first[2]["finish_reason"] == "tool_calls"
+    assert events[3]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert assemble(Endpoint.CHAT, events, model="m", response_id="x") == chat
     text: dict[str, Any] = {
         "id": "y",

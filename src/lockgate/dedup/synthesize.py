@@ -1,12 +1,12 @@
 """A stream synthesized from a whole completion (pure, synchronous): the inverse of `assemble()`.
 
 A non-streaming flight keeps the engine's one JSON completion; a streaming client later served from it
-(a cache hit, a semantic hit) gets it as stream events: one chunk per choice carrying its whole
-message (role, content, refusal, reasoning, tool calls with their `index`, every other field as it is, logprobs,
-finish reason and the choice's other fields),
-then a `choices: []` chunk with the usage. `assemble(events_of(body))` gives the body back (up to the
-response id, which each client gets its own of anyway). The whole answer is already there, so nothing
-is lost by sending it in one piece: this is never used for a generation still in progress.
+(a cache hit, a semantic hit) gets it as stream events, in the order an engine sends them: for each chat choice a
+chunk with its role (and an empty content), one with its whole message (content, refusal, reasoning, tool calls with
+their `index`, every other field as it is; logprobs), one with its finish reason and the choice's other fields; for
+a text completion one chunk per choice; then a `choices: []` chunk with the usage. `assemble(events_of(body))` gives
+the body back (up to the response id, which each client gets its own of anyway). The whole answer is already there,
+so nothing is lost by sending its message in one piece: this is never used for a generation still in progress.
 """
 
 from __future__ import annotations
@@ -32,12 +32,23 @@ def events_of(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any],
     for choice in body.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        out: dict[str, Any] = {"index": choice.get("index", 0)}
+        index = choice.get("index", 0)
+        out: dict[str, Any] = {"index": index}
         if chat:
-            out["delta"] = _delta(choice.get("message"))
+            # As an engine streams it: the role first, then the message, then the finish reason on its own.
+            role, delta = _delta(choice.get("message"))
+            opening = {"role": role, "content": ""} if isinstance(delta.get("content"), str) else {"role": role}
+            events.append(
+                {**head, "choices": [{"index": index, "delta": opening, "logprobs": None, "finish_reason": None}]}
+            )
+            if delta:
+                message = {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+                events.append({**head, "choices": [message]})
+            out["delta"] = {}
+            out["logprobs"] = None
         else:
             out["text"] = choice.get("text") if isinstance(choice.get("text"), str) else ""
-        out["logprobs"] = choice.get("logprobs")
+            out["logprobs"] = choice.get("logprobs")
         out["finish_reason"] = choice.get("finish_reason")
         for key, value in choice.items():  # `stop_reason`, ...
             if key not in out and key != "message":
@@ -53,16 +64,16 @@ def events_of(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any],
 _BODY_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage"})
 
 
-def _delta(message: Any) -> dict[str, Any]:
-    """The message as one delta: every field as it is (`content`, `refusal`, `reasoning`, `annotations`, ...), tool
-    calls with their `index`."""
+def _delta(message: Any) -> tuple[str, dict[str, Any]]:
+    """The message's role, and the rest of it as one delta: every field as it is (`content`, `refusal`, `reasoning`,
+    `annotations`, ...), tool calls with their `index`."""
     if not isinstance(message, dict):
-        return {}
-    delta: dict[str, Any] = {"role": message.get("role") or "assistant"}
+        return "assistant", {}
+    delta: dict[str, Any] = {}
     for key, value in message.items():
         if key == "tool_calls":
             if isinstance(value, list):
                 delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(value) if isinstance(call, dict)]
         elif key != "role":
             delta[key] = value
-    return delta
+    return message.get("role") or "assistant", delta
