@@ -541,6 +541,22 @@ async def test_431_for_headers_over_the_limit_complete_or_not() -> None:
     assert calls == []
 
 
+async def test_the_header_bound_counts_the_whole_head() -> None:
+    """`max_header_bytes` bounds the request line and the headers, to the byte (an outside run: the method, the
+    version and the line ends went uncounted, ~17 bytes over the bound were served)."""
+
+    async def ok(request: Request) -> Response:
+        return Response(body=b"ok")
+
+    async with serving(ok, max_header_bytes=1024) as server:
+        for extra, status in ((0, 200), (1, 431)):
+            head = b"GET / HTTP/1.1\r\nHost: t\r\nX-Pad: \r\n\r\n"
+            pad = 1024 - len(head) + extra
+            async with connect(server) as (reader, writer):
+                writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"p" * pad + b"\r\n\r\n")
+                assert (await read_response(reader)).status == status, extra
+
+
 @pytest.mark.parametrize(
     "payload",
     [

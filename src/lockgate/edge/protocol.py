@@ -52,6 +52,9 @@ class _Reject(Exception):
         self.response = response
 
 
+#: A request's head beyond its target and header lines: `GET `, ` HTTP/1.1` and its line end, the blank line.
+_REQUEST_LINE_REST = len(b"GET  HTTP/1.1\r\n\r\n")
+
 #: Bytes a parsed JSON value takes beyond its text, about (a Python list, dict, string or number object and the
 #: reference to it: 50-230 bytes; an empty list `[]` is 2 bytes of text and 64 parsed).
 _PARSED_VALUE_BYTES = 64
@@ -250,8 +253,11 @@ class Connection(asyncio.Protocol):
     # -- parser callbacks ------------------------------------------------------------------------------------------
 
     def _header_size(self) -> int:
-        """The request line's target and the complete header lines received so far, in bytes."""
-        return len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
+        """The request line and the complete header lines received so far, in bytes (the method counted as the
+        shortest, `GET`: it is not known before the headers end)."""
+        return (
+            _REQUEST_LINE_REST + len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
+        )
 
     def on_message_begin(self) -> None:
         self._began_in_read += 1
