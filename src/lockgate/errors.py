@@ -197,13 +197,20 @@ class UpstreamProtocolError(UpstreamError):
 
 
 class UpstreamStatusError(UpstreamError):
-    """The engine answered with an error status: passed on, with its error in the OpenAI envelope (`body`)."""
+    """The engine answered with an error status: passed on, with its error in the OpenAI envelope (`body`). A 401,
+    403 or 407 is the engine refusing the gateway's own credentials, not the client's: 502 (as is a status that is
+    not one, past 599)."""
 
     def __init__(self, status: int, body: bytes, content_type: str | None, retry_after: str | None = None) -> None:
-        message = message_from_body(body) or f"upstream answered HTTP {status}"
+        parsed = _parse(body)
+        message = _message(body, parsed) or f"upstream answered HTTP {status}"
+        self.credentials_refused = status in (401, 403, 407)
+        if self.credentials_refused:
+            message = f"The engine refused the gateway's credentials (HTTP {status}): {message}"
         super().__init__(message, code="upstream_status")
         self.upstream_status = status
         self.upstream_body = body
+        self._parsed = parsed
         self.content_type = content_type
         #: The engine's `Retry-After` (seconds, or an HTTP date), passed on: behind a rate-limited provider, a client
         #: that is not told backs off by its SDK's default (0.5-1 s) and hammers it.
@@ -212,11 +219,12 @@ class UpstreamStatusError(UpstreamError):
         # elsewhere; a 4xx will not: the engine refused the request itself (its content: too long a prompt, an
         # unsupported parameter), which is not a failure of the service either (`slo/usage.py`).
         self.retryable = status in (500, 502, 503)
-        self.rejected = 400 <= status < 500
+        self.rejected = 400 <= status < 500 and not self.credentials_refused
 
     @property
     def http_status(self) -> int:
-        return self.upstream_status
+        status = self.upstream_status
+        return 502 if self.credentials_refused or not 400 <= status <= 599 else status
 
     def headers(self) -> dict[str, str]:
         if self.upstream_retry_after is None:
@@ -225,39 +233,38 @@ class UpstreamStatusError(UpstreamError):
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error envelope, whatever the engine's shape (`{"error": {...}}` with an integer `code` from vLLM,
-        SGLang and llama.cpp, vLLM's older top-level `{"object": "error", ...}`, TGI's `{"error": "..."}`, plain
-        text): its message; `invalid_request_error` for a 4xx (the request's fault), `upstream_error` otherwise; its
-        `param` if it names one; a string `code`: `context_length_exceeded` when it says the prompt does not fit
-        (what OpenAI answers and clients test to trim a conversation), else its own string code or type. The
-        engine's other fields (llama.cpp's `n_prompt_tokens`, `n_ctx`) are kept. An error in OpenAI's shape already
-        (string type and code: a hosted provider's) is left as it is."""
-        try:
-            parsed = orjson.loads(self.upstream_body)
-        except orjson.JSONDecodeError:
-            parsed = None
+        SGLang and llama.cpp, vLLM's older top-level `{"object": "error", ...}`, TGI's `{"error": "..."}`, FastAPI's
+        `{"detail": ...}`, plain text): its message (cut to `MAX_ENGINE_MESSAGE`); `invalid_request_error` for a 4xx
+        (the request's fault), `upstream_error` otherwise; its `param` if it names one; a string `code`:
+        `context_length_exceeded` when a 4xx says the prompt does not fit (what OpenAI answers and clients test to
+        trim a conversation), else its own string code or type. The engine's other small fields (llama.cpp's
+        `n_prompt_tokens`, `n_ctx`) are kept. An error in OpenAI's shape already (string type and code: a hosted
+        provider's) keeps its type and code."""
+        parsed = self._parsed
         engine: dict[str, Any] = {}
         if isinstance(parsed, dict):
             err = parsed.get("error")
             engine = err if isinstance(err, dict) else parsed if parsed.get("object") == "error" else {}
-        kind = engine.get("type", parsed.get("error_type") if isinstance(parsed, dict) else None)
-        code = engine.get("code")
-        if engine is not parsed and _openai_shaped(engine):
-            return {"error": engine}  # (a hosted provider's, `engine: openai`; an engine that speaks it already)
-        if _CONTEXT_LENGTH.search(self.message) or kind == "exceed_context_size_error":
-            code = "context_length_exceeded"
-        elif not isinstance(code, str):
-            code = kind if isinstance(kind, str) and kind else self.code
+        extra = {k: v for k, v in engine.items() if k not in _ENVELOPE and k != "object" and _small(v)}
         param = engine.get("param")
-        extra = {k: v for k, v in engine.items() if k not in _ENVELOPE and k != "object"}
-        return {
-            "error": {
-                **extra,
-                "message": self.message,
-                "type": self._type(),
-                "param": param if isinstance(param, str) else None,
-                "code": code,
-            }
-        }
+        param = param[:MAX_ENGINE_MESSAGE] if isinstance(param, str) else None
+        code: Any
+        if self.credentials_refused:
+            kind, code = self.type, "upstream_credentials_refused"
+        elif engine is not parsed and _openai_shaped(engine):
+            # (a hosted provider's, `engine: openai`; an engine that speaks it already)
+            kind, code = engine["type"][:MAX_ENGINE_MESSAGE], engine.get("code")
+            code = code[:MAX_ENGINE_MESSAGE] if isinstance(code, str) else None
+        else:
+            kind = self._type()
+            code = engine.get("code")
+            name = engine.get("type", parsed.get("error_type") if isinstance(parsed, dict) else None)
+            if self.rejected and (_CONTEXT_LENGTH.search(self.message) or name == "exceed_context_size_error"):
+                code = "context_length_exceeded"
+            elif not isinstance(code, str):
+                code = name if isinstance(name, str) and name else self.code
+            code = code[:MAX_ENGINE_MESSAGE] if isinstance(code, str) else None
+        return {"error": {**extra, "message": self.message, "type": kind, "param": param, "code": code}}
 
     def _type(self) -> str:
         if self.upstream_status == 429:
@@ -279,6 +286,11 @@ def _openai_shaped(error: dict[str, Any]) -> bool:
     )
 
 
+def _small(value: Any) -> bool:
+    """An engine's extra error field worth passing on: a scalar, a short string."""
+    return value is None or isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= 200)
+
+
 #: Engines' ways of saying that a prompt (with its output) does not fit the model's context: vLLM's "This model's
 #: maximum context length is N tokens", SGLang's "longer than the model's context length", llama.cpp's "exceeds the
 #: available context size", TGI's "`inputs` tokens + `max_new_tokens` must be <= N".
@@ -290,27 +302,58 @@ def _header_value(value: str) -> bool:
     return len(value) <= 64 and value.isascii() and value.isprintable()
 
 
-def message_from_body(body: bytes) -> str | None:
-    """The message of an engine's error body (its text, cut, when it is not JSON)."""
+def _parse(body: bytes) -> Any:
+    """An engine's error body as JSON (invalid UTF-8 in it replaced), or None when it is not JSON."""
     try:
-        parsed = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
-        text = body.decode("utf-8", "replace").strip()
-        return text[:500] or None
-    return _message_of(parsed) if isinstance(parsed, dict) else None
+        pass
+    try:
+        return orjson.loads(body.decode("utf-8", "replace"))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _message(body: bytes, parsed: Any) -> str | None:
+    if parsed is None:
+        message = body.decode("utf-8", "replace").strip()
+    else:
+        message = (_message_of(parsed) if isinstance(parsed, dict) else None) or ""
+    return message[:MAX_ENGINE_MESSAGE] or None
+
+
+def message_from_body(body: bytes) -> str | None:
+    """The message of an engine's error body (its text when it is not JSON), cut to `MAX_ENGINE_MESSAGE`."""
+    return _message(body, _parse(body))
 
 
 def _message_of(parsed: dict[str, Any]) -> str | None:
-    """The message of an error body: OpenAI's `{"error": {"message": ...}}`, `{"error": "..."}` (TGI) or a top-level
-    `message` (vLLM's older `{"object": "error", ...}`)."""
+    """The message of an error body: OpenAI's `{"error": {"message": ...}}`, `{"error": "..."}` (TGI), a top-level
+    `message` (vLLM's older `{"object": "error", ...}`) or FastAPI's `detail` (a string, or validation errors)."""
     err = parsed.get("error")
-    if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return str(err["message"])
+    if isinstance(err, dict):
+        message = err.get("message")
+        if isinstance(message, str):
+            return message
+        if isinstance(message, int | float) and not isinstance(message, bool):
+            return str(message)
     if isinstance(err, str):
         return err
     if isinstance(parsed.get("message"), str):
         return str(parsed["message"])
+    detail = parsed.get("detail")
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        return "; ".join(_problem(d) for d in detail if isinstance(d, dict) and isinstance(d.get("msg"), str)) or None
     return None
+
+
+def _problem(detail: dict[str, Any]) -> str:
+    """One of FastAPI's validation errors: `body.messages: field required`."""
+    loc = detail.get("loc")
+    where = ".".join(map(str, loc)) + ": " if isinstance(loc, list) and loc else ""
+    return where + str(detail["msg"])
 
 
 #: The most of an engine's error message kept in the gateway's own error (the event itself is bounded by

@@ -104,3 +104,39 @@ def test_an_error_in_openais_shape_already_is_left_as_it_is() -> None:
     """A hosted provider behind `engine: openai`: its type and code are what its clients know."""
     body = {"error": {"message": "slow down", "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
     assert _client_sees(429, body) == body["error"]
+
+
+def test_odd_engine_bodies_still_give_a_bounded_envelope_with_the_engines_words() -> None:
+    """A second outside run against a fake engine: a 1 MiB message reached the client whole, FastAPI's `detail` and a
+    numeric message were lost, invalid UTF-8 inside JSON gave the raw JSON as the message, a 500 mentioning the
+    context was called `context_length_exceeded`."""
+    huge = _client_sees(
+        400, {"error": {"message": "x" * (1 << 20), "type": "BadRequestError", "code": 400, "blob": "y" * 1000}}
+    )
+    assert huge["message"] == "x" * 500 and "blob" not in huge
+    shaped = _client_sees(400, {"error": {"message": "z" * (1 << 20), "type": "invalid_request_error", "code": None}})
+    assert shaped["message"] == "z" * 500
+    assert _client_sees(422, {"detail": "Field required: messages"})["message"] == "Field required: messages"
+    detail = [{"loc": ["body", "messages"], "msg": "field required", "type": "missing"}, {"msg": "bad", "loc": "x"}]
+    assert _client_sees(422, {"detail": detail})["message"] == "body.messages: field required; bad"
+    assert _client_sees(400, {"error": {"message": 123, "code": 400}})["message"] == "123"
+    odd = _client_sees(400, b'{"error": {"message": "bad \xff\xfe", "code": 400}}')
+    assert odd["message"] == "bad \ufffd\ufffd"
+    fault = _client_sees(500, {"error": {"message": "failed: context length mismatch in kernel", "code": 500}})
+    assert fault["code"] != "context_length_exceeded" and fault["type"] == "upstream_error"
+
+
+@pytest.mark.parametrize("status", [401, 403, 407])
+def test_an_engine_refusing_the_gateways_credentials_is_a_502_not_the_clients_401(status: int) -> None:
+    """An engine's (a hosted provider's) 401 told a client with a valid key that its key was wrong."""
+    body = orjson.dumps({"error": {"message": "Incorrect API key", "type": "x", "code": "invalid_api_key"}})
+    error = UpstreamStatusError(status, body, None)
+    assert error.http_status == 502 and not error.rejected  # the service's failure, not the request's
+    envelope = orjson.loads(error.body_bytes())["error"]
+    assert envelope["type"] == "upstream_error" and envelope["code"] == "upstream_credentials_refused"
+    assert "refused the gateway's credentials" in envelope["message"] and "Incorrect API key" in envelope["message"]
+
+
+def test_a_status_that_is_not_one_is_a_502() -> None:
+    assert UpstreamStatusError(600, b"?", None).http_status == 502
+    assert UpstreamStatusError(599, b"?", None).http_status == 599
