@@ -1211,3 +1211,32 @@ async def test_a_held_head_with_nothing_sent_goes_out_at_the_end() -> None:
     transport = await answered_once(handler)
     assert len(transport.writes) == 1
     assert transport.writes[0].startswith(b"HTTP/1.1 200 ") and transport.writes[0].endswith(b"\r\n\r\n0\r\n\r\n")
+
+
+async def test_a_refused_head_request_gets_a_head_only() -> None:
+    """An outside run: the server's own refusals (a 413 here, a precheck's 401 below) wrote their JSON body after the
+    head of a HEAD request's answer, which has none (RFC 9110 9.3.2); so did a handler's 500."""
+    calls: list[Request] = []
+
+    def refuse(request: Request) -> Response | None:
+        return json_response({"error": "no"}, status=401) if request.path == "/private" else None
+
+    async def boom(request: Request) -> Response:
+        raise RuntimeError("kaput")
+
+    async with serving(never_called(calls), max_body_bytes=1024, precheck=refuse) as server:
+        for head in (
+            b"HEAD /x HTTP/1.1\r\nHost: t\r\nContent-Length: 9000\r\n\r\n",
+            b"HEAD /private HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n",
+        ):
+            async with connect(server) as (reader, writer):
+                writer.write(head)
+                answer = await read_response(reader, head=True)
+                assert answer.status in (413, 401) and int(answer.headers["content-length"]) > 0
+                assert await reader.read() == b""  # the head only, then the close
+    async with serving(boom) as server, connect(server) as (reader, writer):
+        writer.write(b"HEAD /x HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await read_response(reader, head=True)).status == 500
+        writer.write(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")  # the connection is still in step
+        assert (await read_response(reader)).status == 500
+    assert calls == []

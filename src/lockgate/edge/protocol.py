@@ -50,6 +50,8 @@ class _Reject(Exception):
         self.code = code
         #: The whole answer, when the server's `precheck` gave it (else an error body is rendered).
         self.response = response
+        #: The answer to a HEAD request: its head only (RFC 9110 9.3.2).
+        self.head_only = False
 
 
 #: A request's head beyond its target and header lines: `GET `, ` HTTP/1.1` and its line end, the blank line.
@@ -338,8 +340,7 @@ class Connection(asyncio.Protocol):
             refusal = self._precheck(precheck)
             if refusal is not None:
                 self._request = None
-                self._reject = _Reject(refusal.status, "", response=refusal)
-                raise self._reject
+                raise self._rejecting(refusal.status, "", None, refusal)
         expect = items.get("expect")
         if expect is not None and expect.lower() == "100-continue" and version != "1.0":
             if self._task is None:
@@ -401,8 +402,12 @@ class Connection(asyncio.Protocol):
             "too_many_request_bodies",
         )
 
-    def _rejecting(self, status: int, message: str, code: str | None = None) -> _Reject:
-        self._reject = _Reject(status, message, code)
+    def _rejecting(
+        self, status: int, message: str, code: str | None = None, response: Response | None = None
+    ) -> _Reject:
+        """A refusal of the request whose head or body is being parsed (raised in a parser callback)."""
+        self._reject = _Reject(status, message, code, response)
+        self._reject.head_only = self._parser.get_method() == b"HEAD"
         return self._reject
 
     # -- requests --------------------------------------------------------------------------------------------------
@@ -504,7 +509,9 @@ class Connection(asyncio.Protocol):
         if self._started:
             self.close_after = True  # mid-stream: the client sees the chunked body end early
         else:
-            self._write_error(500, "Internal server error.", self.connection_header(request))
+            self._write_error(
+                500, "Internal server error.", self.connection_header(request), head_only=request.method == "HEAD"
+            )
 
     def _request_done(self) -> None:
         self._task = None
@@ -588,14 +595,18 @@ class Connection(asyncio.Protocol):
     def _send_error(self, reject: _Reject) -> None:
         response = reject.response
         if response is None:
-            self._write_error(reject.status, reject.message, _CLOSE, reject.code)
+            self._write_error(reject.status, reject.message, _CLOSE, reject.code, reject.head_only)
         else:
             head = render_head(response.status, response.content_type, response.headers)
             body = response.body
-            self.transport.write(b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), _CLOSE, body))
+            self.transport.write(
+                b"%sContent-Length: %d\r\n%s\r\n%s" % (head, len(body), _CLOSE, b"" if reject.head_only else body)
+            )
         self._linger()
 
-    def _write_error(self, status: int, message: str, connection: bytes, code: str | None = None) -> None:
+    def _write_error(
+        self, status: int, message: str, connection: bytes, code: str | None = None, head_only: bool = False
+    ) -> None:
         try:
             body = self._server._error_body(status, message, code)
         except Exception:
@@ -604,7 +615,12 @@ class Connection(asyncio.Protocol):
         extra = self._server._error_headers
         self.transport.write(
             b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-            % (render_head(status, None, extra() if extra is not None else None), len(body), connection, body)
+            % (
+                render_head(status, None, extra() if extra is not None else None),
+                len(body),
+                connection,
+                b"" if head_only else body,
+            )
         )
 
     def _linger(self) -> None:
