@@ -67,9 +67,10 @@ class PredictedTTFTOptions(_Strict):
     #: half-life while they take no new sample (0: never): one bad sample (a stall) must not price an
     #: instance out for good, since an instance that is never chosen is never measured again.
     measured_half_life_ms: Annotated[int, Field(ge=0)] = 2000
-    #: Predictions within this share of the best (plus `near_tie_ms`) count as equal, and the emptier
-    #: instance wins among them: the estimates (measured rates, queue models) are not more exact than
-    #: that, and letting their noise decide herds requests onto whichever instance measured fastest.
+    #: Predictions within this share of the best (plus `near_tie_ms`) count as equal, and the (measured) instance
+    #: holding the most of the prompt beyond a step's worth, then the emptier, wins among them: the estimates
+    #: (measured rates, queue models) are not more exact than that, and letting their noise decide herds requests
+    #: onto whichever instance measured fastest.
     near_tie: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     near_tie_ms: Annotated[float, Field(ge=0.0)] = 0.5
 
