@@ -218,7 +218,9 @@ class UpstreamStatusError(UpstreamError):
         # A 500/502/503 from a broken or overloaded engine (vLLM answers 500 once its engine core died) may succeed
         # elsewhere; a 4xx will not: the engine refused the request itself (its content: too long a prompt, an
         # unsupported parameter), which is not a failure of the service either (`slo/usage.py`).
-        self.retryable = status in (500, 502, 503)
+        # So may a refusal of the gateway's credentials: another instance may hold its own (and this one is ejected
+        # as for a 5xx, `Fleet.report_failure`).
+        self.retryable = status in (500, 502, 503) or self.credentials_refused
         self.rejected = 400 <= status < 500 and not self.credentials_refused
 
     @property

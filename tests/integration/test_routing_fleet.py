@@ -106,6 +106,29 @@ async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start
     assert "instance bad returns after a successful probe" in warnings
 
 
+async def test_an_engine_refusing_the_gateways_credentials_is_retried_elsewhere_and_ejected(
+    start_sim, start_gateway, http, caplog
+):
+    """An engine answering 401 (its `api_key` wrong in the gateway's configuration): the client, whose own key is
+    fine, was told 401 `invalid_api_key`, and the instance went on taking every other request. Now the request is
+    retried on another instance, the instance is ejected as for a 5xx, and the operator is told once."""
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
+    locked, good = await start_sim(), await start_sim()
+    gw = await round_robin(
+        start_gateway,
+        {"locked": locked, "good": good},
+        health={"interval_ms": 60000, "ejection": {"consecutive_failures": 2, "base_ms": 60000, "max_ms": 60000}},
+    )
+    await control(http, locked, fail_status=401)
+    for _ in range(4):
+        status, name, _ = await post(http, gw.url, chat())
+        assert status == 200 and name == "good"
+    assert gw.gateway.fleet.instances[locked.url].ejection.ejected
+    assert upstream_errors(gw)[("locked", "http_401")] == 2
+    warnings = [r.getMessage() for r in caplog.records if "credentials" in r.getMessage()]
+    assert warnings == ["instance locked refused the gateway's credentials (401): check its `api_key`"]
+
+
 async def test_stream_failing_before_its_first_event_is_retried_on_another_instance(start_sim, start_gateway, http):
     broken, good = await start_sim(), await start_sim()
     gw = await round_robin(start_gateway, {"broken": broken, "good": good})

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
 
 log = logging.getLogger(__name__)
+#: An engine's refusals of the gateway's own credentials: failures of the instance, as a 5xx is, not the request's.
+_CREDENTIALS_REFUSED = ("http_401", "http_403", "http_407")
 #: How old a scrape may be for a strict request's look at its engine's queue (`Lease.queue_ahead`): a fresher one is
 #: taken again, an older one is scraped anew (a look per strict request at most, joined while one is under way).
 _LOOK_MAX_AGE_S = 0.01
@@ -412,7 +414,12 @@ class Fleet:
                     if other.url == instance.url and other is not instance and not other.ejection.ejected:
                         self._set_health(other, False)
                         other.ejection.eject_now(now)
-        elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5"):
+        elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5") or kind in _CREDENTIALS_REFUSED:
+            if kind in _CREDENTIALS_REFUSED and not instance.told_credentials:
+                instance.told_credentials = True  # once per instance: its `api_key` (or the engine's) is wrong
+                log.warning(
+                    "instance %s refused the gateway's credentials (%s): check its `api_key`", instance.name, kind[5:]
+                )
             held_back = instance.ejection.held_back
             ejected = instance.ejection.failure(now, lambda: self.may_eject(instance))
             if instance.ejection.held_back != held_back:

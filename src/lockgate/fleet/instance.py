@@ -86,6 +86,8 @@ class Instance:
         self.last_error: str | None = None
         #: It answered 404 once (logged once: a model name its engine does not serve, `served_model`).
         self.told_not_found = False
+        #: It refused the gateway's credentials once (logged once: its `api_key`).
+        self.told_credentials = False
         self.own = OwnAccounting()
         self.engine_load: EngineLoad | None = None
         self.scrape_error: str | None = None
