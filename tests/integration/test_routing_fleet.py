@@ -52,6 +52,17 @@ async def round_robin(start_gateway, named: dict[str, Any], *, retries: int = 1,
     return await start_gateway([model], scrape={"enabled": False}, **extra)
 
 
+async def failing_and_good(start_sim, start_gateway, name: str, *, base_ms: int, max_ms: int):
+    """Two simulators, `name` (to be made to fail) and `good`, round-robin, ejected after 2 failures in a row: the
+    first and the gateway."""
+    failing, good = await start_sim(), await start_sim()
+    ejection = {"consecutive_failures": 2, "base_ms": base_ms, "max_ms": max_ms}
+    gw = await round_robin(
+        start_gateway, {name: failing, "good": good}, health={"interval_ms": 60000, "ejection": ejection}
+    )
+    return failing, gw
+
+
 def upstream_errors(gw) -> dict[tuple[str, str], float]:
     out = {}
     for family in text_string_to_metric_families(gw.gateway.metrics.render().decode()):
@@ -72,12 +83,7 @@ def retries(gw) -> float:
 
 async def test_ejected_instance_gets_no_traffic_and_returns_after_recovery(start_sim, start_gateway, http, caplog):
     caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
-    bad, good = await start_sim(), await start_sim()
-    gw = await round_robin(
-        start_gateway,
-        {"bad": bad, "good": good},
-        health={"interval_ms": 60000, "ejection": {"consecutive_failures": 2, "base_ms": 50, "max_ms": 400}},
-    )
+    bad, gw = await failing_and_good(start_sim, start_gateway, "bad", base_ms=50, max_ms=400)
     fleet = gw.gateway.fleet
     bad_instance = fleet.instances[bad.url]
     await control(http, bad, fail_status=503, healthy=False)
@@ -113,12 +119,7 @@ async def test_an_engine_refusing_the_gateways_credentials_is_retried_elsewhere_
     fine, was told 401 `invalid_api_key`, and the instance went on taking every other request. Now the request is
     retried on another instance, the instance is ejected as for a 5xx, and the operator is told once."""
     caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
-    locked, good = await start_sim(), await start_sim()
-    gw = await round_robin(
-        start_gateway,
-        {"locked": locked, "good": good},
-        health={"interval_ms": 60000, "ejection": {"consecutive_failures": 2, "base_ms": 60000, "max_ms": 60000}},
-    )
+    locked, gw = await failing_and_good(start_sim, start_gateway, "locked", base_ms=60000, max_ms=60000)
     await control(http, locked, fail_status=401)
     for _ in range(4):
         status, name, _ = await post(http, gw.url, chat())
