@@ -248,25 +248,21 @@ class UpstreamStatusError(UpstreamError):
             err = parsed.get("error")
             engine = err if isinstance(err, dict) else parsed if parsed.get("object") == "error" else {}
         extra = {k: v for k, v in engine.items() if k not in _ENVELOPE and k != "object" and _small(v)}
-        param = engine.get("param")
-        param = param[:MAX_ENGINE_MESSAGE] if isinstance(param, str) else None
-        code: Any
+        code = _cut(engine.get("code"))
         if self.credentials_refused:
             kind, code = self.type, "upstream_credentials_refused"
         elif engine is not parsed and _openai_shaped(engine):
-            # (a hosted provider's, `engine: openai`; an engine that speaks it already)
-            kind, code = engine["type"][:MAX_ENGINE_MESSAGE], engine.get("code")
-            code = code[:MAX_ENGINE_MESSAGE] if isinstance(code, str) else None
+            kind = engine["type"][:MAX_ENGINE_MESSAGE]  # (a hosted provider's, `engine: openai`, or alike)
         else:
             kind = self._type()
-            code = engine.get("code")
             name = engine.get("type", parsed.get("error_type") if isinstance(parsed, dict) else None)
             if self.rejected and (_CONTEXT_LENGTH.search(self.message) or name == "exceed_context_size_error"):
                 code = "context_length_exceeded"
-            elif not isinstance(code, str):
-                code = name if isinstance(name, str) and name else self.code
-            code = code[:MAX_ENGINE_MESSAGE] if isinstance(code, str) else None
-        return {"error": {**extra, "message": self.message, "type": kind, "param": param, "code": code}}
+            elif code is None:
+                code = _cut(name) or self.code
+        return {
+            "error": {**extra, "message": self.message, "type": kind, "param": _cut(engine.get("param")), "code": code}
+        }
 
     def _type(self) -> str:
         if self.upstream_status == 429:
@@ -286,6 +282,11 @@ def _openai_shaped(error: dict[str, Any]) -> bool:
         and isinstance(error.get("type"), str)
         and all(error.get(key) is None or isinstance(error[key], str) for key in ("param", "code"))
     )
+
+
+def _cut(value: Any) -> str | None:
+    """A string field of an engine's error as passed on (cut to `MAX_ENGINE_MESSAGE`); None for anything else."""
+    return value[:MAX_ENGINE_MESSAGE] if isinstance(value, str) else None
 
 
 def _small(value: Any) -> bool:

@@ -351,18 +351,22 @@ class Gateway:
         refused there, with the answer the handler would give."""
         endpoint = _ENDPOINTS.get(request.path) if request.method == "POST" else None
         if endpoint is not None:
-            if self.admission.book.open and self.relayed is None:
-                return None
+            if self.admission.book.open:
+                return None  # (every request has a tenant: `default`, or a central's relayed one)
             try:
                 self._tenant(request)
             except Unauthorized as exc:
-                self.metrics.requests.labels("", "", "rejected").inc()
-                self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
-                return self.error_response(exc, _client_request_id(request) or new_request_id())
+                return self._refused(endpoint, exc, _client_request_id(request) or new_request_id())
             return None
         if self.admin_gate.protects(request.path):
             return self._denied(request)
         return None
+
+    def _refused(self, endpoint: Endpoint, error: GatewayError, request_id: str) -> Response:
+        """A request refused before it became an exchange (no record: counted here)."""
+        self.metrics.requests.labels("", "", "rejected").inc()
+        self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
+        return self.error_response(error, request_id)
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Reply:
         client_id = _client_request_id(request)
@@ -396,9 +400,7 @@ class Gateway:
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
         except GatewayError as exc:
-            self.metrics.requests.labels("", "", "rejected").inc()
-            self.metrics.endpoint_requests.labels(endpoint.value, "rejected").inc()
-            return self.error_response(exc, echo_id)
+            return self._refused(endpoint, exc, echo_id)
         exchange = Exchange(
             self,
             request_id,

@@ -41,9 +41,8 @@ class SSEDecoder:
             and chunk.find(b"\n") == len(chunk) - 2
             and chunk.endswith(b"\n\n")
             and chunk.find(b"\r") < 0
+            and len(chunk) - 8 <= self.max_event_bytes  # (a larger one is refused below)
         ):
-            if len(chunk) - 8 > self.max_event_bytes:
-                raise EventTooLarge(f"an event is larger than {self.max_event_bytes} bytes")
             return [chunk[6:-2]]  # an engine's usual read: one whole `data:` event, one line, nothing pending
         buffer = self._buffer + chunk if self._buffer else chunk
         # `find`, not `in`: on Python 3.11 `bytes in bytes` raises (and clears) a TypeError before searching.

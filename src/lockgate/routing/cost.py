@@ -55,7 +55,7 @@ Ties: predictions within `near_tie` of the best count as equal, and among them t
 the prompt beyond a step's worth go first, then the emptier. A tie means the first token comes as soon either way,
 and the holder spends no prefill on it: taking the emptier instead re-prefilled a document its busy holder had
 cached (an outside run, a burst of questions per document: the hit rate 2.8 points under `cache_aware`'s at the
-same TTFT; 0.5-2.1 points after). Short prefixes (within a step) do not count, as above, nor an instance whose
+same TTFT; 1.4-1.5 points after). Short prefixes (within a step) do not count, as above, nor an instance whose
 speed nothing has measured yet: its prediction is a guess, and at a cold start the requests for a hot prefix still
 being prefilled there queued behind it on a slow engine (docs/decisions.md, "an instance sent nothing yet").
 
