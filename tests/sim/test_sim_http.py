@@ -295,3 +295,42 @@ async def test_embeddings_are_deterministic_unit_vectors_in_vllms_shape(make_sim
     async with http.post(sims[0].url + "/v1/embeddings", json={"model": "zz", "input": "x"}) as r:
         assert r.status == 404
     assert sims[0].statistics()["requests_finished"] == 1 and sims[1].statistics()["requests_finished"] == 1
+
+
+async def test_responses_whole_and_streamed_in_both_modes(make_sim, http: aiohttp.ClientSession) -> None:
+    """`/v1/responses`: the same text whole and streamed (typed events with their `event:` lines, no `[DONE]`), in
+    the step loop and in `--fast` mode; `incomplete` at `max_output_tokens`; instructions and typed input items."""
+    body = {
+        "model": "m",
+        "instructions": "be brief",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        ],
+        "max_output_tokens": 5,
+        "temperature": 0,
+    }
+    texts = []
+    for sim in (await make_sim(tpot_ms=1.0), await make_sim(fast=True)):
+        async with http.post(sim.url + "/v1/responses", json=body) as r:
+            whole = await r.json()
+        assert (whole["object"], whole["status"], whole["model"]) == ("response", "incomplete", "m")
+        assert whole["usage"]["output_tokens"] == 5 and whole["usage"]["input_tokens"] > 5
+        text = whole["output"][0]["content"][0]["text"]
+        async with http.post(sim.url + "/v1/responses", json={**body, "stream": True}) as r:
+            raw = (await r.read()).decode()
+        events = []
+        for block in filter(None, raw.split("\n\n")):
+            name, data = block.split("\n")
+            events.append(orjson.loads(data.removeprefix("data: ")))
+            assert name == "event: " + events[-1]["type"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.incomplete" and events[-1]["response"] == whole | {
+            "id": events[-1]["response"]["id"],
+            "created_at": events[-1]["response"]["created_at"],
+            "output": events[-1]["response"]["output"],
+        }
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert deltas == text == events[-1]["response"]["output"][0]["content"][0]["text"]
+        texts.append(text)
+    assert texts[0] == texts[1]

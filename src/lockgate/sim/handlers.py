@@ -35,7 +35,6 @@ from .generator import GREEDY_SEED, Token, TokenStream, generate
 from .metrics import CONTENT_TYPE, SimMetrics
 from .stats import Outcome, RequestRecord, SimStats
 from .wire import (
-    ChunkWriter,
     GenRequest,
     WireError,
     error_body,
@@ -44,6 +43,7 @@ from .wire import (
     parse_body,
     parse_request,
     usage,
+    writer_for,
 )
 
 _JSON = "application/json"
@@ -106,6 +106,7 @@ class Api:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prom)
@@ -229,6 +230,9 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
     async def embeddings(self, request: web.Request) -> web.Response:
         """vLLM's embeddings route (`embeddings.py`). No step loop: the request waits its prefill time
         (prompt tokens at `prefill_tps`; none with `--fast`), then answers. Honours `x-sim-status`,
@@ -334,15 +338,13 @@ class Api:
         if not req.stream:
             body = full_response(req, resp_id, int(time.time()), comp.text, comp.finish_reason, u)
             return web.Response(body=body, content_type=_JSON)
-        w = ChunkWriter(req, resp_id)
+        w = writer_for(req, resp_id)
         parts = [w.role()]
         last = len(comp.tokens) - 1
         for i, t in enumerate(comp.tokens):
             if t.delta or i == last:
                 parts.append(w.token(t.delta, t.finish_reason))
-        if req.include_usage:
-            parts.append(w.usage(u))
-        parts.append(w.done())
+        parts.append(w.end(u, req.include_usage))
         return web.Response(body=b"".join(parts), headers=_SSE_HEADERS)
 
     async def _run(
@@ -464,7 +466,7 @@ class Api:
     ) -> tuple[web.StreamResponse, Outcome]:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
-        w = ChunkWriter(req, resp_id)
+        w = writer_for(req, resp_id)
         write: Callable[[bytes], Awaitable[None]] = resp.write
         if reset_after == 0:
             self._reset(request)
@@ -483,8 +485,6 @@ class Api:
                 rec.finish_reason = t.finish_reason
         if isinstance(tokens, _ListTokens):
             rec.completion_tokens = n
-        if req.include_usage:
-            await write(w.usage(usage(len(req.prompt_tokens), n, rec.cached_tokens)))
-        await write(w.done())
+        await write(w.end(usage(len(req.prompt_tokens), n, rec.cached_tokens), req.include_usage))
         await resp.write_eof()
         return resp, "finished"

@@ -26,6 +26,10 @@ def detokenize(tokens: Iterable[str]) -> str:
     return "".join(tokens)
 
 
+#: Text parts: chat's, and a response's input and output text (the Responses API).
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
 def content_text(content: Any) -> str:
     """The text of an OpenAI message ``content``: a string, ``None``, or a list of parts."""
     if content is None:
@@ -37,7 +41,7 @@ def content_text(content: Any) -> str:
         for part in content:
             if isinstance(part, str):
                 texts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") == "text":
+            elif isinstance(part, Mapping) and part.get("type") in _TEXT_PARTS:
                 text = part.get("text", "")
                 if not isinstance(text, str):
                     raise TemplateError("text part must have a string 'text'")

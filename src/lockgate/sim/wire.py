@@ -37,7 +37,7 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
 
 @dataclass(frozen=True, slots=True)
 class GenRequest:
-    kind: str  # "chat" or "completion"
+    kind: str  # "chat", "completion" or "responses"
     model: str
     prompt_tokens: list[str]
     stream: bool
@@ -79,8 +79,14 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
     n = _get(body, "n", int, 1)
     if n != 1:
         raise WireError(400, "the simulator supports only n=1", param="n")
-    if kind == "chat":
+    messages: Any
+    if kind == "responses":
+        messages = _response_messages(body)
+        if _get(body, "stream_options", dict, None) is not None:
+            raise WireError(400, "'stream_options' is not a field of a response request", param="stream_options")
+    else:
         messages = body.get("messages")
+    if kind != "completion":
         if not isinstance(messages, list) or not messages:
             raise WireError(400, "'messages' must be a non-empty list", param="messages")
         try:
@@ -102,7 +108,7 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
     prompt_tokens = tokenize(text)
     if not prompt_tokens:
         raise WireError(400, "the prompt is empty", param="prompt" if kind != "chat" else "messages")
-    max_tokens = _get(body, "max_completion_tokens", int, None)
+    max_tokens = _get(body, "max_output_tokens" if kind == "responses" else "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, config.default_max_tokens)
     if max_tokens < 1:
@@ -139,7 +145,34 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
     )
 
 
+def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response request's `instructions` and `input` as chat messages (the chat template renders them): a string
+    is the user's message; message items keep their role; a tool's output is a `tool` message; other items (a
+    function call, reasoning) say nothing to the template."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise WireError(400, "'input' must be a string or a non-empty list", param="input")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        if not isinstance(item, dict):
+            raise WireError(400, "each input item must be an object", param="input")
+        if "role" in item:
+            messages.append(item)
+        elif item.get("type") == "function_call_output":
+            messages.append({"role": "tool", "content": str(item.get("output", ""))})
+    if not messages:
+        raise WireError(400, "'input' has no message", param="input")
+    return messages
+
+
 def new_response_id(kind: str) -> str:
+    if kind == "responses":
+        return "resp_" + secrets.token_hex(12)
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
 
 
@@ -155,6 +188,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def full_response(
     req: GenRequest, resp_id: str, created: int, text: str, finish_reason: str, usage_: dict[str, Any]
 ) -> bytes:
+    if req.kind == "responses":
+        return orjson.dumps(response_object(req.model, resp_id, created, text, finish_reason, usage_))
     if req.kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
@@ -169,6 +204,104 @@ def full_response(
     return orjson.dumps(
         {"id": resp_id, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": usage_}
     )
+
+
+def response_object(
+    model: str, resp_id: str, created: int, text: str | None, finish_reason: str | None, usage_: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A response (the Responses API), `in_progress` until `finish_reason` says how it ended (`length`: incomplete at
+    `max_output_tokens`); `text` None: no output yet. `usage_` in the chat form, converted."""
+    status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
+    output = [] if text is None else [_message_item(resp_id, text, "completed")]
+    obj: dict[str, Any] = {
+        "id": resp_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "usage": None,
+    }
+    if usage_ is not None:
+        obj["usage"] = {
+            "input_tokens": usage_["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage_["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage_["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage_["total_tokens"],
+        }
+    return obj
+
+
+def _message_item(resp_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {"type": "message", "id": "msg_" + resp_id[5:], "status": status, "role": "assistant", "content": content}
+
+
+class ResponseEventWriter:
+    """Renders a response's SSE events (the Responses API), with `ChunkWriter`'s interface: `role()` opens the
+    response and its message, `token()` is one `response.output_text.delta`, `end()` closes the text, the item and
+    the response (`response.completed`, or `response.incomplete` at `max_output_tokens`) with the usage."""
+
+    __slots__ = ("_created", "_finish", "_id", "_model", "_seq", "_text")
+
+    def __init__(self, req: GenRequest, resp_id: str) -> None:
+        self._id = resp_id
+        self._model = req.model
+        self._created = int(time.time())
+        self._seq = 0
+        self._text: list[str] = []
+        self._finish = "stop"
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = orjson.dumps({"type": kind, "sequence_number": self._seq, **fields})
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    def role(self) -> bytes:
+        opened = response_object(self._model, self._id, self._created, None, None, None)
+        item_id = "msg_" + self._id[5:]
+        return b"".join(
+            (
+                self._event("response.created", response=opened),
+                self._event("response.in_progress", response=opened),
+                self._event(
+                    "response.output_item.added", output_index=0, item=_message_item(self._id, "", "in_progress")
+                ),
+                self._event(
+                    "response.content_part.added",
+                    item_id=item_id,
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                ),
+            )
+        )
+
+    def token(self, text: str, finish_reason: str | None) -> bytes:
+        if finish_reason is not None:
+            self._finish = finish_reason
+        if not text:
+            return b""
+        self._text.append(text)
+        item_id = "msg_" + self._id[5:]
+        return self._event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=text)
+
+    def end(self, usage_: dict[str, Any], include_usage: bool = True) -> bytes:
+        """(A response always carries its usage: `include_usage` is the chat writer's.)"""
+        text = "".join(self._text)
+        item_id = "msg_" + self._id[5:]
+        whole = response_object(self._model, self._id, self._created, text, self._finish, usage_)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return b"".join(
+            (
+                self._event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text),
+                self._event("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part),
+                self._event("response.output_item.done", output_index=0, item=whole["output"][0]),
+                self._event("response." + whole["status"], response=whole),
+            )
+        )
 
 
 class ChunkWriter:
@@ -208,3 +341,11 @@ class ChunkWriter:
     @staticmethod
     def done() -> bytes:
         return b"data: [DONE]\n\n"
+
+    def end(self, usage_: dict[str, Any], include_usage: bool) -> bytes:
+        """The stream's end: the usage chunk if the client asked for it, then `[DONE]`."""
+        return (self.usage(usage_) if include_usage else b"") + self.done()
+
+
+def writer_for(req: GenRequest, resp_id: str) -> ChunkWriter | ResponseEventWriter:
+    return ResponseEventWriter(req, resp_id) if req.kind == "responses" else ChunkWriter(req, resp_id)
