@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .assemble import assemble_for
 from .errors import UpstreamProtocolError
+from .responses import usage_tokens, whole_response
 from .upstream import too_large
+from .wire import Endpoint
 
 if TYPE_CHECKING:
     from .fleet.instance import Instance, Lease
@@ -84,12 +86,12 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
     events = opened.events
     if events is None:
         body, raw = await call.read_json_bytes()
-        field = "choices" if api.endpoint.generates else "data"
+        field = _ANSWER_FIELDS[api.endpoint]
         if not isinstance(body.get(field), list):
             # A 200 that is not an answer (`{}`, a proxy's JSON page): served, it was a success without one.
             raise UpstreamProtocolError(f"Instance {call.served_by} answered without `{field}`.")
         usage = body.get("usage")
-        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        tokens = usage_tokens(usage).get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, int):
             opened.lease.whole(tokens)
         return body, raw
@@ -99,4 +101,18 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
         if call.received > limit:
             call.abort()
             raise too_large(call.served_by, limit)
-    return assemble_for(api, held), None
+    if api.endpoint.chunked:
+        return assemble_for(api, held), None
+    response = whole_response(held)
+    if response is None:  # (the events end at a terminal one: `UpstreamEvents.take`)
+        raise UpstreamProtocolError(f"Instance {call.served_by} ended a response's stream without the response.")
+    return response, None
+
+
+#: Where a whole answer holds its output, by endpoint (a 200 without it is not an answer).
+_ANSWER_FIELDS = {
+    Endpoint.CHAT: "choices",
+    Endpoint.COMPLETIONS: "choices",
+    Endpoint.EMBEDDINGS: "data",
+    Endpoint.RESPONSES: "output",
+}

@@ -26,7 +26,7 @@ _NULL_USAGE = b',"usage":null}'
 class ClientView:
     """One streaming client's view of a generation's events."""
 
-    __slots__ = ("_include_usage", "_last", "_prompt_tokens", "_response_id", "model", "plain", "usage")
+    __slots__ = ("_include_usage", "_last", "_prompt_tokens", "_response_id", "model", "named", "plain", "usage")
 
     def __init__(
         self, *, model: str, include_usage: bool, response_id: str | None = None, prompt_tokens: int = 0
@@ -43,6 +43,9 @@ class ClientView:
         #: leaves the view as it was: no response id is imposed and the client did not ask for usage (a writer
         #: may then pass it through without asking `event()`).
         self.plain = response_id is None and not include_usage
+        #: Events go out with an `event:` line naming their type, and the stream ends without `[DONE]` (the
+        #: Responses API: `responses.ResponseView`).
+        self.named = False
 
     def event(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """The event as this client sees it; None when it gets nothing for it (usage-only chunks). The event
@@ -120,12 +123,15 @@ def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[
 
 
 def has_content(event: dict[str, Any]) -> bool:
+    """Whether a chunk (or a response's event) carries output: a token at least."""
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):
             continue
         if choice.get("text") or _delta_output(choice.get("delta")):
             return True
-    return False
+    # A response's `*.delta` event: text, reasoning, a tool call's arguments (`responses.py`).
+    kind = event.get("type")
+    return isinstance(kind, str) and kind.endswith(".delta")
 
 
 def _delta_output(delta: Any) -> bool:

@@ -367,9 +367,10 @@ MAX_ENGINE_MESSAGE = 500
 def stream_error(event: dict[str, Any]) -> tuple[str, int | None] | None:
     """An engine's error reported inside a stream, as an event, and its status if it names one; None for any other
     event. vLLM and SGLang end a generation that failed after its stream began with such an event (`{"error":
-    {...}}`, older vLLM `{"object": "error", ...}`) followed by `[DONE]`; llama.cpp and TGI send `{"error": ...}`."""
+    {...}}`, older vLLM `{"object": "error", ...}`) followed by `[DONE]`; llama.cpp and TGI send `{"error": ...}`; a
+    response's stream (the Responses API) has `{"type": "error", "code": ..., "message": ...}`."""
     err = event.get("error")
-    if not err and event.get("object") != "error":
+    if not err and event.get("object") != "error" and event.get("type") != "error":
         return None  # (an engine may carry `"error": null` on its usual chunks)
     message = (_message_of(event) or "the engine reported an error")[:MAX_ENGINE_MESSAGE]
     code = err.get("code") if isinstance(err, dict) else event.get("code")

@@ -181,6 +181,12 @@ class Exchange:
         self.record.instance = lease.instance.name
         self.record.attempts += 1
 
+    def remember_response(self, response_id: str) -> None:
+        """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
+        in `previous_response_id` goes there (`Pool.remember_response`)."""
+        if self._lease is not None:
+            self.pool.remember_response(response_id, self._lease.instance.key)
+
     def subscribe(self, subscription: Subscription) -> None:
         """Hold a subscription to a shared flight; it is closed with the attempt (`detach`)."""
         if self._subscription is not None:
@@ -435,7 +441,7 @@ class Exchange:
             return self.host.error_response(error, self._echo_id(), self.record.instance, self.response_headers)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
-            await self.response.write(sse.encode_error(error.body()))
+            await self.response.write(sse.encode_error(error.body(), named=not self.api.endpoint.chunked))
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass

@@ -81,6 +81,7 @@ _ENDPOINTS = {
     "/v1/chat/completions": Endpoint.CHAT,
     "/v1/completions": Endpoint.COMPLETIONS,
     "/v1/embeddings": Endpoint.EMBEDDINGS,
+    "/v1/responses": Endpoint.RESPONSES,
 }
 
 
@@ -422,7 +423,8 @@ class Gateway:
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
         """The request's path: the tenant's allowance, then de-duplication (a cached result or a flight to join
         needs no slot: only a flight's leader takes one, `Coalescer.serve`), else a slot and an engine call —
-        resumed elsewhere after a preemption for the preemptible classes (an embedding has nothing to resume)."""
+        resumed elsewhere after a preemption for the preemptible classes (an embedding has nothing to resume, and a
+        response's typed events are relayed as they come: neither is preempted)."""
         admission = self.admission
         admission.allow(ex, tenant, klass)
         room = admission.room_for(ex.api.model, klass)
@@ -430,7 +432,7 @@ class Gateway:
         if key is not None:
             # A flight (possibly shared by several clients) is never preempted.
             return await self.dedup.serve(ex, request, key, admission.slot(ex, klass), room)
-        if klass in admission.preemptible and ex.api.endpoint.generates:
+        if klass in admission.preemptible and ex.api.endpoint.chunked:
             return await resume.relay_resumable(ex, request, klass, admission, self.fleet)
         await admission.slot(ex, klass).take()
         return await relay(ex, request, self.fleet, room)

@@ -252,7 +252,7 @@ class GatewayMetrics:
         first_token_buckets = tuple(sorted({*_LATENCY_BUCKETS, *ttft_bounds}))
         self.endpoint_requests = LoopFamily(
             "lockgate_endpoint_requests",
-            "Client requests by endpoint (chat, completions, embeddings) and final status.",
+            "Client requests by endpoint (chat, completions, embeddings, responses) and final status.",
             ["endpoint", "status"],
             r,
         )

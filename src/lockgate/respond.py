@@ -31,6 +31,7 @@ from .assemble import ClientView, has_content
 from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
+from .responses import ResponseView, usage_tokens
 
 T = TypeVar("T")
 
@@ -108,11 +109,15 @@ class SSEWriter:
         #: The engine serving the generation, asked when the head goes out (a flight's leader starts following
         #: before its engine call has opened): named in `x-lockgate-instance`.
         self._instance = instance
-        self.view = ClientView(
-            model=api.model,
-            include_usage=api.include_usage,
-            response_id=response_id,
-            prompt_tokens=api.estimated_prompt_tokens() if api.include_usage else 0,
+        self.view = (
+            ClientView(
+                model=api.model,
+                include_usage=api.include_usage,
+                response_id=response_id,
+                prompt_tokens=api.estimated_prompt_tokens() if api.include_usage else 0,
+            )
+            if api.endpoint.chunked
+            else ResponseView(model=api.model, made=ex.remember_response)
         )
         self.response: StreamResponse | None = None
         #: Completion tokens written to the client.
@@ -155,7 +160,10 @@ class SSEWriter:
             payload = line if out is event and line is not None else orjson.dumps(out)
         if self.response is None:
             self._start()
-        data = b"data: " + payload + b"\n\n"
+        if view.named:  # a response's event, with its type's line (`responses.py`)
+            data = b"event: " + str(event.get("type")).encode() + b"\ndata: " + payload + b"\n\n"
+        else:
+            data = b"data: " + payload + b"\n\n"
         self._batch.append(data)
         self._batch_bytes += len(data)
         self._batch_tokens += has_content(event) if content is None else content
@@ -234,7 +242,8 @@ class SSEWriter:
         final = self.view.final(self.delivered + self._unconfirmed + self._batch_tokens)
         if final is not None:
             self._batch.append(sse.encode(final))
-        self._batch.append(sse.DONE_EVENT)
+        if not self.view.named:  # (a response's stream ends with its terminal event)
+            self._batch.append(sse.DONE_EVENT)
         if self.flush(last=True) or self._unconfirmed:  # the end of the response in the same send
             await self.drain()
         ex.answered = True
@@ -325,8 +334,11 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
     if raw is None or body.get("model") != model:
         body["model"] = model
         raw = orjson.dumps(body)
+    if not ex.api.endpoint.chunked and isinstance(body.get("id"), str):
+        ex.remember_response(body["id"])  # (a response: where its follow-ups should go)
     usage = body.get("usage")
     if isinstance(usage, dict):
+        usage = usage_tokens(usage)
         ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
         ex.record.completion_tokens = _int(usage.get("completion_tokens"))
     ex.record.http_status = 200

@@ -105,6 +105,19 @@ def encode(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def encode_error(error_body: dict[str, Any]) -> bytes:
-    """A final error event for a stream that has already started (status 200 was sent)."""
-    return b"data: " + orjson.dumps(error_body) + b"\n\n"
+def encode_error(error_body: dict[str, Any], *, named: bool = False) -> bytes:
+    """A final error event for a stream that has already started (status 200 was sent). `named`: a response's
+    stream (the Responses API), whose error event is `{"type": "error", "code", "message", "param"}` (the envelope's
+    `error` kept beside them: a client reading either finds it)."""
+    if not named:
+        return b"data: " + orjson.dumps(error_body) + b"\n\n"
+    error = error_body.get("error")
+    fields = error if isinstance(error, dict) else {}
+    event = {
+        "type": "error",
+        "code": fields.get("code"),
+        "message": fields.get("message"),
+        "param": fields.get("param"),
+        **error_body,
+    }
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

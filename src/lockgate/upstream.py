@@ -30,6 +30,7 @@ from .fleet.fleet import Fleet
 from .fleet.instance import Instance, Lease, upstream_headers
 from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
 from .metrics import GatewayMetrics
+from .responses import is_terminal
 from .sse import DONE, EventTooLarge, SSEDecoder
 
 T = TypeVar("T")
@@ -272,15 +273,16 @@ class UpstreamEvents:
         return self
 
     async def read_first(self) -> None:
-        """Read the stream, a network read at a time, up to the read that brought its first event with choices
-        (the events after it in that read come along): they are the first `take()` returns. Raises what broke
-        the stream before, and `UpstreamProtocolError` for a stream without any event with choices."""
+        """Read the stream, a network read at a time, up to the read that brought its first event with choices (a
+        response's: its first output, or its end) (the events after it in that read come along): they are the first
+        `take()` returns. Raises what broke the stream before, and `UpstreamProtocolError` for a stream without any
+        such event."""
         head: list[tuple[dict[str, Any], bytes, bool]] = []
         try:
             while not self.ended:
                 taken = self.take()
                 head += taken
-                if any(event.get("choices") for event, _, _ in taken):
+                if any(content or event.get("choices") or is_terminal(event) for event, _, content in taken):
                     self._lease.first_token()
                     self._head = head
                     self.ended = False  # not before the events read ahead are taken
@@ -348,11 +350,19 @@ class UpstreamEvents:
                             f"Instance {call.served_by} sent an event that is not a JSON object."
                         )
                     content = has_content(event)
-                    if not content and ("error" in event or event.get("object") == "error"):
-                        failure = stream_error(event)
-                        if failure is not None:
-                            self._index, self._done = index, True
-                            raise self._engine_error(*failure)
+                    if not content:
+                        if "error" in event or event.get("object") == "error" or event.get("type") == "error":
+                            failure = stream_error(event)
+                            if failure is not None:
+                                self._index, self._done = index, True
+                                raise self._engine_error(*failure)
+                        elif is_terminal(event):
+                            # A response's last event (`responses.py`): its stream ends there, `[DONE]` or not.
+                            out.append((event, payload, content))
+                            self._index = index
+                            self._done = self.ended = True
+                            call.release()
+                            return out
                     tokens += content
                     out.append((event, payload, content))
                 self._index = index

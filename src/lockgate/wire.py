@@ -24,12 +24,17 @@ from .errors import InvalidRequest
 MAX_DEPTH = 252
 
 _ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
+#: The roles of a response's input messages.
+_INPUT_ROLES = frozenset({"system", "user", "assistant", "developer"})
 
 
 class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    #: The Responses API: typed stream events (`response.output_text.delta`, ..., `response.completed` with the
+    #: usage), no `choices`.
+    RESPONSES = "responses"
 
     @property
     def path(self) -> str:
@@ -46,13 +51,26 @@ class Endpoint(StrEnum):
         answer with one body."""
         return self is not Endpoint.EMBEDDINGS
 
+    @property
+    def chunked(self) -> bool:
+        """Whether its answers are chat or text completion chunks (`choices`): what a flight assembles and replays
+        (de-duplication) and what a preempted request resumes from. A response (the Responses API) is relayed as
+        its engine sends it."""
+        return self is Endpoint.CHAT or self is Endpoint.COMPLETIONS
+
 
 _PATHS = {
     Endpoint.CHAT: "/v1/chat/completions",
     Endpoint.COMPLETIONS: "/v1/completions",
     Endpoint.EMBEDDINGS: "/v1/embeddings",
+    Endpoint.RESPONSES: "/v1/responses",
 }
-_OBJECT_NAMES = {Endpoint.CHAT: "chat.completion", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "list"}
+_OBJECT_NAMES = {
+    Endpoint.CHAT: "chat.completion",
+    Endpoint.COMPLETIONS: "text_completion",
+    Endpoint.EMBEDDINGS: "list",
+    Endpoint.RESPONSES: "response",
+}
 
 
 @dataclass(slots=True)
@@ -82,6 +100,8 @@ class ApiRequest:
         return self._prompt
 
     def _join_prompt(self) -> str:
+        if self.endpoint is Endpoint.RESPONSES:
+            return _response_input_text(self.body)
         if self.endpoint is not Endpoint.CHAT:
             prompt = self.body["prompt" if self.endpoint is Endpoint.COMPLETIONS else "input"]
             if isinstance(prompt, str):
@@ -136,6 +156,27 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _response_input_text(body: dict[str, Any]) -> str:
+    """A response's prompt as one string: its `instructions`, then each input item (a message's role and text, a
+    tool call's arguments or output)."""
+    instructions = body.get("instructions")
+    parts = [instructions] if isinstance(instructions, str) else []
+    items = body["input"]
+    if isinstance(items, str):
+        parts.append(items)
+        return "\n".join(parts)
+    for item in items:
+        if "role" in item:
+            parts.append(str(item["role"]))
+            parts.append(_content_text(item.get("content")))
+        else:
+            for key in ("arguments", "output", "text"):
+                value = item.get(key)
+                if isinstance(value, str):
+                    parts.append(value)
+    return "\n".join(parts)
+
+
 def parse_request(endpoint: Endpoint, raw: bytes) -> ApiRequest:
     try:
         body = orjson.loads(raw)
@@ -175,6 +216,8 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
         raise _bad("model", "`model` is required and must be a non-empty string.")
     if endpoint is Endpoint.EMBEDDINGS:
         return _validate_embeddings(model, body)
+    if endpoint is Endpoint.RESPONSES:
+        return _validate_response(model, body)
     if endpoint is Endpoint.CHAT:
         _check_messages(body.get("messages"))
     else:
@@ -257,6 +300,49 @@ def _validate_embeddings(model: str, body: dict[str, Any]) -> ApiRequest:
     )
 
 
+def _validate_response(model: str, body: dict[str, Any]) -> ApiRequest:
+    """The Responses API: `input` (a string, or a non-empty array of items: messages with a `role`, or typed items
+    such as `function_call_output`), `instructions` (a string), `max_output_tokens` >= 1, `stream` (a boolean),
+    `previous_response_id` (a string); sampling fields as for chat. Its usage always comes with the response
+    (`response.completed`): there is no `stream_options.include_usage`."""
+    items = body.get("input")
+    if isinstance(items, str):
+        if not items:
+            raise _bad("input", "`input` must not be an empty string.")
+    elif not isinstance(items, list) or not items:
+        raise _bad("input", "`input` is required: a string or a non-empty array of input items.")
+    else:
+        for index, item in enumerate(items):
+            where = f"input[{index}]"
+            if not isinstance(item, dict):
+                raise _bad(where, f"`{where}` must be an object.")
+            if "role" in item:
+                _check_message(item, where, _INPUT_ROLES)
+            elif not isinstance(item.get("type"), str):
+                raise _bad(where, f"`{where}` must be a message (with a `role`) or an item with a `type`.")
+    for key in ("instructions", "previous_response_id"):
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(key, f"`{key}` must be a string.")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("stream", "`stream` must be a boolean.")
+    for key in body:
+        check = _FIELD_CHECKS.get(key)
+        if check is not None:
+            check(body)
+    return ApiRequest(
+        endpoint=Endpoint.RESPONSES,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=False,
+        max_tokens=body.get("max_output_tokens"),
+    )
+
+
 def _token_ids(value: Any) -> bool:
     """A non-empty array of token ids: integers (JSON's `true` and `false` are not)."""
     if not isinstance(value, list) or not value:
@@ -276,29 +362,33 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise _bad(f"messages[{index}]", f"`messages[{index}]` must be an object.")
         role = message.get("role")
-        if role.__class__ is not str or role not in _ROLES:
-            raise _bad(
-                f"messages[{index}].role",
-                f"`messages[{index}].role` must be one of {', '.join(sorted(_ROLES))}; got {repr(role)[:80]}.",
-            )
-        content = message.get("content")
-        if content.__class__ is str:
+        if role.__class__ is str and role in _ROLES and message.get("content").__class__ is str:
             continue
-        where = f"messages[{index}]"
-        if content is None:
-            if role not in ("assistant", "tool", "function") or (
-                role == "assistant" and "tool_calls" not in message and "function_call" not in message
-            ):
-                raise _bad(f"{where}.content", f"`{where}.content` is required.")
-        elif isinstance(content, list):
-            for part_index, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise _bad(
-                        f"{where}.content[{part_index}]",
-                        f"`{where}.content[{part_index}]` must be an object with a `type`.",
-                    )
-        elif not isinstance(content, str):
-            raise _bad(f"{where}.content", f"`{where}.content` must be a string or an array of parts.")
+        _check_message(message, f"messages[{index}]", _ROLES)
+
+
+def _check_message(message: dict[str, Any], where: str, roles: frozenset[str]) -> None:
+    """A chat message or a response's input message (`where`: its place in the body, for the errors)."""
+    role = message.get("role")
+    if role.__class__ is not str or role not in roles:
+        raise _bad(f"{where}.role", f"`{where}.role` must be one of {', '.join(sorted(roles))}; got {repr(role)[:80]}.")
+    content = message.get("content")
+    if content.__class__ is str:
+        return
+    if content is None:
+        if role not in ("assistant", "tool", "function") or (
+            role == "assistant" and "tool_calls" not in message and "function_call" not in message
+        ):
+            raise _bad(f"{where}.content", f"`{where}.content` is required.")
+    elif isinstance(content, list):
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise _bad(
+                    f"{where}.content[{part_index}]",
+                    f"`{where}.content[{part_index}]` must be an object with a `type`.",
+                )
+    elif not isinstance(content, str):
+        raise _bad(f"{where}.content", f"`{where}.content` must be a string or an array of parts.")
 
 
 def _check_prompt(prompt: Any) -> None:
@@ -356,6 +446,7 @@ def _opt_number(body: dict[str, Any], key: str, low: float, high: float) -> None
 _FIELD_CHECKS: dict[str, Callable[[dict[str, Any]], object]] = {
     "max_tokens": partial(_opt_int, key="max_tokens", minimum=1),
     "max_completion_tokens": partial(_opt_int, key="max_completion_tokens", minimum=1),
+    "max_output_tokens": partial(_opt_int, key="max_output_tokens", minimum=1),
     "temperature": partial(_opt_number, key="temperature", low=0.0, high=2.0),
     "top_p": partial(_opt_number, key="top_p", low=0.0, high=1.0),
     "presence_penalty": partial(_opt_number, key="presence_penalty", low=-2.0, high=2.0),

@@ -195,6 +195,36 @@ async def test_non_streaming_disconnect_frees_the_slot(gateway, engine):
     await assert_stopped_early(engine.url, before)
 
 
+async def test_responses_whole_and_streamed(client, gateway):
+    """The Responses API: llama.cpp streams it without `[DONE]`; a whole response is the terminal event's (the
+    gateway streams from llama.cpp whatever the client asked)."""
+    request: dict[str, Any] = {"model": "smol", "input": "Name three colours.", "max_output_tokens": 16}
+    whole = await client.responses.create(**request, temperature=0)
+    assert (whole.model, whole.object) == ("smol", "response")
+    assert whole.output_text.strip() and whole.usage is not None and 0 < whole.usage.output_tokens <= 16
+    stream = await client.responses.create(**request, temperature=0, stream=True)
+    events = [event async for event in stream]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type == "response.completed" and events[-1].response.model == "smol"
+    assert text == events[-1].response.output_text == whole.output_text
+    await gateway.gateway.records.wait_flushed()
+
+
+async def test_responses_stream_disconnect_frees_the_slot(client, engine):
+    before = await decode_steps(engine.url)
+    stream = await client.responses.create(
+        model="smol", input="Write a long story.", max_output_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+    )
+    seen = 0
+    async for event in stream:
+        seen += event.type == "response.output_text.delta"
+        if seen >= 3:
+            break
+    assert await busy_slots(engine.url) == 1  # (`ignore_eos`: it would generate LONG tokens)
+    await stream.close()
+    await assert_stopped_early(engine.url, before)
+
+
 async def test_fleet_state_shows_the_engines_scraped_metrics(client, gateway, engine):
     stream = await long_story(client, stream=True)
     async for chunk in stream:

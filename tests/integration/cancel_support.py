@@ -84,6 +84,8 @@ class StreamReader:
             for choice in event.get("choices") or []:
                 if (choice.get("delta") or {}).get("content") or choice.get("text"):
                     self.tokens += 1
+            if str(event.get("type")).endswith(".delta"):  # a response's output (the Responses API)
+                self.tokens += 1
             return event
 
     async def read_tokens(self, n: int) -> None:

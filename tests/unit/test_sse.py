@@ -1,3 +1,4 @@
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -85,3 +86,14 @@ def test_an_event_larger_than_the_bound_raises():
     with pytest.raises(EventTooLarge):
         for _ in range(100):
             lines.feed(b"data: abcdefghij\r\n")
+
+
+def test_a_responses_error_event_is_named_and_keeps_the_envelope():
+    from lockgate.sse import encode_error
+
+    envelope = {"error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_protocol_error"}}
+    assert encode_error(envelope) == b"data: " + orjson.dumps(envelope) + b"\n\n"
+    name, data = encode_error(envelope, named=True).rstrip(b"\n").split(b"\n")
+    event = orjson.loads(data.removeprefix(b"data: "))
+    assert name == b"event: error"
+    assert event == {"type": "error", "code": "upstream_protocol_error", "message": "boom", "param": None, **envelope}

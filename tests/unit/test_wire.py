@@ -133,3 +133,24 @@ def test_a_flights_engine_request_streams_with_usage_and_keeps_the_prompt_comput
     assert streamed._prompt == api.prompt_text() and streamed._prompt_tokens == tokens
     assert api.body.get("stream") is None and not api.stream  # the client's request is left as it was
     assert upstream_request(api, stream=False) is api
+
+
+def test_a_responses_prompt_is_its_instructions_and_items():
+    body = {
+        "model": "m",
+        "instructions": "be brief",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"x": 1}'},
+            {"type": "function_call_output", "call_id": "c", "output": "42"},
+        ],
+        "max_output_tokens": 7,
+    }
+    import orjson
+
+    api = parse_request(Endpoint.RESPONSES, orjson.dumps(body))
+    assert (api.max_tokens, api.stream, api.include_usage) == (7, False, False)
+    assert api.prompt_text() == 'be brief\nuser\nhello\n{"x": 1}\n42'
+    assert not api.endpoint.chunked and api.endpoint.generates
+    text = parse_request(Endpoint.RESPONSES, orjson.dumps({"model": "m", "input": "hi", "stream": True}))
+    assert (text.prompt_text(), text.stream) == ("hi", True)

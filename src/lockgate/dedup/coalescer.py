@@ -164,8 +164,8 @@ class Coalescer:
         """The request's fingerprint if it may be de-duplicated, else None (its outcome `bypass`; an eligible
         request's is `miss` until something serves it: `Exchange.dedup_outcome`)."""
         api = ex.api
-        # Flights share token streams: embeddings (one body) are not coalesced.
-        if not api.endpoint.generates or not eligible(ex.pool.config.dedup, api.body, cache_control):
+        # Flights share chunk streams: embeddings (one body) and responses (typed events) are not coalesced.
+        if not api.endpoint.chunked or not eligible(ex.pool.config.dedup, api.body, cache_control):
             ex.dedup_outcome = "bypass"
             return None
         ex.dedup_outcome = "miss"

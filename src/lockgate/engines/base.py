@@ -114,7 +114,7 @@ class Dialect:
         body["model"] = served_model
         if stream and not request.stream:
             body["stream"] = True
-        if stream and self.stream_usage:
+        if stream and self.stream_usage and request.endpoint.chunked:  # (a response's usage comes with it)
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options

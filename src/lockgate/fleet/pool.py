@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
@@ -26,7 +27,7 @@ from ..routing.placement import anchor_depth, rendezvous_spread
 from ..routing.policies import Policy, PoolSnapshot, RouteRequest
 from ..routing.prefix import PrefixIndex, prompt_blocks
 from ..routing.residency import Residency
-from ..wire import ApiRequest
+from ..wire import ApiRequest, Endpoint
 from .ejection import ejection_allowed
 from .instance import Instance
 from .state import Ewma
@@ -48,6 +49,9 @@ class LongPrefillBusy(Exception):
     """A long prompt (`Pool.is_long`) while every candidate instance is prefilling one: the request waits for a
     turn (`Fleet.prefills`, `Pool.long_turn`), then routes again."""
 
+
+#: Responses whose instance a pool remembers for their follow-ups (`previous_response_id`): ~100 bytes each.
+MAX_RESPONSE_HOMES = 65_536
 
 #: Routed prompts before a pool's measured reuse replaces the assumption that caches are reused (1.0).
 _REUSE_SAMPLES = 32
@@ -89,6 +93,9 @@ class Pool:
         #: Sidecars only: the request header naming the engine a central gateway chose (preferred when
         #: it can take the request).
         self.pin_header: str | None = None
+        #: The instance that made each recent response (the Responses API), by response id: a follow-up naming one
+        #: in `previous_response_id` is pinned there (the engine that may have stored it). The oldest are forgotten.
+        self._response_homes: OrderedDict[str, str] = OrderedDict()
         #: Created for instances discovered at run time (cluster mode), not configured.
         self.discovered = False
         #: Central replicas (cluster mode): the anchor depth of the shared default placement
@@ -166,6 +173,10 @@ class Pool:
             key = user
         blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
         pin = headers.get(self.pin_header) if self.pin_header is not None and headers is not None else None
+        if pin is None and api.endpoint is Endpoint.RESPONSES:
+            previous = api.body.get("previous_response_id")
+            if isinstance(previous, str):
+                pin = self._response_homes.get(previous)
         return RouteRequest(
             api.model,
             "",
@@ -276,6 +287,13 @@ class Pool:
         if self._decisions is not None:
             self._decisions[instance.key].inc()
         return instance, cached
+
+    def remember_response(self, response_id: str, instance_key: str) -> None:
+        """`instance_key` made the response `response_id`: its follow-ups go there while it can take them."""
+        homes = self._response_homes
+        homes[response_id] = instance_key
+        if len(homes) > MAX_RESPONSE_HOMES:
+            homes.popitem(last=False)
 
     def named(self, name: str) -> Instance | None:
         """The member instance called `name` (a sidecar's engine is `<node>/<engine>`), if any."""

@@ -1,0 +1,84 @@
+"""The Responses API's stream (`POST /v1/responses`), as the gateway relays it (pure, synchronous).
+
+A response streams typed events rather than chat chunks: `response.created` and `response.in_progress` (the
+response object, no output yet), then an output item's events (`response.output_item.added`,
+`response.content_part.added`, one `response.output_text.delta` a token, `... .done`), and one terminal event
+carrying the whole response with its usage (`response.completed`, `response.incomplete` at `max_output_tokens`,
+`response.failed`). Every `*.delta` event carries output (text, reasoning, a tool call's arguments): a token at
+least (`assemble.has_content`). Engines end the body after the terminal event, with or without `[DONE]`
+(llama.cpp: without).
+
+The gateway relays the events as they come: each client's view only restores the model name it asked for inside
+the response objects and learns the usage from the terminal event; the events go out with an `event:` line naming
+their type, as OpenAI sends them. A non-streaming client gets the terminal event's response (`whole_response`) when
+the engine was read as a stream. Responses are neither de-duplicated nor resumed after a preemption
+(`Endpoint.chunked`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .assemble import ClientView
+
+#: The events that end a response's stream, each carrying the whole response (its usage, its output).
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def is_terminal(event: dict[str, Any]) -> bool:
+    return event.get("type") in TERMINAL
+
+
+def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
+    """A response's usage (`input_tokens`, `output_tokens`) under the names the gateway's records read
+    (`prompt_tokens`, `completion_tokens`); a completion's usage as it is."""
+    if "input_tokens" not in usage and "output_tokens" not in usage:
+        return usage
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
+
+
+def whole_response(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The whole response a stream's terminal event carries (None: the stream had none)."""
+    for event in reversed(events):
+        response = event.get("response")
+        if is_terminal(event) and isinstance(response, dict):
+            return response
+    return None
+
+
+class ResponseView(ClientView):
+    """One streaming client's view of a response's events (see the module docstring): the events themselves,
+    each response object naming the client's model; `usage` (as `usage_tokens` names it) once the terminal event
+    came. Nothing is added at the end (no usage chunk, no `[DONE]`)."""
+
+    __slots__ = ("_made",)
+
+    def __init__(self, *, model: str, made: Callable[[str], object] | None = None) -> None:
+        """`made`: told the response's id once an event shows it (where its follow-ups should go)."""
+        super().__init__(model=model, include_usage=False)
+        self.plain = False
+        self.named = True
+        self._made = made
+
+    def event(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        response = event.get("response")
+        if not isinstance(response, dict):
+            return event
+        made = self._made
+        if made is not None and isinstance(response.get("id"), str):
+            self._made = None
+            made(response["id"])
+        usage = response.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage_tokens(usage)
+        if response.get("model") == self.model:
+            return event
+        return {**event, "response": {**response, "model": self.model}}
+
+    def spliced(self, event: dict[str, Any], raw: bytes) -> bytes | None:
+        # The engine's bytes for every event without a response object (the deltas): nothing in them to change.
+        return None if "response" in event else raw
+
+    def final(self, pieces: int = 0) -> dict[str, Any] | None:
+        return None

@@ -1,0 +1,213 @@
+"""`POST /v1/responses` (the Responses API) through the gateway in front of simulators: the openai SDK's
+`responses.create`, whole and streamed; the events relayed with their `event:` lines and the client's model name;
+usage records; validation; a client that leaves mid-stream; an engine that breaks mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from lockgate.records import read_records
+from tests.conftest import instance
+from tests.integration.cancel_support import StreamReader, assert_gateway_clean, wait_sim_idle
+
+SIM = {"prefill_tps": 1e6, "tpot_ms": 1.0}
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def fleet(start_sim, start_gateway):
+    # The engine serves the model under another name: the client's must come back inside every response object.
+    sim = await start_sim(("engine-name",), seed=3, **SIM)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, served_model="engine-name")]}])
+    return sim, gw
+
+
+@pytest.fixture
+async def client(fleet):
+    _, gw = fleet
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+async def test_whole_response_through_the_sdk(client, fleet, tmp_path) -> None:
+    _, gw = fleet
+    raw = await client.responses.with_raw_response.create(
+        model="m", input="hello there", instructions="be brief", max_output_tokens=6, temperature=0
+    )
+    reply = raw.parse()
+    assert raw.headers["x-lockgate-cache"] == "bypass"  # responses are not de-duplicated
+    assert (reply.object, reply.model, reply.status) == ("response", "m", "incomplete")
+    assert reply.output_text and reply.usage is not None
+    assert reply.usage.output_tokens == 6 and reply.usage.input_tokens > 0
+    await gw.gateway.records.wait_flushed()
+    (record,) = read_records(str(tmp_path / "usage.sqlite3"))
+    assert (record["endpoint"], record["status"], record["stream"]) == ("responses", "completed", 0)
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (reply.usage.input_tokens, 6)
+
+
+async def test_streamed_response_matches_the_whole_one(client, fleet, tmp_path) -> None:
+    _, gw = fleet
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "tell me"}]}]
+    whole = await client.responses.create(model="m", input=items, max_output_tokens=12, temperature=0)
+    stream = await client.responses.create(model="m", input=items, max_output_tokens=12, temperature=0, stream=True)
+    kinds, text = [], ""
+    async for event in stream:
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if hasattr(event, "response"):
+            assert event.response.model == "m"
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"  # at max_output_tokens, as OpenAI says it
+    assert kinds.count("response.output_text.delta") == 12
+    assert text == whole.output_text
+    await gw.gateway.records.wait_flushed()
+    streamed = [r for r in read_records(str(tmp_path / "usage.sqlite3")) if r["stream"]]
+    assert [(r["status"], r["completion_tokens"]) for r in streamed] == [("completed", 12)]
+    assert streamed[0]["first_token_at"] is not None
+
+
+async def test_events_keep_their_type_lines_and_end_without_done(fleet, http) -> None:
+    _, gw = fleet
+    body = {"model": "m", "input": "hi", "max_output_tokens": 3, "stream": True}
+    async with http.post(gw.url + "/v1/responses", json=body) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"] == "text/event-stream"
+        text = (await resp.read()).decode()
+    blocks = [b for b in text.split("\n\n") if b]
+    assert b"[DONE]" not in text.encode()
+    for block in blocks:
+        name, data = block.split("\n")
+        event = orjson.loads(data.removeprefix("data: "))
+        assert name == "event: " + event["type"]
+    assert orjson.loads(blocks[-1].split("\n")[1][6:])["response"]["usage"]["output_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m"}, "input"),
+        ({"model": "m", "input": ""}, "input"),
+        ({"model": "m", "input": []}, "input"),
+        ({"model": "m", "input": ["text"]}, "input[0]"),
+        ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"model": "m", "input": [{"content": "x"}]}, "input[0]"),
+        ({"model": "m", "input": "x", "instructions": 3}, "instructions"),
+        ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
+        ({"model": "m", "input": "x", "temperature": 9}, "temperature"),
+    ],
+)
+async def test_invalid_requests_get_the_envelope(fleet, http, body, param) -> None:
+    sim, gw = fleet
+    async with http.post(gw.url + "/v1/responses", json=body) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert sim.statistics()["requests_started"] == 0
+
+
+async def test_unknown_model_is_404(fleet, http) -> None:
+    _, gw = fleet
+    async with http.post(gw.url + "/v1/responses", json={"model": "nope", "input": "x"}) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_a_client_leaving_mid_stream_aborts_the_engine_request(fleet, http) -> None:
+    sim, gw = fleet
+    body = {"model": "m", "input": "a long story", "max_output_tokens": 1000, "stream": True}
+    async with asyncio.timeout(10):
+        resp = await http.post(gw.url + "/v1/responses", json=body)
+        reader = StreamReader(resp)
+        await reader.read_tokens(3)
+        resp.close()  # the client leaves
+        await wait_sim_idle(sim)
+        await gw.gateway.registry.wait_empty()
+    (rec,) = sim.stats.seen
+    assert rec.outcome == "aborted" and rec.completion_tokens < 1000
+    assert_gateway_clean(gw.gateway)
+
+
+async def test_an_engine_breaking_mid_stream_ends_with_an_error_event(fleet, http) -> None:
+    sim, gw = fleet
+    sim.control.reset_after_tokens = 4
+    body = {"model": "m", "input": "x", "max_output_tokens": 50, "stream": True}
+    async with asyncio.timeout(5):
+        async with http.post(gw.url + "/v1/responses", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+    last = [b for b in text.split("\n\n") if b][-1].split("\n")
+    assert last[0] == "event: error"
+    event = orjson.loads(last[1].removeprefix("data: "))
+    assert event["type"] == "error" and event["code"] == "upstream_protocol_error"
+    assert event["error"]["code"] == "upstream_protocol_error"  # the envelope, for clients that read that
+    assert "response.completed" not in text
+
+
+async def test_a_follow_up_goes_to_the_instance_that_made_the_previous_response(start_sim, start_gateway, http) -> None:
+    """`previous_response_id` names a response an engine may have stored: the follow-up is pinned to the instance
+    that made it (round-robin would rotate), whole or streamed; an id the gateway never saw is routed as usual."""
+    sims = [await start_sim(**SIM) for _ in range(3)]
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
+            }
+        ]
+    )
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+        first = await r.json()
+        home = r.headers["x-lockgate-instance"]
+    previous = first["id"]
+    for stream in (False, True, False, True):
+        body = {
+            "model": "m",
+            "input": "and?",
+            "max_output_tokens": 2,
+            "previous_response_id": previous,
+            "stream": stream,
+        }
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            assert r.status == 200 and r.headers["x-lockgate-instance"] == home
+            await r.read()
+    # A streamed response's id is remembered too (from its `response.created`).
+    body = {"model": "m", "input": "x", "max_output_tokens": 2, "stream": True}
+    async with http.post(gw.url + "/v1/responses", json=body) as r:
+        streamed_home = r.headers["x-lockgate-instance"]
+        created = orjson.loads((await r.read()).split(b"\n\n")[0].split(b"\n")[1][6:])["response"]["id"]
+    homes = set()
+    for _ in range(3):
+        body = {"model": "m", "input": "y", "max_output_tokens": 2, "previous_response_id": created}
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            homes.add(r.headers["x-lockgate-instance"])
+    assert homes == {streamed_home}
+    unknown = set()
+    for _ in range(3):
+        body = {"model": "m", "input": "z", "max_output_tokens": 2, "previous_response_id": "resp_never_seen"}
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            unknown.add(r.headers["x-lockgate-instance"])
+    assert len(unknown) == 3  # round-robin as usual
+
+
+async def test_a_pool_remembers_a_bounded_number_of_responses(fleet) -> None:
+    from lockgate.fleet.pool import MAX_RESPONSE_HOMES
+
+    _, gw = fleet
+    pool = gw.gateway.fleet.pools["m"]
+    for n in range(MAX_RESPONSE_HOMES + 10):
+        pool.remember_response(f"resp_{n}", "k")
+    homes = pool._response_homes
+    assert len(homes) == MAX_RESPONSE_HOMES
+    assert "resp_9" not in homes and f"resp_{MAX_RESPONSE_HOMES + 9}" in homes
