@@ -32,8 +32,11 @@ from .http import ConnectError, DisconnectedError, ProtocolError, Response, Resp
 from .metrics import GatewayMetrics
 from .responses import is_terminal
 from .sse import DONE, EventTooLarge, SSEDecoder
+from .wire import Endpoint
 
 T = TypeVar("T")
+
+RESPONSES_PATH = Endpoint.RESPONSES.path
 
 #: The response header naming the engine that served a request (a sidecar's answer names one of its own).
 SERVED_BY_HEADER = "x-lockgate-instance"
@@ -166,8 +169,11 @@ class UpstreamCall:
 
     def events(self, lease: Lease) -> UpstreamEvents:
         """The parsed `data:` payloads of the stream, until `[DONE]` or the end of the body; their tokens
-        count on `lease` (the instance's TPOT)."""
-        return UpstreamEvents(self, self._require(), self._fleet.upstream.max_event_bytes, lease)
+        count on `lease` (the instance's TPOT). A response's events (the Responses API) are bounded as a whole answer
+        is (`upstream.max_response_bytes`): its last events each carry the whole output."""
+        limits = self._fleet.upstream
+        bound = limits.max_response_bytes if self._path == RESPONSES_PATH else limits.max_event_bytes
+        return UpstreamEvents(self, self._require(), bound, lease)
 
     def _require(self) -> Response:
         if self._response is None:

@@ -211,3 +211,19 @@ async def test_a_pool_remembers_a_bounded_number_of_responses(fleet) -> None:
     homes = pool._response_homes
     assert len(homes) == MAX_RESPONSE_HOMES
     assert "resp_9" not in homes and f"resp_{MAX_RESPONSE_HOMES + 9}" in homes
+
+
+async def test_a_response_larger_than_one_event_bound_still_ends(start_sim, start_gateway, http) -> None:
+    """A response's terminal event carries its whole output: bounded as a whole answer (`max_response_bytes`), not as
+    one chat chunk (`max_event_bytes`), or every long answer would break at its end."""
+    sim = await start_sim(**SIM)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}], upstream={"max_event_bytes": 1024, "max_response_bytes": 1 << 20}
+    )
+    body = {"model": "m", "input": "a long story", "max_output_tokens": 600, "stream": True}
+    async with http.post(gw.url + "/v1/responses", json=body) as r:
+        assert r.status == 200
+        blocks = [b for b in (await r.read()).split(b"\n\n") if b]
+    last = orjson.loads(blocks[-1].split(b"\n")[1][6:])
+    assert last["type"] == "response.incomplete" and len(blocks[-1]) > 1024
+    assert last["response"]["usage"]["output_tokens"] == 600
