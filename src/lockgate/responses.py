@@ -40,7 +40,9 @@ def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
 
 def whole_response(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The whole response a stream's terminal event carries (None: the stream had none)."""
-    for event in reversed(events):
+    # (An index, not `reversed()`: mypyc 1.x fails to compile a loop over `reversed()` of this list.)
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
         response = event.get("response")
         if is_terminal(event) and isinstance(response, dict):
             return response
