@@ -185,7 +185,7 @@ class Exchange:
         """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
         in `previous_response_id` goes there (`Pool.remember_response`)."""
         if self._lease is not None:
-            self.pool.remember_response(response_id, self._lease.instance.key)
+            self.pool.remember_response(response_id, self._lease.instance.key, self.record.tenant or "")
 
     def subscribe(self, subscription: Subscription) -> None:
         """Hold a subscription to a shared flight; it is closed with the attempt (`detach`)."""

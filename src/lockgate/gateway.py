@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from . import stored
 from .admission import resume
 from .admission.admin import AdminGate, cross_site
 from .admission.admin import challenge as admin_challenge
@@ -286,6 +287,8 @@ class Gateway:
             reply = await self._admin_cancel_anywhere(request)
         elif request.path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
             reply = self._model(request, request.path[len(_MODEL_PREFIX) :])
+        elif request.path.startswith(stored.PREFIX):
+            reply = await self._stored(request)
         elif (
             self.dashboard is not None and request.path.startswith(STATIC_PREFIX) and request.method in ("GET", "HEAD")
         ):
@@ -481,6 +484,14 @@ class Gateway:
         except GatewayError as exc:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)
+
+    async def _stored(self, request: Request) -> Response:
+        """A stored response's routes (`stored.py`), for the caller's tenant."""
+        request_id = _client_request_id(request) or new_request_id()
+        try:
+            return await stored.forward(request, self._tenant(request).name, self.fleet, request_id)
+        except GatewayError as exc:
+            return self.error_response(exc, "")  # `_set_request_id` adds the id
 
     async def _health(self, request: Request) -> Response:
         return json_response({"status": "ok"})

@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import StreamReader, assert_gateway_clean, wait_sim_idle
@@ -207,7 +208,7 @@ async def test_a_pool_remembers_a_bounded_number_of_responses(fleet) -> None:
     _, gw = fleet
     pool = gw.gateway.fleet.pools["m"]
     for n in range(MAX_RESPONSE_HOMES + 10):
-        pool.remember_response(f"resp_{n}", "k")
+        pool.remember_response(f"resp_{n}", "k", "default")
     homes = pool._response_homes
     assert len(homes) == MAX_RESPONSE_HOMES
     assert "resp_9" not in homes and f"resp_{MAX_RESPONSE_HOMES + 9}" in homes
@@ -227,3 +228,61 @@ async def test_a_response_larger_than_one_event_bound_still_ends(start_sim, star
     last = orjson.loads(blocks[-1].split(b"\n")[1][6:])
     assert last["type"] == "response.incomplete" and len(blocks[-1]) > 1024
     assert last["response"]["usage"]["output_tokens"] == 600
+
+
+async def test_stored_responses_are_asked_of_the_engine_that_made_them(start_sim, start_gateway, http) -> None:
+    """`responses.retrieve`, `input_items.list`, `delete` and `cancel` through the gateway reach the instance that
+    made the response (each simulator stores only its own: any other answers 404), with the client's model name."""
+    sims = [await start_sim(("engine-name",), **SIM) for _ in range(3)]
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "instances": [instance(s, name=f"sim-{i}", served_model="engine-name") for i, s in enumerate(sims)],
+            }
+        ]
+    )
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as client:
+        made = [await client.responses.create(model="m", input=f"q{i}", max_output_tokens=3) for i in range(3)]
+        for response in made:
+            again = await client.responses.retrieve(response.id)
+            assert (again.id, again.model, again.output_text) == (response.id, "m", response.output_text)
+            items = await client.responses.input_items.list(response.id)
+            assert [(item.role, item.content) for item in items.data] == [("user", f"q{made.index(response)}")]
+        # A follow-up continues the conversation on the engine that holds it (elsewhere: 404 from the engine).
+        follow = await client.responses.create(
+            model="m", input="and then?", previous_response_id=made[0].id, max_output_tokens=3
+        )
+        assert follow.usage.input_tokens > made[0].usage.input_tokens
+        with pytest.raises(openai.BadRequestError):
+            await client.responses.cancel(made[1].id)  # not a background response: the engine's 400, passed on
+        deleted = await client.responses.delete(made[2].id)
+        assert deleted is None
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.retrieve(made[2].id)  # deleted on its engine
+        assert gone.value.status_code == 404
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.responses.retrieve("resp_never_made_here")
+        assert unknown.value.body["code"] == "response_not_found"
+    async with http.get(gw.url + f"/v1/responses/{made[0].id}?stream=true") as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "stream"
+    async with http.get(gw.url + f"/v1/responses/{made[0].id}/nothing") as r:
+        assert r.status == 404
+
+
+async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, start_gateway, http) -> None:
+    sim = await start_sim(**SIM)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "a", "keys": [hash_key("key-a")]}, {"name": "b", "keys": [hash_key("key-b")]}],
+    )
+    body = {"model": "m", "input": "secret", "max_output_tokens": 2}
+    async with http.post(gw.url + "/v1/responses", json=body, headers={"Authorization": "Bearer key-a"}) as r:
+        made = (await r.json())["id"]
+    async with http.get(gw.url + f"/v1/responses/{made}", headers={"Authorization": "Bearer key-b"}) as r:
+        assert r.status == 404 and (await r.json())["error"]["code"] == "response_not_found"
+    async with http.get(gw.url + f"/v1/responses/{made}") as r:
+        assert r.status == 401
+    async with http.get(gw.url + f"/v1/responses/{made}", headers={"Authorization": "Bearer key-a"}) as r:
+        assert r.status == 200 and (await r.json())["id"] == made

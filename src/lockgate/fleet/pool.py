@@ -95,7 +95,7 @@ class Pool:
         self.pin_header: str | None = None
         #: The instance that made each recent response (the Responses API), by response id: a follow-up naming one
         #: in `previous_response_id` is pinned there (the engine that may have stored it). The oldest are forgotten.
-        self._response_homes: OrderedDict[str, str] = OrderedDict()
+        self._response_homes: OrderedDict[str, tuple[str, str]] = OrderedDict()
         #: Created for instances discovered at run time (cluster mode), not configured.
         self.discovered = False
         #: Central replicas (cluster mode): the anchor depth of the shared default placement
@@ -176,7 +176,9 @@ class Pool:
         if pin is None and api.endpoint is Endpoint.RESPONSES:
             previous = api.body.get("previous_response_id")
             if isinstance(previous, str):
-                pin = self._response_homes.get(previous)
+                home = self._response_homes.get(previous)
+                if home is not None:
+                    pin = home[0]
         return RouteRequest(
             api.model,
             "",
@@ -288,12 +290,21 @@ class Pool:
             self._decisions[instance.key].inc()
         return instance, cached
 
-    def remember_response(self, response_id: str, instance_key: str) -> None:
-        """`instance_key` made the response `response_id`: its follow-ups go there while it can take them."""
+    def remember_response(self, response_id: str, instance_key: str, tenant: str) -> None:
+        """`instance_key` made the response `response_id` for `tenant`: its follow-ups go there while it can take
+        them, and its stored copy is asked for there (`stored.py`)."""
         homes = self._response_homes
-        homes[response_id] = instance_key
+        homes[response_id] = (instance_key, tenant)
         if len(homes) > MAX_RESPONSE_HOMES:
             homes.popitem(last=False)
+
+    def response_home(self, response_id: str) -> tuple[str, str] | None:
+        """The instance key and tenant of a response made here (`remember_response`), if remembered."""
+        return self._response_homes.get(response_id)
+
+    def member(self, key: str) -> Instance | None:
+        """The member instance with this key, if any."""
+        return self._by_key.get(key)
 
     def named(self, name: str) -> Instance | None:
         """The member instance called `name` (a sidecar's engine is `<node>/<engine>`), if any."""

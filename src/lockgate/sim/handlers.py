@@ -34,14 +34,17 @@ from .engine import Engine, EngineCrashed, Generation
 from .generator import GREEDY_SEED, Token, TokenStream, generate
 from .metrics import CONTENT_TYPE, SimMetrics
 from .stats import Outcome, RequestRecord, SimStats
+from .stored import ResponseStore
 from .wire import (
     GenRequest,
+    ResponseEventWriter,
     WireError,
     error_body,
     full_response,
     new_response_id,
     parse_body,
     parse_request,
+    response_object,
     usage,
     writer_for,
 )
@@ -101,12 +104,14 @@ class Api:
         self.control = control
         self.engine = engine
         self._rng = random.Random(config.seed)
+        self.responses = ResponseStore()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/responses", self.create_response)
+        self.responses.add_routes(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prom)
@@ -230,8 +235,14 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
-    async def responses(self, request: web.Request) -> web.StreamResponse:
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "responses")
+
+    def _keep(self, req: GenRequest, resp_id: str, text: str, finish_reason: str, usage_: dict[str, Any]) -> None:
+        """A finished response goes to the store (`sim/stored.py`)."""
+        if req.body is not None:
+            response = response_object(req.model, resp_id, int(time.time()), text, finish_reason, usage_)
+            self.responses.keep(response, req.body)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """vLLM's embeddings route (`embeddings.py`). No step loop: the request waits its prefill time
@@ -290,7 +301,10 @@ class Api:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request.headers.get("x-request-id") or secrets.token_hex(8)
         try:
-            req = parse_request(kind, parse_body(await request.read()), self.config)
+            body = parse_body(await request.read())
+            if kind == "responses":
+                body = self.responses.with_previous(body)
+            req = parse_request(kind, body, self.config)
             status = _int_header(request, "x-sim-status") or self.control.fail_status
             hold = self.control.hold or request.headers.get("x-sim-hold", "0") not in ("", "0", "false")
             reset_after = _int_header(request, "x-sim-reset-after-tokens")
@@ -335,6 +349,7 @@ class Api:
         stats.close_request(rec, "finished")
         resp_id = new_response_id(req.kind)
         u = usage(n_prompt, n_gen, 0)
+        self._keep(req, resp_id, comp.text, comp.finish_reason, u)
         if not req.stream:
             body = full_response(req, resp_id, int(time.time()), comp.text, comp.finish_reason, u)
             return web.Response(body=body, content_type=_JSON)
@@ -445,14 +460,9 @@ class Api:
         if isinstance(tokens, _ListTokens):
             rec.completion_tokens = n
         rec.finish_reason = finish_reason
-        body = full_response(
-            req,
-            resp_id,
-            int(time.time()),
-            "".join(parts),
-            finish_reason,
-            usage(len(req.prompt_tokens), n, rec.cached_tokens),
-        )
+        text, u = "".join(parts), usage(len(req.prompt_tokens), n, rec.cached_tokens)
+        self._keep(req, resp_id, text, finish_reason, u)
+        body = full_response(req, resp_id, int(time.time()), text, finish_reason, u)
         return web.Response(body=body, content_type=_JSON), "finished"
 
     async def _stream(
@@ -485,6 +495,9 @@ class Api:
                 rec.finish_reason = t.finish_reason
         if isinstance(tokens, _ListTokens):
             rec.completion_tokens = n
-        await write(w.end(usage(len(req.prompt_tokens), n, rec.cached_tokens), req.include_usage))
+        u = usage(len(req.prompt_tokens), n, rec.cached_tokens)
+        await write(w.end(u, req.include_usage))
+        if isinstance(w, ResponseEventWriter):
+            self._keep(req, resp_id, w.text, rec.finish_reason or "stop", u)
         await resp.write_eof()
         return resp, "finished"

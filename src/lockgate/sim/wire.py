@@ -47,6 +47,8 @@ class GenRequest:
     seed: int | None
     temperature: float
     priority: int
+    #: A response's request body (the Responses API), for the store (`sim/stored.py`); None otherwise.
+    body: dict[str, Any] | None = None
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -142,6 +144,7 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
         seed=_get(body, "seed", int, None),
         temperature=float(_get(body, "temperature", (int, float), 1.0)),
         priority=_get(body, "priority", int, 0),
+        body=body if kind == "responses" else None,
     )
 
 
@@ -245,6 +248,11 @@ class ResponseEventWriter:
     the response (`response.completed`, or `response.incomplete` at `max_output_tokens`) with the usage."""
 
     __slots__ = ("_created", "_finish", "_id", "_model", "_seq", "_text")
+
+    @property
+    def text(self) -> str:
+        """The output so far."""
+        return "".join(self._text)
 
     def __init__(self, req: GenRequest, resp_id: str) -> None:
         self._id = resp_id

@@ -1,0 +1,132 @@
+"""A stored response's routes (the Responses API), forwarded to the engine that made the response:
+`GET /v1/responses/{id}` (the SDK's `responses.retrieve`), `DELETE /v1/responses/{id}`, `POST
+/v1/responses/{id}/cancel` (a background response) and `GET /v1/responses/{id}/input_items`.
+
+An engine with a response store (OpenAI; vLLM with `VLLM_ENABLE_RESPONSES_API_STORE`) answers these for the
+responses it made, and only for those: the gateway remembers which instance made each recent response, and for which
+tenant (`Pool.remember_response`, the same record that pins a `previous_response_id` follow-up), and sends the request
+there with the instance's own credentials. An id it does not remember, or one another tenant made, is 404: a tenant
+learns nothing of another's responses. The engine's answer comes back as it is, but for the model name inside a
+response object (the client's, not the engine's) and errors in the OpenAI envelope (`UpstreamStatusError`). `GET
+...?stream=true` (replaying a background response's events) is not relayed: 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import orjson
+
+from .edge.server import Request, Response
+from .errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    NotFound,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+)
+from .fleet.instance import upstream_headers
+from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
+
+if TYPE_CHECKING:
+    from .fleet.fleet import Fleet
+    from .fleet.instance import Instance
+
+PREFIX = "/v1/responses/"
+
+#: (method, what follows the id) -> the action's name, for the errors.
+_ACTIONS = {
+    ("GET", ""): "retrieve",
+    ("DELETE", ""): "delete",
+    ("POST", "/cancel"): "cancel",
+    ("GET", "/input_items"): "list input items of",
+}
+
+#: How long the engine may take to answer when the model sets no `timeout_ms`.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str) -> Response:
+    """Answer a stored response's route (see the module docstring); raises `GatewayError` for the client's error."""
+    rest = request.path[len(PREFIX) :]
+    response_id, slash, action = rest.partition("/")
+    tail = slash + action
+    if not response_id or (request.method, tail) not in _ACTIONS:
+        raise NotFound(f"There is no route {request.method} {request.path}.", code="unknown_route")
+    if request.method == "GET" and not tail and _asks_stream(request.query_string):
+        raise InvalidRequest(
+            "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
+            param="stream",
+        )
+    for pool in fleet.pools.values():
+        home = pool.response_home(response_id)
+        if home is None or home[1] != tenant:
+            continue
+        instance = pool.member(home[0])
+        if instance is None:
+            raise NotFound(
+                f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found"
+            )
+        path = request.path + ("?" + request.query_string if request.query_string else "")
+        timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
+        try:
+            async with asyncio.timeout(timeout):
+                status, body, content_type = await _call(instance, request, path, request_id, fleet)
+        except TimeoutError:
+            raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
+        headers = {"x-lockgate-instance": instance.name}
+        if status >= 400:
+            error = UpstreamStatusError(status, body, content_type)
+            return Response(
+                status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
+            )
+        return Response(status=status, body=_client_model(body, pool.model), content_type=content_type, headers=headers)
+    raise NotFound(
+        f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
+        "65,536 of its model, or another gateway process made it).",
+        code="response_not_found",
+    )
+
+
+async def _call(
+    instance: Instance, request: Request, path: str, request_id: str, fleet: Fleet
+) -> tuple[int, bytes, str]:
+    """The engine's status, body and content type for the forwarded request."""
+    limit = fleet.upstream.max_response_bytes
+    headers = upstream_headers(instance, request_id, stream=False)
+    if request.body:
+        headers.append(("Content-Type", "application/json"))
+    try:
+        response = await instance.http.request(request.method, path, request.body, headers)
+        try:
+            body = await response.read(limit)
+        except BaseException:
+            response.close()  # (cancelled, timed out: the connection is not reused)
+            raise
+    except (ConnectError, DisconnectedError) as exc:
+        raise UpstreamConnectError(f"Cannot reach instance {instance.name}: {exc}") from None
+    except ResponseTooLarge:
+        raise UpstreamProtocolError(
+            f"Instance {instance.name} answered with more than {limit} bytes.", code="upstream_response_too_large"
+        ) from None
+    except ProtocolError as exc:
+        raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
+    return response.status, body, response.content_type or "application/json"
+
+
+def _client_model(body: bytes, model: str) -> bytes:
+    """A response object's body naming the client's model (the engine's name for it may differ)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(parsed, dict) or parsed.get("object") != "response" or parsed.get("model") == model:
+        return body
+    parsed["model"] = model
+    return orjson.dumps(parsed)
+
+
+def _asks_stream(query: str) -> bool:
+    return any(part.lower() in ("stream=true", "stream=1") for part in query.split("&"))
