@@ -30,7 +30,7 @@ class ResponseStore:
             return
         items = body.get("input")
         messages = [{"role": "user", "content": items}] if isinstance(items, str) else list(items or ())
-        self._kept[response["id"]] = (response, messages)
+        self._kept[response["id"]] = (response, [_as_item(m, n, response["id"]) for n, m in enumerate(messages)])
         if len(self._kept) > MAX_STORED:
             self._kept.popitem(last=False)
 
@@ -84,3 +84,13 @@ class ResponseStore:
             body=error_body(400, "Only a response running in the background can be cancelled.", "BadRequestError"),
             content_type="application/json",
         )
+
+
+def _as_item(message: dict[str, Any], index: int, response_id: str) -> dict[str, Any]:
+    """An input message as the store lists it (OpenAI's shape: typed, with an id, its text as `input_text` parts)."""
+    if "role" not in message:
+        return message
+    content = message.get("content")
+    if isinstance(content, str):
+        content = [{"type": "input_text" if message["role"] != "assistant" else "output_text", "text": content}]
+    return {"type": "message", "id": f"msg_{response_id[5:]}_{index}", **message, "content": content}
