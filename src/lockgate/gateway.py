@@ -489,7 +489,8 @@ class Gateway:
         """A stored response's routes (`stored.py`), for the caller's tenant."""
         request_id = _client_request_id(request) or new_request_id()
         try:
-            return await stored.forward(request, self._tenant(request).name, self.fleet, request_id)
+            tenant = self._tenant(request).name
+            return await stored.forward(request, tenant, self.fleet, request_id, relay=self.relays_identity)
         except GatewayError as exc:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from .cluster.identity import TENANT_HEADER
 from .edge.server import Request, Response
 from .errors import (
     DeadlineExceeded,
@@ -48,8 +49,9 @@ _ACTIONS = {
 DEFAULT_TIMEOUT_S = 60.0
 
 
-async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str) -> Response:
-    """Answer a stored response's route (see the module docstring); raises `GatewayError` for the client's error."""
+async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str, *, relay: bool = False) -> Response:
+    """Answer a stored response's route (see the module docstring); raises `GatewayError` for the client's error.
+    `relay`: a central replica, which tells a sidecar whose request it is (the sidecar checks the tenant again)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
     tail = slash + action
@@ -73,7 +75,8 @@ async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str) 
         timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
         try:
             async with asyncio.timeout(timeout):
-                status, body, content_type = await _call(instance, request, path, request_id, fleet)
+                relayed = ((TENANT_HEADER, tenant),) if relay and instance.published is not None else ()
+                status, body, content_type = await _call(instance, request, path, request_id, fleet, relayed)
         except TimeoutError:
             raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
         headers = {"x-lockgate-instance": instance.name}
@@ -91,11 +94,16 @@ async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str) 
 
 
 async def _call(
-    instance: Instance, request: Request, path: str, request_id: str, fleet: Fleet
+    instance: Instance,
+    request: Request,
+    path: str,
+    request_id: str,
+    fleet: Fleet,
+    relayed: tuple[tuple[str, str], ...],
 ) -> tuple[int, bytes, str]:
     """The engine's status, body and content type for the forwarded request."""
     limit = fleet.upstream.max_response_bytes
-    headers = upstream_headers(instance, request_id, stream=False)
+    headers = upstream_headers(instance, request_id, stream=False, extra=relayed)
     if request.body:
         headers.append(("Content-Type", "application/json"))
     try:

@@ -154,3 +154,44 @@ async def test_the_sidecar_schedules_and_records_by_the_clients_tenant_and_class
     await side.gateway.records.wait_flushed()
     rows = {r["tenant"] + ":" + r["priority"] for r in read_records(str(tmp_path / "s.sqlite3"))}
     assert rows == {"acme:P0", "beta:P2", "direct:P2"}
+
+
+async def test_responses_through_a_central_and_its_sidecar(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """The Responses API across the hop: a response made through the central, streamed and whole; its stored copy
+    retrieved through the central (the sidecar checks the relayed tenant: another tenant's request is 404 there
+    too), and a follow-up continuing it on the engine that holds it."""
+    name = unique_cluster("responses")
+    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",))))
+    side = await stack.enter_async_context(
+        GatewayServer(parse_config(sidecar(etcd.url, name, sim, str(tmp_path / "s.sqlite3"))), role="sidecar")
+    )
+    cent = await stack.enter_async_context(
+        GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / "c.sqlite3"))))
+    )
+    assert cent.gateway is not None and side.gateway is not None
+    async with asyncio.timeout(15):
+        await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and f.pools["m"].ready())
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    body = {"model": "m", "input": "hello", "max_output_tokens": 4}
+    async with http.post(cent.url + "/v1/responses", json={**body, "stream": True}, headers=acme) as resp:
+        assert resp.status == 200
+        last = [b for b in (await resp.read()).split(b"\n\n") if b][-1]
+    assert last.startswith(b"event: response.incomplete\n")
+    async with http.post(cent.url + "/v1/responses", json=body, headers=acme) as resp:
+        made = await resp.json()
+    async with http.get(cent.url + f"/v1/responses/{made['id']}", headers=acme) as resp:
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["output"] == made["output"]
+    beta = {"Authorization": f"Bearer {BETA_KEY}"}
+    async with http.get(cent.url + f"/v1/responses/{made['id']}", headers=beta) as resp:
+        assert resp.status == 404
+    follow = {**body, "input": "and then?", "previous_response_id": made["id"]}
+    async with http.post(cent.url + "/v1/responses", json=follow, headers=acme) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["input_tokens"] > made["usage"]["input_tokens"]
+    await side.gateway.records.wait_flushed()
+    rows = [(r["tenant"], r["endpoint"]) for r in read_records(str(tmp_path / "s.sqlite3"))]
+    assert rows == [("acme", "responses")] * 3
