@@ -174,6 +174,10 @@ class DeadlineExceeded(GatewayError):
 class Cancelled(GatewayError):
     """The gateway itself ended the request (admin cancel, shutdown drain, preemption limit)."""
 
+    #: Why, when a request that did not ask for it meets it (an operator cancelled the flight it shares: `admin`):
+    #: the request then ends `cancelled` for that reason, as its own cancel would, not as a failure.
+    reason: str | None = None
+
     status = 503
     type = "cancelled"
     default_code = "cancelled"

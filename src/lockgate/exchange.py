@@ -397,6 +397,9 @@ class Exchange:
             return self.response or Response(status=499)
         except GatewayError as exc:
             self.detach()
+            reason = exc.reason if isinstance(exc, Cancelled) else None
+            if reason is not None:  # (an operator cancelled the flight this request shares)
+                return await self._end_with("cancelled", exc, reason=reason)
             return await self._end_with("rejected" if exc.rejected else "error", exc)
         except Exception:
             # A bug, not a request's fate: still end it truthfully (500 / a final SSE error event and an

@@ -392,3 +392,31 @@ async def test_a_detached_flight_is_its_tenants_work_until_it_ends(start_sim, st
         await sim.wait_until(lambda s: s.stats.requests_aborted == 1)
     assert limiter.state(tenant, time.monotonic()).in_flight == 0
     assert gateway_.admission.schedulers["m"].core.running_total == 0
+
+
+async def test_an_operator_cancelling_a_shared_flight_cancels_its_clients_for_the_same_reason(
+    start_sim, start_gateway, http, tmp_path
+):
+    """`DELETE /admin/requests/{flight id}`: every client of the flight ends `cancelled` for reason `admin` (records,
+    `lockgate_cancellations_total`), as one request cancelled by its own id does, not as a failure (`error`, which
+    the success objective counts against the service)."""
+    sim, gw = await gateway(start_sim, start_gateway)
+    sim.control.hold = True
+    tasks = await join_in_order(gw, http, BODY, (True, True, False))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    [flight] = gw.gateway.dedup.flights.all()
+    async with http.delete(f"{gw.url}/admin/requests/{flight.id}") as resp:
+        assert resp.status == 200 and (await resp.json())["cancelled"] is True
+    async with asyncio.timeout(5):
+        results = await asyncio.gather(*tasks)
+    assert [status for status, _, _ in results] == [503] * 3  # (the engine was holding: nothing streamed yet)
+    assert all(orjson.loads(raw)["error"]["type"] == "cancelled" for _, _, raw in results)
+    await gw.gateway.records.wait_flushed()
+    rows = read_records(str(tmp_path / "usage.sqlite3"))
+    assert [(r["status"], r["cancel_reason"]) for r in rows] == [("cancelled", "admin")] * 3
+    metrics = gw.gateway.metrics.render().decode()
+    assert 'lockgate_cancellations_total{model="m",priority="P1",reason="admin"} 3.0' in metrics
+    assert 'status="error"' not in metrics.split("lockgate_requests_total")[1].split("# HELP")[0]
+    sim.control.hold = False
+    sim.release()

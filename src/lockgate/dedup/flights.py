@@ -121,7 +121,9 @@ class Flights:
             return None
         if flight.done:
             return False
-        flight.abort(Cancelled("The shared generation was cancelled by an administrator.", final=True))
+        error = Cancelled("The shared generation was cancelled by an administrator.", final=True)
+        error.reason = "admin"
+        flight.abort(error)
         return True
 
     def start(
