@@ -7,6 +7,7 @@ flight can be driven by a fake engine in tests, compiled or not.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -106,6 +107,8 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
     response = whole_response(held)
     if response is None:  # (the events end at a terminal one: `UpstreamEvents.take`)
         raise UpstreamProtocolError(f"Instance {call.served_by} ended a response's stream without the response.")
+    if response.get("status") == "completed" and "completed_at" not in response:
+        response["completed_at"] = int(time.time())  # (llama.cpp's streamed response has none; its whole one has)
     return response, None
 
 

@@ -187,6 +187,12 @@ class Exchange:
         if self._lease is not None:
             self.pool.remember_response(response_id, self._lease.instance.key, self.record.tenant or "")
 
+    def engine_failed(self, message: str) -> None:
+        """The engine answered that it failed the request (a response's `status: failed`), within a well-formed
+        answer the client gets as it is: recorded as the service's failure, not as completed."""
+        self.record.status = "error"
+        self.record.error = message[:500]
+
     def subscribe(self, subscription: Subscription) -> None:
         """Hold a subscription to a shared flight; it is closed with the attempt (`detach`)."""
         if self._subscription is not None:

@@ -400,6 +400,8 @@ class Gateway:
             if traceparent is not None:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
+            if api.endpoint is Endpoint.RESPONSES:
+                stored.check_previous(api.body, tenant.name, self.fleet)
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))

@@ -31,7 +31,7 @@ from .assemble import ClientView, has_content
 from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
-from .responses import ResponseView, usage_tokens
+from .responses import ResponseView, failure_of, usage_tokens
 
 T = TypeVar("T")
 
@@ -242,8 +242,11 @@ class SSEWriter:
         final = self.view.final(self.delivered + self._unconfirmed + self._batch_tokens)
         if final is not None:
             self._batch.append(sse.encode(final))
-        if not self.view.named:  # (a response's stream ends with its terminal event)
+        view = self.view
+        if not view.named:  # (a response's stream ends with its terminal event)
             self._batch.append(sse.DONE_EVENT)
+        elif isinstance(view, ResponseView) and view.failure is not None:
+            ex.engine_failed(view.failure)
         if self.flush(last=True) or self._unconfirmed:  # the end of the response in the same send
             await self.drain()
         ex.answered = True
@@ -334,8 +337,12 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
     if raw is None or body.get("model") != model:
         body["model"] = model
         raw = orjson.dumps(body)
-    if not ex.api.endpoint.chunked and isinstance(body.get("id"), str):
-        ex.remember_response(body["id"])  # (a response: where its follow-ups should go)
+    if not ex.api.endpoint.chunked:  # a response: where its follow-ups should go; whether the engine failed it
+        if isinstance(body.get("id"), str):
+            ex.remember_response(body["id"])
+        failure = failure_of(body)
+        if failure is not None:
+            ex.engine_failed(failure)
     usage = body.get("usage")
     if isinstance(usage, dict):
         usage = usage_tokens(usage)

@@ -38,6 +38,15 @@ def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
     return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
 
 
+def failure_of(response: dict[str, Any]) -> str | None:
+    """Why the engine failed a response (`status: failed`, its `error`), else None."""
+    if response.get("status") != "failed":
+        return None
+    error = response.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) and message else "The engine reported the response as failed."
+
+
 def whole_response(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The whole response a stream's terminal event carries (None: the stream had none)."""
     # (An index, not `reversed()`: mypyc 1.x fails to compile a loop over `reversed()` of this list.)
@@ -54,7 +63,7 @@ class ResponseView(ClientView):
     each response object naming the client's model; `usage` (as `usage_tokens` names it) once the terminal event
     came. Nothing is added at the end (no usage chunk, no `[DONE]`)."""
 
-    __slots__ = ("_made",)
+    __slots__ = ("_made", "failure")
 
     def __init__(self, *, model: str, made: Callable[[str], object] | None = None) -> None:
         """`made`: told the response's id once an event shows it (where its follow-ups should go)."""
@@ -62,6 +71,8 @@ class ResponseView(ClientView):
         self.plain = False
         self.named = True
         self._made = made
+        #: Why the engine failed the response (`response.failed`), once its terminal event said so.
+        self.failure: str | None = None
 
     def event(self, event: dict[str, Any]) -> dict[str, Any] | None:
         response = event.get("response")
@@ -74,6 +85,8 @@ class ResponseView(ClientView):
         usage = response.get("usage")
         if isinstance(usage, dict):
             self.usage = usage_tokens(usage)
+        if is_terminal(event):
+            self.failure = failure_of(response)
         if response.get("model") == self.model:
             return event
         return {**event, "response": {**response, "model": self.model}}

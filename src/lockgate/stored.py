@@ -14,7 +14,7 @@ response object (the client's, not the engine's) and errors in the OpenAI envelo
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -34,6 +34,7 @@ from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLar
 if TYPE_CHECKING:
     from .fleet.fleet import Fleet
     from .fleet.instance import Instance
+    from .fleet.pool import Pool
 
 PREFIX = "/v1/responses/"
 
@@ -62,35 +63,32 @@ async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str, 
             "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
             param="stream",
         )
-    for pool in fleet.pools.values():
-        home = pool.response_home(response_id)
-        if home is None or home[1] != tenant:
-            continue
-        instance = pool.member(home[0])
-        if instance is None:
-            raise NotFound(
-                f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found"
-            )
-        path = request.path + ("?" + request.query_string if request.query_string else "")
-        timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
-        try:
-            async with asyncio.timeout(timeout):
-                relayed = ((TENANT_HEADER, tenant),) if relay and instance.published is not None else ()
-                status, body, content_type = await _call(instance, request, path, request_id, fleet, relayed)
-        except TimeoutError:
-            raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
-        headers = {"x-lockgate-instance": instance.name}
-        if status >= 400:
-            error = UpstreamStatusError(status, body, content_type)
-            return Response(
-                status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
-            )
-        return Response(status=status, body=_client_model(body, pool.model), content_type=content_type, headers=headers)
-    raise NotFound(
-        f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
-        "65,536 of its model, or another gateway process made it).",
-        code="response_not_found",
-    )
+    found = home_of(fleet, response_id)
+    if found is None or found[2] != tenant:
+        raise NotFound(
+            f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
+            "65,536 of its model, or another gateway process made it).",
+            code="response_not_found",
+        )
+    pool, key, _ = found
+    instance = pool.member(key)
+    if instance is None:
+        raise NotFound(f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found")
+    path = request.path + ("?" + request.query_string if request.query_string else "")
+    relayed = ((TENANT_HEADER, tenant),) if relay and instance.published is not None else ()
+    timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
+    try:
+        async with asyncio.timeout(timeout):
+            status, body, content_type = await _call(instance, request, path, request_id, fleet, relayed)
+    except TimeoutError:
+        raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
+    headers = {"x-lockgate-instance": instance.name}
+    if status >= 400:
+        error = UpstreamStatusError(status, body, content_type)
+        return Response(
+            status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
+        )
+    return Response(status=status, body=_client_model(body, pool.model), content_type=content_type, headers=headers)
 
 
 async def _call(
@@ -122,6 +120,31 @@ async def _call(
     except ProtocolError as exc:
         raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
     return response.status, body, response.content_type or "application/json"
+
+
+def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:
+    """The pool, instance key and tenant of a response made through this gateway (`Pool.remember_response`)."""
+    for pool in fleet.pools.values():
+        home = pool.response_home(response_id)
+        if home is not None:
+            return pool, home[0], home[1]
+    return None
+
+
+def check_previous(body: dict[str, Any], tenant: str, fleet: Fleet) -> None:
+    """A follow-up (`previous_response_id`) continues only its own tenant's responses: one this gateway made for
+    another tenant is 404, as an unknown one is at the engine (the engine would otherwise put that tenant's
+    conversation in front of this request). An id the gateway does not remember goes to the engine as it is."""
+    previous = body.get("previous_response_id")
+    if not isinstance(previous, str):
+        return
+    found = home_of(fleet, previous)
+    if found is not None and found[2] != tenant:
+        raise NotFound(
+            f"Previous response with id '{previous}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
 
 
 def _client_model(body: bytes, model: str) -> bytes:

@@ -172,8 +172,9 @@ class UpstreamCall:
         count on `lease` (the instance's TPOT). A response's events (the Responses API) are bounded as a whole answer
         is (`upstream.max_response_bytes`): its last events each carry the whole output."""
         limits = self._fleet.upstream
-        bound = limits.max_response_bytes if self._path == RESPONSES_PATH else limits.max_event_bytes
-        return UpstreamEvents(self, self._require(), bound, lease)
+        if self._path == RESPONSES_PATH:
+            return UpstreamEvents(self, self._require(), limits.max_response_bytes, lease, responses=True)
+        return UpstreamEvents(self, self._require(), limits.max_event_bytes, lease)
 
     def _require(self) -> Response:
         if self._response is None:
@@ -242,6 +243,7 @@ class UpstreamEvents:
         "_lease",
         "_payloads",
         "_response",
+        "_responses",
         "_tail",
         "_taken",
         "backlog",
@@ -249,8 +251,12 @@ class UpstreamEvents:
         "ended",
     )
 
-    def __init__(self, call: UpstreamCall, response: Response, max_event_bytes: int, lease: Lease) -> None:
+    def __init__(
+        self, call: UpstreamCall, response: Response, max_event_bytes: int, lease: Lease, *, responses: bool = False
+    ) -> None:
         self._call = call
+        #: A response's stream (the Responses API): its end is a terminal event, its events bounded as a whole answer.
+        self._responses = responses
         self._response = response
         self._lease = lease
         self._decoder = SSEDecoder(max_event_bytes)
@@ -376,7 +382,8 @@ class UpstreamEvents:
                     # The engine ended the body without `[DONE]`: an incomplete stream.
                     self._done = True
                     call.broken("stream ended without [DONE]")
-                    raise UpstreamProtocolError(f"Instance {call.served_by} ended the stream without [DONE].")
+                    end = "its terminal event (response.completed)" if self._responses else "[DONE]"
+                    raise UpstreamProtocolError(f"Instance {call.served_by} ended the stream without {end}.")
                 if not more:
                     return out
                 # What the body has brought since the last read, or at its end what the decoder still holds.
@@ -401,7 +408,8 @@ class UpstreamEvents:
                     self._done = True
                     call.broken("event too large")
                     raise UpstreamProtocolError(
-                        f"Instance {call.served_by} sent an SSE event larger than upstream.max_event_bytes "
+                        f"Instance {call.served_by} sent an SSE event larger than "
+                        f"{'upstream.max_response_bytes' if self._responses else 'upstream.max_event_bytes'} "
                         f"({self._decoder.max_event_bytes} bytes).",
                         code="upstream_response_too_large",
                     ) from None

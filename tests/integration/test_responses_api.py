@@ -5,11 +5,13 @@ usage records; validation; a client that leaves mid-stream; an engine that break
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
@@ -287,3 +289,114 @@ async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, 
         assert r.status == 401
     async with http.get(gw.url + f"/v1/responses/{made}", headers={"Authorization": "Bearer key-a"}) as r:
         assert r.status == 200 and (await r.json())["id"] == made
+    # Nor continue it: the engine would put tenant a's conversation in front of b's request.
+    follow = {**body, "input": "what did they say?", "previous_response_id": made}
+    async with http.post(gw.url + "/v1/responses", json=follow, headers={"Authorization": "Bearer key-b"}) as r:
+        assert r.status == 404
+        error = (await r.json())["error"]
+        assert (error["code"], error["param"]) == ("previous_response_not_found", "previous_response_id")
+    async with http.post(gw.url + "/v1/responses", json=follow, headers={"Authorization": "Bearer key-a"}) as r:
+        assert r.status == 200
+    assert sim.statistics()["requests_started"] == 2
+
+
+def _fake_responses_engine() -> web.Application:
+    """A Responses engine whose answer the request's `input` picks: `fail` (the engine fails the response: streamed
+    `response.failed`, whole `status: failed`), `cut` (the stream ends after a delta, without a terminal event), else
+    a completed response without `completed_at` (as llama.cpp streams it)."""
+
+    def response(status: str, text: str | None, **extra: Any) -> dict[str, Any]:
+        output = (
+            []
+            if text is None
+            else [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
+        )
+        usage = {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}
+        return {
+            "id": "resp_fake",
+            "object": "response",
+            "status": status,
+            "model": "m",
+            "output": output,
+            "usage": usage,
+            **extra,
+        }
+
+    failed = {"error": {"code": "server_error", "message": "the model crashed"}}
+
+    async def create(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        mode = body["input"]
+        if not body.get("stream"):
+            whole = response("failed", None, **failed) if mode == "fail" else response("completed", "hi")
+            return web.json_response(whole)
+        events: list[dict[str, Any]] = [{"type": "response.created", "response": response("in_progress", None)}]
+        if mode != "fail":
+            events.append({"type": "response.output_text.delta", "delta": "hi"})
+        if mode == "fail":
+            events.append({"type": "response.failed", "response": response("failed", None, **failed)})
+        elif mode != "cut":
+            events.append({"type": "response.completed", "response": response("completed", "hi")})
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        for event in events:
+            await stream.write(b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n")
+        await stream.write_eof()
+        return stream
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "total_slots": 2})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/health", health)
+    app.router.add_get("/props", health)
+    return app
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp"])  # llama.cpp's dialect reads every answer as a stream
+async def test_a_response_the_engine_failed_is_recorded_as_an_error(
+    engine, serve_app, start_gateway, http, tmp_path
+) -> None:
+    url = await serve_app(_fake_responses_engine())
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": engine}]}])
+    for stream in (True, False):
+        body = {"model": "m", "input": "fail", "stream": stream}
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            assert r.status == 200  # the client gets the engine's failed response, as the engine said it
+            raw = await r.read()
+        assert b"the model crashed" in raw
+    await gw.gateway.records.wait_flushed()
+    rows = read_records(str(tmp_path / "usage.sqlite3"))
+    assert [(r["status"], r["error"]) for r in rows] == [("error", "the model crashed")] * 2
+
+
+async def test_a_response_stream_cut_before_its_end_says_so(serve_app, start_gateway, http) -> None:
+    url = await serve_app(_fake_responses_engine())
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "cut", "stream": True}) as r:
+        last = [b for b in (await r.read()).split(b"\n\n") if b][-1].split(b"\n")
+    assert last[0] == b"event: error"
+    assert "without its terminal event (response.completed)" in orjson.loads(last[1][6:])["message"]
+
+
+async def test_a_whole_response_from_an_engine_stream_says_when_it_completed(serve_app, start_gateway, http) -> None:
+    url = await serve_app(_fake_responses_engine())
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "llamacpp"}]}])
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "ok"}) as r:
+        whole = await r.json()
+    assert whole["status"] == "completed" and isinstance(whole["completed_at"], int)
+    assert whole["output"][0]["content"][0]["text"] == "hi"
+
+
+async def test_a_response_event_past_its_bound_names_the_bound_it_passed(start_sim, start_gateway, http) -> None:
+    sim = await start_sim(**SIM)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}], upstream={"max_event_bytes": 1024, "max_response_bytes": 4096}
+    )
+    body = {"model": "m", "input": "a long story", "max_output_tokens": 2000, "stream": True}
+    async with http.post(gw.url + "/v1/responses", json=body) as r:
+        last = [b for b in (await r.read()).split(b"\n\n") if b][-1].split(b"\n")
+    error = orjson.loads(last[1][6:])
+    assert error["code"] == "upstream_response_too_large"
+    assert "larger than upstream.max_response_bytes (4096 bytes)" in error["message"]

@@ -213,8 +213,9 @@ class RateLimiter:
                 state,
                 now,
                 "tokens",
-                f"This request may use {tokens} tokens (prompt + max_tokens for each choice), more than tenant "
-                f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens.",
+                f"This request may use {tokens} tokens (prompt + its output limit for each choice), more than tenant "
+                f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens "
+                "(max_output_tokens for a response).",
                 code="tokens_exceed_limit",
                 retry_after=None,
             )
@@ -230,7 +231,7 @@ class RateLimiter:
                 reason = "tokens"
                 message = (
                     f"{tenant.tokens_per_minute} tokens per minute; this request reserves {tokens} "
-                    "(prompt + max_tokens for each choice)"
+                    "(prompt + its output limit for each choice)"
                 )
             raise self._refusal(
                 tenant,
