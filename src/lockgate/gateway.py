@@ -428,8 +428,8 @@ class Gateway:
     async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
         """The request's path: the tenant's allowance, then de-duplication (a cached result or a flight to join
         needs no slot: only a flight's leader takes one, `Coalescer.serve`), else a slot and an engine call —
-        resumed elsewhere after a preemption for the preemptible classes (an embedding has nothing to resume, and a
-        response's typed events are relayed as they come: neither is preempted)."""
+        resumed elsewhere after a preemption for the preemptible classes (an embedding has nothing to resume; a
+        response is restarted, while its client has been sent nothing)."""
         admission = self.admission
         admission.allow(ex, tenant, klass)
         room = admission.room_for(ex.api.model, klass)
@@ -437,7 +437,7 @@ class Gateway:
         if key is not None:
             # A flight (possibly shared by several clients) is never preempted.
             return await self.dedup.serve(ex, request, key, admission.slot(ex, klass), room)
-        if klass in admission.preemptible and ex.api.endpoint.chunked:
+        if klass in admission.preemptible and ex.api.endpoint.generates:
             return await resume.relay_resumable(ex, request, klass, admission, self.fleet)
         await admission.slot(ex, klass).take()
         return await relay(ex, request, self.fleet, room)

@@ -505,3 +505,47 @@ async def test_a_request_without_max_tokens_is_not_resumed_past_the_engines_own_
     metrics = gw.gateway.metrics.render().decode()
     assert 'outcome="resumed"' not in metrics
     assert_no_leaks(gw)
+
+
+async def test_a_whole_p2_response_is_restarted_and_a_streamed_one_runs_on(start_sim, start_gateway, http):
+    """The Responses API: a P2 response whose client waits for the whole answer is stopped for a P0 and restarted from
+    scratch (nothing was sent; typed events are not continued), its answer the same as an uninterrupted run; once a
+    streamed response has sent its first events it is not stopped (the P0 waits for it)."""
+    sim, gw, sched = await one_slot(start_sim, start_gateway)
+    body = {"model": "m", "input": "tell me a story", "max_output_tokens": 40, "temperature": 0}
+
+    async def respond(payload: dict[str, Any], priority: str) -> tuple[int, Any]:
+        headers = {"x-priority": priority, **NO_STORE}
+        async with http.post(gw.url + "/v1/responses", data=orjson.dumps(payload), headers=headers) as resp:
+            return resp.status, (await resp.json() if not payload.get("stream") else await resp.read())
+
+    waiting = asyncio.create_task(respond(body, "P2"))
+
+    def generating(s) -> bool:
+        return any(r.completion_tokens >= 3 for r in s.stats.open.values())
+
+    async with asyncio.timeout(5):
+        await sim.wait_until(generating)
+    urgent, p2_id = await preempt_with_p0(sim, gw, sched, http)
+    await let_go(sim)
+    assert (await urgent)[0] == 200
+    status, answer = await waiting
+    assert status == 200 and answer["status"] == "incomplete" and answer["usage"]["output_tokens"] == 40
+    _, expected = await respond(body, "P2")
+    assert answer["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    # Restarted: the second call asked for the whole answer again.
+    restarted = sim.stats.find(f"{p2_id}-p1")
+    assert restarted is not None and restarted.completion_tokens == 40
+    rows = {r["request_id"]: r for r in await records(gw)}
+    assert (rows[p2_id]["preemptions"], rows[p2_id]["restarts"], rows[p2_id]["completion_tokens"]) == (1, 1, 40)
+
+    streamed = asyncio.create_task(respond({**body, "stream": True}, "P2"))
+    async with asyncio.timeout(5):
+        await sim.wait_until(generating)
+    second = asyncio.create_task(post(http, gw.url, chat(98, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.queued(P0) == 1)
+    assert sched.core.running(P2) == 1
+    status, raw = await streamed
+    assert status == 200 and raw.rstrip().split(b"\n\n")[-1].startswith(b"event: response.incomplete")
+    assert (await second)[0] == 200
+    assert_no_leaks(gw)

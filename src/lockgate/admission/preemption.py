@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ..assemble import has_content
 from ..wire import ApiRequest, Endpoint
 from .scheduler import SchedulerCore, Ticket
 
@@ -290,6 +291,10 @@ def blocker(api: ApiRequest, *, chat_continuation: bool) -> str | None:
     """Why this request can never be resumed from partial output (None: it can). Pure.
 
     `chat_continuation`: every instance of the pool can continue a final assistant message."""
+    if not api.endpoint.chunked:
+        # A response's typed events (the Responses API) are not continued from partial output: restarted from scratch
+        # while its client has been sent nothing (a whole answer), else not stopped.
+        return "endpoint"
     body = api.body
     for key in ("n", "best_of"):
         value = body.get(key)
@@ -380,6 +385,7 @@ class Transcript:
         "_parts",
         "_role_seen",
         "chat",
+        "chunked",
         "events",
         "overflow",
         "tokens",
@@ -388,6 +394,8 @@ class Transcript:
 
     def __init__(self, endpoint: Endpoint, *, keep_events: bool = True, max_chars: int | None = None) -> None:
         self.chat = endpoint is Endpoint.CHAT
+        #: Chat or text completion chunks; else a response's events, only counted and kept (never continued).
+        self.chunked = endpoint.chunked
         self._keep = keep_events
         self._max_chars = max_chars
         self.reset()
@@ -413,6 +421,11 @@ class Transcript:
         self._offset = self.tokens
 
     def take(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.chunked:  # a response's event, as it came (restarts only: one attempt's events are the answer)
+            self.tokens += has_content(event)
+            if self._keep:
+                self.events.append(event)
+            return event
         if self._id is None:
             if isinstance(event.get("id"), str):
                 self._id = event["id"]

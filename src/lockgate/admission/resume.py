@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..assemble import assemble_for
 from ..attempt import Opened, open_attempts
 from ..edge.server import Reply, Request
+from ..errors import UpstreamProtocolError
 from ..exchange import Exchange, Phase
 from ..respond import stream_events, whole_body
+from ..responses import whole_response
 from ..upstream import UpstreamEvents, too_large
 from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
@@ -242,7 +244,13 @@ async def relay_resumable(
         async for _ in events:
             if run.received > limit:
                 raise too_large(run.headers.get("x-lockgate-instance", "?"), limit)
-        body = assemble_for(ex.api, run.transcript.events)
+        if ex.api.endpoint.chunked:
+            body = assemble_for(ex.api, run.transcript.events)
+        else:
+            response = whole_response(run.transcript.events)
+            if response is None:
+                raise UpstreamProtocolError("The engine ended a response's stream without the response.")
+            body = response
         return whole_body(ex, body, run.headers)
     finally:
         await events.aclose()
