@@ -29,6 +29,7 @@ from .errors import (
     UpstreamStatusError,
 )
 from .fleet.instance import upstream_headers
+from .fleet.pool import MAX_RESPONSE_HOMES
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
 
 if TYPE_CHECKING:
@@ -38,13 +39,8 @@ if TYPE_CHECKING:
 
 PREFIX = "/v1/responses/"
 
-#: (method, what follows the id) -> the action's name, for the errors.
-_ACTIONS = {
-    ("GET", ""): "retrieve",
-    ("DELETE", ""): "delete",
-    ("POST", "/cancel"): "cancel",
-    ("GET", "/input_items"): "list input items of",
-}
+#: The routes below `PREFIX`: (method, what follows the id).
+_ACTIONS = frozenset({("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")})
 
 #: How long the engine may take to answer when the model sets no `timeout_ms`.
 DEFAULT_TIMEOUT_S = 60.0
@@ -67,7 +63,7 @@ async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str, 
     if found is None or found[2] != tenant:
         raise NotFound(
             f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
-            "65,536 of its model, or another gateway process made it).",
+            f"{MAX_RESPONSE_HOMES:,} of its model, or another gateway process made it).",
             code="response_not_found",
         )
     pool, key, _ = found
