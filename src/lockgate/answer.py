@@ -11,9 +11,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .assemble import assemble_for
+from .assemble import assemble_for, usage_tokens
 from .errors import UpstreamProtocolError
-from .responses import usage_tokens, whole_response
+from .responses import whole_response
 from .upstream import too_large
 from .wire import Endpoint
 

@@ -115,11 +115,24 @@ class ClientView:
 
 
 def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The generation's usage: the last event's that carries one (a response's, in its terminal event's response,
+    named as `usage_tokens` names it)."""
     for event in reversed(events):
         usage = event.get("usage")
         if isinstance(usage, dict):
             return usage
+        response = event.get("response")
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+            return usage_tokens(response["usage"])
     return None
+
+
+def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
+    """A response's usage (`input_tokens`, `output_tokens`: the Responses API) under the names the gateway's records
+    read (`prompt_tokens`, `completion_tokens`); a completion's usage as it is."""
+    if "input_tokens" not in usage and "output_tokens" not in usage:
+        return usage
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
 
 
 def has_content(event: dict[str, Any]) -> bool:

@@ -183,9 +183,13 @@ class Exchange:
 
     def remember_response(self, response_id: str) -> None:
         """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
-        in `previous_response_id` goes there (`Pool.remember_response`)."""
-        if self._lease is not None:
-            self.pool.remember_response(response_id, self._lease.instance.key, self.record.tenant or "")
+        in `previous_response_id` goes there (`Pool.remember_response`). A flight's client: the flight's engine."""
+        instance = self.instance
+        if instance is None and self._subscription is not None:
+            name = self._subscription.instance()
+            instance = self.pool.named(name) if name is not None else None
+        if instance is not None:
+            self.pool.remember_response(response_id, instance.key, self.record.tenant or "")
 
     def engine_failed(self, message: str) -> None:
         """The engine answered that it failed the request (a response's `status: failed`), within a well-formed

@@ -27,11 +27,11 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from . import sse
-from .assemble import ClientView, has_content
+from .assemble import ClientView, has_content, usage_tokens
 from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
-from .responses import ResponseView, failure_of, usage_tokens
+from .responses import ResponseView, failure_of
 
 T = TypeVar("T")
 

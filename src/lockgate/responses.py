@@ -11,8 +11,9 @@ least (`assemble.has_content`). Engines end the body after the terminal event, w
 The gateway relays the events as they come: each client's view only restores the model name it asked for inside
 the response objects and learns the usage from the terminal event; the events go out with an `event:` line naming
 their type, as OpenAI sends them. A non-streaming client gets the terminal event's response (`whole_response`) when
-the engine was read as a stream. Responses are neither de-duplicated nor resumed after a preemption
-(`Endpoint.chunked`).
+the engine was read as a stream. Responses are never continued from partial output (`Endpoint.chunked`): a
+preempted one is restarted while nothing was sent; identical ones share a streamed flight, every client getting the
+engine's events (its response id too: the one the engine may have stored).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .assemble import ClientView
+from .assemble import ClientView, usage_tokens
 
 #: The events that end a response's stream, each carrying the whole response (its usage, its output).
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -28,14 +29,6 @@ TERMINAL = frozenset({"response.completed", "response.incomplete", "response.fai
 
 def is_terminal(event: dict[str, Any]) -> bool:
     return event.get("type") in TERMINAL
-
-
-def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
-    """A response's usage (`input_tokens`, `output_tokens`) under the names the gateway's records read
-    (`prompt_tokens`, `completion_tokens`); a completion's usage as it is."""
-    if "input_tokens" not in usage and "output_tokens" not in usage:
-        return usage
-    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
 
 
 def failure_of(response: dict[str, Any]) -> str | None:

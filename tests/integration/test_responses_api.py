@@ -48,7 +48,7 @@ async def test_whole_response_through_the_sdk(client, fleet, tmp_path) -> None:
         model="m", input="hello there", instructions="be brief", max_output_tokens=6, temperature=0
     )
     reply = raw.parse()
-    assert raw.headers["x-lockgate-cache"] == "bypass"  # responses are not de-duplicated
+    assert raw.headers["x-lockgate-cache"] == "miss"  # temperature 0: it led a de-duplication flight
     assert (reply.object, reply.model, reply.status) == ("response", "m", "incomplete")
     assert reply.output_text and reply.usage is not None
     assert reply.usage.output_tokens == 6 and reply.usage.input_tokens > 0
@@ -400,3 +400,44 @@ async def test_a_response_event_past_its_bound_names_the_bound_it_passed(start_s
     error = orjson.loads(last[1][6:])
     assert error["code"] == "upstream_response_too_large"
     assert "larger than upstream.max_response_bytes (4096 bytes)" in error["message"]
+
+
+async def test_identical_responses_share_one_engine_call_and_its_stored_result(fleet, http) -> None:
+    """Temperature 0: identical responses in flight share one engine call (streamed or whole, every client gets the
+    engine's events and response id), a later one is served from the stored result (replayed with its `event:`
+    lines), and a follow-up of the shared response still goes to the engine that made it."""
+    sim, gw = fleet
+    flights = gw.gateway.dedup.flights
+    body = {"model": "m", "input": "the same question", "max_output_tokens": 8, "temperature": 0}
+
+    async def ask(payload: dict[str, Any]) -> tuple[str, bytes]:
+        async with http.post(gw.url + "/v1/responses", json=payload) as r:
+            assert r.status == 200
+            return r.headers["x-lockgate-cache"], await r.read()
+
+    sim.control.hold = True
+    leader = asyncio.create_task(ask({**body, "stream": True}))
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: flights.statistics()["subscribers"] == 1)
+    joiner = asyncio.create_task(ask(body))
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: flights.statistics()["subscribers"] == 2)
+        await sim.wait_held(1)
+    sim.control.hold = False
+    sim.release()
+    (lead_outcome, streamed), (join_outcome, whole) = await leader, await joiner
+    assert (lead_outcome, join_outcome) == ("miss", "coalesced")
+    assert sim.statistics()["requests_started"] == 1
+    events = [orjson.loads(b.split(b"\n")[1][6:]) for b in streamed.split(b"\n\n") if b]
+    final = events[-1]["response"]
+    answer = orjson.loads(whole)
+    assert answer["id"] == final["id"] and answer["model"] == "m"  # the engine's id, the client's model name
+    assert answer["output"][0]["content"][0]["text"] == final["output"][0]["content"][0]["text"]
+    # Served from the stored result: replayed as it came.
+    outcome, replayed = await ask({**body, "stream": True})
+    assert outcome == "hit" and sim.statistics()["requests_started"] == 1
+    blocks = [b for b in replayed.split(b"\n\n") if b]
+    assert [b.split(b"\n")[0] for b in blocks] == [b"event: " + e["type"].encode() for e in events]
+    # The joiner's response id leads back to the engine that made it.
+    home = gw.gateway.fleet.pools["m"].response_home(answer["id"])
+    assert home is not None and home[0] == gw.gateway.fleet.pools["m"].instances[0].key

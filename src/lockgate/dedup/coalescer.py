@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..assemble import assemble_for
 from ..edge.server import Reply, Request
+from ..errors import UpstreamProtocolError
 from ..exchange import Phase
 from ..respond import pump, stream_events, whole_body
+from ..responses import whole_response
 from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .eligibility import eligible
@@ -164,8 +166,8 @@ class Coalescer:
         """The request's fingerprint if it may be de-duplicated, else None (its outcome `bypass`; an eligible
         request's is `miss` until something serves it: `Exchange.dedup_outcome`)."""
         api = ex.api
-        # Flights share chunk streams: embeddings (one body) and responses (typed events) are not coalesced.
-        if not api.endpoint.chunked or not eligible(ex.pool.config.dedup, api.body, cache_control):
+        # Flights share token streams: embeddings (one body) are not coalesced.
+        if not api.endpoint.generates or not eligible(ex.pool.config.dedup, api.body, cache_control):
             ex.dedup_outcome = "bypass"
             return None
         ex.dedup_outcome = "miss"
@@ -200,7 +202,9 @@ class Coalescer:
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
         # Lead a new flight (synchronously after the last check: nobody can start a second one).
-        stream = ex.api.stream or not self.flights.leads_json(ex.pool.model)
+        # (A response's flight always streams: a stored result is then its events, replayed as they came.)
+        api = ex.api
+        stream = api.stream or not api.endpoint.chunked or not self.flights.leads_json(ex.pool.model)
         flight = self.flights.start(
             key,
             ex.pool,
@@ -320,7 +324,14 @@ class Coalescer:
     ) -> Reply:
         """A non-streaming answer from a shared body (copied: every client gets its own id) or from events."""
         endpoint = ex.api.endpoint
-        if body is not None:
+        if not endpoint.chunked:
+            # A response keeps the engine's id (the one it may have stored, for follow-ups), copied: `whole_body` sets
+            # the client's model name.
+            response = whole_response(list(events))
+            if response is None:
+                raise UpstreamProtocolError("The shared stream ended without its response.")
+            out = dict(response)
+        elif body is not None:
             out = {**body, "id": self._response_id(endpoint)}
         else:
             out = assemble_for(ex.api, events, self._response_id(endpoint))
