@@ -148,6 +148,8 @@ class Gateway:
         self.relayed: Relayed | None = None
         #: Central replicas: pass each request's tenant and class on to the sidecars.
         self.relays_identity = False
+        #: Stored-response requests being forwarded (`stored.MAX_IN_FLIGHT` at most).
+        self._stored_in_flight = 0
         #: Under `--workers`: the other workers, whom operator requests ask too (`workerset.py`).
         self.workers: WorkerSet | None = None
         self._set_models(config)
@@ -488,13 +490,28 @@ class Gateway:
         return json_response(card)
 
     async def _stored(self, request: Request) -> Response:
-        """A stored response's routes (`stored.py`), for the caller's tenant."""
+        """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency
+        (a request, no tokens)."""
         request_id = _client_request_id(request) or new_request_id()
         try:
-            tenant = self._tenant(request).name
-            return await stored.forward(request, tenant, self.fleet, request_id, relay=self.relays_identity)
+            tenant = self._tenant(request)
+            if self._stored_in_flight >= stored.MAX_IN_FLIGHT:
+                raise Unavailable(
+                    f"Too many stored-response requests at once (at most {stored.MAX_IN_FLIGHT}); retry shortly.",
+                    code="too_many_stored_requests",
+                    retry_after=1,
+                )
+            reservation = self.admission.allow_plain(tenant)
         except GatewayError as exc:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
+        self._stored_in_flight += 1
+        try:
+            return await stored.forward(request, tenant, self.fleet, request_id, relay=self.relays_identity)
+        except GatewayError as exc:
+            return self.error_response(exc, "")
+        finally:
+            self._stored_in_flight -= 1
+            self.admission.settle_plain(reservation)
 
     async def _health(self, request: Request) -> Response:
         return json_response({"status": "ok"})

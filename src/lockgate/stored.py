@@ -14,6 +14,7 @@ response object (the client's, not the engine's) and errors in the OpenAI envelo
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -33,6 +34,7 @@ from .fleet.pool import MAX_RESPONSE_HOMES
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
 
 if TYPE_CHECKING:
+    from .admission.tenants import Tenant
     from .fleet.fleet import Fleet
     from .fleet.instance import Instance
     from .fleet.pool import Pool
@@ -42,25 +44,30 @@ PREFIX = "/v1/responses/"
 #: The routes below `PREFIX`: (method, what follows the id).
 _ACTIONS = frozenset({("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")})
 
+#: At most this many stored-route requests at once, gateway-wide (each may hold an answer of up to
+#: `upstream.max_response_bytes`): beyond, 503.
+MAX_IN_FLIGHT = 32
+
 #: How long the engine may take to answer when the model sets no `timeout_ms`.
 DEFAULT_TIMEOUT_S = 60.0
 
 
-async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str, *, relay: bool = False) -> Response:
-    """Answer a stored response's route (see the module docstring); raises `GatewayError` for the client's error.
-    `relay`: a central replica, which tells a sidecar whose request it is (the sidecar checks the tenant again)."""
+async def forward(request: Request, tenant: Tenant, fleet: Fleet, request_id: str, *, relay: bool = False) -> Response:
+    """Answer a stored response's route (see the module docstring) for `tenant` (its allowance already taken);
+    raises `GatewayError` for the client's error. `relay`: a central replica, which tells a sidecar whose request it
+    is (the sidecar checks the tenant again)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
     tail = slash + action
     if not response_id or (request.method, tail) not in _ACTIONS:
         raise NotFound(f"There is no route {request.method} {request.path}.", code="unknown_route")
-    if request.method == "GET" and not tail and _asks_stream(request.query_string):
+    if _asks_stream(request.query_string):
         raise InvalidRequest(
             "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
             param="stream",
         )
     found = home_of(fleet, response_id)
-    if found is None or found[2] != tenant:
+    if found is None or found[2] != tenant.name or not tenant.may_use(found[0].model):
         raise NotFound(
             f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
             f"{MAX_RESPONSE_HOMES:,} of its model, or another gateway process made it).",
@@ -71,7 +78,7 @@ async def forward(request: Request, tenant: str, fleet: Fleet, request_id: str, 
     if instance is None:
         raise NotFound(f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found")
     path = request.path + ("?" + request.query_string if request.query_string else "")
-    relayed = ((TENANT_HEADER, tenant),) if relay and instance.published is not None else ()
+    relayed = ((TENANT_HEADER, tenant.name),) if relay and instance.published is not None else ()
     timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
     try:
         async with asyncio.timeout(timeout):
@@ -97,9 +104,7 @@ async def _call(
 ) -> tuple[int, bytes, str]:
     """The engine's status, body and content type for the forwarded request."""
     limit = fleet.upstream.max_response_bytes
-    headers = upstream_headers(instance, request_id, stream=False, extra=relayed)
-    if request.body:
-        headers.append(("Content-Type", "application/json"))
+    headers = upstream_headers(instance, request_id, stream=False, extra=relayed)  # (its Content-Type included)
     try:
         response = await instance.http.request(request.method, path, request.body, headers)
         try:
@@ -156,4 +161,9 @@ def _client_model(body: bytes, model: str) -> bytes:
 
 
 def _asks_stream(query: str) -> bool:
-    return any(part.lower() in ("stream=true", "stream=1") for part in query.split("&"))
+    """Whether the query asks for a stream, however it is written (`stream=tru%65`, `STREAM=yes`): only an absent,
+    empty, `false` or `0` one does not."""
+    return any(
+        name.strip().lower() == "stream" and value.strip().lower() not in ("", "false", "0")
+        for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True)
+    )

@@ -268,8 +268,14 @@ async def test_stored_responses_are_asked_of_the_engine_that_made_them(start_sim
         with pytest.raises(openai.NotFoundError) as unknown:
             await client.responses.retrieve("resp_never_made_here")
         assert isinstance(unknown.value.body, dict) and unknown.value.body["code"] == "response_not_found"
-    async with http.get(gw.url + f"/v1/responses/{made[0].id}?stream=true") as r:
-        assert r.status == 400 and (await r.json())["error"]["param"] == "stream"
+    for query in ("stream=true", "STREAM=yes", "stream=tru%65", "x=1&stream=1"):
+        async with http.get(gw.url + f"/v1/responses/{made[0].id}?{query}") as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "stream", query
+    async with http.get(gw.url + f"/v1/responses/{made[0].id}?stream=false") as r:
+        assert r.status == 200
+    # A body on a forwarded route goes to the engine as one request (its Content-Type once).
+    async with http.post(gw.url + f"/v1/responses/{made[1].id}/cancel", json={}) as r:
+        assert r.status == 400 and "background" in (await r.json())["error"]["message"]
     async with http.get(gw.url + f"/v1/responses/{made[0].id}/nothing") as r:
         assert r.status == 404
 
@@ -441,3 +447,37 @@ async def test_identical_responses_share_one_engine_call_and_its_stored_result(f
     # The joiner's response id leads back to the engine that made it.
     home = gw.gateway.fleet.pools["m"].response_home(answer["id"])
     assert home is not None and home[0] == gw.gateway.fleet.pools["m"].instances[0].key
+
+
+async def test_stored_routes_count_against_the_tenants_rate_limit(start_sim, start_gateway, http) -> None:
+    sim = await start_sim(**SIM)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "a", "keys": [hash_key("key-a")], "requests_per_minute": 3}],
+    )
+    key = {"Authorization": "Bearer key-a"}
+    async with http.post(
+        gw.url + "/v1/responses", json={"model": "m", "input": "x", "max_output_tokens": 2}, headers=key
+    ) as r:
+        made = (await r.json())["id"]
+    statuses = []
+    for _ in range(3):
+        async with http.get(gw.url + f"/v1/responses/{made}", headers=key) as r:
+            statuses.append(r.status)
+    assert statuses == [200, 200, 429]
+
+
+async def test_stored_routes_at_their_gateway_wide_bound_are_refused(fleet, http, monkeypatch) -> None:
+    from lockgate import stored
+
+    _, gw = fleet
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "x", "max_output_tokens": 2}) as r:
+        made = (await r.json())["id"]
+    monkeypatch.setattr(stored, "MAX_IN_FLIGHT", 0)
+    async with http.get(gw.url + f"/v1/responses/{made}") as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert (await r.json())["error"]["code"] == "too_many_stored_requests"
+    monkeypatch.setattr(stored, "MAX_IN_FLIGHT", 1)
+    async with http.get(gw.url + f"/v1/responses/{made}") as r:
+        assert r.status == 200
+    assert gw.gateway._stored_in_flight == 0

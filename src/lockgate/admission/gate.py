@@ -599,6 +599,21 @@ class Admission:
         if self.engine_priority:
             ex.engine_priority = klass
 
+    def allow_plain(self, tenant: Tenant) -> Reservation:
+        """The tenant's allowance for a request that generates nothing (a stored response's route): one request and its
+        place among the tenant's `max_concurrent`, no tokens. The caller settles it when the request ends. Raises
+        RateLimitExceeded (429)."""
+        if tenant.name not in self._watched:
+            self._watch(tenant)
+        try:
+            return self.limiter.admit(tenant, 0, self._clock())
+        except RateLimitExceeded as exc:
+            self._metrics.rejections.labels(f"rate_limit_{exc.reason}", "").inc()
+            raise
+
+    def settle_plain(self, reservation: Reservation) -> None:
+        reservation.settle(0, self._clock())
+
     def slot(self, ex: Exchange, klass: int, *, tag: object = None) -> Slot:
         """`ex`'s place at its model's scheduler, to be taken (`Slot.take`) by a request about to call an engine."""
         return Slot(self.schedulers[ex.api.model], ex, klass, tag)
