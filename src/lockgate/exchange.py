@@ -153,6 +153,8 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
         self.allowance: Allowance | None = None
+        #: A response's id as this request's client sees it, from the engine's (`response_ids.py`; None: as it is).
+        self.shown_id: Callable[[str], str] | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
         #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).

@@ -51,6 +51,7 @@ from .observe.otel import Tracer
 from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter
 from .relay import relay
+from .response_ids import ResponseIds
 from .slo import SloService
 from .wire import Endpoint, parse_request
 from .workers import reload_all_workers
@@ -116,6 +117,8 @@ class Gateway:
         self.log_prompts = config.access_log.enabled and config.access_log.include_prompts
         self.registry = Registry()
         self.admission = Admission(config, self.metrics.scheduling)
+        #: A response's id as each tenant's clients see it (`response_ids.py`; with tenants configured).
+        self.response_ids = ResponseIds()
         self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))
         #: De-duplication: flights (shared upstream calls) and the completed-result cache.
         self.dedup = Coalescer(config, self.metrics, self.fleet)
@@ -402,8 +405,8 @@ class Gateway:
             if traceparent is not None:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
-            if api.endpoint is Endpoint.RESPONSES:
-                stored.check_previous(api.body, tenant.name, self.fleet)
+            if api.endpoint is Endpoint.RESPONSES and not self.admission.book.open:
+                stored.take_previous(api.body, tenant.name, self.response_ids)
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
@@ -420,6 +423,8 @@ class Gateway:
             scope=tenant.cache_scope,
         )
         exchange.record.client_request_id = client_id
+        if api.endpoint is Endpoint.RESPONSES and not self.admission.book.open:
+            exchange.shown_id = functools.partial(self.response_ids.show, tenant=tenant.name)
         if api.trace_headers:
             exchange.record.traceparent = api.trace_headers[0][1]
         if self.tracer is not None:
@@ -506,7 +511,8 @@ class Gateway:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         self._stored_in_flight += 1
         try:
-            return await stored.forward(request, tenant, self.fleet, request_id, relay=self.relays_identity)
+            ids = None if self.admission.book.open else self.response_ids
+            return await stored.forward(request, tenant, self.fleet, request_id, ids, relay=self.relays_identity)
         except GatewayError as exc:
             return self.error_response(exc, "")
         finally:

@@ -117,7 +117,7 @@ class SSEWriter:
                 prompt_tokens=api.estimated_prompt_tokens() if api.include_usage else 0,
             )
             if api.endpoint.chunked
-            else ResponseView(model=api.model, made=ex.remember_response)
+            else ResponseView(model=api.model, made=ex.remember_response, shown=ex.shown_id)
         )
         self.response: StreamResponse | None = None
         #: Completion tokens written to the client.
@@ -334,15 +334,19 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
     ex.phase = Phase.FINISHING
     ex.first_token()
     model = ex.api.model
-    if raw is None or body.get("model") != model:
-        body["model"] = model
-        raw = orjson.dumps(body)
-    if not ex.api.endpoint.chunked:  # a response: where its follow-ups should go; whether the engine failed it
-        if isinstance(body.get("id"), str):
-            ex.remember_response(body["id"])
+    if not ex.api.endpoint.chunked:  # a response: where its follow-ups go, its id as the client sees it, its failure
+        engine_id = body.get("id")
+        if isinstance(engine_id, str):
+            ex.remember_response(engine_id)
+            if ex.shown_id is not None:
+                body["id"] = ex.shown_id(engine_id)
+                raw = None
         failure = failure_of(body)
         if failure is not None:
             ex.engine_failed(failure)
+    if raw is None or body.get("model") != model:
+        body["model"] = model
+        raw = orjson.dumps(body)
     usage = body.get("usage")
     if isinstance(usage, dict):
         usage = usage_tokens(usage)

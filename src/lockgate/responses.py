@@ -56,14 +56,24 @@ class ResponseView(ClientView):
     each response object naming the client's model; `usage` (as `usage_tokens` names it) once the terminal event
     came. Nothing is added at the end (no usage chunk, no `[DONE]`)."""
 
-    __slots__ = ("_made", "failure")
+    __slots__ = ("_made", "_shown", "_shown_ids", "failure")
 
-    def __init__(self, *, model: str, made: Callable[[str], object] | None = None) -> None:
-        """`made`: told the response's id once an event shows it (where its follow-ups should go)."""
+    def __init__(
+        self,
+        *,
+        model: str,
+        made: Callable[[str], object] | None = None,
+        shown: Callable[[str], str] | None = None,
+    ) -> None:
+        """`made`: told the response's id once an event shows it (where its follow-ups should go); `shown`: the id
+        the client sees for the engine's (`response_ids.py`; None: the engine's)."""
         super().__init__(model=model, include_usage=False)
         self.plain = False
         self.named = True
         self._made = made
+        self._shown = shown
+        #: The engine's id and the client's, once computed (every response object of a stream names the same).
+        self._shown_ids: tuple[str, str] | None = None
         #: Why the engine failed the response (`response.failed`), once its terminal event said so.
         self.failure: str | None = None
 
@@ -71,18 +81,25 @@ class ResponseView(ClientView):
         response = event.get("response")
         if not isinstance(response, dict):
             return event
+        engine_id = response.get("id")
         made = self._made
-        if made is not None and isinstance(response.get("id"), str):
+        if made is not None and isinstance(engine_id, str):
             self._made = None
-            made(response["id"])
+            made(engine_id)
         usage = response.get("usage")
         if isinstance(usage, dict):
             self.usage = usage_tokens(usage)
         if is_terminal(event):
             self.failure = failure_of(response)
-        if response.get("model") == self.model:
-            return event
-        return {**event, "response": {**response, "model": self.model}}
+        shown = self._shown
+        if shown is None or not isinstance(engine_id, str):
+            if response.get("model") == self.model:
+                return event
+            return {**event, "response": {**response, "model": self.model}}
+        ids = self._shown_ids
+        if ids is None or ids[0] != engine_id:
+            ids = self._shown_ids = (engine_id, shown(engine_id))
+        return {**event, "response": {**response, "model": self.model, "id": ids[1]}}
 
     def spliced(self, event: dict[str, Any], raw: bytes) -> bytes | None:
         # The engine's bytes for every event without a response object (the deltas): nothing in them to change.

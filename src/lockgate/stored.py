@@ -5,10 +5,13 @@
 An engine with a response store (OpenAI; vLLM with `VLLM_ENABLE_RESPONSES_API_STORE`) answers these for the
 responses it made, and only for those: the gateway remembers which instance made each recent response, and for which
 tenant (`Pool.remember_response`, the same record that pins a `previous_response_id` follow-up), and sends the request
-there with the instance's own credentials. An id it does not remember, or one another tenant made, is 404: a tenant
-learns nothing of another's responses. The engine's answer comes back as it is, but for the model name inside a
-response object (the client's, not the engine's) and errors in the OpenAI envelope (`UpstreamStatusError`). `GET
-...?stream=true` (replaying a background response's events) is not relayed: 400.
+there with the instance's own credentials. With tenants, the id a client names is the one it was shown
+(`response_ids.py`: bound to its tenant), turned back into the engine's. An id it does not remember, or one another
+tenant made, is 404: a tenant learns nothing of another's responses. The engine's answer comes back as it is, but
+for the model name inside a response object (the client's, not the engine's), the response's id as the client was
+shown it, and errors in the OpenAI envelope (`UpstreamStatusError`). A `stream` asked for in the query (replaying a
+background response's events) is not relayed: 400. Each request is one of its tenant's (rate limits,
+`max_concurrent`), and at most `MAX_IN_FLIGHT` are forwarded at once.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
     from .fleet.fleet import Fleet
     from .fleet.instance import Instance
     from .fleet.pool import Pool
+    from .response_ids import ResponseIds
 
 PREFIX = "/v1/responses/"
 
@@ -52,10 +56,19 @@ MAX_IN_FLIGHT = 32
 DEFAULT_TIMEOUT_S = 60.0
 
 
-async def forward(request: Request, tenant: Tenant, fleet: Fleet, request_id: str, *, relay: bool = False) -> Response:
+async def forward(
+    request: Request,
+    tenant: Tenant,
+    fleet: Fleet,
+    request_id: str,
+    ids: ResponseIds | None,
+    *,
+    relay: bool = False,
+) -> Response:
     """Answer a stored response's route (see the module docstring) for `tenant` (its allowance already taken);
-    raises `GatewayError` for the client's error. `relay`: a central replica, which tells a sidecar whose request it
-    is (the sidecar checks the tenant again)."""
+    raises `GatewayError` for the client's error. `ids`: the ids clients are shown (`response_ids.py`; None: the
+    engines' own). `relay`: a central replica, which tells a sidecar whose request it is (the sidecar checks the
+    tenant again)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
     tail = slash + action
@@ -66,8 +79,9 @@ async def forward(request: Request, tenant: Tenant, fleet: Fleet, request_id: st
             "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
             param="stream",
         )
-    found = home_of(fleet, response_id)
-    if found is None or found[2] != tenant.name or not tenant.may_use(found[0].model):
+    engine_id = response_id if ids is None else ids.engine_id(response_id, tenant.name)
+    found = home_of(fleet, engine_id) if engine_id is not None else None
+    if engine_id is None or found is None or found[2] != tenant.name or not tenant.may_use(found[0].model):
         raise NotFound(
             f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
             f"{MAX_RESPONSE_HOMES:,} of its model, or another gateway process made it).",
@@ -77,7 +91,7 @@ async def forward(request: Request, tenant: Tenant, fleet: Fleet, request_id: st
     instance = pool.member(key)
     if instance is None:
         raise NotFound(f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found")
-    path = request.path + ("?" + request.query_string if request.query_string else "")
+    path = PREFIX + engine_id + tail + ("?" + request.query_string if request.query_string else "")
     relayed = ((TENANT_HEADER, tenant.name),) if relay and instance.published is not None else ()
     timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
     try:
@@ -91,7 +105,13 @@ async def forward(request: Request, tenant: Tenant, fleet: Fleet, request_id: st
         return Response(
             status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
         )
-    return Response(status=status, body=_client_model(body, pool.model), content_type=content_type, headers=headers)
+    shown = response_id if ids is not None else None
+    return Response(
+        status=status,
+        body=_as_shown(body, pool.model, engine_id, shown),
+        content_type=content_type,
+        headers=headers,
+    )
 
 
 async def _call(
@@ -132,32 +152,40 @@ def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:
     return None
 
 
-def check_previous(body: dict[str, Any], tenant: str, fleet: Fleet) -> None:
-    """A follow-up (`previous_response_id`) continues only its own tenant's responses: one this gateway made for
-    another tenant is 404, as an unknown one is at the engine (the engine would otherwise put that tenant's
-    conversation in front of this request). An id the gateway does not remember goes to the engine as it is."""
+def take_previous(body: dict[str, Any], tenant: str, ids: ResponseIds) -> None:
+    """A follow-up (`previous_response_id`) continues only its own tenant's responses: the id its client was shown
+    is replaced by the engine's; another tenant's, or one made up, is 404 (as an unknown one is at the engine: the
+    engine would otherwise put that tenant's conversation in front of this request)."""
     previous = body.get("previous_response_id")
     if not isinstance(previous, str):
         return
-    found = home_of(fleet, previous)
-    if found is not None and found[2] != tenant:
+    engine_id = ids.engine_id(previous, tenant)
+    if engine_id is None:
         raise NotFound(
             f"Previous response with id '{previous}' not found.",
             param="previous_response_id",
             code="previous_response_not_found",
         )
+    body["previous_response_id"] = engine_id
 
 
-def _client_model(body: bytes, model: str) -> bytes:
-    """A response object's body naming the client's model (the engine's name for it may differ)."""
+def _as_shown(body: bytes, model: str, engine_id: str, shown: str | None) -> bytes:
+    """The engine's answer as the client sees it: a response object naming the client's model (the engine's name for
+    it may differ), and the response's id as the client was shown it (`shown`; None: the engine's)."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
-    if not isinstance(parsed, dict) or parsed.get("object") != "response" or parsed.get("model") == model:
+    if not isinstance(parsed, dict):
         return body
-    parsed["model"] = model
-    return orjson.dumps(parsed)
+    changed = False
+    if parsed.get("object") == "response" and parsed.get("model") != model:
+        parsed["model"] = model
+        changed = True
+    if shown is not None and parsed.get("id") == engine_id:
+        parsed["id"] = shown
+        changed = True
+    return orjson.dumps(parsed) if changed else body
 
 
 def _asks_stream(query: str) -> bool:

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from types import FrameType
 
-from . import workerset
+from . import response_ids, workerset
 from .config import Config
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ class _Supervisor:
         #: The workers' sockets, through which the one an operator request reaches asks the others (`workerset.py`).
         self._sockets = tempfile.mkdtemp(prefix="lockgate-workers-")
         self._env = {
+            # One secret for every worker's response ids (a client's follow-up may reach any of them), unless set.
+            response_ids.SECRET_ENV: os.urandom(32).hex(),
             **os.environ,
             SUPERVISOR_ENV: str(os.getpid()),
             workerset.DIRECTORY_ENV: self._sockets,

@@ -481,3 +481,36 @@ async def test_stored_routes_at_their_gateway_wide_bound_are_refused(fleet, http
     async with http.get(gw.url + f"/v1/responses/{made}") as r:
         assert r.status == 200
     assert gw.gateway._stored_in_flight == 0
+
+
+async def test_a_tenant_bound_id_holds_across_gateway_processes(start_sim, start_gateway, http, monkeypatch) -> None:
+    """With tenants, a client sees the engine's id bound to its tenant: a second gateway (a restart, another replica)
+    with the same secret and no memory of the response still refuses it to another tenant, and still takes it from
+    its own; with another secret, nobody's old ids are taken."""
+    from lockgate.response_ids import SECRET_ENV
+
+    sim = await start_sim(**SIM)
+    tenants = [{"name": "a", "keys": [hash_key("key-a")]}, {"name": "b", "keys": [hash_key("key-b")]}]
+    monkeypatch.setenv(SECRET_ENV, "shared by the replicas")
+    first = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=tenants)
+    second = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=tenants)
+    monkeypatch.setenv(SECRET_ENV, "another secret")
+    other = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=tenants)
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    body = {"model": "m", "input": "my secret is 42", "max_output_tokens": 2}
+    async with http.post(first.url + "/v1/responses", json=body, headers=a) as r:
+        shown = (await r.json())["id"]
+    engine_id = shown.rsplit("_lg", 1)[0]
+    assert shown != engine_id and engine_id.startswith("resp_")
+    follow = {"model": "m", "input": "what was it?", "max_output_tokens": 2}
+    for gateway, key, expected in ((second, b, 404), (second, a, 200), (other, a, 404)):
+        async with http.post(
+            gateway.url + "/v1/responses", json={**follow, "previous_response_id": shown}, headers=key
+        ) as r:
+            assert r.status == expected, (gateway.url, key, await r.text())
+    # Nor is the engine's own id taken from a client: it was never shown to one.
+    async with http.post(
+        second.url + "/v1/responses", json={**follow, "previous_response_id": engine_id}, headers=a
+    ) as r:
+        assert r.status == 404
+    assert sim.statistics()["requests_started"] == 2  # the first response and its one accepted follow-up

@@ -1,0 +1,56 @@
+"""Response ids as a multi-tenant gateway's clients see them: the engine's id, bound to the tenant it was made for.
+
+An engine that stores responses (OpenAI; vLLM with its store) continues (`previous_response_id`) or returns any
+response it holds, whoever asks: behind one gateway every tenant's responses share its stores, and a tenant that
+learnt another's id (a log, a shared screen) could read that conversation. So a gateway with tenants never shows a
+client the engine's id: it shows `<engine id>_lg<mac>`, the mac an HMAC-SHA256 (truncated to 96 bits) of the tenant's
+name and the engine's id under the gateway's secret, and takes back only an id whose mac is the asking tenant's.
+Another tenant's id, or a made-up one, is refused before any engine sees it (404, as an unknown one is), with no
+memory of past responses: it holds after a restart, past any number of responses, and across `--workers` (the
+supervisor hands its workers one secret) and replicas when they share the secret.
+
+The secret is `LOCKGATE_RESPONSE_ID_SECRET` when set (replicas and restarts keep their clients' ids valid with it),
+else random per process (a restart then turns earlier ids into 404s). An open gateway (no tenants: one party) shows
+the engine's ids as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+#: The environment variable holding the secret (any string; at least 32 random bytes' worth is sensible).
+SECRET_ENV = "LOCKGATE_RESPONSE_ID_SECRET"
+
+_MARK = "_lg"
+_MAC_HEX = 24  # 96 bits
+
+
+class ResponseIds:
+    """Sign an engine's response id for a tenant (`show`) and take a client's back (`engine_id`)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: str | None = None) -> None:
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or os.urandom(32).hex()
+        self._key = hashlib.sha256(b"lockgate response ids\0" + secret.encode()).digest()
+
+    def _mac(self, tenant: str, engine_id: str) -> str:
+        message = tenant.encode() + b"\0" + engine_id.encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:_MAC_HEX]
+
+    def show(self, engine_id: str, tenant: str) -> str:
+        """The id `tenant`'s client sees for the engine's response `engine_id`."""
+        return f"{engine_id}{_MARK}{self._mac(tenant, engine_id)}"
+
+    def engine_id(self, shown: str, tenant: str) -> str | None:
+        """The engine's id behind `shown`, if `shown` was made for `tenant`; else None."""
+        cut = len(shown) - _MAC_HEX - len(_MARK)
+        if cut <= 0 or shown[cut : cut + len(_MARK)] != _MARK:
+            return None
+        engine_id = shown[:cut]
+        if not hmac.compare_digest(shown[cut + len(_MARK) :], self._mac(tenant, engine_id)):
+            return None
+        return engine_id
