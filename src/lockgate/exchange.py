@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .metrics import GatewayMetrics
     from .observe.otel import Tracer
     from .records import RecordWriter
+    from .response_ids import ResponseIds
     from .upstream import UpstreamCall
 
 
@@ -153,8 +154,10 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
         self.allowance: Allowance | None = None
-        #: A response's id as this request's client sees it, from the engine's (`response_ids.py`; None: as it is).
-        self.shown_id: Callable[[str], str] | None = None
+        #: With tenants, response ids as this request's client sees them (`response_ids.py`; None: the engine's), and
+        #: the engine's and the client's id of the response it follows up (`previous_response_id`), if any.
+        self.response_ids: ResponseIds | None = None
+        self.previous_shown: tuple[str, str] | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
         #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).
@@ -183,15 +186,32 @@ class Exchange:
         self.record.instance = lease.instance.name
         self.record.attempts += 1
 
-    def remember_response(self, response_id: str) -> None:
-        """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
-        in `previous_response_id` goes there (`Pool.remember_response`). A flight's client: the flight's engine."""
+    def _serving(self) -> Instance | None:
+        """The instance serving this request: its own call's, or a flight's client's, the flight's."""
         instance = self.instance
         if instance is None and self._subscription is not None:
             name = self._subscription.instance()
             instance = self.pool.named(name) if name is not None else None
+        return instance
+
+    def remember_response(self, response_id: str) -> None:
+        """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
+        in `previous_response_id` goes there (`Pool.remember_response`)."""
+        instance = self._serving()
         if instance is not None:
             self.pool.remember_response(response_id, instance.key, self.record.tenant or "")
+
+    def show_response_id(self, engine_id: str) -> str:
+        """A response id of the engine's as this request's client sees it (`response_ids.py`): the id it sent for the
+        response it follows up, else one bound to its tenant and to the instance serving it."""
+        ids = self.response_ids
+        if ids is None:
+            return engine_id
+        previous = self.previous_shown
+        if previous is not None and engine_id == previous[0]:
+            return previous[1]
+        instance = self._serving()
+        return ids.show(engine_id, self.record.tenant or "", instance.key if instance is not None else None)
 
     def engine_failed(self, message: str) -> None:
         """The engine answered that it failed the request (a response's `status: failed`), within a well-formed

@@ -405,8 +405,8 @@ class Gateway:
             if traceparent is not None:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
-            if api.endpoint is Endpoint.RESPONSES and not self.admission.book.open:
-                stored.take_previous(api.body, tenant.name, self.response_ids)
+            signed = api.endpoint is Endpoint.RESPONSES and not self.admission.book.open
+            previous = stored.take_previous(api.body, tenant.name, self.response_ids, pool) if signed else None
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
@@ -423,8 +423,8 @@ class Gateway:
             scope=tenant.cache_scope,
         )
         exchange.record.client_request_id = client_id
-        if api.endpoint is Endpoint.RESPONSES and not self.admission.book.open:
-            exchange.shown_id = functools.partial(self.response_ids.show, tenant=tenant.name)
+        if signed:
+            exchange.response_ids, exchange.previous_shown = self.response_ids, previous
         if api.trace_headers:
             exchange.record.traceparent = api.trace_headers[0][1]
         if self.tracer is not None:

@@ -117,7 +117,11 @@ class SSEWriter:
                 prompt_tokens=api.estimated_prompt_tokens() if api.include_usage else 0,
             )
             if api.endpoint.chunked
-            else ResponseView(model=api.model, made=ex.remember_response, shown=ex.shown_id)
+            else ResponseView(
+                model=api.model,
+                made=ex.remember_response,
+                shown=ex.show_response_id if ex.response_ids is not None else None,
+            )
         )
         self.response: StreamResponse | None = None
         #: Completion tokens written to the client.
@@ -338,8 +342,11 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
         engine_id = body.get("id")
         if isinstance(engine_id, str):
             ex.remember_response(engine_id)
-            if ex.shown_id is not None:
-                body["id"] = ex.shown_id(engine_id)
+            if ex.response_ids is not None:
+                body["id"] = ex.show_response_id(engine_id)
+                previous = body.get("previous_response_id")
+                if isinstance(previous, str):
+                    body["previous_response_id"] = ex.show_response_id(previous)
                 raw = None
         failure = failure_of(body)
         if failure is not None:

@@ -3,11 +3,13 @@
 An engine that stores responses (OpenAI; vLLM with its store) continues (`previous_response_id`) or returns any
 response it holds, whoever asks: behind one gateway every tenant's responses share its stores, and a tenant that
 learnt another's id (a log, a shared screen) could read that conversation. So a gateway with tenants never shows a
-client the engine's id: it shows `<engine id>_lg<mac>`, the mac an HMAC-SHA256 (truncated to 96 bits) of the tenant's
-name and the engine's id under the gateway's secret, and takes back only an id whose mac is the asking tenant's.
-Another tenant's id, or a made-up one, is refused before any engine sees it (404, as an unknown one is), with no
-memory of past responses: it holds after a restart, past any number of responses, and across `--workers` (the
-supervisor hands its workers one secret) and replicas when they share the secret.
+client the engine's id: it shows `<engine id>_lg<tag><mac>`, the tag naming the instance that made the response (a
+hash of its key) and the mac an HMAC-SHA256 (truncated to 96 bits) of the tenant's name, the engine's id and the tag
+under the gateway's secret; it takes back only an id whose mac is the asking tenant's. Another tenant's id, or a
+made-up one, is refused before any engine sees it (404, as an unknown one is), with no memory of past responses: it
+holds after a restart, past any number of responses, and across `--workers` (the supervisor hands its workers one
+secret) and replicas when they share the secret. The tag lets any of them find the response's engine again (a
+follow-up pinned there, a stored-response route forwarded there) without having seen the response.
 
 The secret is `LOCKGATE_RESPONSE_ID_SECRET` when set (replicas and restarts keep their clients' ids valid with it),
 else random per process (a restart then turns earlier ids into 404s). An open gateway (no tenants: one party) shows
@@ -24,11 +26,18 @@ import os
 SECRET_ENV = "LOCKGATE_RESPONSE_ID_SECRET"
 
 _MARK = "_lg"
+_TAG_HEX = 8  # the instance that made the response: a hash of its key (not secret, covered by the mac)
 _MAC_HEX = 24  # 96 bits
+_NO_HOME = "0" * _TAG_HEX
+
+
+def home_tag(instance_key: str) -> str:
+    """The tag a shown id carries for the instance (by its key: the same in every process of one configuration)."""
+    return hashlib.sha256(instance_key.encode()).hexdigest()[:_TAG_HEX]
 
 
 class ResponseIds:
-    """Sign an engine's response id for a tenant (`show`) and take a client's back (`engine_id`)."""
+    """Sign an engine's response id for a tenant (`show`) and take a client's back (`take`)."""
 
     __slots__ = ("_key",)
 
@@ -37,20 +46,24 @@ class ResponseIds:
             secret = os.environ.get(SECRET_ENV) or os.urandom(32).hex()
         self._key = hashlib.sha256(b"lockgate response ids\0" + secret.encode()).digest()
 
-    def _mac(self, tenant: str, engine_id: str) -> str:
-        message = tenant.encode() + b"\0" + engine_id.encode()
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:_MAC_HEX]
+    def _mac(self, tenant: str, engine_id: str, tag: str) -> bytes:
+        message = tenant.encode() + b"\0" + engine_id.encode() + b"\0" + tag.encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:_MAC_HEX].encode()
 
-    def show(self, engine_id: str, tenant: str) -> str:
-        """The id `tenant`'s client sees for the engine's response `engine_id`."""
-        return f"{engine_id}{_MARK}{self._mac(tenant, engine_id)}"
+    def show(self, engine_id: str, tenant: str, home: str | None = None) -> str:
+        """The id `tenant`'s client sees for the engine's response `engine_id`, made on the instance keyed `home`."""
+        tag = home_tag(home) if home is not None else _NO_HOME
+        return f"{engine_id}{_MARK}{tag}{self._mac(tenant, engine_id, tag).decode()}"
 
-    def engine_id(self, shown: str, tenant: str) -> str | None:
-        """The engine's id behind `shown`, if `shown` was made for `tenant`; else None."""
-        cut = len(shown) - _MAC_HEX - len(_MARK)
+    def take(self, shown: str, tenant: str) -> tuple[str, str | None] | None:
+        """The engine's id behind `shown` and the tag of the instance that made it (None: not known), if `shown` was
+        made for `tenant`; else None."""
+        cut = len(shown) - _MAC_HEX - _TAG_HEX - len(_MARK)
         if cut <= 0 or shown[cut : cut + len(_MARK)] != _MARK:
             return None
         engine_id = shown[:cut]
-        if not hmac.compare_digest(shown[cut + len(_MARK) :], self._mac(tenant, engine_id)):
+        tag = shown[cut + len(_MARK) : cut + len(_MARK) + _TAG_HEX]
+        mac = shown[cut + len(_MARK) + _TAG_HEX :].encode()  # (bytes: a non-ASCII str cannot be compared)
+        if not hmac.compare_digest(mac, self._mac(tenant, engine_id, tag)):
             return None
-        return engine_id
+        return engine_id, None if tag == _NO_HOME else tag

@@ -99,7 +99,11 @@ class ResponseView(ClientView):
         ids = self._shown_ids
         if ids is None or ids[0] != engine_id:
             ids = self._shown_ids = (engine_id, shown(engine_id))
-        return {**event, "response": {**response, "model": self.model, "id": ids[1]}}
+        out = {**response, "model": self.model, "id": ids[1]}
+        previous = response.get("previous_response_id")
+        if isinstance(previous, str):  # (OpenAI and vLLM echo it)
+            out["previous_response_id"] = shown(previous)
+        return {**event, "response": out}
 
     def spliced(self, event: dict[str, Any], raw: bytes) -> bytes | None:
         # The engine's bytes for every event without a response object (the deltas): nothing in them to change.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -33,8 +34,8 @@ from .errors import (
     UpstreamStatusError,
 )
 from .fleet.instance import upstream_headers
-from .fleet.pool import MAX_RESPONSE_HOMES
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
+from .response_ids import home_tag
 
 if TYPE_CHECKING:
     from .admission.tenants import Tenant
@@ -79,19 +80,22 @@ async def forward(
             "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
             param="stream",
         )
-    engine_id = response_id if ids is None else ids.engine_id(response_id, tenant.name)
-    found = home_of(fleet, engine_id) if engine_id is not None else None
-    if engine_id is None or found is None or found[2] != tenant.name or not tenant.may_use(found[0].model):
-        raise NotFound(
-            f"No response '{response_id}' made through this gateway for you is known (it may be older than the last "
-            f"{MAX_RESPONSE_HOMES:,} of its model, or another gateway process made it).",
-            code="response_not_found",
-        )
+    taken = (response_id, None) if ids is None else ids.take(response_id, tenant.name)
+    found = None
+    if taken is not None:
+        engine_id, tag = taken
+        found = home_of(fleet, engine_id)
+        if found is None and tag is not None:
+            found = _home_by_tag(fleet, tag, tenant)
+    if taken is None or found is None or found[2] != tenant.name or not tenant.may_use(found[0].model):
+        raise NotFound(f"No response '{response_id}' is known for you.", code="response_not_found")
     pool, key, _ = found
     instance = pool.member(key)
     if instance is None:
         raise NotFound(f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found")
-    path = PREFIX + engine_id + tail + ("?" + request.query_string if request.query_string else "")
+    path = PREFIX + urllib.parse.quote(engine_id, safe="") + tail
+    if request.query_string:
+        path += "?" + request.query_string
     relayed = ((TENANT_HEADER, tenant.name),) if relay and instance.published is not None else ()
     timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
     try:
@@ -105,13 +109,13 @@ async def forward(
         return Response(
             status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
         )
-    shown = response_id if ids is not None else None
-    return Response(
-        status=status,
-        body=_as_shown(body, pool.model, engine_id, shown),
-        content_type=content_type,
-        headers=headers,
-    )
+
+    def show(engine: str) -> str:
+        if ids is None:
+            return engine
+        return response_id if engine == engine_id else ids.show(engine, tenant.name, instance.key)
+
+    return Response(status=status, body=_as_shown(body, pool.model, show), content_type=content_type, headers=headers)
 
 
 async def _call(
@@ -152,40 +156,59 @@ def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:
     return None
 
 
-def take_previous(body: dict[str, Any], tenant: str, ids: ResponseIds) -> None:
-    """A follow-up (`previous_response_id`) continues only its own tenant's responses: the id its client was shown
-    is replaced by the engine's; another tenant's, or one made up, is 404 (as an unknown one is at the engine: the
-    engine would otherwise put that tenant's conversation in front of this request)."""
+def take_previous(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Pool) -> tuple[str, str] | None:
+    """A follow-up (`previous_response_id`) continues only its own tenant's responses: the id its client was shown is
+    replaced by the engine's, and the instance it names is remembered as the response's home (the follow-up is pinned
+    there, even by a process that never saw the response); another tenant's id, or one made up, is 404 (as an unknown
+    one is at the engine, which would otherwise put that tenant's conversation in front of this request). Returns the
+    engine's id and the client's, if the body names one."""
     previous = body.get("previous_response_id")
     if not isinstance(previous, str):
-        return
-    engine_id = ids.engine_id(previous, tenant)
-    if engine_id is None:
+        return None
+    taken = ids.take(previous, tenant)
+    if taken is None:
         raise NotFound(
             f"Previous response with id '{previous}' not found.",
             param="previous_response_id",
             code="previous_response_not_found",
         )
+    engine_id, tag = taken
+    if tag is not None and pool.response_home(engine_id) is None:
+        for instance in pool.instances:
+            if home_tag(instance.key) == tag:
+                pool.remember_response(engine_id, instance.key, tenant)
+                break
     body["previous_response_id"] = engine_id
+    return engine_id, previous
 
 
-def _as_shown(body: bytes, model: str, engine_id: str, shown: str | None) -> bytes:
+def _home_by_tag(fleet: Fleet, tag: str, tenant: Tenant) -> tuple[Pool, str, str] | None:
+    """The pool and key of the instance a shown id's tag names (a process that never saw the response)."""
+    for pool in fleet.pools.values():
+        if tenant.may_use(pool.model):
+            for instance in pool.instances:
+                if home_tag(instance.key) == tag:
+                    return pool, instance.key, tenant.name
+    return None
+
+
+def _as_shown(body: bytes, model: str, show: Callable[[str], str]) -> bytes:
     """The engine's answer as the client sees it: a response object naming the client's model (the engine's name for
-    it may differ), and the response's id as the client was shown it (`shown`; None: the engine's)."""
+    it may differ), its response ids (its own, the one it follows up, a deleted one's) as `show` gives them."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
     if not isinstance(parsed, dict):
         return body
-    changed = False
-    if parsed.get("object") == "response" and parsed.get("model") != model:
+    before = dict(parsed)
+    if parsed.get("object") == "response":
         parsed["model"] = model
-        changed = True
-    if shown is not None and parsed.get("id") == engine_id:
-        parsed["id"] = shown
-        changed = True
-    return orjson.dumps(parsed) if changed else body
+        if isinstance(parsed.get("previous_response_id"), str):
+            parsed["previous_response_id"] = show(parsed["previous_response_id"])
+    if isinstance(parsed.get("id"), str) and parsed.get("object") == "response":
+        parsed["id"] = show(parsed["id"])
+    return body if parsed == before else orjson.dumps(parsed)
 
 
 def _asks_stream(query: str) -> bool:

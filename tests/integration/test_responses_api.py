@@ -514,3 +514,45 @@ async def test_a_tenant_bound_id_holds_across_gateway_processes(start_sim, start
     ) as r:
         assert r.status == 404
     assert sim.statistics()["requests_started"] == 2  # the first response and its one accepted follow-up
+
+
+async def test_another_process_finds_a_tenants_response_by_its_id(start_sim, start_gateway, http, monkeypatch) -> None:
+    """A shown id names the instance that made the response: a gateway process that never saw it (a restart with the
+    secret kept, another worker or replica) pins the follow-up there and forwards a retrieval there (each simulator
+    stores only its own responses: elsewhere both would be 404), and the echoed `previous_response_id` is the id the
+    client sent."""
+    from lockgate.response_ids import SECRET_ENV
+
+    sims = [await start_sim(**SIM) for _ in range(3)]
+    models = [
+        {
+            "name": "m",
+            "routing": "round_robin",
+            "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
+        }
+    ]
+    tenants = [{"name": "a", "keys": [hash_key("key-a")]}]
+    monkeypatch.setenv(SECRET_ENV, "kept across restarts")
+    first, second = await start_gateway(models, tenants=tenants), await start_gateway(models, tenants=tenants)
+    a = {"Authorization": "Bearer key-a"}
+    async with http.post(
+        first.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}, headers=a
+    ) as r:
+        made, home = await r.json(), r.headers["x-lockgate-instance"]
+    assert made["previous_response_id"] is None
+    for stream in (False, True, False):
+        body = {
+            "model": "m",
+            "input": "and?",
+            "max_output_tokens": 2,
+            "previous_response_id": made["id"],
+            "stream": stream,
+        }
+        async with http.post(second.url + "/v1/responses", json=body, headers=a) as r:
+            assert r.status == 200 and r.headers["x-lockgate-instance"] == home
+            raw = await r.read()
+        answer = orjson.loads(raw) if not stream else orjson.loads(raw.rstrip().split(b"\n")[-1][6:])["response"]
+        assert answer["previous_response_id"] == made["id"]  # as the client sent it, not the engine's
+        assert answer["id"].rsplit("_lg", 1)[0] != answer["id"]  # its own id shown bound, too
+    async with http.get(second.url + f"/v1/responses/{made['id']}", headers=a) as r:
+        assert r.status == 200 and (await r.json())["id"] == made["id"]

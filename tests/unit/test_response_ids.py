@@ -1,29 +1,34 @@
-"""Response ids bound to their tenant (`response_ids.py`)."""
+"""Response ids bound to their tenant and to the instance that made them (`response_ids.py`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lockgate.response_ids import SECRET_ENV, ResponseIds
+from lockgate.response_ids import SECRET_ENV, ResponseIds, home_tag
 
 
 def test_an_id_is_taken_back_only_from_the_tenant_it_was_shown_to() -> None:
     ids = ResponseIds("secret")
-    shown = ids.show("resp_abc", "acme")
-    assert shown.startswith("resp_abc_lg") and shown != ids.show("resp_abc", "beta")
-    assert ids.engine_id(shown, "acme") == "resp_abc"
-    assert ids.engine_id(shown, "beta") is None
-    assert ids.engine_id("resp_abc", "acme") is None  # the engine's own id: never shown, never taken
+    shown = ids.show("resp_abc", "acme", "http://engine-1")
+    assert shown.startswith("resp_abc_lg" + home_tag("http://engine-1")) and shown != ids.show("resp_abc", "beta")
+    assert ids.take(shown, "acme") == ("resp_abc", home_tag("http://engine-1"))
+    assert ids.take(ids.show("resp_abc", "acme"), "acme") == ("resp_abc", None)  # made where nobody knew
+    assert ids.take(shown, "beta") is None
+    assert ids.take("resp_abc", "acme") is None  # the engine's own id: never shown, never taken
     tampered = shown[:-1] + ("0" if shown[-1] != "0" else "1")
-    assert ids.engine_id(tampered, "acme") is None
-    assert ids.engine_id(ids.show("resp_other", "acme")[:-24] + shown[-24:], "acme") is None  # a mac moved over
-    for junk in ("", "_lg", "x" * 24, "resp_" + "_lg" + "0" * 24):
-        assert ids.engine_id(junk, "acme") is None
-    assert ResponseIds("another secret").engine_id(shown, "acme") is None
+    assert ids.take(tampered, "acme") is None
+    other_home = ids.show("resp_abc", "acme", "http://engine-2")
+    assert ids.take(shown[:-24] + other_home[-24:], "acme") is None  # a mac moved to another home
+    for junk in ("", "_lg", "x" * 32, "resp_" + "_lg" + "0" * 32, shown[:-24] + "\uff10" * 24, shown[:-1] + "é"):
+        assert ids.take(junk, "acme") is None  # (non-ASCII macs too: compared as bytes)
+    assert ResponseIds("another secret").take(shown, "acme") is None
+    # An engine id holding the marker itself round-trips.
+    odd = "resp_x_lg" + "0" * 32
+    assert ids.take(ids.show(odd, "acme"), "acme") == (odd, None)
 
 
 def test_the_secret_comes_from_the_environment_else_is_random(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "shared")
-    assert ResponseIds().engine_id(ResponseIds().show("resp_1", "t"), "t") == "resp_1"
+    assert ResponseIds().take(ResponseIds().show("resp_1", "t"), "t") == ("resp_1", None)
     monkeypatch.delenv(SECRET_ENV)
-    assert ResponseIds().engine_id(ResponseIds().show("resp_1", "t"), "t") is None
+    assert ResponseIds().take(ResponseIds().show("resp_1", "t"), "t") is None

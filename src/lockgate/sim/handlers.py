@@ -44,6 +44,7 @@ from .wire import (
     new_response_id,
     parse_body,
     parse_request,
+    previous_of,
     response_object,
     usage,
     writer_for,
@@ -241,7 +242,9 @@ class Api:
     def _keep(self, req: GenRequest, resp_id: str, text: str, finish_reason: str, usage_: dict[str, Any]) -> None:
         """A finished response goes to the store (`sim/stored.py`)."""
         if req.body is not None:
-            response = response_object(req.model, resp_id, int(time.time()), text, finish_reason, usage_)
+            response = response_object(
+                req.model, resp_id, int(time.time()), text, finish_reason, usage_, previous_of(req)
+            )
             self.responses.keep(response, req.body)
 
     async def embeddings(self, request: web.Request) -> web.Response:

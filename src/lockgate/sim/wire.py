@@ -192,7 +192,7 @@ def full_response(
     req: GenRequest, resp_id: str, created: int, text: str, finish_reason: str, usage_: dict[str, Any]
 ) -> bytes:
     if req.kind == "responses":
-        return orjson.dumps(response_object(req.model, resp_id, created, text, finish_reason, usage_))
+        return orjson.dumps(response_object(req.model, resp_id, created, text, finish_reason, usage_, previous_of(req)))
     if req.kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
@@ -210,10 +210,17 @@ def full_response(
 
 
 def response_object(
-    model: str, resp_id: str, created: int, text: str | None, finish_reason: str | None, usage_: dict[str, Any] | None
+    model: str,
+    resp_id: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    usage_: dict[str, Any] | None,
+    previous: str | None = None,
 ) -> dict[str, Any]:
     """A response (the Responses API), `in_progress` until `finish_reason` says how it ended (`length`: incomplete at
-    `max_output_tokens`); `text` None: no output yet. `usage_` in the chat form, converted."""
+    `max_output_tokens`); `text` None: no output yet. `usage_` in the chat form, converted. `previous`: the response it
+    follows up (echoed, as OpenAI and vLLM do)."""
     status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
     output = [] if text is None else [_message_item(resp_id, text, "completed")]
     obj: dict[str, Any] = {
@@ -224,6 +231,7 @@ def response_object(
         "model": model,
         "output": output,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "previous_response_id": previous,
         "usage": None,
     }
     if usage_ is not None:
@@ -237,6 +245,12 @@ def response_object(
     return obj
 
 
+def previous_of(req: GenRequest) -> str | None:
+    """The response a response request follows up, if any."""
+    previous = req.body.get("previous_response_id") if req.body is not None else None
+    return previous if isinstance(previous, str) else None
+
+
 def _message_item(resp_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
     return {"type": "message", "id": "msg_" + resp_id[5:], "status": status, "role": "assistant", "content": content}
@@ -247,7 +261,7 @@ class ResponseEventWriter:
     response and its message, `token()` is one `response.output_text.delta`, `end()` closes the text, the item and
     the response (`response.completed`, or `response.incomplete` at `max_output_tokens`) with the usage."""
 
-    __slots__ = ("_created", "_finish", "_id", "_model", "_seq", "_text")
+    __slots__ = ("_created", "_finish", "_id", "_model", "_previous", "_seq", "_text")
 
     @property
     def text(self) -> str:
@@ -257,6 +271,7 @@ class ResponseEventWriter:
     def __init__(self, req: GenRequest, resp_id: str) -> None:
         self._id = resp_id
         self._model = req.model
+        self._previous = previous_of(req)
         self._created = int(time.time())
         self._seq = 0
         self._text: list[str] = []
@@ -268,7 +283,7 @@ class ResponseEventWriter:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
     def role(self) -> bytes:
-        opened = response_object(self._model, self._id, self._created, None, None, None)
+        opened = response_object(self._model, self._id, self._created, None, None, None, self._previous)
         item_id = "msg_" + self._id[5:]
         return b"".join(
             (
@@ -300,7 +315,7 @@ class ResponseEventWriter:
         """(A response always carries its usage: `include_usage` is the chat writer's.)"""
         text = "".join(self._text)
         item_id = "msg_" + self._id[5:]
-        whole = response_object(self._model, self._id, self._created, text, self._finish, usage_)
+        whole = response_object(self._model, self._id, self._created, text, self._finish, usage_, self._previous)
         part = {"type": "output_text", "text": text, "annotations": []}
         return b"".join(
             (
