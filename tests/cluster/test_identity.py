@@ -104,15 +104,10 @@ def central(etcd_url: str, cluster: str, usage: str) -> dict[str, Any]:
     }
 
 
-def chat(text: str, *, stream: bool = False, max_tokens: int = 3) -> bytes:
-    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream}
-    return orjson.dumps(body)
-
-
-async def test_the_sidecar_schedules_and_records_by_the_clients_tenant_and_class(
-    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
-) -> None:
-    name = unique_cluster("identity")
+async def central_and_sidecar(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, name: str
+) -> tuple[SimServer, GatewayServer, GatewayServer, aiohttp.ClientSession]:
+    """A simulator behind a sidecar, a central replica that has learnt of it, and a client session."""
     sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",))))
     side = await stack.enter_async_context(
         GatewayServer(parse_config(sidecar(etcd.url, name, sim, str(tmp_path / "s.sqlite3"))), role="sidecar")
@@ -123,7 +118,20 @@ async def test_the_sidecar_schedules_and_records_by_the_clients_tenant_and_class
     assert cent.gateway is not None and side.gateway is not None
     async with asyncio.timeout(15):
         await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and f.pools["m"].ready())
-    http = await stack.enter_async_context(aiohttp.ClientSession())
+    return sim, side, cent, await stack.enter_async_context(aiohttp.ClientSession())
+
+
+def chat(text: str, *, stream: bool = False, max_tokens: int = 3) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream}
+    return orjson.dumps(body)
+
+
+async def test_the_sidecar_schedules_and_records_by_the_clients_tenant_and_class(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    name = unique_cluster("identity")
+    sim, side, cent, http = await central_and_sidecar(etcd, stack, tmp_path, name)
+    assert side.gateway is not None
 
     async def ask(url: str, key: str, text: str, **headers: str) -> int:
         hdrs = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **headers}
@@ -163,17 +171,8 @@ async def test_responses_through_a_central_and_its_sidecar(
     retrieved through the central (the sidecar checks the relayed tenant: another tenant's request is 404 there
     too), and a follow-up continuing it on the engine that holds it."""
     name = unique_cluster("responses")
-    sim = await stack.enter_async_context(SimServer(SimConfig(models=("m",))))
-    side = await stack.enter_async_context(
-        GatewayServer(parse_config(sidecar(etcd.url, name, sim, str(tmp_path / "s.sqlite3"))), role="sidecar")
-    )
-    cent = await stack.enter_async_context(
-        GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / "c.sqlite3"))))
-    )
-    assert cent.gateway is not None and side.gateway is not None
-    async with asyncio.timeout(15):
-        await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and f.pools["m"].ready())
-    http = await stack.enter_async_context(aiohttp.ClientSession())
+    _, side, cent, http = await central_and_sidecar(etcd, stack, tmp_path, name)
+    assert side.gateway is not None
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     body = {"model": "m", "input": "hello", "max_output_tokens": 4}
     async with http.post(cent.url + "/v1/responses", json={**body, "stream": True}, headers=acme) as resp:

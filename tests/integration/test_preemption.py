@@ -151,6 +151,12 @@ async def preempt_with_p0(sim, gw, sched, http) -> tuple[asyncio.Task[tuple[int,
     return urgent, p2.id
 
 
+async def until_generating(sim) -> None:
+    """The engine has produced a few tokens of a request it runs."""
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: any(r.completion_tokens >= 3 for r in s.stats.open.values()))
+
+
 async def let_go(sim) -> None:
     sim.control.hold = False
     sim.release()
@@ -191,12 +197,7 @@ async def test_non_streaming_p2_gets_the_complete_answer(start_sim, start_gatewa
     sim, gw, sched = await one_slot(start_sim, start_gateway)
     body = chat(2)
     waiting = asyncio.create_task(post(http, gw.url, body, "P2"))
-
-    def generating(s) -> bool:
-        return any(r.completion_tokens >= 3 for r in s.stats.open.values())
-
-    async with asyncio.timeout(5):
-        await sim.wait_until(generating)
+    await until_generating(sim)
     urgent, p2_id = await preempt_with_p0(sim, gw, sched, http)
     await let_go(sim)
     assert (await urgent)[0] == 200
@@ -487,12 +488,7 @@ async def test_a_request_without_max_tokens_is_not_resumed_past_the_engines_own_
 
     # Not streamed: nothing reaches the client before the end, so it is restarted (not resumed): the same answer.
     waiting = asyncio.create_task(post(http, gw.url, body, "P2"))
-
-    def generating(s) -> bool:
-        return any(r.completion_tokens >= 3 for r in s.stats.open.values())
-
-    async with asyncio.timeout(5):
-        await sim.wait_until(generating)
+    await until_generating(sim)
     urgent, p2_id = await preempt_with_p0(sim, gw, sched := gw.gateway.admission.schedulers["m"], http)
     await let_go(sim)
     assert (await urgent)[0] == 200
@@ -520,12 +516,7 @@ async def test_a_whole_p2_response_is_restarted_and_a_streamed_one_runs_on(start
             return resp.status, (await resp.json() if not payload.get("stream") else await resp.read())
 
     waiting = asyncio.create_task(respond(body, "P2"))
-
-    def generating(s) -> bool:
-        return any(r.completion_tokens >= 3 for r in s.stats.open.values())
-
-    async with asyncio.timeout(5):
-        await sim.wait_until(generating)
+    await until_generating(sim)
     urgent, p2_id = await preempt_with_p0(sim, gw, sched, http)
     await let_go(sim)
     assert (await urgent)[0] == 200
@@ -540,8 +531,7 @@ async def test_a_whole_p2_response_is_restarted_and_a_streamed_one_runs_on(start
     assert (rows[p2_id]["preemptions"], rows[p2_id]["restarts"], rows[p2_id]["completion_tokens"]) == (1, 1, 40)
 
     streamed = asyncio.create_task(respond({**body, "stream": True}, "P2"))
-    async with asyncio.timeout(5):
-        await sim.wait_until(generating)
+    await until_generating(sim)
     second = asyncio.create_task(post(http, gw.url, chat(98, max_tokens=4), "P0"))
     await until(sched, lambda core: core.queued(P0) == 1)
     assert sched.core.running(P2) == 1
