@@ -359,7 +359,7 @@ def _banner(server: GatewayServer) -> str:
         example = config.models[0].name
         # With tenant keys the gateway wants one (401 otherwise): the lines say where it goes.
         keyed = any(tenant.keys for tenant in config.tenants)
-        key = "<a tenant's key>" if keyed else "unused"
+        key = "<a tenant key>" if keyed else "unused"
         auth = f" -H 'Authorization: Bearer {key}'" if keyed else ""
         lines += [
             "Try it:",

@@ -28,4 +28,7 @@ def http_url_problem(url: str) -> str | None:
         return "needs a host, e.g. http://127.0.0.1:8000"
     if port == 0:
         return "needs a port in 1-65535 (or none: 80 for http, 443 for https)"
+    if parts.path.rstrip("/").endswith("/v1"):
+        # An OpenAI client's base URL: the gateway appends `/v1/chat/completions` (and `/health`, `/metrics`) itself.
+        return "must be the engine's base URL without `/v1` (the API's paths, `/v1/...`, are appended to it)"
     return None

@@ -13,4 +13,4 @@ async def test_the_try_it_lines_carry_a_key_only_where_one_is_needed(start_sim, 
     open_gateway = _banner(await start_gateway(models))
     assert "Authorization" not in open_gateway and 'api_key="unused"' in open_gateway
     keyed = _banner(await start_gateway(models, tenants=[{"name": "t", "keys": [hash_key("sk-t")]}]))
-    assert "-H 'Authorization: Bearer <a tenant's key>'" in keyed and 'api_key="<a tenant\'s key>"' in keyed
+    assert "-H 'Authorization: Bearer <a tenant key>'" in keyed and 'api_key="<a tenant key>"' in keyed

@@ -103,14 +103,14 @@ def test_check_config_summary_lists_simulated_models_and_redacts_credentials():
     config = parse_config(
         {
             "models": [
-                {"name": "real", "instances": [{"url": "https://user:secret@api.example.com/v1", "api_key": "sk-x"}]}
+                {"name": "real", "instances": [{"url": "https://user:secret@api.example.com/engine", "api_key": "sk-x"}]}
             ],
             "simulate": [{"models": ["demo-model"]}],
         }
     )
     text = "\n".join(describe_served(config))
     assert "secret" not in text and "sk-x" not in text and "user" not in text
-    assert "https://***@api.example.com/v1" in text and "with api_key" in text
+    assert "https://***@api.example.com/engine" in text and "with api_key" in text
     assert "model 'demo-model': 1 instance(s), routing predicted_ttft: sim-1 (simulated vllm)" in text
     assert redact_url("http://127.0.0.1:8001") == "http://127.0.0.1:8001"
 
@@ -248,6 +248,9 @@ def test_dedup_off_unquoted(tmp_path):
         ("http://", "needs a host"),
         ("http://[::1", "Invalid IPv6 URL"),
         ("http://127.0.0.1:0", "needs a port in 1-65535"),
+        # An OpenAI client's base URL: `/v1/...` is appended to it (a newcomer's run: health checks then answered 404).
+        ("http://127.0.0.1:8000/v1", "without `/v1`"),
+        ("http://127.0.0.1:8000/v1/", "without `/v1`"),
     ],
 )
 def test_an_instance_url_that_cannot_be_reached_is_a_config_error_naming_the_key(url: str, reason: str) -> None:
