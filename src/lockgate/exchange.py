@@ -158,6 +158,8 @@ class Exchange:
         #: the engine's and the client's id of the response it follows up (`previous_response_id`), if any.
         self.response_ids: ResponseIds | None = None
         self.previous_shown: tuple[str, str] | None = None
+        #: Served from a stored result (de-duplication): the name of the instance that made it.
+        self.served_from: str | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
         #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).
@@ -187,12 +189,13 @@ class Exchange:
         self.record.attempts += 1
 
     def _serving(self) -> Instance | None:
-        """The instance serving this request: its own call's, or a flight's client's, the flight's."""
+        """The instance serving this request: its own call's; a flight's client's, the flight's; a stored result's, the
+        one that made it."""
         instance = self.instance
-        if instance is None and self._subscription is not None:
-            name = self._subscription.instance()
-            instance = self.pool.named(name) if name is not None else None
-        return instance
+        if instance is not None:
+            return instance
+        name = self._subscription.instance() if self._subscription is not None else self.served_from
+        return self.pool.named(name) if name is not None else None
 
     def remember_response(self, response_id: str) -> None:
         """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
@@ -429,6 +432,9 @@ class Exchange:
             return self.response or Response(status=499)
         except GatewayError as exc:
             self.detach()
+            previous = self.previous_shown
+            if previous is not None:  # an engine's error naming the response followed up: by the id the client knows
+                exc.message = exc.message.replace(previous[0], previous[1])
             reason = exc.reason if isinstance(exc, Cancelled) else None
             if reason is not None:  # (an operator cancelled the flight this request shares)
                 return await self._end_with("cancelled", exc, reason=reason)

@@ -104,8 +104,11 @@ async def forward(
     except TimeoutError:
         raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
     headers = {"x-lockgate-instance": instance.name}
+    if status == 404:  # (deleted, or not stored: the same answer as for an id never made)
+        raise NotFound(f"No response '{response_id}' is known for you.", code="response_not_found")
     if status >= 400:
         error = UpstreamStatusError(status, body, content_type)
+        error.message = error.message.replace(engine_id, response_id)  # the id the client knows
         return Response(
             status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
         )

@@ -556,3 +556,40 @@ async def test_another_process_finds_a_tenants_response_by_its_id(start_sim, sta
         assert answer["id"].rsplit("_lg", 1)[0] != answer["id"]  # its own id shown bound, too
     async with http.get(second.url + f"/v1/responses/{made['id']}", headers=a) as r:
         assert r.status == 200 and (await r.json())["id"] == made["id"]
+
+
+async def test_ids_shown_to_a_stored_results_clients_and_engine_errors_name_no_engine_id(
+    start_sim, start_gateway, http, monkeypatch
+) -> None:
+    """With tenants: a client served from a stored result (a de-duplication hit) is shown an id naming the instance
+    that made it, as the first client was (another process finds it); an engine's 404 for a deleted response is the
+    gateway's `response_not_found`, and an engine error about a followed-up response names the id the client sent."""
+    from lockgate.response_ids import SECRET_ENV, home_tag
+
+    sims = [await start_sim(**SIM) for _ in range(2)]
+    models = [{"name": "m", "routing": "round_robin", "instances": [instance(s) for s in sims]}]
+    tenants = [{"name": "a", "keys": [hash_key("key-a")]}]
+    monkeypatch.setenv(SECRET_ENV, "kept")
+    first, second = await start_gateway(models, tenants=tenants), await start_gateway(models, tenants=tenants)
+    a = {"Authorization": "Bearer key-a"}
+    body = {"model": "m", "input": "the same", "max_output_tokens": 2, "temperature": 0}
+    shown = []
+    for outcome in ("miss", "hit"):
+        async with http.post(first.url + "/v1/responses", json=body, headers=a) as r:
+            assert r.headers["x-lockgate-cache"] == outcome
+            shown.append((await r.json())["id"])
+    miss, hit = shown
+    assert hit[-32:-24] == miss[-32:-24] != "0" * 8  # the same instance's tag
+    assert hit[-32:-24] in {home_tag(s.url) for s in sims}
+    for _ in range(2):  # round-robin would take the other engine half the time
+        async with http.get(second.url + f"/v1/responses/{hit}", headers=a) as r:
+            assert r.status == 200
+    async with http.delete(second.url + f"/v1/responses/{hit}", headers=a) as r:
+        assert r.status == 200
+    async with http.get(second.url + f"/v1/responses/{hit}", headers=a) as r:
+        error = (await r.json())["error"]
+    assert r.status == 404 and error["code"] == "response_not_found" and hit in error["message"]
+    follow = {"model": "m", "input": "and?", "max_output_tokens": 2, "previous_response_id": hit}
+    async with http.post(second.url + "/v1/responses", json=follow, headers=a) as r:
+        error = (await r.json())["error"]
+    assert r.status == 404 and hit in error["message"] and hit.rsplit("_lg", 1)[0] + "'" not in error["message"]

@@ -103,7 +103,10 @@ def test_check_config_summary_lists_simulated_models_and_redacts_credentials():
     config = parse_config(
         {
             "models": [
-                {"name": "real", "instances": [{"url": "https://user:secret@api.example.com/engine", "api_key": "sk-x"}]}
+                {
+                    "name": "real",
+                    "instances": [{"url": "https://user:secret@api.example.com/engine", "api_key": "sk-x"}],
+                }
             ],
             "simulate": [{"models": ["demo-model"]}],
         }

@@ -293,6 +293,8 @@ class Coalescer:
         cached: Result | None,
     ) -> Reply:
         ex.record.served_by = ex.dedup_outcome = outcome
+        if cached is not None:
+            ex.served_from = cached.instance
         if ex.api.stream:
             response = await self._stream(ex, http_request, outcome, source)
         elif cached is not None:
