@@ -8,6 +8,7 @@ String values may take `${VAR}` from the environment (`config_env.py`).
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
@@ -490,8 +491,12 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
 def _problems(exc: ValidationError) -> list[str]:
     lines = []
     for err in exc.errors():
-        where = _loc(err["loc"]) or "(top level)"
+        where = _loc(err["loc"])
         message = err["msg"].removeprefix("Value error, ")
+        if not where:
+            # A check across keys names the key itself (`tenants[0].models: ...`); others concern the whole file.
+            lines.append(message if _KEY_PATH.match(message) else f"(top level): {message}")
+            continue
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and indentation)"
         elif any(isinstance(part, str) and (part == "api_key" or part.endswith("keys")) for part in err["loc"]):
@@ -500,6 +505,10 @@ def _problems(exc: ValidationError) -> list[str]:
             message = f"{message} (got {err['input']!r})"
         lines.append(f"{where}: {message}")
     return lines
+
+
+#: A message that starts with the key path it is about.
+_KEY_PATH = re.compile(r"[a-z_]+(\[\d+\])*(\.[a-z_]+(\[\d+\])*)*: ")
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
