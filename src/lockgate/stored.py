@@ -204,13 +204,14 @@ def _as_shown(body: bytes, model: str, show: Callable[[str], str]) -> bytes:
         return body
     if not isinstance(parsed, dict):
         return body
+    if parsed.get("object") != "response":  # (a list of input items: no response id, no model)
+        return body
     before = dict(parsed)
-    if parsed.get("object") == "response":
+    if "model" in parsed:  # (not in a deletion's answer)
         parsed["model"] = model
-        if isinstance(parsed.get("previous_response_id"), str):
-            parsed["previous_response_id"] = show(parsed["previous_response_id"])
-    if isinstance(parsed.get("id"), str) and parsed.get("object") == "response":
-        parsed["id"] = show(parsed["id"])
+    for key in ("id", "previous_response_id"):
+        if isinstance(parsed.get(key), str):
+            parsed[key] = show(parsed[key])
     return body if parsed == before else orjson.dumps(parsed)
 
 

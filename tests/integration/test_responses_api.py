@@ -585,7 +585,7 @@ async def test_ids_shown_to_a_stored_results_clients_and_engine_errors_name_no_e
         async with http.get(second.url + f"/v1/responses/{hit}", headers=a) as r:
             assert r.status == 200
     async with http.delete(second.url + f"/v1/responses/{hit}", headers=a) as r:
-        assert r.status == 200
+        assert r.status == 200 and await r.json() == {"id": hit, "object": "response", "deleted": True}
     async with http.get(second.url + f"/v1/responses/{hit}", headers=a) as r:
         error = (await r.json())["error"]
     assert r.status == 404 and error["code"] == "response_not_found" and hit in error["message"]
