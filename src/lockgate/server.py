@@ -368,10 +368,12 @@ def _banner(server: GatewayServer) -> str:
         ]
         if importlib.util.find_spec("openai") is None:
             lines.append(f"  OpenAI SDK (not installed here): {sys.executable} -m pip install openai")
+        # Tenant keys and no admin key: the operator routes are closed (403), and the lines say why.
+        closed = "   (closed: no `admin.keys` configured)" if keyed and not config.admin.keys else ""
         lines += [
             f'  from openai import OpenAI; client = OpenAI(base_url="{server.url}/v1", api_key="{key}")',
-            f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet",
+            f"Metrics: {server.url}/metrics   Fleet: {server.url}/admin/fleet{closed}",
         ]
         if server.gateway.dashboard is not None:
-            lines.append(f"Dashboard: {server.url}/dashboard")
+            lines.append(f"Dashboard: {server.url}/dashboard{closed}")
     return "\n".join(lines)
