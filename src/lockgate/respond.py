@@ -249,8 +249,12 @@ class SSEWriter:
         view = self.view
         if not view.named:  # (a response's stream ends with its terminal event)
             self._batch.append(sse.DONE_EVENT)
-        elif isinstance(view, ResponseView) and view.failure is not None:
-            ex.engine_failed(view.failure)
+        elif isinstance(view, ResponseView):
+            if view.failure is not None:
+                ex.engine_failed(view.failure)
+            usage = view.usage
+            if ex.record.first_token_at is None and usage is not None and _int(usage.get("completion_tokens")) > 0:
+                ex.first_token()  # output in no `*.delta` event (an item sent whole): its first token came with it
         if self.flush(last=True) or self._unconfirmed:  # the end of the response in the same send
             await self.drain()
         ex.answered = True

@@ -337,7 +337,11 @@ def _fake_responses_engine() -> web.Application:
             whole = response("failed", None, **failed) if mode == "fail" else response("completed", "hi")
             return web.json_response(whole)
         events: list[dict[str, Any]] = [{"type": "response.created", "response": response("in_progress", None)}]
-        if mode != "fail":
+        if mode == "nodelta":  # the output item sent whole, no delta event
+            item = response("completed", "hi")["output"][0]
+            events.append({"type": "response.output_item.added", "output_index": 0, "item": item})
+            events.append({"type": "response.output_item.done", "output_index": 0, "item": item})
+        elif mode != "fail":
             events.append({"type": "response.output_text.delta", "delta": "hi"})
         if mode == "fail":
             events.append({"type": "response.failed", "response": response("failed", None, **failed)})
@@ -593,3 +597,16 @@ async def test_ids_shown_to_a_stored_results_clients_and_engine_errors_name_no_e
     async with http.post(second.url + "/v1/responses", json=follow, headers=a) as r:
         error = (await r.json())["error"]
     assert r.status == 404 and hit in error["message"] and hit.rsplit("_lg", 1)[0] + "'" not in error["message"]
+
+
+async def test_a_response_whose_output_came_in_no_delta_has_a_first_token_time(
+    serve_app, start_gateway, http, tmp_path
+) -> None:
+    url = await serve_app(_fake_responses_engine())
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "nodelta", "stream": True}) as r:
+        assert r.status == 200
+        await r.read()
+    await gw.gateway.records.wait_flushed()
+    (row,) = read_records(str(tmp_path / "usage.sqlite3"))
+    assert row["status"] == "completed" and row["completion_tokens"] == 1 and row["first_token_at"] is not None
