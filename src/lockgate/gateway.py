@@ -500,6 +500,7 @@ class Gateway:
         request_id = _client_request_id(request) or new_request_id()
         try:
             tenant = self._tenant(request)
+            deadline_s = self._deadline(request, None)  # (the model's `timeout_ms` bounds it too: `stored.forward`)
             if self._stored_in_flight >= stored.MAX_IN_FLIGHT:
                 raise Unavailable(
                     f"Too many stored-response requests at once (at most {stored.MAX_IN_FLIGHT}); retry shortly.",
@@ -512,7 +513,9 @@ class Gateway:
         self._stored_in_flight += 1
         try:
             ids = None if self.admission.book.open else self.response_ids
-            return await stored.forward(request, tenant, self.fleet, request_id, ids, relay=self.relays_identity)
+            return await stored.forward(
+                request, tenant, self.fleet, request_id, ids, deadline_s=deadline_s, relay=self.relays_identity
+            )
         except GatewayError as exc:
             return self.error_response(exc, "")
         finally:

@@ -64,12 +64,13 @@ async def forward(
     request_id: str,
     ids: ResponseIds | None,
     *,
+    deadline_s: float | None = None,
     relay: bool = False,
 ) -> Response:
     """Answer a stored response's route (see the module docstring) for `tenant` (its allowance already taken);
     raises `GatewayError` for the client's error. `ids`: the ids clients are shown (`response_ids.py`; None: the
-    engines' own). `relay`: a central replica, which tells a sidecar whose request it is (the sidecar checks the
-    tenant again)."""
+    engines' own). `deadline_s`: the client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a
+    central replica, which tells a sidecar whose request it is (the sidecar checks the tenant again)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
     tail = slash + action
@@ -98,6 +99,8 @@ async def forward(
         path += "?" + request.query_string
     relayed = ((TENANT_HEADER, tenant.name),) if relay and instance.published is not None else ()
     timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
+    if deadline_s is not None:
+        timeout = min(timeout, deadline_s)
     try:
         async with asyncio.timeout(timeout):
             status, body, content_type = await _call(instance, request, path, request_id, fleet, relayed)

@@ -610,3 +610,35 @@ async def test_a_response_whose_output_came_in_no_delta_has_a_first_token_time(
     await gw.gateway.records.wait_flushed()
     (row,) = read_records(str(tmp_path / "usage.sqlite3"))
     assert row["status"] == "completed" and row["completion_tokens"] == 1 and row["first_token_at"] is not None
+
+
+async def test_a_stored_route_keeps_the_clients_deadline(serve_app, start_gateway, http) -> None:
+    """`x-lockgate-timeout-ms` bounds a stored route's wait for its engine as it bounds a generation (504), not only
+    the model's `timeout_ms` (an outside run held a slot of the 32 for the model's 60 s); a bad value is 400."""
+    never = asyncio.Event()
+
+    async def create(request: web.Request) -> web.Response:
+        usage = {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}
+        return web.json_response(
+            {"id": "resp_h", "object": "response", "status": "completed", "output": [], "usage": usage}
+        )
+
+    async def stuck(request: web.Request) -> web.Response:
+        await never.wait()  # an engine that does not answer (until the test ends)
+        return web.Response(status=500)
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{id}", stuck)
+    gw = await start_gateway(
+        [{"name": "m", "timeout_ms": 600_000, "instances": [{"url": await serve_app(app), "engine": "openai"}]}]
+    )
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "x"}) as r:
+        assert r.status == 200
+    async with asyncio.timeout(10):
+        async with http.get(gw.url + "/v1/responses/resp_h", headers={"x-lockgate-timeout-ms": "200"}) as r:
+            assert r.status == 504 and (await r.json())["error"]["code"] == "deadline_exceeded"
+    async with http.get(gw.url + "/v1/responses/resp_h", headers={"x-lockgate-timeout-ms": "soon"}) as r:
+        assert r.status == 400
+    assert gw.gateway._stored_in_flight == 0
+    never.set()
