@@ -196,6 +196,9 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
         await gw.fleet.wait_retired()
         assert statuses == [200, 200]
         assert instance_a.session.closed
+        # A health check of A that lands after it closed (an outside run saw its series come back) changes no series.
+        gw.fleet._set_health(instance_a, False)
+        assert 'lockgate_instance_healthy{instance="A"}' not in gw.metrics.render().decode()
         async with http.post(server.url + "/v1/chat/completions", json=chat(9, False), headers=auth(KEY_A)) as resp:
             assert resp.headers["x-lockgate-instance"] == "C"
     assert_gateway_clean(gw)

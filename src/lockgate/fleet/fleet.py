@@ -632,4 +632,7 @@ class Fleet:
                     if instance.key in pool.served:
                         pool.index.forget(instance.key)
         instance.healthy = healthy
-        self._metrics.instance_healthy.labels(instance.name).set(1 if healthy else 0)
+        if self.instances.get(instance.key) is instance:
+            # (A check or a failure of a call from before a reload may land once the instance is closed: its series
+            # is gone with it and must not come back, `_close_instance`.)
+            self._metrics.instance_healthy.labels(instance.name).set(1 if healthy else 0)
