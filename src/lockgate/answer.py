@@ -7,13 +7,12 @@ flight can be driven by a fake engine in tests, compiled or not.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .assemble import assemble_for, usage_tokens
+from .assemble import usage_tokens
 from .errors import UpstreamProtocolError
-from .responses import whole_response
+from .responses import whole_answer
 from .upstream import too_large
 from .wire import Endpoint
 
@@ -102,14 +101,7 @@ async def read_whole(opened: EngineAnswer, api: ApiRequest, limit: int) -> tuple
         if call.received > limit:
             call.abort()
             raise too_large(call.served_by, limit)
-    if api.endpoint.chunked:
-        return assemble_for(api, held), None
-    response = whole_response(held)
-    if response is None:  # (the events end at a terminal one: `UpstreamEvents.take`)
-        raise UpstreamProtocolError(f"Instance {call.served_by} ended a response's stream without the response.")
-    if response.get("status") == "completed" and "completed_at" not in response:
-        response["completed_at"] = int(time.time())  # (llama.cpp's streamed response has none; its whole one has)
-    return response, None
+    return whole_answer(api, held, source=f"Instance {call.served_by}"), None
 
 
 #: Where a whole answer holds its output, by endpoint (a 200 without it is not an answer).

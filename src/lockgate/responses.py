@@ -10,7 +10,7 @@ least (`assemble.has_content`). Engines end the body after the terminal event, w
 
 The gateway relays the events as they come: each client's view only restores the model name it asked for inside
 the response objects and learns the usage from the terminal event; the events go out with an `event:` line naming
-their type, as OpenAI sends them. A non-streaming client gets the terminal event's response (`whole_response`) when
+their type, as OpenAI sends them. A non-streaming client gets the terminal event's response (`whole_answer`) when
 the engine was read as a stream. Responses are never continued from partial output (`Endpoint.chunked`): a
 preempted one is restarted while nothing was sent; identical ones share a streamed flight, every client getting the
 engine's events (its response id too: the one the engine may have stored).
@@ -18,10 +18,15 @@ engine's events (its response id too: the one the engine may have stored).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .assemble import ClientView, usage_tokens
+from .assemble import ClientView, assemble_for, usage_tokens
+from .errors import UpstreamProtocolError
+
+if TYPE_CHECKING:
+    from .wire import ApiRequest
 
 #: The events that end a response's stream, each carrying the whole response (its usage, its output).
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -40,15 +45,29 @@ def failure_of(response: dict[str, Any]) -> str | None:
     return message if isinstance(message, str) and message else "The engine reported the response as failed."
 
 
-def whole_response(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The whole response a stream's terminal event carries (None: the stream had none)."""
-    # (An index, not `reversed()`: mypyc 1.x fails to compile a loop over `reversed()` of this list.)
+def whole_answer(
+    api: ApiRequest,
+    events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+    response_id: str | None = None,
+    *,
+    source: str = "The engine",
+) -> dict[str, Any]:
+    """The whole answer a non-streaming client gets for a generation's events, its own dict (the caller may change
+    it): a completion assembled (`assemble_for`, with `response_id`), or a response as its stream's terminal event
+    carries it (the engine's id kept), given a `completed_at` if the engine's stream had none (llama.cpp's; its whole
+    answer has one). `source` names who sent a response's stream that ended without it (`UpstreamProtocolError`)."""
+    if api.endpoint.chunked:
+        return assemble_for(api, events, response_id)
+    # (An index, not `reversed()`: mypyc 1.x fails to compile a loop over `reversed()` of these events.)
     for index in range(len(events) - 1, -1, -1):
         event = events[index]
         response = event.get("response")
         if is_terminal(event) and isinstance(response, dict):
-            return response
-    return None
+            out = dict(response)  # (the events may be a flight's, shared by its clients)
+            if out.get("status") == "completed" and "completed_at" not in out:
+                out["completed_at"] = int(time.time())
+            return out
+    raise UpstreamProtocolError(f"{source} ended a response's stream without the response.")
 
 
 class ResponseView(ClientView):

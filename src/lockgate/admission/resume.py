@@ -25,13 +25,11 @@ import time
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..assemble import assemble_for
 from ..attempt import Opened, open_attempts
 from ..edge.server import Reply, Request
-from ..errors import UpstreamProtocolError
 from ..exchange import Exchange, Phase
 from ..respond import stream_events, whole_body
-from ..responses import whole_response
+from ..responses import whole_answer
 from ..upstream import UpstreamEvents, too_large
 from ..wire import ApiRequest
 from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
@@ -244,13 +242,6 @@ async def relay_resumable(
         async for _ in events:
             if run.received > limit:
                 raise too_large(run.headers.get("x-lockgate-instance", "?"), limit)
-        if ex.api.endpoint.chunked:
-            body = assemble_for(ex.api, run.transcript.events)
-        else:
-            response = whole_response(run.transcript.events)
-            if response is None:
-                raise UpstreamProtocolError("The engine ended a response's stream without the response.")
-            body = response
-        return whole_body(ex, body, run.headers)
+        return whole_body(ex, whole_answer(ex.api, run.transcript.events), run.headers)
     finally:
         await events.aclose()

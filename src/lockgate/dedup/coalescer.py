@@ -27,12 +27,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..assemble import assemble_for
 from ..edge.server import Reply, Request
-from ..errors import UpstreamProtocolError
 from ..exchange import Phase
 from ..respond import pump, stream_events, whole_body
-from ..responses import whole_response
+from ..responses import whole_answer
 from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .eligibility import eligible
@@ -326,17 +324,11 @@ class Coalescer:
     ) -> Reply:
         """A non-streaming answer from a shared body (copied: every client gets its own id) or from events."""
         endpoint = ex.api.endpoint
-        if not endpoint.chunked:
-            # A response keeps the engine's id (the one it may have stored, for follow-ups), copied: `whole_body` sets
-            # the client's model name.
-            response = whole_response(list(events))
-            if response is None:
-                raise UpstreamProtocolError("The shared stream ended without its response.")
-            out = dict(response)
-        elif body is not None:
+        if body is not None:  # (a completion: a response's flight always streams)
             out = {**body, "id": self._response_id(endpoint)}
         else:
-            out = assemble_for(ex.api, events, self._response_id(endpoint))
+            # A response keeps the engine's id (the one it may have stored, for follow-ups).
+            out = whole_answer(ex.api, events, self._response_id(endpoint))
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:
