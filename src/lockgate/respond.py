@@ -31,7 +31,7 @@ from .assemble import ClientView, has_content, usage_tokens
 from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
-from .responses import ResponseView, failure_of
+from .responses import ResponseView, failure_of, show_ids
 
 T = TypeVar("T")
 
@@ -346,12 +346,9 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
         engine_id = body.get("id")
         if isinstance(engine_id, str):
             ex.remember_response(engine_id)
-            if ex.response_ids is not None:
-                body["id"] = ex.show_response_id(engine_id)
-                previous = body.get("previous_response_id")
-                if isinstance(previous, str):
-                    body["previous_response_id"] = ex.show_response_id(previous)
-                raw = None
+        if ex.response_ids is not None:
+            show_ids(body, ex.show_response_id)
+            raw = None
         failure = failure_of(body)
         if failure is not None:
             ex.engine_failed(failure)

@@ -36,6 +36,15 @@ def is_terminal(event: dict[str, Any]) -> bool:
     return event.get("type") in TERMINAL
 
 
+def show_ids(response: dict[str, Any], show: Callable[[str], str]) -> None:
+    """Name a response object's ids (its own, the one it follows up: OpenAI and vLLM echo it) as its client sees them
+    (`show`: `response_ids.py`), in place."""
+    for key in ("id", "previous_response_id"):
+        value = response.get(key)
+        if isinstance(value, str):
+            response[key] = show(value)
+
+
 def failure_of(response: dict[str, Any]) -> str | None:
     """Why the engine failed a response (`status: failed`, its `error`), else None."""
     if response.get("status") != "failed":
@@ -91,8 +100,8 @@ class ResponseView(ClientView):
         self.named = True
         self._made = made
         self._shown = shown
-        #: The engine's id and the client's, once computed (every response object of a stream names the same).
-        self._shown_ids: tuple[str, str] | None = None
+        #: The client's ids for the engine's, once computed (every response object of a stream names the same ones).
+        self._shown_ids: dict[str, str] = {}
         #: Why the engine failed the response (`response.failed`), once its terminal event said so.
         self.failure: str | None = None
 
@@ -110,19 +119,20 @@ class ResponseView(ClientView):
             self.usage = usage_tokens(usage)
         if is_terminal(event):
             self.failure = failure_of(response)
-        shown = self._shown
-        if shown is None or not isinstance(engine_id, str):
+        if self._shown is None:
             if response.get("model") == self.model:
                 return event
             return {**event, "response": {**response, "model": self.model}}
-        ids = self._shown_ids
-        if ids is None or ids[0] != engine_id:
-            ids = self._shown_ids = (engine_id, shown(engine_id))
-        out = {**response, "model": self.model, "id": ids[1]}
-        previous = response.get("previous_response_id")
-        if isinstance(previous, str):  # (OpenAI and vLLM echo it)
-            out["previous_response_id"] = shown(previous)
+        out = {**response, "model": self.model}
+        show_ids(out, self._show)
         return {**event, "response": out}
+
+    def _show(self, engine_id: str) -> str:
+        shown = self._shown_ids.get(engine_id)
+        if shown is None:
+            assert self._shown is not None
+            shown = self._shown_ids[engine_id] = self._shown(engine_id)
+        return shown
 
     def spliced(self, event: dict[str, Any], raw: bytes) -> bytes | None:
         # The engine's bytes for every event without a response object (the deltas): nothing in them to change.

@@ -36,6 +36,7 @@ from .errors import (
 from .fleet.instance import upstream_headers
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
 from .response_ids import home_tag
+from .responses import show_ids
 
 if TYPE_CHECKING:
     from .admission.tenants import Tenant
@@ -212,9 +213,7 @@ def _as_shown(body: bytes, model: str, show: Callable[[str], str]) -> bytes:
     before = dict(parsed)
     if "model" in parsed:  # (not in a deletion's answer)
         parsed["model"] = model
-    for key in ("id", "previous_response_id"):
-        if isinstance(parsed.get(key), str):
-            parsed[key] = show(parsed[key])
+    show_ids(parsed, show)
     return body if parsed == before else orjson.dumps(parsed)
 
 
