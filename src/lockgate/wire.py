@@ -222,11 +222,7 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
         _check_messages(body.get("messages"))
     else:
         _check_prompt(body.get("prompt"))
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _bad("stream", "`stream` must be a boolean.")
+    stream = _stream_flag(body)
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
@@ -238,11 +234,7 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
         if not isinstance(flag, bool):
             raise _bad("stream_options.include_usage", "`include_usage` must be a boolean.")
         include_usage = flag
-    for key in body:
-        # Only the fields present are checked (a request carries a handful of the optional ones).
-        check = _FIELD_CHECKS.get(key)
-        if check is not None:
-            check(body)
+    _check_fields(body)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -254,6 +246,24 @@ def validate(endpoint: Endpoint, body: dict[str, Any]) -> ApiRequest:
         include_usage=include_usage,
         max_tokens=max_tokens,
     )
+
+
+def _stream_flag(body: dict[str, Any]) -> bool:
+    """`stream`: a boolean, false when absent or null."""
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise _bad("stream", "`stream` must be a boolean.")
+    return stream
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    """The optional fields' checks (`_FIELD_CHECKS`), for those present (a request carries a handful of them)."""
+    for key in body:
+        check = _FIELD_CHECKS.get(key)
+        if check is not None:
+            check(body)
 
 
 #: At most this many inputs in one embeddings request (OpenAI's own limit).
@@ -324,15 +334,8 @@ def _validate_response(model: str, body: dict[str, Any]) -> ApiRequest:
         value = body.get(key)
         if value is not None and not isinstance(value, str):
             raise _bad(key, f"`{key}` must be a string.")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _bad("stream", "`stream` must be a boolean.")
-    for key in body:
-        check = _FIELD_CHECKS.get(key)
-        if check is not None:
-            check(body)
+    stream = _stream_flag(body)
+    _check_fields(body)
     return ApiRequest(
         endpoint=Endpoint.RESPONSES,
         body=body,
