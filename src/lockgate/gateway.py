@@ -405,8 +405,8 @@ class Gateway:
             if traceparent is not None:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
-            signed = api.endpoint is Endpoint.RESPONSES and not self.admission.book.open
-            previous = stored.take_previous(api.body, tenant.name, self.response_ids, pool) if signed else None
+            ids = self._shown_ids() if api.endpoint is Endpoint.RESPONSES else None
+            previous = stored.take_previous(api.body, tenant.name, ids, pool) if ids is not None else None
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
@@ -423,8 +423,7 @@ class Gateway:
             scope=tenant.cache_scope,
         )
         exchange.record.client_request_id = client_id
-        if signed:
-            exchange.response_ids, exchange.previous_shown = self.response_ids, previous
+        exchange.response_ids, exchange.previous_shown = ids, previous
         if api.trace_headers:
             exchange.record.traceparent = api.trace_headers[0][1]
         if self.tracer is not None:
@@ -494,6 +493,11 @@ class Gateway:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)
 
+    def _shown_ids(self) -> ResponseIds | None:
+        """The response ids clients are shown: bound to their tenant once tenants are configured (`response_ids.py`);
+        None on an open gateway (one party: the engines' ids as they are)."""
+        return None if self.admission.book.open else self.response_ids
+
     async def _stored(self, request: Request) -> Response:
         """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency
         (a request, no tokens)."""
@@ -512,7 +516,7 @@ class Gateway:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         self._stored_in_flight += 1
         try:
-            ids = None if self.admission.book.open else self.response_ids
+            ids = self._shown_ids()
             return await stored.forward(
                 request, tenant, self.fleet, request_id, ids, deadline_s=deadline_s, relay=self.relays_identity
             )

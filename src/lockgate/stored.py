@@ -181,21 +181,24 @@ def take_previous(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Poo
         )
     engine_id, tag = taken
     if tag is not None and pool.response_home(engine_id) is None:
-        for instance in pool.instances:
-            if home_tag(instance.key) == tag:
-                pool.remember_response(engine_id, instance.key, tenant)
-                break
+        key = _tagged(pool, tag)
+        if key is not None:
+            pool.remember_response(engine_id, key, tenant)
     body["previous_response_id"] = engine_id
     return engine_id, previous
+
+
+def _tagged(pool: Pool, tag: str) -> str | None:
+    """The key of the member a shown id's tag names (`response_ids.home_tag`), if any."""
+    return next((i.key for i in pool.instances if home_tag(i.key) == tag), None)
 
 
 def _home_by_tag(fleet: Fleet, tag: str, tenant: Tenant) -> tuple[Pool, str, str] | None:
     """The pool and key of the instance a shown id's tag names (a process that never saw the response)."""
     for pool in fleet.pools.values():
-        if tenant.may_use(pool.model):
-            for instance in pool.instances:
-                if home_tag(instance.key) == tag:
-                    return pool, instance.key, tenant.name
+        key = _tagged(pool, tag) if tenant.may_use(pool.model) else None
+        if key is not None:
+            return pool, key, tenant.name
     return None
 
 
