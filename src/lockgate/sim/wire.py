@@ -251,9 +251,14 @@ def previous_of(req: GenRequest) -> str | None:
     return previous if isinstance(previous, str) else None
 
 
+def _item_id(resp_id: str) -> str:
+    """The id of a response's one message item (`resp_X` -> `msg_X`)."""
+    return "msg_" + resp_id[5:]
+
+
 def _message_item(resp_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-    return {"type": "message", "id": "msg_" + resp_id[5:], "status": status, "role": "assistant", "content": content}
+    return {"type": "message", "id": _item_id(resp_id), "status": status, "role": "assistant", "content": content}
 
 
 class ResponseEventWriter:
@@ -261,7 +266,7 @@ class ResponseEventWriter:
     response and its message, `token()` is one `response.output_text.delta`, `end()` closes the text, the item and
     the response (`response.completed`, or `response.incomplete` at `max_output_tokens`) with the usage."""
 
-    __slots__ = ("_created", "_finish", "_id", "_model", "_previous", "_seq", "_text")
+    __slots__ = ("_created", "_finish", "_id", "_item_id", "_model", "_previous", "_seq", "_text")
 
     @property
     def text(self) -> str:
@@ -270,6 +275,7 @@ class ResponseEventWriter:
 
     def __init__(self, req: GenRequest, resp_id: str) -> None:
         self._id = resp_id
+        self._item_id = _item_id(resp_id)
         self._model = req.model
         self._previous = previous_of(req)
         self._created = int(time.time())
@@ -284,7 +290,6 @@ class ResponseEventWriter:
 
     def role(self) -> bytes:
         opened = response_object(self._model, self._id, self._created, None, None, None, self._previous)
-        item_id = "msg_" + self._id[5:]
         return b"".join(
             (
                 self._event("response.created", response=opened),
@@ -294,7 +299,7 @@ class ResponseEventWriter:
                 ),
                 self._event(
                     "response.content_part.added",
-                    item_id=item_id,
+                    item_id=self._item_id,
                     output_index=0,
                     content_index=0,
                     part={"type": "output_text", "text": "", "annotations": []},
@@ -308,19 +313,23 @@ class ResponseEventWriter:
         if not text:
             return b""
         self._text.append(text)
-        item_id = "msg_" + self._id[5:]
-        return self._event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=text)
+        return self._event(
+            "response.output_text.delta", item_id=self._item_id, output_index=0, content_index=0, delta=text
+        )
 
     def end(self, usage_: dict[str, Any], include_usage: bool = True) -> bytes:
         """(A response always carries its usage: `include_usage` is the chat writer's.)"""
         text = "".join(self._text)
-        item_id = "msg_" + self._id[5:]
         whole = response_object(self._model, self._id, self._created, text, self._finish, usage_, self._previous)
         part = {"type": "output_text", "text": text, "annotations": []}
         return b"".join(
             (
-                self._event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text),
-                self._event("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part),
+                self._event(
+                    "response.output_text.done", item_id=self._item_id, output_index=0, content_index=0, text=text
+                ),
+                self._event(
+                    "response.content_part.done", item_id=self._item_id, output_index=0, content_index=0, part=part
+                ),
                 self._event("response.output_item.done", output_index=0, item=whole["output"][0]),
                 self._event("response." + whole["status"], response=whole),
             )
