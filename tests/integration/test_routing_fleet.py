@@ -402,3 +402,17 @@ async def test_an_engine_that_does_not_know_the_model_name_is_reported_once(star
             assert r.status == 404  # the engine's answer, passed on
     hints = [r.getMessage() for r in caplog.records if "served_model" in r.getMessage()]
     assert len(hints) == 1 and hints[0].startswith("instance engine answered 404")
+
+
+async def test_an_engine_404_about_something_else_than_the_model_gives_no_model_hint(
+    start_sim, start_gateway, http, caplog
+):
+    """A follow-up naming a response its engine no longer holds is the engine's 404 too: nothing to do with the
+    model's name (an outside run saw the `served_model` hint for it)."""
+    caplog.set_level(logging.WARNING, logger="lockgate.fleet.fleet")
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="engine")]}])
+    body = {"model": "m", "input": "and?", "max_output_tokens": 2, "previous_response_id": "resp_evicted"}
+    async with http.post(gw.url + "/v1/responses", data=orjson.dumps(body)) as r:
+        assert r.status == 404 and (await r.json())["error"]["param"] == "previous_response_id"
+    assert not [r.getMessage() for r in caplog.records if "served_model" in r.getMessage()]

@@ -426,8 +426,9 @@ class Fleet:
                 self._metrics.ejections_held_back.labels(instance.name).inc()
         else:
             ejected = False  # the engine refused this request (4xx): says nothing about its health
-            if kind == "http_404" and not instance.told_not_found:
+            if kind == "http_404" and not instance.told_not_found and "model" in detail.lower():
                 instance.told_not_found = True  # once per instance: the usual cause is its configuration
+                # (not for a 404 naming something else: a previous response the engine no longer holds)
                 log.warning(
                     "instance %s answered 404 (%s): if its engine serves the model under another name, set the "
                     "model's `served_model`",
