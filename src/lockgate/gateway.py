@@ -117,8 +117,10 @@ class Gateway:
         self.log_prompts = config.access_log.enabled and config.access_log.include_prompts
         self.registry = Registry()
         self.admission = Admission(config, self.metrics.scheduling)
-        #: A response's id as each tenant's clients see it (`response_ids.py`; with tenants configured).
+        #: A response's id as each tenant's clients see it (`response_ids.py`; with tenants configured), and as an
+        #: open gateway's clients see it.
         self.response_ids = ResponseIds()
+        self._open_ids = ResponseIds(bound=False)
         self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))
         #: De-duplication: flights (shared upstream calls) and the completed-result cache.
         self.dedup = Coalescer(config, self.metrics, self.fleet)
@@ -406,7 +408,7 @@ class Gateway:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
             ids = self._shown_ids() if api.endpoint is Endpoint.RESPONSES else None
-            previous = stored.take_previous(api.body, tenant.name, ids, pool) if ids is not None else None
+            previous = stored.take_references(api.body, tenant.name, ids, pool) if ids is not None else None
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
@@ -493,10 +495,10 @@ class Gateway:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)
 
-    def _shown_ids(self) -> ResponseIds | None:
-        """The response ids clients are shown: bound to their tenant once tenants are configured (`response_ids.py`);
-        None on an open gateway (one party: the engines' ids as they are)."""
-        return None if self.admission.book.open else self.response_ids
+    def _shown_ids(self) -> ResponseIds:
+        """The response ids clients are shown (`response_ids.py`): bound to their tenant once tenants are configured,
+        else tagged with their home only (one party)."""
+        return self._open_ids if self.admission.book.open else self.response_ids
 
     async def _stored(self, request: Request) -> Response:
         """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency

@@ -12,8 +12,12 @@ secret) and replicas when they share the secret. The tag lets any of them find t
 follow-up pinned there, a stored-response route forwarded there) without having seen the response.
 
 The secret is `LOCKGATE_RESPONSE_ID_SECRET` when set (replicas and restarts keep their clients' ids valid with it),
-else random per process (a restart then turns earlier ids into 404s). An open gateway (no tenants: one party) shows
-the engine's ids as they are.
+else random per process (a restart then turns earlier ids into 404s).
+
+An open gateway (no tenants: one party, nothing to bind) shows `<engine id>_lg<tag>` (`ResponseIds(bound=False)`):
+the tag alone, so that its workers and replicas, each with its own memory of where responses were made, pin a
+follow-up to the engine that holds the previous response (elsewhere the engine answers 404), with no secret to share.
+It takes back any id: one with a tag is pinned, one without (an engine's own) is routed as any request.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ _MARK = "_lg"
 _TAG_HEX = 8  # the instance that made the response: a hash of its key (not secret, covered by the mac)
 _MAC_HEX = 24  # 96 bits
 _NO_HOME = "0" * _TAG_HEX
+_HEX = frozenset("0123456789abcdef")
 
 
 def home_tag(instance_key: str) -> str:
@@ -37,11 +42,13 @@ def home_tag(instance_key: str) -> str:
 
 
 class ResponseIds:
-    """Sign an engine's response id for a tenant (`show`) and take a client's back (`take`)."""
+    """Sign an engine's response id for a tenant (`show`) and take a client's back (`take`); `bound=False`: an open
+    gateway's, tagged with its home and taken from anyone (see the module docstring)."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_key", "bound")
 
-    def __init__(self, secret: str | None = None) -> None:
+    def __init__(self, secret: str | None = None, *, bound: bool = True) -> None:
+        self.bound = bound
         if secret is None:
             secret = os.environ.get(SECRET_ENV) or os.urandom(32).hex()
         self._key = hashlib.sha256(b"lockgate response ids\0" + secret.encode()).digest()
@@ -52,12 +59,16 @@ class ResponseIds:
 
     def show(self, engine_id: str, tenant: str, home: str | None = None) -> str:
         """The id `tenant`'s client sees for the engine's response `engine_id`, made on the instance keyed `home`."""
+        if not self.bound:
+            return engine_id if home is None else f"{engine_id}{_MARK}{home_tag(home)}"
         tag = home_tag(home) if home is not None else _NO_HOME
         return f"{engine_id}{_MARK}{tag}{self._mac(tenant, engine_id, tag).decode()}"
 
     def take(self, shown: str, tenant: str) -> tuple[str, str | None] | None:
         """The engine's id behind `shown` and the tag of the instance that made it (None: not known), if `shown` was
-        made for `tenant`; else None."""
+        made for `tenant`; else None. Unbound: any id, its tag if it has one."""
+        if not self.bound:
+            return _open(shown)
         cut = len(shown) - _MAC_HEX - _TAG_HEX - len(_MARK)
         if cut <= 0 or shown[cut : cut + len(_MARK)] != _MARK:
             return None
@@ -67,3 +78,12 @@ class ResponseIds:
         if not hmac.compare_digest(mac, self._mac(tenant, engine_id, tag)):
             return None
         return engine_id, None if tag == _NO_HOME else tag
+
+
+def _open(shown: str) -> tuple[str, str | None]:
+    """An open gateway's id: the engine's and the tag after it, if it has one (else as it came: the engine's own)."""
+    cut = len(shown) - _TAG_HEX - len(_MARK)
+    tag = shown[cut + len(_MARK) :]
+    if cut <= 0 or shown[cut : cut + len(_MARK)] != _MARK or not all(c in _HEX for c in tag):
+        return shown, None
+    return shown[:cut], tag

@@ -4,14 +4,14 @@
 
 An engine with a response store (OpenAI; vLLM with `VLLM_ENABLE_RESPONSES_API_STORE`) answers these for the
 responses it made, and only for those: the gateway remembers which instance made each recent response, and for which
-tenant (`Pool.remember_response`, the same record that pins a `previous_response_id` follow-up), and sends the request
-there with the instance's own credentials. With tenants, the id a client names is the one it was shown
-(`response_ids.py`: bound to its tenant), turned back into the engine's. An id it does not remember, or one another
-tenant made, is 404: a tenant learns nothing of another's responses. The engine's answer comes back as it is, but
-for the model name inside a response object (the client's, not the engine's), the response's id as the client was
-shown it, and errors in the OpenAI envelope (`UpstreamStatusError`). A `stream` asked for in the query (replaying a
-background response's events) is not relayed: 400. Each request is one of its tenant's (rate limits,
-`max_concurrent`), and at most `MAX_IN_FLIGHT` are forwarded at once.
+tenant (`Pool.remember_response`, the same record that pins a `previous_response_id` follow-up), and sends the
+request there with the instance's own credentials. The id a client names is the one it was shown (`response_ids.py`:
+with tenants, bound to its tenant; each names the instance that made it), turned back into the engine's. An id it
+does not remember, or one another tenant made, is 404: a tenant learns nothing of another's responses. The engine's
+answer comes back as it is, but for the model name inside a response object (the client's, not the engine's), the
+response's id as the client was shown it, and errors in the OpenAI envelope (`UpstreamStatusError`). A `stream`
+asked for in the query (replaying a background response's events) is not relayed: 400. Each request is one of its
+tenant's (rate limits, `max_concurrent`), and at most `MAX_IN_FLIGHT` are forwarded at once.
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ async def forward(
     tenant: Tenant,
     fleet: Fleet,
     request_id: str,
-    ids: ResponseIds | None,
+    ids: ResponseIds,
     *,
     deadline_s: float | None = None,
     relay: bool = False,
 ) -> Response:
     """Answer a stored response's route (see the module docstring) for `tenant` (its allowance already taken);
-    raises `GatewayError` for the client's error. `ids`: the ids clients are shown (`response_ids.py`; None: the
-    engines' own). `deadline_s`: the client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a
+    raises `GatewayError` for the client's error. `ids`: the ids clients are shown (`response_ids.py`).
+    `deadline_s`: the client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a
     central replica, which tells a sidecar whose request it is (the sidecar checks the tenant again)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
@@ -82,7 +82,7 @@ async def forward(
             "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
             param="stream",
         )
-    taken = (response_id, None) if ids is None else ids.take(response_id, tenant.name)
+    taken = ids.take(response_id, tenant.name)
     found = None
     if taken is not None:
         engine_id, tag = taken
@@ -118,8 +118,6 @@ async def forward(
         )
 
     def show(engine: str) -> str:
-        if ids is None:
-            return engine
         return response_id if engine == engine_id else ids.show(engine, tenant.name, instance.key)
 
     return Response(status=status, body=_as_shown(body, pool.model, show), content_type=content_type, headers=headers)
@@ -163,12 +161,17 @@ def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:
     return None
 
 
-def take_previous(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Pool) -> tuple[str, str] | None:
-    """A follow-up (`previous_response_id`) continues only its own tenant's responses: the id its client was shown is
-    replaced by the engine's, and the instance it names is remembered as the response's home (the follow-up is pinned
-    there, even by a process that never saw the response); another tenant's id, or one made up, is 404 (as an unknown
-    one is at the engine, which would otherwise put that tenant's conversation in front of this request). Returns the
-    engine's id and the client's, if the body names one."""
+def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Pool) -> tuple[str, str] | None:
+    """The earlier responses a response request names, as the engine knows them. A follow-up
+    (`previous_response_id`) continues only its own tenant's responses: the id its client was shown is replaced by the
+    engine's, and the instance it names is remembered as the response's home (the follow-up is pinned there, even by
+    a process that never saw the response); another tenant's id, or one made up, is 404 (as an unknown one is at the
+    engine, which would otherwise put that tenant's conversation in front of this request). With tenants, names the
+    gateway cannot bind to one (a `conversation`, an input item of type `item_reference`: an engine that serves them
+    looks them up in a store every tenant shares) are refused. Returns the engine's id and the client's, if the body
+    names a previous response."""
+    if ids.bound:
+        _refuse_unbound_names(body)
     previous = body.get("previous_response_id")
     if not isinstance(previous, str):
         return None
@@ -186,6 +189,25 @@ def take_previous(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Poo
             pool.remember_response(engine_id, key, tenant)
     body["previous_response_id"] = engine_id
     return engine_id, previous
+
+
+def _refuse_unbound_names(body: dict[str, Any]) -> None:
+    """A `conversation` or an `item_reference` input item: 400 (see `take_references`)."""
+    if body.get("conversation") is not None:
+        raise InvalidRequest(
+            "`conversation` is not accepted by this gateway: it serves several tenants and cannot keep one tenant's "
+            "conversation from another's; send the conversation's items in `input`, or use `previous_response_id`.",
+            param="conversation",
+        )
+    items = body["input"]
+    if isinstance(items, list):
+        for index, item in enumerate(items):
+            if item.get("type") == "item_reference":
+                raise InvalidRequest(
+                    f"`input[{index}]`: item references are not accepted by this gateway: it serves several tenants "
+                    "and cannot keep one tenant's items from another's; send the item itself.",
+                    param=f"input[{index}]",
+                )
 
 
 def _tagged(pool: Pool, tag: str) -> str | None:

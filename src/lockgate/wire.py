@@ -314,7 +314,9 @@ def _validate_response(model: str, body: dict[str, Any]) -> ApiRequest:
     """The Responses API: `input` (a string, or a non-empty array of items: messages with a `role`, or typed items
     such as `function_call_output`), `instructions` (a string), `max_output_tokens` >= 1, `stream` (a boolean),
     `previous_response_id` (a string); sampling fields as for chat. Its usage always comes with the response
-    (`response.completed`): there is no `stream_options.include_usage`."""
+    (`response.completed`): there is no `stream_options.include_usage`. `background` is refused: the gateway holds a
+    request's slot, priority and deadline while its client waits, and a background response would run on past them
+    (a P2 tenant's hundred background requests, each answered at once, would fill the engines unscheduled)."""
     items = body.get("input")
     if isinstance(items, str):
         if not items:
@@ -334,6 +336,16 @@ def _validate_response(model: str, body: dict[str, Any]) -> ApiRequest:
         value = body.get(key)
         if value is not None and not isinstance(value, str):
             raise _bad(key, f"`{key}` must be a string.")
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise _bad("background", "`background` must be a boolean.")
+    if background:
+        raise _bad(
+            "background",
+            "Background responses are not relayed by this gateway: it schedules, limits and cancels a request while "
+            "its client waits for it. Send the request without `background` (with `stream` to see its events as "
+            "they come).",
+        )
     stream = _stream_flag(body)
     _check_fields(body)
     return ApiRequest(

@@ -108,6 +108,8 @@ async def test_events_keep_their_type_lines_and_end_without_done(fleet, http) ->
         ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
         ({"model": "m", "input": "x", "temperature": 9}, "temperature"),
+        ({"model": "m", "input": "x", "background": True}, "background"),
+        ({"model": "m", "input": "x", "background": "no"}, "background"),
     ],
 )
 async def test_invalid_requests_get_the_envelope(fleet, http, body, param) -> None:
@@ -306,6 +308,68 @@ async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, 
     assert sim.statistics()["requests_started"] == 2
 
 
+async def test_with_tenants_names_the_gateway_cannot_bind_are_refused(start_sim, start_gateway, http) -> None:
+    """A `conversation` or an `item_reference` names something in a store every tenant shares: refused with tenants
+    (400, before any engine sees it); an open gateway (one party) passes them on."""
+    sim = await start_sim(**SIM)
+    models = [{"name": "m", "instances": [instance(sim)]}]
+    tenanted = await start_gateway(models, tenants=[{"name": "a", "keys": [hash_key("key-a")]}])
+    a = {"Authorization": "Bearer key-a"}
+    hi = {"role": "user", "content": "hi"}
+    reference = {"type": "item_reference", "id": "msg_of_another_tenant"}
+    for extra, param in (
+        ({"input": "hi", "conversation": "conv_of_another_tenant"}, "conversation"),
+        ({"input": [hi, reference]}, "input[1]"),
+    ):
+        async with http.post(tenanted.url + "/v1/responses", json={"model": "m", **extra}, headers=a) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert sim.statistics()["requests_started"] == 0
+    open_gateway = await start_gateway(models)
+    body = {"model": "m", "input": [hi, reference], "max_output_tokens": 2}
+    async with http.post(open_gateway.url + "/v1/responses", json=body) as r:
+        assert r.status == 200
+    assert sim.statistics()["requests_started"] == 1
+
+
+async def test_an_open_gateways_follow_up_finds_its_engine_from_another_process(start_sim, start_gateway, http) -> None:
+    """Without tenants, a shown id still names the instance that made the response (its tag): another gateway
+    process (a `--workers` sibling, a replica), which never saw the response and shares no secret, pins the
+    follow-up there and forwards a retrieval there (each simulator stores only its own responses)."""
+    sims = [await start_sim(**SIM) for _ in range(3)]
+    models = [
+        {
+            "name": "m",
+            "routing": "round_robin",
+            "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
+        }
+    ]
+    first, second = await start_gateway(models), await start_gateway(models)
+    async with http.post(first.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+        made, home = await r.json(), r.headers["x-lockgate-instance"]
+    for stream in (False, True, False):
+        body = {
+            "model": "m",
+            "input": "and?",
+            "max_output_tokens": 2,
+            "previous_response_id": made["id"],
+            "stream": stream,
+        }
+        async with http.post(second.url + "/v1/responses", json=body) as r:
+            assert r.status == 200 and r.headers["x-lockgate-instance"] == home
+            raw = await r.read()
+        answer = orjson.loads(raw) if not stream else orjson.loads(raw.rstrip().split(b"\n")[-1][6:])["response"]
+        assert answer["previous_response_id"] == made["id"]  # as the client sent it
+    async with http.get(second.url + f"/v1/responses/{made['id']}") as r:
+        assert r.status == 200 and (await r.json())["id"] == made["id"]
+    # An engine's own id (no tag) is routed as any request, and reaches the engine as it is.
+    engine_id = made["id"].rsplit("_lg", 1)[0]
+    body = {"model": "m", "input": "z", "max_output_tokens": 2, "previous_response_id": engine_id}
+    async with http.post(first.url + "/v1/responses", json=body) as r:
+        assert r.status == 200 and r.headers["x-lockgate-instance"] == home  # (the first process remembers it)
+
+
 def _fake_responses_engine() -> web.Application:
     """A Responses engine whose answer the request's `input` picks: `fail` (the engine fails the response: streamed
     `response.failed`, whole `status: failed`), `cut` (the stream ends after a delta, without a terminal event), else
@@ -441,7 +505,7 @@ async def test_identical_responses_share_one_engine_call_and_its_stored_result(f
     events = [orjson.loads(b.split(b"\n")[1][6:]) for b in streamed.split(b"\n\n") if b]
     final = events[-1]["response"]
     answer = orjson.loads(whole)
-    assert answer["id"] == final["id"] and answer["model"] == "m"  # the engine's id, the client's model name
+    assert answer["id"] == final["id"] and answer["model"] == "m"  # one id for both, the client's model name
     assert answer["output"][0]["content"][0]["text"] == final["output"][0]["content"][0]["text"]
     # Served from the stored result: replayed as it came.
     outcome, replayed = await ask({**body, "stream": True})
@@ -449,7 +513,7 @@ async def test_identical_responses_share_one_engine_call_and_its_stored_result(f
     blocks = [b for b in replayed.split(b"\n\n") if b]
     assert [b.split(b"\n")[0] for b in blocks] == [b"event: " + e["type"].encode() for e in events]
     # The joiner's response id leads back to the engine that made it.
-    home = gw.gateway.fleet.pools["m"].response_home(answer["id"])
+    home = gw.gateway.fleet.pools["m"].response_home(answer["id"].rsplit("_lg", 1)[0])
     assert home is not None and home[0] == gw.gateway.fleet.pools["m"].instances[0].key
 
 

@@ -32,3 +32,15 @@ def test_the_secret_comes_from_the_environment_else_is_random(monkeypatch: pytes
     assert ResponseIds().take(ResponseIds().show("resp_1", "t"), "t") == ("resp_1", None)
     monkeypatch.delenv(SECRET_ENV)
     assert ResponseIds().take(ResponseIds().show("resp_1", "t"), "t") is None
+
+
+def test_an_open_gateways_ids_carry_their_home_only() -> None:
+    """No tenants: an id is tagged with the instance that made it (no mac, no secret), and any id is taken back:
+    a tagged one with its tag, another (an engine's own, or a look-alike) as it is."""
+    ids = ResponseIds(bound=False)
+    shown = ids.show("resp_abc", "", "http://engine-1")
+    assert shown == "resp_abc_lg" + home_tag("http://engine-1")
+    assert ResponseIds(bound=False).take(shown, "anyone") == ("resp_abc", home_tag("http://engine-1"))
+    assert ids.show("resp_abc", "", None) == "resp_abc"  # made where nobody knew: nothing to add
+    for plain in ("resp_abc", "", "_lg", "resp_lgABCDEF12", "resp_abc_lg0123456g", "resp_abc_lg" + "0" * 32):
+        assert ids.take(plain, "") == (plain, None)
