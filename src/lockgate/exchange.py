@@ -154,10 +154,13 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
         self.allowance: Allowance | None = None
-        #: With tenants, response ids as this request's client sees them (`response_ids.py`; None: the engine's), and
-        #: the engine's and the client's id of the response it follows up (`previous_response_id`), if any.
+        #: A response's ids as this request's client sees them (`response_ids.py`; None: not a response), and the
+        #: engine's and the client's id of the response it follows up (`previous_response_id`), if any.
         self.response_ids: ResponseIds | None = None
         self.previous_shown: tuple[str, str] | None = None
+        #: A response's stream: the last `sequence_number` its client was given (the gateway's own error event
+        #: follows it).
+        self.sequence_sent = -1
         #: Served from a stored result (de-duplication): the name of the instance that made it.
         self.served_from: str | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
@@ -482,7 +485,9 @@ class Exchange:
             return self.host.error_response(error, self._echo_id(), self.record.instance, self.response_headers)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
-            await self.response.write(sse.encode_error(error.body(), named=not self.api.endpoint.chunked))
+            named = not self.api.endpoint.chunked
+            sequence = self.sequence_sent + 1 if named else None
+            await self.response.write(sse.encode_error(error.body(), sequence_number=sequence))
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass

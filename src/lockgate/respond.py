@@ -166,6 +166,9 @@ class SSEWriter:
             self._start()
         if view.named:  # a response's event, with its type's line (`responses.py`)
             data = b"event: " + str(event.get("type")).encode() + b"\ndata: " + payload + b"\n\n"
+            sequence = event.get("sequence_number")
+            if type(sequence) is int:
+                self._ex.sequence_sent = sequence
         else:
             data = b"data: " + payload + b"\n\n"
         self._batch.append(data)

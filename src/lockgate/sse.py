@@ -105,11 +105,11 @@ def encode(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def encode_error(error_body: dict[str, Any], *, named: bool = False) -> bytes:
-    """A final error event for a stream that has already started (status 200 was sent). `named`: a response's
-    stream (the Responses API), whose error event is `{"type": "error", "code", "message", "param"}` (the envelope's
-    `error` kept beside them: a client reading either finds it)."""
-    if not named:
+def encode_error(error_body: dict[str, Any], *, sequence_number: int | None = None) -> bytes:
+    """A final error event for a stream that has already started (status 200 was sent). `sequence_number`: a
+    response's stream (the Responses API), whose error event is `{"type": "error", "code", "message", "param",
+    "sequence_number"}` (the envelope's `error` kept beside them: a client reading either finds it)."""
+    if sequence_number is None:
         return b"data: " + orjson.dumps(error_body) + b"\n\n"
     error = error_body.get("error")
     fields = error if isinstance(error, dict) else {}
@@ -118,6 +118,7 @@ def encode_error(error_body: dict[str, Any], *, named: bool = False) -> bytes:
         "code": fields.get("code"),
         "message": fields.get("message"),
         "param": fields.get("param"),
+        "sequence_number": sequence_number,
         **error_body,
     }
     return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

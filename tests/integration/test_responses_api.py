@@ -151,10 +151,14 @@ async def test_an_engine_breaking_mid_stream_ends_with_an_error_event(fleet, htt
         async with http.post(gw.url + "/v1/responses", json=body) as resp:
             assert resp.status == 200
             text = (await resp.read()).decode()
-    last = [b for b in text.split("\n\n") if b][-1].split("\n")
+    blocks = [b.split("\n") for b in text.split("\n\n") if b]
+    last = blocks[-1]
     assert last[0] == "event: error"
     event = orjson.loads(last[1].removeprefix("data: "))
     assert event["type"] == "error" and event["code"] == "upstream_protocol_error"
+    # It follows the engine's events in their numbering (OpenAI's error event has a `sequence_number` too).
+    before = orjson.loads(blocks[-2][1].removeprefix("data: "))["sequence_number"]
+    assert event["sequence_number"] == before + 1
     assert event["error"]["code"] == "upstream_protocol_error"  # the envelope, for clients that read that
     assert "response.completed" not in text
 

@@ -93,7 +93,14 @@ def test_a_responses_error_event_is_named_and_keeps_the_envelope():
 
     envelope = {"error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_protocol_error"}}
     assert encode_error(envelope) == b"data: " + orjson.dumps(envelope) + b"\n\n"
-    name, data = encode_error(envelope, named=True).rstrip(b"\n").split(b"\n")
+    name, data = encode_error(envelope, sequence_number=7).rstrip(b"\n").split(b"\n")
     event = orjson.loads(data.removeprefix(b"data: "))
     assert name == b"event: error"
-    assert event == {"type": "error", "code": "upstream_protocol_error", "message": "boom", "param": None, **envelope}
+    assert event == {
+        "type": "error",
+        "code": "upstream_protocol_error",
+        "message": "boom",
+        "param": None,
+        "sequence_number": 7,
+        **envelope,
+    }
