@@ -327,8 +327,8 @@ class Coalescer:
         if body is not None:  # (a completion: a response's flight always streams)
             out = {**body, "id": self._response_id(endpoint)}
         else:
-            # A response keeps the engine's id (the one it may have stored, for follow-ups).
-            out = whole_answer(ex.api, events, self._response_id(endpoint))
+            # A response keeps the engine's id (the one it may have stored, for follow-ups): no id of ours.
+            out = whole_answer(ex.api, events, self._response_id(endpoint) if endpoint.chunked else None)
         return whole_body(ex, out, self._headers(ex, outcome, source))
 
     async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:
