@@ -343,4 +343,6 @@ async def test_oversized_metrics_and_health_answers_are_failed_calls(start_gatew
     await fleet.scraper.scrape_all()
     await fleet.probe_all()
     assert engine.scrape_error is not None and "larger than" in engine.scrape_error
-    assert not engine.healthy
+    # Read no further than the bound; the check's answer is its status (a provider's model list of more than 64 KiB,
+    # the openai dialect's check, is no failure: an outside run saw every instance of such a model ejected).
+    assert engine.healthy

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lockgate.engines import dialect_for
+from lockgate.engines import MetricNames, dialect_for
 from lockgate.fleet.scrape import parse_load
 from lockgate.fleet.state import EngineLoad, HitRateGap, OwnAccounting, merge
 
@@ -22,8 +22,15 @@ vllm:num_requests_waiting_by_reason{model_name="a"} 99.0
 """
 
 
+def _loaded(text: str, names: MetricNames, at: float) -> EngineLoad:
+    """`parse_load` of a page that holds the engine's metrics."""
+    load = parse_load(text, names, at)
+    assert load is not None
+    return load
+
+
 def test_parse_vllm_sums_labels_and_takes_the_older_kv_name():
-    load = parse_load(VLLM_TEXT, dialect_for("vllm").metrics, 5.0)
+    load = _loaded(VLLM_TEXT, dialect_for("vllm").metrics, 5.0)
     assert (load.running, load.waiting, load.kv_usage) == (5.0, 4.0, 0.5)
     assert (load.prefix_hits, load.prefix_queries) == (120.0, 400.0)
     assert load.scraped_at == 5.0
@@ -47,7 +54,7 @@ def test_parse_vllm_sums_labels_and_takes_the_older_kv_name():
     ],
 )
 def test_parse_other_dialects(engine, text, expected):
-    load = parse_load(text, dialect_for(engine).metrics, 0.0)
+    load = _loaded(text, dialect_for(engine).metrics, 0.0)
     assert (load.waiting, load.running, load.kv_usage) == expected
 
 
@@ -145,9 +152,9 @@ def test_engine_tpot_is_read_from_the_histograms_sum_and_count():
         'vllm:time_per_output_token_seconds_sum{model_name="a"} 3.0\n'
         'vllm:time_per_output_token_seconds_count{model_name="a"} 150\n'
     )
-    load = parse_load(text, dialect_for("vllm").metrics, 1.0)
+    load = _loaded(text, dialect_for("vllm").metrics, 1.0)
     assert load.tpot_s == pytest.approx(0.02)
-    assert parse_load("", dialect_for("vllm").metrics, 1.0).tpot_s is None
+    assert _loaded(text.splitlines()[0], dialect_for("vllm").metrics, 1.0).tpot_s is None
 
 
 def test_the_engines_cache_size_is_read_from_vllms_cache_config_info():
@@ -155,11 +162,41 @@ def test_the_engines_cache_size_is_read_from_vllms_cache_config_info():
         'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
         'num_gpu_blocks="2048",num_cpu_blocks="0"} 1.0\n'
     )
-    assert parse_load(text, dialect_for("vllm").metrics, 1.0).cache_tokens == 2048 * 16
-    assert (
-        parse_load('vllm:cache_config_info{block_size="16"} 1.0\n', dialect_for("vllm").metrics, 1.0).cache_tokens
-        is None
+    assert _loaded(text, dialect_for("vllm").metrics, 1.0).cache_tokens == 2048 * 16
+    assert parse_load('vllm:cache_config_info{block_size="16"} 1.0\n', dialect_for("vllm").metrics, 1.0) is None
+    huge = text.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="' + "9" * 400 + '"')
+    running = "vllm:num_requests_running 1\n"
+    assert _loaded(running + huge, dialect_for("vllm").metrics, 1.0).cache_tokens is None  # (overflowed floats)
+
+
+def test_an_engines_bad_lines_and_samples_are_skipped():
+    """What an outside run fed the gateway from an engine's page: a line without its closing brace (it stopped every
+    instance's scraping, silently), `+Inf` requests waiting (every request of the model answered 500), NaN and
+    negative KV-cache use (which captured the `score` policy), numbers past any engine's, fractions above 1."""
+    names = dialect_for("vllm").metrics
+    text = (
+        'vllm:num_requests_waiting{model_name="m" 3\n'  # no closing brace
+        "vllm:num_requests_waiting +Inf\n"
+        "vllm:num_requests_waiting 2\n"
+        "vllm:num_requests_running NaN\n"
+        "vllm:num_requests_running -4\n"
+        "vllm:num_requests_running 1e300\n"
+        "vllm:num_requests_running 5\n"
+        "vllm:kv_cache_usage_perc 7.5\n"
+        "vllm:prefix_cache_hits_total 1" + "0" * 400 + "\n"
+        "vllm:prefix_cache_queries_total 10\n"
     )
+    load = _loaded(text, names, 1.0)
+    assert (load.waiting, load.running, load.kv_usage) == (2.0, 5.0, 1.0)
+    assert (load.prefix_hits, load.prefix_queries) == (None, 10.0)
+    assert parse_load("vllm:kv_cache_usage_perc NaN\n", names, 1.0) is None  # nothing usable: no signals
+
+
+def test_a_page_without_the_engines_metrics_is_no_load():
+    """A login page served at `/metrics` (or a proxy's HTML): a failed scrape, not an engine reporting nothing."""
+    names = dialect_for("vllm").metrics
+    assert parse_load("<html><body>Sign in</body></html>\n", names, 1.0) is None
+    assert parse_load("# HELP x\nprocess_cpu_seconds_total 3\n", names, 1.0) is None
 
 
 def test_hit_rate_gap_compares_the_indexs_prediction_with_the_engines_hits_between_scrapes():

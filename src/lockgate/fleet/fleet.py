@@ -28,7 +28,7 @@ from ..routing.config import RoutingConfig
 from ..routing.factory import make_policy
 from ..routing.residency import Residency
 from ..tasks import cancel_and_wait
-from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
+from .bounded import MAX_SIDE_BODY_BYTES, BodyTooLarge, read_bounded
 from .capacity import ConcurrencyLimit, prefill_backlog_s
 from .declared import ask_parallelism
 from .ejection import Ejection
@@ -608,10 +608,13 @@ class Fleet:
                     headers=instance.auth_headers(),
                     server_hostname=instance.server_name,
                 ) as resp:
-                    await read_bounded(resp, MAX_SIDE_BODY_BYTES)
                     ok = resp.status == 200
                     if not ok:
                         instance.last_error = f"health check answered HTTP {resp.status}"
+                    # Read (bounded) so that the connection is reused; only the status counts: a provider's long
+                    # model list (`/v1/models`, the openai dialect's check) is no failure, its connection dropped.
+                    with contextlib.suppress(BodyTooLarge):
+                        await read_bounded(resp, MAX_SIDE_BODY_BYTES)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             instance.last_error = f"health check failed: {exc or exc.__class__.__name__}"
         instance.last_probe_at = time.time()

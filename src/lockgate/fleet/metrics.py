@@ -106,7 +106,7 @@ def kv_cache_hit_rate(loads: Iterable[EngineLoad | None]) -> float | None:
         elif load.prefix_hit_rate is not None:
             rates.append(load.prefix_hit_rate)
     if queries > 0:
-        return hits / queries
+        return min(1.0, hits / queries)  # (an engine counting more hits than queries: a bug of its own)
     if rates:
         return sum(rates) / len(rates)
     return None

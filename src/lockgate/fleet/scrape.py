@@ -38,7 +38,18 @@ class HttpStatusError(Exception):
     """The engine answered the scrape with a status other than 200."""
 
 
-def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
+#: The largest sample taken from an engine's page (a count of requests, tokens or blocks; a fraction). A larger one,
+#: a negative one or one not finite is an engine's bug, skipped as a line no parser foresaw is: the gateway's
+#: arithmetic on it (`+Inf` requests waiting times a prompt's tokens) must not fail every request routed past it.
+MAX_SAMPLE = 1e15
+#: The largest KV cache taken from an engine's `cache_config_info` (blocks x block size, in tokens).
+MAX_CACHE_TOKENS = 1 << 40
+
+
+def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad | None:
+    """The load signals in an engine's Prometheus page (None: the page holds none of them, e.g. a login page served
+    at `/metrics`: a failed scrape, not an engine that is idle). Malformed lines and samples outside [0,
+    `MAX_SAMPLE`] are skipped; fractions (KV-cache usage, a hit rate) are capped at 1."""
     wanted = names.all()
     sums: dict[str, float] = {}
     cache_tokens: int | None = None
@@ -51,7 +62,13 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         if end <= 0 or line[:end] not in wanted:
             continue
         # `name{labels} value [timestamp]`; label values may contain spaces.
-        rest = line[line.rindex("}") + 1 :] if line[end] == "{" else line[end:]
+        if line[end] == "{":
+            close = line.rfind("}")
+            if close < 0:
+                continue
+            rest = line[close + 1 :]
+        else:
+            rest = line[end:]
         try:
             value = float(rest.split()[0])
         except (ValueError, IndexError):
@@ -60,7 +77,11 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         if name in names.cache_info:
             cache_tokens = _cache_tokens(line) or cache_tokens
             continue
+        if not 0.0 <= value <= MAX_SAMPLE:  # (NaN is neither)
+            continue
         sums[name] = sums.get(name, 0.0) + value
+    if not sums and cache_tokens is None:
+        return None
 
     def first(options: tuple[str, ...]) -> float | None:
         for name in options:
@@ -72,18 +93,23 @@ def parse_load(text: str, names: MetricNames, scraped_at: float) -> EngineLoad:
         scraped_at=scraped_at,
         waiting=first(names.waiting),
         running=first(names.running),
-        kv_usage=first(names.kv_usage),
+        kv_usage=_fraction(first(names.kv_usage)),
         prefix_hits=first(names.prefix_hits),
         prefix_queries=first(names.prefix_queries),
         tpot_seconds=first(names.tpot_seconds),
         tpot_tokens=first(names.tpot_tokens),
         cache_tokens=cache_tokens,
-        prefix_hit_rate=first(names.prefix_hit_rate),
+        prefix_hit_rate=_fraction(first(names.prefix_hit_rate)),
     )
 
 
+def _fraction(value: float | None) -> float | None:
+    return None if value is None else min(1.0, value)
+
+
 def _cache_tokens(line: str) -> int | None:
-    """`num_gpu_blocks` x `block_size` from an info metric's labels (vLLM `cache_config_info`)."""
+    """`num_gpu_blocks` x `block_size` from an info metric's labels (vLLM `cache_config_info`), if in (0,
+    `MAX_CACHE_TOKENS`]."""
     labels: dict[str, str] = {}
     for part in line[line.find("{") + 1 : line.rfind("}")].split(","):
         name, sep, value = part.partition("=")
@@ -91,9 +117,9 @@ def _cache_tokens(line: str) -> int | None:
             labels[name.strip()] = value.strip().strip('"')
     try:
         tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError):  # (a number of more than 4,300 digits is a ValueError too)
         return None
-    return tokens if tokens > 0 else None
+    return tokens if 0 < tokens <= MAX_CACHE_TOKENS else None
 
 
 class Scraper:
@@ -122,8 +148,14 @@ class Scraper:
         await asyncio.gather(*(self._scrape(i) for i in targets))
 
     async def _scrape(self, instance: Instance) -> None:
-        load = await self.fetch(instance)
-        self._on_result(instance, load is not None)
+        """One instance's scrape and what the fleet makes of it. Never raises (but for cancellation): an error here
+        would end the loop, and every instance's signals would go stale with no word (an outside run's malformed
+        line did that)."""
+        try:
+            load = await self.fetch(instance)
+            self._on_result(instance, load is not None)
+        except Exception:
+            log.exception("instance %s: its scrape failed in the gateway", instance.name)
 
     async def fresh(self, instance: Instance, max_age: float) -> EngineLoad | None:
         """The engine's load at most `max_age` seconds old: the last scrape's, else a scrape now (`fetch`)."""
@@ -171,6 +203,10 @@ class Scraper:
         except (HttpClientError, HttpStatusError, OSError, TimeoutError, UnicodeDecodeError) as exc:
             instance.scrape_error = f"metrics scrape failed: {exc!r}"[:300]
             return None
-        load = instance.engine_load = parse_load(text, instance.dialect.metrics, time.monotonic())
+        load = parse_load(text, instance.dialect.metrics, time.monotonic())
+        if load is None:
+            instance.scrape_error = f"metrics scrape found none of the engine's metrics in {path} ({len(body)} bytes)"
+            return None
+        instance.engine_load = load
         instance.scrape_error = None
         return load
