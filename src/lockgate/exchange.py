@@ -485,8 +485,7 @@ class Exchange:
             return self.host.error_response(error, self._echo_id(), self.record.instance, self.response_headers)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
-            named = not self.api.endpoint.chunked
-            sequence = self.sequence_sent + 1 if named else None
+            sequence = self.sequence_sent + 1 if self.api.endpoint is Endpoint.RESPONSES else None
             await self.response.write(sse.encode_error(error.body(), sequence_number=sequence))
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):

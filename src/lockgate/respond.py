@@ -32,6 +32,7 @@ from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 from .responses import ResponseView, failure_of, show_ids
+from .wire import Endpoint
 
 T = TypeVar("T")
 
@@ -345,7 +346,7 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
     ex.phase = Phase.FINISHING
     ex.first_token()
     model = ex.api.model
-    if not ex.api.endpoint.chunked:  # a response: where its follow-ups go, its id as the client sees it, its failure
+    if ex.api.endpoint is Endpoint.RESPONSES:  # where its follow-ups go, its id as the client sees it, its failure
         engine_id = body.get("id")
         if isinstance(engine_id, str):
             ex.remember_response(engine_id)

@@ -69,6 +69,8 @@ async def test_openai_sdk_embeddings_create(pair, tmp_path) -> None:
     assert all(r["endpoint"] == "embeddings" and r["status"] == "completed" for r in rows)
     assert all(r["prompt_tokens"] > 0 and r["completion_tokens"] == 0 for r in rows)
     assert counter(gw.gateway.metrics.endpoint_requests, endpoint="embeddings", status="completed") == 4
+    # An embedding's id is no response's: nothing remembered for follow-ups (each pushed out a response's home).
+    assert not gw.gateway.fleet.pools["emb"]._response_homes
     assert_gateway_clean(gw.gateway)
 
 
