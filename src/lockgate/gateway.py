@@ -515,15 +515,17 @@ class Gateway:
                 )
             reservation = self.admission.allow_plain(tenant)
         except GatewayError as exc:
-            return self.error_response(exc, "")  # `_set_request_id` adds the id
+            return self.error_response(exc, request_id)
         self._stored_in_flight += 1
         try:
             ids = self._shown_ids()
-            return await stored.forward(
+            reply = await stored.forward(
                 request, tenant, self.fleet, request_id, ids, deadline_s=deadline_s, relay=self.relays_identity
             )
+            reply.headers = {**reply.headers, "x-request-id": request_id}  # (the id the engine was told)
+            return reply
         except GatewayError as exc:
-            return self.error_response(exc, "")
+            return self.error_response(exc, request_id)
         finally:
             self._stored_in_flight -= 1
             self.admission.settle_plain(reservation)
@@ -667,9 +669,10 @@ class Gateway:
 
 
 def _set_request_id(reply: Reply, request: Request) -> None:
-    """Echo the client's `x-request-id`, or give the response a new one (routes other than the
-    generation endpoints, which set theirs with the request's own id)."""
-    reply.headers = {**reply.headers, "x-request-id": _client_request_id(request) or new_request_id()}
+    """Echo the client's `x-request-id`, or give the response a new one, unless its handler gave it the id it used
+    (the generation endpoints and the stored routes: the id the engine was told)."""
+    if "x-request-id" not in reply.headers:
+        reply.headers = {**reply.headers, "x-request-id": _client_request_id(request) or new_request_id()}
 
 
 def _with_request_id(

@@ -286,6 +286,39 @@ async def test_stored_responses_are_asked_of_the_engine_that_made_them(start_sim
         assert r.status == 404
 
 
+async def test_a_stored_routes_answer_names_the_request_id_its_engine_was_told(serve_app, start_gateway, http) -> None:
+    """The id the gateway gives a stored route's request (the client sent none) is the one its engine logs and the
+    one its answer carries, found or not (a second id was made for the answer)."""
+    told: list[str] = []
+    made = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
+
+    async def create(request: web.Request) -> web.Response:
+        return web.json_response(made)
+
+    async def retrieve(request: web.Request) -> web.Response:
+        told.append(request.headers["x-request-id"])
+        if len(told) == 2:  # (deleted meanwhile)
+            return web.json_response({"error": {"message": "gone", "type": "NotFoundError"}}, status=404)
+        return web.json_response(made)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{id}", retrieve)
+    app.router.add_get("/health", health)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi"}) as r:
+        shown = (await r.json())["id"]
+    async with http.get(gw.url + f"/v1/responses/{shown}") as r:
+        assert r.status == 200 and r.headers["x-request-id"] == told[-1]
+    async with http.get(gw.url + f"/v1/responses/{shown}") as r:
+        assert r.status == 404 and r.headers["x-request-id"] == told[-1]
+    async with http.get(gw.url + f"/v1/responses/{shown}", headers={"x-request-id": "mine"}) as r:
+        assert r.status == 200 and r.headers["x-request-id"] == told[-1] == "mine"
+
+
 async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, start_gateway, http) -> None:
     sim = await start_sim(**SIM)
     gw = await start_gateway(
