@@ -19,8 +19,6 @@ from .config import Config, InstanceConfig, ModelConfig, SimFleetEntry, parse_co
 if TYPE_CHECKING:
     from .sim import SimConfig
 
-DEFAULT_MODELS = ("demo-model", "demo-model-large")
-
 
 def default_config(port: int = 8080) -> Config:
     return parse_config(

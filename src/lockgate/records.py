@@ -27,9 +27,6 @@ from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("completed", "cancelled", "error", "rejected")
-CANCEL_REASONS = ("client_disconnect", "timeout", "admin", "preempted", "shutdown")
-
 
 @dataclass(slots=True)
 class UsageRecord:

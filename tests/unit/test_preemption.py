@@ -99,7 +99,7 @@ def test_requeue_gives_the_slot_to_the_strict_ticket_and_queues_the_victim_first
     assert victim.state is TicketState.QUEUED and victim.offered_at == 5.0
     assert core.queued(2) == 2 and core.running(2) == 0
     assert core.release(p0, 6.0) == [victim]  # ahead of the later arrival of its class
-    assert core.newest_running(2) is victim
+    assert next(core.running_newest_first(2), None) is victim
     with pytest.raises(ValueError):
         core.requeue(later, 7.0)  # not running
     assert core.release(victim, 7.0) == [later]

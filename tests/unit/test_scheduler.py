@@ -63,13 +63,13 @@ def test_max_running_per_class_and_zero_queue() -> None:
     assert core.release(b1, 0) == [b2]
 
 
-def test_newest_running_is_the_preemption_candidate() -> None:
+def test_the_newest_running_ticket_comes_first_among_preemption_candidates() -> None:
     core = SchedulerCore(DEFAULT, capacity=3)
     tickets = [offer(core, 2) for _ in range(3)]
-    assert core.newest_running(2) is tickets[-1]
+    assert next(core.running_newest_first(2), None) is tickets[-1]
     core.release(tickets[-1], 0)
-    assert core.newest_running(2) is tickets[1]
-    assert core.newest_running(0) is None
+    assert next(core.running_newest_first(2), None) is tickets[1]
+    assert next(core.running_newest_first(0), None) is None
 
 
 def test_capacity_growth_grants_waiters() -> None:

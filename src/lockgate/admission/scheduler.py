@@ -305,13 +305,6 @@ class SchedulerCore:
     def queued_total(self) -> int:
         return sum(len(q) for q in self._queues)
 
-    def newest_running(self, klass: int) -> Ticket | None:
-        """The most recently granted running ticket of a class (the preemption candidate)."""
-        running = self._running[klass]
-        if not running:
-            return None
-        return running[next(reversed(running))]
-
     def running_newest_first(self, klass: int) -> Iterator[Ticket]:
         """The running tickets of a class, most recently granted first (preemption candidates)."""
         return reversed(self._running[klass].values())

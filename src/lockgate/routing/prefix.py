@@ -81,9 +81,6 @@ class PrefixIndex:
             slot = self._slots[key] = len(self._slots)
         return slot
 
-    def _bit(self, key: str) -> int:
-        return 1 << self._slot(key)
-
     def set_capacity(self, instance_key: str, blocks: int | None) -> None:
         """The instance's prefix cache holds about this many blocks (None: unknown, no per-instance LRU)."""
         slot = self._slot(instance_key)
