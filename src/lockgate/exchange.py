@@ -36,6 +36,7 @@ from . import sse
 from .edge.server import Reply, Response, StreamResponse
 from .errors import Cancelled, DeadlineExceeded, GatewayError
 from .records import UsageRecord
+from .response_ids import ResponseNaming
 from .wire import ApiRequest, Endpoint
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,10 @@ class Exchange:
         tenant: str = "default",
         priority: str | None = None,
         scope: str | None = None,
+        response_ids: ResponseIds | None = None,
+        previous_response: tuple[str, str] | None = None,
     ) -> None:
+        """`response_ids`, `previous_response`: a response's (`response_ids.ResponseNaming`)."""
         self.host = host
         #: Whose results it may share (`Tenant.cache_scope`): its tenant's name unless that says otherwise.
         self.scope = tenant if scope is None else scope
@@ -154,13 +158,12 @@ class Exchange:
         self.response_headers: dict[str, str] = {}
         #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
         self.allowance: Allowance | None = None
-        #: A response's ids as this request's client sees them (`response_ids.py`; None: not a response), and the
-        #: engine's and the client's id of the response it follows up (`previous_response_id`), if any.
-        self.response_ids: ResponseIds | None = None
-        self.previous_shown: tuple[str, str] | None = None
-        #: A response's stream: the last `sequence_number` its client was given (the gateway's own error event
-        #: follows it).
-        self.sequence_sent = -1
+        #: A response's ids and event numbering as its client sees them (None: not a response).
+        self.naming = (
+            ResponseNaming(pool, tenant, self.serving, response_ids, previous_response)
+            if api.endpoint is Endpoint.RESPONSES
+            else None
+        )
         #: Served from a stored result (de-duplication): the name of the instance that made it.
         self.served_from: str | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
@@ -191,7 +194,7 @@ class Exchange:
         self.record.instance = lease.instance.name
         self.record.attempts += 1
 
-    def _serving(self) -> Instance | None:
+    def serving(self) -> Instance | None:
         """The instance serving this request: its own call's; a flight's client's, the flight's; a stored result's, the
         one that made it."""
         instance = self.instance
@@ -199,25 +202,6 @@ class Exchange:
             return instance
         name = self._subscription.instance() if self._subscription is not None else self.served_from
         return self.pool.named(name) if name is not None else None
-
-    def remember_response(self, response_id: str) -> None:
-        """The engine serving this request made the response `response_id` (the Responses API): a follow-up naming it
-        in `previous_response_id` goes there (`Pool.remember_response`)."""
-        instance = self._serving()
-        if instance is not None:
-            self.pool.remember_response(response_id, instance.key, self.record.tenant or "")
-
-    def show_response_id(self, engine_id: str) -> str:
-        """A response id of the engine's as this request's client sees it (`response_ids.py`): the id it sent for the
-        response it follows up, else one bound to its tenant and to the instance serving it."""
-        ids = self.response_ids
-        if ids is None:
-            return engine_id
-        previous = self.previous_shown
-        if previous is not None and engine_id == previous[0]:
-            return previous[1]
-        instance = self._serving()
-        return ids.show(engine_id, self.record.tenant or "", instance.key if instance is not None else None)
 
     def engine_failed(self, message: str) -> None:
         """The engine answered that it failed the request (a response's `status: failed`), within a well-formed
@@ -435,9 +419,8 @@ class Exchange:
             return self.response or Response(status=499)
         except GatewayError as exc:
             self.detach()
-            previous = self.previous_shown
-            if previous is not None:  # an engine's error naming the response followed up: by the id the client knows
-                exc.message = exc.message.replace(previous[0], previous[1])
+            if self.naming is not None:  # an engine's error naming the response followed up: by the client's id
+                exc.message = self.naming.in_message(exc.message)
             reason = exc.reason if isinstance(exc, Cancelled) else None
             if reason is not None:  # (an operator cancelled the flight this request shares)
                 return await self._end_with("cancelled", exc, reason=reason)
@@ -485,7 +468,7 @@ class Exchange:
             return self.host.error_response(error, self._echo_id(), self.record.instance, self.response_headers)
         # The stream has started (status 200 is on the wire): end it with an error event, never [DONE].
         try:
-            sequence = self.sequence_sent + 1 if self.api.endpoint is Endpoint.RESPONSES else None
+            sequence = self.naming.sequence_sent + 1 if self.naming is not None else None
             await self.response.write(sse.encode_error(error.body(), sequence_number=sequence))
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):

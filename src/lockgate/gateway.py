@@ -423,9 +423,10 @@ class Gateway:
             tenant=tenant.name,
             priority=self.admission.class_name(klass),
             scope=tenant.cache_scope,
+            response_ids=ids,
+            previous_response=previous,
         )
         exchange.record.client_request_id = client_id
-        exchange.response_ids, exchange.previous_shown = ids, previous
         if api.trace_headers:
             exchange.record.traceparent = api.trace_headers[0][1]
         if self.tracer is not None:

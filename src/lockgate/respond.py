@@ -32,7 +32,6 @@ from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 from .responses import ResponseView, failure_of, show_ids
-from .wire import Endpoint
 
 T = TypeVar("T")
 
@@ -120,8 +119,8 @@ class SSEWriter:
             if api.endpoint.chunked
             else ResponseView(
                 model=api.model,
-                made=ex.remember_response,
-                shown=ex.show_response_id if ex.response_ids is not None else None,
+                made=ex.naming.made if ex.naming is not None else None,
+                shown=ex.naming.show if ex.naming is not None and ex.naming.shows else None,
             )
         )
         self.response: StreamResponse | None = None
@@ -168,8 +167,9 @@ class SSEWriter:
         if view.named:  # a response's event, with its type's line (`responses.py`)
             data = b"event: " + str(event.get("type")).encode() + b"\ndata: " + payload + b"\n\n"
             sequence = event.get("sequence_number")
-            if type(sequence) is int:
-                self._ex.sequence_sent = sequence
+            naming = self._ex.naming
+            if type(sequence) is int and naming is not None:
+                naming.sequence_sent = sequence
         else:
             data = b"data: " + payload + b"\n\n"
         self._batch.append(data)
@@ -346,12 +346,13 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
     ex.phase = Phase.FINISHING
     ex.first_token()
     model = ex.api.model
-    if ex.api.endpoint is Endpoint.RESPONSES:  # where its follow-ups go, its id as the client sees it, its failure
+    naming = ex.naming
+    if naming is not None:  # a response: where its follow-ups go, its id as the client sees it, its failure
         engine_id = body.get("id")
         if isinstance(engine_id, str):
-            ex.remember_response(engine_id)
-        if ex.response_ids is not None:
-            show_ids(body, ex.show_response_id)
+            naming.made(engine_id)
+        if naming.shows:
+            show_ids(body, naming.show)
             raw = None
         failure = failure_of(body)
         if failure is not None:

@@ -25,6 +25,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .fleet.instance import Instance
+    from .fleet.pool import Pool
 
 #: The environment variable holding the secret (any string; at least 32 random bytes' worth is sensible).
 SECRET_ENV = "LOCKGATE_RESPONSE_ID_SECRET"
@@ -78,6 +84,62 @@ class ResponseIds:
         if not hmac.compare_digest(mac, self._mac(tenant, engine_id, tag)):
             return None
         return engine_id, None if tag == _NO_HOME else tag
+
+
+
+class ResponseNaming:
+    """One response request's side of the ids (`POST /v1/responses`): the engine's ids as its client sees them (the
+    one it follows up as the client sent it), where the responses it makes are remembered as made (their follow-ups
+    go there), and the numbering of the events its client was given (the gateway's own error event follows it)."""
+
+    __slots__ = ("_home", "_ids", "_pool", "_previous", "_tenant", "sequence_sent")
+
+    def __init__(
+        self,
+        pool: Pool,
+        tenant: str,
+        home: Callable[[], Instance | None],
+        ids: ResponseIds | None = None,
+        previous: tuple[str, str] | None = None,
+    ) -> None:
+        """`home`: the instance serving the request (asked when an id is made or shown: a retry may move it); `ids`:
+        the ids clients are shown (None: the engine's); `previous`: the engine's and the client's id of the response
+        it follows up (`previous_response_id`), if any."""
+        self._pool = pool
+        self._tenant = tenant
+        self._home = home
+        self._ids = ids
+        self._previous = previous
+        #: The last `sequence_number` the client was given (-1: none).
+        self.sequence_sent = -1
+
+    @property
+    def shows(self) -> bool:
+        """Whether the client sees other ids than the engine's."""
+        return self._ids is not None
+
+    def made(self, engine_id: str) -> None:
+        """The engine serving the request made the response `engine_id`: a follow-up naming it goes there
+        (`Pool.remember_response`)."""
+        instance = self._home()
+        if instance is not None:
+            self._pool.remember_response(engine_id, instance.key, self._tenant)
+
+    def show(self, engine_id: str) -> str:
+        """The engine's response id as the client sees it: the id it sent for the response it follows up, else one
+        for its tenant and the instance serving it."""
+        previous = self._previous
+        if previous is not None and engine_id == previous[0]:
+            return previous[1]
+        if self._ids is None:
+            return engine_id
+        instance = self._home()
+        return self._ids.show(engine_id, self._tenant, instance.key if instance is not None else None)
+
+    def in_message(self, message: str) -> str:
+        """An engine's error message about the response followed up, naming it by the id the client knows."""
+        previous = self._previous
+        return message if previous is None else message.replace(previous[0], previous[1])
 
 
 def _open(shown: str) -> tuple[str, str | None]:

@@ -44,3 +44,28 @@ def test_an_open_gateways_ids_carry_their_home_only() -> None:
     assert ids.show("resp_abc", "", None) == "resp_abc"  # made where nobody knew: nothing to add
     for plain in ("resp_abc", "", "_lg", "resp_lgABCDEF12", "resp_abc_lg0123456g", "resp_abc_lg" + "0" * 32):
         assert ids.take(plain, "") == (plain, None)
+
+
+def test_a_requests_naming_shows_the_followed_up_id_as_its_client_sent_it() -> None:
+    """`ResponseNaming`: the response followed up keeps the client's id (in answers and in engine errors), others
+    are shown for the instance serving the request, and nothing is remembered while no instance serves it."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from lockgate.response_ids import ResponseNaming
+
+    remembered: list[tuple[str, str, str]] = []
+    pool: Any = SimpleNamespace(remember_response=lambda *args: remembered.append(args))
+    serving: list[Any] = []
+    ids = ResponseIds("secret")
+    naming = ResponseNaming(pool, "acme", lambda: serving[0] if serving else None, ids, ("resp_old", "resp_old_shown"))
+    assert naming.shows and naming.show("resp_old") == "resp_old_shown"
+    assert naming.in_message("Response 'resp_old' failed") == "Response 'resp_old_shown' failed"
+    naming.made("resp_new")
+    assert remembered == []  # (no instance yet: nothing to pin to)
+    serving.append(SimpleNamespace(key="http://engine-1"))
+    naming.made("resp_new")
+    assert remembered == [("resp_new", "http://engine-1", "acme")]
+    assert naming.show("resp_new") == ids.show("resp_new", "acme", "http://engine-1")
+    plain = ResponseNaming(pool, "acme", lambda: None)
+    assert not plain.shows and plain.show("resp_x") == "resp_x" and plain.in_message("m") == "m"
