@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from . import stored
-from .admission import resume
+from . import resume, stored
 from .admission.admin import AdminGate, cross_site
 from .admission.admin import challenge as admin_challenge
 from .admission.gate import Admission

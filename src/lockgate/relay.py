@@ -1,5 +1,6 @@
 """The direct request path: route, call the engine (retrying elsewhere before the first byte), relay
-back. Requests that may be de-duplicated go to `dedup` instead (`Gateway._admit_and_relay` decides).
+back. Requests that may be de-duplicated go to `dedup` instead, and preemptible ones to `resume`, which opens its
+engine calls with `open_engine` too (`Gateway._admit_and_relay` decides).
 
 Runs inside `Exchange.run()`, which owns every resource this code acquires and decides how the
 request ends; nothing here needs to clean up after itself on cancellation.
@@ -23,11 +24,13 @@ from .exchange import Exchange, Phase
 from .respond import pump, whole_body
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from .fleet.fleet import Fleet
     from .fleet.instance import Lease
+    from .fleet.pool import HeaderLookup
     from .upstream import UpstreamCall
+    from .wire import ApiRequest
 
 
 async def relay(
@@ -38,24 +41,7 @@ async def relay(
 ) -> Reply:
     """An admitted request that is not de-duplicated, straight from an engine of `fleet` (`before_send`: see
     `open_attempts`)."""
-
-    def hold(lease: Lease, call: UpstreamCall) -> None:
-        ex.attach(lease, call)
-        ex.phase = Phase.CONNECTING
-
-    opened = await open_attempts(
-        fleet,
-        ex.host.metrics,
-        ex.pool,
-        ex.api,
-        ex.pool.route_request(ex.api, http_request.headers),
-        ex.id,
-        hold=hold,
-        drop=ex.detach,
-        time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
-        priority=ex.engine_priority,
-        before_send=before_send,
-    )
+    opened = await open_engine(ex, fleet, ex.api, http_request.headers, ex.id, before_send)
     ex.record.instance = opened.call.served_by  # behind a sidecar, the engine it chose
     try:
         if ex.api.stream:
@@ -63,6 +49,36 @@ async def relay(
         return await _relay_whole(ex, opened, fleet.upstream.max_response_bytes)
     finally:
         opened.close()
+
+
+def open_engine(
+    ex: Exchange,
+    fleet: Fleet,
+    api: ApiRequest,
+    headers: HeaderLookup,
+    upstream_id: str,
+    before_send: Callable[[Lease, bool], None] | None = None,
+) -> Awaitable[Opened]:
+    """Route `api` (the request's own, or a resumed one's continuation) and open its engine call, retrying elsewhere
+    before the first byte (`open_attempts`); `ex` holds each attempt's lease and call, within its deadline."""
+
+    def hold(lease: Lease, call: UpstreamCall) -> None:
+        ex.attach(lease, call)
+        ex.phase = Phase.CONNECTING
+
+    return open_attempts(
+        fleet,
+        ex.host.metrics,
+        ex.pool,
+        api,
+        ex.pool.route_request(api, headers),
+        upstream_id,
+        hold=hold,
+        drop=ex.detach,
+        time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
+        priority=ex.engine_priority,
+        before_send=before_send,
+    )
 
 
 def _headers(ex: Exchange) -> dict[str, str]:

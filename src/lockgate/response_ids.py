@@ -86,7 +86,6 @@ class ResponseIds:
         return engine_id, None if tag == _NO_HOME else tag
 
 
-
 class ResponseNaming:
     """One response request's side of the ids (`POST /v1/responses`): the engine's ids as its client sees them (the
     one it follows up as the client sent it), where the responses it makes are remembered as made (their follow-ups

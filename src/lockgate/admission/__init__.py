@@ -2,6 +2,6 @@
 
 `tenants` (API keys, allowed models, priority caps), `ratelimit` (request and token buckets with
 reservations), `scheduler` (the synchronous priority core), `gate` (its async shell and the
-`Admission` entry point), `preemption` and `resume` (stopping a low-priority call for a P0 arrival and
-continuing it later), `config` (the `scheduling:` and `tenants:` sections).
+`Admission` entry point), `preemption` (stopping a low-priority call for a P0 arrival and how it continues later:
+the request path that does it is `lockgate.resume`), `config` (the `scheduling:` and `tenants:` sections).
 """

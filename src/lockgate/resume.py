@@ -21,26 +21,25 @@ flag before touching the engine again): a cancellation there would look like a c
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..attempt import Opened, open_attempts
-from ..edge.server import Reply, Request
-from ..exchange import Exchange, Phase
-from ..respond import stream_events, whole_body
-from ..responses import whole_answer
-from ..upstream import UpstreamEvents, too_large
-from ..wire import ApiRequest
-from .preemption import Plan, Transcript, blocker, continuation, fresh, plan
+from .admission.preemption import Plan, Transcript, blocker, continuation, fresh, plan
+from .attempt import Opened
+from .edge.server import Reply, Request
+from .exchange import Exchange, Phase
+from .relay import open_engine
+from .respond import stream_events, whole_body
+from .responses import whole_answer
+from .upstream import UpstreamEvents, too_large
+from .wire import ApiRequest
 
 if TYPE_CHECKING:
-    from ..fleet.fleet import Fleet
-    from ..fleet.instance import Lease
-    from ..fleet.pool import HeaderLookup
-    from ..upstream import UpstreamCall
-    from .gate import Admission, PoolScheduler
-    from .scheduler import Ticket
+    from .admission.gate import Admission, PoolScheduler
+    from .admission.scheduler import Ticket
+    from .fleet.fleet import Fleet
+    from .fleet.instance import Lease
+    from .fleet.pool import HeaderLookup
 
 T = TypeVar("T")
 
@@ -168,27 +167,9 @@ class Resumable:
             return
 
     def _open(self, api: ApiRequest, upstream_id: str) -> Awaitable[Opened]:
-        """Route and open one engine call for `api` (retrying elsewhere before its first event);
-        the exchange holds each attempt's lease and call. `upstream_id` is per attempt (`<id>-p<n>`)
+        """Route and open one engine call for `api` (`relay.open_engine`). `upstream_id` is per attempt (`<id>-p<n>`)
         so that an engine never sees two requests with one id (SGLang aborts by id)."""
-        ex = self.ex
-
-        def hold(lease: Lease, call: UpstreamCall) -> None:
-            ex.attach(lease, call)
-            ex.phase = Phase.CONNECTING
-
-        return open_attempts(
-            self._fleet,
-            ex.host.metrics,
-            ex.pool,
-            api,
-            ex.pool.route_request(api, self._request_headers),
-            upstream_id,
-            hold=hold,
-            drop=ex.detach,
-            time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
-            priority=ex.engine_priority,
-        )
+        return open_engine(self.ex, self._fleet, api, self._request_headers, upstream_id)
 
     async def _engine(self, awaitable: Awaitable[T]) -> T:
         """Await the engine; a preemption's cancellation of this await becomes `_Preempted`."""
