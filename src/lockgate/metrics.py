@@ -397,12 +397,22 @@ class GatewayMetrics:
             )
         )
         self.usage_records_pending = Gauge(
-            "lockgate_usage_records_pending", "Usage records waiting for the writer.", registry=r
+            "lockgate_usage_records_pending",
+            "Usage records waiting for the writer (queued, or held in memory while neither the database nor the spill "
+            "file takes them).",
+            registry=r,
         )
         self.usage_records_written = Counter("lockgate_usage_records_written", "Usage records stored.", registry=r)
         self.usage_records_spilled = Counter(
             "lockgate_usage_records_spilled",
-            "Usage records written to the spill file because the writer queue was full.",
+            "Usage records written to the spill file (the writer's queue full, or the database failing), imported "
+            "later.",
+            registry=r,
+        )
+        self.usage_records_logged = Counter(
+            "lockgate_usage_records_logged",
+            "Usage records neither the database nor the spill file took, past the memory bound or at shutdown: "
+            "written to the log as JSON lines.",
             registry=r,
         )
         self.scheduling = SchedulingMetrics(r, self.cancellations)

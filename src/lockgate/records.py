@@ -5,15 +5,25 @@ synchronous and cannot fail: the record goes into an in-memory queue, or — whe
 is appended to a spill file (JSON lines) on disk and counted. One writer task, owned by the writer,
 moves batches from the queue into SQLite (in a worker thread, so the event loop never blocks on disk)
 and re-imports the spill file. `aclose()` flushes everything before returning.
+
+When the database fails (locked, disk full, I/O error), a batch goes to the spill file and the database is tried
+again after a backoff (1 s, doubling to 30 s), the spill imported once it takes records again. When the spill file
+fails too, records are held in memory (at most `queue_size`) and tried again with the database; past that, and
+whatever is still held at close, each goes to the log as a JSON line (`usage record not stored: {...}`, counted in
+`lockgate_usage_records_logged_total`): a full disk costs memory up to a bound, then log lines, never a silent loss.
+A spill line that is no record (torn by a crash) is moved aside, not left to block the others' import; a database
+file deleted while in use is opened anew at its path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import operator
+import os
 import sqlite3
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -139,7 +149,15 @@ class RecordSink(Protocol):
     def close(self) -> None: ...
 
 
+#: The first wait before the database is tried again after a failed write (doubled after each failure since).
+RETRY_FIRST_S = 1.0
+#: The longest wait between tries of a failing database.
+RETRY_MAX_S = 30.0
+
+
 class RecordWriter:
+    """Batches records into SQLite (see the module docstring for where a record goes when that fails)."""
+
     def __init__(
         self,
         path: str,
@@ -159,30 +177,44 @@ class RecordWriter:
         self._linger_s = linger_s
         self._queue: deque[UsageRecord] = deque()
         self._spill = None if path == ":memory:" else Path(path + ".spill.jsonl")
-        self._spilled_in_memory: list[UsageRecord] = []
+        #: Records neither stored nor spilled (the database and the spill file both failed): tried again with the
+        #: database; at most `queue_size` (past it, and at close, the log takes them).
+        self._held: list[UsageRecord] = []
         self._wakeup = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._db: sqlite3.Connection | None = None
+        #: The database file's identity when opened (device, inode): a file deleted or replaced under the running
+        #: gateway is noticed at the next write and opened anew.
+        self._identity: tuple[int, int] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self._import_failed = False
+        #: After a failed write or import: the loop time before which the database is not tried again (records go
+        #: to the spill file meanwhile), and the wait after the next failure.
+        self._retry_at = 0.0
+        self._backoff = RETRY_FIRST_S
+        self._spill_failing = False
         self.submitted = 0
         self.written = 0
-        metrics.usage_records_pending.set_function(lambda: len(self._queue))
+        #: Records written to the log because nothing else took them.
+        self.logged = 0
+        metrics.usage_records_pending.set_function(lambda: len(self._queue) + len(self._held))
 
     async def __aenter__(self) -> RecordWriter:
-        self._db = await asyncio.to_thread(self._open)
+        await asyncio.to_thread(self._open)
         self._task = asyncio.create_task(self._run(), name="lockgate-usage-writer")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _open(self) -> sqlite3.Connection:
+    def _open(self) -> None:
         _register_adapters()
         if self._access_log is not None:
             self._access_log.open()  # first: nothing to close if it cannot be opened
+        self._db = self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
         if self._path != ":memory:":
             db.execute("PRAGMA journal_mode=WAL")
@@ -197,7 +229,17 @@ class RecordWriter:
         # Time-range queries (SLO windows, `slo/usage.py`). Records are written in about the order their
         # requests finish, so inserts land at the end of this index.
         db.execute("CREATE INDEX IF NOT EXISTS usage_finished_at ON usage (finished_at)")
+        self._identity = self._file_identity()
         return db
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        if self._path == ":memory:":
+            return None
+        try:
+            stat = os.stat(self._path)
+        except OSError:
+            return None
+        return stat.st_dev, stat.st_ino
 
     # --- the synchronous, infallible entry point -------------------------------------------------
     def submit(self, record: UsageRecord) -> None:
@@ -213,32 +255,59 @@ class RecordWriter:
             self._queue.append(record)
 
     def _spill_one(self, record: UsageRecord) -> None:
-        self._metrics.usage_records_spilled.inc()
-        if self._spill is None:
-            self._spilled_in_memory.append(record)
-            return
-        try:
-            with self._spill.open("ab") as fh:
-                fh.write(orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))) + b"\n")
-        except OSError as exc:
-            # The disk refused the spill (full, read-only, gone): keep the record in memory rather than
-            # lose it. `submit()` runs in a request's cleanup and must never raise.
-            log.error("usage writer: cannot append to %s (%s); keeping the record in memory", self._spill, exc)
-            self._spilled_in_memory.append(record)
+        """Append the record to the spill file; if the disk refuses (full, read-only, gone), hold it in memory rather
+        than lose it, and past that bound write it to the log. Never raises (`submit()` runs in a request's cleanup)."""
+        if self._spill is not None:
+            try:
+                _append(self._spill, orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))) + b"\n")
+            except OSError as exc:
+                if not self._spill_failing:  # (once, not once a record: the log may sit on the same full disk)
+                    self._spill_failing = True
+                    log.error("usage writer: cannot append to %s (%s); holding records in memory", self._spill, exc)
+            else:
+                if self._spill_failing:
+                    self._spill_failing = False
+                    log.warning("usage writer: %s takes records again", self._spill)
+                self._metrics.usage_records_spilled.inc()
+                return
+        if len(self._held) < self._queue_size:
+            self._held.append(record)
+        else:
+            self._log_record(record)
+
+    def _log_record(self, record: UsageRecord) -> None:
+        """The last resort: the record as a JSON line in the log (an operator's log collector keeps it)."""
+        if not self.logged:
+            log.error(
+                "usage writer: neither %s nor its spill file takes records and %d are held in memory: the next ones "
+                "are logged as JSON lines ('usage record not stored: {...}'), to be imported by hand",
+                self._path,
+                len(self._held),
+            )
+        self.logged += 1
+        self._metrics.usage_records_logged.inc()
+        log.error("usage record not stored: %s", orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))).decode())
 
     # --- the writer task -------------------------------------------------------------------------
     async def _run(self) -> None:
         # A claimed spill file left by a crash mid-import is imported first (INSERT OR REPLACE: a record
         # imported twice is still one row).
+        loop = asyncio.get_running_loop()
         await self._import_spill()
         while True:
-            in_memory = self._spilled_in_memory and not self._import_failed
-            if not self._queue and not in_memory and not self._spill_pending():
-                self._idle.set()
+            retry_in = self._retry_at - loop.time()
+            backlog = bool(self._held) or self._spill_pending()
+            if not self._queue and (retry_in > 0 or not backlog):
+                self._idle.set()  # (nothing it can store now: spilled records wait for the database's retry)
                 if self._closing:
                     return
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if backlog:  # the database failed lately: try it again when its wait is over
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(retry_in):
+                            await self._wakeup.wait()
+                else:
+                    await self._wakeup.wait()
                 continue
             if not self._closing and len(self._queue) < self._batch_size:
                 # Let a batch gather: one transaction and one thread hop for many records. Also after a
@@ -246,28 +315,41 @@ class RecordWriter:
                 # small batch of their own, paying a transaction and a thread hop for a few records.
                 await asyncio.sleep(self._linger_s)
             batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-            if not self._import_failed:
-                batch.extend(self._spilled_in_memory)
-                self._spilled_in_memory = []
+            if loop.time() < self._retry_at:
+                for record in batch:  # the database failed lately: to the spill file, tried again later
+                    self._spill_one(record)
+                continue
+            batch.extend(self._held)
+            self._held = []
             if batch:
                 try:
                     await asyncio.shield(asyncio.to_thread(self._write, batch))
                 except (sqlite3.Error, OSError) as exc:
-                    # Never drop: the batch goes to the spill file (counted) and is imported later.
-                    log.error("usage writer: storing %d record(s) failed (%s); spilling them", len(batch), exc)
-                    self._import_failed = True
+                    # Never drop: the batch goes to the spill file (counted), imported once the database takes
+                    # records again.
+                    self._failed(f"storing {len(batch)} record(s) failed ({exc}); spilling them")
                     for record in batch:
                         self._spill_one(record)
+                    continue
+                self._succeeded()
             if self._spill_pending():
                 await self._import_spill()
 
+    def _failed(self, what: str) -> None:
+        """A write or an import failed: the database is tried again after the backoff (doubled each time)."""
+        log.error("usage writer: %s; trying the database again in %.0f s", what, self._backoff)
+        self._retry_at = asyncio.get_running_loop().time() + self._backoff
+        self._backoff = min(RETRY_MAX_S, self._backoff * 2)
+
+    def _succeeded(self) -> None:
+        if self._backoff > RETRY_FIRST_S:
+            log.warning("usage writer: %s takes records again", self._path)
+        self._backoff = RETRY_FIRST_S
+
     def _spill_pending(self) -> bool:
-        return (
-            self._spill is not None
-            and not self._import_failed
-            and self._spill.exists()
-            and len(self._queue) < self._queue_size
-        )
+        if self._spill is None or len(self._queue) >= self._queue_size:
+            return False
+        return self._spill.exists() or self._spill.with_suffix(".importing").exists()
 
     async def _import_spill(self) -> None:
         if self._spill is None:
@@ -275,18 +357,27 @@ class RecordWriter:
         claimed = self._spill.with_suffix(".importing")
         # Claim in the event loop's thread: `_spill_one` appends from this thread too, so an append can
         # never land in a file that the import thread has already read (and would then delete).
-        if not claimed.exists():
-            if not self._spill.exists():
-                return
-            self._spill.rename(claimed)
         try:
+            if not claimed.exists():
+                if not self._spill.exists():
+                    return
+                self._spill.rename(claimed)
             await asyncio.shield(asyncio.to_thread(self._import_claimed, claimed))
-        except (sqlite3.Error, OSError, ValueError) as exc:
-            # Keep the claimed file for the next start; stop importing until then (no hot loop).
-            log.error("usage writer: importing %s failed (%s); it stays for the next start", claimed, exc)
-            self._import_failed = True
+        except (sqlite3.Error, OSError) as exc:
+            self._failed(f"importing {claimed} failed ({exc})")
+        else:
+            self._succeeded()
 
     def _write(self, batch: list[UsageRecord]) -> None:
+        if self._file_identity() != self._identity:
+            # The file was deleted or replaced under the running gateway (its records went with it): records from
+            # now on go to a new file at the configured path, not to an unlinked one nobody can read.
+            log.error("usage writer: %s was deleted or replaced while in use; opening it anew", self._path)
+            if self._db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+            self._db = None
+            self._db = self._connect()
         assert self._db is not None
         db = self._db
         db.execute("BEGIN")
@@ -307,13 +398,27 @@ class RecordWriter:
             self._access_log.write(batch)
 
     def _import_claimed(self, claimed: Path) -> None:
-        records = [UsageRecord(**orjson.loads(line)) for line in claimed.read_bytes().splitlines() if line]
+        """Store a claimed spill file's records and delete it. A line that is no record (torn by a crash or a full
+        disk mid-append) is moved to `<path>.spill.rejected` rather than blocking the others."""
+        records: list[UsageRecord] = []
+        rejected: list[bytes] = []
+        for line in claimed.read_bytes().splitlines():
+            if not line:
+                continue
+            try:
+                records.append(UsageRecord(**orjson.loads(line)))
+            except (orjson.JSONDecodeError, TypeError):
+                rejected.append(line)
+        if rejected:
+            target = claimed.with_suffix(".rejected")
+            _append(target, b"".join(line + b"\n" for line in rejected))
+            log.error("usage writer: %d line(s) of %s are no records; moved to %s", len(rejected), claimed, target)
         for start in range(0, len(records), self._batch_size):
             self._write(records[start : start + self._batch_size])
         claimed.unlink()
 
     async def wait_flushed(self) -> None:
-        """Wait until every record submitted so far is stored."""
+        """Wait until every record submitted so far is stored, or spilled while the database fails."""
         self._wakeup.set()
         await self._idle.wait()
 
@@ -323,17 +428,21 @@ class RecordWriter:
         if self._task is not None:
             await self._task
             self._task = None
-        # Records submitted while closing (there should be none) still land.
-        if self._queue or self._spilled_in_memory:
-            batch = list(self._queue) + self._spilled_in_memory
+        # What is left (records submitted while closing, records held while the database and the spill file both
+        # failed): one more try, then the spill file, then the log; never dropped in silence.
+        if self._queue or self._held:
+            batch = list(self._queue) + self._held
             self._queue.clear()
-            self._spilled_in_memory = []
+            self._held = []
             try:
                 await asyncio.to_thread(self._write, batch)
             except (sqlite3.Error, OSError) as exc:
                 log.error("usage writer: storing %d record(s) at close failed (%s); spilling", len(batch), exc)
                 for record in batch:
                     self._spill_one(record)
+                held, self._held = self._held, []
+                for record in held:
+                    self._log_record(record)
         if self._db is not None:
             db, self._db = self._db, None
             await asyncio.to_thread(db.close)
@@ -344,8 +453,27 @@ class RecordWriter:
         return {
             "submitted": self.submitted,
             "written": self.written,
-            "pending": len(self._queue),
+            "pending": len(self._queue) + len(self._held),
+            "logged": self.logged,
         }
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append `data` to `path` whole or not at all: a write the disk cuts short (full) is taken back, so that no
+    torn line is left for the import to trip over."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_records(path: str) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@ mid-import leaves a claimed file that the next start imports."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +18,18 @@ from tests.integration.cancel_support import total
 
 def exists(path: str) -> bool:
     return Path(path).exists()
+
+
+def write_file(path: str, data: bytes) -> None:
+    Path(path).write_bytes(data)
+
+
+def read_file(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def remove(path: str) -> None:
+    Path(path).unlink(missing_ok=True)
 
 
 def spill(path: str, rec: UsageRecord) -> None:
@@ -79,13 +92,42 @@ async def test_a_spill_file_that_cannot_be_written_keeps_records_in_memory(tmp_p
     """Disk full or gone: `submit()` (called from a request's cleanup) never raises and loses nothing."""
     path = str(tmp_path / "u.sqlite3")
     metrics = GatewayMetrics()
-    async with RecordWriter(path, metrics, queue_size=2, batch_size=2) as writer:
+    async with RecordWriter(path, metrics, queue_size=5, batch_size=5) as writer:
         writer._spill = tmp_path / "missing-dir" / "u.spill.jsonl"  # every append fails with an OSError
         for n in range(10):
             writer.submit(record(n))
-        assert total(metrics.usage_records_spilled, "_total") == 8
+        assert total(metrics.usage_records_spilled, "_total") == 0  # (none reached the file)
+        assert next(iter(metrics.usage_records_pending.collect())).samples[0].value == 10  # 5 queued, 5 held
         await writer.wait_flushed()
     assert sorted(r["request_id"] for r in read_records(path)) == sorted(f"r{n}" for n in range(10))
+
+
+async def test_past_the_memory_bound_and_at_close_records_go_to_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database and the spill file both refuse (a full disk): records are held in memory up to `queue_size`
+    (an outside run saw ~560 bytes a record grow without end, and one error line a record), then logged as JSON
+    lines, counted; what is still held at close is logged too, never dropped in silence (the run's clean shutdown
+    exited 0 with 31,103 records gone)."""
+    path = str(tmp_path / "u.sqlite3")
+    metrics = GatewayMetrics()
+    async with RecordWriter(path, metrics, queue_size=3, batch_size=3) as writer:
+        writer._spill = tmp_path / "missing-dir" / "u.spill.jsonl"
+
+        def refuse(batch: list[UsageRecord]) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(writer, "_write", refuse)
+        for n in range(8):
+            writer.submit(record(n))  # 3 queued, 3 held, 2 logged
+        assert total(metrics.usage_records_logged, "_total") == 2
+        await writer.wait_flushed()  # the queued 3 failed: held 3 more would pass the bound, so logged
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("usage record not stored: ")]
+    ids = sorted(orjson.loads(m.removeprefix("usage record not stored: "))["request_id"] for m in logged)
+    assert ids == sorted(f"r{n}" for n in range(8))  # every record, once
+    assert total(metrics.usage_records_logged, "_total") == 8
+    cannot_append = [r for r in caplog.records if "cannot append" in r.getMessage()]
+    assert len(cannot_append) == 1  # said once, not once a record
 
 
 async def test_records_arriving_during_a_write_wait_for_a_batch_to_gather(
@@ -183,3 +225,78 @@ async def test_values_are_stored_with_their_sql_types(tmp_path: Path) -> None:
         ("r1", 1, "integer", None, "null", 1.5, "real", 12),
         ("r2", 0, "integer", None, "null", 2.0, "real", 0),
     ]
+
+
+async def test_a_torn_spill_line_is_moved_aside_and_the_rest_imported(tmp_path: Path) -> None:
+    """A spill file whose last line a crash or a full disk cut short: the other records are imported (each start
+    failed on the whole file before, forever), the torn line kept in `.spill.rejected` for a person to read."""
+    path = str(tmp_path / "u.sqlite3")
+    good = [orjson.dumps(asdict(record(n))) for n in range(3)]
+    write_file(path + ".spill.importing", b"\n".join(good) + b"\n" + good[0][:17])
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        await writer.wait_flushed()
+    assert sorted(r["request_id"] for r in read_records(path)) == ["r0", "r1", "r2"]
+    assert read_file(path + ".spill.rejected") == good[0][:17] + b"\n"
+    assert not exists(path + ".spill.importing")
+
+
+def test_an_append_the_disk_cuts_short_is_taken_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk takes part of a line: the file is cut back to where it was (no torn line is left)."""
+    import os
+
+    from lockgate import records as records_module
+
+    target = tmp_path / "u.spill.jsonl"
+    records_module._append(target, b"first\n")
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, data[:4]))
+    with pytest.raises(OSError):
+        records_module._append(target, b"second line\n")
+    assert target.read_bytes() == b"first\n"
+
+
+async def test_a_database_that_fails_for_a_while_takes_the_spilled_records_once_it_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Locked by another process, then free again: the records spilled meanwhile are imported by the running
+    gateway after a backoff (one failure stopped every import until a restart)."""
+    import lockgate.records as records_module
+
+    monkeypatch.setattr(records_module, "RETRY_FIRST_S", 0.01)
+    path = str(tmp_path / "u.sqlite3")
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        original = writer._write
+        locked = [True]
+
+        def write(batch: list[UsageRecord]) -> None:
+            if locked[0]:
+                raise sqlite3.OperationalError("database is locked")
+            original(batch)
+
+        monkeypatch.setattr(writer, "_write", write)
+        for n in range(3):
+            writer.submit(record(n))
+        await writer.wait_flushed()  # spilled: the database failed
+        assert exists(path + ".spill.jsonl") and read_records(path) == []
+        locked[0] = False
+        writer.submit(record(3))  # (any record wakes the writer; the retry's timer would too)
+        async with asyncio.timeout(10):  # bounds a hang only
+            while len(read_records(path)) < 4:
+                await writer.wait_flushed()
+                await asyncio.sleep(0.01)
+    assert sorted(r["request_id"] for r in read_records(path)) == ["r0", "r1", "r2", "r3"]
+    assert not exists(path + ".spill.jsonl")
+
+
+async def test_a_database_file_deleted_while_in_use_is_opened_anew(tmp_path: Path) -> None:
+    """Records written after the file was deleted went to the unlinked file, lost with no word; now they land in a
+    new file at the configured path."""
+    path = str(tmp_path / "u.sqlite3")
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        writer.submit(record(1))
+        await writer.wait_flushed()
+        for suffix in ("", "-wal", "-shm"):
+            remove(path + suffix)
+        writer.submit(record(2))
+        await writer.wait_flushed()
+    assert [r["request_id"] for r in read_records(path)] == ["r2"]
