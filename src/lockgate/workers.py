@@ -195,7 +195,9 @@ class _Supervisor:
     def _ended(self, n: int, status: int) -> None:
         """Worker `n` ended on its own (status `status`): start it again, at once or after a pause, or stop."""
         now = time.monotonic()
-        if now - self._launched < START_GRACE_S and not self._restarts[n]:
+        # (A worker killed by a signal crashed, it did not fail to start: an outside run's worker SIGKILLed while
+        # serving, within the grace, stopped every worker.)
+        if now - self._launched < START_GRACE_S and not self._restarts[n] and status >= 0:
             self._stop_all(n, status, f"within {START_GRACE_S:g} s of the launch (it cannot start)")
             return
         recent = self._restarts[n]

@@ -409,6 +409,30 @@ async def test_a_worker_that_cannot_start_again_is_retried_while_the_others_serv
         stop(proc)
 
 
+async def test_a_worker_killed_soon_after_the_launch_is_started_again() -> None:
+    """An outside run: a worker SIGKILLed while it served, within the launch's grace, stopped every worker (taken for
+    one that cannot start). A worker ended by a signal crashed: it is started again; only one that exits on its own
+    within the grace could not start."""
+    proc = supervise("import time\ntime.sleep(60)\n", START_GRACE_S=600.0)
+    try:
+
+        async def two() -> bool:
+            return len(sleepers(proc.pid)) == 2
+
+        await poll_until(two, what="two workers")
+        victim = min(sleepers(proc.pid))
+        os.kill(victim, signal.SIGKILL)
+
+        async def replaced() -> bool:
+            workers = sleepers(proc.pid)
+            return len(workers) == 2 and victim not in workers
+
+        await poll_until(replaced, what="the killed worker started again")
+        assert proc.poll() is None
+    finally:
+        stop(proc)
+
+
 async def test_workers_that_all_cannot_start_again_stop_the_supervisor() -> None:
     proc = supervise("import sys\nsys.exit(3)\n", MAX_RESTARTS=2, RETRY_S=0.05, START_GRACE_S=0.0)
     try:
