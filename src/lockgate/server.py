@@ -13,9 +13,9 @@ gateway names in `x-lockgate-engine`). See `lockgate.cluster`.
 
 Shutdown: `/ready` fails at once; the listening socket closes (new connections are refused) and new
 requests on open keep-alive connections get 503; requests in flight may finish until
-`shutdown.drain_ms`; then each is cancelled (its upstream aborted, a final SSE error event for
-streams); open dashboards' streams end; records are flushed; everything is closed. SIGHUP reloads the
-configuration (`reload.py`).
+`shutdown.drain_ms` (or a second SIGINT/SIGTERM: `hurry()`); then each is cancelled (its upstream aborted, a final
+SSE error event for streams); open dashboards' streams end; records are flushed; everything is closed. SIGHUP
+reloads the configuration (`reload.py`).
 """
 
 from __future__ import annotations
@@ -197,6 +197,13 @@ class GatewayServer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
+    def hurry(self) -> None:
+        """A second stop signal during the drain: the requests in flight are stopped now (each recorded as shut down,
+        a stream ended with its final error event), not at the drain's deadline."""
+        if self.gateway is not None:
+            for exchange in self.gateway.registry.all():
+                exchange.cancel("shutdown")
+
     async def shutdown(self, drain_s: float | None = None) -> None:
         """Graceful shutdown; idempotent."""
         if self._stopped:
@@ -290,7 +297,14 @@ async def serve(
                 await stop.wait()
             finally:
                 await cancel_and_wait(reloads)
-            announce("lockgate: shutting down (draining requests in flight)")
+            announce("lockgate: shutting down (draining requests in flight; a second SIGINT/SIGTERM stops them now)")
+
+            def hurry() -> None:
+                announce("lockgate: stopping the requests in flight now")
+                server.hurry()
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, hurry)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)

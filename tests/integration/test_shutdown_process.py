@@ -29,11 +29,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def write_config(path: Path, port: int, engine_url: str, usage: Path) -> None:
+def write_config(path: Path, port: int, engine_url: str, usage: Path, drain_ms: int = DRAIN_MS) -> None:
     path.write_text(
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"usage: {{path: '{usage}'}}\n"
-        f"shutdown: {{drain_ms: {DRAIN_MS}}}\n"
+        f"shutdown: {{drain_ms: {drain_ms}}}\n"
         "health: {interval_ms: 60000}\n"
         f"models:\n  - name: m\n    instances:\n      - {{url: '{engine_url}', engine: vllm}}\n"
     )
@@ -127,3 +127,42 @@ async def test_sigterm_drains_then_stops_and_exits_zero(start_sim, tmp_path) -> 
     assert rows[(1, False)]["completion_tokens"] == long.tokens
     engine = sim.statistics()
     assert engine["requests_finished"] == 1 and engine["requests_aborted"] == 2
+
+
+async def test_a_second_sigterm_stops_the_requests_in_flight_at_once(start_sim, tmp_path) -> None:
+    """An operator who cannot wait for the drain (10 minutes here) sends the signal again: the streams in flight end
+    now with their final error event, each recorded as shut down, and the process exits 0 (it ignored the second
+    signal before)."""
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=10.0)
+    port = free_port()
+    usage = tmp_path / "usage.sqlite3"
+    config = tmp_path / "gw.yaml"
+    write_config(config, port, sim.url, usage, drain_ms=600_000)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lockgate", "serve", "--config", str(config),
+        stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with asyncio.timeout(20):
+            await read_line_with(proc.stdout, "lockgate listening on")
+        async with aiohttp.ClientSession() as http, asyncio.timeout(30):  # bounds a hang only
+            async with http.post(url + "/v1/chat/completions", json=body(True, 5000)) as resp:
+                assert resp.status == 200
+                reader = StreamReader(resp)
+                await reader.read_tokens(1)
+                proc.send_signal(signal.SIGTERM)
+                await read_line_with(proc.stdout, "shutting down")
+                proc.send_signal(signal.SIGTERM)
+                await read_line_with(proc.stdout, "stopping the requests in flight now")
+                await reader.read_to_end()
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert not reader.done and [e["code"] for e in reader.errors()] == ["cancelled"]
+    [record] = read_records(str(usage))
+    assert (record["status"], record["cancel_reason"]) == ("cancelled", "shutdown")
