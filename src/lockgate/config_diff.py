@@ -1,7 +1,7 @@
 """What a reload changes: a pure comparison of the running configuration with a new one.
 
 `plan_reload()` builds the configuration a reload would serve: the new file's hot sections (`models`,
-`tenants`) over the running configuration, every other section kept as it runs (a change there is
+`tenants`, `admin`) over the running configuration, every other section kept as it runs (a change there is
 listed in `restart_required` and is not applied: the listening socket, the edge limits, the usage
 database, the simulators, ... are set up once at start). `diff_configs()` then says which instances,
 models and tenants differ; `Gateway.reconfigure()` applies that. Nothing here does I/O.
@@ -22,7 +22,7 @@ from .config import Config, ConfigError, InstanceConfig, ModelConfig, describe_v
 from .embedded import with_instances
 
 #: Sections a reload applies; a change anywhere else needs a restart.
-HOT_SECTIONS = frozenset({"models", "tenants"})
+HOT_SECTIONS = frozenset({"models", "tenants", "admin"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,10 @@ class ConfigDiff:
     removed_models: tuple[str, ...] = ()
     changed_models: tuple[str, ...] = ()
     tenants_changed: bool = False
+    #: The admin keys (or `metrics_require_key`) differ: a reload that adds tenant keys can add the admin key that
+    #: keeps the operator routes open to their operator (with `admin` applied only at a restart, that reload locked
+    #: the operator out of `/admin/reload` itself).
+    admin_changed: bool = False
     #: Keys changed in the file but kept as they run until a restart.
     restart_required: tuple[str, ...] = ()
     #: Instance key -> display name (the new one where both configurations list it).
@@ -52,6 +56,7 @@ class ConfigDiff:
             or self.removed_models
             or self.changed_models
             or self.tenants_changed
+            or self.admin_changed
         )
 
     def describe(self) -> dict[str, object]:
@@ -72,6 +77,7 @@ class ConfigDiff:
                 "changed": list(self.changed_models),
             },
             "tenants_changed": self.tenants_changed,
+            "admin_changed": self.admin_changed,
             "restart_required": list(self.restart_required),
         }
 
@@ -114,7 +120,7 @@ def plan_reload(
             restart.append(f"models[{model.name}].semantic")
             model = model.model_copy(update={"semantic": semantic})
         models.append(model)
-    merged = running_file.model_copy(update={"models": models, "tenants": new_file.tenants})
+    merged = running_file.model_copy(update={"models": models, "tenants": new_file.tenants, "admin": new_file.admin})
     try:
         # Revalidate the combination (cross-section rules: tenants vs classes, models vs simulators).
         merged = Config.model_validate(merged.model_dump())
@@ -122,7 +128,7 @@ def plan_reload(
         raise ConfigError(describe_validation_error(exc, "the new configuration with the running settings")) from None
     expanded = with_instances(merged, simulated)
     return ReloadPlan(
-        served=served.model_copy(update={"models": expanded.models, "tenants": merged.tenants}),
+        served=served.model_copy(update={"models": expanded.models, "tenants": merged.tenants, "admin": merged.admin}),
         applied_file=merged,
         restart_required=tuple(restart),
     )
@@ -169,6 +175,7 @@ def diff_configs(old: Config, new: Config, restart_required: tuple[str, ...] = (
             if name in old_models and (model != old_models[name] or any(i.key in replaced for i in model.instances))
         ),
         tenants_changed=old.tenants != new.tenants,
+        admin_changed=old.admin != new.admin,
         restart_required=restart_required,
         instance_names={key: spec.name or key for key, spec in (*old_specs.items(), *new_specs.items())},
     )

@@ -176,6 +176,8 @@ class Gateway:
         every request sees either the old or the new configuration; requests in flight keep the
         pool, instance, tenant and scheduler ticket they hold."""
         self.admission.reconfigure(config)
+        if diff.admin_changed:
+            self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
         self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
         self.admission.withdraw([model for model in diff.removed_models if model not in self.fleet.pools])

@@ -74,4 +74,6 @@ def summary(diff: ConfigDiff) -> str:
     ]
     if diff.tenants_changed:
         parts.append("tenants changed")
+    if diff.admin_changed:
+        parts.append("admin keys changed")
     return ", ".join(parts)

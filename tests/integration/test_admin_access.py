@@ -154,6 +154,23 @@ async def test_a_reload_that_adds_tenant_keys_closes_the_admin_api_at_once(stack
         async with http.post(server.url + "/v1/chat/completions", data=data, headers=bearer("newco-key")) as resp:
             assert resp.status == 200
     assert 'lockgate_completion_tokens_total{model="m",tenant="newco"} 2.0' in server.gateway.metrics.render().decode()
+    # The same reload with an admin key: the operator keeps the admin API, reload included (`admin` applied only at
+    # a restart locked the operator out of `/admin/reload` itself: an outside run).
+    path.write_text(
+        head
+        + f"tenants: [{{name: newco, keys: ['{hash_key('newco-key')}']}}]\n"
+        + f"admin: {{keys: ['{hash_key('ops-key')}']}}\n"
+    )
+    async with aiohttp.ClientSession() as http:
+        status, body = await call(http, "POST", server.url + "/admin/reload", None)  # (still closed: no key yet)
+        assert status == 403
+    assert server.gateway.reloader is not None
+    diff = await server.gateway.reloader.reload()  # (SIGHUP's way)
+    assert diff.admin_changed and "admin" not in diff.restart_required
+    async with aiohttp.ClientSession() as http:
+        assert (await call(http, "GET", server.url + "/admin/requests", "ops-key"))[0] == 200
+        assert (await call(http, "POST", server.url + "/admin/reload", "ops-key"))[0] == 200
+        assert (await call(http, "GET", server.url + "/admin/requests", "newco-key"))[0] == 403
 
 
 async def _answer(

@@ -105,7 +105,7 @@ class AdminGate:
         if not self._digests:
             raise Forbidden(
                 "The admin API is closed: tenant keys are configured but no admin key. Add one to `admin.keys` "
-                "(`lockgate hash-key` prints its digest) and restart the gateway (a reload does not change `admin`).",
+                "(`lockgate hash-key` prints its digest) and reload the configuration (SIGHUP).",
                 code="admin_keys_not_configured",
             )
         if not authorization:
