@@ -87,6 +87,7 @@ class Host(Protocol):
     registry: Registry
     tracer: Tracer | None
     log_prompts: bool
+    #: The running loop (set when the gateway starts, `Gateway.__aenter__`: requests come only after).
     loop: asyncio.AbstractEventLoop
 
     def count_dedup(self, outcome: str) -> None: ...
@@ -138,7 +139,8 @@ class Exchange:
         #: request ends unless it was rejected: the metric counts the requests the usage records count.
         self.dedup_outcome: str | None = None
         self.response: StreamResponse | None = None
-        #: Set once the complete answer is on the wire (`[DONE]` written): the request can only complete.
+        #: Set once the complete answer is on the wire (a stream's end: `[DONE]`, or a response's terminal event): the
+        #: request can only complete.
         self.answered = False
         self._ending = False  # how the request ends has been decided (`_set_end` ran)
         self.cancel_reason: str | None = None
@@ -193,6 +195,11 @@ class Exchange:
         self._call = call
         self.record.instance = lease.instance.name
         self.record.attempts += 1
+
+    def served_by(self, name: str) -> None:
+        """The engine that produced the answer, once known (behind a sidecar, the engine it chose; a flight's, for its
+        clients): what the record names (`attach` and `detach` name the instance an attempt went to before)."""
+        self.record.instance = name
 
     def serving(self) -> Instance | None:
         """The instance serving this request: its own call's; a flight's client's, the flight's; a stored result's, the

@@ -27,7 +27,7 @@ from .cluster.identity import TENANT_HEADER, Relayed
 from .config import Config, ConfigError
 from .dashboard import Dashboard, SloProvider
 from .dashboard.assets import STATIC_PREFIX
-from .dedup import Coalescer
+from .dedup.coalescer import Coalescer
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
     Forbidden,

@@ -42,7 +42,7 @@ async def relay(
     """An admitted request that is not de-duplicated, straight from an engine of `fleet` (`before_send`: see
     `open_attempts`)."""
     opened = await open_engine(ex, fleet, ex.api, http_request.headers, ex.id, before_send)
-    ex.record.instance = opened.call.served_by  # behind a sidecar, the engine it chose
+    ex.served_by(opened.call.served_by)
     try:
         if ex.api.stream:
             return await _relay_stream(ex, http_request, opened)

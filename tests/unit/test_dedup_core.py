@@ -12,7 +12,9 @@ import pytest
 
 from lockgate.answer import EngineAnswer
 from lockgate.assemble import ClientView, assemble
-from lockgate.dedup import Result, ResultCache, eligible, fingerprint, opted_out, sampling_scope
+from lockgate.dedup.cache import Result, ResultCache
+from lockgate.dedup.eligibility import eligible, opted_out
+from lockgate.dedup.fingerprint import fingerprint, sampling_scope
 from lockgate.dedup.flight import Flight, FlightState
 from lockgate.errors import UpstreamProtocolError
 from lockgate.wire import Endpoint, parse_request

@@ -13,7 +13,9 @@ import pytest
 
 from lockgate.answer import EngineAnswer
 from lockgate.config import parse_config
-from lockgate.dedup import Coalescer, Result, ResultCache, fingerprint
+from lockgate.dedup.cache import Result, ResultCache
+from lockgate.dedup.coalescer import Coalescer
+from lockgate.dedup.fingerprint import fingerprint
 from lockgate.dedup.flight import Flight, FlightState
 from lockgate.fleet.fleet import Fleet
 from lockgate.metrics import GatewayMetrics

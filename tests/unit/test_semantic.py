@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lockgate.dedup import Result
+from lockgate.dedup.cache import Result
 from lockgate.semantic import compatible, probe_input, signature
 from lockgate.wire import ApiRequest, Endpoint, validate
 

@@ -31,6 +31,7 @@ from ..edge.server import Reply, Request
 from ..exchange import Phase
 from ..respond import pump, stream_events, whole_body
 from ..responses import whole_answer
+from ..semantic import MiniLM, SemanticCache
 from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .eligibility import eligible
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from ..fleet.fleet import Fleet
     from ..fleet.instance import Lease
     from ..metrics import GatewayMetrics
-    from ..semantic import Embedder, Probe, SemanticCache
+    from ..semantic import Embedder, Probe
     from ..wire import ApiRequest
 
 CACHE_HEADER = "x-lockgate-cache"
@@ -114,8 +115,6 @@ class Coalescer:
         self.semantic: dict[str, SemanticCache] = {}
         configured = [m for m in config.models if m.semantic is not None and m.dedup != "off"]
         if configured:
-            from ..semantic import MiniLM, SemanticCache
-
             shared = embedder or MiniLM()
             for model in configured:
                 sc = model.semantic
@@ -308,10 +307,12 @@ class Coalescer:
 
     @staticmethod
     def _headers(ex: Exchange, outcome: str, source: Any) -> dict[str, str]:
+        """The answer's headers; a flight's client also records the engine that produced it (known by now: the
+        headers go out with the answer's first byte)."""
         headers = {"x-request-id": ex.record.client_request_id or ex.id, **ex.response_headers, CACHE_HEADER: outcome}
-        if isinstance(source, Subscription) and source.flight.served_by is not None:
-            # The engine that produced the answer (a cache hit used none).
-            headers["x-lockgate-instance"] = ex.record.instance = source.flight.served_by
+        if isinstance(source, Subscription) and source.flight.served_by is not None:  # (a cache hit used none)
+            ex.served_by(source.flight.served_by)
+            headers["x-lockgate-instance"] = source.flight.served_by
         return headers
 
     def _whole(
