@@ -29,14 +29,13 @@ from .errors import (
     DeadlineExceeded,
     InvalidRequest,
     NotFound,
-    UpstreamConnectError,
-    UpstreamProtocolError,
     UpstreamStatusError,
 )
 from .fleet.instance import upstream_headers
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
 from .response_ids import home_tag
 from .responses import show_ids
+from .upstream import call_failed, too_large
 
 if TYPE_CHECKING:
     from .admission.tenants import Tenant
@@ -131,7 +130,8 @@ async def _call(
     fleet: Fleet,
     relayed: tuple[tuple[str, str], ...],
 ) -> tuple[int, bytes, str]:
-    """The engine's status, body and content type for the forwarded request."""
+    """The engine's status, body and content type for the forwarded request. A failed call, or a 5xx, counts against
+    the instance's health as a generation's does (`upstream.call_failed`)."""
     limit = fleet.upstream.max_response_bytes
     headers = upstream_headers(instance, request_id, stream=False, extra=relayed)  # (its Content-Type included)
     try:
@@ -141,14 +141,14 @@ async def _call(
         except BaseException:
             response.close()  # (cancelled, timed out: the connection is not reused)
             raise
-    except (ConnectError, DisconnectedError) as exc:
-        raise UpstreamConnectError(f"Cannot reach instance {instance.name}: {exc}") from None
     except ResponseTooLarge:
-        raise UpstreamProtocolError(
-            f"Instance {instance.name} answered with more than {limit} bytes.", code="upstream_response_too_large"
-        ) from None
-    except ProtocolError as exc:
-        raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
+        raise too_large(instance.name, limit) from None
+    except (ConnectError, DisconnectedError, ProtocolError) as exc:
+        raise call_failed(fleet, instance, exc) from None
+    if response.status >= 500:
+        fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
+    else:
+        fleet.report_success(instance)
     return response.status, body, response.content_type or "application/json"
 
 

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import orjson
 
 from .assemble import has_content
-from .errors import UpstreamConnectError, UpstreamProtocolError, UpstreamStatusError, stream_error
+from .errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamStatusError, stream_error
 from .fleet.fleet import Fleet
 from .fleet.instance import Instance, Lease, upstream_headers
 from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
@@ -106,20 +106,9 @@ class UpstreamCall:
                 self._body,
                 upstream_headers(instance, self._request_id, stream=self.stream, extra=self._extra_headers),
             )
-        except ConnectError as exc:
+        except (ConnectError, DisconnectedError, ProtocolError) as exc:
             self._finish()
-            self._fleet.report_failure(instance, "connect", str(exc))
-            raise UpstreamConnectError(f"Cannot connect to instance {instance.name}: {exc}") from None
-        except DisconnectedError as exc:
-            # The engine closed the connection before answering (a dying engine; a stale keep-alive
-            # connection is retried once by the pool): it produced nothing, so another instance may be tried.
-            self._finish()
-            self._fleet.report_failure(instance, "disconnect", repr(exc))
-            raise UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}") from None
-        except ProtocolError as exc:
-            self._finish()
-            self._fleet.report_failure(instance, "protocol", repr(exc))
-            raise UpstreamProtocolError(f"Instance {instance.name} failed: {exc}") from None
+            raise call_failed(self._fleet, instance, exc) from None
         except BaseException:
             # Cancelled while connecting or waiting for headers: the pool closes the connection, but the
             # engine may already be working on the request (prefill), so abort it explicitly too (SGLang's
@@ -469,6 +458,22 @@ def served_by(instance: str, node: str, headers: Mapping[str, str]) -> str:
     if engine and len(engine) <= MAX_ENGINE_NAME and engine.isprintable():
         return f"{node}/{engine}"
     return instance
+
+
+def call_failed(
+    fleet: Fleet, instance: Instance, exc: ConnectError | DisconnectedError | ProtocolError
+) -> UpstreamError:
+    """The gateway's error for an engine call that failed before its answer's status, reported to the fleet (its
+    health and ejection). A connection the engine closed before answering (a dying engine; a stale keep-alive
+    connection is retried once by the pool) produced nothing: another instance may be tried, as when it refused."""
+    if isinstance(exc, ConnectError):
+        fleet.report_failure(instance, "connect", str(exc))
+        return UpstreamConnectError(f"Cannot connect to instance {instance.name}: {exc}")
+    if isinstance(exc, DisconnectedError):
+        fleet.report_failure(instance, "disconnect", repr(exc))
+        return UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}")
+    fleet.report_failure(instance, "protocol", repr(exc))
+    return UpstreamProtocolError(f"Instance {instance.name} failed: {exc}")
 
 
 def too_large(instance: str, limit: int) -> UpstreamProtocolError:

@@ -319,6 +319,33 @@ async def test_a_stored_routes_answer_names_the_request_id_its_engine_was_told(s
         assert r.status == 200 and r.headers["x-request-id"] == told[-1] == "mine"
 
 
+async def test_a_stored_routes_engine_failure_counts_against_the_instance(serve_app, start_gateway, http) -> None:
+    """A 5xx (or a failed connection) on a stored route is the instance's failure, as on a generation: reported to
+    the fleet (health, ejection), not only passed on to the client."""
+    made = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
+
+    async def create(request: web.Request) -> web.Response:
+        return web.json_response(made)
+
+    async def retrieve(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "store is broken", "type": "InternalError"}}, status=500)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{id}", retrieve)
+    app.router.add_get("/health", health)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi"}) as r:
+        shown = (await r.json())["id"]
+    async with http.get(gw.url + f"/v1/responses/{shown}") as r:
+        assert r.status == 500 and "store is broken" in (await r.json())["error"]["message"]
+    [engine] = gw.gateway.fleet.instances.values()
+    assert engine.last_error is not None and "store is broken" in engine.last_error
+
+
 async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, start_gateway, http) -> None:
     sim = await start_sim(**SIM)
     gw = await start_gateway(
