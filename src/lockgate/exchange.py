@@ -378,18 +378,18 @@ class Exchange:
         }
 
     # --- the one place where a request's fate is decided ---------------------------------------
-    async def run(self, work: Callable[..., Awaitable[Reply]], *args: Any) -> Reply:
-        """Run `work(self, *args)` as this request's work and decide how the request ends."""
+    async def run(self, work: Callable[[Exchange], Awaitable[Reply]]) -> Reply:
+        """Run `work(self)` as this request's work and decide how the request ends."""
         self._task = asyncio.current_task(self.host.loop)
         self.host.registry.add(self)
         try:
             try:
                 if self.deadline_s is None:
-                    reply = await work(self, *args)
+                    reply = await work(self)
                 else:
                     async with asyncio.timeout(self.deadline_s) as deadline:
                         self.timeout = deadline
-                        reply = await work(self, *args)
+                        reply = await work(self)
                 # Returned to the edge server at once (no await in between): it will write this answer.
                 self._record_waits = reply is self._whole
                 return reply

@@ -433,11 +433,11 @@ class Gateway:
         if self.tracer is not None:
             # The engine is told the gateway's span as its parent.
             exchange.span, api.trace_headers = self.tracer.start(f"{api.endpoint.value} {api.model}", api.trace_headers)
-        return await exchange.run(self._admit_and_relay, request, tenant, klass)
+        return await exchange.run(lambda ex: self._admit_then_serve(ex, request, tenant, klass))
 
-    async def _admit_and_relay(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
-        """The request's path: the tenant's allowance, then de-duplication (a cached result or a flight to join
-        needs no slot: only a flight's leader takes one, `Coalescer.serve`), else a slot and an engine call —
+    async def _admit_then_serve(self, ex: Exchange, request: Request, tenant: Tenant, klass: int) -> Reply:
+        """The request's path, chosen here: the tenant's allowance, then de-duplication (a cached result or a flight to
+        join needs no slot: only a flight's leader takes one, `Coalescer.serve`), else a slot and an engine call —
         resumed elsewhere after a preemption for the preemptible classes (an embedding has nothing to resume; a
         response is restarted, while its client has been sent nothing)."""
         admission = self.admission

@@ -1,6 +1,6 @@
 """The direct request path: route, call the engine (retrying elsewhere before the first byte), relay
 back. Requests that may be de-duplicated go to `dedup` instead, and preemptible ones to `resume`, which opens its
-engine calls with `open_engine` too (`Gateway._admit_and_relay` decides).
+engine calls with `open_engine` too (`Gateway._admit_then_serve` decides).
 
 Runs inside `Exchange.run()`, which owns every resource this code acquires and decides how the
 request ends; nothing here needs to clean up after itself on cancellation.

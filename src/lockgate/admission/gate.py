@@ -1,7 +1,7 @@
 """Admission: tenant rate limits, then a slot from the model pool's scheduler. The async shell.
 
 Theory of operation: admission runs at the start of a request's work, inside `Exchange.run()`, in two
-steps with de-duplication between them (`Gateway._admit_and_relay`). Each resource taken is handed to the
+steps with de-duplication between them (`Gateway._admit_then_serve`). Each resource taken is handed to the
 exchange (`Exchange.hold`) *before* the next `await`, so the exchange's `_release()` returns it exactly
 once however the request ends — including while it is still queued:
 
