@@ -380,3 +380,22 @@ def stream_error(event: dict[str, Any]) -> tuple[str, int | None] | None:
     code = err.get("code") if isinstance(err, dict) else event.get("code")
     status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else None
     return message, status
+
+
+def edge_error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """The body of an error the edge server answers itself (malformed HTTP, limits), in the OpenAI envelope with
+    the code that names the limit (`HttpServer`'s `error_body`)."""
+    if status == 413:
+        return PayloadTooLarge(message).body_bytes()
+    if status == 503:
+        return Unavailable(message, code=code or "service_unavailable").body_bytes()
+    if status < 500 or status in (501, 505):
+        codes = {
+            408: "request_timeout",
+            415: "unsupported_content_encoding",
+            431: "headers_too_large",
+            501: "unsupported_transfer_encoding",
+            505: "http_version_not_supported",
+        }
+        return InvalidRequest(message, code=codes.get(status, "bad_http_request")).body_bytes()
+    return GatewayError(message).body_bytes()

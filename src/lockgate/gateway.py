@@ -9,72 +9,53 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
-import os
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
 from . import resume, stored
-from .admission.admin import AdminGate, cross_site
-from .admission.admin import challenge as admin_challenge
+from .admin_api import CANCEL_PREFIX, AdminApi
+from .admission.admin import AdminGate
 from .admission.gate import Admission
 from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
 from .cluster.identity import TENANT_HEADER, Relayed
-from .config import Config, ConfigError
+from .config import Config
 from .dashboard import Dashboard, SloProvider
 from .dashboard.assets import STATIC_PREFIX
 from .dedup.coalescer import Coalescer
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
-    Forbidden,
     GatewayError,
-    InvalidConfig,
     InvalidRequest,
     ModelNotFound,
     NotFound,
-    PayloadTooLarge,
     ShuttingDown,
     Unauthorized,
     Unavailable,
 )
 from .exchange import Exchange, Registry
 from .fleet.fleet import Fleet
-from .fleet.report import describe_fleet
 from .metrics import GatewayMetrics
 from .observe.access_log import AccessLog
 from .observe.otel import Tracer
 from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter
 from .relay import relay
+from .request_ids import client_request_id, echoed_request_id, new_request_id
 from .response_ids import ResponseIds
 from .slo import SloService
 from .wire import Endpoint, parse_request
-from .workers import reload_all_workers
-from .workerset import LOCAL_HEADER, WorkerSet
+from .workerset import WorkerSet
 
 if TYPE_CHECKING:
     from .config_diff import ConfigDiff
     from .reload import Reloader
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
-_CANCEL_PREFIX = "/admin/requests/"
 #: `GET /v1/models/{id}`: routed by prefix, the rest of the path is the id (ids may contain `/`).
 _MODEL_PREFIX = "/v1/models/"
-
-
-_ID_PREFIX = "lg-" + os.urandom(6).hex() + "-"
-_ID_COUNTER = itertools.count(1)
-
-
-def new_request_id() -> str:
-    """Unique per process run (a random prefix and a counter): no syscall on the hot path. The counter
-    is zero-padded so that ids sort in creation order: the usage table's key index then grows at its
-    end instead of splitting pages at random places."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):010x}"
 
 
 #: The API's endpoints, by path (POST).
@@ -84,14 +65,6 @@ _ENDPOINTS = {
     "/v1/embeddings": Endpoint.EMBEDDINGS,
     "/v1/responses": Endpoint.RESPONSES,
 }
-
-
-def _client_request_id(request: Request) -> str | None:
-    """The client's own `x-request-id`, if it sent a usable one (echoed back, kept in the record)."""
-    client_id = request.headers.get("x-request-id")
-    if client_id is not None and (len(client_id) > 200 or not client_id.isprintable()):
-        return None
-    return client_id
 
 
 class Gateway:
@@ -142,7 +115,8 @@ class Gateway:
         self.slo_provider = self.slo.cached
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
         #: Who may use `/admin/*`, `/dashboard` and (if configured) `/metrics`.
-        self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
+        #: The operator's routes, behind the admin gate.
+        self.admin = AdminApi(self, AdminGate(config.admin, lambda: self.admission.book))
         self._route_table = self._routes()
         #: Each path's methods, for a 405's `Allow` (RFC 9110 15.5.6).
         self._allowed: dict[str, str] = {}
@@ -177,7 +151,7 @@ class Gateway:
         pool, instance, tenant and scheduler ticket they hold."""
         self.admission.reconfigure(config)
         if diff.admin_changed:
-            self.admin_gate = AdminGate(config.admin, lambda: self.admission.book)
+            self.admin.gate = AdminGate(config.admin, lambda: self.admission.book)
         self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
         self.admission.withdraw([model for model in diff.removed_models if model not in self.fleet.pools])
@@ -226,11 +200,11 @@ class Gateway:
             "/v1/models": self._models,
             "/health": self._health,
             "/ready": self._ready,
-            "/metrics": self._metrics,
-            "/admin/requests": self._admin_list,
-            "/admin/fleet": self._admin_fleet,
-            "/admin/flights": self._admin_flights,
-            "/admin/slo": self._admin_slo,
+            "/metrics": self.admin.metrics,
+            "/admin/requests": self.admin.requests,
+            "/admin/fleet": self.admin.fleet,
+            "/admin/flights": self.admin.flights,
+            "/admin/slo": self.admin.slo,
         }
         routes: dict[tuple[str, str], Callable[[Request], Awaitable[Reply]]] = {
             ("POST", path): functools.partial(self._serve, endpoint=endpoint) for path, endpoint in _ENDPOINTS.items()
@@ -240,44 +214,13 @@ class Gateway:
             routes["GET", "/dashboard/events"] = self._dashboard_events
         for path, handler in get.items():
             routes["GET", path] = routes["HEAD", path] = _with_request_id(handler)
-        routes["POST", "/admin/reload"] = _with_request_id(self._admin_reload)
+        routes["POST", "/admin/reload"] = _with_request_id(self.admin.reload)
         # Operator routes are gated by path prefix, so routes added later are covered too. Always: a reload
         # may add tenant keys to an open gateway (the gate is then checked per request, off the hot path).
         for key, inner in list(routes.items()):
-            if self.admin_gate.protects(key[1]):
-                routes[key] = self._guarded(inner)
+            if self.admin.gate.protects(key[1]):
+                routes[key] = self.admin.guarded(inner)
         return routes
-
-    def _guarded(self, handler: Callable[[Request], Awaitable[Reply]]) -> Callable[[Request], Awaitable[Reply]]:
-        """`handler` behind the admin gate (401/403 in the OpenAI envelope without an admin key)."""
-
-        async def guarded(request: Request) -> Reply:
-            denied = self._denied(request)
-            return denied if denied is not None else await handler(request)
-
-        return guarded
-
-    def _denied(self, request: Request) -> Response | None:
-        asked = request.headers
-        try:
-            self.admin_gate.check(asked.get("authorization"))
-            forwarded = asked.get("x-forwarded-host")
-            hosts = (asked.get("host"), forwarded.split(",")[0] if forwarded else None)
-            if cross_site(request.method, asked.get("origin"), asked.get("sec-fetch-site"), hosts):
-                raise Forbidden(
-                    "A cross-site request may not change anything here: send it from the dashboard's own page, or "
-                    "without an Origin header (curl, an SDK).",
-                    code="cross_site_request",
-                )
-        except GatewayError as exc:
-            headers = exc.headers()
-            if exc.http_status == 401:
-                headers["WWW-Authenticate"] = admin_challenge(request.path)
-            body = exc.body_bytes()
-            denied = Response(status=exc.http_status, body=body, content_type="application/json", headers=headers)
-            _set_request_id(denied, request)
-            return denied
-        return None
 
     def handle(self, request: Request) -> Awaitable[Reply]:
         """The edge server's handler: one dictionary lookup to the endpoint, whose coroutine the server
@@ -288,11 +231,11 @@ class Gateway:
         return self._other(request)
 
     async def _other(self, request: Request) -> Reply:
-        denied = self._denied(request) if self.admin_gate.protects(request.path) else None
+        denied = self.admin.denied(request) if self.admin.gate.protects(request.path) else None
         if denied is not None:
             reply: Reply = denied
-        elif request.path.startswith(_CANCEL_PREFIX) and request.method == "DELETE":
-            reply = await self._admin_cancel_anywhere(request)
+        elif request.path.startswith(CANCEL_PREFIX) and request.method == "DELETE":
+            reply = await self.admin.cancel_anywhere(request)
         elif request.path.startswith(_MODEL_PREFIX) and request.method in ("GET", "HEAD"):
             reply = self._model(request, request.path[len(_MODEL_PREFIX) :])
         elif request.path.startswith(stored.PREFIX):
@@ -305,24 +248,6 @@ class Gateway:
             reply = self._unknown(request)
         _set_request_id(reply, request)
         return reply
-
-    @staticmethod
-    def edge_error_body(status: int, message: str, code: str | None = None) -> bytes:
-        """Errors the edge server answers itself (malformed HTTP, limits), in the OpenAI envelope."""
-        if status == 413:
-            return PayloadTooLarge(message).body_bytes()
-        if status == 503:
-            return Unavailable(message, code=code or "service_unavailable").body_bytes()
-        if status < 500 or status in (501, 505):
-            codes = {
-                408: "request_timeout",
-                415: "unsupported_content_encoding",
-                431: "headers_too_large",
-                501: "unsupported_transfer_encoding",
-                505: "http_version_not_supported",
-            }
-            return InvalidRequest(message, code=codes.get(status, "bad_http_request")).body_bytes()
-        return GatewayError(message).body_bytes()
 
     def count_dedup(self, outcome: str) -> None:
         """An ended request's de-duplication outcome (`Exchange.dedup_outcome`)."""
@@ -368,10 +293,10 @@ class Gateway:
             try:
                 self._tenant(request)
             except Unauthorized as exc:
-                return self._refused(endpoint, exc, _client_request_id(request) or new_request_id())
+                return self._refused(endpoint, exc, echoed_request_id(request))
             return None
-        if self.admin_gate.protects(request.path):
-            return self._denied(request)
+        if self.admin.gate.protects(request.path):
+            return self.admin.denied(request)
         return None
 
     def _refused(self, endpoint: Endpoint, error: GatewayError, request_id: str) -> Response:
@@ -381,7 +306,7 @@ class Gateway:
         return self.error_response(error, request_id)
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Reply:
-        client_id = _client_request_id(request)
+        client_id = client_request_id(request)
         request_id = new_request_id()
         echo_id = client_id or request_id
         try:
@@ -505,7 +430,7 @@ class Gateway:
     async def _stored(self, request: Request) -> Response:
         """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency
         (a request, no tokens)."""
-        request_id = _client_request_id(request) or new_request_id()
+        request_id = echoed_request_id(request)
         try:
             tenant = self._tenant(request)
             deadline_s = self._deadline(request, None)  # (the model's `timeout_ms` bounds it too: `stored.forward`)
@@ -547,118 +472,11 @@ class Gateway:
             return json_response({"status": "not_ready", "models_without_instance": not_ready}, status=503)
         return json_response({"status": "ready"})
 
-    def _gathering(self, request: Request) -> WorkerSet | None:
-        """The other workers to ask too (`--workers`), unless one of them asks for this worker's own answer."""
-        workers = self.workers
-        return None if workers is None or LOCAL_HEADER in request.headers else workers
-
-    async def _metrics(self, request: Request) -> Response:
-        body = self.metrics.render()
-        workers = self._gathering(request)
-        if workers is not None:
-            body = await workers.scrape(body, request.headers.get("authorization"))
-        return Response(body=body, content_type="text/plain; charset=utf-8")
-
-    async def _admin_list(self, request: Request) -> Response:
-        entries = self._own([e.describe() for e in self.registry.all()])
-        answer: dict[str, Any] = {"requests": entries}
-        workers = self._gathering(request)
-        if workers is not None:
-            others, answer["workers_unreachable"] = await workers.others_json(
-                request.path, request.headers.get("authorization")
-            )
-            entries += [entry for _, other in others for entry in other.get("requests", ())]
-        return json_response(answer)
-
-    def _own(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """`entries` of this worker's state marked with its index (under `--workers`)."""
-        if self.workers is not None:
-            for entry in entries:
-                entry["worker"] = self.workers.index
-        return entries
-
-    async def _admin_cancel_anywhere(self, request: Request) -> Response:
-        """`DELETE /admin/requests/{id}`: here, else (`--workers`) at the worker that holds it."""
-        request_id = request.path[len(_CANCEL_PREFIX) :]
-        here = self._admin_cancel(request_id)
-        workers = self._gathering(request)
-        if here.status != 404 or workers is None:
-            return here
-        path = _CANCEL_PREFIX + urllib.parse.quote(request_id, safe="")  # the path is decoded: encoded again
-        answers, missing = await workers.ask("DELETE", path, request.headers.get("authorization"))
-        found = next((a for a in answers if a.status == 200), None)
-        if found is not None:
-            return Response(body=found.body, content_type="application/json")
-        missing += [a.worker for a in answers if a.status != 404]
-        if missing:
-            # Not "no such request": it may be held by a worker that did not answer.
-            silent = ", ".join(map(str, sorted(missing)))
-            error = Unavailable(
-                f"No worker that answered holds request '{request_id}'; worker(s) {silent} did not answer: try again.",
-                code="worker_unreachable",
-                retry_after=1,
-            )
-            return self.error_response(error, "")
-        return here
-
-    def _admin_cancel(self, request_id: str) -> Response:
-        exchange = self.registry.get(request_id)
-        if exchange is None:
-            # A flight's id (`GET /admin/flights`): one that runs on after its clients left is stopped the same way.
-            stopped = self.dedup.flights.cancel(request_id)
-            if stopped is not None:
-                return json_response({"id": request_id, "cancelled": stopped})
-            return self.error_response(NotFound(f"No request '{request_id}' is in flight."), request_id)
-        # False: it was already ending (its own end, or an earlier cancel, decides how).
-        return json_response({"id": request_id, "cancelled": exchange.cancel("admin")})
-
-    async def _admin_flights(self, request: Request) -> Response:
-        """De-duplication: the shared engine calls in flight and the completed-result cache."""
-        flights = self._own([f.describe() for f in self.dedup.flights.all()])
-        answer: dict[str, Any] = {"flights": flights, "statistics": self.dedup.statistics()}
-        workers = self._gathering(request)
-        if workers is not None:
-            others, answer["workers_unreachable"] = await workers.others_json(
-                request.path, request.headers.get("authorization")
-            )
-            flights += [flight for _, other in others for flight in other.get("flights", ())]
-            # Each worker's own caches and counts (`statistics` is this worker's).
-            answer["statistics_by_worker"] = {str(workers.index): answer["statistics"]} | {
-                str(n): other.get("statistics") for n, other in others
-            }
-        return json_response(answer)
-
-    async def _admin_reload(self, request: Request) -> Response:
-        """Re-read the configuration file and apply it (what SIGHUP does); an invalid file changes
-        nothing and is answered 422 with the reason."""
-        if self.reloader is None:
-            error = InvalidRequest(
-                "The gateway runs the embedded default configuration (started without --config): "
-                "there is no file to reload.",
-                code="nothing_to_reload",
-            )
-            return self.error_response(error, "")
-        try:
-            diff = await self.reloader.reload()
-        except ConfigError as exc:
-            return self.error_response(InvalidConfig(str(exc)), "")
-        # Under `--workers`, this is one worker of several: the others reload the same file (SIGHUP via the
-        # supervisor), or a revoked key would go on working on all but one.
-        return json_response({"reloaded": True, "changes": diff.describe(), "all_workers": reload_all_workers()})
-
     def _dashboard_events(self, request: Request) -> Awaitable[Reply]:
         """The dashboard's SSE feed; its id header is given before the stream starts (`_with_request_id`
         sets it after the handler returns, too late for a stream)."""
         assert self.dashboard is not None
-        return self.dashboard.events(request, headers={"x-request-id": _client_request_id(request) or new_request_id()})
-
-    async def _admin_slo(self, request: Request) -> Response:
-        """Each objective's status, error budget, windows and burn-rate alerts (`slo/objectives.py`),
-        at most `slo.cache_ms` old."""
-        return json_response(await self.slo.evaluate())
-
-    async def _admin_fleet(self, request: Request) -> Response:
-        return json_response(describe_fleet(self.fleet))
+        return self.dashboard.events(request, headers={"x-request-id": echoed_request_id(request)})
 
     def _unknown(self, request: Request) -> Response:
         allowed = self._allowed.get(request.path)
@@ -674,7 +492,7 @@ def _set_request_id(reply: Reply, request: Request) -> None:
     """Echo the client's `x-request-id`, or give the response a new one, unless its handler gave it the id it used
     (the generation endpoints and the stored routes: the id the engine was told)."""
     if "x-request-id" not in reply.headers:
-        reply.headers = {**reply.headers, "x-request-id": _client_request_id(request) or new_request_id()}
+        reply.headers = {**reply.headers, "x-request-id": echoed_request_id(request)}
 
 
 def _with_request_id(

@@ -36,10 +36,12 @@ from typing import TYPE_CHECKING, Any
 from .config import Config, ConfigError, InstanceConfig
 from .edge.server import HttpServer
 from .embedded import start_simulators, with_instances
+from .errors import edge_error_body
 from .exchange import Phase
-from .gateway import Gateway, new_request_id
+from .gateway import Gateway
 from .observe.access_log import AccessLogUnavailable
 from .reload import Reloader, summary
+from .request_ids import new_request_id
 from .summary import redact_url
 from .tasks import cancel_and_wait
 
@@ -189,7 +191,7 @@ class GatewayServer:
             body_timeout_s=limits.body_timeout_ms / 1000,
             max_connections=limits.max_connections,
             max_held_body_bytes=limits.max_held_body_bytes,
-            error_body=Gateway.edge_error_body,
+            error_body=edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
             precheck=self.gateway.precheck,
         )

@@ -91,7 +91,7 @@ async def test_second_cause_while_ending_does_not_relabel_or_write_twice(
     async def write(name: str, data: object) -> None:
         if name == "StreamResponse.write" and isinstance(data, bytes) and b'"deadline_exceeded"' in data:
             for ex in gateway.registry.all():  # through the admin API's handler: it says it did not cancel
-                refused.append(orjson.loads(gateway._admin_cancel(ex.id).body)["cancelled"])
+                refused.append(orjson.loads(gateway.admin.cancel(ex.id).body)["cancelled"])
             await asyncio.sleep(0)  # let a cancellation land here, if one was requested
 
     stack.enter_context(awaitpoints.installed(write))
