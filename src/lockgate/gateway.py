@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
@@ -44,7 +45,7 @@ from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter
 from .relay import relay
 from .request_ids import client_request_id, echoed_request_id, new_request_id
-from .response_ids import ResponseIds
+from .response_ids import SECRET_ENV, ResponseIds
 from .slo import SloService
 from .wire import Endpoint, parse_request
 from .workerset import WorkerSet
@@ -52,6 +53,8 @@ from .workerset import WorkerSet
 if TYPE_CHECKING:
     from .config_diff import ConfigDiff
     from .reload import Reloader
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
 #: `GET /v1/models/{id}`: routed by prefix, the rest of the path is the id (ids may contain `/`).
@@ -92,6 +95,12 @@ class Gateway:
         #: A response's id as each tenant's clients see it (`response_ids.py`; with tenants configured), and as an
         #: open gateway's clients see it.
         self.response_ids = ResponseIds()
+        if self.response_ids.drawn and not self.admission.book.open:
+            log.warning(
+                "%s is not set: the response ids this process shows its tenants are valid here only (after a restart, "
+                "or at another replica, a follow-up or a retrieval naming one is 404); set it alike on every replica",
+                SECRET_ENV,
+            )
         self._open_ids = ResponseIds(bound=False)
         self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))
         #: De-duplication: flights (shared upstream calls) and the completed-result cache.

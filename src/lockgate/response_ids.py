@@ -51,12 +51,16 @@ class ResponseIds:
     """Sign an engine's response id for a tenant (`show`) and take a client's back (`take`); `bound=False`: an open
     gateway's, tagged with its home and taken from anyone (see the module docstring)."""
 
-    __slots__ = ("_key", "bound")
+    __slots__ = ("_key", "bound", "drawn")
 
     def __init__(self, secret: str | None = None, *, bound: bool = True) -> None:
         self.bound = bound
+        #: The secret was drawn at random (none given, none in the environment): ids hold in this process only.
+        self.drawn = False
         if secret is None:
-            secret = os.environ.get(SECRET_ENV) or os.urandom(32).hex()
+            secret = os.environ.get(SECRET_ENV)
+            if not secret:
+                secret, self.drawn = os.urandom(32).hex(), True
         self._key = hashlib.sha256(b"lockgate response ids\0" + secret.encode()).digest()
 
     def _mac(self, tenant: str, engine_id: str, tag: str) -> bytes:

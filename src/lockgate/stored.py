@@ -176,14 +176,17 @@ def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: P
     if not isinstance(previous, str):
         return None
     taken = ids.take(previous, tenant)
-    if taken is None:
+    home = pool.response_home(taken[0]) if taken is not None else None
+    if taken is None or (home is not None and home[1] != tenant):
+        # (The memory's tenant counts where ids are not bound: at a sidecar, a direct caller naming a response a
+        # central made for one of its tenants, as the stored routes already refused.)
         raise NotFound(
             f"Previous response with id '{previous}' not found.",
             param="previous_response_id",
             code="previous_response_not_found",
         )
     engine_id, tag = taken
-    if tag is not None and pool.response_home(engine_id) is None:
+    if tag is not None and home is None:
         key = _tagged(pool, tag)
         if key is not None:
             pool.remember_response(engine_id, key, tenant)

@@ -94,9 +94,10 @@ class _Supervisor:
         #: The workers' sockets, through which the one an operator request reaches asks the others (`workerset.py`).
         self._sockets = tempfile.mkdtemp(prefix="lockgate-workers-")
         self._env = {
-            # One secret for every worker's response ids (a client's follow-up may reach any of them), unless set.
-            response_ids.SECRET_ENV: os.urandom(32).hex(),
             **os.environ,
+            # One secret for every worker's response ids (a client's follow-up may reach any of them), unless set (an
+            # empty one is unset: each worker drew a random one of its own, and follow-ups failed across workers).
+            response_ids.SECRET_ENV: os.environ.get(response_ids.SECRET_ENV) or os.urandom(32).hex(),
             SUPERVISOR_ENV: str(os.getpid()),
             workerset.DIRECTORY_ENV: self._sockets,
             workerset.COUNT_ENV: str(workers),

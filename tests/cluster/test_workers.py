@@ -440,3 +440,20 @@ async def test_workers_that_all_cannot_start_again_stop_the_supervisor() -> None
         assert proc.stderr is not None and "no worker is running: stopping" in proc.stderr.read()
     finally:
         stop(proc)
+
+
+def test_workers_share_one_response_id_secret_even_when_an_empty_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LOCKGATE_RESPONSE_ID_SECRET=` (set, empty) counts as unset: the supervisor hands its workers one secret (an
+    outside run's empty value reached each worker, which drew its own: 10 of 10 follow-ups failed across them)."""
+    import shutil
+
+    from lockgate import response_ids, workers
+
+    for value, kept in (("", False), ("mine", True)):
+        monkeypatch.setenv(response_ids.SECRET_ENV, value)
+        supervisor = workers._Supervisor(["true"], 2)
+        try:
+            secret = supervisor._env[response_ids.SECRET_ENV]
+            assert secret and (secret == "mine") == kept
+        finally:
+            shutil.rmtree(supervisor._sockets, ignore_errors=True)

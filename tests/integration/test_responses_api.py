@@ -210,6 +210,37 @@ async def test_a_follow_up_goes_to_the_instance_that_made_the_previous_response(
     assert len(unknown) == 3  # round-robin as usual
 
 
+async def test_a_follow_up_whose_engine_cannot_take_it_now_is_told_to_retry(start_sim, start_gateway, http) -> None:
+    """The engine that holds the previous response is down for a moment (a sidecar restarting, an ejection): the
+    follow-up is 503 with Retry-After, not sent to another engine (which answered 404, a status no client retries,
+    for a conversation that was only briefly out of reach: an outside run); once it is back, it is served there."""
+    sims = [await start_sim(**SIM) for _ in range(2)]
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
+            }
+        ]
+    )
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+        made, home = await r.json(), r.headers["x-lockgate-instance"]
+    fleet = gw.gateway.fleet
+    holder = next(i for i in fleet.instances.values() if i.name == home)
+    fleet.set_health(holder, False)
+    started = [s.statistics()["requests_started"] for s in sims]
+    body = {"model": "m", "input": "and?", "max_output_tokens": 2, "previous_response_id": made["id"]}
+    for stream in (False, True):
+        async with http.post(gw.url + "/v1/responses", json={**body, "stream": stream}) as r:
+            assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+            assert (await r.json())["error"]["code"] == "previous_response_unavailable"
+    assert [s.statistics()["requests_started"] for s in sims] == started  # no engine asked
+    fleet.set_health(holder, True)
+    async with http.post(gw.url + "/v1/responses", json=body) as r:
+        assert r.status == 200 and r.headers["x-lockgate-instance"] == home
+
+
 async def test_a_pool_remembers_a_bounded_number_of_responses(fleet) -> None:
     from lockgate.fleet.pool import MAX_RESPONSE_HOMES
 

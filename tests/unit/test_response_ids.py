@@ -69,3 +69,53 @@ def test_a_requests_naming_shows_the_followed_up_id_as_its_client_sent_it() -> N
     assert naming.show("resp_new") == ids.show("resp_new", "acme", "http://engine-1")
     plain = ResponseNaming(pool, "acme", lambda: None)
     assert not plain.shows and plain.show("resp_x") == "resp_x" and plain.in_message("m") == "m"
+
+
+def test_an_unbound_follow_up_may_not_continue_a_response_remembered_for_another_tenant() -> None:
+    """Ids are not bound at a sidecar (no tenants of its own): a direct caller naming a response a central made there
+    for one of its tenants was served (and its `input_items` then showed that tenant's prompt), while the stored
+    routes refused it. The gateway's memory of who made which response counts for follow-ups too."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from lockgate.errors import NotFound
+    from lockgate.stored import take_references
+
+    homes = {"resp_1": ("http://engine-1", "tenant-a")}
+    pool: Any = SimpleNamespace(response_home=homes.get, instances=[])
+    ids = ResponseIds(bound=False)
+    with pytest.raises(NotFound):
+        take_references({"input": "x", "previous_response_id": "resp_1"}, "default", ids, pool)
+    body = {"input": "x", "previous_response_id": "resp_1"}
+    assert take_references(body, "tenant-a", ids, pool) == ("resp_1", "resp_1")
+    assert take_references({"input": "x", "previous_response_id": "resp_new"}, "default", ids, pool) == (
+        "resp_new",
+        "resp_new",
+    )
+
+
+async def test_a_gateway_with_tenants_and_no_secret_says_its_ids_hold_in_this_process_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replicas with different (or no) secrets refuse each other's ids: an outside run saw 404s that depended on the
+    load balancer's pick, and no word from either replica."""
+    from lockgate.admission.tenants import hash_key
+    from lockgate.config import parse_config
+    from lockgate.gateway import Gateway
+
+    def start(tenants: bool) -> None:
+        instances = [{"url": "http://127.0.0.1:9", "engine": "vllm"}]
+        raw: dict[str, object] = {"usage": {"path": ":memory:"}, "models": [{"name": "m", "instances": instances}]}
+        if tenants:
+            raw["tenants"] = [{"name": "a", "keys": [hash_key("k")]}]
+        caplog.clear()
+        Gateway(parse_config(raw, "test"))
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    start(tenants=True)
+    assert any(SECRET_ENV in r.getMessage() and "valid here only" in r.getMessage() for r in caplog.records)
+    start(tenants=False)  # (an open gateway's ids need no secret)
+    assert not any(SECRET_ENV in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv(SECRET_ENV, "shared")
+    start(tenants=True)
+    assert not any(SECRET_ENV in r.getMessage() for r in caplog.records)

@@ -173,12 +173,13 @@ class Pool:
             key = user
         blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
         pin = headers.get(self.pin_header) if self.pin_header is not None and headers is not None else None
+        pin_only = False
         if pin is None and api.endpoint is Endpoint.RESPONSES:
             previous = api.body.get("previous_response_id")
             if isinstance(previous, str):
                 home = self._response_homes.get(previous)
                 if home is not None:
-                    pin = home[0]
+                    pin, pin_only = home[0], True
         return RouteRequest(
             api.model,
             "",
@@ -186,6 +187,7 @@ class Pool:
             affinity_key=key,
             blocks=blocks,
             pin=pin,
+            pin_only=pin_only,
             stream=api.stream,
         )
 
@@ -257,6 +259,16 @@ class Pool:
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
         `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
+        if sole is None and request.pin_only and request.pin in self._by_key:
+            home = self._by_key[request.pin]
+            # (A sidecar briefly gone, an engine ejected or restarting: its responses come back with it. Another
+            # engine would answer 404, which no client retries.)
+            raise Unavailable(
+                f"The engine that holds the previous response ({home.name}) cannot take requests right now; retry "
+                "shortly.",
+                code="previous_response_unavailable",
+                retry_after=2,
+            )
         if sole is None:
             sole = self._sole_candidate(request)
         snapshot: PoolSnapshot | None = None

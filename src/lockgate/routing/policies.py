@@ -83,8 +83,12 @@ class RouteRequest:
     affinity_key: str | None = None
     #: Hash chain of the prompt's blocks (see `prefix.py`).
     blocks: tuple[int, ...] = ()
-    #: At a sidecar: the engine a central gateway chose (taken when it can serve the request).
+    #: At a sidecar: the engine a central gateway chose (taken when it can serve the request); a follow-up
+    #: (`previous_response_id`): the engine that made the response it continues.
     pin: str | None = None
+    #: The pinned engine alone can serve it (a follow-up: no other engine holds the response it continues): while
+    #: that member cannot take it, 503 rather than another engine's 404.
+    pin_only: bool = False
     #: A streamed answer: only those take long prompts' turns (`Pool.is_long`; a whole answer's first token is
     #: not seen, so it could not give its turn back at the end of its prefill).
     stream: bool = False
