@@ -42,7 +42,7 @@ from .metrics import GatewayMetrics
 from .observe.access_log import AccessLog
 from .observe.otel import Tracer
 from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
-from .records import RecordWriter
+from .records import RecordWriter, UsageRecord
 from .relay import relay
 from .request_ids import client_request_id, echoed_request_id, new_request_id
 from .response_ids import SECRET_ENV, ResponseIds
@@ -438,8 +438,11 @@ class Gateway:
 
     async def _stored(self, request: Request) -> Response:
         """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency
-        (a request, no tokens)."""
-        request_id = echoed_request_id(request)
+        (a request, no tokens). One forwarded to an engine gets its usage record (who read or deleted what, and how
+        it ended); one refused before (no such route, an id not the tenant's) gets none, as for the endpoints."""
+        request_id = new_request_id()  # (the engine is told it; the client gets its own back, if it sent one)
+        client_id = client_request_id(request)
+        echo = client_id or request_id
         try:
             tenant = self._tenant(request)
             deadline_s = self._deadline(request, None)  # (the model's `timeout_ms` bounds it too: `stored.forward`)
@@ -451,20 +454,44 @@ class Gateway:
                 )
             reservation = self.admission.allow_plain(tenant)
         except GatewayError as exc:
-            return self.error_response(exc, request_id)
+            return self.error_response(exc, echo)
         self._stored_in_flight += 1
+        record = UsageRecord(
+            request_id=request_id,
+            tenant=tenant.name,
+            model="",
+            endpoint="",
+            stream=False,
+            client_request_id=client_id,
+            started_at=time.time(),
+        )
+        reply: Response | None = None
         try:
-            ids = self._shown_ids()
             reply = await stored.forward(
-                request, tenant, self.fleet, request_id, ids, deadline_s=deadline_s, relay=self.relays_identity
+                request,
+                tenant,
+                self.fleet,
+                record,
+                self._shown_ids(),
+                deadline_s=deadline_s,
+                relay=self.relays_identity,
             )
-            reply.headers = {**reply.headers, "x-request-id": request_id}  # (the id the engine was told)
-            return reply
         except GatewayError as exc:
-            return self.error_response(exc, request_id)
+            reply = self.error_response(exc, echo)
+            record.error = exc.message[:500]
         finally:
             self._stored_in_flight -= 1
             self.admission.settle_plain(reservation)
+            if record.instance is not None:  # forwarded: an accepted request, recorded as it ended
+                record.finished_at = time.time()
+                if reply is None:  # (the client left, or the gateway stopped it)
+                    record.status, record.cancel_reason = "cancelled", "client_disconnect"
+                else:
+                    record.http_status = reply.status
+                    record.status = "completed" if reply.status < 400 else "rejected" if reply.status < 500 else "error"
+                self.records.submit(record)
+        reply.headers = {**reply.headers, "x-request-id": echo}
+        return reply
 
     async def _health(self, request: Request) -> Response:
         return json_response({"status": "ok"})

@@ -42,12 +42,19 @@ if TYPE_CHECKING:
     from .fleet.fleet import Fleet
     from .fleet.instance import Instance
     from .fleet.pool import Pool
+    from .records import UsageRecord
     from .response_ids import ResponseIds
 
 PREFIX = "/v1/responses/"
 
 #: The routes below `PREFIX`: (method, what follows the id).
-_ACTIONS = frozenset({("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")})
+#: The routes, and the `endpoint` their usage records name.
+_ACTIONS = {
+    ("GET", ""): "responses.retrieve",
+    ("DELETE", ""): "responses.delete",
+    ("POST", "/cancel"): "responses.cancel",
+    ("GET", "/input_items"): "responses.input_items",
+}
 
 #: At most this many stored-route requests at once, gateway-wide (each may hold an answer of up to
 #: `upstream.max_response_bytes`): beyond, 503.
@@ -61,20 +68,23 @@ async def forward(
     request: Request,
     tenant: Tenant,
     fleet: Fleet,
-    request_id: str,
+    record: UsageRecord,
     ids: ResponseIds,
     *,
     deadline_s: float | None = None,
     relay: bool = False,
 ) -> Response:
     """Answer a stored response's route (see the module docstring) for `tenant` (its allowance already taken);
-    raises `GatewayError` for the client's error. `ids`: the ids clients are shown (`response_ids.py`).
-    `deadline_s`: the client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a
-    central replica, which tells a sidecar whose request it is (the sidecar checks the tenant again)."""
+    raises `GatewayError` for the client's error. `record`: the request's usage record (its id is the one the engine
+    is told), filled in once the request is forwarded (its `instance` set: an accepted request, to be submitted;
+    the caller records how it ended). `ids`: the ids clients are shown (`response_ids.py`). `deadline_s`: the
+    client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a central replica, which tells a
+    sidecar whose request it is (the sidecar checks the tenant again)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
     tail = slash + action
-    if not response_id or (request.method, tail) not in _ACTIONS:
+    endpoint = _ACTIONS.get((request.method, tail))
+    if not response_id or endpoint is None:
         raise NotFound(f"There is no route {request.method} {request.path}.", code="unknown_route")
     if _asks_stream(request.query_string):
         raise InvalidRequest(
@@ -97,13 +107,14 @@ async def forward(
     path = PREFIX + urllib.parse.quote(engine_id, safe="") + tail
     if request.query_string:
         path += "?" + request.query_string
+    record.endpoint, record.model, record.instance, record.attempts = endpoint, pool.model, instance.name, 1
     relayed = ((TENANT_HEADER, tenant.name),) if relay and instance.published is not None else ()
     timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
     if deadline_s is not None:
         timeout = min(timeout, deadline_s)
     try:
         async with asyncio.timeout(timeout):
-            status, body, content_type = await _call(instance, request, path, request_id, fleet, relayed)
+            status, body, content_type = await _call(instance, request, path, record.request_id, fleet, relayed)
     except TimeoutError:
         raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
     headers = {"x-lockgate-instance": instance.name}

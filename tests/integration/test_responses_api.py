@@ -317,9 +317,12 @@ async def test_stored_responses_are_asked_of_the_engine_that_made_them(start_sim
         assert r.status == 404
 
 
-async def test_a_stored_routes_answer_names_the_request_id_its_engine_was_told(serve_app, start_gateway, http) -> None:
-    """The id the gateway gives a stored route's request (the client sent none) is the one its engine logs and the
-    one its answer carries, found or not (a second id was made for the answer)."""
+async def test_a_stored_route_is_recorded_under_the_request_id_its_engine_was_told(
+    serve_app, start_gateway, http, tmp_path
+) -> None:
+    """A stored route forwarded to an engine is a request: one usage record (an outside run found none: no trail of
+    who read or deleted what), under the id the engine was told, which its answer carries unless the client sent
+    its own (a second id was made for the answer); found or not."""
     told: list[str] = []
     made = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
 
@@ -347,7 +350,17 @@ async def test_a_stored_routes_answer_names_the_request_id_its_engine_was_told(s
     async with http.get(gw.url + f"/v1/responses/{shown}") as r:
         assert r.status == 404 and r.headers["x-request-id"] == told[-1]
     async with http.get(gw.url + f"/v1/responses/{shown}", headers={"x-request-id": "mine"}) as r:
-        assert r.status == 200 and r.headers["x-request-id"] == told[-1] == "mine"
+        assert r.status == 200 and r.headers["x-request-id"] == "mine" and told[-1] != "mine"
+    async with http.get(gw.url + "/v1/responses/resp_never_made") as r:
+        assert r.status == 404  # (refused before any engine: no record, as for the endpoints)
+    await gw.gateway.records.wait_flushed()
+    rows = [r for r in read_records(str(tmp_path / "usage.sqlite3")) if r["endpoint"] != "responses"]
+    assert [(r["request_id"], r["endpoint"], r["status"], r["http_status"], r["model"]) for r in rows] == [
+        (told[0], "responses.retrieve", "completed", 200, "m"),
+        (told[1], "responses.retrieve", "rejected", 404, "m"),
+        (told[2], "responses.retrieve", "completed", 200, "m"),
+    ]
+    assert rows[2]["client_request_id"] == "mine" and all(r["instance"] for r in rows)
 
 
 async def test_a_stored_routes_engine_failure_counts_against_the_instance(serve_app, start_gateway, http) -> None:

@@ -221,6 +221,7 @@ class _UsageFile:
         stream: bool = False,
         waited: float = 1.0,
         first_token_after: float | None = None,
+        endpoint: str = "chat",
     ) -> None:
         """`n` records of requests that ended at `finished_at` after `waited` seconds, their first token
         `first_token_after` seconds in (None: none)."""
@@ -229,7 +230,7 @@ class _UsageFile:
         for _ in range(n):
             self.count += 1
             record = records.UsageRecord(
-                request_id=f"r{self.count:08d}", tenant="t", model="m", endpoint="chat", stream=stream,
+                request_id=f"r{self.count:08d}", tenant="t", model="m", endpoint=endpoint, stream=stream,
                 priority="P0", status=status, started_at=started_at, finished_at=finished_at,
                 served_by=served_by, first_token_at=first_at,
             )  # fmt: skip
@@ -275,8 +276,11 @@ def test_dedup_saving_counts_requests_whatever_their_end_as_lockgate_dedup_total
     add(100.0, n=4)  # distinct prompts, each its own engine call
     add(100.0, "cancelled", n=4)  # streams their clients abandoned: each led its own call
     add(100.0, "rejected", n=3)  # refused before de-duplication: not counted
+    add(100.0, n=2, endpoint="responses.retrieve")  # a stored response's routes: no generation to save
+    add(100.0, "cancelled", endpoint="responses.delete")
     counts = count_windows(connect_readonly(path), SloConfig(), 101.0, {"5m": 300})
     assert counts["dedup_saving"]["5m"] == Counts(events=9, bad=8)
+    assert counts["cancel_rate"]["5m"] == Counts(events=9, bad=4)
 
 
 def test_ttft_counts_streams_that_sent_a_first_token_and_those_that_gave_up_waiting_past_the_threshold(

@@ -22,6 +22,10 @@ from pathlib import Path
 from .config import SloConfig
 from .objectives import Counts
 
+#: A generation's record, not a stored response's route's (`responses.retrieve`, ...: no request de-duplication
+#: could save, nor one a client cancels mid-answer).
+_GENERATION = "endpoint NOT LIKE 'responses.%'"
+
 # The events of each objective (`objectives.py` states them in words). `:p` is the priority class,
 # `:ttft` the TTFT threshold in seconds.
 _AGGREGATES = {
@@ -36,10 +40,10 @@ _AGGREGATES = {
         "priority = :p AND stream = 1 AND status != 'rejected'"
         " AND COALESCE(first_token_at, finished_at) - started_at > :ttft",
     ),
-    "cancel_rate": ("status != 'rejected'", "status = 'cancelled'"),
+    "cancel_rate": (f"status != 'rejected' AND {_GENERATION}", f"status = 'cancelled' AND {_GENERATION}"),
     "dedup_saving": (
-        "status != 'rejected'",
-        "status != 'rejected' AND served_by NOT IN ('coalesced', 'hit', 'semantic')",
+        f"status != 'rejected' AND {_GENERATION}",
+        f"status != 'rejected' AND {_GENERATION} AND served_by NOT IN ('coalesced', 'hit', 'semantic')",
     ),
 }
 #: The objectives counted from the usage records.
