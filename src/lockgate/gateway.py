@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
@@ -54,8 +53,6 @@ if TYPE_CHECKING:
     from .config_diff import ConfigDiff
     from .reload import Reloader
 
-log = logging.getLogger(__name__)
-
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
 #: `GET /v1/models/{id}`: routed by prefix, the rest of the path is the id (ids may contain `/`).
 _MODEL_PREFIX = "/v1/models/"
@@ -95,12 +92,6 @@ class Gateway:
         #: A response's id as each tenant's clients see it (`response_ids.py`; with tenants configured), and as an
         #: open gateway's clients see it.
         self.response_ids = ResponseIds()
-        if self.response_ids.drawn and not self.admission.book.open:
-            log.warning(
-                "%s is not set: the response ids this process shows its tenants are valid here only (after a restart, "
-                "or at another replica, a follow-up or a retrieval naming one is 404); set it alike on every replica",
-                SECRET_ENV,
-            )
         self._open_ids = ResponseIds(bound=False)
         self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))
         #: De-duplication: flights (shared upstream calls) and the completed-result cache.
@@ -430,6 +421,17 @@ class Gateway:
         except GatewayError as exc:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)
+
+    def unkept_ids(self) -> str | None:
+        """A warning for the operator when the response ids shown to tenants hold in this process only (no
+        `LOCKGATE_RESPONSE_ID_SECRET`: a restart, another replica, and they are 404), else None."""
+        if not self.response_ids.drawn or self.admission.book.open:
+            return None
+        return (
+            f"{SECRET_ENV} is not set: the response ids this process shows its tenants are valid here only (after a "
+            "restart, or at another replica, a follow-up or a retrieval naming one is 404); set it alike on every "
+            "replica"
+        )
 
     def _shown_ids(self) -> ResponseIds:
         """The response ids clients are shown (`response_ids.py`): bound to their tenant once tenants are configured,

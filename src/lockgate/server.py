@@ -294,6 +294,9 @@ async def serve(
             assert server.gateway is not None
             tune_gc()
             announce(_banner(server))
+            unkept = server.gateway.unkept_ids()
+            if unkept is not None:
+                log.warning("%s", unkept)
             reloads = asyncio.create_task(_reload_on_hangup(server.gateway, hangup, announce), name="lockgate-sighup")
             try:
                 await stop.wait()
