@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import orjson
 
@@ -153,6 +153,8 @@ class RecordSink(Protocol):
 RETRY_FIRST_S = 1.0
 #: The longest wait between tries of a failing database.
 RETRY_MAX_S = 30.0
+#: What the database (or its binding of values) raises for a record it refuses for itself, not for its own state.
+_REFUSED_RECORD = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.ProgrammingError, OverflowError, ValueError)
 
 
 class RecordWriter:
@@ -193,6 +195,9 @@ class RecordWriter:
         #: to the spill file meanwhile), and the wait after the next failure.
         self._retry_at = 0.0
         self._backoff = RETRY_FIRST_S
+        #: The same for imports of the spill file (their failures do not keep live records from the database).
+        self._import_at = 0.0
+        self._import_backoff = RETRY_FIRST_S
         self._spill_failing = False
         self.submitted = 0
         self.written = 0
@@ -259,7 +264,7 @@ class RecordWriter:
         than lose it, and past that bound write it to the log. Never raises (`submit()` runs in a request's cleanup)."""
         if self._spill is not None:
             try:
-                _append(self._spill, orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))) + b"\n")
+                _append(self._spill, _record_line(record))
             except OSError as exc:
                 if not self._spill_failing:  # (once, not once a record: the log may sit on the same full disk)
                     self._spill_failing = True
@@ -280,13 +285,13 @@ class RecordWriter:
         if not self.logged:
             log.error(
                 "usage writer: neither %s nor its spill file takes records and %d are held in memory: the next ones "
-                "are logged as JSON lines ('usage record not stored: {...}'), to be imported by hand",
+                "are logged, one a line, as JSON after the words 'usage record not stored', to be imported by hand",
                 self._path,
                 len(self._held),
             )
         self.logged += 1
         self._metrics.usage_records_logged.inc()
-        log.error("usage record not stored: %s", orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))).decode())
+        log.error("usage record not stored: %s", _record_line(record).decode().rstrip("\n"))
 
     # --- the writer task -------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -295,78 +300,98 @@ class RecordWriter:
         loop = asyncio.get_running_loop()
         await self._import_spill()
         while True:
-            retry_in = self._retry_at - loop.time()
-            backlog = bool(self._held) or self._spill_pending()
-            if not self._queue and (retry_in > 0 or not backlog):
-                self._idle.set()  # (nothing it can store now: spilled records wait for the database's retry)
+            now = loop.time()
+            write_in = self._retry_at - now  # > 0: the database failed lately, tried again then
+            import_in = max(write_in, self._import_at - now)
+            spilled = self._spill_pending()
+            held = bool(self._held) and write_in <= 0
+            due_import = spilled and import_in <= 0
+            if not self._queue and not held and not due_import:
+                self._idle.set()  # (nothing it can store now: spilled and held records wait for their retry)
                 if self._closing:
                     return
                 self._wakeup.clear()
-                if backlog:  # the database failed lately: try it again when its wait is over
+                waits = ([write_in] if self._held else []) + ([import_in] if spilled else [])
+                if waits:
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(retry_in):
+                        async with asyncio.timeout(min(waits)):
                             await self._wakeup.wait()
                 else:
                     await self._wakeup.wait()
                 continue
-            if not self._closing and len(self._queue) < self._batch_size:
-                # Let a batch gather: one transaction and one thread hop for many records. Also after a
-                # write: under load, the records that arrived while it ran would otherwise go as a
-                # small batch of their own, paying a transaction and a thread hop for a few records.
-                await asyncio.sleep(self._linger_s)
-            batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-            if loop.time() < self._retry_at:
-                for record in batch:  # the database failed lately: to the spill file, tried again later
-                    self._spill_one(record)
-                continue
-            batch.extend(self._held)
-            self._held = []
-            if batch:
-                try:
-                    await asyncio.shield(asyncio.to_thread(self._write, batch))
-                except (sqlite3.Error, OSError) as exc:
-                    # Never drop: the batch goes to the spill file (counted), imported once the database takes
-                    # records again.
-                    self._failed(f"storing {len(batch)} record(s) failed ({exc}); spilling them")
-                    for record in batch:
-                        self._spill_one(record)
-                    continue
-                self._succeeded()
-            if self._spill_pending():
+            if self._queue or held:
+                await self._write_queued()
+            if self._spill_pending() and loop.time() >= max(self._retry_at, self._import_at):
                 await self._import_spill()
 
-    def _failed(self, what: str) -> None:
-        """A write or an import failed: the database is tried again after the backoff (doubled each time)."""
-        log.error("usage writer: %s; trying the database again in %.0f s", what, self._backoff)
-        self._retry_at = asyncio.get_running_loop().time() + self._backoff
-        self._backoff = min(RETRY_MAX_S, self._backoff * 2)
-
-    def _succeeded(self) -> None:
+    async def _write_queued(self) -> None:
+        """One batch of the queue (and the records held in memory) into the database, else to the spill file."""
+        if not self._closing and len(self._queue) < self._batch_size:
+            # Let a batch gather: one transaction and one thread hop for many records. Also after a
+            # write: under load, the records that arrived while it ran would otherwise go as a
+            # small batch of their own, paying a transaction and a thread hop for a few records.
+            await asyncio.sleep(self._linger_s)
+        batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+        if asyncio.get_running_loop().time() < self._retry_at:
+            for record in batch:  # the database failed lately: to the spill file, tried again later
+                self._spill_one(record)
+            return
+        batch.extend(self._held)
+        self._held = []
+        if not batch:
+            return
+        try:
+            await asyncio.shield(asyncio.to_thread(self._write, batch))
+        except (sqlite3.Error, OSError, ValueError, TypeError, OverflowError) as exc:
+            # Never drop: the batch goes to the spill file (counted), imported once the database takes records
+            # again (a record the database refuses for itself is moved aside then).
+            log.error(
+                "usage writer: storing %d record(s) failed (%s); spilling them, the database tried again in %.0f s",
+                len(batch),
+                exc,
+                self._backoff,
+            )
+            self._retry_at, self._backoff = self._later(self._backoff)
+            for record in batch:
+                self._spill_one(record)
+            return
         if self._backoff > RETRY_FIRST_S:
             log.warning("usage writer: %s takes records again", self._path)
         self._backoff = RETRY_FIRST_S
 
+    @staticmethod
+    def _later(backoff: float) -> tuple[float, float]:
+        """When to try again after a failure, and the wait after the next one (doubled, up to `RETRY_MAX_S`)."""
+        return asyncio.get_running_loop().time() + backoff, min(RETRY_MAX_S, backoff * 2)
+
     def _spill_pending(self) -> bool:
+        """A spill file to import (not while the queue is full: live records first). Only a file: a directory an
+        operator left at the path is no spill (it was renamed as one, and blocked every import after)."""
         if self._spill is None or len(self._queue) >= self._queue_size:
             return False
-        return self._spill.exists() or self._spill.with_suffix(".importing").exists()
+        return self._spill.is_file() or self._spill.with_suffix(".importing").is_file()
 
     async def _import_spill(self) -> None:
+        """Import the spill file. A failure (the database locked, a full disk) delays the next import by its own
+        backoff: live records still go to the database meanwhile (they went to the spill while an import failed)."""
         if self._spill is None:
             return
         claimed = self._spill.with_suffix(".importing")
         # Claim in the event loop's thread: `_spill_one` appends from this thread too, so an append can
         # never land in a file that the import thread has already read (and would then delete).
         try:
-            if not claimed.exists():
-                if not self._spill.exists():
+            if not claimed.is_file():
+                if not self._spill.is_file():
                     return
                 self._spill.rename(claimed)
             await asyncio.shield(asyncio.to_thread(self._import_claimed, claimed))
         except (sqlite3.Error, OSError) as exc:
-            self._failed(f"importing {claimed} failed ({exc})")
+            log.error(
+                "usage writer: importing %s failed (%s); trying again in %.0f s", claimed, exc, self._import_backoff
+            )
+            self._import_at, self._import_backoff = self._later(self._import_backoff)
         else:
-            self._succeeded()
+            self._import_backoff = RETRY_FIRST_S
 
     def _write(self, batch: list[UsageRecord]) -> None:
         if self._file_identity() != self._identity:
@@ -398,24 +423,55 @@ class RecordWriter:
             self._access_log.write(batch)
 
     def _import_claimed(self, claimed: Path) -> None:
-        """Store a claimed spill file's records and delete it. A line that is no record (torn by a crash or a full
-        disk mid-append) is moved to `<path>.spill.rejected` rather than blocking the others."""
-        records: list[UsageRecord] = []
-        rejected: list[bytes] = []
-        for line in claimed.read_bytes().splitlines():
-            if not line:
-                continue
-            try:
-                records.append(UsageRecord(**orjson.loads(line)))
-            except (orjson.JSONDecodeError, TypeError):
-                rejected.append(line)
+        """Store a claimed spill file's records, a batch at a time (memory: one batch, whatever the file's size), and
+        delete it. A line that is no record (torn by a crash or a full disk mid-append), or a record the database
+        refuses for itself (a null id, a value it cannot bind: a line added by hand), is moved to
+        `<path>.spill.rejected` rather than blocking the others; a failure of the database itself (locked, full)
+        raises, and the whole file is imported again later (INSERT OR REPLACE: nothing twice)."""
+        rejecting = claimed.with_suffix(".rejecting")  # (this attempt's; appended to `.rejected` once it succeeds)
+        rejected = 0
+        with claimed.open("rb") as lines, rejecting.open("wb") as aside:
+            batch: list[UsageRecord] = []
+            for line in lines:
+                line = line.rstrip(b"\r\n")
+                if not line:
+                    continue
+                try:
+                    batch.append(UsageRecord(**orjson.loads(line)))
+                except (orjson.JSONDecodeError, TypeError):
+                    aside.write(line + b"\n")
+                    rejected += 1
+                    continue
+                if len(batch) >= self._batch_size:
+                    rejected += self._write_sorting(batch, aside)
+                    batch = []
+            rejected += self._write_sorting(batch, aside)
         if rejected:
             target = claimed.with_suffix(".rejected")
-            _append(target, b"".join(line + b"\n" for line in rejected))
-            log.error("usage writer: %d line(s) of %s are no records; moved to %s", len(rejected), claimed, target)
-        for start in range(0, len(records), self._batch_size):
-            self._write(records[start : start + self._batch_size])
+            _append(target, rejecting.read_bytes())
+            log.error("usage writer: %d line(s) of %s are no records; moved to %s", rejected, claimed, target)
+        rejecting.unlink()
         claimed.unlink()
+
+    def _write_sorting(self, batch: list[UsageRecord], aside: BinaryIO) -> int:
+        """Write `batch`; if the database refuses a record of it for itself, write them one by one and put the ones
+        it refuses `aside` (as JSON lines). Returns how many were put aside. A failure of the database itself
+        (`sqlite3.OperationalError`: locked, full, I/O) raises."""
+        if not batch:
+            return 0
+        try:
+            self._write(batch)
+            return 0
+        except _REFUSED_RECORD:
+            pass
+        refused = 0
+        for record in batch:
+            try:
+                self._write([record])
+            except _REFUSED_RECORD:
+                aside.write(_record_line(record))
+                refused += 1
+        return refused
 
     async def wait_flushed(self) -> None:
         """Wait until every record submitted so far is stored, or spilled while the database fails."""
@@ -456,6 +512,11 @@ class RecordWriter:
             "pending": len(self._queue) + len(self._held),
             "logged": self.logged,
         }
+
+
+def _record_line(record: UsageRecord) -> bytes:
+    """The record as a JSON line (a spill file's; the log's, for a record nothing else takes)."""
+    return orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))) + b"\n"
 
 
 def _append(path: Path, data: bytes) -> None:
