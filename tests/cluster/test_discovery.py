@@ -377,7 +377,7 @@ async def test_a_request_on_a_sidecar_that_dies_is_retried_on_another_node(
     # node-a dies: it takes no new connection and its open ones drop (what a killed process does to them).
     assert dying._http is not None
     dying._http.stop_accepting()
-    for connection in list(dying._http._connections):
+    for connection in list(dying._http.live):
         connection.abort()
     async with asyncio.timeout(10):
         resp = await held

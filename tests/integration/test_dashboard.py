@@ -211,7 +211,7 @@ async def test_a_dashboard_that_does_not_read_costs_at_most_one_event_beyond_the
             async with asyncio.timeout(20):  # bounds a failure only
                 while feed.events_skipped < 3:
                     await ticks.next()
-        [connection] = gw._http._connections  # type: ignore[union-attr]
+        [connection] = gw._http.live  # type: ignore[union-attr]
         high_water = connection.transport.get_write_buffer_limits()[1]
         assert connection.transport.get_write_buffer_size() <= high_water + len(event) + 64
     async with asyncio.timeout(10):

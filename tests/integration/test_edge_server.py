@@ -457,8 +457,8 @@ async def test_write_nowait_skips_while_the_client_does_not_read_and_never_waits
         await resp.prepare(request)
         while resp.write_nowait(chunk):  # never awaits: the loop would spin forever if it did not skip
             sent += len(chunk)
-        buffered = request._conn.transport.get_write_buffer_size()
-        assert buffered <= request._conn.transport.get_write_buffer_limits()[1] + len(chunk) + 16
+        buffered = request.connection.transport.get_write_buffer_size()
+        assert buffered <= request.connection.transport.get_write_buffer_limits()[1] + len(chunk) + 16
         skipped.set()
         await done.wait()
         await resp.write_eof()
@@ -704,7 +704,7 @@ async def test_handler_task_cancelled_by_someone_else_closes_the_connection() ->
     async with serving(handler) as server, connect(server) as (reader, writer):
         writer.write(http())
         await started.wait()
-        [conn] = server._connections
+        [conn] = server.live
         assert conn._task is not None
         conn._task.cancel()
         assert await reader.read() == b""  # EOF, no response

@@ -11,6 +11,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import httptools
@@ -31,6 +32,21 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CLOSE = b"Connection: close\r\n"
 _KEEP_ALIVE = b"Connection: keep-alive\r\n"
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What each connection enforces (`limits:` in the configuration; see `HttpServer`)."""
+
+    max_body_bytes: int
+    max_header_bytes: int = 16384
+    keepalive_timeout_s: float = 75.0
+    header_timeout_s: float = 30.0
+    write_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 8192
+    #: Bytes of request bodies all connections may hold at once (being received, or not yet answered).
+    max_held_body_bytes: int = 512 * 1024 * 1024
 
 
 def default_error_body(status: int, message: str, code: str | None = None) -> bytes:
@@ -165,19 +181,19 @@ class Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         server = self._server
-        server._connections.add(self)
-        if server._closing:  # accepted in the same loop iteration as the shutdown began
+        server.live.add(self)
+        if server.closing:  # accepted in the same loop iteration as the shutdown began
             self.transport.close()
             return
-        if len(server._connections) > server._max_connections:
+        if len(server.live) > server.limits.max_connections:
             server.refused_connections += 1
             self._fail(_Reject(503, "Too many connections to the gateway; try again later.", "too_many_connections"))
             return
-        self._arm(self._loop.time() + server._header_timeout_s)
+        self._arm(self._loop.time() + server.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._server._connection_gone(self)
+        self._server.connection_gone(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -187,10 +203,10 @@ class Connection(asyncio.Protocol):
             if not self._task_running:
                 # Cancelled before its first step, the coroutine never runs, nor its `finally`: account for it here.
                 self._task = None
-                self._server._requests_in_progress -= 1
+                self._server.requests_in_progress -= 1
         self._pipeline.clear()
         if self._held:
-            self._server._held_body_bytes -= self._held
+            self._server.held_body_bytes -= self._held
             self._held = 0
         if self._unsent:
             self._tell_sent(False)
@@ -209,7 +225,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = True
         if self._task is not None and not self._lingering:
             # A client that leaves writing paused for this long is gone (`_on_timer`).
-            self._arm(self._loop.time() + self._server._write_timeout_s)
+            self._arm(self._loop.time() + self._server.limits.write_timeout_s)
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -249,7 +265,7 @@ class Connection(asyncio.Protocol):
                 self._header_bytes_raw = self._header_size()
             else:
                 self._header_bytes_raw += len(data)
-            if self._header_bytes_raw > self._server._max_header_bytes:
+            if self._header_bytes_raw > self._server.limits.max_header_bytes:
                 self._fail(_Reject(431, "Request headers are too large."))
 
     # -- parser callbacks ------------------------------------------------------------------------------------------
@@ -269,7 +285,7 @@ class Connection(asyncio.Protocol):
         self._raw_headers = []
         self._header_bytes_raw = 0
         if self._task is None:
-            self._arm(self._loop.time() + self._server._header_timeout_s)
+            self._arm(self._loop.time() + self._server.limits.header_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -298,7 +314,7 @@ class Connection(asyncio.Protocol):
         if "host" not in items and version == "1.1":
             raise self._rejecting(400, "An HTTP/1.1 request must carry a Host header.")
         # The headers may be over the limit only when the reads since the message began are (then they are counted).
-        limit = server._max_header_bytes
+        limit = server.limits.max_header_bytes
         if self._header_bytes_raw + self._read_size > limit and self._header_size() > limit:
             raise self._rejecting(431, "Request headers are too large.")
         if parser.should_upgrade():
@@ -317,9 +333,9 @@ class Connection(asyncio.Protocol):
                 content_length = int(length)
             except ValueError:
                 raise self._rejecting(400, "Invalid Content-Length.") from None
-            if content_length > server._max_body_bytes:
-                raise self._rejecting(413, f"The request body is larger than {server._max_body_bytes} bytes.")
-            if server._held_body_bytes + content_length > server._max_held_body_bytes:
+            if content_length > server.limits.max_body_bytes:
+                raise self._rejecting(413, f"The request body is larger than {server.limits.max_body_bytes} bytes.")
+            if server.held_body_bytes + content_length > server.limits.max_held_body_bytes:
                 raise self._refusing_body()
         try:
             raw_path, path, query = split_target(url)
@@ -332,10 +348,10 @@ class Connection(asyncio.Protocol):
         )
         self._body = []
         self._body_size = 0
-        self._body_deadline = self._loop.time() + server._body_timeout_s
+        self._body_deadline = self._loop.time() + server.limits.body_timeout_s
         if self._task is None and self._body_deadline < self._deadline:
             self._arm(self._body_deadline)
-        precheck = server._precheck
+        precheck = server.precheck
         if precheck is not None and (content_length or "transfer-encoding" in items):
             refusal = self._precheck(precheck)
             if refusal is not None:
@@ -352,17 +368,17 @@ class Connection(asyncio.Protocol):
         size = len(chunk)
         self._body_size += size
         server = self._server
-        if self._body_size > server._max_body_bytes:
-            raise self._rejecting(413, f"The request body is larger than {server._max_body_bytes} bytes.")
-        if server._held_body_bytes + size > server._max_held_body_bytes:
+        if self._body_size > server.limits.max_body_bytes:
+            raise self._rejecting(413, f"The request body is larger than {server.limits.max_body_bytes} bytes.")
+        if server.held_body_bytes + size > server.limits.max_held_body_bytes:
             raise self._refusing_body()
-        server._held_body_bytes += size
+        server.held_body_bytes += size
         self._held += size
         self._body.append(chunk)
         if self._task is None:
             # Usually later than the deadline armed: stored only (the timer re-arms itself); earlier once the body
             # deadline is near (`_arm` moves the timer).
-            deadline = min(self._loop.time() + self._server._header_timeout_s, self._body_deadline)
+            deadline = min(self._loop.time() + self._server.limits.header_timeout_s, self._body_deadline)
             if deadline < self._deadline:
                 self._arm(deadline)
             else:
@@ -380,9 +396,9 @@ class Connection(asyncio.Protocol):
             self._body = []
             weight = parsed_weight(raw)
             server = self._server
-            if server._held_body_bytes + weight > server._max_held_body_bytes:
+            if server.held_body_bytes + weight > server.limits.max_held_body_bytes:
                 raise self._refusing_body()
-            server._held_body_bytes += weight
+            server.held_body_bytes += weight
             self._held += weight
             request.held = len(raw) + weight
         if self._task is None:
@@ -413,7 +429,7 @@ class Connection(asyncio.Protocol):
     # -- requests --------------------------------------------------------------------------------------------------
 
     def _start(self, request: Request) -> None:
-        self._server._requests_in_progress += 1
+        self._server.requests_in_progress += 1
         self._task_running = False
         self._task = self._loop.create_task(self._run(request))
 
@@ -422,7 +438,7 @@ class Connection(asyncio.Protocol):
         response: Response | StreamResponse | None = None
         try:
             try:
-                response = await self._server._handler(request)
+                response = await self._server.handler(request)
                 if not self.lost:
                     if response.__class__ is Response and not self._started:
                         self._write_whole(response, request)
@@ -452,7 +468,7 @@ class Connection(asyncio.Protocol):
             size = request.held
             if size and not self.lost:  # (a lost connection gave back everything it held)
                 self._held -= size
-                self._server._held_body_bytes -= size
+                self._server.held_body_bytes -= size
             self._request_done()
 
     async def _finish_other(self, response: Response | StreamResponse, request: Request) -> None:
@@ -518,12 +534,12 @@ class Connection(asyncio.Protocol):
         self._stream = None
         self._started = False
         server = self._server
-        server._requests_in_progress -= 1
-        if server._closing:
-            server._check_drained()
+        server.requests_in_progress -= 1
+        if server.closing:
+            server.check_drained()
         if self.lost:
             return
-        if self.close_after or server._closing:
+        if self.close_after or server.closing:
             self.transport.close()
             return
         if self._pipeline:
@@ -542,16 +558,16 @@ class Connection(asyncio.Protocol):
         if self._expect_pending:
             self._expect_pending = False
             self.transport.write(_CONTINUE)
-        timeout = self._server._header_timeout_s if self._in_message else self._server._keepalive_timeout_s
+        timeout = self._server.limits.header_timeout_s if self._in_message else self._server.limits.keepalive_timeout_s
         if self.write_paused:  # the client has not taken the whole response yet
-            timeout = min(timeout, self._server._write_timeout_s)
+            timeout = min(timeout, self._server.limits.write_timeout_s)
         self._arm(self._loop.time() + timeout)
 
     # -- used by StreamResponse ------------------------------------------------------------------------------------
 
     def connection_header(self, request: Request) -> bytes:
         """The Connection header line for the response to `request`; decides whether the connection stays."""
-        if not request.keep_alive or self._server._draining or self.close_after:
+        if not request.keep_alive or self._server.draining or self.close_after:
             self.close_after = True
             return _CLOSE
         return _KEEP_ALIVE if request.version == "1.0" else b""
@@ -608,11 +624,11 @@ class Connection(asyncio.Protocol):
         self, status: int, message: str, connection: bytes, code: str | None = None, head_only: bool = False
     ) -> None:
         try:
-            body = self._server._error_body(status, message, code)
+            body = self._server.error_body(status, message, code)
         except Exception:
             log.exception("error_body failed")
             body = default_error_body(status, message, code)
-        extra = self._server._error_headers
+        extra = self._server.error_headers
         self.transport.write(
             b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
             % (

@@ -52,8 +52,8 @@ class Request:
     """One complete request: the server has read the whole body before the handler sees it."""
 
     __slots__ = (
-        "_conn",
         "body",
+        "connection",
         "content_length",
         "headers",
         "held",
@@ -78,7 +78,8 @@ class Request:
         keep_alive: bool,
         content_length: int | None,
     ) -> None:
-        self._conn = conn
+        #: The connection it came on (a response to it writes there: `StreamResponse.prepare`).
+        self.connection = conn
         self.method = method
         self.raw_path = raw_path  # as sent, without the query, not percent-decoded
         self.path = path

@@ -162,7 +162,7 @@ class StreamResponse:
         Raises ConnectionResetError if the client has gone."""
         if self.prepared:
             return
-        conn = request._conn
+        conn = request.connection
         if conn.lost:
             raise ConnectionResetError("The client has gone.")
         no_body = self.status in _NO_BODY or self.status < 200

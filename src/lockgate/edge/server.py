@@ -57,7 +57,7 @@ import socket
 import stat
 from collections.abc import Awaitable, Callable, Mapping
 
-from .protocol import Connection, default_error_body
+from .protocol import Connection, Limits, default_error_body
 from .request import Headers, Request
 from .response import Reply, Response, StreamResponse, json_response
 
@@ -105,44 +105,44 @@ class HttpServer:
         extra headers they carry (e.g. a request id). `precheck(request)`, called when a request's headers have
         arrived and a body follows, may refuse it there with a response (sent, and the connection closed, before
         the body is read: a client without a valid key does not get to send megabytes first, nor a `100 Continue`)."""
-        self._handler = handler
-        self._max_body_bytes = max_body_bytes
-        self._max_header_bytes = max_header_bytes
-        self._keepalive_timeout_s = keepalive_timeout_s
-        self._header_timeout_s = header_timeout_s
-        self._write_timeout_s = write_timeout_s
-        self._body_timeout_s = body_timeout_s
-        self._max_connections = max_connections
-        self._max_held_body_bytes = max_held_body_bytes
+        #: What each connection enforces.
+        self.limits = Limits(
+            max_body_bytes=max_body_bytes,
+            max_header_bytes=max_header_bytes,
+            keepalive_timeout_s=keepalive_timeout_s,
+            header_timeout_s=header_timeout_s,
+            write_timeout_s=write_timeout_s,
+            body_timeout_s=body_timeout_s,
+            max_connections=max_connections,
+            max_held_body_bytes=max_held_body_bytes,
+        )
+        # What its connections call: the application, and the server's own answers (see the docstring).
+        self.handler = handler
+        self.error_body = error_body or default_error_body
+        self.error_headers = error_headers
+        self.precheck = precheck
+        # The state its connections share, kept up to date by them (`protocol.Connection`).
+        #: The connections open.
+        self.live: set[Connection] = set()
         #: Bytes of request bodies held: being received, or received and not yet answered (`max_held_body_bytes`).
-        self._held_body_bytes = 0
+        self.held_body_bytes = 0
+        #: Requests whose handler runs (or is about to).
+        self.requests_in_progress = 0
+        #: Shutting down: connections accepted now are closed, drained ones reported (`check_drained`).
+        self.closing = False
+        #: Stopped accepting: responses close their connections.
+        self.draining = False
         #: Requests answered 503 because their body would have taken the held bodies past `max_held_body_bytes`.
         self.refused_bodies = 0
         #: Connections refused because `max_connections` were open.
         self.refused_connections = 0
-        self._error_body = error_body or default_error_body
-        self._error_headers = error_headers
-        self._precheck = precheck
         self._server: asyncio.Server | None = None
-        self._connections: set[Connection] = set()
-        self._closing = False
-        self._draining = False  # stopped accepting: responses close their connections
         self._drained: asyncio.Event | None = None  # during shutdown: no connection, no request in progress
         self._port: int | None = None
-        self._requests_in_progress = 0
-
-    @property
-    def requests_in_progress(self) -> int:
-        return self._requests_in_progress
-
-    @property
-    def held_body_bytes(self) -> int:
-        """Bytes of request bodies being received or held by requests not yet answered."""
-        return self._held_body_bytes
 
     @property
     def connections(self) -> int:
-        return len(self._connections)
+        return len(self.live)
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
@@ -188,7 +188,7 @@ class HttpServer:
     def stop_accepting(self) -> None:
         """No new connections; every response from now on says `Connection: close` (a client learns not to send
         more on this connection: the gateway is draining)."""
-        self._draining = True
+        self.draining = True
         if self._server is not None:
             self._server.close()
 
@@ -196,38 +196,41 @@ class HttpServer:
         """Stop accepting, close idle connections, let requests in progress finish (their responses say
         `Connection: close`) for up to `timeout_s`, then abort the rest and wait briefly for their handlers to
         unwind. Safe to call again (also concurrently)."""
-        self._closing = True
+        self.closing = True
         self.stop_accepting()
         if self._drained is None:
             self._drained = asyncio.Event()
-        for conn in list(self._connections):
+        for conn in list(self.live):
             conn.close_if_idle()
-        self._check_drained()
+        self.check_drained()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._drained.wait()
         except TimeoutError:
             log.warning(
                 "Shutdown: aborting %d connections, %d requests in progress",
-                len(self._connections),
-                self._requests_in_progress,
+                len(self.live),
+                self.requests_in_progress,
             )
-            for conn in list(self._connections):
+            for conn in list(self.live):
                 conn.abort()
             try:
                 async with asyncio.timeout(_CANCEL_GRACE_S):
                     await self._drained.wait()
             except TimeoutError:
-                log.error("Shutdown: %d handlers ignored their cancellation", self._requests_in_progress)
+                log.error("Shutdown: %d handlers ignored their cancellation", self.requests_in_progress)
 
-    def _check_drained(self) -> None:
-        if self._drained is not None and not self._connections and not self._requests_in_progress:
+    def check_drained(self) -> None:
+        """During shutdown: wake it once no connection is open and no request in progress (its connections call
+        this as their requests end)."""
+        if self._drained is not None and not self.live and not self.requests_in_progress:
             self._drained.set()
 
-    def _connection_gone(self, conn: Connection) -> None:
-        self._connections.discard(conn)
-        if self._closing:
-            self._check_drained()
+    def connection_gone(self, conn: Connection) -> None:
+        """A connection closed (called by it)."""
+        self.live.discard(conn)
+        if self.closing:
+            self.check_drained()
 
 
 def _refuse_live_socket(path: str) -> None:
