@@ -5,7 +5,7 @@ Theory of operation
 `Feed` is an async context manager owning one task, the ticker. Each tick (`tick()`, synchronous) reads
 the gateway's cumulative metrics and appends one `Sample` to the bounded `History` ring; that is all it
 does while no dashboard is open (no snapshot is built, nothing is serialised). When at least one
-`Subscription` exists, the tick also builds one snapshot event (the bytes of one SSE event) and wakes the
+`FeedClient` exists, the tick also builds one snapshot event (the bytes of one SSE event) and wakes the
 subscribers, who all send those same bytes.
 
 A subscription's first `next()` builds a snapshot of its own at once with the whole history (so a page
@@ -53,7 +53,7 @@ class Feed:
         self.history = History(history_size)
         self.max_clients = max_clients
         self.interval_s = interval_s
-        self._clients: set[Subscription] = set()
+        self._clients: set[FeedClient] = set()
         self._idle = asyncio.Event()  # set while no subscription is open
         self._idle.set()
         self._previous: Totals | None = None
@@ -93,11 +93,11 @@ class Feed:
     def clients(self) -> int:
         return len(self._clients)
 
-    def subscribe(self) -> Subscription | None:
+    def subscribe(self) -> FeedClient | None:
         """A new subscription, or None when the feed is closed or `max_clients` are open."""
         if self._closed or len(self._clients) >= self.max_clients:
             return None
-        subscription = Subscription(self)
+        subscription = FeedClient(self)
         self._clients.add(subscription)
         self._idle.clear()
         return subscription
@@ -106,7 +106,7 @@ class Feed:
         """Wait until no subscription is open (every stream has ended)."""
         await self._idle.wait()
 
-    def _unsubscribe(self, subscription: Subscription) -> None:
+    def _unsubscribe(self, subscription: FeedClient) -> None:
         self._clients.discard(subscription)
         if not self._clients:
             self._idle.set()
@@ -151,7 +151,7 @@ class Feed:
                 next_at = loop.time() + self.interval_s
 
 
-class Subscription:
+class FeedClient:
     """One open dashboard's place in the feed; a context manager that unsubscribes on exit."""
 
     __slots__ = ("_feed", "_version")
@@ -160,7 +160,7 @@ class Subscription:
         self._feed = feed
         self._version: int | None = None
 
-    def __enter__(self) -> Subscription:
+    def __enter__(self) -> FeedClient:
         return self
 
     def __exit__(
