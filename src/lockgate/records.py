@@ -11,8 +11,9 @@ again after a backoff (1 s, doubling to 30 s), the spill imported once it takes 
 fails too, records are held in memory (at most `queue_size`) and tried again with the database; past that, and
 whatever is still held at close, each goes to the log as a JSON line (`usage record not stored: {...}`, counted in
 `lockgate_usage_records_logged_total`): a full disk costs memory up to a bound, then log lines, never a silent loss.
-A spill line that is no record (torn by a crash) is moved aside, not left to block the others' import; a database
-file deleted while in use is opened anew at its path.
+The spill file is imported a batch at a time; a line that is no record (torn by a crash) or that the database
+refuses is moved aside, not left to block the others; a failed import waits for its own retry (live records still
+go to the database). A database file deleted while in use is opened anew at its path.
 """
 
 from __future__ import annotations
@@ -191,8 +192,8 @@ class RecordWriter:
         self._identity: tuple[int, int] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        #: After a failed write or import: the loop time before which the database is not tried again (records go
-        #: to the spill file meanwhile), and the wait after the next failure.
+        #: After a failed write: the loop time before which the database is not tried again (records go to the
+        #: spill file meanwhile), and the wait after the next failure.
         self._retry_at = 0.0
         self._backoff = RETRY_FIRST_S
         #: The same for imports of the spill file (their failures do not keep live records from the database).
