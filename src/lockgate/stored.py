@@ -11,7 +11,8 @@ does not remember, or one another tenant made, is 404: a tenant learns nothing o
 answer comes back as it is, but for the model name inside a response object (the client's, not the engine's), the
 response's id as the client was shown it, and errors in the OpenAI envelope (`UpstreamStatusError`). A `stream`
 asked for in the query (replaying a background response's events) is not relayed: 400. Each request is one of its
-tenant's (rate limits, `max_concurrent`), and at most `MAX_IN_FLIGHT` are forwarded at once.
+tenant's (rate limits, `max_concurrent`), and at most `MAX_IN_FLIGHT` are forwarded at once; one forwarded to its
+engine gets a usage record (`responses.retrieve`, ...: who read or deleted what, and how it ended).
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ if TYPE_CHECKING:
 
 PREFIX = "/v1/responses/"
 
-#: The routes below `PREFIX`: (method, what follows the id).
-#: The routes, and the `endpoint` their usage records name.
+#: The routes below `PREFIX` (method, what follows the id), and the `endpoint` their usage records name.
 _ACTIONS = {
     ("GET", ""): "responses.retrieve",
     ("DELETE", ""): "responses.delete",
