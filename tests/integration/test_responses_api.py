@@ -21,6 +21,13 @@ from tests.integration.cancel_support import StreamReader, assert_gateway_clean,
 SIM = {"prefill_tps": 1e6, "tpot_ms": 1.0}
 
 
+def rotating(sims: list[Any]) -> list[dict[str, Any]]:
+    """Model `m` on `sims` (`sim-0`, `sim-1`, ...), round-robin: a request not pinned moves on to the next one."""
+    return [
+        {"name": "m", "routing": "round_robin", "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)]}
+    ]
+
+
 @pytest.fixture
 async def http():
     async with aiohttp.ClientSession() as session:
@@ -167,15 +174,7 @@ async def test_a_follow_up_goes_to_the_instance_that_made_the_previous_response(
     """`previous_response_id` names a response an engine may have stored: the follow-up is pinned to the instance
     that made it (round-robin would rotate), whole or streamed; an id the gateway never saw is routed as usual."""
     sims = [await start_sim(**SIM) for _ in range(3)]
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
-            }
-        ]
-    )
+    gw = await start_gateway(rotating(sims))
     async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
         first = await r.json()
         home = r.headers["x-lockgate-instance"]
@@ -215,15 +214,7 @@ async def test_a_follow_up_whose_engine_cannot_take_it_now_is_told_to_retry(star
     follow-up is 503 with Retry-After, not sent to another engine (which answered 404, a status no client retries,
     for a conversation that was only briefly out of reach: an outside run); once it is back, it is served there."""
     sims = [await start_sim(**SIM) for _ in range(2)]
-    gw = await start_gateway(
-        [
-            {
-                "name": "m",
-                "routing": "round_robin",
-                "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
-            }
-        ]
-    )
+    gw = await start_gateway(rotating(sims))
     async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
         made, home = await r.json(), r.headers["x-lockgate-instance"]
     fleet = gw.gateway.fleet
@@ -446,13 +437,7 @@ async def test_an_open_gateways_follow_up_finds_its_engine_from_another_process(
     process (a `--workers` sibling, a replica), which never saw the response and shares no secret, pins the
     follow-up there and forwards a retrieval there (each simulator stores only its own responses)."""
     sims = [await start_sim(**SIM) for _ in range(3)]
-    models = [
-        {
-            "name": "m",
-            "routing": "round_robin",
-            "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
-        }
-    ]
+    models = rotating(sims)
     first, second = await start_gateway(models), await start_gateway(models)
     async with http.post(first.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
         made, home = await r.json(), r.headers["x-lockgate-instance"]
@@ -700,13 +685,7 @@ async def test_another_process_finds_a_tenants_response_by_its_id(start_sim, sta
     from lockgate.response_ids import SECRET_ENV
 
     sims = [await start_sim(**SIM) for _ in range(3)]
-    models = [
-        {
-            "name": "m",
-            "routing": "round_robin",
-            "instances": [instance(s, name=f"sim-{i}") for i, s in enumerate(sims)],
-        }
-    ]
+    models = rotating(sims)
     tenants = [{"name": "a", "keys": [hash_key("key-a")]}]
     monkeypatch.setenv(SECRET_ENV, "kept across restarts")
     first, second = await start_gateway(models, tenants=tenants), await start_gateway(models, tenants=tenants)

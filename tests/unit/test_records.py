@@ -44,6 +44,20 @@ def spill(path: str, rec: UsageRecord) -> None:
     Path(path).write_bytes(orjson.dumps(asdict(rec)) + b"\n")
 
 
+def lock(writer: RecordWriter, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Make the writer's database answer "locked" while the returned flag's one item is true."""
+    original = writer._write
+    locked = [True]
+
+    def write(batch: list[UsageRecord]) -> None:
+        if locked[0]:
+            raise sqlite3.OperationalError("database is locked")
+        original(batch)
+
+    monkeypatch.setattr(writer, "_write", write)
+    return locked
+
+
 def record(n: int) -> UsageRecord:
     return UsageRecord(request_id=f"r{n}", tenant="t", model="m", endpoint="chat", stream=False, started_at=n)
 
@@ -273,15 +287,7 @@ async def test_a_database_that_fails_for_a_while_takes_the_spilled_records_once_
     monkeypatch.setattr(records_module, "RETRY_FIRST_S", 0.01)
     path = str(tmp_path / "u.sqlite3")
     async with RecordWriter(path, GatewayMetrics()) as writer:
-        original = writer._write
-        locked = [True]
-
-        def write(batch: list[UsageRecord]) -> None:
-            if locked[0]:
-                raise sqlite3.OperationalError("database is locked")
-            original(batch)
-
-        monkeypatch.setattr(writer, "_write", write)
+        locked = lock(writer, monkeypatch)
         for n in range(3):
             writer.submit(record(n))
         await writer.wait_flushed()  # spilled: the database failed
@@ -364,15 +370,7 @@ async def test_a_directory_at_the_spill_path_is_left_alone(tmp_path: Path, monke
     path = str(tmp_path / "u.sqlite3")
     make_dir(path + ".spill.jsonl")
     async with RecordWriter(path, GatewayMetrics()) as writer:
-        original = writer._write
-        locked = [True]
-
-        def write(batch: list[UsageRecord]) -> None:
-            if locked[0]:
-                raise sqlite3.OperationalError("database is locked")
-            original(batch)
-
-        monkeypatch.setattr(writer, "_write", write)
+        locked = lock(writer, monkeypatch)
         writer.submit(record(1))
         await writer.wait_flushed()  # held: neither the database nor the spill (a directory) took it
         locked[0] = False
