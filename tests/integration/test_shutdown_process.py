@@ -39,6 +39,15 @@ def write_config(path: Path, port: int, engine_url: str, usage: Path, drain_ms: 
     )
 
 
+async def serve(config: Path) -> asyncio.subprocess.Process:
+    """`lockgate serve --config config` as a child process, its stdout piped."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lockgate", "serve", "--config", str(config),
+        stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+
+
 async def read_line_with(stream: asyncio.StreamReader, text: str) -> None:
     while True:
         line = await stream.readline()
@@ -53,11 +62,7 @@ async def test_sigterm_drains_then_stops_and_exits_zero(start_sim, tmp_path) -> 
     usage = tmp_path / "usage.sqlite3"
     config = tmp_path / "gw.yaml"
     write_config(config, port, sim.url, usage)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lockgate", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
+    proc = await serve(config)
     assert proc.stdout is not None
     url = f"http://127.0.0.1:{port}"
     tasks: list[asyncio.Task[None]] = []
@@ -138,11 +143,7 @@ async def test_a_second_sigterm_stops_the_requests_in_flight_at_once(start_sim, 
     usage = tmp_path / "usage.sqlite3"
     config = tmp_path / "gw.yaml"
     write_config(config, port, sim.url, usage, drain_ms=600_000)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lockgate", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
+    proc = await serve(config)
     assert proc.stdout is not None
     url = f"http://127.0.0.1:{port}"
     try:
