@@ -127,6 +127,16 @@ def usage_of(events: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> dict[
     return None
 
 
+#: The largest token count taken from an engine (larger: an engine's bug, read as unknown; a record could not
+#: store it, SQLite's integers end at 2**63).
+MAX_COUNT = 1 << 53
+
+
+def count_of(value: Any) -> int:
+    """A count an engine reported (tokens): an integer in [0, `MAX_COUNT`], else 0 (not reported, or not a count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT else 0
+
+
 def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
     """A response's usage (`input_tokens`, `output_tokens`: the Responses API) under the names the gateway's records
     read (`prompt_tokens`, `completion_tokens`); a completion's usage as it is."""

@@ -22,15 +22,16 @@ import asyncio
 import contextlib
 import errno
 import functools
+import json
 import logging
 import operator
 import os
 import sqlite3
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -156,6 +157,8 @@ RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
 #: What the database (or its binding of values) raises for a record it refuses for itself, not for its own state.
 _REFUSED_RECORD = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.ProgrammingError, OverflowError, ValueError)
+#: What storing can raise: the database's own failures (locked, full, I/O) and the refusals above.
+_STORE_FAILED = (sqlite3.Error, OSError, ValueError, TypeError, OverflowError)
 
 
 class RecordWriter:
@@ -276,10 +279,33 @@ class RecordWriter:
                     log.warning("usage writer: %s takes records again", self._spill)
                 self._metrics.usage_records_spilled.inc()
                 return
+        self._hold(record)
+
+    def _hold(self, record: UsageRecord) -> None:
+        """Keep a record neither the database nor the spill file took, up to `queue_size`; past that, the log."""
         if len(self._held) < self._queue_size:
             self._held.append(record)
         else:
             self._log_record(record)
+
+    async def _spill_batch(self, batch: list[UsageRecord]) -> None:
+        """A batch to the spill file in one append, off the event loop (a backoff's worth of records appended one
+        by one on the loop cost four system calls each); held in memory if the disk refuses."""
+        if self._spill is None:
+            for record in batch:
+                self._hold(record)
+            return
+        try:
+            await asyncio.to_thread(_append, self._spill, b"".join(_record_line(record) for record in batch))
+        except OSError as exc:
+            if not self._spill_failing:
+                self._spill_failing = True
+                log.error("usage writer: cannot append to %s (%s); holding records in memory", self._spill, exc)
+            for record in batch:
+                self._hold(record)
+            return
+        self._spill_failing = False
+        self._metrics.usage_records_spilled.inc(len(batch))
 
     def _log_record(self, record: UsageRecord) -> None:
         """The last resort: the record as a JSON line in the log (an operator's log collector keeps it)."""
@@ -301,29 +327,45 @@ class RecordWriter:
         loop = asyncio.get_running_loop()
         await self._import_spill()
         while True:
-            now = loop.time()
-            write_in = self._retry_at - now  # > 0: the database failed lately, tried again then
-            import_in = max(write_in, self._import_at - now)
-            spilled = self._spill_pending()
-            held = bool(self._held) and write_in <= 0
-            due_import = spilled and import_in <= 0
-            if not self._queue and not held and not due_import:
-                self._idle.set()  # (nothing it can store now: spilled and held records wait for their retry)
+            try:
+                if await self._step(loop):
+                    return
+            except Exception:
+                # A bug of the writer's own: the task lives on (a dead writer left every later record queued and
+                # `aclose` raising), after a pause (no spinning on it); at close, `aclose` flushes what is left.
+                log.exception("usage writer: failed; trying again in %.0f s", self._backoff)
                 if self._closing:
                     return
-                self._wakeup.clear()
-                waits = ([write_in] if self._held else []) + ([import_in] if spilled else [])
-                if waits:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(min(waits)):
-                            await self._wakeup.wait()
-                else:
-                    await self._wakeup.wait()
-                continue
-            if self._queue or held:
-                await self._write_queued()
-            if self._spill_pending() and loop.time() >= max(self._retry_at, self._import_at):
-                await self._import_spill()
+                pause = self._backoff
+                self._retry_at, self._backoff = self._later(pause)
+                await asyncio.sleep(pause)
+
+    async def _step(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """One pass of the writer: store, import or wait. True when it is done (closing, nothing left)."""
+        now = loop.time()
+        write_in = self._retry_at - now  # > 0: the database failed lately, tried again then
+        import_in = max(write_in, self._import_at - now)
+        spilled = self._spill_pending()
+        held = bool(self._held) and write_in <= 0
+        due_import = spilled and import_in <= 0
+        if not self._queue and not held and not due_import:
+            self._idle.set()  # (nothing it can store now: spilled and held records wait for their retry)
+            if self._closing:
+                return True
+            self._wakeup.clear()
+            waits = ([write_in] if self._held else []) + ([import_in] if spilled else [])
+            if waits:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(waits)):
+                        await self._wakeup.wait()
+            else:
+                await self._wakeup.wait()
+            return False
+        if self._queue or held:
+            await self._write_queued()
+        if self._spill_pending() and loop.time() >= max(self._retry_at, self._import_at):
+            await self._import_spill()
+        return False
 
     async def _write_queued(self) -> None:
         """One batch of the queue (and the records held in memory) into the database, else to the spill file."""
@@ -334,16 +376,15 @@ class RecordWriter:
             await asyncio.sleep(self._linger_s)
         batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
         if asyncio.get_running_loop().time() < self._retry_at:
-            for record in batch:  # the database failed lately: to the spill file, tried again later
-                self._spill_one(record)
+            await self._spill_batch(batch)  # the database failed lately: to the spill file, tried again later
             return
         batch.extend(self._held)
         self._held = []
         if not batch:
             return
         try:
-            await asyncio.shield(asyncio.to_thread(self._write, batch))
-        except (sqlite3.Error, OSError, ValueError, TypeError, OverflowError) as exc:
+            await asyncio.shield(asyncio.to_thread(self._write_live, batch))
+        except _STORE_FAILED as exc:
             # Never drop: the batch goes to the spill file (counted), imported once the database takes records
             # again (a record the database refuses for itself is moved aside then).
             log.error(
@@ -353,8 +394,7 @@ class RecordWriter:
                 self._backoff,
             )
             self._retry_at, self._backoff = self._later(self._backoff)
-            for record in batch:
-                self._spill_one(record)
+            await self._spill_batch(batch)
             return
         if self._backoff > RETRY_FIRST_S:
             log.warning("usage writer: %s takes records again", self._path)
@@ -386,7 +426,7 @@ class RecordWriter:
                     return
                 self._spill.rename(claimed)
             await asyncio.shield(asyncio.to_thread(self._import_claimed, claimed))
-        except (sqlite3.Error, OSError) as exc:
+        except _STORE_FAILED as exc:
             log.error(
                 "usage writer: importing %s failed (%s); trying again in %.0f s", claimed, exc, self._import_backoff
             )
@@ -421,7 +461,10 @@ class RecordWriter:
         self.written += len(batch)
         self._metrics.usage_records_written.inc(len(batch))
         if self._access_log is not None:
-            self._access_log.write(batch)
+            try:
+                self._access_log.write(batch)
+            except Exception:  # (stored already: a failing access log must not send the batch to the spill again)
+                log.exception("usage writer: the access log failed to take %d record(s)", len(batch))
 
     def _import_claimed(self, claimed: Path) -> None:
         """Store a claimed spill file's records, a batch at a time (memory: one batch, whatever the file's size), and
@@ -444,9 +487,9 @@ class RecordWriter:
                     rejected += 1
                     continue
                 if len(batch) >= self._batch_size:
-                    rejected += self._write_sorting(batch, aside)
+                    rejected += self._write_sorting(batch, aside.write)
                     batch = []
-            rejected += self._write_sorting(batch, aside)
+            rejected += self._write_sorting(batch, aside.write)
         if rejected:
             target = claimed.with_suffix(".rejected")
             _append(target, rejecting.read_bytes())
@@ -454,7 +497,21 @@ class RecordWriter:
         rejecting.unlink()
         claimed.unlink()
 
-    def _write_sorting(self, batch: list[UsageRecord], aside: BinaryIO) -> int:
+    def _write_live(self, batch: list[UsageRecord]) -> None:
+        """Write live records (in the writer's thread); one the database refuses for itself (a token count past its
+        integers, a bug) is moved to `<path>.spill.rejected`, not held against the others: it put the whole database
+        in backoff, and every record after it in the spill file."""
+        refused: list[bytes] = []
+        if self._write_sorting(batch, refused.append):
+            data = b"".join(refused)
+            if self._spill is None:
+                log.error("usage writer: the database refused %d record(s): %s", len(refused), data.decode())
+                return
+            target = self._spill.with_suffix(".rejected")
+            _append(target, data)
+            log.error("usage writer: the database refused %d record(s); moved to %s", len(refused), target)
+
+    def _write_sorting(self, batch: list[UsageRecord], aside: Callable[[bytes], object]) -> int:
         """Write `batch`; if the database refuses a record of it for itself, write them one by one and put the ones
         it refuses `aside` (as JSON lines). Returns how many were put aside. A failure of the database itself
         (`sqlite3.OperationalError`: locked, full, I/O) raises."""
@@ -470,7 +527,7 @@ class RecordWriter:
             try:
                 self._write([record])
             except _REFUSED_RECORD:
-                aside.write(_record_line(record))
+                aside(_record_line(record))
                 refused += 1
         return refused
 
@@ -483,8 +540,11 @@ class RecordWriter:
         self._closing = True
         self._wakeup.set()
         if self._task is not None:
-            await self._task
-            self._task = None
+            task, self._task = self._task, None
+            try:
+                await task
+            except Exception:  # (`_run` logs its own failures and lives on: this would be a bug of its own)
+                log.exception("usage writer: its task failed; flushing what is left")
         # What is left (records submitted while closing, records held while the database and the spill file both
         # failed): one more try, then the spill file, then the log; never dropped in silence.
         if self._queue or self._held:
@@ -492,8 +552,8 @@ class RecordWriter:
             self._queue.clear()
             self._held = []
             try:
-                await asyncio.to_thread(self._write, batch)
-            except (sqlite3.Error, OSError) as exc:
+                await asyncio.to_thread(self._write_live, batch)
+            except _STORE_FAILED as exc:
                 log.error("usage writer: storing %d record(s) at close failed (%s); spilling", len(batch), exc)
                 for record in batch:
                     self._spill_one(record)
@@ -516,8 +576,13 @@ class RecordWriter:
 
 
 def _record_line(record: UsageRecord) -> bytes:
-    """The record as a JSON line (a spill file's; the log's, for a record nothing else takes)."""
-    return orjson.dumps(dict(zip(_COLUMNS, _ROW(record), strict=True))) + b"\n"
+    """The record as a JSON line (a spill file's; the log's, for a record nothing else takes). A value orjson cannot
+    write (an integer past 64 bits) is written by the standard library's encoder: no record is dropped for it."""
+    row = dict(zip(_COLUMNS, _ROW(record), strict=True))
+    try:
+        return orjson.dumps(row) + b"\n"
+    except TypeError:
+        return json.dumps(row, separators=(",", ":"), default=repr).encode() + b"\n"
 
 
 def _append(path: Path, data: bytes) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from . import sse
-from .assemble import ClientView, has_content, usage_tokens
+from .assemble import ClientView, count_of, has_content, usage_tokens
 from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
@@ -157,8 +157,8 @@ class SSEWriter:
             out = view.event(event)
             if view.usage is not None:
                 record = self._ex.record
-                record.prompt_tokens = _int(view.usage.get("prompt_tokens"))
-                record.completion_tokens = max(self.delivered, _int(view.usage.get("completion_tokens")))
+                record.prompt_tokens = count_of(view.usage.get("prompt_tokens"))
+                record.completion_tokens = max(self.delivered, count_of(view.usage.get("completion_tokens")))
             if out is None:
                 return self._batch_bytes >= MAX_BATCH_BYTES
             payload = line if out is event and line is not None else orjson.dumps(out)
@@ -257,7 +257,7 @@ class SSEWriter:
             if view.failure is not None:
                 ex.engine_failed(view.failure)
             usage = view.usage
-            if ex.record.first_token_at is None and usage is not None and _int(usage.get("completion_tokens")) > 0:
+            if ex.record.first_token_at is None and usage is not None and count_of(usage.get("completion_tokens")) > 0:
                 ex.first_token()  # output in no `*.delta` event (an item sent whole): its first token came with it
         if self.flush(last=True) or self._unconfirmed:  # the end of the response in the same send
             await self.drain()
@@ -363,11 +363,7 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
     usage = body.get("usage")
     if isinstance(usage, dict):
         usage = usage_tokens(usage)
-        ex.record.prompt_tokens = _int(usage.get("prompt_tokens"))
-        ex.record.completion_tokens = _int(usage.get("completion_tokens"))
+        ex.record.prompt_tokens = count_of(usage.get("prompt_tokens"))
+        ex.record.completion_tokens = count_of(usage.get("completion_tokens"))
     ex.record.http_status = 200
     return ex.whole_response(raw, headers)
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -242,3 +242,11 @@ def test_a_legacy_function_call_is_joined_piece_by_piece() -> None:
     assert message["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert message["content"] is None and message["type"] == "text"
     assert body["usage"]["completion_tokens"] == 3
+
+
+def test_a_token_count_no_engine_reports_is_read_as_unknown() -> None:
+    """Counts an engine sends are taken as counts only in [0, 2**53]: 2**64 prompt tokens (which no record can
+    store) or a negative one are an engine's bug, read as 0 (not reported)."""
+    from lockgate.assemble import count_of
+
+    assert [count_of(v) for v in (5, 0, 2**53, 2**53 + 1, 2**64, -1, True, 3.0, "7", None)] == [5, 0, 2**53] + [0] * 7

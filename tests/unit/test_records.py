@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -403,3 +404,71 @@ async def test_a_failed_import_does_not_keep_live_records_from_the_database(
         await writer.wait_flushed()
         assert sorted(r["request_id"] for r in read_records(path)) == ["r1", "r3"]
     assert exists(path + ".spill.importing")  # (r2 waits for the next start, or the import's retry)
+
+
+async def test_a_failing_access_log_does_not_send_stored_records_to_the_spill(tmp_path: Path) -> None:
+    """The access log failing after the commit counted as the database's failure: the stored batch went to the
+    spill file and was stored (and logged) again, and a healthy database went into backoff (a second review)."""
+
+    class Broken:
+        def open(self) -> None:
+            pass
+
+        def write(self, records: Iterable[UsageRecord]) -> None:
+            raise RuntimeError("the access log's disk is gone")
+
+        def close(self) -> None:
+            pass
+
+    path = str(tmp_path / "u.sqlite3")
+    metrics = GatewayMetrics()
+    async with RecordWriter(path, metrics, access_log=Broken()) as writer:
+        for n in range(3):
+            writer.submit(record(n))
+        await writer.wait_flushed()
+        assert writer.written == 3 and not exists(path + ".spill.jsonl")
+        assert total(metrics.usage_records_spilled, "_total") == 0
+
+
+async def test_a_record_the_database_refuses_live_is_moved_aside_without_a_backoff(tmp_path: Path) -> None:
+    """A token count past SQLite's integers (an engine's 2**64) put the whole database in backoff, and every record
+    after it in the spill file: now that record alone is moved aside, the others stored at once."""
+    path = str(tmp_path / "u.sqlite3")
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        bad = record(2)
+        bad.prompt_tokens = 2**64
+        for rec in (record(1), bad, record(3)):
+            writer.submit(rec)
+        await writer.wait_flushed()
+        writer.submit(record(4))
+        await writer.wait_flushed()
+        assert sorted(r["request_id"] for r in read_records(path)) == ["r1", "r3", "r4"]
+    assert orjson.loads(read_file(path + ".spill.rejected"))["prompt_tokens"] == 2**64
+    assert not exists(path + ".spill.jsonl")
+
+
+async def test_the_writer_lives_on_after_a_bug_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error the writer did not foresee ended its task: later records stayed queued, `wait_flushed` hung and
+    `aclose` raised with records unstored. Now it logs, pauses and goes on; `aclose` stores what is left."""
+    import lockgate.records as records_module
+
+    monkeypatch.setattr(records_module, "RETRY_FIRST_S", 0.01)
+    path = str(tmp_path / "u.sqlite3")
+    async with RecordWriter(path, GatewayMetrics()) as writer:
+        real = writer._spill_pending
+        bugs = [RuntimeError("a bug")]
+
+        def pending() -> bool:
+            if bugs:
+                raise bugs.pop()
+            return real()
+
+        monkeypatch.setattr(writer, "_spill_pending", pending)
+        writer.submit(record(1))
+        async with asyncio.timeout(10):  # bounds a hang only
+            await writer.wait_flushed()
+            while not read_records(path):
+                await asyncio.sleep(0.01)
+                await writer.wait_flushed()
+        writer.submit(record(2))
+    assert sorted(r["request_id"] for r in read_records(path)) == ["r1", "r2"]

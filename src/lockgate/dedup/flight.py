@@ -56,7 +56,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..answer import EngineAnswer, EngineReads, read_whole
-from ..assemble import usage_of
+from ..assemble import count_of, usage_of
 from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
 from .cache import Result
@@ -421,8 +421,8 @@ class Flight:
             return Result(
                 events=(),
                 nbytes=self._nbytes,
-                prompt_tokens=_int(usage.get("prompt_tokens")) if isinstance(usage, dict) else 0,
-                completion_tokens=_int(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
+                prompt_tokens=count_of(usage.get("prompt_tokens")) if isinstance(usage, dict) else 0,
+                completion_tokens=count_of(usage.get("completion_tokens")) if isinstance(usage, dict) else 0,
                 complete=complete,
                 instance=self.served_by,
                 body=body,
@@ -431,8 +431,8 @@ class Flight:
         usage = usage_of(self.events)
         prompt = completion = 0
         if usage is not None:
-            prompt = _int(usage.get("prompt_tokens"))
-            completion = _int(usage.get("completion_tokens"))
+            prompt = count_of(usage.get("prompt_tokens"))
+            completion = count_of(usage.get("completion_tokens"))
         payloads = self._payloads
         return Result(
             packed_events=b"[" + b",".join(payloads) + b"]" if payloads else None,  # each a JSON object
@@ -654,7 +654,3 @@ class Subscription:
             return False
         self._closed = True
         return self.flight._unsubscribe(self)
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
