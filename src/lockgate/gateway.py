@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
@@ -52,6 +53,8 @@ from .workerset import WorkerSet
 if TYPE_CHECKING:
     from .config_diff import ConfigDiff
     from .reload import Reloader
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-lockgate-timeout-ms"
 #: `GET /v1/models/{id}`: routed by prefix, the rest of the path is the id (ids may contain `/`).
@@ -152,6 +155,12 @@ class Gateway:
         self.admission.reconfigure(config)
         if diff.admin_changed:
             self.admin.gate = AdminGate(config.admin, lambda: self.admission.book)
+            # The routes the gate guards may have changed with it (`metrics_require_key` guards `/metrics`).
+            self._route_table = self._routes()
+        if diff.tenants_changed:
+            unkept = self.unkept_ids()
+            if unkept is not None:  # (said at start too; a reload that adds the first tenants says it here)
+                log.warning("%s", unkept)
         self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
         self.admission.withdraw([model for model in diff.removed_models if model not in self.fleet.pools])

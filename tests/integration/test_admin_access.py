@@ -150,6 +150,7 @@ async def test_a_reload_that_adds_tenant_keys_closes_the_admin_api_at_once(stack
         status, body = await call(http, "GET", server.url + "/admin/requests", None)
         assert status == 403 and body["error"]["code"] == "admin_keys_not_configured"
         assert (await call(http, "GET", server.url + "/admin/requests", "newco-key"))[0] == 403
+        assert (await call(http, "GET", server.url + "/metrics", None))[0] == 200
         data = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         async with http.post(server.url + "/v1/chat/completions", data=data, headers=bearer("newco-key")) as resp:
             assert resp.status == 200
@@ -171,6 +172,17 @@ async def test_a_reload_that_adds_tenant_keys_closes_the_admin_api_at_once(stack
         assert (await call(http, "GET", server.url + "/admin/requests", "ops-key"))[0] == 200
         assert (await call(http, "POST", server.url + "/admin/reload", "ops-key"))[0] == 200
         assert (await call(http, "GET", server.url + "/admin/requests", "newco-key"))[0] == 403
+        # `metrics_require_key` by a reload guards `/metrics` at once (the route table kept it open), and back.
+        tenants = f"tenants: [{{name: newco, keys: ['{hash_key('newco-key')}']}}]\n"
+        for required, anonymous in ((True, 401), (False, 200)):
+            path.write_text(
+                head
+                + tenants
+                + f"admin: {{keys: ['{hash_key('ops-key')}'], metrics_require_key: {str(required).lower()}}}\n"
+            )
+            assert (await call(http, "POST", server.url + "/admin/reload", "ops-key"))[0] == 200
+            assert (await call(http, "GET", server.url + "/metrics", None))[0] == anonymous
+            assert (await call(http, "GET", server.url + "/metrics", "ops-key"))[0] == 200
 
 
 async def _answer(
