@@ -96,6 +96,8 @@ class Gateway:
         #: open gateway's clients see it.
         self.response_ids = ResponseIds()
         self._open_ids = ResponseIds(bound=False)
+        #: At a sidecar (its callers' tenants relayed by central replicas): tags are not believed (`response_ids.py`).
+        self._sidecar_ids = ResponseIds(bound=False, trusts_tags=False)
         self.fleet.listeners.append(lambda: self.admission.resize(self.fleet.pools))
         #: De-duplication: flights (shared upstream calls) and the completed-result cache.
         self.dedup = Coalescer(config, self.metrics, self.fleet)
@@ -444,8 +446,11 @@ class Gateway:
 
     def _shown_ids(self) -> ResponseIds:
         """The response ids clients are shown (`response_ids.py`): bound to their tenant once tenants are configured,
-        else tagged with their home only (one party)."""
-        return self._open_ids if self.admission.book.open else self.response_ids
+        else tagged with their home only (one party; at a sidecar, whose callers' tenants are relayed, the tags are
+        not believed: only its memory, which keeps each response's tenant, finds a response)."""
+        if not self.admission.book.open:
+            return self.response_ids
+        return self._sidecar_ids if self.relayed is not None else self._open_ids
 
     async def _stored(self, request: Request) -> Response:
         """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency

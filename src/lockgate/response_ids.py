@@ -51,10 +51,14 @@ class ResponseIds:
     """Sign an engine's response id for a tenant (`show`) and take a client's back (`take`); `bound=False`: an open
     gateway's, tagged with its home and taken from anyone (see the module docstring)."""
 
-    __slots__ = ("_key", "bound", "drawn")
+    __slots__ = ("_key", "bound", "drawn", "trusts_tags")
 
-    def __init__(self, secret: str | None = None, *, bound: bool = True) -> None:
+    def __init__(self, secret: str | None = None, *, bound: bool = True, trusts_tags: bool = True) -> None:
+        """`trusts_tags=False` (unbound ids only): a tag taken back is not believed (`take` says no home), so only
+        the gateway's memory of where a response was made, which keeps its tenant, finds it: a sidecar's, whose
+        direct callers could name a central tenant's response by its engine id and the instance's public tag."""
         self.bound = bound
+        self.trusts_tags = trusts_tags or bound
         #: The secret was drawn at random (none given, none in the environment): ids hold in this process only.
         self.drawn = False
         if secret is None:
@@ -78,7 +82,8 @@ class ResponseIds:
         """The engine's id behind `shown` and the tag of the instance that made it (None: not known), if `shown` was
         made for `tenant`; else None. Unbound: any id, its tag if it has one."""
         if not self.bound:
-            return _open(shown)
+            engine_id, tag = _open(shown)
+            return engine_id, tag if self.trusts_tags else None
         cut = len(shown) - _MAC_HEX - _TAG_HEX - len(_MARK)
         if cut <= 0 or shown[cut : cut + len(_MARK)] != _MARK:
             return None

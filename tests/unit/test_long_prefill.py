@@ -141,3 +141,18 @@ async def test_long_prefill_ms_0_holds_nothing() -> None:
         lease.release()
     finally:
         await fleet.aclose()
+
+
+async def test_a_follow_up_stays_with_its_engine_even_behind_a_long_prefill() -> None:
+    """A long streamed follow-up (`previous_response_id`) whose engine prefills another long prompt waits its turn
+    there: moved to another instance, it reached an engine that does not hold the response it continues (a 404)."""
+    fleet = fleet_of(2)
+    try:
+        pool = fleet.pools["m"]
+        a, _ = pool.instances
+        long_a = fleet.lease(a, "m", LONG, LONG, long=True)
+        follow_up = RouteRequest("m", "", prompt_tokens=LONG, stream=True, pin=a.key, pin_only=True)
+        assert pool.choose(follow_up)[0] is a
+        long_a.release()
+    finally:
+        await fleet.aclose()

@@ -116,3 +116,12 @@ def test_a_gateway_with_tenants_and_no_secret_says_its_ids_hold_in_this_process_
     assert warning(tenants=False) is None  # (an open gateway's ids need no secret)
     monkeypatch.setenv(SECRET_ENV, "shared")
     assert warning(tenants=True) is None
+
+
+def test_a_sidecar_does_not_believe_the_tags_of_ids_taken_back() -> None:
+    """A tag is a public hash of an instance's key: at a sidecar (ids unbound, tenants relayed by centrals) a direct
+    caller could name a central tenant's response as `<engine id>_lg<tag>`, and once the sidecar had forgotten it,
+    be forwarded there under its own tenant (a second review). There the tag is stripped and not believed."""
+    shown = ResponseIds(bound=False).show("resp_abc", "", "http://engine-1")
+    assert ResponseIds(bound=False, trusts_tags=False).take(shown, "default") == ("resp_abc", None)
+    assert ResponseIds(bound=False).take(shown, "default") == ("resp_abc", home_tag("http://engine-1"))

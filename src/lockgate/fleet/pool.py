@@ -286,7 +286,12 @@ class Pool:
             if view is None:
                 raise Unavailable(f"No healthy instance can serve model '{self.model}' right now.", retry_after=1)
             instance, cached = self._by_key[view.key], view.cached_tokens
-        if request.stream and instance.own.long_pending and self.is_long(instance, request.prompt_tokens - cached):
+        if (
+            request.stream
+            and not request.pin_only  # (elsewhere, no engine holds the response a follow-up continues)
+            and instance.own.long_pending
+            and self.is_long(instance, request.prompt_tokens - cached)
+        ):
             instance, cached = self._long_elsewhere(request, snapshot)
         if request.blocks:
             if request.prompt_tokens > 0:
