@@ -30,6 +30,7 @@ from .errors import (
     DeadlineExceeded,
     InvalidRequest,
     NotFound,
+    Unavailable,
     UpstreamStatusError,
 )
 from .fleet.instance import upstream_headers
@@ -102,6 +103,12 @@ async def forward(
         raise NotFound(f"No response '{response_id}' is known for you.", code="response_not_found")
     pool, key, _ = found
     instance = pool.member(key)
+    if instance is None and pool.left_lately(key):  # (a sidecar restarting: its engines come back with it)
+        raise Unavailable(
+            f"The engine that holds response '{response_id}' cannot take requests right now; retry shortly.",
+            code="response_unavailable",
+            retry_after=2,
+        )
     if instance is None:
         raise NotFound(f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found")
     path = PREFIX + urllib.parse.quote(engine_id, safe="") + tail

@@ -230,6 +230,15 @@ async def test_a_follow_up_whose_engine_cannot_take_it_now_is_told_to_retry(star
     fleet.set_health(holder, True)
     async with http.post(gw.url + "/v1/responses", json=body) as r:
         assert r.status == 200 and r.headers["x-lockgate-instance"] == home
+    # Gone from the pool for a moment (a sidecar restarting: its engines leave and come back): the same, for the
+    # follow-up and for the stored response (a second review: both were sent elsewhere, or 404).
+    pool = fleet.pools["m"]
+    pool.discard(holder.key)
+    async with http.post(gw.url + "/v1/responses", json=body) as r:
+        assert r.status == 503 and (await r.json())["error"]["code"] == "previous_response_unavailable"
+    async with http.get(gw.url + f"/v1/responses/{made['id']}") as r:
+        assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+    assert [s.statistics()["requests_started"] for s in sims][1 - int(home[-1])] == started[1 - int(home[-1])]
 
 
 async def test_a_pool_remembers_a_bounded_number_of_responses(fleet) -> None:

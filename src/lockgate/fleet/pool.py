@@ -45,6 +45,11 @@ class HeaderLookup(Protocol):
 log = logging.getLogger(__name__)
 
 
+#: How long a member that left the pool is expected back (a sidecar restarting, its lease renewed): follow-ups to its
+#: responses are 503 meanwhile.
+DEPARTED_GRACE_S = 60.0
+
+
 class LongPrefillBusy(Exception):
     """A long prompt (`Pool.is_long`) while every candidate instance is prefilling one: the request waits for a
     turn (`Fleet.prefills`, `Pool.long_turn`), then routes again."""
@@ -96,6 +101,9 @@ class Pool:
         #: The instance that made each recent response (the Responses API), by response id: a follow-up naming one
         #: in `previous_response_id` is pinned there (the engine that may have stored it). The oldest are forgotten.
         self._response_homes: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        #: Members that left lately (a sidecar restarting, a reload), by key, with when: a follow-up to a response
+        #: made there is told to retry while they may come back (`DEPARTED_GRACE_S`), not sent elsewhere.
+        self._departed: dict[str, float] = {}
         #: Created for instances discovered at run time (cluster mode), not configured.
         self.discovered = False
         #: Central replicas (cluster mode): the anchor depth of the shared default placement
@@ -163,6 +171,14 @@ class Pool:
         entries age out by LRU."""
         if self._by_key.pop(key, None) is not None:
             self.instances = [i for i in self.instances if i.key != key]
+            now = time.monotonic()
+            self._departed = {k: t for k, t in self._departed.items() if now - t < DEPARTED_GRACE_S}
+            self._departed[key] = now
+
+    def left_lately(self, key: str) -> bool:
+        """Whether the instance `key` left the pool less than `DEPARTED_GRACE_S` ago (and is not back)."""
+        left = self._departed.get(key)
+        return left is not None and key not in self._by_key and time.monotonic() - left < DEPARTED_GRACE_S
 
     def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
@@ -259,16 +275,18 @@ class Pool:
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
         `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
-        if sole is None and request.pin_only and request.pin in self._by_key:
-            home = self._by_key[request.pin]
-            # (A sidecar briefly gone, an engine ejected or restarting: its responses come back with it. Another
-            # engine would answer 404, which no client retries.)
-            raise Unavailable(
-                f"The engine that holds the previous response ({home.name}) cannot take requests right now; retry "
-                "shortly.",
-                code="previous_response_unavailable",
-                retry_after=2,
-            )
+        if sole is None and request.pin_only and request.pin is not None:
+            home = self._by_key.get(request.pin)
+            if home is not None or self.left_lately(request.pin):
+                # (A sidecar briefly gone, an engine ejected or restarting: its responses come back with it. Another
+                # engine would answer 404, which no client retries.)
+                name = home.name if home is not None else request.pin
+                raise Unavailable(
+                    f"The engine that holds the previous response ({name}) cannot take requests right now; retry "
+                    "shortly.",
+                    code="previous_response_unavailable",
+                    retry_after=2,
+                )
         if sole is None:
             sole = self._sole_candidate(request)
         snapshot: PoolSnapshot | None = None
