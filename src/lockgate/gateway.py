@@ -495,12 +495,16 @@ class Gateway:
         except GatewayError as exc:
             reply = self.error_response(exc, echo)
             record.error = exc.message[:500]
+        except Exception:  # (a bug: still answered, and recorded as the gateway's failure)
+            log.exception("stored-response request %s failed inside the gateway", record.request_id)
+            reply = self.error_response(GatewayError("The gateway failed to serve the request."), echo)
+            record.error = "The gateway failed to serve the request."
         finally:
             self._stored_in_flight -= 1
             self.admission.settle_plain(reservation)
             if record.instance is not None:  # forwarded: an accepted request, recorded as it ended
                 record.finished_at = time.time()
-                if reply is None:  # (the client left, or the gateway stopped it)
+                if reply is None:  # (cancelled: the client left)
                     record.status, record.cancel_reason = "cancelled", "client_disconnect"
                 else:
                     record.http_status = reply.status

@@ -130,6 +130,7 @@ async def forward(
     if status >= 400:
         error = UpstreamStatusError(status, body, content_type)
         error.message = error.message.replace(engine_id, response_id)  # the id the client knows
+        record.error = error.message[:500]
         return Response(
             status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
         )

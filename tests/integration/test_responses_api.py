@@ -363,7 +363,9 @@ async def test_a_stored_route_is_recorded_under_the_request_id_its_engine_was_to
     assert rows[2]["client_request_id"] == "mine" and all(r["instance"] for r in rows)
 
 
-async def test_a_stored_routes_engine_failure_counts_against_the_instance(serve_app, start_gateway, http) -> None:
+async def test_a_stored_routes_engine_failure_counts_against_the_instance(
+    serve_app, start_gateway, http, tmp_path
+) -> None:
     """A 5xx (or a failed connection) on a stored route is the instance's failure, as on a generation: reported to
     the fleet (health, ejection), not only passed on to the client."""
     made = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
@@ -388,6 +390,9 @@ async def test_a_stored_routes_engine_failure_counts_against_the_instance(serve_
         assert r.status == 500 and "store is broken" in (await r.json())["error"]["message"]
     [engine] = gw.gateway.fleet.instances.values()
     assert engine.last_error is not None and "store is broken" in engine.last_error
+    await gw.gateway.records.wait_flushed()
+    [stored] = [r for r in read_records(str(tmp_path / "usage.sqlite3")) if r["endpoint"] == "responses.retrieve"]
+    assert (stored["status"], stored["http_status"]) == ("error", 500) and "store is broken" in stored["error"]
 
 
 async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, start_gateway, http) -> None:
