@@ -1240,3 +1240,17 @@ async def test_a_refused_head_request_gets_a_head_only() -> None:
         writer.write(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")  # the connection is still in step
         assert (await read_response(reader)).status == 500
     assert calls == []
+
+
+async def test_a_request_that_ends_last_during_shutdown_wakes_it() -> None:
+    """A connection closed while its request's task had not started yet was counted out of the requests in progress
+    after the drain check had run (`connection_lost` checked, then decremented): the shutdown then waited out its
+    whole timeout (a second review). The end of a request now checks the drain itself."""
+    server = HttpServer(lambda request: asyncio.sleep(0), max_body_bytes=1024)  # type: ignore[arg-type,return-value]
+    server.request_started()
+    waiter = asyncio.ensure_future(server.shutdown(timeout_s=30))
+    await asyncio.sleep(0)  # (the shutdown waits for the request in progress)
+    assert not waiter.done()
+    server.request_ended()
+    async with asyncio.timeout(5):  # bounds a hang only: the end wakes the shutdown at once
+        await waiter

@@ -203,10 +203,10 @@ class Connection(asyncio.Protocol):
             if not self._task_running:
                 # Cancelled before its first step, the coroutine never runs, nor its `finally`: account for it here.
                 self._task = None
-                self._server.requests_in_progress -= 1
+                self._server.request_ended()
         self._pipeline.clear()
         if self._held:
-            self._server.held_body_bytes -= self._held
+            self._server.release_body(self._held)
             self._held = 0
         if self._unsent:
             self._tell_sent(False)
@@ -335,7 +335,7 @@ class Connection(asyncio.Protocol):
                 raise self._rejecting(400, "Invalid Content-Length.") from None
             if content_length > server.limits.max_body_bytes:
                 raise self._rejecting(413, f"The request body is larger than {server.limits.max_body_bytes} bytes.")
-            if server.held_body_bytes + content_length > server.limits.max_held_body_bytes:
+            if not server.body_fits(content_length):
                 raise self._refusing_body()
         try:
             raw_path, path, query = split_target(url)
@@ -370,9 +370,9 @@ class Connection(asyncio.Protocol):
         server = self._server
         if self._body_size > server.limits.max_body_bytes:
             raise self._rejecting(413, f"The request body is larger than {server.limits.max_body_bytes} bytes.")
-        if server.held_body_bytes + size > server.limits.max_held_body_bytes:
+        if not server.body_fits(size):
             raise self._refusing_body()
-        server.held_body_bytes += size
+        server.hold_body(size)
         self._held += size
         self._body.append(chunk)
         if self._task is None:
@@ -396,9 +396,9 @@ class Connection(asyncio.Protocol):
             self._body = []
             weight = parsed_weight(raw)
             server = self._server
-            if server.held_body_bytes + weight > server.limits.max_held_body_bytes:
+            if not server.body_fits(weight):
                 raise self._refusing_body()
-            server.held_body_bytes += weight
+            server.hold_body(weight)
             self._held += weight
             request.held = len(raw) + weight
         if self._task is None:
@@ -411,7 +411,7 @@ class Connection(asyncio.Protocol):
 
     def _refusing_body(self) -> _Reject:
         """503 for a body that would take the server's held bodies past `max_held_body_bytes`."""
-        self._server.refused_bodies += 1
+        self._server.body_refused()
         return self._rejecting(
             503,
             "The gateway holds as many request bodies as it may; try again shortly (limits.max_held_body_bytes).",
@@ -429,7 +429,7 @@ class Connection(asyncio.Protocol):
     # -- requests --------------------------------------------------------------------------------------------------
 
     def _start(self, request: Request) -> None:
-        self._server.requests_in_progress += 1
+        self._server.request_started()
         self._task_running = False
         self._task = self._loop.create_task(self._run(request))
 
@@ -468,7 +468,7 @@ class Connection(asyncio.Protocol):
             size = request.held
             if size and not self.lost:  # (a lost connection gave back everything it held)
                 self._held -= size
-                self._server.held_body_bytes -= size
+                self._server.release_body(size)
             self._request_done()
 
     async def _finish_other(self, response: Response | StreamResponse, request: Request) -> None:
@@ -534,9 +534,7 @@ class Connection(asyncio.Protocol):
         self._stream = None
         self._started = False
         server = self._server
-        server.requests_in_progress -= 1
-        if server.closing:
-            server.check_drained()
+        server.request_ended()
         if self.lost:
             return
         if self.close_after or server.closing:

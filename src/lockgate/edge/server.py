@@ -220,6 +220,32 @@ class HttpServer:
             except TimeoutError:
                 log.error("Shutdown: %d handlers ignored their cancellation", self.requests_in_progress)
 
+    # --- what its connections call (the shared state changes only here) -------------------------------
+    def body_fits(self, size: int) -> bool:
+        """Whether `size` more bytes of request bodies may be held (`max_held_body_bytes`)."""
+        return self.held_body_bytes + size <= self.limits.max_held_body_bytes
+
+    def hold_body(self, size: int) -> None:
+        self.held_body_bytes += size
+
+    def release_body(self, size: int) -> None:
+        self.held_body_bytes -= size
+
+    def body_refused(self) -> None:
+        """A request answered 503: its body would have passed `max_held_body_bytes`."""
+        self.refused_bodies += 1
+
+    def request_started(self) -> None:
+        self.requests_in_progress += 1
+
+    def request_ended(self) -> None:
+        """A request's handler ended (or never started: its connection closed first). During shutdown the last
+        one wakes it (a connection that closed before its request's task ran was counted after the check: the
+        shutdown then waited out its whole timeout)."""
+        self.requests_in_progress -= 1
+        if self.closing:
+            self.check_drained()
+
     def check_drained(self) -> None:
         """During shutdown: wake it once no connection is open and no request in progress (its connections call
         this as their requests end)."""
