@@ -164,7 +164,7 @@ async def _call(
         raise too_large(instance.name, limit) from None
     except (ConnectError, DisconnectedError, ProtocolError) as exc:
         raise call_failed(fleet, instance, exc) from None
-    if response.status >= 500:
+    if response.status >= 400:  # (as a generation's answer is: a 5xx or refused credentials count against it)
         fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
     else:
         fleet.report_success(instance)
