@@ -409,21 +409,26 @@ async def test_a_p0_waiting_for_a_slot_inside_a_full_engine_gets_one_when_its_fi
     assert_no_leaks(gw)
 
 
-@pytest.mark.parametrize("p0_path", ["direct", "flight"])
-async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(start_sim, start_gateway, http, p0_path):
+@pytest.mark.parametrize(("p0_path", "measured"), [("direct", True), ("flight", True), ("direct", False)])
+async def test_a_p0_is_not_sent_behind_p2_requests_queued_in_the_engine(
+    start_sim, start_gateway, http, p0_path, measured
+):
     """The gateway sent an engine more than it runs at once (a ceiling above its two sequence slots, and no scrape
     to discover them: as in a flood's first moments, or a probe above a learned limit). Two P2 requests wait in
     the engine's own queue, first come, first served; a P0 request sent there would wait behind both for slots
     to free, a whole generation each. Before it goes, they are stopped (the engine had not started them: no
     token lost, no prefill counted again) and so is the newest running P2 request, so that the P0 request is
     taken in at the engine's next step. Every P2 request still gets its whole answer, once. The same when the P0
-    request leads a de-duplication flight (its engine calls are the flight's)."""
+    request leads a de-duplication flight (its engine calls are the flight's), and on a fresh gateway, before any
+    stream ended there (`measured=False`: no step time measured yet, only first tokens; a newcomer's P0 waited a
+    whole P2 generation there, nothing ever called overdue)."""
     sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0, max_num_seqs=2)
     gw = await start_gateway(
         [{"name": "m", "instances": [instance(sim, max_concurrency=8)]}], scrape={"enabled": False}
     )
     gateway = gw.gateway
-    await uninterrupted(http, gw.url, chat(0, max_tokens=4))  # the instance's step time is measured
+    if measured:
+        await uninterrupted(http, gw.url, chat(0, max_tokens=4))  # the instance's step time is measured
     streams = [Stream(http, gw.url, chat(n, max_tokens=30), "P2", after=1) for n in (1, 2, 3, 4)]
     async with asyncio.timeout(5):
         await sim.wait_until(lambda s: gauges(s) == (2, 2))

@@ -174,16 +174,25 @@ class OwnAccounting:
         self.updated_at = now
         return attempt
 
+    def step_s(self) -> float | None:
+        """The engine's step here: the measured TPOT; before any stream ended here (a fresh gateway, a flood's
+        first seconds), the measured TTFT, which holds at least a step (an upper bound: a due time later than it
+        could be, never earlier); None while neither is measured."""
+        if self.tpot.samples:
+            return self.tpot.value
+        return self.ttft.value if self.ttft.samples else None
+
     def first_token_due(self, attempt: Attempt, slack_steps: int = 1) -> float | None:
         """The latest `attempt` (sent here, unanswered) should have had its first token if the engine took it
         in at once: its prefill and what was queued ahead of it, at the measured rate, plus two steps (the
         rest of the step it arrived in, and its own) and `slack_steps` more for a loaded host. Past that it
-        waits in the engine's own queue for a sequence slot. None once answered, or while the step time (TPOT)
-        is not measured here."""
-        if attempt.first_at is not None or not self.tpot.samples:
+        waits in the engine's own queue for a sequence slot. None once answered, or while no step is known
+        (`step_s`: before it, a P0 sent behind a fresh gateway's flood waited a whole generation there)."""
+        step = self.step_s()
+        if attempt.first_at is not None or step is None:
             return None
         steps = 2 + slack_steps
-        return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + steps * self.tpot.value
+        return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + steps * step
 
     def overdue(self, now: float) -> bool | None:
         """Whether an attempt sent here is past its `first_token_due`: it waits in the engine's own queue for a
@@ -201,11 +210,12 @@ class OwnAccounting:
         gateway sent it within the step before (`tpot`): those may only wait for the step they arrived in, but an
         engine with a free slot takes every older request in at its next step. More waiting: older requests wait
         for a slot, the engine is full, and a request sent there waits behind them. Other clients of the engine
-        count as older (an engine shared with other gateways is called full sooner). None while the step time is
-        not measured."""
-        if not self.tpot.samples:
+        count as older (an engine shared with other gateways is called full sooner). None while no step is known
+        (`step_s`)."""
+        step = self.step_s()
+        if step is None:
             return None
-        since = at - self.tpot.value
+        since = at - step
         young = 0
         for attempt in reversed(self._unanswered):  # newest first
             if attempt.sent_at <= since:
