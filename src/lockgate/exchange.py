@@ -41,6 +41,9 @@ from .wire import ApiRequest, Endpoint
 
 log = logging.getLogger(__name__)
 
+#: The priority class a request was served at (response header).
+PRIORITY_SERVED_HEADER = "x-lockgate-priority"
+
 if TYPE_CHECKING:
     from .admission.gate import Allowance
     from .fleet.instance import Instance, Lease
@@ -156,8 +159,9 @@ class Exchange:
         self._cancel_detected_at: float | None = None
         #: Release callbacks of resources handed over with `hold()`, run once by `_release()`.
         self._holds: list[Callable[[], None]] = []
-        #: Headers added to the response (e.g. x-ratelimit-*).
-        self.response_headers: dict[str, str] = {}
+        #: Headers added to the response (x-ratelimit-*; the priority class it was served at, which a tenant's
+        #: `max_priority` may have lowered from the one asked for).
+        self.response_headers: dict[str, str] = {PRIORITY_SERVED_HEADER: priority} if priority else {}
         #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
         self.allowance: Allowance | None = None
         #: A response's ids and event numbering as its client sees them (None: not a response).

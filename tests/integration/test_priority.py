@@ -451,3 +451,20 @@ async def test_a_request_refused_before_any_engine_costs_no_request(start_sim, s
     status, _, raw = await post(http, gw.url, chat(3), **auth)
     assert status == 429 and orjson.loads(raw)["error"]["code"] == "rate_limit_exceeded"
     assert_no_leaks(gw)
+
+
+async def test_the_answer_says_the_priority_it_was_served_at(start_sim, start_gateway, http):
+    """A tenant capped at P2 that asks for P0 is served at P2: its answer says so (`x-lockgate-priority`; a newcomer
+    found the cap only in the usage records), as does an answer at the tenant's default class."""
+    sim = await start_sim()
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[
+            {"name": "batch", "keys": [hash_key("b")], "max_priority": "P2"},
+            {"name": "vip", "keys": [hash_key("v")], "max_priority": "P0"},
+        ],
+    )
+    for key, asked, served in (("b", "P0", "P2"), ("v", "P0", "P0"), ("v", None, "P1")):
+        headers = {"Authorization": f"Bearer {key}", **({"x-priority": asked} if asked else {})}
+        async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(chat()), headers=headers) as resp:
+            assert resp.status == 200 and resp.headers["x-lockgate-priority"] == served, (key, asked)
