@@ -87,6 +87,19 @@ async def test_streamed_response_matches_the_whole_one(client, fleet, tmp_path) 
     assert streamed[0]["first_token_at"] is not None
 
 
+async def test_an_answer_without_a_limit_ends_completed_as_an_engines_does(client) -> None:
+    """The simulator ended every answer at a token limit, its own when the client set none: every response
+    `incomplete` (the SDK's stream helper then raises: "Didn't receive a response.completed event", a newcomer's
+    first try) and every chat answer `length`. Without a limit, its own length is a natural end now."""
+    async with client.responses.stream(model="m", input="stream me") as stream:
+        final = await stream.get_final_response()
+    assert final.status == "completed" and final.output_text
+    chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason == "stop"
+    limited = await client.responses.create(model="m", input="hi", max_output_tokens=3)
+    assert limited.status == "incomplete"  # (the client's own limit: as OpenAI says it)
+
+
 async def test_events_keep_their_type_lines_and_end_without_done(fleet, http) -> None:
     _, gw = fleet
     body = {"model": "m", "input": "hi", "max_output_tokens": 3, "stream": True}

@@ -153,11 +153,21 @@ class Token:
 class TokenStream:
     """Generates tokens for one request, one ``next()`` at a time (a pure, synchronous state machine)."""
 
-    __slots__ = ("_key", "_matcher", "_text", "finish_reason", "max_tokens", "num_generated", "seed")
+    __slots__ = ("_key", "_matcher", "_natural", "_text", "finish_reason", "max_tokens", "num_generated", "seed")
 
-    def __init__(self, prompt_tokens: Sequence[str], seed: int, max_tokens: int, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        prompt_tokens: Sequence[str],
+        seed: int,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        natural_end: bool = False,
+    ) -> None:
+        """`natural_end`: the client set no limit, and `max_tokens` is the simulator's own answer length: reaching it
+        is the answer's natural end (`stop`, as an engine's end-of-sequence token is), not the client's limit."""
         self.seed = seed
         self.max_tokens = max_tokens
+        self._natural = natural_end
         self.num_generated = 0
         self.finish_reason: str | None = None
         self._key = context_key(prompt_tokens)
@@ -179,7 +189,7 @@ class TokenStream:
         if stopped:
             self.finish_reason = "stop"
         elif self.num_generated >= self.max_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = "stop" if self._natural else "length"
             delta += self._matcher.flush(self._text)
         return Token(tok, delta, self.finish_reason)
 
@@ -192,8 +202,10 @@ class Completion:
 
 
 @functools.lru_cache(maxsize=8192)
-def _generate_cached(key: tuple[str, ...], seed: int, max_tokens: int, stop: tuple[str, ...]) -> Completion:
-    stream = TokenStream(key, seed, max_tokens, stop)
+def _generate_cached(
+    key: tuple[str, ...], seed: int, max_tokens: int, stop: tuple[str, ...], natural_end: bool
+) -> Completion:
+    stream = TokenStream(key, seed, max_tokens, stop, natural_end)
     tokens: list[Token] = []
     while True:
         t = stream.next()
@@ -202,6 +214,8 @@ def _generate_cached(key: tuple[str, ...], seed: int, max_tokens: int, stop: tup
             return Completion(tuple(tokens), "".join(x.delta for x in tokens), t.finish_reason)
 
 
-def generate(prompt_tokens: Sequence[str], seed: int, max_tokens: int, stop: Sequence[str] = ()) -> Completion:
+def generate(
+    prompt_tokens: Sequence[str], seed: int, max_tokens: int, stop: Sequence[str] = (), natural_end: bool = False
+) -> Completion:
     """All of a request's output at once (memoised: the output depends only on a few small inputs)."""
-    return _generate_cached(context_key(prompt_tokens), seed, max_tokens, tuple(stop))
+    return _generate_cached(context_key(prompt_tokens), seed, max_tokens, tuple(stop), natural_end)

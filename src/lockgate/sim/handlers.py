@@ -335,7 +335,7 @@ class Api:
 
     def _fast(self, req: GenRequest, rec: RequestRecord) -> web.Response:
         """Answer at once, without the step loop (``--fast``): the cheapest path that still counts stats."""
-        comp = generate(req.prompt_tokens, self._seed(req), req.max_tokens, req.stop)
+        comp = generate(req.prompt_tokens, self._seed(req), req.max_tokens, req.stop, req.natural_end)
         n_prompt, n_gen = len(req.prompt_tokens), len(comp.tokens)
         stats = self.stats
         stats.tokens_generated += n_gen
@@ -392,10 +392,10 @@ class Api:
             if delay > 0:
                 await asyncio.sleep(delay / 1000.0)
             seed = self._seed(req)
-            stream = TokenStream(req.prompt_tokens, seed, req.max_tokens, req.stop)
+            stream = TokenStream(req.prompt_tokens, seed, req.max_tokens, req.stop, req.natural_end)
             tokens: Generation | _ListTokens
             if self.engine is None:  # --fast with a fault injected: precomputed tokens, still no step loop
-                comp = generate(req.prompt_tokens, seed, req.max_tokens, req.stop)
+                comp = generate(req.prompt_tokens, seed, req.max_tokens, req.stop, req.natural_end)
                 tokens = _ListTokens(comp.tokens)
                 stats.prompt_tokens += len(req.prompt_tokens)
                 stats.tokens_generated += len(comp.tokens)

@@ -49,6 +49,10 @@ class GenRequest:
     priority: int
     #: A response's request body (the Responses API), for the store (`sim/stored.py`); None otherwise.
     body: dict[str, Any] | None = None
+    #: The client set no token limit: the answer ends at the simulator's own length as at an end-of-sequence token
+    #: (`finish_reason: stop`, a response `completed`), not `length` (a response `incomplete`, which the openai
+    #: SDK's stream helper takes for a failure).
+    natural_end: bool = False
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -112,7 +116,10 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
         raise WireError(400, "the prompt is empty", param="prompt" if kind != "chat" else "messages")
     max_tokens = _get(body, "max_output_tokens" if kind == "responses" else "max_completion_tokens", int, None)
     if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int, config.default_max_tokens)
+        max_tokens = _get(body, "max_tokens", int, None)
+    natural_end = max_tokens is None
+    if max_tokens is None:
+        max_tokens = config.default_max_tokens
     if max_tokens < 1:
         raise WireError(400, "max_tokens must be at least 1", param="max_tokens")
     if len(prompt_tokens) + max_tokens > config.max_model_len:
@@ -145,6 +152,7 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
         temperature=float(_get(body, "temperature", (int, float), 1.0)),
         priority=_get(body, "priority", int, 0),
         body=body if kind == "responses" else None,
+        natural_end=natural_end,
     )
 
 
