@@ -45,7 +45,7 @@ from .observe.trace import TRACEPARENT, TRACESTATE, trace_headers
 from .records import RecordWriter, UsageRecord
 from .relay import relay
 from .request_ids import client_request_id, echoed_request_id, new_request_id
-from .response_ids import SECRET_ENV, ResponseIds
+from .response_ids import SECRET_ENV, ResponseIds, take_references
 from .slo import SloService
 from .wire import Endpoint, parse_request
 from .workerset import WorkerSet
@@ -119,8 +119,8 @@ class Gateway:
         )
         self.slo_provider = self.slo.cached
         self.dashboard = Dashboard(self, config.dashboard) if config.dashboard.enabled else None
-        #: Who may use `/admin/*`, `/dashboard` and (if configured) `/metrics`.
-        #: The operator's routes, behind the admin gate.
+        #: The operator's routes, behind the admin gate (who may use `/admin/*`, `/dashboard` and, if configured,
+        #: `/metrics`).
         self.admin = AdminApi(self, AdminGate(config.admin, lambda: self.admission.book))
         self._route_table = self._routes()
         #: Each path's methods, for a 405's `Allow` (RFC 9110 15.5.6).
@@ -345,7 +345,7 @@ class Gateway:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
             ids = self._shown_ids() if api.endpoint is Endpoint.RESPONSES else None
-            previous = stored.take_references(api.body, tenant.name, ids, pool) if ids is not None else None
+            previous = take_references(api.body, tenant.name, ids, pool) if ids is not None else None
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))

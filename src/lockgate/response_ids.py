@@ -18,6 +18,9 @@ An open gateway (no tenants: one party, nothing to bind) shows `<engine id>_lg<t
 the tag alone, so that its workers and replicas, each with its own memory of where responses were made, pin a
 follow-up to the engine that holds the previous response (elsewhere the engine answers 404), with no secret to share.
 It takes back any id: one with a tag is pinned, one without (an engine's own) is routed as any request.
+
+`take_references` applies this to what a response request names (`previous_response_id`; with tenants, refusing
+names the gateway cannot bind: `conversation`, `item_reference`); `ResponseNaming`, to what its answer shows.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
     from .fleet.instance import Instance
@@ -148,6 +153,63 @@ class ResponseNaming:
         """An engine's error message about the response followed up, naming it by the id the client knows."""
         previous = self._previous
         return message if previous is None else message.replace(previous[0], previous[1])
+
+
+def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Pool) -> tuple[str, str] | None:
+    """The earlier responses a response request names, as the engine knows them. A follow-up
+    (`previous_response_id`) continues only its own tenant's responses: the id its client was shown is replaced by the
+    engine's, and the instance it names is remembered as the response's home (the follow-up is pinned there, even by
+    a process that never saw the response); another tenant's id, or one made up, is 404 (as an unknown one is at the
+    engine, which would otherwise put that tenant's conversation in front of this request). With tenants, names the
+    gateway cannot bind to one (a `conversation`, an input item of type `item_reference`: an engine that serves them
+    looks them up in a store every tenant shares) are refused. Returns the engine's id and the client's, if the body
+    names a previous response."""
+    if ids.bound:
+        _refuse_unbound_names(body)
+    previous = body.get("previous_response_id")
+    if not isinstance(previous, str):
+        return None
+    taken = ids.take(previous, tenant)
+    home = pool.response_home(taken[0]) if taken is not None else None
+    if taken is None or (home is not None and home[1] != tenant):
+        # (The memory's tenant counts where ids are not bound: at a sidecar, a direct caller naming a response a
+        # central made for one of its tenants, as the stored routes already refused.)
+        raise NotFound(
+            f"Previous response with id '{previous}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    engine_id, tag = taken
+    if tag is not None and home is None:
+        key = tagged_member(pool, tag)
+        if key is not None:
+            pool.remember_response(engine_id, key, tenant)
+    body["previous_response_id"] = engine_id
+    return engine_id, previous
+
+
+def _refuse_unbound_names(body: dict[str, Any]) -> None:
+    """A `conversation` or an `item_reference` input item: 400 (see `take_references`)."""
+    if body.get("conversation") is not None:
+        raise InvalidRequest(
+            "`conversation` is not accepted by this gateway: it serves several tenants and cannot keep one tenant's "
+            "conversation from another's; send the conversation's items in `input`, or use `previous_response_id`.",
+            param="conversation",
+        )
+    items = body["input"]
+    if isinstance(items, list):
+        for index, item in enumerate(items):
+            if item.get("type") == "item_reference":
+                raise InvalidRequest(
+                    f"`input[{index}]`: item references are not accepted by this gateway: it serves several tenants "
+                    "and cannot keep one tenant's items from another's; send the item itself.",
+                    param=f"input[{index}]",
+                )
+
+
+def tagged_member(pool: Pool, tag: str) -> str | None:
+    """The key of the member a shown id's tag names (`home_tag`), if any."""
+    return next((i.key for i in pool.instances if home_tag(i.key) == tag), None)
 
 
 def _open(shown: str) -> tuple[str, str | None]:

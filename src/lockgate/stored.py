@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -35,7 +35,7 @@ from .errors import (
 )
 from .fleet.instance import upstream_headers
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
-from .response_ids import home_tag
+from .response_ids import tagged_member
 from .responses import show_ids
 from .upstream import call_failed, too_large
 
@@ -180,67 +180,10 @@ def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:
     return None
 
 
-def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Pool) -> tuple[str, str] | None:
-    """The earlier responses a response request names, as the engine knows them. A follow-up
-    (`previous_response_id`) continues only its own tenant's responses: the id its client was shown is replaced by the
-    engine's, and the instance it names is remembered as the response's home (the follow-up is pinned there, even by
-    a process that never saw the response); another tenant's id, or one made up, is 404 (as an unknown one is at the
-    engine, which would otherwise put that tenant's conversation in front of this request). With tenants, names the
-    gateway cannot bind to one (a `conversation`, an input item of type `item_reference`: an engine that serves them
-    looks them up in a store every tenant shares) are refused. Returns the engine's id and the client's, if the body
-    names a previous response."""
-    if ids.bound:
-        _refuse_unbound_names(body)
-    previous = body.get("previous_response_id")
-    if not isinstance(previous, str):
-        return None
-    taken = ids.take(previous, tenant)
-    home = pool.response_home(taken[0]) if taken is not None else None
-    if taken is None or (home is not None and home[1] != tenant):
-        # (The memory's tenant counts where ids are not bound: at a sidecar, a direct caller naming a response a
-        # central made for one of its tenants, as the stored routes already refused.)
-        raise NotFound(
-            f"Previous response with id '{previous}' not found.",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
-    engine_id, tag = taken
-    if tag is not None and home is None:
-        key = _tagged(pool, tag)
-        if key is not None:
-            pool.remember_response(engine_id, key, tenant)
-    body["previous_response_id"] = engine_id
-    return engine_id, previous
-
-
-def _refuse_unbound_names(body: dict[str, Any]) -> None:
-    """A `conversation` or an `item_reference` input item: 400 (see `take_references`)."""
-    if body.get("conversation") is not None:
-        raise InvalidRequest(
-            "`conversation` is not accepted by this gateway: it serves several tenants and cannot keep one tenant's "
-            "conversation from another's; send the conversation's items in `input`, or use `previous_response_id`.",
-            param="conversation",
-        )
-    items = body["input"]
-    if isinstance(items, list):
-        for index, item in enumerate(items):
-            if item.get("type") == "item_reference":
-                raise InvalidRequest(
-                    f"`input[{index}]`: item references are not accepted by this gateway: it serves several tenants "
-                    "and cannot keep one tenant's items from another's; send the item itself.",
-                    param=f"input[{index}]",
-                )
-
-
-def _tagged(pool: Pool, tag: str) -> str | None:
-    """The key of the member a shown id's tag names (`response_ids.home_tag`), if any."""
-    return next((i.key for i in pool.instances if home_tag(i.key) == tag), None)
-
-
 def _home_by_tag(fleet: Fleet, tag: str, tenant: Tenant) -> tuple[Pool, str, str] | None:
     """The pool and key of the instance a shown id's tag names (a process that never saw the response)."""
     for pool in fleet.pools.values():
-        key = _tagged(pool, tag) if tenant.may_use(pool.model) else None
+        key = tagged_member(pool, tag) if tenant.may_use(pool.model) else None
         if key is not None:
             return pool, key, tenant.name
     return None

@@ -79,7 +79,7 @@ def test_an_unbound_follow_up_may_not_continue_a_response_remembered_for_another
     from typing import Any
 
     from lockgate.errors import NotFound
-    from lockgate.stored import take_references
+    from lockgate.response_ids import take_references
 
     homes = {"resp_1": ("http://engine-1", "tenant-a")}
     pool: Any = SimpleNamespace(response_home=homes.get, instances=[])

@@ -478,7 +478,7 @@ class Connection(asyncio.Protocol):
             await response.write_eof()
         elif self._stream is not None:
             log.error("Handler for %s %s streamed a response but returned %r", request.method, request.path, response)
-            self._stream._eof = True  # later writes to it raise instead of landing in another response
+            self._stream.abandon()
             self.close_after = True
         elif isinstance(response, Response):
             self._write_whole(response, request)  # a Response subclass

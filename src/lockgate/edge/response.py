@@ -148,6 +148,11 @@ class StreamResponse:
         """`write_eof` has been called."""
         return self._eof
 
+    def abandon(self) -> None:
+        """The connection gave up on this response (its handler ended without finishing it): later writes to it
+        raise instead of landing in the connection's next response."""
+        self._eof = True
+
     async def prepare(self, request: Request) -> None:
         """Send the status line and headers (`start`, for callers that await)."""
         if awaitpoints.hook is not None:

@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..config import ModelConfig
 from ..errors import Unavailable
@@ -31,9 +31,6 @@ from ..wire import ApiRequest, Endpoint
 from .ejection import ejection_allowed
 from .instance import Instance
 from .state import Ewma
-
-if TYPE_CHECKING:
-    pass
 
 
 class HeaderLookup(Protocol):
