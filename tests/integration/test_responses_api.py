@@ -330,23 +330,15 @@ async def test_stored_responses_are_asked_of_the_engine_that_made_them(start_sim
         assert r.status == 404
 
 
-async def test_a_stored_route_is_recorded_under_the_request_id_its_engine_was_told(
-    serve_app, start_gateway, http, tmp_path
-) -> None:
-    """A stored route forwarded to an engine is a request: one usage record (an outside run found none: no trail of
-    who read or deleted what), under the id the engine was told, which its answer carries unless the client sent
-    its own (a second id was made for the answer); found or not."""
-    told: list[str] = []
-    made = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
+MADE = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
+
+
+async def stored_engine(serve_app, start_gateway, http, retrieve) -> tuple[Any, str]:
+    """A gateway in front of a fake engine that makes response `resp_1` (`MADE`) and answers its retrieval with
+    `retrieve`; the gateway and the id its client was shown for it."""
 
     async def create(request: web.Request) -> web.Response:
-        return web.json_response(made)
-
-    async def retrieve(request: web.Request) -> web.Response:
-        told.append(request.headers["x-request-id"])
-        if len(told) == 2:  # (deleted meanwhile)
-            return web.json_response({"error": {"message": "gone", "type": "NotFoundError"}}, status=404)
-        return web.json_response(made)
+        return web.json_response(MADE)
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -357,7 +349,24 @@ async def test_a_stored_route_is_recorded_under_the_request_id_its_engine_was_to
     app.router.add_get("/health", health)
     gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
     async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi"}) as r:
-        shown = (await r.json())["id"]
+        return gw, (await r.json())["id"]
+
+
+async def test_a_stored_route_is_recorded_under_the_request_id_its_engine_was_told(
+    serve_app, start_gateway, http, tmp_path
+) -> None:
+    """A stored route forwarded to an engine is a request: one usage record (an outside run found none: no trail of
+    who read or deleted what), under the id the engine was told, which its answer carries unless the client sent
+    its own (a second id was made for the answer); found or not."""
+    told: list[str] = []
+
+    async def retrieve(request: web.Request) -> web.Response:
+        told.append(request.headers["x-request-id"])
+        if len(told) == 2:  # (deleted meanwhile)
+            return web.json_response({"error": {"message": "gone", "type": "NotFoundError"}}, status=404)
+        return web.json_response(MADE)
+
+    gw, shown = await stored_engine(serve_app, start_gateway, http, retrieve)
     async with http.get(gw.url + f"/v1/responses/{shown}") as r:
         assert r.status == 200 and r.headers["x-request-id"] == told[-1]
     async with http.get(gw.url + f"/v1/responses/{shown}") as r:
@@ -381,24 +390,11 @@ async def test_a_stored_routes_engine_failure_counts_against_the_instance(
 ) -> None:
     """A 5xx (or a failed connection) on a stored route is the instance's failure, as on a generation: reported to
     the fleet (health, ejection), not only passed on to the client."""
-    made = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
-
-    async def create(request: web.Request) -> web.Response:
-        return web.json_response(made)
 
     async def retrieve(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "store is broken", "type": "InternalError"}}, status=500)
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/responses", create)
-    app.router.add_get("/v1/responses/{id}", retrieve)
-    app.router.add_get("/health", health)
-    gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
-    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi"}) as r:
-        shown = (await r.json())["id"]
+    gw, shown = await stored_engine(serve_app, start_gateway, http, retrieve)
     async with http.get(gw.url + f"/v1/responses/{shown}") as r:
         assert r.status == 500 and "store is broken" in (await r.json())["error"]["message"]
     [engine] = gw.gateway.fleet.instances.values()
