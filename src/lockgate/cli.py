@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sidecar.set_defaults(func=_serve, role="sidecar")
 
     check = commands.add_parser("check-config", parents=[common], help="validate a configuration file and exit")
-    check.add_argument("config")
+    check.add_argument("config", help="the YAML configuration file to check (exit 2 and the reasons if it is invalid)")
     check.set_defaults(func=_check_config)
 
     hashk = commands.add_parser(

@@ -15,27 +15,62 @@ from .server import SimServer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SimConfig()
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=tcp_port, default=8000, help="TCP port (0 picks a free one)")
+    parser.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    parser.add_argument(
+        "--port", type=tcp_port, default=8000, help="TCP port (default %(default)s; 0 picks a free one)"
+    )
     parser.add_argument("--uds", default=None, help="serve on this unix socket path instead of TCP")
     parser.add_argument(
         "--model",
         action="append",
         dest="models",
         metavar="NAME",
-        help="served model name (repeatable; default sim-model)",
+        help="served model name (repeatable; default sim-model: name the gateway's model, or set its `served_model`)",
     )
     parser.add_argument("--fast", action="store_true", help="answer at once: no step loop, no delays")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--prefill-tps", type=float, default=d.prefill_tps)
-    parser.add_argument("--tpot-ms", type=float, default=d.tpot_ms)
-    parser.add_argument("--batch-growth", type=float, default=d.batch_growth)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--kv-blocks", type=int, default=d.num_kv_blocks)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--max-tokens-default", type=int, default=d.default_max_tokens)
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, help="seeds sampled answers (temperature > 0, no seed; default %(default)s)"
+    )
+    parser.add_argument(
+        "--prefill-tps",
+        type=float,
+        default=d.prefill_tps,
+        help="prompt tokens prefilled a second (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tpot-ms", type=float, default=d.tpot_ms, help="one decode step, a token each, alone (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-growth",
+        type=float,
+        default=d.batch_growth,
+        help="how much longer a step takes for each sequence in the batch (default %(default)s: 2%%)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences run at once (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens a step may take in, prefill chunks included (default %(default)s)",
+    )
+    parser.add_argument("--kv-blocks", type=int, default=d.num_kv_blocks, help="KV-cache blocks (default %(default)s)")
+    parser.add_argument(
+        "--block-size", type=int, default=d.block_size, help="tokens a KV-cache block holds (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=d.default_max_tokens,
+        help="an answer's length when the client sets no limit (a natural end; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="context length, prompt and answer (default %(default)s)",
+    )
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate (chain)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's key, if not in --tls-cert")
     parser.add_argument(
