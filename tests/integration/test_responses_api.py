@@ -455,37 +455,6 @@ async def test_with_tenants_names_the_gateway_cannot_bind_are_refused(start_sim,
     assert sim.statistics()["requests_started"] == 1
 
 
-async def test_an_open_gateways_follow_up_finds_its_engine_from_another_process(start_sim, start_gateway, http) -> None:
-    """Without tenants, a shown id still names the instance that made the response (its tag): another gateway
-    process (a `--workers` sibling, a replica), which never saw the response and shares no secret, pins the
-    follow-up there and forwards a retrieval there (each simulator stores only its own responses)."""
-    sims = [await start_sim(**SIM) for _ in range(3)]
-    models = rotating(sims)
-    first, second = await start_gateway(models), await start_gateway(models)
-    async with http.post(first.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
-        made, home = await r.json(), r.headers["x-lockgate-instance"]
-    for stream in (False, True, False):
-        body = {
-            "model": "m",
-            "input": "and?",
-            "max_output_tokens": 2,
-            "previous_response_id": made["id"],
-            "stream": stream,
-        }
-        async with http.post(second.url + "/v1/responses", json=body) as r:
-            assert r.status == 200 and r.headers["x-lockgate-instance"] == home
-            raw = await r.read()
-        answer = orjson.loads(raw) if not stream else orjson.loads(raw.rstrip().split(b"\n")[-1][6:])["response"]
-        assert answer["previous_response_id"] == made["id"]  # as the client sent it
-    async with http.get(second.url + f"/v1/responses/{made['id']}") as r:
-        assert r.status == 200 and (await r.json())["id"] == made["id"]
-    # An engine's own id (no tag) is routed as any request, and reaches the engine as it is.
-    engine_id = made["id"].rsplit("_lg", 1)[0]
-    body = {"model": "m", "input": "z", "max_output_tokens": 2, "previous_response_id": engine_id}
-    async with http.post(first.url + "/v1/responses", json=body) as r:
-        assert r.status == 200 and r.headers["x-lockgate-instance"] == home  # (the first process remembers it)
-
-
 def _fake_responses_engine() -> web.Application:
     """A Responses engine whose answer the request's `input` picks: `fail` (the engine fails the response: streamed
     `response.failed`, whole `status: failed`), `cut` (the stream ends after a delta, without a terminal event), else
@@ -700,22 +669,27 @@ async def test_a_tenant_bound_id_holds_across_gateway_processes(start_sim, start
     assert sim.statistics()["requests_started"] == 2  # the first response and its one accepted follow-up
 
 
-async def test_another_process_finds_a_tenants_response_by_its_id(start_sim, start_gateway, http, monkeypatch) -> None:
-    """A shown id names the instance that made the response: a gateway process that never saw it (a restart with the
-    secret kept, another worker or replica) pins the follow-up there and forwards a retrieval there (each simulator
-    stores only its own responses: elsewhere both would be 404), and the echoed `previous_response_id` is the id the
-    client sent."""
+@pytest.mark.parametrize("tenants", [False, True])
+async def test_another_process_finds_a_responses_engine_by_its_id(
+    start_sim, start_gateway, http, monkeypatch, tenants
+) -> None:
+    """A shown id names the instance that made the response (its tag): another gateway process that never saw it (a
+    restart, a `--workers` sibling, a replica) pins the follow-up there and forwards a retrieval there (each
+    simulator stores only its own responses: elsewhere both would be 404), and the echoed `previous_response_id` is
+    the id the client sent. With tenants the processes share the secret; an open gateway needs none."""
     from lockgate.response_ids import SECRET_ENV
 
     sims = [await start_sim(**SIM) for _ in range(3)]
     models = rotating(sims)
-    tenants = [{"name": "a", "keys": [hash_key("key-a")]}]
-    monkeypatch.setenv(SECRET_ENV, "kept across restarts")
-    first, second = await start_gateway(models, tenants=tenants), await start_gateway(models, tenants=tenants)
-    a = {"Authorization": "Bearer key-a"}
-    async with http.post(
-        first.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}, headers=a
-    ) as r:
+    extra: dict[str, Any] = {}
+    auth: dict[str, str] = {}
+    if tenants:
+        extra["tenants"] = [{"name": "a", "keys": [hash_key("key-a")]}]
+        auth = {"Authorization": "Bearer key-a"}
+        monkeypatch.setenv(SECRET_ENV, "kept across restarts")
+    first, second = await start_gateway(models, **extra), await start_gateway(models, **extra)
+    first_body = {"model": "m", "input": "hi", "max_output_tokens": 2}
+    async with http.post(first.url + "/v1/responses", json=first_body, headers=auth) as r:
         made, home = await r.json(), r.headers["x-lockgate-instance"]
     assert made["previous_response_id"] is None
     for stream in (False, True, False):
@@ -726,14 +700,20 @@ async def test_another_process_finds_a_tenants_response_by_its_id(start_sim, sta
             "previous_response_id": made["id"],
             "stream": stream,
         }
-        async with http.post(second.url + "/v1/responses", json=body, headers=a) as r:
+        async with http.post(second.url + "/v1/responses", json=body, headers=auth) as r:
             assert r.status == 200 and r.headers["x-lockgate-instance"] == home
             raw = await r.read()
         answer = orjson.loads(raw) if not stream else orjson.loads(raw.rstrip().split(b"\n")[-1][6:])["response"]
         assert answer["previous_response_id"] == made["id"]  # as the client sent it, not the engine's
-        assert answer["id"].rsplit("_lg", 1)[0] != answer["id"]  # its own id shown bound, too
-    async with http.get(second.url + f"/v1/responses/{made['id']}", headers=a) as r:
+        assert answer["id"].rsplit("_lg", 1)[0] != answer["id"]  # its own id shown tagged, too
+    async with http.get(second.url + f"/v1/responses/{made['id']}", headers=auth) as r:
         assert r.status == 200 and (await r.json())["id"] == made["id"]
+    if not tenants:
+        # An engine's own id (no tag) is routed as any request, and reaches the engine as it is.
+        engine_id = made["id"].rsplit("_lg", 1)[0]
+        body = {"model": "m", "input": "z", "max_output_tokens": 2, "previous_response_id": engine_id}
+        async with http.post(first.url + "/v1/responses", json=body) as r:
+            assert r.status == 200 and r.headers["x-lockgate-instance"] == home  # (the first process remembers it)
 
 
 async def test_ids_shown_to_a_stored_results_clients_and_engine_errors_name_no_engine_id(
