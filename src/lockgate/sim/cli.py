@@ -12,6 +12,20 @@ from ..runner import run_async
 from .config import SimConfig
 from .server import SimServer
 
+#: The engine's numeric knobs: option, `SimConfig` field (its default is the option's), type, what it sets.
+_KNOBS: tuple[tuple[str, str, type[int] | type[float], str], ...] = (
+    ("--seed", "seed", int, "seeds sampled answers (temperature > 0, no seed)"),
+    ("--prefill-tps", "prefill_tps", float, "prompt tokens prefilled a second"),
+    ("--tpot-ms", "tpot_ms", float, "one decode step, a token each, alone"),
+    ("--batch-growth", "batch_growth", float, "how much longer a step takes for each sequence in the batch"),
+    ("--max-num-seqs", "max_num_seqs", int, "sequences run at once"),
+    ("--max-batched-tokens", "max_num_batched_tokens", int, "tokens a step may take in, prefill chunks included"),
+    ("--kv-blocks", "num_kv_blocks", int, "KV-cache blocks"),
+    ("--block-size", "block_size", int, "tokens a KV-cache block holds"),
+    ("--max-tokens-default", "default_max_tokens", int, "an answer's length when the client sets no limit"),
+    ("--max-model-len", "max_model_len", int, "context length, prompt and answer"),
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SimConfig()
@@ -28,49 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="served model name (repeatable; default sim-model: name the gateway's model, or set its `served_model`)",
     )
     parser.add_argument("--fast", action="store_true", help="answer at once: no step loop, no delays")
-    parser.add_argument(
-        "--seed", type=int, default=d.seed, help="seeds sampled answers (temperature > 0, no seed; default %(default)s)"
-    )
-    parser.add_argument(
-        "--prefill-tps",
-        type=float,
-        default=d.prefill_tps,
-        help="prompt tokens prefilled a second (default %(default)s)",
-    )
-    parser.add_argument(
-        "--tpot-ms", type=float, default=d.tpot_ms, help="one decode step, a token each, alone (default %(default)s)"
-    )
-    parser.add_argument(
-        "--batch-growth",
-        type=float,
-        default=d.batch_growth,
-        help="how much longer a step takes for each sequence in the batch (default %(default)s: 2%%)",
-    )
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences run at once (default %(default)s)"
-    )
-    parser.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help="tokens a step may take in, prefill chunks included (default %(default)s)",
-    )
-    parser.add_argument("--kv-blocks", type=int, default=d.num_kv_blocks, help="KV-cache blocks (default %(default)s)")
-    parser.add_argument(
-        "--block-size", type=int, default=d.block_size, help="tokens a KV-cache block holds (default %(default)s)"
-    )
-    parser.add_argument(
-        "--max-tokens-default",
-        type=int,
-        default=d.default_max_tokens,
-        help="an answer's length when the client sets no limit (a natural end; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=d.max_model_len,
-        help="context length, prompt and answer (default %(default)s)",
-    )
+    for flag, field, kind, what in _KNOBS:
+        metavar = flag[2:].upper().replace("-", "_")
+        parser.add_argument(
+            flag,
+            dest=field,
+            metavar=metavar,
+            type=kind,
+            default=getattr(d, field),
+            help=f"{what} (default %(default)s)",
+        )
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate (chain)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's key, if not in --tls-cert")
     parser.add_argument(
@@ -88,19 +69,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         port=args.port,
         uds=args.uds,
         fast=args.fast,
-        seed=args.seed,
-        prefill_tps=args.prefill_tps,
-        tpot_ms=args.tpot_ms,
-        batch_growth=args.batch_growth,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
-        num_kv_blocks=args.kv_blocks,
-        block_size=args.block_size,
-        default_max_tokens=args.max_tokens_default,
-        max_model_len=args.max_model_len,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         fail_after_s=args.fail_after_s,
+        **{field: getattr(args, field) for _, field, _, _ in _KNOBS},
     )
 
 
