@@ -138,7 +138,7 @@ class Resumable:
             received_before = self.received
             try:
                 opened = await self._engine(self._open(api, upstream_id))
-                ex.record.instance = opened.call.served_by
+                ex.served_by(opened.call.served_by)
                 self.headers.setdefault("x-lockgate-instance", opened.call.served_by)
                 upstream = opened.events
                 assert upstream is not None  # a resumable generation is read as a stream
