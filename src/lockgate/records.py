@@ -266,27 +266,15 @@ class RecordWriter:
     def _spill_one(self, record: UsageRecord) -> None:
         """Append the record to the spill file; if the disk refuses (full, read-only, gone), hold it in memory rather
         than lose it, and past that bound write it to the log. Never raises (`submit()` runs in a request's cleanup)."""
-        if self._spill is not None:
-            try:
-                _append(self._spill, _record_line(record))
-            except OSError as exc:
-                if not self._spill_failing:  # (once, not once a record: the log may sit on the same full disk)
-                    self._spill_failing = True
-                    log.error("usage writer: cannot append to %s (%s); holding records in memory", self._spill, exc)
-            else:
-                if self._spill_failing:
-                    self._spill_failing = False
-                    log.warning("usage writer: %s takes records again", self._spill)
-                self._metrics.usage_records_spilled.inc()
-                return
-        self._hold(record)
-
-    def _hold(self, record: UsageRecord) -> None:
-        """Keep a record neither the database nor the spill file took, up to `queue_size`; past that, the log."""
-        if len(self._held) < self._queue_size:
-            self._held.append(record)
+        if self._spill is None:
+            self._hold(record)
+            return
+        try:
+            _append(self._spill, _record_line(record))
+        except OSError as exc:
+            self._spilled([record], exc)
         else:
-            self._log_record(record)
+            self._spilled([record], None)
 
     async def _spill_batch(self, batch: list[UsageRecord]) -> None:
         """A batch to the spill file in one append, off the event loop (a backoff's worth of records appended one
@@ -298,14 +286,31 @@ class RecordWriter:
         try:
             await asyncio.to_thread(_append, self._spill, b"".join(_record_line(record) for record in batch))
         except OSError as exc:
-            if not self._spill_failing:
-                self._spill_failing = True
-                log.error("usage writer: cannot append to %s (%s); holding records in memory", self._spill, exc)
-            for record in batch:
-                self._hold(record)
+            self._spilled(batch, exc)
+        else:
+            self._spilled(batch, None)
+
+    def _spilled(self, records: list[UsageRecord], error: OSError | None) -> None:
+        """What appending `records` to the spill file came to: counted, or (`error`: the disk refused) held in memory;
+        said once a failing spell, not once a record (the log may sit on the same full disk)."""
+        if error is None:
+            if self._spill_failing:
+                self._spill_failing = False
+                log.warning("usage writer: %s takes records again", self._spill)
+            self._metrics.usage_records_spilled.inc(len(records))
             return
-        self._spill_failing = False
-        self._metrics.usage_records_spilled.inc(len(batch))
+        if not self._spill_failing:
+            self._spill_failing = True
+            log.error("usage writer: cannot append to %s (%s); holding records in memory", self._spill, error)
+        for record in records:
+            self._hold(record)
+
+    def _hold(self, record: UsageRecord) -> None:
+        """Keep a record neither the database nor the spill file took, up to `queue_size`; past that, the log."""
+        if len(self._held) < self._queue_size:
+            self._held.append(record)
+        else:
+            self._log_record(record)
 
     def _log_record(self, record: UsageRecord) -> None:
         """The last resort: the record as a JSON line in the log (an operator's log collector keeps it)."""
