@@ -140,3 +140,22 @@ def test_an_instance_sent_nothing_yet_is_not_charged_for_evicting() -> None:
     second, _ = p.choose(chat_route(p, system + "question 2"))
     assert second is other
     assert p.index.room(other.key) is None  # it holds a prompt now: an unknown cache counts as full again
+
+
+async def test_instances_that_left_are_remembered_for_the_grace_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The departures a pool keeps (`Pool.left_lately`) are those within `DEPARTED_GRACE_S`: older ones go at the
+    next departure (the memory is bounded by what left within the grace)."""
+    from lockgate.fleet import pool as pool_module
+    from tests.unit.test_long_prefill import fleet_of
+
+    fleet = fleet_of(3)
+    try:
+        pool = fleet.pools["m"]
+        a, b, _ = pool.instances
+        pool.discard(a.key)
+        assert pool.left_lately(a.key) and not pool.left_lately(b.key)
+        monkeypatch.setattr(pool_module, "DEPARTED_GRACE_S", 0.0)  # (a's departure is past the grace now)
+        pool.discard(b.key)
+        assert not pool.left_lately(a.key) and a.key not in pool._departed
+    finally:
+        await fleet.aclose()
