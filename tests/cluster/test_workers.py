@@ -351,9 +351,12 @@ def sleepers(pid: int) -> set[int]:
     """The children of `pid` running the stand-in that sleeps (a healthy worker)."""
     found = set()
     for child in children_of(pid):
-        with open(f"/proc/{child}/cmdline") as fh:
-            if "sleep" in fh.read():
-                found.add(child)
+        try:
+            with open(f"/proc/{child}/cmdline") as fh:
+                if "sleep" in fh.read():
+                    found.add(child)
+        except OSError:  # (it ended since `children_of` saw it: a worker just killed)
+            continue
     return found
 
 
