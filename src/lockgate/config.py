@@ -245,6 +245,11 @@ class UpstreamConfig(_Strict):
     max_response_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     #: One SSE event (or line) from an engine may not be larger than this: the stream breaks (502) beyond it.
     max_event_bytes: Annotated[int, Field(ge=1024)] = 1024 * 1024
+    #: A streamed engine call that waits this long for the engine's next byte (the answer's head, or its next event)
+    #: is closed as hung: 504 `upstream_stalled` (tried on another instance if nothing reached the client yet), and
+    #: the instance is reported failed. 0: never. A non-streaming call, whose answer comes whole at its end, is
+    #: bounded by its model's `timeout_ms` instead.
+    stall_timeout_ms: Annotated[int, Field(ge=0)] = 120_000
 
 
 class HealthConfig(_Strict):

@@ -19,6 +19,8 @@
     └── UpstreamError                 502     upstream_error
         ├── UpstreamConnectError      502     (nothing was sent to the engine, or no answer)
         ├── UpstreamProtocolError     502     (the engine broke the stream or sent garbage)
+        │   └── UpstreamStalled       504     code=upstream_stalled   (the engine sent nothing for
+        │                                     `upstream.stall_timeout_ms` while a stream was awaited)
         └── UpstreamStatusError       any     (the engine's own status; its error in this envelope, a 4xx as
                                               invalid_request_error, code=context_length_exceeded when the
                                               prompt does not fit)
@@ -198,6 +200,14 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     default_code = "upstream_protocol_error"
+
+
+class UpstreamStalled(UpstreamProtocolError):
+    """The engine sent nothing for `upstream.stall_timeout_ms` while its streamed answer was awaited (a hung engine
+    holds its requests until then, not forever); the call was closed."""
+
+    status = 504
+    default_code = "upstream_stalled"
 
 
 class UpstreamStatusError(UpstreamError):

@@ -14,7 +14,8 @@ Error handling: the client's errors are translated here into `UpstreamConnectErr
 response: the request may be retried elsewhere), `UpstreamStatusError` (the engine said no) and
 `UpstreamProtocolError` (the stream broke after it started or carried the engine's error event, or the
 engine sent more than the gateway holds: a body over `upstream.max_response_bytes`, an SSE event over
-`upstream.max_event_bytes`).
+`upstream.max_event_bytes`), and its `UpstreamStalled` (a streamed call waited `upstream.stall_timeout_ms` for the
+engine's next byte, its head or an event: a hung engine; the pool closed the connection, see `lockgate.http`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ from typing import Any, TypeVar
 import orjson
 
 from .assemble import has_content
-from .errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamStatusError, stream_error
+from .errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStalled,
+    UpstreamStatusError,
+    stream_error,
+)
 from .fleet.fleet import Fleet
 from .fleet.instance import Instance, Lease, upstream_headers
-from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge
+from .http import ConnectError, DisconnectedError, ProtocolError, Response, ResponseTooLarge, StalledError
 from .metrics import GatewayMetrics
 from .responses import is_terminal
 from .sse import DONE, EventTooLarge, SSEDecoder
@@ -105,6 +113,8 @@ class UpstreamCall:
                 self._path,
                 self._body,
                 upstream_headers(instance, self._request_id, stream=self.stream, extra=self._extra_headers),
+                # A streamed answer sends something every token; a whole body comes only at its end.
+                watch=self.stream,
             )
         except (ConnectError, DisconnectedError, ProtocolError) as exc:
             self._finish()
@@ -170,11 +180,11 @@ class UpstreamCall:
             raise RuntimeError("UpstreamCall.open() was not called or failed")
         return self._response
 
-    def broken(self, reason: str) -> None:
-        """The stream broke: abort the call, and report the engine's failure unless the gateway had
+    def broken(self, reason: str, kind: str = "stream") -> None:
+        """The stream broke: abort the call, and report the engine's failure (`kind`) unless the gateway had
         closed it itself."""
         if self.abort():
-            self._fleet.report_failure(self.instance, "stream", reason)
+            self._fleet.report_failure(self.instance, kind, reason)
 
     def release(self) -> None:
         """The body is complete: the connection goes back to the pool."""
@@ -387,6 +397,10 @@ class UpstreamEvents:
                         self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
                         self._tail = True
                     self._index = 0
+                except StalledError as exc:
+                    self._done = True
+                    call.broken(str(exc), "stall")
+                    raise stalled(call.served_by, exc) from None
                 except ProtocolError as exc:
                     self._done = True
                     call.broken(repr(exc))
@@ -472,6 +486,9 @@ def call_failed(
     if isinstance(exc, DisconnectedError):
         fleet.report_failure(instance, "disconnect", repr(exc))
         return UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}")
+    if isinstance(exc, StalledError):
+        fleet.report_failure(instance, "stall", str(exc))
+        return stalled(instance.name, exc)
     fleet.report_failure(instance, "protocol", repr(exc))
     return UpstreamProtocolError(f"Instance {instance.name} failed: {exc}")
 
@@ -481,4 +498,12 @@ def too_large(instance: str, limit: int) -> UpstreamProtocolError:
     return UpstreamProtocolError(
         f"Instance {instance} sent an answer larger than upstream.max_response_bytes ({limit} bytes).",
         code="upstream_response_too_large",
+    )
+
+
+def stalled(instance: str, exc: StalledError) -> UpstreamStalled:
+    """The error for a streamed engine call that waited `upstream.stall_timeout_ms` for the engine's next byte (504)."""
+    return UpstreamStalled(
+        f"Instance {instance} sent nothing for {exc.timeout_s:g}s (upstream.stall_timeout_ms): "
+        "the engine looks hung; the call was closed."
     )

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from lockgate.http import ConnectError, DisconnectedError, HttpPool, ProtocolError
+from lockgate.http import ConnectError, DisconnectedError, HttpPool, ProtocolError, StalledError
 from lockgate.http.connection import HIGH_WATER, WRITE_PIECE
 
 RawHandler = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -750,3 +750,63 @@ async def test_cancel_while_sending_a_large_body(raw_server, open_pool) -> None:
     # The head future nobody awaits any more is cancelled, not failed ("exception was never retrieved").
     assert head is not None and head.cancelled()
     eof.set()
+
+
+# -- stalls ---------------------------------------------------------------------------------------------------
+
+
+STALL_S = 0.05
+
+
+async def test_a_watched_request_fails_as_stalled_when_its_server_goes_silent(raw_server, open_pool) -> None:
+    """Before its head and in the middle of its body: the request fails with `StalledError`, the connection is
+    closed (the server sees its end) and its slot is free."""
+    closed = [asyncio.Event(), asyncio.Event()]
+
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if index == 2:  # a head and one chunk, then nothing
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
+        assert await reader.read() == b""  # the client closed the connection
+        closed[index - 1].set()
+
+    pool = open_pool((await raw_server(handler)).url, stall_timeout_s=STALL_S)
+    with pytest.raises(StalledError, match=r"sent nothing for 0\.05s"):
+        await pool.request("POST", "/", b"{}", watch=True)
+    await closed[0].wait()
+    response = await pool.request("POST", "/", b"{}", watch=True)
+    chunks = response.chunks()
+    assert await anext(chunks) == b"one"
+    with pytest.raises(StalledError):
+        await anext(chunks)
+    await closed[1].wait()
+    assert_clean(pool, idle=0)
+
+
+async def test_neither_an_unwatched_request_nor_one_whose_reading_is_paused_stalls(raw_server, open_pool) -> None:
+    """A request not watched waits as long as its server takes (a whole answer that comes at its end); one whose
+    reader has not taken what arrived (reading paused: the gateway is the slow one) is not the server's stall, and is
+    watched again from the moment its reader resumes. Each survives a check that failed a stalled request after it."""
+    size = 2 * HIGH_WATER
+
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if index == 2:  # part of a large body, more than the client buffers before pausing, then nothing
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (size + 1) + b"x" * size)
+        await reader.read()
+
+    pool = open_pool((await raw_server(handler)).url, stall_timeout_s=STALL_S)
+    unwatched = asyncio.create_task(pool.request("POST", "/", b"{}"))
+    await until(lambda: pool.in_use == 1)
+    paused = await pool.request("POST", "/", b"{}", watch=True)
+    await until(lambda: paused.buffered > HIGH_WATER)
+    with pytest.raises(StalledError):  # a third request, watched, on a silent server
+        await pool.request("POST", "/", b"{}", watch=True)
+    assert not unwatched.done()
+    assert len(paused.next_nowait() or b"") > HIGH_WATER  # it was not failed; its reading resumes
+    with pytest.raises(StalledError):  # the rest never comes: now it is the server's stall
+        await paused.read()
+    unwatched.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await unwatched
+    assert_clean(pool, idle=0)

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: An engine's refusals of the gateway's own credentials: failures of the instance, as a 5xx is, not the request's.
 _CREDENTIALS_REFUSED = ("http_401", "http_403", "http_407")
+#: Failures that count against an instance's health (with a 5xx): it broke the connection, the answer or the stream,
+#: or went silent in it.
+_ENGINE_FAILURES = ("disconnect", "protocol", "stream", "stall")
 #: How old a scrape may be for a strict request's look at its engine's queue (`Lease.queue_ahead`): a fresher one is
 #: taken again, an older one is scraped anew (a look per strict request at most, joined while one is under way).
 _LOOK_MAX_AGE_S = 0.01
@@ -338,6 +341,7 @@ class Fleet:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
+        stall_ms = self._config.upstream.stall_timeout_ms
         http, scrapes = (
             HttpPool(
                 spec.url,
@@ -346,8 +350,10 @@ class Fleet:
                 connect_timeout_s=connect_timeout,
                 ssl_context=tls,
                 server_name=server_name,
+                stall_timeout_s=stall_s,
             )
-            for connections in (limit, 1)
+            # Scrapes are bounded by their own timeout (`scrape.timeout_ms`).
+            for connections, stall_s in ((limit, stall_ms / 1000 if stall_ms else None), (1, None))
         )
         instance = Instance(
             spec,
@@ -414,7 +420,7 @@ class Fleet:
                     if other.url == instance.url and other is not instance and not other.ejection.ejected:
                         self._set_health(other, False)
                         other.ejection.eject_now(now)
-        elif kind in ("disconnect", "protocol", "stream") or kind.startswith("http_5") or kind in _CREDENTIALS_REFUSED:
+        elif kind in _ENGINE_FAILURES or kind.startswith("http_5") or kind in _CREDENTIALS_REFUSED:
             if kind in _CREDENTIALS_REFUSED and not instance.told_credentials:
                 instance.told_credentials = True  # once per instance: its `api_key` (or the engine's) is wrong
                 log.warning(

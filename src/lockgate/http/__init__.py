@@ -6,7 +6,7 @@ read with `read()` or `chunks()`, and the connection is given back with `release
 """
 
 from .connection import Response
-from .errors import ConnectError, DisconnectedError, HttpClientError, ProtocolError, ResponseTooLarge
+from .errors import ConnectError, DisconnectedError, HttpClientError, ProtocolError, ResponseTooLarge, StalledError
 from .pool import HttpPool, PoolStatistics
 
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "ProtocolError",
     "Response",
     "ResponseTooLarge",
+    "StalledError",
 ]

@@ -23,6 +23,10 @@ A `Connection` carries one exchange at a time (no pipelining). Its life, as seen
   consuming the buffer resumes it. `read()` consumes as it goes, so it never stalls itself.
 * Bounds: a response head (status line and headers) over `MAX_HEAD_BYTES` is a `ProtocolError`; `read()`
   takes a `max_bytes` beyond which the body is refused (`ResponseTooLarge`) and the connection closed.
+* Stalls: a request sent `watched` records when the server last sent something (`last_read`: the request's
+  sending counts, and so does resuming paused reading). The pool asks `stalled(now, timeout)` now and then; an
+  exchange still waiting for bytes that has had none for `timeout` is failed with `StalledError` and the
+  connection closed. While reading is paused the gateway is the one not taking bytes: that never counts.
 
 Who closes what: the connection closes itself on a parse error, on bytes it did not ask for, and when its
 response is complete but not reusable. Otherwise the `Response`'s owner decides: `release()` returns a
@@ -41,7 +45,7 @@ from typing import TypeVar, cast
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
 from .. import awaitpoints
-from .errors import DisconnectedError, ProtocolError, ResponseTooLarge
+from .errors import DisconnectedError, ProtocolError, ResponseTooLarge, StalledError
 
 T = TypeVar("T")
 
@@ -243,11 +247,13 @@ class Connection(asyncio.Protocol):
         "_until_close",
         "closed",
         "idle_since",
+        "last_read",
         "loop",
         "reading_paused",
         "reused",
         "transport",
         "unsent",
+        "watched",
         "writing_paused",
     )
 
@@ -262,6 +268,9 @@ class Connection(asyncio.Protocol):
         #: Served a request before the current one (a failure before any response byte may be a stale socket).
         self.reused = False
         self.idle_since = 0.0
+        #: The current request is watched for stalls (`stalled`), and when the server last sent something for it.
+        self.watched = False
+        self.last_read = 0.0
         self.reading_paused = False
         self.writing_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -278,13 +287,19 @@ class Connection(asyncio.Protocol):
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def send(self, head: bytes, body: bytes, *, head_only: bool = False) -> asyncio.Future[Response]:
-        """Write a request; the future resolves with the response once its head has arrived."""
+    def send(
+        self, head: bytes, body: bytes, *, head_only: bool = False, watched: bool = False
+    ) -> asyncio.Future[Response]:
+        """Write a request; the future resolves with the response once its head has arrived. A `watched` request
+        may be failed as stalled (`stalled`)."""
         future: asyncio.Future[Response] = self.loop.create_future()
         transport = self.transport
         if self.closed or transport is None:
             future.set_exception(DisconnectedError("connection closed before the request was sent"))
             return future
+        self.watched = watched
+        if watched:
+            self.last_read = self.loop.time()
         self._head = future
         self._head_only = head_only
         self._head_bytes = 0
@@ -336,8 +351,26 @@ class Connection(asyncio.Protocol):
 
     def resume_reading(self) -> None:
         self.reading_paused = False
+        if self.watched:
+            self.last_read = self.loop.time()  # the time it was paused was the reader's, not the server's
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """If this connection's watched exchange has waited `timeout` seconds or more for the server's next byte
+        (with reading not paused), fail it with `StalledError`, close the connection and return True."""
+        if (
+            not self.watched
+            or self.closed
+            or self.reading_paused
+            or (self._head is None and self._response is None)
+            or now - self.last_read < timeout
+        ):
+            return False
+        error = StalledError(timeout)
+        self._fail(error, error)
+        self.abort()
+        return True
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
 
@@ -377,6 +410,8 @@ class Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection's state is unknown
             return
         self._received = True
+        if self.watched:
+            self.last_read = self.loop.time()
         if self._head is not None:
             self._head_bytes += len(data)  # an upper bound of the head received so far
         # The response whose body this read may carry: its listener hears of the whole read once, after the

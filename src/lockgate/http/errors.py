@@ -7,7 +7,9 @@
     │                       may or may not have been processed
     └── ProtocolError       the response was malformed, or the connection broke (or was closed by us)
         │                   after its head arrived
-        └── ResponseTooLarge  the body is larger than the reader's bound (the connection is closed)
+        ├── ResponseTooLarge  the body is larger than the reader's bound (the connection is closed)
+        └── StalledError      the server sent nothing for the pool's stall timeout while a response was awaited
+                              (the connection is closed)
 
 OS errors and httptools' `HttpParserError` are translated into these where they enter (`connection.py`,
 `pool.py`).
@@ -34,3 +36,12 @@ class ProtocolError(HttpClientError):
 
 class ResponseTooLarge(ProtocolError):
     """The response body is larger than the reader accepts; the connection was closed."""
+
+
+class StalledError(ProtocolError):
+    """The server sent nothing for the pool's `stall_timeout_s` while the response (its head, or the rest of its
+    body) was awaited on a watched request; the connection was closed."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the server sent nothing for {timeout_s:g}s")
+        self.timeout_s = timeout_s

@@ -14,6 +14,10 @@ connecting. Every slot is in exactly one place:
   the first waiter (`Connection`, or `None` meaning "the slot is yours, open a new one") instead of going
   idle or back to the count. A waiter cancelled after being handed something gives it back, so nothing leaks.
 
+Stalls: with a `stall_timeout_s`, a request made `watch=True` that waits that long for the server's next byte (its
+head, or the rest of its body) fails with `StalledError` and its connection is closed (`Connection.stalled`). One
+timer checks the connections in use every quarter of the timeout, armed only while a watched request is out.
+
 A connection tells the pool exactly once that it closed (`_forget`, from `Connection.abort()` or
 `connection_lost`); whoever held it then simply holds a closed connection. `aclose()` aborts every idle and
 in-use connection and fails the waiters.
@@ -69,6 +73,7 @@ class HttpPool:
         connect_timeout_s: float = 5.0,
         ssl_context: ssl.SSLContext | None = None,
         server_name: str | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
@@ -102,6 +107,8 @@ class HttpPool:
         self._waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
         self._slots = 0
         self._sweep: asyncio.TimerHandle | None = None
+        self._stall_timeout = stall_timeout_s
+        self._stall_check: asyncio.TimerHandle | None = None
         self._closed = False
 
     @property
@@ -116,13 +123,20 @@ class HttpPool:
         return PoolStatistics(len(self._idle), len(self._in_use), len(self._waiters), self._slots, self._max)
 
     async def request(
-        self, method: str, path: str, body: bytes = b"", headers: Collection[tuple[str, str]] = ()
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: Collection[tuple[str, str]] = (),
+        *,
+        watch: bool = False,
     ) -> Response:
         """Send a request; returns once the response's status line and headers have arrived.
 
         Sends `Host` and `Content-Length` plus `headers` (names and values must not contain CR or LF).
         The caller owns the returned response: it must be read to its end, released or closed. If this is
-        cancelled while waiting, the connection is closed at once and never reused.
+        cancelled while waiting, the connection is closed at once and never reused. With `watch` (and the pool's
+        `stall_timeout_s`), waiting that long for the server's next byte fails the request (`StalledError`).
         """
         if awaitpoints.hook is not None:
             await awaitpoints.hook("HttpPool.request", None)
@@ -131,7 +145,10 @@ class HttpPool:
         fresh = False
         while True:
             conn = (None if fresh else self._checkout_nowait()) or await self._checkout(fresh)
-            future = conn.send(head, body, head_only=head_only)
+            watched = watch and self._stall_timeout is not None
+            future = conn.send(head, body, head_only=head_only, watched=watched)
+            if watched and self._stall_check is None:
+                self._arm_stall_check(conn.loop)
             try:
                 if conn.unsent is not None:
                     await conn.send_rest()
@@ -148,9 +165,10 @@ class HttpPool:
     async def aclose(self) -> None:
         """Close every connection, idle and in use (their readers see a ProtocolError); fail waiters."""
         self._closed = True
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
+        for timer in (self._sweep, self._stall_check):
+            if timer is not None:
+                timer.cancel()
+        self._sweep = self._stall_check = None
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -312,6 +330,27 @@ class HttpPool:
         self._expire(count)
         if idle:
             self._sweep = asyncio.get_running_loop().call_at(idle[0].idle_since + self._keepalive, self._sweep_idle)
+
+    # -- stalls ---------------------------------------------------------------------------------------------------
+
+    def _arm_stall_check(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._stall_timeout is not None
+        self._stall_check = loop.call_later(max(self._stall_timeout / 4, 0.005), self._check_stalls)
+
+    def _check_stalls(self) -> None:
+        """Fail the watched requests that have waited the stall timeout for their server; re-armed while any is out."""
+        self._stall_check = None
+        timeout = self._stall_timeout
+        if timeout is None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        watching = False
+        for conn in list(self._in_use):  # (a stalled connection leaves `_in_use` as it closes)
+            if conn.watched and not conn.stalled(now, timeout) and not conn.closed:
+                watching = True
+        if watching:
+            self._arm_stall_check(loop)
 
     def _where(self) -> str:
         return self._socket_path if self._socket_path is not None else f"{self._host}:{self._port}"

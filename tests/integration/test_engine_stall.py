@@ -1,0 +1,117 @@
+"""An engine that goes silent — a hung GPU: its `/health` still answers, its streams stop — holds a request for
+`upstream.stall_timeout_ms`, not forever. A stream that had begun ends with a 504-coded error event (never `[DONE]`)
+and everything the request held is given back; one that had sent nothing to the client yet is tried on another
+instance. The engine sees its connection closed, and the instance is reported failed (kind `stall`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from typing import Any
+
+import aiohttp
+import orjson
+
+from lockgate.records import read_records
+from tests.conftest import instance
+from tests.integration.cancel_support import assert_gateway_clean, counter
+
+STALL = {"upstream": {"stall_timeout_ms": 100}}
+
+
+def _chunk(content: str) -> bytes:
+    event = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+async def _hung_engine(stack: contextlib.AsyncExitStack, chunks: int, gone: asyncio.Event) -> str:
+    """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
+    then nothing until the gateway closes the connection (then `gone` is set); anything else is answered `{}`."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if not head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                    continue
+                events = b"".join(_chunk(c) for c in "ab"[:chunks])
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
+                if events:
+                    writer.write(b"%x\r\n%s\r\n" % (len(events), events))
+                assert await reader.read() == b""  # nothing more, until the gateway closes the connection
+                gone.set()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _request(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True, **extra}
+
+
+async def test_a_stream_whose_engine_goes_silent_ends_with_a_stall_error(start_gateway, stack, tmp_path):
+    gone = asyncio.Event()
+    url = await _hung_engine(stack, 2, gone)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}], **STALL)
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
+        assert resp.status == 200  # the stream had begun: the error comes as its last event
+        raw = await resp.read()
+    assert b'"content":"a"' in raw and b'"content":"b"' in raw and b"[DONE]" not in raw
+    last = orjson.loads(raw.strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == "upstream_stalled"
+    assert "upstream.stall_timeout_ms" in last["error"]["message"]
+    await asyncio.wait_for(gone.wait(), 5)  # the engine saw its connection closed
+    assert counter(gw.gateway.metrics.upstream_errors, instance="e", kind="stall") == 1
+    assert_gateway_clean(gw.gateway)
+    await gw.gateway.records.wait_flushed()
+    (row,) = read_records(str(tmp_path / "usage.sqlite3"))
+    assert row["status"] == "error"
+
+
+async def test_a_client_wanting_the_whole_answer_gets_504_and_a_silent_engine_is_left_for_another(
+    start_gateway, start_sim, stack
+):
+    """Nothing reached the client yet: the request goes on to the healthy instance. With nowhere else to go (a model
+    that the hung engine serves alone), the client gets 504."""
+    gone = asyncio.Event()
+    url = await _hung_engine(stack, 0, gone)
+    sim = await start_sim()
+    hung = {"url": url, "engine": "llamacpp", "name": "hung"}  # read as a stream whatever the client asked
+    gw = await start_gateway(
+        [
+            {"name": "m", "routing": "round_robin", "instances": [hung, instance(sim, name="sim")]},
+            {"name": "alone", "instances": [{**hung, "served_model": "m"}]},
+        ],
+        **STALL,
+    )
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):  # round robin: one of the two starts on the hung engine
+            async with http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            assert raw.endswith(b"data: [DONE]\n\n") and b"error" not in raw
+        assert counter(gw.gateway.metrics.upstream_errors, instance="hung", kind="stall") >= 1
+        async with http.post(gw.url + "/v1/chat/completions", json=_request(model="alone", stream=False)) as resp:
+            assert resp.status == 504
+            error = (await resp.json())["error"]
+    assert error["code"] == "upstream_stalled" and error["type"] == "upstream_error"
+    assert_gateway_clean(gw.gateway)
