@@ -4,24 +4,29 @@ own, and the checks themselves catching violations."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from lockgate.bench import chaos
 from lockgate.bench.chaosclient import Manner, Outcome
 from lockgate.bench.faultproxy import FaultProxy
+from lockgate.http import HttpPool, StalledError
+from tests.integration.cancel_support import wait_sim_idle
 
 
 async def test_short_chaos_run_passes_every_check() -> None:
-    result = await chaos.run(chaos.Settings(requests=300, concurrency=24, warmup=32, seed=7))
+    result = await chaos.run(chaos.Settings(requests=300, concurrency=24, warmup=32, seed=7, stall=0.05))
     text = chaos.report(result)
     assert result.ok, text
     manners = {o.manner for o in result.outcomes}
     assert manners == {Manner.READ, Manner.LEAVE, Manner.SLOW}, text
-    assert result.resets >= 1 and any(o.left for o in result.outcomes), text  # the chaos really happened
+    # The chaos really happened: resets, frozen answers, clients leaving.
+    assert result.resets >= 1 and result.stalls >= 1 and any(o.left for o in result.outcomes), text
     assert len(result.records) == result.accepted >= 300
     assert any(r["status"] == "cancelled" for r in result.records)
     print(text)
@@ -74,3 +79,21 @@ async def test_fault_proxy_resets_engine_requests_and_leaves_probes_alone(start_
         proxy.reset_fraction = 0.0
         async with aiohttp.ClientSession() as http, http.post(proxy.url + "/v1/chat/completions", data=body) as resp:
             assert resp.status == 200 and (await resp.json())["choices"]
+
+
+async def test_fault_proxy_freezes_an_answer_until_its_client_gives_up(start_sim) -> None:
+    """A frozen answer: its head never comes; when the client closes, the engine's connection is closed too (the
+    simulated engine sees its client gone and drops the request)."""
+    sim = await start_sim()
+    async with FaultProxy("127.0.0.1", sim.port, stall_fraction=1.0, max_offset=0) as proxy:
+        pool = HttpPool(proxy.url, stall_timeout_s=0.05)
+        try:
+            body = orjson.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000, "stream": True}
+            )
+            with pytest.raises(StalledError):
+                await pool.request("POST", "/v1/chat/completions", body, watch=True)
+        finally:
+            await pool.aclose()
+        assert proxy.stats.stalls == 1
+        await asyncio.wait_for(wait_sim_idle(sim), 10)

@@ -1,11 +1,12 @@
 """`lockgate bench chaos`: the standing guard against leaks and lost records under faults.
 
 A gateway (`lockgate serve`, a child process, so its memory and file descriptors are its own) runs in front of
-simulated engines, each behind a `FaultProxy` that resets a fraction of the engine requests at random points.
-Clients (raw sockets, `chaosclient.py`) send a seeded mix of streaming and non-streaming requests, some of
-them deterministic repeats of a few prompts (so they are de-duplicated: coalesced or served from the result
-cache); a fraction leave mid-request, a few read slowly. A warm-up without faults comes first; the gateway's
-RSS and open file descriptors are measured after it (the baseline) and again at the end.
+simulated engines, each behind a `FaultProxy` that resets a fraction of the engine requests at random points and
+freezes a few others (a hung engine: the gateway's stall timeout, short here, ends a stream's; the model's
+`timeout_ms` a non-streaming one's). Clients (raw sockets, `chaosclient.py`) send a seeded mix of streaming and
+non-streaming requests, some of them deterministic repeats of a few prompts (so they are de-duplicated: coalesced
+or served from the result cache); a fraction leave mid-request, a few read slowly. A warm-up without faults comes
+first; the gateway's RSS and open file descriptors are measured after it (the baseline) and again at the end.
 
 Checks, each printed PASS/FAIL (the command exits 1 on any failure):
 * every answer the clients read to its end is well formed (a stream ends with `[DONE]` or an error event; an
@@ -61,6 +62,11 @@ ZERO_GAUGES = (
 )
 
 
+#: The gateway's stall timeout and its model's deadline in the run (what a frozen answer costs a client).
+STALL_MS = 500
+DEADLINE_MS = 3000
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     requests: int = 2000
@@ -70,6 +76,8 @@ class Settings:
     engines: int = 2
     #: Share of engine requests the proxies reset.
     reset: float = 0.05
+    #: Share of engine requests the proxies freeze (those not reset).
+    stall: float = 0.02
     #: Share of clients that leave before their answer is complete, after 0..`leave_within_s`.
     disconnect: float = 0.3
     leave_within_s: float = 0.08
@@ -103,6 +111,7 @@ class Result:
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
     resets: int = 0
+    stalls: int = 0
     engine_requests: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     accepted: float = 0.0
@@ -140,7 +149,10 @@ def _config(port: int, proxies: list[FaultProxy], usage_path: str) -> str:
         "health: {interval_ms: 500, timeout_ms: 5000}\n"
         "scrape: {interval_ms: 200}\n"
         "shutdown: {drain_ms: 5000}\n"
-        f"models:\n  - name: {MODEL}\n    retries: 1\n    dedup: deterministic\n    instances:\n{instances}"
+        # A frozen stream is given up after STALL_MS; a frozen non-streaming answer at the model's deadline.
+        f"upstream: {{stall_timeout_ms: {STALL_MS}}}\n"
+        f"models:\n  - name: {MODEL}\n    retries: 1\n    dedup: deterministic\n    timeout_ms: {DEADLINE_MS}\n"
+        f"    instances:\n{instances}"
     )
 
 
@@ -311,14 +323,15 @@ async def run(settings: Settings) -> Result:
         await _quiesce(http, url, settings.quiesce_s)
         result.baseline = _usage(proc.pid, proxies)
         for proxy in proxies:
-            proxy.reset_fraction = settings.reset
+            proxy.reset_fraction, proxy.stall_fraction = settings.reset, settings.stall
         started = time.monotonic()
         count = None if settings.duration_s is not None else settings.requests
         result.outcomes = await _drive(port, settings, rng, count, "c")
         result.seconds = time.monotonic() - started
         for proxy in proxies:
-            proxy.reset_fraction = 0.0
+            proxy.reset_fraction = proxy.stall_fraction = 0.0
         result.resets = sum(p.stats.resets for p in proxies)
+        result.stalls = sum(p.stats.stalls for p in proxies)
         result.engine_requests = sum(p.stats.requests for p in proxies)
         result.quiesce_s, result.not_quiet = await _quiesce(http, url, settings.quiesce_s)
         result.after = _usage(proc.pid, proxies)
@@ -409,7 +422,7 @@ def report(result: Result) -> str:
         f"clients: {dict(by_manner)}; left before the end: {left}; statuses read: {dict(sorted(statuses.items()))}; "
         f"streams/answers ending in an upstream error: {upstream_errors}",
         f"engine requests through the fault proxies: {result.engine_requests}, reset: {result.resets} "
-        f"({result.resets / max(1, result.engine_requests):.1%})",
+        f"({result.resets / max(1, result.engine_requests):.1%}), frozen: {result.stalls}",
         f"usage records: {len(result.records)} ({dict(sorted(records.items()))})",
     ]
     for what, ok, detail in result.checks:

@@ -263,6 +263,7 @@ def _chaos(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         engines=args.engines,
         reset=args.reset,
+        stall=args.stall,
         disconnect=args.disconnect,
         slow=args.slow,
         repeat_share=args.repeat,
@@ -561,6 +562,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ch.add_argument("--concurrency", type=positive_int, default=d.concurrency)
     ch.add_argument("--engines", type=positive_int, default=d.engines)
     ch.add_argument("--reset", type=share, default=d.reset, help="share of engine requests reset by the proxies")
+    ch.add_argument("--stall", type=share, default=d.stall, help="share of engine requests frozen by the proxies")
     ch.add_argument("--disconnect", type=share, default=d.disconnect, help="share of clients leaving early")
     ch.add_argument("--slow", type=share, default=d.slow, help="share of (staying) clients reading slowly")
     ch.add_argument("--repeat", type=share, default=d.repeat_share, help="share of deterministic repeats (dedup)")

@@ -1,4 +1,4 @@
-"""`FaultProxy`: a TCP proxy on loopback that resets a fraction of the engine requests crossing it.
+"""`FaultProxy`: a TCP proxy on loopback that resets, or freezes, a fraction of the engine requests crossing it.
 
 Theory of operation
 -------------------
@@ -11,6 +11,9 @@ probability `reset_fraction` such a request arms a reset at a random point of th
 request reaches the target, or after 1..`max_offset` bytes of what the target sends back. At that point
 both sockets are closed with `SO_LINGER` 0, so each peer sees a TCP reset, as from a crashing engine or a
 middlebox. A request that ends before its reset point leaves the reset armed for the connection's next bytes.
+With probability `stall_fraction` a request (one not reset) arms a stall the same way instead: at that point of
+the answer nothing more is passed on — a hung engine, its connection open — until the client closes its side; then
+the target's connection is closed too (the engine sees its client gone).
 
 Resource handling: `FaultProxy` is an async context manager; it owns its listener and one task per
 connection, which `aclose()` cancels and awaits (aborting both sockets). The random source is seeded.
@@ -39,6 +42,8 @@ class ProxyStatistics:
     requests: int = 0
     resets_before_answer: int = 0
     resets_mid_answer: int = 0
+    #: Answers frozen (at their stall point).
+    stalls: int = 0
 
     @property
     def resets(self) -> int:
@@ -46,15 +51,18 @@ class ProxyStatistics:
 
 
 class _Link:
-    """One proxied connection: its reset point (bytes of answer still to let through), if armed."""
+    """One proxied connection: its reset or stall point (bytes of answer still to let through), if armed."""
 
-    __slots__ = ("client", "closed", "reset_in", "target")
+    __slots__ = ("client", "closed", "gone", "reset_in", "stall_in", "target")
 
     def __init__(self, client: asyncio.StreamWriter, target: asyncio.StreamWriter) -> None:
         self.client = client
         self.target = target
         self.reset_in: int | None = None
+        self.stall_in: int | None = None
         self.closed = False
+        #: The client's side has ended (closed or reset): a stalled answer waits for it.
+        self.gone = asyncio.Event()
 
     def reset(self) -> None:
         """Close both sockets with a TCP reset (once)."""
@@ -77,6 +85,7 @@ class FaultProxy:
         target_port: int,
         *,
         reset_fraction: float = 0.0,
+        stall_fraction: float = 0.0,
         max_offset: int = 4096,
         seed: int = 0,
         methods: tuple[bytes, ...] = (b"POST ",),
@@ -85,6 +94,7 @@ class FaultProxy:
         self._target = (target_host, target_port)
         #: May be changed while running (e.g. 0 during a warm-up).
         self.reset_fraction = reset_fraction
+        self.stall_fraction = stall_fraction
         self._max_offset = max(0, max_offset)
         self._rng = random.Random(seed)
         self._starts = tuple(m + p for m in methods for p in paths)
@@ -161,18 +171,30 @@ class FaultProxy:
                             link.reset()
                             return
                         link.reset_in = offset
+                    elif self.stall_fraction and self._rng.random() < self.stall_fraction:
+                        link.stall_in = self._rng.randrange(0, self._max_offset + 1)
                 target.write(chunk)
                 await target.drain()
             if not link.closed and not target.transport.is_closing() and target.can_write_eof():
                 target.write_eof()
         except OSError:
             link.reset()
+        finally:
+            link.gone.set()
 
     async def _answers(self, link: _Link, reader: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
         """Target -> client, until the target closes (then the client is closed too) or a reset point."""
         while (chunk := await reader.read(CHUNK)) and not link.closed:
             if client.transport.is_closing():  # the client went away
                 return
+            stall_in = link.stall_in
+            if stall_in is not None:
+                if len(chunk) >= stall_in:
+                    client.write(chunk[:stall_in])
+                    self.stats.stalls += 1
+                    await link.gone.wait()  # hung, until the client gives up on it
+                    return
+                link.stall_in = stall_in - len(chunk)
             reset_in = link.reset_in
             if reset_in is not None and len(chunk) >= reset_in:
                 client.write(chunk[:reset_in])
