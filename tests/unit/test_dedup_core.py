@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+import xxhash
 
 from lockgate.answer import EngineAnswer
 from lockgate.assemble import ClientView, assemble
@@ -342,3 +343,22 @@ def test_last_subscriber_leaving_applies_the_cancel_policy(policy, expected_stat
     follower.close()
     assert flight.state is expected_state
     assert owner.ended == ended
+
+
+def test_two_tenants_never_share_a_key_even_if_the_hash_collides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xxh3 is not built to resist a crafted collision: the tenant is written out beside the digest, so a collision
+    could only ever join a tenant's requests to its own."""
+    from lockgate.dedup import fingerprint as module
+
+    monkeypatch.setattr(module, "_digest", lambda obj: b"\0" * 16)  # every request collides
+    monkeypatch.setattr(xxhash, "xxh3_128_digest", lambda data: b"\0" * 16)  # the semantic scope's hash too
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    keys = {tenant: module.fingerprint(tenant, Endpoint.CHAT, body) for tenant in ("alice", "bob", "", "alice\0")}
+    assert len(set(keys.values())) == 4
+    assert module.fingerprint("alice", Endpoint.CHAT, {"prompt": "other"}) == keys["alice"]  # (the collision itself)
+    assert module.sampling_scope("alice", Endpoint.CHAT, body) != module.sampling_scope("bob", Endpoint.CHAT, body)
+    from lockgate.semantic.cache import probe_input
+
+    api = parse_request(Endpoint.CHAT, orjson.dumps(body))
+    alice, bob = probe_input("alice", api), probe_input("bob", api)
+    assert alice is not None and bob is not None and alice[0] != bob[0]

@@ -6,6 +6,10 @@ so an engine extension we have never heard of keeps two requests apart (safe by 
 that cannot change the generated content are left out (`EXCLUDED`), so a streaming and a non-streaming
 client share one upstream call.
 
+The tenant is also written out in front of the digest (`scoped`): two tenants' requests never share a key, whatever
+the hash does (xxh3 is fast, not built to resist a crafted collision; a collision inside one tenant can only serve
+that tenant its own answers).
+
 Canonical form: JSON with sorted keys; top-level `null` fields dropped (the same as absent); integral
 floats written as integers (`0.0` == `0`) when they fit in 64 bits (a JSON integer beyond that already
 parses as a float, so `1e20` and `100000000000000000000` stay equal); a single `stop` string written as a
@@ -57,21 +61,29 @@ def _digest(obj: Any) -> bytes:
     return xxhash.xxh3_128_digest(orjson.dumps(obj, option=orjson.OPT_SORT_KEYS))
 
 
+def scoped(tenant: str, digest: bytes) -> bytes:
+    """`digest` behind its tenant's name (length-prefixed): keys of two tenants always differ."""
+    name = tenant.encode()
+    return len(name).to_bytes(4, "big") + name + digest
+
+
 def fingerprint(tenant: str, endpoint: Endpoint, body: dict[str, Any]) -> Fingerprint:
     """The identity of the generation this request asks for."""
     return Fingerprint(
-        _digest(
-            {
-                "tenant": tenant,
-                "endpoint": endpoint.value,
-                "params": canonical_params(body),
-                "messages": body.get("messages"),
-                "prompt": body.get("prompt"),
-            }
+        scoped(
+            tenant,
+            _digest(
+                {
+                    "endpoint": endpoint.value,
+                    "params": canonical_params(body),
+                    "messages": body.get("messages"),
+                    "prompt": body.get("prompt"),
+                }
+            ),
         )
     )
 
 
 def sampling_scope(tenant: str, endpoint: Endpoint, body: dict[str, Any]) -> Fingerprint:
     """Everything but the input: requests may share a semantic-cache answer only within one scope."""
-    return Fingerprint(_digest({"tenant": tenant, "endpoint": endpoint.value, "params": canonical_params(body)}))
+    return Fingerprint(scoped(tenant, _digest({"endpoint": endpoint.value, "params": canonical_params(body)})))

@@ -20,7 +20,7 @@ import orjson
 import xxhash
 
 from ..dedup.cache import Result
-from ..dedup.fingerprint import canonical_params
+from ..dedup.fingerprint import canonical_params, scoped
 from ..wire import ApiRequest, Endpoint
 from .embedder import Embedder
 from .index import SemanticHit, SemanticIndex
@@ -52,11 +52,14 @@ def probe_input(tenant: str, api: ApiRequest) -> tuple[bytes, str] | None:
         text, context = prompt, None
     if not text.strip():
         return None
-    scope = xxhash.xxh3_128_digest(
-        orjson.dumps(
-            {"tenant": tenant, "endpoint": api.endpoint.value, "params": canonical_params(body), "context": context},
-            option=orjson.OPT_SORT_KEYS,
-        )
+    scope = scoped(
+        tenant,
+        xxhash.xxh3_128_digest(
+            orjson.dumps(
+                {"endpoint": api.endpoint.value, "params": canonical_params(body), "context": context},
+                option=orjson.OPT_SORT_KEYS,
+            )
+        ),
     )
     return scope, text
 
