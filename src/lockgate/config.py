@@ -13,6 +13,7 @@ import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
 import yaml
 from pydantic import (
@@ -175,6 +176,17 @@ class InstanceConfig(_Strict):
     def basic_authorization(self) -> str | None:
         """`Authorization` value (HTTP Basic) from the URL's userinfo, if it had one."""
         return None if self._userinfo is None else basic_credential(self._userinfo)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The credentials the gateway sends this engine, as they could appear in its answers (its key; its URL's
+        password as written, decoded, and inside the Basic credential): an engine's error text must not carry them
+        back to a client. Those under 4 characters are left out (too short to tell from other text)."""
+        found = [self.api_key or ""]
+        if self._userinfo is not None:
+            password = self._userinfo.partition(":")[2]
+            found += [password, unquote(password), (self.basic_authorization or "").removeprefix("Basic ")]
+        return tuple(sorted({s for s in found if len(s) >= 4}, key=len, reverse=True))
 
     @model_validator(mode="after")
     def _check_tls(self) -> InstanceConfig:

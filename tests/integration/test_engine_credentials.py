@@ -104,3 +104,45 @@ async def test_userinfo_is_basic_auth_and_never_shown(start_gateway, serve_app, 
     expected = f"Bearer {api_key}" if api_key else BASIC
     assert {path for path, _ in seen} >= {"/v1/chat/completions", "/health", "/metrics", "/abort_request"}
     assert all(auth == expected for _, auth in seen), seen
+
+
+@pytest.mark.parametrize("status", [400, 401, 500, "stream"])
+@pytest.mark.parametrize("credential", ["api_key", "userinfo"])
+async def test_an_engine_repeating_the_gateways_credential_does_not_hand_it_to_the_client(
+    start_gateway, serve_app, tmp_path, status, credential
+):
+    """Some engines and proxies repeat the `Authorization` they got in their errors ("Incorrect API key provided:
+    Bearer ..."): the client's error, the usage record and `/admin/fleet` get it redacted."""
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        if request.method != "POST":
+            return web.json_response({})
+        await request.read()
+        message = f"Incorrect API key provided: {request.headers.get('Authorization')} ({PASSWORD})"
+        if status == "stream":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            error = orjson.dumps({"error": {"message": message, "type": "InternalServerError", "code": 500}})
+            await response.write(b"data: " + error + b"\n\ndata: [DONE]\n\n")
+            return response
+        return web.json_response({"error": {"message": message, "type": "error", "code": status}}, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", engine)
+    url = await serve_app(app)
+    if credential == "userinfo":
+        spec = {"url": url.replace("http://", f"http://{USER}:{PASSWORD}@")}
+    else:
+        spec = {"url": url, "api_key": PASSWORD}
+    gw = await start_gateway([{"name": "m", "retries": 0, "instances": [{**spec, "engine": "vllm"}]}])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": status == "stream"}) as resp:
+            answer = await resp.text()
+        async with http.get(gw.url + "/admin/fleet") as resp:
+            fleet = await resp.text()
+    assert "Incorrect API key provided" in answer and "[redacted]" in answer
+    await gw.gateway.records.wait_flushed()
+    rows = orjson.dumps(read_records(str(tmp_path / "usage.sqlite3"))).decode()
+    assert "[redacted]" in rows
+    for where, text in {"answer": answer, "usage rows": rows, "/admin/fleet": fleet}.items():
+        assert_no_secret(text, where)
