@@ -20,8 +20,8 @@ from . import resume, stored
 from .admin_api import CANCEL_PREFIX, AdminApi
 from .admission.admin import AdminGate
 from .admission.gate import Admission
-from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant
-from .cluster.identity import TENANT_HEADER, Relayed
+from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant, cache_salt_for
+from .cluster.identity import CACHE_SALT_HEADER, TENANT_HEADER, Relayed, relayed_cache_salt
 from .config import Config
 from .dashboard import Dashboard, SloProvider
 from .dashboard.assets import STATIC_PREFIX
@@ -328,6 +328,12 @@ class Gateway:
                 raise ShuttingDown("The gateway is shutting down.", retry_after=1)
             api = parse_request(endpoint, raw)
             self.admission.book.check_model(tenant, api.model)
+            if endpoint.generates:
+                api.cache_salt = (
+                    relayed_cache_salt(request.headers.get(CACHE_SALT_HEADER))
+                    if tenant.relayed
+                    else cache_salt_for(tenant, api.body.get("cache_salt"))
+                )
             pool = self.fleet.pool(api.model)
             if pool is None:
                 if self.fleet.gone_recently(api.model):
@@ -349,6 +355,8 @@ class Gateway:
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
                 api.relay_headers = ((TENANT_HEADER, tenant.name), (PRIORITY_HEADER, self.admission.class_name(klass)))
+                if api.cache_salt is not None:
+                    api.relay_headers += ((CACHE_SALT_HEADER, api.cache_salt),)
         except GatewayError as exc:
             return self._refused(endpoint, exc, echo_id)
         exchange = Exchange(

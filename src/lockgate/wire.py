@@ -88,10 +88,21 @@ class ApiRequest:
     #: Central replicas (cluster mode): the client's tenant and class, sent to sidecars only
     #: (`cluster/identity.py`).
     relay_headers: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: The prefix-cache salt the gateway sends the engine in place of the client's (`cache_salt`), set from the
+    #: tenant (`admission.tenants.cache_salt_for`); None: the body's own, if any, goes as it is.
+    cache_salt: str | None = field(default=None, compare=False)
     #: `prompt_text()` and `estimated_prompt_tokens()`, computed once (admission, routing and accounting
     #: all ask for them).
     _prompt: str | None = field(default=None, init=False, repr=False, compare=False)
     _prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)
+
+    def engine_cache_salt(self) -> str | None:
+        """The prefix-cache salt the engine is told (whose cached blocks this request may share): the gateway's,
+        else the client's."""
+        if self.cache_salt is not None:
+            return self.cache_salt
+        salt = self.body.get("cache_salt")
+        return salt if isinstance(salt, str) else None
 
     def prompt_text(self) -> str:
         """The prompt as one string (for token estimates and prefix hashing)."""
@@ -265,6 +276,9 @@ def _check_fields(body: dict[str, Any]) -> None:
         if check is not None:
             check(body)
 
+
+#: The longest `cache_salt` taken from a client (it goes to the engine with every request, and into the gateway's).
+MAX_CACHE_SALT = 256
 
 #: At most this many inputs in one embeddings request (OpenAI's own limit).
 MAX_EMBEDDING_INPUTS = 2048
@@ -448,6 +462,15 @@ def _opt_int(body: dict[str, Any], key: str, *, minimum: int | None) -> int | No
     return value
 
 
+def _check_cache_salt(body: dict[str, Any]) -> None:
+    salt = body["cache_salt"]
+    if salt is not None and (not isinstance(salt, str) or not salt or not salt.isascii() or not salt.isprintable()):
+        # (printable ASCII: a central passes it to its sidecar in a header)
+        raise _bad("cache_salt", "`cache_salt` must be a non-empty string of printable ASCII characters.")
+    if salt is not None and len(salt) > MAX_CACHE_SALT:
+        raise _bad("cache_salt", f"`cache_salt` may be at most {MAX_CACHE_SALT} characters.")
+
+
 def _opt_number(body: dict[str, Any], key: str, low: float, high: float) -> None:
     value = body.get(key)
     if value is None:
@@ -471,4 +494,6 @@ _FIELD_CHECKS: dict[str, Callable[[dict[str, Any]], object]] = {
     # vLLM's and SGLang's extension (-1: off).
     "top_k": partial(_opt_int, key="top_k", minimum=-1),
     "stop": lambda body: _check_stop(body["stop"]),
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
+    "cache_salt": _check_cache_salt,
 }

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from lockgate.admission.tenants import hash_key
+from lockgate.admission.tenants import group_salt, hash_key
 from lockgate.cluster import identity
 from lockgate.cluster.identity import TENANT_HEADER, Relayed
 from lockgate.config import parse_config
@@ -194,3 +194,28 @@ async def test_responses_through_a_central_and_its_sidecar(
     await side.gateway.records.wait_flushed()
     rows = [(r["tenant"], r["endpoint"]) for r in read_records(str(tmp_path / "s.sqlite3"))]
     assert rows == [("acme", "responses")] * 2 + [("acme", "responses.retrieve"), ("acme", "responses")]
+
+
+async def test_tenants_stay_apart_in_the_engines_cache_through_the_hop(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """The central chooses each tenant's prefix-cache salt and sends it with the relayed request
+    (`x-lockgate-cache-salt`): behind the sidecar one tenant still hits only its own cached prompts. A client that
+    reaches the sidecar directly is salted by its own tenant there, whatever header it sends."""
+    name = unique_cluster("salt")
+    _, side, cent, http = await central_and_sidecar(etcd, stack, tmp_path, name)
+    secret = "acme's private plan " + " ".join(f"w{i}" for i in range(300))
+
+    async def cached(url: str, key: str, **headers: str) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": secret}], "max_tokens": 2, "temperature": 1}
+        hdrs = {"Authorization": f"Bearer {key}", **headers}
+        async with http.post(url + "/v1/chat/completions", json=body, headers=hdrs) as resp:
+            assert resp.status == 200, await resp.text()
+            tokens: int = (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return tokens
+
+    assert await cached(cent.url, ACME_KEY) == 0
+    assert await cached(cent.url, ACME_KEY) > 200
+    assert await cached(cent.url, BETA_KEY) == 0
+    forged = {identity.CACHE_SALT_HEADER: group_salt("acme"), TENANT_HEADER: "acme"}  # acme's own salt
+    assert await cached(side.url, DIRECT_KEY, **forged) == 0

@@ -95,3 +95,17 @@ def test_random_operations_never_leak(ops: list[tuple[str, int, int]]) -> None:
         kv.free(sid)
     kv.check_invariants()
     assert kv.blocks_used == 0
+
+
+def test_a_salted_sequence_shares_blocks_with_its_own_salt_only() -> None:
+    """vLLM's `cache_salt`: the hash chain starts from the salt, so equal prompts of other salts hit nothing."""
+    kv = KVCache(64, 4)
+    a = toks(10)
+    for seq_id, salt in (("a", None), ("b", "s1")):
+        assert kv.admit(seq_id, a, salt) == 0
+        kv.commit(seq_id, a)
+        kv.free(seq_id)
+    assert kv.admit("c", a, "s2") == 0
+    assert kv.admit("d", a, "s1") == 8
+    assert kv.admit("e", a) == 8
+    kv.check_invariants()

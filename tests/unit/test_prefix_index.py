@@ -99,3 +99,12 @@ def test_an_instance_that_went_down_holds_nothing() -> None:
     assert index.blocks_of("b") == 0 and index.room("b") == 100
     assert index.forget("c") > 0 and len(index) == len(blocks)  # c's own blocks are gone from the map
     assert index.forget("never-seen") == 0
+
+
+def test_a_salt_gives_a_prompt_blocks_of_its_own() -> None:
+    """The index predicts what the engine will find: prompts of other cache salts share no block there."""
+    text = "the same shared system prompt " * 20
+    plain, salted, other = (prompt_blocks(text, 64, salt) for salt in (None, "lg1-a", "lg1-b"))
+    assert len(plain) == len(salted) == len(other) > 3
+    assert not set(plain) & set(salted) and not set(salted) & set(other)
+    assert prompt_blocks(text, 64, "lg1-a") == salted

@@ -7,6 +7,7 @@ open and every request belongs to the tenant named "default" (configured or not)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -36,6 +37,11 @@ class Tenant:
     #: Whose results its requests may share (de-duplication, the caches): its name unless set. A tenant relayed by a
     #: central has its own (`cluster/identity.py`): several relayed names may be counted under one label (`other`).
     scope: str | None = None
+    #: The prefix-cache salt of its requests (`cache_salt_for`); None: the client's own, if any (an open gateway's
+    #: tenant; one relayed by a central comes with the salt the central chose, `cluster/identity.py`).
+    cache_salt: str | None = None
+    #: Relayed by a central (`cluster/identity.py`): authenticated there, as were its limits and its salt.
+    relayed: bool = False
 
     @property
     def cache_scope(self) -> str:
@@ -43,6 +49,23 @@ class Tenant:
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+
+def group_salt(group: str) -> str:
+    """The prefix-cache salt of a cache group (a tenant's own, by default): a digest, so engines' logs do not carry
+    tenant names."""
+    return "lg1-" + hashlib.sha256(b"lockgate cache group\0" + group.encode()).hexdigest()[:32]
+
+
+def cache_salt_for(tenant: Tenant, client_salt: object) -> str | None:
+    """The salt sent to the engine for a request of `tenant` whose body says `client_salt`: the tenant's group salt,
+    with the client's own after it (a client may keep its users apart further, never join another group); None
+    where the client's goes as it is (`Tenant.cache_salt`)."""
+    if tenant.cache_salt is None:
+        return None
+    if isinstance(client_salt, str) and client_salt:
+        return f"{tenant.cache_salt}.{client_salt}"
+    return tenant.cache_salt
 
 
 class TenantBook:
@@ -59,6 +82,8 @@ class TenantBook:
                 self._by_hash[digest] = tenant
         self.open = not self._by_hash
         self.default = self.tenants.get(DEFAULT_TENANT) or self._resolve(TenantConfig(name=DEFAULT_TENANT))
+        if self.open:  # one caller, whoever it is: nothing to keep apart (a client's own salt still goes)
+            self.default = dataclasses.replace(self.default, cache_salt=None)
 
     def _resolve(self, spec: TenantConfig) -> Tenant:
         sched = self._scheduling
@@ -78,6 +103,7 @@ class TenantBook:
             tokens_per_minute=spec.tokens_per_minute,
             max_concurrent=spec.max_concurrent,
             assumed_max_tokens=spec.assumed_max_tokens,
+            cache_salt=group_salt(spec.cache_group or spec.name),
         )
 
     def authenticate(self, authorization: str | None) -> Tenant:

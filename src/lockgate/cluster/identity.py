@@ -4,7 +4,9 @@ A central replica authenticates the client, applies its tenant's limits and caps
 the sidecar then sees only the central (it presents `cluster.api_key`). So that the sidecar can schedule
 (admission order, preemption) and record (usage records, per-tenant counters) by the client, the central
 sends two headers on every request to a sidecar: `x-lockgate-tenant` (the tenant's name) and `x-priority`
-(the class it admitted the request at).
+(the class it admitted the request at), and, where its tenant keeps a prefix-cache group apart, `x-lockgate-cache-salt`
+(the salt the engine is to be told: `admission.tenants.cache_salt_for`; the central speaks to a sidecar as to an
+OpenAI server, whose body has no such field).
 
 A sidecar believes them only from a caller that presents a central's key: `cluster.central_keys` lists
 their sha256 digests. Anyone else's `x-lockgate-tenant` is ignored and their `x-priority` is capped by
@@ -29,8 +31,10 @@ import hashlib
 from collections.abc import Iterable
 
 from ..admission.tenants import DEFAULT_TENANT, Tenant
+from ..wire import MAX_CACHE_SALT
 
 TENANT_HEADER = "x-lockgate-tenant"
+CACHE_SALT_HEADER = "x-lockgate-cache-salt"
 MAX_TENANTS = 1024
 OVERFLOW_TENANT = "other"
 #: Longest tenant name taken from the header (configured names are short identifiers).
@@ -74,4 +78,13 @@ class Relayed:
         return tenant
 
     def _new(self, name: str, scope: str) -> Tenant:
-        return Tenant(name=name, models=None, default_priority=self._default_priority, max_priority=0, scope=scope)
+        return Tenant(
+            name=name, models=None, default_priority=self._default_priority, max_priority=0, scope=scope, relayed=True
+        )
+
+
+def relayed_cache_salt(value: str | None) -> str | None:
+    """The salt a central sent with a relayed request (`CACHE_SALT_HEADER`), if it is one (printable, not too long)."""
+    if value and len(value) <= 2 * MAX_CACHE_SALT and value.isprintable():
+        return value
+    return None

@@ -68,6 +68,9 @@ class Dialect:
     request_id_field: str | None = None
     #: The engine honours `stream_options.include_usage`.
     stream_usage: bool = True
+    #: The engine keeps prefix-cache blocks apart by the body's `cache_salt` (vLLM): the tenant's salt goes there
+    #: (`ApiRequest.cache_salt`).
+    cache_salt: bool = False
     #: The engine can continue a final assistant message (chat resumption after preemption).
     continue_final_message: bool = False
     #: The engine stops generating on disconnect only for streams: non-streaming client requests are
@@ -128,6 +131,8 @@ class Dialect:
                 body[self.priority_field] = priority
         if self.request_id_field:
             body[self.request_id_field] = request_id
+        if self.cache_salt and request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
         return body
 
     def abort_call(self, request_id: str) -> AbortCall | None:

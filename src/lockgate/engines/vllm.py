@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible server.
 
-Aborts a request when its connection closes; accepts `priority` (with `--scheduling-policy priority`)
-and `continue_final_message` for assistant-prefix continuation.
+Aborts a request when its connection closes; accepts `priority` (with `--scheduling-policy priority`),
+`continue_final_message` for assistant-prefix continuation and `cache_salt` (prefix-cache blocks kept apart by it).
 """
 
 from .base import Dialect, MetricNames
@@ -21,4 +21,5 @@ VLLM = Dialect(
     ),
     priority_field="priority",
     continue_final_message=True,
+    cache_salt=True,
 )

@@ -184,7 +184,7 @@ class Pool:
         user = api.body.get("user")
         if key is None and isinstance(user, str) and user:
             key = user
-        blocks = prompt_blocks(text, self.index.block_chars) if self.policy.uses_prefix else ()
+        blocks = prompt_blocks(text, self.index.block_chars, api.engine_cache_salt()) if self.policy.uses_prefix else ()
         pin = headers.get(self.pin_header) if self.pin_header is not None and headers is not None else None
         pin_only = False
         if pin is None and api.endpoint is Endpoint.RESPONSES:

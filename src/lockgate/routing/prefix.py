@@ -35,11 +35,12 @@ ENTRY_BYTES = 200
 _ROOT = 0x9E3779B97F4A7C15
 
 
-def prompt_blocks(text: str, block_chars: int) -> tuple[int, ...]:
-    """Hash chain of the full blocks of `text` (a partial last block is not cached by engines either)."""
+def prompt_blocks(text: str, block_chars: int, salt: str | None = None) -> tuple[int, ...]:
+    """Hash chain of the full blocks of `text` (a partial last block is not cached by engines either), from a root
+    of its `salt`'s (the engine's `cache_salt`: requests of other salts share no block with it there)."""
     data = text.encode()
     keys: list[int] = []
-    h = _ROOT
+    h = _ROOT if salt is None else xxhash.xxh3_64_intdigest(salt.encode(), _ROOT)
     digest = xxhash.xxh3_64_intdigest
     for start in range(0, len(data) - block_chars + 1, block_chars):
         h = digest(data[start : start + block_chars], h)

@@ -108,10 +108,12 @@ class Engine:
         stream: TokenStream,
         priority: int = 0,
         is_connected: Callable[[], bool] = lambda: True,
+        salt: str | None = None,
     ) -> Generation:
-        """Queue a request. Raises ``ValueError`` if it can never fit. The caller must ``close()`` it."""
+        """Queue a request (`salt`: its prefix-cache salt). Raises ``ValueError`` if it can never fit. The caller must
+        ``close()`` it."""
         gen = Generation(self, record, is_connected)
-        self.scheduler.add(gen, prompt_tokens, stream, priority)
+        self.scheduler.add(gen, prompt_tokens, stream, priority, salt)
         self._gens[gen] = gen
         record.prompt_tokens = len(prompt_tokens)
         self._wakeup.set()

@@ -401,7 +401,7 @@ class Api:
                 stats.tokens_generated += len(comp.tokens)
             else:
                 try:
-                    gen = self.engine.submit(rec, req.prompt_tokens, stream, req.priority, is_connected)
+                    gen = self.engine.submit(rec, req.prompt_tokens, stream, req.priority, is_connected, req.cache_salt)
                 except ValueError as e:
                     rec.status = 400
                     outcome = "error"

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 _ROOT_HASH = 0x9E3779B97F4A7C15
 
 
+def root_hash(salt: str | None) -> int:
+    """The root of a sequence's hash chain: a salted request's (vLLM's `cache_salt`) shares no block with others."""
+    return _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt))
+
+
 def block_hashes(tokens: Sequence[str], block_size: int, parent: int = _ROOT_HASH) -> list[int]:
     """Hash chain of the full blocks of ``tokens``."""
     out: list[int] = []
@@ -43,6 +48,7 @@ class _Block:
 class _SeqBlocks:
     blocks: list[_Block]
     hashes: list[int]  # hash chain of the committed full blocks
+    root: int  # the chain's root (`root_hash` of the sequence's salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +122,8 @@ class KVCache:
         return hit
 
     # -- operations ----------------------------------------------------------------------------------------
-    def admit(self, seq_id: object, tokens: Sequence[str]) -> int | None:
-        """Allocate blocks for all of ``tokens``, reusing the longest cached prefix.
+    def admit(self, seq_id: object, tokens: Sequence[str], salt: str | None = None) -> int | None:
+        """Allocate blocks for all of ``tokens``, reusing the longest cached prefix of the same ``salt``.
 
         Returns the number of cached tokens (always less than ``len(tokens)``, as at least one token must be
         computed to sample from), or ``None`` -- changing nothing -- if there are not enough free blocks.
@@ -125,7 +131,8 @@ class KVCache:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         bs = self.block_size
-        hashes = block_hashes(tokens[: max(0, len(tokens) - 1)], bs)
+        root = root_hash(salt)
+        hashes = block_hashes(tokens[: max(0, len(tokens) - 1)], bs, root)
         hit = self._lookup(hashes)
         # Hit blocks that are free must leave the free queue, so they count against it too.
         free_hits = sum(1 for b in hit if b.ref_cnt == 0)
@@ -137,7 +144,7 @@ class KVCache:
                 del self._free[b.block_id]
             b.ref_cnt += 1
         blocks = hit + [self._take_free() for _ in range(new_needed)]
-        self._seqs[seq_id] = _SeqBlocks(blocks, hashes[: len(hit)])
+        self._seqs[seq_id] = _SeqBlocks(blocks, hashes[: len(hit)], root)
         num_cached = len(hit) * bs
         self.prefix_cache_queries += len(tokens)
         self.prefix_cache_hits += num_cached
@@ -161,7 +168,7 @@ class KVCache:
         n_full = min(len(tokens) // bs, len(seq.blocks))
         while len(seq.hashes) < n_full:
             i = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+            parent = seq.hashes[-1] if seq.hashes else seq.root
             h = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
             seq.hashes.append(h)
             block = seq.blocks[i]

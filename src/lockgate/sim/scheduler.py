@@ -47,6 +47,8 @@ class SequenceState:
     num_cached: int = 0  # prefix-cache hit on first admission
     num_preemptions: int = 0
     admitted: bool = False
+    #: Its prefix-cache salt (vLLM's `cache_salt`): it shares cached blocks with the same salt's sequences only.
+    salt: str | None = None
 
     @property
     def num_generated(self) -> int:
@@ -113,6 +115,7 @@ class Scheduler:
         prompt_tokens: Sequence[str],
         stream: TokenStream,
         priority: int = 0,
+        salt: str | None = None,
     ) -> SequenceState:
         if seq_id in self._by_id:
             raise ValueError(f"duplicate sequence id {seq_id!r}")
@@ -120,7 +123,7 @@ class Scheduler:
             raise ValueError("empty prompt")
         if self.config.block_size * self.config.num_kv_blocks < len(prompt_tokens) + stream.max_tokens:
             raise ValueError("request does not fit in the KV cache")
-        seq = SequenceState(seq_id, list(prompt_tokens), stream, priority, next(self._arrivals))
+        seq = SequenceState(seq_id, list(prompt_tokens), stream, priority, next(self._arrivals), salt=salt)
         seq.tokens = list(prompt_tokens)
         self._by_id[seq_id] = seq
         self._enqueue(seq)
@@ -188,7 +191,7 @@ class Scheduler:
         # 3. Admit waiting sequences.
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._waiting[0]
-            cached = self.kv.admit(seq.seq_id, seq.tokens)
+            cached = self.kv.admit(seq.seq_id, seq.tokens, seq.salt)
             if cached is None:
                 break  # head-of-line blocking on KV space, as in vLLM
             self._waiting.pop(0)

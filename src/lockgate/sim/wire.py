@@ -53,6 +53,8 @@ class GenRequest:
     #: (`finish_reason: stop`, a response `completed`), not `length` (a response `incomplete`, which the openai
     #: SDK's stream helper takes for a failure).
     natural_end: bool = False
+    #: vLLM's `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
+    cache_salt: str | None = None
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -153,7 +155,15 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
         priority=_get(body, "priority", int, 0),
         body=body if kind == "responses" else None,
         natural_end=natural_end,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise WireError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    return salt
 
 
 def _response_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,67 @@
+"""Tenants do not share an engine's prefix cache: a tenant's request reuses cached blocks of its own cache group's
+prompts only (vLLM's `cache_salt`, which the simulator honours), so no tenant can test guesses of another's prompt
+through `cached_tokens` or its time to first token. Tenants naming one `cache_group` share; a client's own salt
+partitions its tenant's cache further and can never reach into another group; an open gateway passes a client's
+salt on as it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from lockgate.admission.tenants import hash_key
+from tests.conftest import instance
+
+#: ~400 prompt tokens: many full KV blocks.
+SECRET = "alice confidential merger plan " + " ".join(f"word{i}" for i in range(400))
+TENANTS = [
+    {"name": "alice", "keys": [hash_key("key-alice")], "cache_group": "acme"},
+    {"name": "carol", "keys": [hash_key("key-carol")], "cache_group": "acme"},
+    {"name": "bob", "keys": [hash_key("key-bob")]},
+]
+
+
+async def _cached(http: aiohttp.ClientSession, url: str, key: str | None, **extra: Any) -> int:
+    """The prompt tokens the engine found cached for `SECRET`, asked as the tenant of `key`."""
+    body = {"model": "m", "messages": [{"role": "user", "content": SECRET}], "max_tokens": 2, "temperature": 1.0}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with http.post(url + "/v1/chat/completions", json={**body, **extra}, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+    cached: int = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return cached
+
+
+async def test_a_tenant_never_hits_another_groups_cached_prompt(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=TENANTS)
+    async with aiohttp.ClientSession() as http:
+        assert await _cached(http, gw.url, "key-alice") == 0
+        assert await _cached(http, gw.url, "key-alice") > 300  # her own prompt, cached
+        assert await _cached(http, gw.url, "key-bob") == 0  # another group: nothing to learn
+        assert await _cached(http, gw.url, "key-bob", cache_salt="lg1-anything") == 0  # nor by naming a salt
+        assert await _cached(http, gw.url, "key-carol") > 300  # her group's
+        assert await _cached(http, gw.url, "key-alice", cache_salt="user-7") == 0  # a client's own partition
+        assert await _cached(http, gw.url, "key-alice", cache_salt="user-7") > 300
+
+
+async def test_an_open_gateway_passes_a_clients_salt_on_as_it_is(start_sim, start_gateway):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    async with aiohttp.ClientSession() as http:
+        assert await _cached(http, gw.url, None) == 0
+        assert await _cached(http, gw.url, None) > 300  # no tenants: one cache
+        assert await _cached(http, gw.url, None, cache_salt="s1") == 0
+        assert await _cached(http, gw.url, None, cache_salt="s1") > 300
+
+
+@pytest.mark.parametrize("salt", [123, "", "x" * 257, "a\r\nb", "caf\u00e9"])
+async def test_a_bad_cache_salt_is_refused(start_sim, start_gateway, salt):
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": salt}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "cache_salt"

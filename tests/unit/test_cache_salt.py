@@ -1,0 +1,54 @@
+"""Which prefix-cache salt a request's engine is told (`admission.tenants.cache_salt_for`, the dialects)."""
+
+from __future__ import annotations
+
+import orjson
+
+from lockgate.admission.config import SchedulingConfig, TenantConfig
+from lockgate.admission.tenants import TenantBook, cache_salt_for, group_salt, hash_key
+from lockgate.cluster.identity import Relayed
+from lockgate.engines import dialect_for
+from lockgate.wire import Endpoint, parse_request
+
+
+def _book(*tenants: TenantConfig) -> TenantBook:
+    return TenantBook(list(tenants), SchedulingConfig())
+
+
+def test_each_tenant_salts_with_its_group_and_a_client_salt_comes_after() -> None:
+    book = _book(
+        TenantConfig(name="alice", keys=[hash_key("a")], cache_group="acme"),
+        TenantConfig(name="carol", keys=[hash_key("c")], cache_group="acme"),
+        TenantConfig(name="bob", keys=[hash_key("b")]),
+    )
+    alice, carol, bob = (book.authenticate(f"Bearer {k}") for k in "acb")
+    assert cache_salt_for(alice, None) == cache_salt_for(carol, None) == group_salt("acme")
+    assert cache_salt_for(bob, None) == group_salt("bob") != group_salt("acme")
+    assert cache_salt_for(alice, "u1") == group_salt("acme") + ".u1"
+    assert cache_salt_for(bob, group_salt("acme")) != group_salt("acme")  # naming another group's salt reaches nothing
+    assert "acme" not in group_salt("acme")  # engines' logs do not carry the names
+
+
+def test_an_open_gateway_and_a_relayed_tenant_leave_the_bodys_salt_as_it_is() -> None:
+    open_book = _book(TenantConfig(name="default"))
+    assert open_book.open and cache_salt_for(open_book.authenticate(None), "s1") is None
+    central_key = "central-secret"
+    relayed = Relayed([hash_key(central_key)], default_priority=1).tenant(f"Bearer {central_key}", "alice")
+    assert relayed is not None and cache_salt_for(relayed, group_salt("acme")) is None  # the central set it
+
+
+def test_only_an_engine_that_keeps_salts_apart_is_sent_one() -> None:
+    api = parse_request(Endpoint.CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+    api.cache_salt = group_salt("acme")
+    for engine, expected in (("vllm", group_salt("acme")), ("sglang", None), ("llamacpp", None), ("openai", None)):
+        body = dialect_for(engine).upstream_body(api, served_model="m", request_id="r", stream=False)
+        assert body.get("cache_salt") == expected, engine
+    assert api.engine_cache_salt() == group_salt("acme")
+    api.cache_salt = None
+    client = parse_request(
+        Endpoint.CHAT,
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": "mine"}),
+    )
+    assert client.engine_cache_salt() == "mine"
+    body = dialect_for("vllm").upstream_body(client, served_model="m", request_id="r", stream=False)
+    assert body["cache_salt"] == "mine"
