@@ -230,8 +230,11 @@ class ModelConfig(_Strict):
     instances: list[InstanceConfig] = []
     #: A policy name, or a mapping with the policy and its options (see `routing/config.py`).
     routing: RoutingConfig = RoutingConfig()
-    #: Default end-to-end deadline for this model's requests (client may lower it per request).
-    timeout_ms: Annotated[int, Field(ge=1)] | None = None
+    #: End-to-end deadline for this model's requests (a client may lower it per request, `x-lockgate-timeout-ms`):
+    #: 504 past it. 10 minutes, the OpenAI SDKs' own timeout: what no client waits longer for, and the bound of an
+    #: engine that hangs on a non-streaming call (`upstream.stall_timeout_ms` bounds streamed ones) or of a shared call
+    #: its clients left (`cancel_policy: finish_and_cache`). null: none.
+    timeout_ms: Annotated[int, Field(ge=1)] | None = 600_000
     cancel_policy: CancelPolicy = "immediate"
     #: Extra attempts on another instance, only before the first byte reached the client.
     retries: Annotated[int, Field(ge=0, le=5)] = 1

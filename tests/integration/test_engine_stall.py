@@ -31,9 +31,12 @@ def _chunk(content: str) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-async def _hung_engine(stack: contextlib.AsyncExitStack, chunks: int, gone: asyncio.Event) -> str:
+async def _hung_engine(
+    stack: contextlib.AsyncExitStack, chunks: int, gone: asyncio.Event, arrived: asyncio.Event | None = None
+) -> str:
     """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
-    then nothing until the gateway closes the connection (then `gone` is set); anything else is answered `{}`."""
+    then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
+    anything else is answered `{}`."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -50,6 +53,8 @@ async def _hung_engine(stack: contextlib.AsyncExitStack, chunks: int, gone: asyn
                 )
                 if events:
                     writer.write(b"%x\r\n%s\r\n" % (len(events), events))
+                if arrived is not None:
+                    arrived.set()
                 assert await reader.read() == b""  # nothing more, until the gateway closes the connection
                 gone.set()
                 return
@@ -115,3 +120,27 @@ async def test_a_client_wanting_the_whole_answer_gets_504_and_a_silent_engine_is
             error = (await resp.json())["error"]
     assert error["code"] == "upstream_stalled" and error["type"] == "upstream_error"
     assert_gateway_clean(gw.gateway)
+
+
+async def test_a_non_streaming_call_to_a_hung_engine_is_bounded_by_the_default_deadline(start_gateway, stack):
+    """Nothing can be watched on a non-streaming engine call (its answer comes whole, at its end): a model without a
+    `timeout_ms` still has one, 10 minutes, and a client cannot ask for longer."""
+    gone, arrived = asyncio.Event(), asyncio.Event()
+    url = await _hung_engine(stack, 0, gone, arrived)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}], **STALL)
+    registry = gw.gateway.registry
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"x-lockgate-timeout-ms": str(10**9)}):
+            body = _request(stream=False, temperature=1.0)
+            call = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body, headers=headers))
+            async with asyncio.timeout(5):
+                await arrived.wait()
+            arrived.clear()
+            (exchange,) = registry.all()
+            assert exchange.deadline_s == 600.0
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            async with asyncio.timeout(5):
+                await gone.wait()  # the engine's connection closed with the client's
+            gone.clear()
