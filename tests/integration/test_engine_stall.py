@@ -144,3 +144,24 @@ async def test_a_non_streaming_call_to_a_hung_engine_is_bounded_by_the_default_d
             async with asyncio.timeout(5):
                 await gone.wait()  # the engine's connection closed with the client's
             gone.clear()
+
+
+async def test_a_health_check_that_times_out_says_so(start_gateway, stack, caplog):
+    """An engine whose /health hangs: the log and /admin/fleet said "health check failed: " and nothing more."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    gw = await start_gateway(
+        [{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}],
+        health={"interval_ms": 60000, "timeout_ms": 50},
+    )
+    fleet = gw.gateway.fleet
+    await fleet.probe_all()
+    (instance,) = fleet.instances.values()
+    assert instance.last_error == "health check failed: no answer within 0.05 s"
+    assert "instance e is now unhealthy: health check failed: no answer within 0.05 s" in caplog.text

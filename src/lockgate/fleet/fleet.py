@@ -621,8 +621,10 @@ class Fleet:
                     # model list (`/v1/models`, the openai dialect's check) is no failure, its connection dropped.
                     with contextlib.suppress(BodyTooLarge):
                         await read_bounded(resp, MAX_SIDE_BODY_BYTES)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            instance.last_error = f"health check failed: {exc or exc.__class__.__name__}"
+        except TimeoutError:
+            instance.last_error = f"health check failed: no answer within {timeout:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            instance.last_error = f"health check failed: {str(exc) or exc.__class__.__name__}"
         instance.last_probe_at = time.time()
         return ok
 
