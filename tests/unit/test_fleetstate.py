@@ -287,3 +287,37 @@ def test_an_engine_queueing_more_than_arrived_within_the_last_step_is_full() -> 
     assert own.queued_beyond(2, 1.0) is False  # the two sent within the last step
     assert own.queued_beyond(3, 1.0) is True  # and one more: the one sent at 0.0 waits for a slot
     assert own.queued_beyond(0, 1.0) is False
+
+
+def test_the_view_shows_the_oldest_unanswered_attempt_and_the_floor_of_recent_first_tokens() -> None:
+    own = OwnAccounting()
+    first = own.start(100, now=10.0)
+    own.start(50, now=10.5)
+    view = merge(
+        key="k",
+        name="k",
+        routable=True,
+        in_flight=2,
+        max_concurrency=4,
+        own=own,
+        engine=None,
+        now=12.0,
+        stale_after=1.0,
+    )
+    assert (view.oldest_wait_s, view.oldest_work, view.ttft_floor_s) == (2.0, 100, 0.0)
+    own.first_token(first, now=13.0)
+    later = merge(
+        key="k",
+        name="k",
+        routable=True,
+        in_flight=2,
+        max_concurrency=4,
+        own=own,
+        engine=None,
+        now=13.0,
+        stale_after=1.0,
+    )
+    assert later.oldest_wait_s == 2.5 and later.ttft_floor_s == 3.0
+    for n in range(8):  # the floor is the least of the last eight
+        own.first_token(own.start(10, now=20.0 + n), now=20.5 + n)
+    assert own.ttft_floor == 0.5 and own.oldest_unanswered() is not None

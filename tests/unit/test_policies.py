@@ -189,6 +189,27 @@ def test_predicted_ttft_rotates_a_prompt_cached_nowhere_among_the_instances_near
     assert len(policy._chosen) <= 2
 
 
+def test_predicted_ttft_prices_out_an_engine_that_stopped_answering_or_is_slow_for_its_own_reasons():
+    """An outside run: an engine that accepted requests and never answered (its /health fine) had nothing measured
+    against it and took every other request, as did one that answered every prompt a fixed 3 s late (short prompts:
+    its prefill rate said nothing). A request overdue there by its own estimate, or a floor of recent first-token
+    times, prices it out; a request only just sent does not."""
+    rate, step = 10_000.0, 0.01
+    short = RouteRequest("m", prompt_tokens=20)
+    fleet = [view(n, prefill_tps=rate, tpot_s=step, cache_room=10_000) for n in range(2)]
+    hung = replace(fleet[1], prefill_tps=0.0, tpot_s=0.0, in_flight=1, pending=1, oldest_wait_s=2.0, oldest_work=20)
+    policy = PredictedTTFT()
+    assert [pick(policy, short, snap(fleet[0], hung)) for _ in range(4)] == ["i0"] * 4
+    just_sent = replace(hung, oldest_wait_s=0.02)  # within its prefill and three steps: not late
+    assert {pick(policy, short, snap(fleet[0], just_sent)) for _ in range(4)} == {"i0", "i1"}
+    slow = replace(fleet[1], ttft_floor_s=3.0)
+    assert [pick(policy, short, snap(fleet[0], slow)) for _ in range(4)] == ["i0"] * 4
+    assert predict_ttft(slow, short, rate, step) == 3.0
+    # A long prompt costs more than the floor on a normal engine: the floor does not decide there.
+    normal = replace(fleet[1], ttft_floor_s=0.02)
+    assert predict_ttft(normal, REQ, rate, step) == predict_ttft(fleet[1], REQ, rate, step)
+
+
 @pytest.mark.parametrize(
     "name", ["round_robin", "least_load", "power_of_two", "consistent_hash", "score", "cache_aware", "predicted_ttft"]
 )

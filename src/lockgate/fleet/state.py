@@ -17,6 +17,7 @@ counters (vllm-router #197).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,6 +91,8 @@ _MIN_RATE_TOKENS = 256
 _DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 #: At most this many times slower than estimated is read from prompts past their estimate (`backlog_tokens`).
 _MAX_SLOWDOWN = 20.0
+#: Times to first token an instance's floor is the least of (`OwnAccounting.ttft_floor`).
+_FLOOR_SAMPLES = 8
 
 
 class OwnAccounting:
@@ -117,6 +120,17 @@ class OwnAccounting:
         self.on_long_done: Callable[[], None] | None = None
         #: The attempts sent here whose first token has not come back (queued or in prefill there), oldest first.
         self._unanswered: dict[Attempt, None] = {}
+        #: The last `_FLOOR_SAMPLES` times to first token (`ttft_floor`).
+        self._recent_ttft: collections.deque[float] = collections.deque(maxlen=_FLOOR_SAMPLES)
+
+    @property
+    def ttft_floor(self) -> float:
+        """The shortest of the recent times to first token here (0.0: none measured yet)."""
+        return min(self._recent_ttft) if self._recent_ttft else 0.0
+
+    def oldest_unanswered(self) -> Attempt | None:
+        """The attempt sent here the longest ago whose first token has not come back."""
+        return next(iter(self._unanswered), None)
 
     @property
     def pending(self) -> int:
@@ -242,6 +256,7 @@ class OwnAccounting:
             self._long_done(attempt)
         ttft = now - attempt.sent_at
         self.ttft.add(ttft, now)
+        self._recent_ttft.append(ttft)
         # The instance prefilled what was queued ahead plus this prompt before answering.
         work = attempt.backlog + attempt.tokens
         busy = ttft - self.tpot.value
@@ -294,6 +309,7 @@ class OwnAccounting:
         ttft = max(0.0, total - (tokens - 1) * tpot)
         attempt.first_at = attempt.sent_at + ttft
         self.ttft.add(ttft, now)
+        self._recent_ttft.append(ttft)
         work = attempt.backlog + attempt.tokens
         busy = ttft - tpot
         if work >= _MIN_RATE_TOKENS and busy > 0:
@@ -425,6 +441,7 @@ def merge(
         if engine.kv_usage is not None:
             kv = engine.kv_usage
     prefill, tpot = own.prefill_tps, own.tpot
+    oldest = own.oldest_unanswered()
     return InstanceView(
         key=key,
         name=name,
@@ -444,4 +461,7 @@ def merge(
         tpot_age_s=0.0 if tpot.updated_at is None else now - tpot.updated_at,
         cached_tokens=cached_tokens,
         cache_room=cache_room,
+        oldest_wait_s=0.0 if oldest is None else now - oldest.sent_at,
+        oldest_work=0 if oldest is None else oldest.backlog + oldest.tokens,
+        ttft_floor_s=own.ttft_floor,
     )

@@ -2,7 +2,8 @@
 
 `predicted_ttft` is a cost model rather than a set of thresholds. For each candidate it predicts
 
-    TTFT = queue wait + uncached prompt tokens / prefill rate + one decode step + eviction cost
+    TTFT = max(queue wait + uncached prompt tokens / prefill rate + one decode step + eviction cost
+               + lateness, floor)
 
     queue wait     = prompt tokens already queued there / prefill rate
                      + (when every batch slot is taken) the share of a request's decode time until a
@@ -22,6 +23,14 @@
                      `reuse` is the share of recent prompts' tokens the pool found cached somewhere (1 until
                      measured): where nothing is shared (uniform random prompts), evicting costs nothing
                      later, and charging it anyway made the instances' modelled room decide.
+    lateness       = how far the oldest request sent there and still without its first token is past
+                     the time its prefill and three steps should have taken: an engine that stopped
+                     answering (hung, its /health still fine) has nothing measured against it, and
+                     judged by its peers' rates it looked as fast as they are: it took every other
+                     request. Counted only once a step is known (nothing is late before).
+    floor          = the shortest of its last 8 times to first token: an engine slow for reasons of
+                     its own (a fixed second of latency, whatever the prompt) is slower than its
+                     prefill rate says, and a short prompt would otherwise price it like its peers.
 
 and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
 next to measured peers, a new instance would never be chosen and so never measured. The relaxation
@@ -110,7 +119,8 @@ def predict_ttft(
     # request waiting for its first token there (but the one in prefill now) shares a step with this
     # prompt's or waits behind it: a long prompt sent where short ones wait delays each of them.
     delayed = max(0, view.pending - 1) * uncached
-    return wait + (uncached + evicted + delayed) / rate + tpot
+    late = max(0.0, view.oldest_wait_s - view.oldest_work / rate - 3 * tpot) if tpot > 0 else 0.0
+    return max(wait + (uncached + evicted + delayed) / rate + tpot + late, view.ttft_floor_s)
 
 
 def _mean_measured(values: list[float]) -> float:
