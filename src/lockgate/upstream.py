@@ -20,6 +20,7 @@ engine's next byte, its head or an event: a hung engine; the pool closed the con
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -171,9 +172,10 @@ class UpstreamCall:
         count on `lease` (the instance's TPOT). A response's events (the Responses API) are bounded as a whole answer
         is (`upstream.max_response_bytes`): its last events each carry the whole output."""
         limits = self._fleet.upstream
+        stall_s = limits.stall_timeout_ms / 1000
         if self._path == RESPONSES_PATH:
-            return UpstreamEvents(self, self._require(), limits.max_response_bytes, lease, responses=True)
-        return UpstreamEvents(self, self._require(), limits.max_event_bytes, lease)
+            return UpstreamEvents(self, self._require(), limits.max_response_bytes, lease, stall_s, responses=True)
+        return UpstreamEvents(self, self._require(), limits.max_event_bytes, lease, stall_s)
 
     def _require(self) -> Response:
         if self._response is None:
@@ -241,8 +243,10 @@ class UpstreamEvents:
         "_index",
         "_lease",
         "_payloads",
+        "_quiet_since",
         "_response",
         "_responses",
+        "_stall_s",
         "_tail",
         "_taken",
         "backlog",
@@ -251,9 +255,20 @@ class UpstreamEvents:
     )
 
     def __init__(
-        self, call: UpstreamCall, response: Response, max_event_bytes: int, lease: Lease, *, responses: bool = False
+        self,
+        call: UpstreamCall,
+        response: Response,
+        max_event_bytes: int,
+        lease: Lease,
+        stall_s: float = 0.0,
+        *,
+        responses: bool = False,
     ) -> None:
         self._call = call
+        #: `upstream.stall_timeout_ms` (0: off) for a stream that brings bytes but no event (keep-alive comments, or an
+        #: event a byte at a time: the connection's own watch sees bytes), and since when its reads brought none.
+        self._stall_s = stall_s
+        self._quiet_since: float | None = None
         #: A response's stream (the Responses API): its end is a terminal event, its events bounded as a whole answer.
         self._responses = responses
         self._response = response
@@ -393,6 +408,10 @@ class UpstreamEvents:
                     if chunk:
                         self._payloads = self._decoder.feed(chunk)
                         more = self._response.complete
+                        if not self._payloads and self._stall_s:
+                            self._quiet_read()
+                        elif self._quiet_since is not None:
+                            self._quiet_since = None
                     else:
                         self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
                         self._tail = True
@@ -426,6 +445,22 @@ class UpstreamEvents:
         finally:
             if tokens:
                 self._lease.completion_tokens += tokens
+
+    def _quiet_read(self) -> None:
+        """A read that brought no event: past `upstream.stall_timeout_ms` of such reads (counted from the first), the
+        stream is stalled as if the engine had sent nothing (an engine's keep-alive comments, or a proxy's in front
+        of a hung engine, kept it open for good)."""
+        now = time.monotonic()
+        if self._quiet_since is None:
+            self._quiet_since = now
+        elif now - self._quiet_since >= self._stall_s:
+            self._done = True
+            call = self._call
+            call.broken("bytes but no event", "stall")
+            raise UpstreamStalled(
+                f"Instance {call.served_by} sent no event for {self._stall_s:g}s, only keep-alives or pieces of one "
+                "(upstream.stall_timeout_ms): the engine looks hung; the call was closed."
+            )
 
     def _engine_error(self, message: str, status: int | None) -> UpstreamProtocolError:
         """The error an engine reported as an event of its stream (then usually `[DONE]`, which must not end the

@@ -32,7 +32,12 @@ def _chunk(content: str) -> bytes:
 
 
 async def _hung_engine(
-    stack: contextlib.AsyncExitStack, chunks: int, gone: asyncio.Event, arrived: asyncio.Event | None = None
+    stack: contextlib.AsyncExitStack,
+    chunks: int,
+    gone: asyncio.Event,
+    arrived: asyncio.Event | None = None,
+    *,
+    pings: bool = False,
 ) -> str:
     """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
     then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
@@ -55,6 +60,15 @@ async def _hung_engine(
                     writer.write(b"%x\r\n%s\r\n" % (len(events), events))
                 if arrived is not None:
                     arrived.set()
+                if pings:  # keep-alive comments, a byte at a time, every 10 ms (a proxy in front of a hung engine)
+                    while not reader.at_eof():
+                        for byte in b": ping\n\n":
+                            writer.write(b"1\r\n%c\r\n" % byte)
+                            await asyncio.sleep(0.01)  # (the engine's pace)
+                        if writer.is_closing():
+                            break
+                    gone.set()
+                    return
                 assert await reader.read() == b""  # nothing more, until the gateway closes the connection
                 gone.set()
                 return
@@ -90,6 +104,21 @@ async def test_a_stream_whose_engine_goes_silent_ends_with_a_stall_error(start_g
     await gw.gateway.records.wait_flushed()
     (row,) = read_records(str(tmp_path / "usage.sqlite3"))
     assert row["status"] == "error"
+
+
+async def test_a_stream_that_brings_only_keep_alives_is_stalled_too(start_gateway, stack):
+    """Bytes keep coming, a byte at a time, and never an event (a proxy's keep-alive comments in front of a hung
+    engine): the connection's own watch sees bytes; the stream's sees no event for `upstream.stall_timeout_ms`."""
+    gone = asyncio.Event()
+    url = await _hung_engine(stack, 1, gone, pings=True)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}], **STALL)
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
+        raw = await resp.read()
+    assert b'"content":"a"' in raw and b"[DONE]" not in raw
+    last = orjson.loads(raw.strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == "upstream_stalled" and "keep-alives" in last["error"]["message"]
+    assert counter(gw.gateway.metrics.upstream_errors, instance="e", kind="stall") == 1
+    assert_gateway_clean(gw.gateway)
 
 
 async def test_a_client_wanting_the_whole_answer_gets_504_and_a_silent_engine_is_left_for_another(
@@ -148,6 +177,7 @@ async def test_a_non_streaming_call_to_a_hung_engine_is_bounded_by_the_default_d
 
 async def test_a_health_check_that_times_out_says_so(start_gateway, stack, caplog):
     """An engine whose /health hangs: the log and /admin/fleet said "health check failed: " and nothing more."""
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # never answers
         writer.close()
