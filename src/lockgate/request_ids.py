@@ -21,9 +21,10 @@ def new_request_id() -> str:
 
 
 def client_request_id(request: Request) -> str | None:
-    """The client's own `x-request-id`, if it sent a usable one (echoed back, kept in the record)."""
+    """The client's own `x-request-id`, if it sent a usable one (printable ASCII, at most 200 characters: echoed back,
+    kept in the record)."""
     client_id = request.headers.get("x-request-id")
-    if client_id is not None and (len(client_id) > 200 or not client_id.isprintable()):
+    if client_id is not None and (len(client_id) > 200 or not client_id.isascii() or not client_id.isprintable()):
         return None
     return client_id
 

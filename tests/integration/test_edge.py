@@ -353,3 +353,19 @@ async def test_a_failure_after_admission_carries_the_tenants_rate_limit_headers(
     status, headers, raw = await post(http, gw.url, CHAT, Authorization="Bearer sk-acme")
     assert status == 503 and error_of(raw)["code"] == "no_healthy_instance" and int(headers["Retry-After"]) >= 1
     assert headers["x-ratelimit-limit-requests"] == "60" and "x-ratelimit-remaining-requests" in headers
+
+
+@pytest.mark.parametrize(("sent", "kept"), [("mine-1", True), ("caf\u00e9", False), ("r" * 201, False)])
+async def test_a_clients_request_id_is_echoed_only_when_short_and_printable_ascii(
+    start_sim, start_gateway, http, sent, kept
+):
+    """A client's `x-request-id` is echoed and recorded; one that is not printable ASCII (a Latin-1 byte was echoed
+    back raw) or is too long is replaced by the gateway's own."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    async with http.post(
+        gw.url + "/v1/chat/completions", data=orjson.dumps(CHAT), headers={"x-request-id": sent}
+    ) as resp:
+        assert resp.status == 200
+        echoed = resp.headers["x-request-id"]
+    assert (echoed == sent) if kept else echoed.startswith("lg-")
