@@ -18,7 +18,7 @@ import orjson
 
 from . import resume, stored
 from .admin_api import CANCEL_PREFIX, AdminApi
-from .admission.admin import AdminGate
+from .admission.admin import METRICS_PATH, AdminGate
 from .admission.gate import Admission
 from .admission.tenants import DEFAULT_TENANT, PRIORITY_HEADER, Tenant, cache_salt_for
 from .cluster.identity import CACHE_SALT_HEADER, TENANT_HEADER, Relayed, relayed_cache_salt
@@ -159,10 +159,9 @@ class Gateway:
             self.admin.gate = AdminGate(config.admin, lambda: self.admission.book)
             # The routes the gate guards may have changed with it (`metrics_require_key` guards `/metrics`).
             self._route_table = self._routes()
-        if diff.tenants_changed:
-            unkept = self.unkept_ids()
-            if unkept is not None:  # (said at start too; a reload that adds the first tenants says it here)
-                log.warning("%s", unkept)
+        if diff.tenants_changed or diff.admin_changed:
+            for warning in self.warnings():  # (said at start too; a reload that adds the first tenants says it here)
+                log.warning("%s", warning)
         self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
         self.admission.withdraw([model for model in diff.removed_models if model not in self.fleet.pools])
@@ -441,16 +440,27 @@ class Gateway:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)
 
-    def unkept_ids(self) -> str | None:
-        """A warning for the operator when the response ids shown to tenants hold in this process only (no
-        `LOCKGATE_RESPONSE_ID_SECRET`: a restart, another replica, and they are 404), else None."""
-        if not self.response_ids.drawn or self.admission.book.open:
-            return None
-        return (
-            f"{SECRET_ENV} is not set: the response ids this process shows its tenants are valid here only (after a "
-            "restart, or at another replica, a follow-up or a retrieval naming one is 404); set it alike on every "
-            "replica"
-        )
+    def warnings(self) -> list[str]:
+        """What the operator of a gateway with tenants is told once it listens (and after a reload that changes its
+        tenants or admin keys): response ids that hold in this process only (no `LOCKGATE_RESPONSE_ID_SECRET`: after a
+        restart, or at another replica, they are 404); a `/metrics` anyone who reaches the port reads, which names the
+        tenants, their usage and their remaining quotas."""
+        if self.admission.book.open:
+            return []
+        said = []
+        if self.response_ids.drawn:
+            said.append(
+                f"{SECRET_ENV} is not set: the response ids this process shows its tenants are valid here only (after "
+                "a restart, or at another replica, a follow-up or a retrieval naming one is 404); set it alike on "
+                "every replica"
+            )
+        if not self.admin.gate.protects(METRICS_PATH):
+            said.append(
+                "GET /metrics needs no key: anyone who reaches this port reads the tenants' names, usage and remaining "
+                "quotas there; set admin.metrics_require_key: true (a Prometheus scrape then sends an admin key) or "
+                "keep the port private"
+            )
+        return said
 
     def _shown_ids(self) -> ResponseIds:
         """The response ids clients are shown (`response_ids.py`): bound to their tenant once tenants are configured,

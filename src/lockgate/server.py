@@ -294,9 +294,8 @@ async def serve(
             assert server.gateway is not None
             tune_gc()
             announce(_banner(server))
-            unkept = server.gateway.unkept_ids()
-            if unkept is not None:
-                log.warning("%s", unkept)
+            for warning in server.gateway.warnings():
+                log.warning("%s", warning)
             reloads = asyncio.create_task(_reload_on_hangup(server.gateway, hangup, announce), name="lockgate-sighup")
             try:
                 await stop.wait()
