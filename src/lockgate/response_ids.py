@@ -199,7 +199,9 @@ def _refuse_unbound_names(body: dict[str, Any]) -> None:
     items = body["input"]
     if isinstance(items, list):
         for index, item in enumerate(items):
-            if item.get("type") == "item_reference":
+            kind = item.get("type")
+            # (any spelling of it: an engine that read the type case-insensitively would resolve the reference)
+            if isinstance(kind, str) and kind.strip().lower() == "item_reference":
                 raise InvalidRequest(
                     f"`input[{index}]`: item references are not accepted by this gateway: it serves several tenants "
                     "and cannot keep one tenant's items from another's; send the item itself.",

@@ -442,6 +442,7 @@ async def test_with_tenants_names_the_gateway_cannot_bind_are_refused(start_sim,
     for extra, param in (
         ({"input": "hi", "conversation": "conv_of_another_tenant"}, "conversation"),
         ({"input": [hi, reference]}, "input[1]"),
+        ({"input": [hi, {**reference, "type": "Item_Reference"}]}, "input[1]"),  # whatever its spelling
     ):
         async with http.post(tenanted.url + "/v1/responses", json={"model": "m", **extra}, headers=a) as r:
             assert r.status == 400
