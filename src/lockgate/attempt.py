@@ -105,6 +105,7 @@ async def open_attempts(
             uncached,
             route.prompt_tokens,
             route.stream and stream and pool.is_long(instance, uncached),
+            whole=not stream,
         )
         hold(lease, call)
         if before_send is not None:

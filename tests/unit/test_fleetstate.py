@@ -320,4 +320,36 @@ def test_the_view_shows_the_oldest_unanswered_attempt_and_the_floor_of_recent_fi
     assert later.oldest_wait_s == 2.5 and later.ttft_floor_s == 3.0
     for n in range(8):  # the floor is the least of the last eight
         own.first_token(own.start(10, now=20.0 + n), now=20.5 + n)
-    assert own.ttft_floor == 0.5 and own.oldest_unanswered() is not None
+    assert own.ttft_floor == 0.5 and own.oldest_unanswered()[0] is not None
+
+
+def test_a_whole_answer_is_never_overdue_and_is_shown_apart() -> None:
+    """A request answered as one body shows no first token until its end: judged like a stream's, every
+    non-streaming answer longer than three steps looked late (to routing, and to a P0 deciding whether the engine's
+    queue is backed up)."""
+    own = OwnAccounting()
+    stream = own.start(10, now=0.0)
+    own.first_token(stream, now=0.01)
+    own.end(stream, now=0.1, completion_tokens=10)  # a step measured: attempts may be overdue
+    whole = own.start(10, now=1.0, whole=True)
+    assert own.oldest_unanswered() == (None, whole)
+    assert own.first_token_due(whole) is None and own.overdue(now=100.0) is False
+    view = merge(
+        key="k", name="k", routable=True, in_flight=1, max_concurrency=4, own=own, engine=None, now=3.0, stale_after=1.0
+    )
+    assert (view.oldest_wait_s, view.oldest_whole_wait_s, view.oldest_whole_work) == (0.0, 2.0, 10)
+
+
+def test_a_whole_answer_is_waited_on_only_while_nothing_else_progresses_there() -> None:
+    own = OwnAccounting()
+    own.start(10, now=0.0, whole=True)  # a long generation
+    other = own.start(10, now=1.0)
+    view = merge(
+        key="k", name="k", routable=True, in_flight=2, max_concurrency=4, own=own, engine=None, now=5.0, stale_after=1.0
+    )
+    assert view.oldest_whole_wait_s == 5.0
+    own.first_token(other, now=6.0)  # the engine answers others: it is working
+    view = merge(
+        key="k", name="k", routable=True, in_flight=2, max_concurrency=4, own=own, engine=None, now=7.0, stale_after=1.0
+    )
+    assert view.oldest_whole_wait_s == 1.0

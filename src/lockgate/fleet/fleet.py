@@ -394,10 +394,17 @@ class Fleet:
         return self.pools.get(model)
 
     def lease(
-        self, instance: Instance, model: str, uncached_tokens: int = 0, prompt_tokens: int = 0, long: bool = False
+        self,
+        instance: Instance,
+        model: str,
+        uncached_tokens: int = 0,
+        prompt_tokens: int = 0,
+        long: bool = False,
+        *,
+        whole: bool = False,
     ) -> Lease:
-        """A slot on `instance` for a request of the pool `model`."""
-        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens, long, model)
+        """A slot on `instance` for a request of the pool `model` (`whole`: answered as one body)."""
+        return Lease(instance, self._metrics, uncached_tokens, prompt_tokens, long, model, whole=whole)
 
     def ready(self) -> bool:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())

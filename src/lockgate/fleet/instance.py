@@ -192,9 +192,11 @@ class Lease:
         prompt_tokens: int = 0,
         long: bool = False,
         model: str = "",
+        *,
+        whole: bool = False,
     ) -> None:
         """`long`: a long streamed prompt, holding the instance's turn for one (`Pool.is_long`) until its first
-        token or its end. `model`: the pool it was taken for."""
+        token or its end. `model`: the pool it was taken for. `whole`: the engine answers with one body."""
         self.instance = instance
         self.model = model
         #: The gateway's estimate of the prompt's tokens (characters / 4).
@@ -207,7 +209,7 @@ class Lease:
         instance.in_flight += 1
         leased = instance.leased
         leased[model] = leased.get(model, 0) + 1
-        self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic(), long)
+        self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic(), long, whole)
 
     def first_token(self) -> None:
         """The engine's first event arrived: this attempt's prompt is no longer queued there."""

@@ -75,14 +75,17 @@ class Moments:
 class Attempt:
     """One request attempt's contribution to its instance's accounting (held by its `Lease`)."""
 
-    __slots__ = ("backlog", "first_at", "long", "sent_at", "tokens")
+    __slots__ = ("backlog", "first_at", "long", "sent_at", "tokens", "whole")
 
-    def __init__(self, tokens: int, backlog: int, sent_at: float, long: bool = False) -> None:
+    def __init__(self, tokens: int, backlog: int, sent_at: float, long: bool = False, whole: bool = False) -> None:
         self.tokens = tokens  # uncached prompt tokens it queued
         self.backlog = backlog  # prompt tokens queued ahead of it when sent
         self.sent_at = sent_at
         self.first_at: float | None = None
         self.long = long  # a long prompt (`routing.long_prefill_ms`) whose first token has not come back
+        #: The engine answers it with one body: its first token is never seen, only its end (it stays "unanswered"
+        #: while it generates).
+        self.whole = whole
 
 
 #: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
@@ -120,6 +123,8 @@ class OwnAccounting:
         self.on_long_done: Callable[[], None] | None = None
         #: The attempts sent here whose first token has not come back (queued or in prefill there), oldest first.
         self._unanswered: dict[Attempt, None] = {}
+        #: When the engine last showed progress here: a first token, or an answer that ended with tokens.
+        self.progress_at = 0.0
         #: The last `_FLOOR_SAMPLES` times to first token (`ttft_floor`).
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=_FLOOR_SAMPLES)
 
@@ -128,9 +133,18 @@ class OwnAccounting:
         """The shortest of the recent times to first token here (0.0: none measured yet)."""
         return min(self._recent_ttft) if self._recent_ttft else 0.0
 
-    def oldest_unanswered(self) -> Attempt | None:
-        """The attempt sent here the longest ago whose first token has not come back."""
-        return next(iter(self._unanswered), None)
+    def oldest_unanswered(self) -> tuple[Attempt | None, Attempt | None]:
+        """The streamed attempt sent here the longest ago whose first token has not come back, and the oldest whole
+        one (still generating, or waiting: its first token is never seen)."""
+        streamed = whole = None
+        for attempt in self._unanswered:
+            if attempt.whole:
+                whole = whole or attempt
+            else:
+                streamed = streamed or attempt
+            if streamed is not None and whole is not None:
+                break
+        return streamed, whole
 
     @property
     def pending(self) -> int:
@@ -170,8 +184,8 @@ class OwnAccounting:
         slowdown = _MAX_SLOWDOWN if expected <= 0 else min(_MAX_SLOWDOWN, (now - self.busy_since) / expected)
         return round(queued * max(1.0, slowdown))
 
-    def start(self, uncached_tokens: int, now: float, long: bool = False) -> Attempt:
-        attempt = Attempt(uncached_tokens, self.remaining_prompt_tokens(now), now, long)
+    def start(self, uncached_tokens: int, now: float, long: bool = False, whole: bool = False) -> Attempt:
+        attempt = Attempt(uncached_tokens, self.remaining_prompt_tokens(now), now, long, whole)
         if long:
             self.long_pending += 1
         if self.pending > 0:
@@ -203,7 +217,7 @@ class OwnAccounting:
         waits in the engine's own queue for a sequence slot. None once answered, or while no step is known
         (`step_s`: before it, a P0 sent behind a fresh gateway's flood waited a whole generation there)."""
         step = self.step_s()
-        if attempt.first_at is not None or step is None:
+        if attempt.first_at is not None or attempt.whole or step is None:
             return None
         steps = 2 + slack_steps
         return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + steps * step
@@ -242,7 +256,7 @@ class OwnAccounting:
         node): queued here from now, timed from when it was sent. The other instance `end`s its own (first:
         `Lease.move`), which gives back a long prompt's turn there; none is taken here, as an instance behind a
         sidecar never holds one (`Pool.is_long`)."""
-        moved = self.start(attempt.tokens, now)
+        moved = self.start(attempt.tokens, now, whole=attempt.whole)
         moved.sent_at = attempt.sent_at
         return moved
 
@@ -250,6 +264,7 @@ class OwnAccounting:
         if attempt.first_at is not None:
             return
         attempt.first_at = now
+        self.progress_at = now
         self.queued_prompt_tokens -= attempt.tokens
         self._unanswered.pop(attempt, None)
         if attempt.long:
@@ -275,6 +290,8 @@ class OwnAccounting:
 
         `whole`: a non-streamed answer of `completion_tokens` tokens arrived complete (no first-token
         time was seen): its time is split into TTFT and decode by `_split_whole`."""
+        if completion_tokens > 0:
+            self.progress_at = now
         if attempt.first_at is None:
             self.queued_prompt_tokens -= attempt.tokens
             self._unanswered.pop(attempt, None)
@@ -441,7 +458,7 @@ def merge(
         if engine.kv_usage is not None:
             kv = engine.kv_usage
     prefill, tpot = own.prefill_tps, own.tpot
-    oldest = own.oldest_unanswered()
+    oldest, oldest_whole = own.oldest_unanswered()
     return InstanceView(
         key=key,
         name=name,
@@ -463,5 +480,8 @@ def merge(
         cache_room=cache_room,
         oldest_wait_s=0.0 if oldest is None else now - oldest.sent_at,
         oldest_work=0 if oldest is None else oldest.backlog + oldest.tokens,
+        # (Only while nothing else made progress there since: an engine that answers others is not hung.)
+        oldest_whole_wait_s=0.0 if oldest_whole is None else now - max(oldest_whole.sent_at, own.progress_at),
+        oldest_whole_work=0 if oldest_whole is None else oldest_whole.backlog + oldest_whole.tokens,
         ttft_floor_s=own.ttft_floor,
     )

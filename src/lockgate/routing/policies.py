@@ -56,10 +56,14 @@ class InstanceView:
     cached_tokens: int = 0
     #: Tokens its prefix cache takes before it must evict (None: its cache size is unknown).
     cache_room: int | None = None
-    #: The oldest request sent there still without its first token: how long it has waited, and the prompt work
-    #: (tokens: its own uncached ones and those queued ahead of it when sent) it was to wait for.
+    #: The oldest streamed request sent there still without its first token: how long it has waited, and the prompt
+    #: work (tokens: its own uncached ones and those queued ahead of it when sent) it was to wait for.
     oldest_wait_s: float = 0.0
     oldest_work: int = 0
+    #: The same for the oldest request answered as one body (its first token never seen: it is out there until its
+    #: end), counted from the engine's last progress there (a first token, an answer ended) if that came later.
+    oldest_whole_wait_s: float = 0.0
+    oldest_whole_work: int = 0
     #: The shortest of its recent times to first token (0.0: none measured): what it takes there at the least,
     #: whatever the prompt (an engine slow for reasons of its own, not by prefill rate).
     ttft_floor_s: float = 0.0
