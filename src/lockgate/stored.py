@@ -165,7 +165,7 @@ async def _call(
     except (ConnectError, DisconnectedError, ProtocolError) as exc:
         raise call_failed(fleet, instance, exc) from None
     if response.status >= 400:  # (as a generation's answer is: a 5xx or refused credentials count against it)
-        body = instance.redact(body)
+        body = instance.credentials.scrub(body)
         fleet.report_failure(instance, f"http_{response.status}", body[:200].decode("utf-8", "replace"))
     else:
         fleet.report_success(instance)

@@ -129,7 +129,7 @@ class UpstreamCall:
         self._response = response
         if response.status >= 400:
             try:
-                body = instance.redact(await response.read(self._fleet.upstream.max_response_bytes))
+                body = instance.credentials.scrub(await response.read(self._fleet.upstream.max_response_bytes))
             except ProtocolError:
                 body = b""
             finally:
@@ -471,9 +471,9 @@ class UpstreamEvents:
             call.abort()
         else:
             call.broken("error event in the stream")
+        message = call.instance.credentials.scrub_text(message)
         return UpstreamProtocolError(
-            f"Instance {call.served_by} reported an error in the stream: {call.instance.redact_text(message)}",
-            code="upstream_stream_error",
+            f"Instance {call.served_by} reported an error in the stream: {message}", code="upstream_stream_error"
         )
 
     def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import socket
+import urllib.parse
 
 import aiohttp
 import orjson
@@ -106,26 +108,45 @@ async def test_userinfo_is_basic_auth_and_never_shown(start_gateway, serve_app, 
     assert all(auth == expected for _, auth in seen), seen
 
 
+def _escaped(text: str) -> str:
+    """`text` as JSON `\\u` escapes (decoded, the same string)."""
+    return "".join(f"\\u{ord(c):04x}" for c in text)
+
+
+#: How an engine may repeat the credential it got: as it is, or in a form exact replacement does not catch (an outside
+#: run got each of these through): the message is then withheld whole.
+FORMS = {
+    "exact": lambda auth: f"{auth} ({PASSWORD})",
+    "lower": lambda auth: auth.lower(),
+    "percent": lambda auth: urllib.parse.quote(auth),
+    "json_escapes": _escaped,
+}
+
+
 @pytest.mark.parametrize("status", [400, 401, 500, "stream"])
 @pytest.mark.parametrize("credential", ["api_key", "userinfo"])
+@pytest.mark.parametrize("form", list(FORMS))
 async def test_an_engine_repeating_the_gateways_credential_does_not_hand_it_to_the_client(
-    start_gateway, serve_app, tmp_path, status, credential
+    start_gateway, serve_app, tmp_path, status, credential, form
 ):
     """Some engines and proxies repeat the `Authorization` they got in their errors ("Incorrect API key provided:
-    Bearer ..."): the client's error, the usage record and `/admin/fleet` get it redacted."""
+    Bearer ..."): the client's error, the usage record and `/admin/fleet` get it redacted, or the message withheld
+    when the copy is in another form (another case, percent-encoded, JSON escapes)."""
 
     async def engine(request: web.Request) -> web.StreamResponse:
         if request.method != "POST":
             return web.json_response({})
         await request.read()
-        message = f"Incorrect API key provided: {request.headers.get('Authorization')} ({PASSWORD})"
+        message = f"Incorrect API key provided: {FORMS[form](request.headers.get('Authorization', ''))}"
         if status == "stream":
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            error = orjson.dumps({"error": {"message": message, "type": "InternalServerError", "code": 500}})
+            error = b'{"error": {"message": "%s", "type": "InternalServerError", "code": 500}}' % message.encode()
             await response.write(b"data: " + error + b"\n\ndata: [DONE]\n\n")
             return response
-        return web.json_response({"error": {"message": message, "type": "error", "code": status}}, status=status)
+        # (Written by hand: the message's JSON escapes are the engine's, not re-encoded.)
+        body = f'{{"error": {{"message": "{message}", "type": "error", "code": {status}}}}}'
+        return web.Response(text=body, status=status, content_type="application/json")
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", engine)
@@ -140,9 +161,16 @@ async def test_an_engine_repeating_the_gateways_credential_does_not_hand_it_to_t
             answer = await resp.text()
         async with http.get(gw.url + "/admin/fleet") as resp:
             fleet = await resp.text()
-    assert "Incorrect API key provided" in answer and "[redacted]" in answer
+    if form == "exact":  # (the rest of the message stays)
+        assert "Incorrect API key provided" in answer and "[redacted]" in answer
+    else:  # redacted where the form is still exact (a lower-case key lower-cased), else withheld
+        assert "[redacted]" in answer or "withheld" in answer
     await gw.gateway.records.wait_flushed()
     rows = orjson.dumps(read_records(str(tmp_path / "usage.sqlite3"))).decode()
-    assert "[redacted]" in rows
+    assert "[redacted]" in rows or "withheld" in rows
     for where, text in {"answer": answer, "usage rows": rows, "/admin/fleet": fleet}.items():
         assert_no_secret(text, where)
+        assert_no_secret(text.lower(), where + " (lower-cased)")
+        assert_no_secret(urllib.parse.unquote(text), where + " (percent-decoded)")
+        with contextlib.suppress(orjson.JSONDecodeError):
+            assert_no_secret(orjson.dumps(orjson.loads(text)).decode(), where + " (JSON-decoded)")

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from ..config import InstanceConfig
+from ..credentials import Credentials
 from ..engines import Dialect, dialect_for
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
@@ -46,8 +47,8 @@ class Instance:
         )
         self.api_key = config.api_key
         self.basic_authorization = config.basic_authorization
-        #: The credentials sent to the engine, as bytes (`redact`).
-        self._secrets = tuple(secret.encode() for secret in config.secrets)
+        #: The credentials sent to the engine, scrubbed out of what it says (`credentials.py`).
+        self.credentials = Credentials(config.secrets)
         #: Its prefix cache's size in tokens when configured (else learned from the engine's metrics).
         self.cache_tokens = config.cache_tokens
         #: Prompt tokens routed here and those the prefix index predicted cached (`hit_gap` compares
@@ -114,14 +115,6 @@ class Instance:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.retired and not self.ejection.ejected
-
-    def redact(self, data: bytes) -> bytes:
-        """An engine's answer with the gateway's credentials for it taken out (an engine or a proxy that repeats the
-        `Authorization` it got in an error message must not hand it to a client, nor to the usage records)."""
-        return _redacted(data, self._secrets) if self._secrets else data
-
-    def redact_text(self, text: str) -> str:
-        return self.redact(text.encode()).decode() if self._secrets else text
 
     def wake_if_idle(self) -> None:
         """No lease held and no engine call open on its connections: wake `wait_idle` (a retired instance closes)."""
@@ -315,13 +308,6 @@ class Lease:
         if instance.on_vacated is not None:
             instance.on_vacated()
         instance.wake_if_idle()
-
-
-def _redacted(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
-    for secret in secrets:
-        if secret in data:
-            data = data.replace(secret, b"[redacted]")
-    return data
 
 
 def _auth(instance: Instance) -> dict[str, str]:

@@ -1,0 +1,69 @@
+"""The credentials the gateway sends one engine, and their removal from what that engine says.
+
+Some engines and proxies repeat the `Authorization` they got in an error ("Incorrect API key provided: Bearer
+..."): the gateway passes engines' errors on to clients and into usage records, so each instance scrubs its own
+credentials (its `api_key`; its URL's password, as written, decoded and inside the Basic credential) out of them.
+An exact copy becomes `[redacted]` (the rest of the message stays useful); a copy in any other form an outside run
+got through (another case, percent-encoded, JSON `\\u` escapes) withholds the whole text, for credentials of 8
+characters or more, as nothing finer can be trusted to catch it. A partial copy (a provider's own mask: the first
+and last few characters) is not caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import unquote
+
+import orjson
+
+REDACTED = b"[redacted]"
+#: The shortest credential looked for in other forms than its exact copy.
+FOLDED_MIN = 8
+#: What stands for an engine's message that held a credential in a form exact replacement does not catch.
+WITHHELD = "[the engine's message was withheld: it repeated the gateway's credential for it]"
+_WITHHELD_BODY = orjson.dumps({"error": {"message": WITHHELD, "type": "upstream_error"}})
+
+
+class Credentials:
+    __slots__ = ("_exact", "_folded")
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        found = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self._exact = tuple(s.encode() for s in found)
+        # (Not the short ones in other forms: a 4-character key would withhold every message holding that word.)
+        self._folded = tuple(s.lower() for s in found if len(s) >= FOLDED_MIN)
+
+    def __bool__(self) -> bool:
+        return bool(self._exact)
+
+    def scrub(self, data: bytes) -> bytes:
+        """An engine's answer (an error body) without the credentials: exact copies redacted; an OpenAI error body
+        saying `WITHHELD` if a copy in another form remains."""
+        if not self._exact:
+            return data
+        data = self._replaced(data)
+        return _WITHHELD_BODY if self._hidden_in(data.decode("utf-8", "replace")) else data
+
+    def scrub_text(self, text: str) -> str:
+        """An engine's message (already decoded) without the credentials; `WITHHELD` if a copy in another form
+        remains."""
+        if not self._exact:
+            return text
+        text = self._replaced(text.encode()).decode("utf-8", "replace")
+        return WITHHELD if self._hidden_in(text) else text
+
+    def _replaced(self, data: bytes) -> bytes:
+        for secret in self._exact:
+            if secret in data:
+                data = data.replace(secret, REDACTED)
+        return data
+
+    def _hidden_in(self, text: str) -> bool:
+        forms = {text.lower(), unquote(text).lower()}
+        try:
+            decoded = orjson.dumps(orjson.loads(text)).decode()  # JSON's `\u` escapes read, written plainly
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            forms |= {decoded.lower(), unquote(decoded).lower()}
+        return any(secret in form for secret in self._folded for form in forms)

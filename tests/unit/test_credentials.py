@@ -1,0 +1,22 @@
+"""An instance's credentials scrubbed out of what its engine says (`lockgate.credentials`)."""
+
+from __future__ import annotations
+
+import orjson
+
+from lockgate.credentials import WITHHELD, Credentials
+
+
+def test_an_exact_copy_is_redacted_and_any_other_form_withholds_the_message() -> None:
+    creds = Credentials(["SECRETKEY-abc123", "pw12"])
+    assert creds.scrub(b'{"error": {"message": "bad key Bearer SECRETKEY-abc123"}}') == (
+        b'{"error": {"message": "bad key Bearer [redacted]"}}'
+    )
+    for form in ("secretkey-abc123", "SECRETKEY%2Dabc123", "SECRETKEY-abc\\u0031\\u0032\\u0033"):
+        body = b'{"error": {"message": "bad key %s"}}' % form.encode()
+        assert orjson.loads(creds.scrub(body))["error"]["message"] == WITHHELD, form
+    assert creds.scrub_text("bad key secretkey-abc123") == WITHHELD
+    # A short credential is redacted where it is exact, but not looked for in other forms (it would withhold every
+    # message holding the same word).
+    assert creds.scrub_text("PW12 pw12") == "PW12 [redacted]"
+    assert not Credentials([]) and Credentials([]).scrub(b"anything") == b"anything"
