@@ -338,6 +338,11 @@ def test_a_whole_answer_is_never_overdue_and_is_shown_apart() -> None:
         key="k", name="k", routable=True, in_flight=1, max_concurrency=4, own=own, engine=None, now=3.0, stale_after=1.0
     )
     assert (view.oldest_wait_s, view.oldest_whole_wait_s, view.oldest_whole_work) == (0.0, 2.0, 10)
+    own.end(whole, now=4.0, completion_tokens=30, whole=True)
+    done = merge(
+        key="k", name="k", routable=True, in_flight=0, max_concurrency=4, own=own, engine=None, now=5.0, stale_after=1.0
+    )
+    assert (done.oldest_whole_wait_s, done.whole_s) == (0.0, 3.0)  # a whole answer's time, whatever the step
 
 
 def test_a_whole_answer_is_waited_on_only_while_nothing_else_progresses_there() -> None:

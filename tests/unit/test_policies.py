@@ -202,13 +202,15 @@ def test_predicted_ttft_prices_out_an_engine_that_stopped_answering_or_is_slow_f
     assert [pick(policy, short, snap(fleet[0], hung)) for _ in range(4)] == ["i0"] * 4
     just_sent = replace(hung, oldest_wait_s=0.02)  # within its prefill and three steps: not late
     assert {pick(policy, short, snap(fleet[0], just_sent)) for _ in range(4)} == {"i0", "i1"}
-    # A whole answer (one body: its first token never seen) is late only past its prefill, three steps and four mean
-    # decodes: one generating for a while is not.
-    generating = replace(fleet[1], decode_s=0.5, in_flight=1, pending=1, oldest_whole_wait_s=1.9, oldest_whole_work=20)
+    # A whole answer (one body: its first token never seen) is late only past its prefill and four times a whole
+    # answer's mean time: one generating for a while is not.
+    generating = replace(fleet[1], whole_s=0.5, in_flight=1, pending=1, oldest_whole_wait_s=1.9, oldest_whole_work=20)
     assert predict_ttft(generating, short, rate, step) == predict_ttft(replace(fleet[1], pending=1), short, rate, step)
-    stuck = replace(generating, decode_s=0.0, oldest_whole_wait_s=30.0)  # nothing measured: its peers' decode
-    assert predict_ttft(stuck, short, rate, step, default_decode_s=0.5) > 27
-    assert [pick(policy, short, snap(replace(fleet[0], decode_s=0.5), stuck)) for _ in range(4)] == ["i0"] * 4
+    # Nothing measured there, no step known anywhere (a fresh fleet serving whole answers): its peers' whole answers.
+    stuck = replace(generating, whole_s=0.0, oldest_whole_wait_s=30.0)
+    assert predict_ttft(stuck, short, rate, 0.0, default_whole_s=0.5) > 27
+    fresh = [replace(fleet[0], tpot_s=0.0, whole_s=0.5), replace(stuck, tpot_s=0.0)]
+    assert [pick(policy, short, snap(*fresh)) for _ in range(4)] == ["i0"] * 4
     slow = replace(fleet[1], ttft_floor_s=3.0)
     assert [pick(policy, short, snap(fleet[0], slow)) for _ in range(4)] == ["i0"] * 4
     assert predict_ttft(slow, short, rate, step) == 3.0

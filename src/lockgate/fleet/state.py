@@ -106,8 +106,9 @@ class OwnAccounting:
         self.decode = Ewma()
         self.prefill_tps = Ewma()
         self.prompt_tokens = Ewma()
-        #: Whole (non-streamed) answers: (tokens, seconds) moments for the TPOT fit.
+        #: Whole (non-streamed) answers: (tokens, seconds) moments for the TPOT fit, and their times.
         self.whole = Moments()
+        self.whole_time = Ewma()
         self.errors = 0
         self.updated_at: float | None = None
         #: When the prompt tokens sent here should all be prefilled, at the measured rate (monotonic), and
@@ -298,6 +299,7 @@ class OwnAccounting:
             if attempt.long:
                 self._long_done(attempt)
             if whole and completion_tokens >= 1:
+                self.whole_time.add(now - attempt.sent_at, now)
                 self._split_whole(attempt, now, completion_tokens, engine_tpot)
         else:
             decode = now - attempt.first_at
@@ -483,5 +485,6 @@ def merge(
         # (Only while nothing else made progress there since: an engine that answers others is not hung.)
         oldest_whole_wait_s=0.0 if oldest_whole is None else now - max(oldest_whole.sent_at, own.progress_at),
         oldest_whole_work=0 if oldest_whole is None else oldest_whole.backlog + oldest_whole.tokens,
+        whole_s=own.whole_time.value,
         ttft_floor_s=own.ttft_floor,
     )

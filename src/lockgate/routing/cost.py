@@ -28,10 +28,11 @@
                      answering (hung, its /health still fine) has nothing measured against it, and
                      judged by its peers' rates it looked as fast as they are: it took every other
                      request. Counted only once a step is known (nothing is late before). A request
-                     answered as one body shows no first token: it is late past that plus four mean
-                     decodes (its own instance's, else its peers'), counted from the engine's last
-                     progress there (a first token, an answer ended): a busy engine is never late, one
-                     that answers nothing soon is.
+                     answered as one body shows no first token: it is late past its prefill and four
+                     times a whole answer's mean time (its instance's, else its peers': no step needs
+                     to be known, a fleet serving whole answers only measures none at first), counted
+                     from the engine's last progress there (a first token, an answer ended): a busy
+                     engine is never late, one that answers nothing soon is.
     floor          = the shortest of its last 8 times to first token: an engine slow for reasons of
                      its own (a fixed second of latency, whatever the prompt) is slower than its
                      prefill rate says, and a short prompt would otherwise price it like its peers.
@@ -101,7 +102,7 @@ def predict_ttft(
     default_tpot_s: float = 0.0,
     half_life_s: float = 0.0,
     reuse: float = 1.0,
-    default_decode_s: float = 0.0,
+    default_whole_s: float = 0.0,
 ) -> float:
     """Predicted TTFT of `request` on `view` (see the module docstring); the defaults are its peers'
     means, what an unmeasured (or long unmeasured, with `half_life_s`) instance is judged by."""
@@ -124,12 +125,10 @@ def predict_ttft(
     # request waiting for its first token there (but the one in prefill now) shares a step with this
     # prompt's or waits behind it: a long prompt sent where short ones wait delays each of them.
     delayed = max(0, view.pending - 1) * uncached
-    late = 0.0
-    if tpot > 0:
-        late = max(0.0, view.oldest_wait_s - view.oldest_work / rate - 3 * tpot)
-        decode = view.decode_s or default_decode_s
-        if view.oldest_whole_wait_s and decode > 0:
-            late = max(late, view.oldest_whole_wait_s - view.oldest_whole_work / rate - 3 * tpot - 4 * decode)
+    late = max(0.0, view.oldest_wait_s - view.oldest_work / rate - 3 * tpot) if tpot > 0 else 0.0
+    typical = view.whole_s or default_whole_s
+    if view.oldest_whole_wait_s and typical > 0:
+        late = max(late, view.oldest_whole_wait_s - view.oldest_whole_work / rate - 4 * typical)
     return max(wait + (uncached + evicted + delayed) / rate + tpot + late, view.ttft_floor_s)
 
 
@@ -169,12 +168,12 @@ class PredictedTTFT:
             return None
         rate = _mean_measured([o.prefill_tps for o in options]) or self._default_tps
         tpot = _mean_measured([o.tpot_s for o in options])
-        decode = _mean_measured([o.decode_s for o in options])
+        whole = _mean_measured([o.whole_s for o in options])
         # The limit is a ceiling (`with_room`): a cached prefix made waiting there look cheaper than a cold prefill
         # next door, and an instance of 2 ran 4 while its neighbour ran none.
         options = with_room(options)
         reuse = snapshot.reuse
-        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse, decode) for o in options]
+        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse, whole) for o in options]
         # Equal predictions (an idle fleet), or as good as equal (`near_tie`): the holder of the most of the prompt,
         # then the emptier instance, then round-robin.
         cutoff = min(costs) * self._near + self._near_s

@@ -64,6 +64,8 @@ class InstanceView:
     #: end), counted from the engine's last progress there (a first token, an answer ended) if that came later.
     oldest_whole_wait_s: float = 0.0
     oldest_whole_work: int = 0
+    #: The mean time of a whole (non-streamed) answer there (0.0: none measured).
+    whole_s: float = 0.0
     #: The shortest of its recent times to first token (0.0: none measured): what it takes there at the least,
     #: whatever the prompt (an engine slow for reasons of its own, not by prefill rate).
     ttft_floor_s: float = 0.0
