@@ -153,7 +153,15 @@ class ApiRequest:
         prompt's text and estimate already computed carried over (`dataclasses.replace` would compute them again,
         and costs a generic copy per flight)."""
         out = ApiRequest(
-            self.endpoint, body, self.model, True, True, self.max_tokens, self.trace_headers, self.relay_headers
+            self.endpoint,
+            body,
+            self.model,
+            True,
+            True,
+            self.max_tokens,
+            self.trace_headers,
+            self.relay_headers,
+            self.cache_salt,
         )
         out._prompt, out._prompt_tokens = self._prompt, self._prompt_tokens
         return out

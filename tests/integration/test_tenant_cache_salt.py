@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from lockgate.admission.tenants import hash_key
@@ -65,3 +66,31 @@ async def test_a_bad_cache_salt_is_refused(start_sim, start_gateway, salt):
     async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["param"] == "cache_salt"
+
+
+async def test_a_shared_call_carries_its_tenants_salt(start_sim, start_gateway):
+    """A de-duplicable request (temperature 0) is sent by its flight, from a copy of the request: the copy lost the
+    salt, and every tenant's flights shared one cache partition (a code review)."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=TENANTS)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": SECRET}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def cached(http: aiohttp.ClientSession, key: str) -> int:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200 and resp.headers["x-lockgate-cache"] == "miss"
+            events = [line for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")]
+        usage = orjson.loads(events[-1].removeprefix(b"data: "))["usage"]
+        tokens: int = usage["prompt_tokens_details"]["cached_tokens"]
+        return tokens
+
+    async with aiohttp.ClientSession() as http:
+        assert await cached(http, "key-alice") == 0
+        assert await cached(http, "key-bob") == 0  # (a flight of its own: another tenant) and no hit on alice's
