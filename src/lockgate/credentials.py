@@ -49,7 +49,7 @@ class Credentials:
         remains."""
         if not self._exact:
             return text
-        text = self._replaced(text.encode()).decode("utf-8", "replace")
+        text = self._replaced(text.encode("utf-8", "replace")).decode("utf-8", "replace")  # (lone surrogates too)
         return WITHHELD if self._hidden_in(text) else text
 
     def _replaced(self, data: bytes) -> bytes:
@@ -62,8 +62,9 @@ class Credentials:
         forms = {text.lower(), unquote(text).lower()}
         try:
             decoded = orjson.dumps(orjson.loads(text)).decode()  # JSON's `\u` escapes read, written plainly
-        except orjson.JSONDecodeError:
-            pass
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # (not JSON; or nested too deep to write again)
+            if self._folded and "\\u" in text:  # escapes that could not be read back: nothing finer can be trusted
+                return True
         else:
             forms |= {decoded.lower(), unquote(decoded).lower()}
         return any(secret in form for secret in self._folded for form in forms)

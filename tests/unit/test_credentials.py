@@ -20,3 +20,14 @@ def test_an_exact_copy_is_redacted_and_any_other_form_withholds_the_message() ->
     # message holding the same word).
     assert creds.scrub_text("PW12 pw12") == "PW12 [redacted]"
     assert not Credentials([]) and Credentials([]).scrub(b"anything") == b"anything"
+
+
+def test_odd_bodies_never_raise() -> None:
+    """A body nested deeper than orjson writes back (it reads 1,024 levels, writes 254), lone surrogates: a scrub that
+    raised turned an engine's 400 into the gateway's own 500, its failure unreported (a code review)."""
+    creds = Credentials(["SECRETKEY-abc123"])
+    deep = b"[" * 300 + b"]" * 300
+    assert creds.scrub(deep) == deep
+    assert creds.scrub(b"[" * 300 + b'"SECRETKEY-abc\\u0031"' + b"]" * 300).startswith(b'{"error"')  # withheld
+    assert creds.scrub_text("odd \ud800 text") == "odd ? text"
+    assert creds.scrub(b"\xff\xfe not utf-8") == b"\xff\xfe not utf-8"
