@@ -231,10 +231,9 @@ class ModelConfig(_Strict):
     #: A policy name, or a mapping with the policy and its options (see `routing/config.py`).
     routing: RoutingConfig = RoutingConfig()
     #: End-to-end deadline for this model's requests (a client may lower it per request, `x-lockgate-timeout-ms`):
-    #: 504 past it. 10 minutes, the OpenAI SDKs' own timeout: what no client waits longer for, and the bound of an
-    #: engine that hangs on a non-streaming call (`upstream.stall_timeout_ms` bounds streamed ones) or of a shared call
-    #: its clients left (`cancel_policy: finish_and_cache`). null: none.
-    timeout_ms: Annotated[int, Field(ge=1)] | None = 600_000
+    #: 504 past it. None by default: a reasoning model's stream may run for long; a hung engine is bounded by
+    #: `upstream.stall_timeout_ms` / `answer_timeout_ms` instead.
+    timeout_ms: Annotated[int, Field(ge=1)] | None = None
     cancel_policy: CancelPolicy = "immediate"
     #: Extra attempts on another instance, only before the first byte reached the client.
     retries: Annotated[int, Field(ge=0, le=5)] = 1
@@ -263,8 +262,12 @@ class UpstreamConfig(_Strict):
     #: A streamed engine call that waits this long for the engine's next byte (the answer's head, or its next event)
     #: is closed as hung: 504 `upstream_stalled` (tried on another instance if nothing reached the client yet), and
     #: the instance is reported failed. 0: never. A non-streaming call, whose answer comes whole at its end, is
-    #: bounded by its model's `timeout_ms` instead.
+    #: bounded by `answer_timeout_ms` instead.
     stall_timeout_ms: Annotated[int, Field(ge=0)] = 120_000
+    #: A non-streaming engine call (its answer comes whole, at its end: nothing to watch before) that has not begun
+    #: its answer this long is closed as hung, the same way (504 `upstream_stalled`). 0: never. A longer answer than
+    #: this needs a stream (or this raised).
+    answer_timeout_ms: Annotated[int, Field(ge=0)] = 600_000
 
 
 class HealthConfig(_Strict):

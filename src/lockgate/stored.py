@@ -116,7 +116,7 @@ async def forward(
         path += "?" + request.query_string
     record.endpoint, record.model, record.instance, record.attempts = endpoint, pool.model, instance.name, 1
     relayed = ((TENANT_HEADER, tenant.name),) if relay and instance.published is not None else ()
-    timeout = min(pool.config.timeout_ms / 1000, DEFAULT_TIMEOUT_S) if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
+    timeout = pool.config.timeout_ms / 1000 if pool.config.timeout_ms else DEFAULT_TIMEOUT_S
     if deadline_s is not None:
         timeout = min(timeout, deadline_s)
     try:

@@ -15,7 +15,8 @@ response: the request may be retried elsewhere), `UpstreamStatusError` (the engi
 `UpstreamProtocolError` (the stream broke after it started or carried the engine's error event, or the
 engine sent more than the gateway holds: a body over `upstream.max_response_bytes`, an SSE event over
 `upstream.max_event_bytes`), and its `UpstreamStalled` (a streamed call waited `upstream.stall_timeout_ms` for the
-engine's next byte, its head or an event: a hung engine; the pool closed the connection, see `lockgate.http`).
+engine's next byte, its head or an event, or a whole answer `upstream.answer_timeout_ms` for its head: a hung
+engine; the pool closed the connection, see `lockgate.http`).
 """
 
 from __future__ import annotations
@@ -114,9 +115,12 @@ class UpstreamCall:
                 self._path,
                 self._body,
                 upstream_headers(instance, self._request_id, stream=self.stream, extra=self._extra_headers),
-                # A streamed answer sends something every token; a whole body comes only at its end.
-                watch=self.stream,
+                watch=self._fleet.watch_s(instance, self.stream),
             )
+        except StalledError as exc:
+            self._finish()
+            self._fleet.report_failure(instance, "stall", str(exc))
+            raise stalled(instance.name, exc, stream=self.stream) from None
         except (ConnectError, DisconnectedError, ProtocolError) as exc:
             self._finish()
             raise call_failed(self._fleet, instance, exc) from None
@@ -154,6 +158,9 @@ class UpstreamCall:
         except ResponseTooLarge:
             self.abort()
             raise too_large(self.served_by, limit) from None
+        except StalledError as exc:
+            self.broken(str(exc), "stall")
+            raise stalled(self.served_by, exc, stream=False) from None
         except ProtocolError as exc:
             self.abort()
             raise UpstreamProtocolError(f"Instance {self.served_by} broke the response: {exc}") from None
@@ -419,7 +426,7 @@ class UpstreamEvents:
                 except StalledError as exc:
                     self._done = True
                     call.broken(str(exc), "stall")
-                    raise stalled(call.served_by, exc) from None
+                    raise stalled(call.served_by, exc, stream=True) from None
                 except ProtocolError as exc:
                     self._done = True
                     call.broken(repr(exc))
@@ -522,9 +529,6 @@ def call_failed(
     if isinstance(exc, DisconnectedError):
         fleet.report_failure(instance, "disconnect", repr(exc))
         return UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}")
-    if isinstance(exc, StalledError):
-        fleet.report_failure(instance, "stall", str(exc))
-        return stalled(instance.name, exc)
     fleet.report_failure(instance, "protocol", repr(exc))
     return UpstreamProtocolError(f"Instance {instance.name} failed: {exc}")
 
@@ -537,9 +541,11 @@ def too_large(instance: str, limit: int) -> UpstreamProtocolError:
     )
 
 
-def stalled(instance: str, exc: StalledError) -> UpstreamStalled:
-    """The error for a streamed engine call that waited `upstream.stall_timeout_ms` for the engine's next byte (504)."""
+def stalled(instance: str, exc: StalledError, *, stream: bool) -> UpstreamStalled:
+    """The error for an engine call that waited its watch for the engine's next byte (504): a stream's
+    `upstream.stall_timeout_ms`, a whole answer's `upstream.answer_timeout_ms`."""
+    setting = "upstream.stall_timeout_ms" if stream else "upstream.answer_timeout_ms"
     return UpstreamStalled(
-        f"Instance {instance} sent nothing for {exc.timeout_s:g}s (upstream.stall_timeout_ms): "
+        f"Instance {instance} sent nothing for {exc.timeout_s:g}s ({setting}): "
         "the engine looks hung; the call was closed."
     )

@@ -770,11 +770,11 @@ async def test_a_watched_request_fails_as_stalled_when_its_server_goes_silent(ra
         assert await reader.read() == b""  # the client closed the connection
         closed[index - 1].set()
 
-    pool = open_pool((await raw_server(handler)).url, stall_timeout_s=STALL_S)
+    pool = open_pool((await raw_server(handler)).url)
     with pytest.raises(StalledError, match=r"sent nothing for 0\.05s"):
-        await pool.request("POST", "/", b"{}", watch=True)
+        await pool.request("POST", "/", b"{}", watch=STALL_S)
     await closed[0].wait()
-    response = await pool.request("POST", "/", b"{}", watch=True)
+    response = await pool.request("POST", "/", b"{}", watch=STALL_S)
     chunks = response.chunks()
     assert await anext(chunks) == b"one"
     with pytest.raises(StalledError):
@@ -795,13 +795,13 @@ async def test_neither_an_unwatched_request_nor_one_whose_reading_is_paused_stal
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (size + 1) + b"x" * size)
         await reader.read()
 
-    pool = open_pool((await raw_server(handler)).url, stall_timeout_s=STALL_S)
+    pool = open_pool((await raw_server(handler)).url)
     unwatched = asyncio.create_task(pool.request("POST", "/", b"{}"))
     await until(lambda: pool.in_use == 1)
-    paused = await pool.request("POST", "/", b"{}", watch=True)
+    paused = await pool.request("POST", "/", b"{}", watch=STALL_S)
     await until(lambda: paused.buffered > HIGH_WATER)
     with pytest.raises(StalledError):  # a third request, watched, on a silent server
-        await pool.request("POST", "/", b"{}", watch=True)
+        await pool.request("POST", "/", b"{}", watch=STALL_S)
     assert not unwatched.done()
     assert len(paused.next_nowait() or b"") > HIGH_WATER  # it was not failed; its reading resumes
     with pytest.raises(StalledError):  # the rest never comes: now it is the server's stall

@@ -86,13 +86,13 @@ async def test_fault_proxy_freezes_an_answer_until_its_client_gives_up(start_sim
     simulated engine sees its client gone and drops the request)."""
     sim = await start_sim()
     async with FaultProxy("127.0.0.1", sim.port, stall_fraction=1.0, max_offset=0) as proxy:
-        pool = HttpPool(proxy.url, stall_timeout_s=0.05)
+        pool = HttpPool(proxy.url)
         try:
             body = orjson.dumps(
                 {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000, "stream": True}
             )
             with pytest.raises(StalledError):
-                await pool.request("POST", "/v1/chat/completions", body, watch=True)
+                await pool.request("POST", "/v1/chat/completions", body, watch=0.05)
         finally:
             await pool.aclose()
         assert proxy.stats.stalls == 1

@@ -38,6 +38,7 @@ async def _hung_engine(
     arrived: asyncio.Event | None = None,
     *,
     pings: bool = False,
+    whole: bool = False,
 ) -> str:
     """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
     then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
@@ -52,6 +53,10 @@ async def _hung_engine(
                 if not head.startswith(b"POST"):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
                     continue
+                if whole:  # a non-streaming answer: its head comes with its end, which never comes
+                    assert await reader.read() == b""
+                    gone.set()
+                    return
                 events = b"".join(_chunk(c) for c in "ab"[:chunks])
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -151,28 +156,27 @@ async def test_a_client_wanting_the_whole_answer_gets_504_and_a_silent_engine_is
     assert_gateway_clean(gw.gateway)
 
 
-async def test_a_non_streaming_call_to_a_hung_engine_is_bounded_by_the_default_deadline(start_gateway, stack):
-    """Nothing can be watched on a non-streaming engine call (its answer comes whole, at its end): a model without a
-    `timeout_ms` still has one, 10 minutes, and a client cannot ask for longer."""
-    gone, arrived = asyncio.Event(), asyncio.Event()
-    url = await _hung_engine(stack, 0, gone, arrived)
-    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}], **STALL)
-    registry = gw.gateway.registry
+async def test_a_non_streaming_call_that_never_begins_its_answer_is_closed_as_hung(start_gateway, stack, tmp_path):
+    """Nothing can be watched on a non-streaming engine call (its answer comes whole, at its end): one that has not
+    begun its answer within `upstream.answer_timeout_ms` is closed the same way (504 `upstream_stalled`, charged to
+    the instance), whatever the client's patience; the model's own deadline (none) is not what ends it."""
+    gone = asyncio.Event()
+    url = await _hung_engine(stack, 0, gone, whole=True)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}],
+        upstream={"answer_timeout_ms": 100},
+    )
+    assert gw.gateway.config.models[0].timeout_ms is None
     async with aiohttp.ClientSession() as http:
-        for headers in ({}, {"x-lockgate-timeout-ms": str(10**9)}):
-            body = _request(stream=False, temperature=1.0)
-            call = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body, headers=headers))
-            async with asyncio.timeout(5):
-                await arrived.wait()
-            arrived.clear()
-            (exchange,) = registry.all()
-            assert exchange.deadline_s == 600.0
-            call.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await call
-            async with asyncio.timeout(5):
-                await gone.wait()  # the engine's connection closed with the client's
-            gone.clear()
+        body = _request(stream=False, temperature=1.0)
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 504
+            error = (await resp.json())["error"]
+    assert error["code"] == "upstream_stalled" and "answer_timeout_ms" in error["message"]
+    async with asyncio.timeout(5):
+        await gone.wait()
+    assert counter(gw.gateway.metrics.upstream_errors, instance="e", kind="stall") == 1
+    assert_gateway_clean(gw.gateway)
 
 
 async def test_a_health_check_that_times_out_says_so(start_gateway, stack, caplog):

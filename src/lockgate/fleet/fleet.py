@@ -341,7 +341,6 @@ class Fleet:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
-        stall_ms = self._config.upstream.stall_timeout_ms
         http, scrapes = (
             HttpPool(
                 spec.url,
@@ -350,10 +349,8 @@ class Fleet:
                 connect_timeout_s=connect_timeout,
                 ssl_context=tls,
                 server_name=server_name,
-                stall_timeout_s=stall_s,
             )
-            # Scrapes are bounded by their own timeout (`scrape.timeout_ms`).
-            for connections, stall_s in ((limit, stall_ms / 1000 if stall_ms else None), (1, None))
+            for connections in (limit, 1)
         )
         instance = Instance(
             spec,
@@ -405,6 +402,23 @@ class Fleet:
     ) -> Lease:
         """A slot on `instance` for a request of the pool `model` (`whole`: answered as one body)."""
         return Lease(instance, self._metrics, uncached_tokens, prompt_tokens, long, model, whole=whole)
+
+    def watch_s(self, instance: Instance, stream: bool) -> float | None:
+        """How long an engine call may wait for the engine's next byte before it is closed as hung (None: as long as
+        it takes): a stream's next event `upstream.stall_timeout_ms`, a whole answer `upstream.answer_timeout_ms`
+        (nothing comes until its end). Behind a sidecar the wait may also be the sidecar's own queue, up to the
+        longest `queue_timeout_ms` of a class (the sidecar watches its engines itself): that long more, or no watch
+        while a class may queue without end."""
+        upstream = self._config.upstream
+        watch_ms = upstream.stall_timeout_ms if stream else upstream.answer_timeout_ms
+        if not watch_ms:
+            return None
+        if instance.published is not None:
+            queued = [c.queue_timeout_ms for c in self._config.scheduling.classes]
+            if None in queued:
+                return None
+            watch_ms += max(q for q in queued if q is not None)
+        return watch_ms / 1000
 
     def ready(self) -> bool:
         return bool(self.pools) and all(p.ready() for p in self.pools.values())

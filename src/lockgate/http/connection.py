@@ -23,10 +23,11 @@ A `Connection` carries one exchange at a time (no pipelining). Its life, as seen
   consuming the buffer resumes it. `read()` consumes as it goes, so it never stalls itself.
 * Bounds: a response head (status line and headers) over `MAX_HEAD_BYTES` is a `ProtocolError`; `read()`
   takes a `max_bytes` beyond which the body is refused (`ResponseTooLarge`) and the connection closed.
-* Stalls: a request sent `watched` records when the server last sent something (`last_read`: the request's
-  sending counts, and so does resuming paused reading). The pool asks `stalled(now, timeout)` now and then; an
-  exchange still waiting for bytes that has had none for `timeout` is failed with `StalledError` and the
-  connection closed. While reading is paused the gateway is the one not taking bytes: that never counts.
+* Stalls: a request sent with a `watch` (seconds) may wait that long for the server's next byte. Reads are only
+  counted (`reads`: no clock on the hot path); the pool asks `stalled(now)` now and then, which notes when the count
+  last moved (the request's sending and a resumed read count too) and fails an exchange still waiting whose count has
+  not moved for its `watch` with `StalledError`, closing the connection. While reading is paused the gateway is the
+  one not taking bytes: that never counts. A stall is seen between `watch` and `watch` plus two checks.
 
 Who closes what: the connection closes itself on a parse error, on bytes it did not ask for, and when its
 response is complete but not reusable. Otherwise the `Response`'s owner decides: `release()` returns a
@@ -242,18 +243,20 @@ class Connection(asyncio.Protocol):
         "_on_closed",
         "_on_reusable",
         "_parser",
+        "_quiet_since",
         "_received",
         "_response",
+        "_seen_reads",
         "_until_close",
         "closed",
         "idle_since",
-        "last_read",
         "loop",
         "reading_paused",
+        "reads",
         "reused",
         "transport",
         "unsent",
-        "watched",
+        "watch",
         "writing_paused",
     )
 
@@ -268,9 +271,12 @@ class Connection(asyncio.Protocol):
         #: Served a request before the current one (a failure before any response byte may be a stale socket).
         self.reused = False
         self.idle_since = 0.0
-        #: The current request is watched for stalls (`stalled`), and when the server last sent something for it.
-        self.watched = False
-        self.last_read = 0.0
+        #: The current request's stall timeout (0.0: not watched, `stalled`); network reads so far; the count as the
+        #: last check saw it, and since when it has not moved.
+        self.watch = 0.0
+        self.reads = 0
+        self._seen_reads = 0
+        self._quiet_since = 0.0
         self.reading_paused = False
         self.writing_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -288,18 +294,18 @@ class Connection(asyncio.Protocol):
     # -- requests ---------------------------------------------------------------------------------------
 
     def send(
-        self, head: bytes, body: bytes, *, head_only: bool = False, watched: bool = False
+        self, head: bytes, body: bytes, *, head_only: bool = False, watch: float = 0.0
     ) -> asyncio.Future[Response]:
-        """Write a request; the future resolves with the response once its head has arrived. A `watched` request
-        may be failed as stalled (`stalled`)."""
+        """Write a request; the future resolves with the response once its head has arrived. With a `watch`, the
+        request fails as stalled once it waits that long for the server's next byte (`stalled`)."""
         future: asyncio.Future[Response] = self.loop.create_future()
         transport = self.transport
         if self.closed or transport is None:
             future.set_exception(DisconnectedError("connection closed before the request was sent"))
             return future
-        self.watched = watched
-        if watched:
-            self.last_read = self.loop.time()
+        self.watch = watch
+        if watch:
+            self._seen_reads, self._quiet_since = self.reads, self.loop.time()
         self._head = future
         self._head_only = head_only
         self._head_bytes = 0
@@ -351,23 +357,22 @@ class Connection(asyncio.Protocol):
 
     def resume_reading(self) -> None:
         self.reading_paused = False
-        if self.watched:
-            self.last_read = self.loop.time()  # the time it was paused was the reader's, not the server's
+        self.reads += 1  # (the time it was paused was the reader's, not the server's: the clock starts again)
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
-    def stalled(self, now: float, timeout: float) -> bool:
-        """If this connection's watched exchange has waited `timeout` seconds or more for the server's next byte
-        (with reading not paused), fail it with `StalledError`, close the connection and return True."""
-        if (
-            not self.watched
-            or self.closed
-            or self.reading_paused
-            or (self._head is None and self._response is None)
-            or now - self.last_read < timeout
-        ):
+    def stalled(self, now: float) -> bool:
+        """If this connection's watched exchange has waited its `watch` or more for the server's next byte (reading not
+        paused; counted from the check that last saw the reads move), fail it with `StalledError`, close the connection
+        and return True."""
+        if not self.watch or self.closed or (self._head is None and self._response is None):
             return False
-        error = StalledError(timeout)
+        if self.reads != self._seen_reads or self.reading_paused:
+            self._seen_reads, self._quiet_since = self.reads, now
+            return False
+        if now - self._quiet_since < self.watch:
+            return False
+        error = StalledError(self.watch)
         self._fail(error, error)
         self.abort()
         return True
@@ -410,8 +415,7 @@ class Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection's state is unknown
             return
         self._received = True
-        if self.watched:
-            self.last_read = self.loop.time()
+        self.reads += 1
         if self._head is not None:
             self._head_bytes += len(data)  # an upper bound of the head received so far
         # The response whose body this read may carry: its listener hears of the whole read once, after the

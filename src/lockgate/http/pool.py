@@ -14,9 +14,9 @@ connecting. Every slot is in exactly one place:
   the first waiter (`Connection`, or `None` meaning "the slot is yours, open a new one") instead of going
   idle or back to the count. A waiter cancelled after being handed something gives it back, so nothing leaks.
 
-Stalls: with a `stall_timeout_s`, a request made `watch=True` that waits that long for the server's next byte (its
-head, or the rest of its body) fails with `StalledError` and its connection is closed (`Connection.stalled`). One
-timer checks the connections in use every quarter of the timeout, armed only while a watched request is out.
+Stalls: a request made with a `watch` (seconds) that waits that long for the server's next byte (its head, or the
+rest of its body) fails with `StalledError` and its connection is closed (`Connection.stalled`). One timer checks the
+connections in use every quarter of the shortest watch out, armed only while a watched request is out.
 
 A connection tells the pool exactly once that it closed (`_forget`, from `Connection.abort()` or
 `connection_lost`); whoever held it then simply holds a closed connection. `aclose()` aborts every idle and
@@ -73,7 +73,6 @@ class HttpPool:
         connect_timeout_s: float = 5.0,
         ssl_context: ssl.SSLContext | None = None,
         server_name: str | None = None,
-        stall_timeout_s: float | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
@@ -107,8 +106,9 @@ class HttpPool:
         self._waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
         self._slots = 0
         self._sweep: asyncio.TimerHandle | None = None
-        self._stall_timeout = stall_timeout_s
         self._stall_check: asyncio.TimerHandle | None = None
+        #: The armed check's period (a quarter of the shortest watch out when it was armed).
+        self._stall_period = 0.0
         self._closed = False
 
     @property
@@ -129,14 +129,14 @@ class HttpPool:
         body: bytes = b"",
         headers: Collection[tuple[str, str]] = (),
         *,
-        watch: bool = False,
+        watch: float | None = None,
     ) -> Response:
         """Send a request; returns once the response's status line and headers have arrived.
 
         Sends `Host` and `Content-Length` plus `headers` (names and values must not contain CR or LF).
         The caller owns the returned response: it must be read to its end, released or closed. If this is
-        cancelled while waiting, the connection is closed at once and never reused. With `watch` (and the pool's
-        `stall_timeout_s`), waiting that long for the server's next byte fails the request (`StalledError`).
+        cancelled while waiting, the connection is closed at once and never reused. With a `watch` (seconds), waiting
+        that long for the server's next byte fails the request (`StalledError`).
         """
         if awaitpoints.hook is not None:
             await awaitpoints.hook("HttpPool.request", None)
@@ -145,10 +145,9 @@ class HttpPool:
         fresh = False
         while True:
             conn = (None if fresh else self._checkout_nowait()) or await self._checkout(fresh)
-            watched = watch and self._stall_timeout is not None
-            future = conn.send(head, body, head_only=head_only, watched=watched)
-            if watched and self._stall_check is None:
-                self._arm_stall_check(conn.loop)
+            future = conn.send(head, body, head_only=head_only, watch=watch or 0.0)
+            if watch and (self._stall_check is None or _period(watch) < self._stall_period):
+                self._arm_stall_check(conn.loop, watch)
             try:
                 if conn.unsent is not None:
                     await conn.send_rest()
@@ -333,24 +332,30 @@ class HttpPool:
 
     # -- stalls ---------------------------------------------------------------------------------------------------
 
-    def _arm_stall_check(self, loop: asyncio.AbstractEventLoop) -> None:
-        assert self._stall_timeout is not None
-        self._stall_check = loop.call_later(max(self._stall_timeout / 4, 0.005), self._check_stalls)
+    def _arm_stall_check(self, loop: asyncio.AbstractEventLoop, watch: float) -> None:
+        if self._stall_check is not None:
+            self._stall_check.cancel()
+        self._stall_period = _period(watch)
+        self._stall_check = loop.call_later(self._stall_period, self._check_stalls)
 
     def _check_stalls(self) -> None:
-        """Fail the watched requests that have waited the stall timeout for their server; re-armed while any is out."""
+        """Fail the watched requests that have waited their watch for their server; re-armed while any is out."""
         self._stall_check = None
-        timeout = self._stall_timeout
-        if timeout is None or self._closed:
+        if self._closed:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        watching = False
+        shortest = 0.0
         for conn in list(self._in_use):  # (a stalled connection leaves `_in_use` as it closes)
-            if conn.watched and not conn.stalled(now, timeout) and not conn.closed:
-                watching = True
-        if watching:
-            self._arm_stall_check(loop)
+            if conn.watch and not conn.stalled(now) and not conn.closed:
+                shortest = min(shortest, conn.watch) if shortest else conn.watch
+        if shortest:
+            self._arm_stall_check(loop, shortest)
 
     def _where(self) -> str:
         return self._socket_path if self._socket_path is not None else f"{self._host}:{self._port}"
+
+
+def _period(watch: float) -> float:
+    """How often the connections are checked for stalls while requests watched for `watch` seconds are out."""
+    return max(watch / 4, 0.005)
