@@ -304,7 +304,7 @@ def test_the_view_shows_the_oldest_unanswered_attempt_and_the_floor_of_recent_fi
         now=12.0,
         stale_after=1.0,
     )
-    assert (view.oldest_wait_s, view.oldest_work, view.ttft_floor_s) == (2.0, 100, 0.0)
+    assert (view.oldest_wait_s, view.oldest_work, view.latency_floor_s) == (2.0, 100, 0.0)
     own.first_token(first, now=13.0)
     later = merge(
         key="k",
@@ -314,13 +314,16 @@ def test_the_view_shows_the_oldest_unanswered_attempt_and_the_floor_of_recent_fi
         max_concurrency=4,
         own=own,
         engine=None,
-        now=13.0,
+        now=14.0,
         stale_after=1.0,
     )
-    assert later.oldest_wait_s == 2.5 and later.ttft_floor_s == 3.0
+    # The second has waited 3.5 s, but the engine answered the first at 13.0: it is working, the wait counts from there.
+    # Its first token took 3 s, of which its 100 tokens' prefill at the default rate is a few ms.
+    assert later.oldest_wait_s == 1.0 and later.latency_floor_s == pytest.approx(3.0 - 100 / own.default_tps)
     for n in range(8):  # the floor is the least of the last eight
         own.first_token(own.start(10, now=20.0 + n), now=20.5 + n)
-    assert own.ttft_floor == 0.5 and own.oldest_unanswered()[0] is not None
+    assert own.latency_floor == pytest.approx(0.5 - 10 / own.rate, abs=0.01)
+    assert own.oldest_unanswered()[0] is not None
 
 
 def test_a_whole_answer_is_never_overdue_and_is_shown_apart() -> None:

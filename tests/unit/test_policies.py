@@ -211,12 +211,16 @@ def test_predicted_ttft_prices_out_an_engine_that_stopped_answering_or_is_slow_f
     assert predict_ttft(stuck, short, rate, 0.0, default_whole_s=0.5) > 27
     fresh = [replace(fleet[0], tpot_s=0.0, whole_s=0.5), replace(stuck, tpot_s=0.0)]
     assert [pick(policy, short, snap(*fresh)) for _ in range(4)] == ["i0"] * 4
-    slow = replace(fleet[1], ttft_floor_s=3.0)
+    slow = replace(fleet[1], latency_floor_s=3.0)
     assert [pick(policy, short, snap(fleet[0], slow)) for _ in range(4)] == ["i0"] * 4
-    assert predict_ttft(slow, short, rate, step) == 3.0
-    # A long prompt costs more than the floor on a normal engine: the floor does not decide there.
-    normal = replace(fleet[1], ttft_floor_s=0.02)
-    assert predict_ttft(normal, REQ, rate, step) == predict_ttft(fleet[1], REQ, rate, step)
+    assert predict_ttft(slow, short, rate, step) == pytest.approx(3.0 + 20 / rate + step)
+    # A floor within the waits the estimates see does not decide.
+    normal = replace(fleet[1], latency_floor_s=0.001, queued_prompt_tokens=100)
+    assert predict_ttft(normal, REQ, rate, step) == predict_ttft(replace(normal, latency_floor_s=0.0), REQ, rate, step)
+    # It fades as it ages (the rates' half-life): an instance priced out by a bad spell is tried, and measured, again.
+    assert predict_ttft(replace(slow, latency_age_s=4.0), short, rate, step, half_life_s=2.0) == pytest.approx(
+        0.75 + 20 / rate + step
+    )
 
 
 @pytest.mark.parametrize(

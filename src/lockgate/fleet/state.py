@@ -94,7 +94,7 @@ _MIN_RATE_TOKENS = 256
 _DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 #: At most this many times slower than estimated is read from prompts past their estimate (`backlog_tokens`).
 _MAX_SLOWDOWN = 20.0
-#: Times to first token an instance's floor is the least of (`OwnAccounting.ttft_floor`).
+#: Samples an instance's latency floor is the least of (`OwnAccounting.latency_floor`).
 _FLOOR_SAMPLES = 8
 
 
@@ -122,35 +122,39 @@ class OwnAccounting:
         #: call when one of them is answered or ends (the fleet wakes the long requests waiting for their turn).
         self.long_pending = 0
         self.on_long_done: Callable[[], None] | None = None
-        #: The attempts sent here whose first token has not come back (queued or in prefill there), oldest first.
+        #: The attempts sent here whose first token has not come back (queued or in prefill there), oldest first: the
+        #: streamed ones, and those answered as one body (their first token is never seen; they stay until their end).
         self._unanswered: dict[Attempt, None] = {}
+        self._unanswered_whole: dict[Attempt, None] = {}
         #: When the engine last showed progress here: a first token, or an answer that ended with tokens.
         self.progress_at = 0.0
-        #: The last `_FLOOR_SAMPLES` times to first token (`ttft_floor`).
-        self._recent_ttft: collections.deque[float] = collections.deque(maxlen=_FLOOR_SAMPLES)
+        #: The last `_FLOOR_SAMPLES` latencies (`latency_floor`), and when the last was taken.
+        self._latencies: collections.deque[float] = collections.deque(maxlen=_FLOOR_SAMPLES)
+        self.latency_at: float | None = None
 
     @property
-    def ttft_floor(self) -> float:
-        """The shortest of the recent times to first token here (0.0: none measured yet)."""
-        return min(self._recent_ttft) if self._recent_ttft else 0.0
+    def latency_floor(self) -> float:
+        """The least of the recent first tokens' latencies here: what a first token took beyond the prefill and the
+        step the estimates account for (0.0: none measured yet). An engine slow for reasons of its own (a fixed second
+        whatever the prompt) has a floor the prefill rate does not show; a burst of long prompts does not raise it."""
+        return min(self._latencies) if self._latencies else 0.0
+
+    def _latency(self, ttft: float, work: int, tpot: float, now: float) -> None:
+        self._latencies.append(max(0.0, ttft - work / self.rate - tpot))
+        self.latency_at = now
 
     def oldest_unanswered(self) -> tuple[Attempt | None, Attempt | None]:
         """The streamed attempt sent here the longest ago whose first token has not come back, and the oldest whole
         one (still generating, or waiting: its first token is never seen)."""
-        streamed = whole = None
-        for attempt in self._unanswered:
-            if attempt.whole:
-                whole = whole or attempt
-            else:
-                streamed = streamed or attempt
-            if streamed is not None and whole is not None:
-                break
-        return streamed, whole
+        return next(iter(self._unanswered), None), next(iter(self._unanswered_whole), None)
+
+    def _waiting(self, attempt: Attempt) -> dict[Attempt, None]:
+        return self._unanswered_whole if attempt.whole else self._unanswered
 
     @property
     def pending(self) -> int:
         """Attempts sent here whose first token has not come back (they are queued or in prefill there)."""
-        return len(self._unanswered)
+        return len(self._unanswered) + len(self._unanswered_whole)
 
     @property
     def rate(self) -> float:
@@ -198,7 +202,7 @@ class OwnAccounting:
                 self.busy_since = now
             self.prefill_until = max(now, self.prefill_until) + uncached_tokens / self.rate
         self.queued_prompt_tokens += uncached_tokens
-        self._unanswered[attempt] = None
+        self._waiting(attempt)[attempt] = None
         self.prompt_tokens.add(uncached_tokens, now)
         self.updated_at = now
         return attempt
@@ -246,10 +250,11 @@ class OwnAccounting:
             return None
         since = at - step
         young = 0
-        for attempt in reversed(self._unanswered):  # newest first
-            if attempt.sent_at <= since:
-                break
-            young += 1
+        for sent in (self._unanswered, self._unanswered_whole):
+            for attempt in reversed(sent):  # newest first
+                if attempt.sent_at <= since:
+                    break
+                young += 1
         return waiting > young
 
     def adopt(self, attempt: Attempt, now: float) -> Attempt:
@@ -267,14 +272,14 @@ class OwnAccounting:
         attempt.first_at = now
         self.progress_at = now
         self.queued_prompt_tokens -= attempt.tokens
-        self._unanswered.pop(attempt, None)
+        self._waiting(attempt).pop(attempt, None)
         if attempt.long:
             self._long_done(attempt)
         ttft = now - attempt.sent_at
         self.ttft.add(ttft, now)
-        self._recent_ttft.append(ttft)
         # The instance prefilled what was queued ahead plus this prompt before answering.
         work = attempt.backlog + attempt.tokens
+        self._latency(ttft, work, self.tpot.value, now)
         busy = ttft - self.tpot.value
         if work >= _MIN_RATE_TOKENS and busy > 0:
             self.prefill_tps.add(work / busy, now)
@@ -295,7 +300,7 @@ class OwnAccounting:
             self.progress_at = now
         if attempt.first_at is None:
             self.queued_prompt_tokens -= attempt.tokens
-            self._unanswered.pop(attempt, None)
+            self._waiting(attempt).pop(attempt, None)
             if attempt.long:
                 self._long_done(attempt)
             if whole and completion_tokens >= 1:
@@ -328,8 +333,8 @@ class OwnAccounting:
         ttft = max(0.0, total - (tokens - 1) * tpot)
         attempt.first_at = attempt.sent_at + ttft
         self.ttft.add(ttft, now)
-        self._recent_ttft.append(ttft)
         work = attempt.backlog + attempt.tokens
+        self._latency(ttft, work, tpot, now)
         busy = ttft - tpot
         if work >= _MIN_RATE_TOKENS and busy > 0:
             self.prefill_tps.add(work / busy, now)
@@ -480,11 +485,13 @@ def merge(
         tpot_age_s=0.0 if tpot.updated_at is None else now - tpot.updated_at,
         cached_tokens=cached_tokens,
         cache_room=cache_room,
-        oldest_wait_s=0.0 if oldest is None else now - oldest.sent_at,
+        # (Both counted from the engine's last progress here if that came later: an engine that answers others is
+        # not hung, whatever keeps this one waiting: a slot, its priority, a preemption.)
+        oldest_wait_s=0.0 if oldest is None else now - max(oldest.sent_at, own.progress_at),
         oldest_work=0 if oldest is None else oldest.backlog + oldest.tokens,
-        # (Only while nothing else made progress there since: an engine that answers others is not hung.)
         oldest_whole_wait_s=0.0 if oldest_whole is None else now - max(oldest_whole.sent_at, own.progress_at),
         oldest_whole_work=0 if oldest_whole is None else oldest_whole.backlog + oldest_whole.tokens,
         whole_s=own.whole_time.value,
-        ttft_floor_s=own.ttft_floor,
+        latency_floor_s=own.latency_floor,
+        latency_age_s=0.0 if own.latency_at is None else now - own.latency_at,
     )

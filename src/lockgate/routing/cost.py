@@ -2,8 +2,8 @@
 
 `predicted_ttft` is a cost model rather than a set of thresholds. For each candidate it predicts
 
-    TTFT = max(queue wait + uncached prompt tokens / prefill rate + one decode step + eviction cost
-               + lateness, floor)
+    TTFT = max(queue wait + eviction cost + lateness, floor) + uncached prompt tokens / prefill rate
+           + one decode step
 
     queue wait     = prompt tokens already queued there / prefill rate
                      + (when every batch slot is taken) the share of a request's decode time until a
@@ -24,18 +24,25 @@
                      measured): where nothing is shared (uniform random prompts), evicting costs nothing
                      later, and charging it anyway made the instances' modelled room decide.
     lateness       = how far the oldest request sent there and still without its first token is past
-                     the time its prefill and three steps should have taken: an engine that stopped
+                     the time its prefill and three steps should have taken, counted from the engine's
+                     last progress there (a first token, an answer ended) if that came later (an engine
+                     that answers others is not hung: a request waiting for a slot, or preempted, does
+                     not make it late; the queue terms count that): an engine that stopped
                      answering (hung, its /health still fine) has nothing measured against it, and
                      judged by its peers' rates it looked as fast as they are: it took every other
                      request. Counted only once a step is known (nothing is late before). A request
                      answered as one body shows no first token: it is late past its prefill and four
                      times a whole answer's mean time (its instance's, else its peers': no step needs
                      to be known, a fleet serving whole answers only measures none at first), counted
-                     from the engine's last progress there (a first token, an answer ended): a busy
-                     engine is never late, one that answers nothing soon is.
-    floor          = the shortest of its last 8 times to first token: an engine slow for reasons of
-                     its own (a fixed second of latency, whatever the prompt) is slower than its
-                     prefill rate says, and a short prompt would otherwise price it like its peers.
+                     from the engine's last progress there likewise: a busy engine is never late, one
+                     that answers nothing soon is.
+    floor          = the least of its last 8 first tokens' latencies beyond their prefill and step:
+                     an engine slow for reasons of its own (a fixed second, whatever the prompt) is
+                     slower than its prefill rate says, and a short prompt would otherwise price it like
+                     its peers (a burst of long prompts does not raise it: their prefill is taken out).
+                     It fades as it ages (half-life `measured_half_life_ms`, as the rates relax): an
+                     instance priced out by a bad spell is tried again, and measured again. Unmeasured:
+                     none (a new instance must be tried to be measured).
 
 and picks the minimum. The fallback for unmeasured instances matters: judged by a pessimistic default
 next to measured peers, a new instance would never be chosen and so never measured. The relaxation
@@ -129,7 +136,10 @@ def predict_ttft(
     typical = view.whole_s or default_whole_s
     if view.oldest_whole_wait_s and typical > 0:
         late = max(late, view.oldest_whole_wait_s - view.oldest_whole_work / rate - 4 * typical)
-    return max(wait + (uncached + evicted + delayed) / rate + tpot + late, view.ttft_floor_s)
+    floor = view.latency_floor_s
+    if floor and half_life_s > 0 and view.latency_age_s > 0:
+        floor *= 0.5 ** (view.latency_age_s / half_life_s)
+    return max(wait + (evicted + delayed) / rate + late, floor) + uncached / rate + tpot
 
 
 def _mean_measured(values: list[float]) -> float:

@@ -56,19 +56,21 @@ class InstanceView:
     cached_tokens: int = 0
     #: Tokens its prefix cache takes before it must evict (None: its cache size is unknown).
     cache_room: int | None = None
-    #: The oldest streamed request sent there still without its first token: how long it has waited, and the prompt
-    #: work (tokens: its own uncached ones and those queued ahead of it when sent) it was to wait for.
+    #: The oldest streamed request sent there still without its first token: how long it has waited (counted from the
+    #: engine's last progress there if that came later), and the prompt work (tokens: its own uncached ones and those
+    #: queued ahead of it when sent) it was to wait for.
     oldest_wait_s: float = 0.0
     oldest_work: int = 0
     #: The same for the oldest request answered as one body (its first token never seen: it is out there until its
-    #: end), counted from the engine's last progress there (a first token, an answer ended) if that came later.
+    #: end).
     oldest_whole_wait_s: float = 0.0
     oldest_whole_work: int = 0
     #: The mean time of a whole (non-streamed) answer there (0.0: none measured).
     whole_s: float = 0.0
-    #: The shortest of its recent times to first token (0.0: none measured): what it takes there at the least,
-    #: whatever the prompt (an engine slow for reasons of its own, not by prefill rate).
-    ttft_floor_s: float = 0.0
+    #: The least of its recent first tokens' latencies beyond their prefill and step (0.0: none measured), and the age
+    #: of the last (`OwnAccounting.latency_floor`): what a first token takes there at the least, whatever the prompt.
+    latency_floor_s: float = 0.0
+    latency_age_s: float = 0.0
 
     @property
     def load(self) -> float:
