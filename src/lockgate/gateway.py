@@ -443,8 +443,9 @@ class Gateway:
     def warnings(self) -> list[str]:
         """What the operator of a gateway with tenants is told once it listens (and after a reload that changes its
         tenants or admin keys): response ids that hold in this process only (no `LOCKGATE_RESPONSE_ID_SECRET`: after a
-        restart, or at another replica, they are 404); a `/metrics` anyone who reaches the port reads, which names the
-        tenants, their usage and their remaining quotas."""
+        restart, or at another replica, they are 404); engines whose prefix caches every tenant shares (they take no
+        `cache_salt`); a `/metrics` anyone who reaches the port reads, which names the tenants, their usage and their
+        remaining quotas."""
         if self.admission.book.open:
             return []
         said = []
@@ -453,6 +454,16 @@ class Gateway:
                 f"{SECRET_ENV} is not set: the response ids this process shows its tenants are valid here only (after "
                 "a restart, or at another replica, a follow-up or a retrieval naming one is 404); set it alike on "
                 "every replica"
+            )
+        unsalted = sorted(
+            {i.name for i in self.fleet.instances.values() if not i.dialect.cache_salt and not i.published}
+        )
+        if unsalted:
+            shown = ", ".join(unsalted[:5]) + (f" and {len(unsalted) - 5} more" if len(unsalted) > 5 else "")
+            said.append(
+                f"instances {shown} take no cache_salt (not vLLM): every tenant shares their prefix caches, so one "
+                "tenant can learn another's prompts through cached_tokens or time to first token there; give tenants "
+                "that must not share instances of their own"
             )
         if not self.admin.gate.protects(METRICS_PATH):
             said.append(

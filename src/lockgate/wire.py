@@ -97,8 +97,8 @@ class ApiRequest:
     _prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)
 
     def engine_cache_salt(self) -> str | None:
-        """The prefix-cache salt the engine is told (whose cached blocks this request may share): the gateway's,
-        else the client's."""
+        """The prefix-cache salt of this request (whose cached blocks it may share): the gateway's, else the client's;
+        told to engines that keep blocks apart by salt (`Dialect.cache_salt`), the others share their cache."""
         if self.cache_salt is not None:
             return self.cache_salt
         salt = self.body.get("cache_salt")

@@ -22,11 +22,13 @@ def test_each_tenant_salts_with_its_group_and_a_client_salt_comes_after() -> Non
         TenantConfig(name="bob", keys=[hash_key("b")]),
     )
     alice, carol, bob = (book.authenticate(f"Bearer {k}") for k in "acb")
-    assert cache_salt_for(alice, None) == cache_salt_for(carol, None) == group_salt("acme")
-    assert cache_salt_for(bob, None) == group_salt("bob") != group_salt("acme")
-    assert cache_salt_for(alice, "u1") == group_salt("acme") + ".u1"
-    assert cache_salt_for(bob, group_salt("acme")) != group_salt("acme")  # naming another group's salt reaches nothing
-    assert "acme" not in group_salt("acme")  # engines' logs do not carry the names
+    acme = group_salt("alice", "acme")
+    assert cache_salt_for(alice, None) == cache_salt_for(carol, None) == acme == group_salt("carol", "acme")
+    assert cache_salt_for(bob, None) == group_salt("bob") != acme
+    assert group_salt("acme") != acme  # a group named like a tenant is not that tenant's cache
+    assert cache_salt_for(alice, "u1") == acme + ".u1"
+    assert cache_salt_for(bob, acme) != acme  # naming another group's salt reaches nothing
+    assert "acme" not in acme  # engines' logs do not carry the names
 
 
 def test_an_open_gateway_and_a_relayed_tenant_leave_the_bodys_salt_as_it_is() -> None:
@@ -39,11 +41,11 @@ def test_an_open_gateway_and_a_relayed_tenant_leave_the_bodys_salt_as_it_is() ->
 
 def test_only_an_engine_that_keeps_salts_apart_is_sent_one() -> None:
     api = parse_request(Endpoint.CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
-    api.cache_salt = group_salt("acme")
-    for engine, expected in (("vllm", group_salt("acme")), ("sglang", None), ("llamacpp", None), ("openai", None)):
+    api.cache_salt = group_salt("alice")
+    for engine, expected in (("vllm", group_salt("alice")), ("sglang", None), ("llamacpp", None), ("openai", None)):
         body = dialect_for(engine).upstream_body(api, served_model="m", request_id="r", stream=False)
         assert body.get("cache_salt") == expected, engine
-    assert api.engine_cache_salt() == group_salt("acme")
+    assert api.engine_cache_salt() == group_salt("alice")
     api.cache_salt = None
     client = parse_request(
         Endpoint.CHAT,
@@ -52,3 +54,20 @@ def test_only_an_engine_that_keeps_salts_apart_is_sent_one() -> None:
     assert client.engine_cache_salt() == "mine"
     body = dialect_for("vllm").upstream_body(client, served_model="m", request_id="r", stream=False)
     assert body["cache_salt"] == "mine"
+
+
+async def test_a_gateway_with_tenants_names_the_engines_whose_cache_they_share() -> None:
+    from lockgate.config import parse_config
+    from lockgate.gateway import Gateway
+
+    async def warned(engine: str) -> bool:
+        models = [{"name": "m", "instances": [{"url": "http://127.0.0.1:9", "engine": engine, "name": "e1"}]}]
+        raw = {"usage": {"path": ":memory:"}, "models": models, "tenants": [{"name": "a", "keys": [hash_key("k")]}]}
+        gateway = Gateway(parse_config(raw, "test"))
+        gateway.fleet._build(gateway.config)  # (not started: its instances only)
+        try:
+            return any("instances e1 take no cache_salt" in w for w in gateway.warnings())
+        finally:
+            await gateway.fleet.aclose()
+
+    assert await warned("sglang") and await warned("llamacpp") and not await warned("vllm")

@@ -51,10 +51,11 @@ class Tenant:
         return self.models is None or model in self.models
 
 
-def group_salt(group: str) -> str:
-    """The prefix-cache salt of a cache group (a tenant's own, by default): a digest, so engines' logs do not carry
-    tenant names."""
-    return "lg1-" + hashlib.sha256(b"lockgate cache group\0" + group.encode()).hexdigest()[:32]
+def group_salt(tenant: str, group: str | None = None) -> str:
+    """The prefix-cache salt of `tenant`'s cache group: the one it names, else its own (the two kinds of name kept
+    apart: a group named like a tenant is not that tenant's cache). A digest, so engines' logs do not carry names."""
+    name = f"group:{group}" if group is not None else f"tenant:{tenant}"
+    return "lg1-" + hashlib.sha256(b"lockgate cache group\0" + name.encode()).hexdigest()[:32]
 
 
 def cache_salt_for(tenant: Tenant, client_salt: object) -> str | None:
@@ -103,7 +104,7 @@ class TenantBook:
             tokens_per_minute=spec.tokens_per_minute,
             max_concurrent=spec.max_concurrent,
             assumed_max_tokens=spec.assumed_max_tokens,
-            cache_salt=group_salt(spec.cache_group or spec.name),
+            cache_salt=group_salt(spec.name, spec.cache_group),
         )
 
     def authenticate(self, authorization: str | None) -> Tenant:

@@ -184,7 +184,13 @@ class Pool:
         user = api.body.get("user")
         if key is None and isinstance(user, str) and user:
             key = user
-        blocks = prompt_blocks(text, self.index.block_chars, api.engine_cache_salt()) if self.policy.uses_prefix else ()
+        blocks: tuple[int, ...] = ()
+        if self.policy.uses_prefix:
+            salt = api.engine_cache_salt()
+            # The index keeps salted prompts apart where the engines do (`cache_salt`), not where they share a cache.
+            if salt is not None and not any(_takes_salt(i) for i in self.instances):
+                salt = None
+            blocks = prompt_blocks(text, self.index.block_chars, salt)
         pin = headers.get(self.pin_header) if self.pin_header is not None and headers is not None else None
         pin_only = False
         if pin is None and api.endpoint is Endpoint.RESPONSES:
@@ -378,3 +384,9 @@ class Pool:
             ejected += i.ejection.ejected
             routable_others += i is not instance and i.routable
         return ejection_allowed(len(self.instances), ejected, routable_others, max_percent)
+
+
+def _takes_salt(instance: Instance) -> bool:
+    """Whether the engine keeps prefix-cache blocks apart by `cache_salt` (vLLM); behind a sidecar, the sidecar
+    passes the salt on to its engine."""
+    return instance.dialect.cache_salt or instance.published is not None
