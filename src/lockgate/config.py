@@ -180,13 +180,12 @@ class InstanceConfig(_Strict):
     @property
     def secrets(self) -> tuple[str, ...]:
         """The credentials the gateway sends this engine, as they could appear in its answers (its key; its URL's
-        password as written, decoded, and inside the Basic credential): an engine's error text must not carry them
-        back to a client. Those under 4 characters are left out (too short to tell from other text)."""
+        password as written, decoded, and inside the Basic credential): what `credentials.Credentials` scrubs."""
         found = [self.api_key or ""]
         if self._userinfo is not None:
             password = self._userinfo.partition(":")[2]
             found += [password, unquote(password), (self.basic_authorization or "").removeprefix("Basic ")]
-        return tuple(sorted({s for s in found if len(s) >= 4}, key=len, reverse=True))
+        return tuple(s for s in found if s)
 
     @model_validator(mode="after")
     def _check_tls(self) -> InstanceConfig:

@@ -17,7 +17,8 @@ from urllib.parse import unquote
 import orjson
 
 REDACTED = b"[redacted]"
-#: The shortest credential looked for in other forms than its exact copy.
+#: The shortest credential looked for at all, and in other forms than its exact copy.
+EXACT_MIN = 4
 FOLDED_MIN = 8
 #: What stands for an engine's message that held a credential in a form exact replacement does not catch.
 WITHHELD = "[the engine's message was withheld: it repeated the gateway's credential for it]"
@@ -28,7 +29,9 @@ class Credentials:
     __slots__ = ("_exact", "_folded")
 
     def __init__(self, secrets: Iterable[str]) -> None:
-        found = sorted({s for s in secrets if s}, key=len, reverse=True)
+        # Those under 4 characters are left out (too short to tell from other text); the longest first (one that
+        # holds another is replaced whole).
+        found = sorted({s for s in secrets if len(s) >= EXACT_MIN}, key=len, reverse=True)
         self._exact = tuple(s.encode() for s in found)
         # (Not the short ones in other forms: a 4-character key would withhold every message holding that word.)
         self._folded = tuple(s.lower() for s in found if len(s) >= FOLDED_MIN)
