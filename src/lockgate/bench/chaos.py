@@ -2,8 +2,7 @@
 
 A gateway (`lockgate serve`, a child process, so its memory and file descriptors are its own) runs in front of
 simulated engines, each behind a `FaultProxy` that resets a fraction of the engine requests at random points and
-freezes a few others (a hung engine: the gateway's stall timeout, short here, ends a stream's; the model's
-`timeout_ms` a non-streaming one's). Clients (raw sockets, `chaosclient.py`) send a seeded mix of streaming and
+freezes a few others (a hung engine: the gateway's stall and answer timeouts, short here, end them). Clients (raw sockets, `chaosclient.py`) send a seeded mix of streaming and
 non-streaming requests, some of them deterministic repeats of a few prompts (so they are de-duplicated: coalesced
 or served from the result cache); a fraction leave mid-request, a few read slowly. A warm-up without faults comes
 first; the gateway's RSS and open file descriptors are measured after it (the baseline) and again at the end.
@@ -62,7 +61,8 @@ ZERO_GAUGES = (
 )
 
 
-#: The gateway's stall timeout and its model's deadline in the run (what a frozen answer costs a client).
+#: The gateway's stall timeout and its model's deadline in the run (what a frozen answer costs a client; a frozen
+#: non-streaming answer's bound is twice the stall timeout).
 STALL_MS = 500
 DEADLINE_MS = 3000
 
@@ -149,8 +149,9 @@ def _config(port: int, proxies: list[FaultProxy], usage_path: str) -> str:
         "health: {interval_ms: 500, timeout_ms: 5000}\n"
         "scrape: {interval_ms: 200}\n"
         "shutdown: {drain_ms: 5000}\n"
-        # A frozen stream is given up after STALL_MS; a frozen non-streaming answer at the model's deadline.
-        f"upstream: {{stall_timeout_ms: {STALL_MS}}}\n"
+        # A frozen stream is given up after STALL_MS, a frozen non-streaming answer after twice that (the model's
+        # deadline is a backstop).
+        f"upstream: {{stall_timeout_ms: {STALL_MS}, answer_timeout_ms: {2 * STALL_MS}}}\n"
         f"models:\n  - name: {MODEL}\n    retries: 1\n    dedup: deterministic\n    timeout_ms: {DEADLINE_MS}\n"
         f"    instances:\n{instances}"
     )
