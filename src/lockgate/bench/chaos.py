@@ -2,10 +2,11 @@
 
 A gateway (`lockgate serve`, a child process, so its memory and file descriptors are its own) runs in front of
 simulated engines, each behind a `FaultProxy` that resets a fraction of the engine requests at random points and
-freezes a few others (a hung engine: the gateway's stall and answer timeouts, short here, end them). Clients (raw sockets, `chaosclient.py`) send a seeded mix of streaming and
-non-streaming requests, some of them deterministic repeats of a few prompts (so they are de-duplicated: coalesced
-or served from the result cache); a fraction leave mid-request, a few read slowly. A warm-up without faults comes
-first; the gateway's RSS and open file descriptors are measured after it (the baseline) and again at the end.
+freezes a few others (a hung engine: the gateway's stall and answer timeouts, short here, end them). Clients (raw
+sockets, `chaosclient.py`) send a seeded mix of streaming and non-streaming requests, some of them deterministic
+repeats of a few prompts (so they are de-duplicated: coalesced or served from the result cache); a fraction leave
+mid-request, a few read slowly. A warm-up without faults comes first; the gateway's RSS and open file descriptors
+are measured after it (the baseline) and again at the end.
 
 Checks, each printed PASS/FAIL (the command exits 1 on any failure):
 * every answer the clients read to its end is well formed (a stream ends with `[DONE]` or an error event; an
