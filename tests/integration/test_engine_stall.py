@@ -16,19 +16,9 @@ import orjson
 from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, counter
+from tests.integration.fake_engines import chat_chunk
 
 STALL = {"upstream": {"stall_timeout_ms": 100}}
-
-
-def _chunk(content: str) -> bytes:
-    event = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "m",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
-    }
-    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 async def _hung_engine(
@@ -57,7 +47,7 @@ async def _hung_engine(
                     assert await reader.read() == b""
                     gone.set()
                     return
-                events = b"".join(_chunk(c) for c in "ab"[:chunks])
+                events = b"".join(chat_chunk(c) for c in "ab"[:chunks])
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                 )

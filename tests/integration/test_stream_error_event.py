@@ -15,23 +15,13 @@ import pytest
 from aiohttp import web
 
 from lockgate.records import read_records
+from tests.integration.fake_engines import chat_chunk
 
 ERROR_EVENTS = {
     "vllm": b'{"error":{"message":"engine exploded","type":"InternalServerError","param":null,"code":500}}',
     "vllm_old": b'{"object":"error","message":"engine exploded","type":"InternalServerError","param":null,"code":500}',
     "client_fault": b'{"error":{"message":"bad grammar","type":"BadRequestError","param":null,"code":400}}',
 }
-
-
-def _chunk(content: str) -> bytes:
-    event = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "m",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
-    }
-    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 async def _engine(
@@ -47,7 +37,7 @@ async def _engine(
         calls.append(body)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        await response.write(_chunk("a") + _chunk(" b"))
+        await response.write(chat_chunk("a") + chat_chunk(" b"))
         if hold is not None:
             await hold.wait()
         await response.write(b"data: " + error_event + b"\n\ndata: [DONE]\n\n")

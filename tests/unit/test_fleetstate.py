@@ -9,6 +9,7 @@ import pytest
 from lockgate.engines import MetricNames, dialect_for
 from lockgate.fleet.scrape import parse_load
 from lockgate.fleet.state import EngineLoad, HitRateGap, OwnAccounting, merge
+from lockgate.routing.policies import InstanceView
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -289,34 +290,29 @@ def test_an_engine_queueing_more_than_arrived_within_the_last_step_is_full() -> 
     assert own.queued_beyond(0, 1.0) is False
 
 
+def view_of(own: OwnAccounting, now: float, in_flight: int = 2) -> InstanceView:
+    """What routing sees of an instance with only `own` accounting (no scrape), at `now`."""
+    return merge(
+        key="k",
+        name="k",
+        routable=True,
+        in_flight=in_flight,
+        max_concurrency=4,
+        own=own,
+        engine=None,
+        now=now,
+        stale_after=1.0,
+    )
+
+
 def test_the_view_shows_the_oldest_unanswered_attempt_and_the_floor_of_recent_first_tokens() -> None:
     own = OwnAccounting()
     first = own.start(100, now=10.0)
     own.start(50, now=10.5)
-    view = merge(
-        key="k",
-        name="k",
-        routable=True,
-        in_flight=2,
-        max_concurrency=4,
-        own=own,
-        engine=None,
-        now=12.0,
-        stale_after=1.0,
-    )
+    view = view_of(own, 12.0)
     assert (view.oldest_wait_s, view.oldest_work, view.latency_floor_s) == (2.0, 100, 0.0)
     own.first_token(first, now=13.0)
-    later = merge(
-        key="k",
-        name="k",
-        routable=True,
-        in_flight=2,
-        max_concurrency=4,
-        own=own,
-        engine=None,
-        now=14.0,
-        stale_after=1.0,
-    )
+    later = view_of(own, 14.0)
     # The second has waited 3.5 s, but the engine answered the first at 13.0: it is working, the wait counts from there.
     # Its first token took 3 s, of which its 100 tokens' prefill at the default rate is a few ms.
     assert later.oldest_wait_s == 1.0 and later.latency_floor_s == pytest.approx(3.0 - 100 / own.default_tps)
@@ -337,14 +333,10 @@ def test_a_whole_answer_is_never_overdue_and_is_shown_apart() -> None:
     whole = own.start(10, now=1.0, whole=True)
     assert own.oldest_unanswered() == (None, whole)
     assert own.first_token_due(whole) is None and own.overdue(now=100.0) is False
-    view = merge(
-        key="k", name="k", routable=True, in_flight=1, max_concurrency=4, own=own, engine=None, now=3.0, stale_after=1.0
-    )
+    view = view_of(own, 3.0, in_flight=1)
     assert (view.oldest_wait_s, view.oldest_whole_wait_s, view.oldest_whole_work) == (0.0, 2.0, 10)
     own.end(whole, now=4.0, completion_tokens=30, whole=True)
-    done = merge(
-        key="k", name="k", routable=True, in_flight=0, max_concurrency=4, own=own, engine=None, now=5.0, stale_after=1.0
-    )
+    done = view_of(own, 5.0, in_flight=0)
     assert (done.oldest_whole_wait_s, done.whole_s) == (0.0, 3.0)  # a whole answer's time, whatever the step
 
 
@@ -352,12 +344,8 @@ def test_a_whole_answer_is_waited_on_only_while_nothing_else_progresses_there() 
     own = OwnAccounting()
     own.start(10, now=0.0, whole=True)  # a long generation
     other = own.start(10, now=1.0)
-    view = merge(
-        key="k", name="k", routable=True, in_flight=2, max_concurrency=4, own=own, engine=None, now=5.0, stale_after=1.0
-    )
+    view = view_of(own, 5.0)
     assert view.oldest_whole_wait_s == 5.0
     own.first_token(other, now=6.0)  # the engine answers others: it is working
-    view = merge(
-        key="k", name="k", routable=True, in_flight=2, max_concurrency=4, own=own, engine=None, now=7.0, stale_after=1.0
-    )
+    view = view_of(own, 7.0)
     assert view.oldest_whole_wait_s == 1.0
