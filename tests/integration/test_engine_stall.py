@@ -189,3 +189,29 @@ async def test_a_health_check_that_times_out_says_so(start_gateway, stack, caplo
     (instance,) = fleet.instances.values()
     assert instance.last_error == "health check failed: no answer within 0.05 s"
     assert "instance e is now unhealthy: health check failed: no answer within 0.05 s" in caplog.text
+
+
+async def test_a_shared_call_stuck_on_its_engine_takes_no_new_joiners(start_gateway, stack, monkeypatch):
+    """A client that retries an identical deterministic request after its own timeout joined the shared call stuck
+    on a hung engine (an outside run: every retry hung, the other engine idle). Past `STUCK_S` with nothing from
+    its engine, the call takes no more clients: the retry makes a call of its own."""
+    from lockgate.dedup import flights
+
+    monkeypatch.setattr(flights, "STUCK_S", 0.0)  # (every call without its first event is past it)
+    gone, arrived = asyncio.Event(), asyncio.Event()
+    url = await _hung_engine(stack, 0, gone, arrived)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    shared = gw.gateway.dedup.flights
+    async with aiohttp.ClientSession() as http:
+        body = _request(temperature=0)  # de-duplicated
+        calls = []
+        for n in (1, 2):
+            calls.append(asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body)))
+            async with asyncio.timeout(5):
+                await arrived.wait()  # the engine got a call of its own for each
+            arrived.clear()
+            assert shared.started == n
+        assert shared.closed_to_joiners == 1
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)

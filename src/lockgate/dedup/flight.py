@@ -397,6 +397,15 @@ class Flight:
             "waits": self.waits,
         }
 
+    def waiting_since(self) -> float | None:
+        """Since when its engine call has waited with nothing to show (`time.monotonic()`): sent, no first event yet,
+        and its engine's last progress (`OwnAccounting.progress_at`) older; None while no call is out or its first
+        event has come (a stream that stops after that is the stall timeout's)."""
+        lease = self._lease
+        if lease is None or lease.answered or lease.released:
+            return None
+        return max(lease.sent_at, lease.instance.own.progress_at)
+
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call
         self.served_by = call.instance.name

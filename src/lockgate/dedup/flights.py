@@ -46,6 +46,11 @@ if TYPE_CHECKING:
     from ..wire import ApiRequest
 
 
+#: A flight whose engine has shown nothing this long takes no new joiners (`Flights.get`): a long prefill alone on its
+#: engine may take that long (a joiner then makes a call of its own: work, not an error); a hung engine takes longer.
+STUCK_S = 30.0
+
+
 class Flights:
     def __init__(
         self,
@@ -92,10 +97,21 @@ class Flights:
         return len(self._running)
 
     def get(self, key: Fingerprint, *, stream: bool) -> Flight | None:
-        """The joinable flight a `stream`ing (or non-streaming) request for `key` may join, if any."""
-        if stream:
-            return self._streams.get(key.digest)
-        return self._bodies.get(key.digest) or self._streams.get(key.digest)
+        """The joinable flight a `stream`ing (or non-streaming) request for `key` may join, if any. A flight whose
+        engine has shown nothing for `STUCK_S` (`Flight.waiting_since`) takes no more: a client retrying after its own
+        timeout joined the call stuck on a hung engine again (until the stall timeout), however idle the others;
+        it leads a call of its own instead, routed by what routing sees (the hung engine's lateness)."""
+        flight = (
+            self._streams.get(key.digest) if stream else self._bodies.get(key.digest) or self._streams.get(key.digest)
+        )
+        if flight is None:
+            return None
+        since = flight.waiting_since()
+        if since is not None and time.monotonic() - since > STUCK_S:
+            flight.joinable = False
+            self.flight_closed_to_joiners(flight)
+            return self.get(key, stream=stream)  # (the other kind, for a non-streaming request)
+        return flight
 
     def leads_json(self, model: str) -> bool:
         """Whether a non-streaming leader of `model` should lead a JSON flight now (no recent split)."""
@@ -217,7 +233,7 @@ class Flights:
             flight.on_completed(result)  # the semantic cache: the same per-entry bound
 
     def flight_closed_to_joiners(self, flight: Flight) -> None:
-        """The flight's history outgrew its bound: identical requests no longer find it."""
+        """The flight's history outgrew its bound, or it is stuck (`get`): identical requests no longer find it."""
         table = self._table(flight)
         if table.get(flight.key.digest) is flight:
             del table[flight.key.digest]
