@@ -398,13 +398,9 @@ class Flight:
         }
 
     def waiting_since(self) -> float | None:
-        """Since when its engine call has waited with nothing to show (`time.monotonic()`): sent, no first event yet,
-        and its engine's last progress (`OwnAccounting.progress_at`) older; None while no call is out or its first
-        event has come (a stream that stops after that is the stall timeout's)."""
-        lease = self._lease
-        if lease is None or lease.answered or lease.released:
-            return None
-        return max(lease.sent_at, lease.instance.own.progress_at)
+        """Since when its engine call has waited with nothing to show (`time.monotonic()`, `Lease.waiting_since`); None
+        while no call is out or its first event has come (a stream that stops after that is the stall timeout's)."""
+        return None if self._lease is None else self._lease.waiting_since()
 
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call

@@ -219,6 +219,13 @@ class Lease:
         """Its first token has come back."""
         return self._attempt.first_at is not None
 
+    def waiting_since(self) -> float | None:
+        """Since when it has waited with nothing to show (`OwnAccounting.waiting_since`); None once answered or
+        released."""
+        if self._released or self._attempt.first_at is not None:
+            return None
+        return self.instance.own.waiting_since(self._attempt)
+
     @property
     def released(self) -> bool:
         """The attempt has ended (`release()`)."""

@@ -143,6 +143,11 @@ class OwnAccounting:
         self._latencies.append(max(0.0, ttft - work / self.rate - tpot))
         self.latency_at = now
 
+    def waiting_since(self, attempt: Attempt) -> float:
+        """Since when `attempt` (unanswered) has waited with nothing to show: its sending, or the engine's last progress
+        here if that came later (an engine that answers others is working, whatever keeps this one waiting)."""
+        return max(attempt.sent_at, self.progress_at)
+
     def oldest_unanswered(self) -> tuple[Attempt | None, Attempt | None]:
         """The streamed attempt sent here the longest ago whose first token has not come back, and the oldest whole
         one (still generating, or waiting: its first token is never seen)."""
@@ -487,9 +492,9 @@ def merge(
         cache_room=cache_room,
         # (Both counted from the engine's last progress here if that came later: an engine that answers others is
         # not hung, whatever keeps this one waiting: a slot, its priority, a preemption.)
-        oldest_wait_s=0.0 if oldest is None else now - max(oldest.sent_at, own.progress_at),
+        oldest_wait_s=0.0 if oldest is None else now - own.waiting_since(oldest),
         oldest_work=0 if oldest is None else oldest.backlog + oldest.tokens,
-        oldest_whole_wait_s=0.0 if oldest_whole is None else now - max(oldest_whole.sent_at, own.progress_at),
+        oldest_whole_wait_s=0.0 if oldest_whole is None else now - own.waiting_since(oldest_whole),
         oldest_whole_work=0 if oldest_whole is None else oldest_whole.backlog + oldest_whole.tokens,
         whole_s=own.whole_time.value,
         latency_floor_s=own.latency_floor,
