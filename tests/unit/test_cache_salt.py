@@ -71,3 +71,11 @@ async def test_a_gateway_with_tenants_names_the_engines_whose_cache_they_share()
             await gateway.fleet.aclose()
 
     assert await warned("sglang") and await warned("llamacpp") and not await warned("vllm")
+
+
+def test_a_relayed_salt_is_taken_only_printable_and_within_its_bound() -> None:
+    from lockgate.cluster.identity import relayed_cache_salt
+
+    assert relayed_cache_salt("x" * 512) == "x" * 512
+    assert relayed_cache_salt("x" * 513) is None and relayed_cache_salt("a\x00b") is None
+    assert relayed_cache_salt("") is None and relayed_cache_salt(None) is None
