@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 PRIORITY_SERVED_HEADER = "x-lockgate-priority"
 
 if TYPE_CHECKING:
-    from .admission.gate import Allowance
+    from .admission.ratelimit import Allowance
     from .fleet.instance import Instance, Lease
     from .fleet.pool import Pool
     from .metrics import GatewayMetrics

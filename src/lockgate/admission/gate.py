@@ -40,7 +40,7 @@ from .preemption import (
     sent_ahead,
     waits_in_engine,
 )
-from .ratelimit import Bucket, RateLimiter, RateLimitExceeded, Reservation, TenantState
+from .ratelimit import Allowance, Bucket, RateLimiter, RateLimitExceeded, Reservation, TenantState
 from .scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from .tenants import Tenant, TenantBook
 
@@ -332,37 +332,6 @@ class PoolScheduler:
 
     def statistics(self) -> dict[str, object]:
         return {**self.core.statistics(), "lent": self.lent, "waiters": len(self._waiters)}
-
-
-class Allowance:
-    """A request's rate-limit reservation, settled once every holder is done with it: the request itself, and the
-    flight it leads (`share`), which may run on after every client left (`cancel_policy: finish_and_cache`). The
-    flight's engine work is the tenant's: until it ends it counts against the tenant's `max_concurrent`, and the
-    tokens charged are the most any holder reports (else a client could start generations and leave at once, free)."""
-
-    __slots__ = ("_clock", "_holders", "_reached", "_used", "reservation")
-
-    def __init__(self, reservation: Reservation, clock: Clock) -> None:
-        self.reservation = reservation
-        self._clock = clock
-        self._holders = 1
-        self._used = 0
-        self._reached = False
-
-    def share(self) -> Callable[[int, bool], None]:
-        """One more holder (a flight): it calls what this returns, once, when it ends (see `done`)."""
-        self._holders += 1
-        return self.done
-
-    def done(self, used: int, reached_engine: bool) -> None:
-        """A holder is done: `used` tokens (prompt + completion, 0 if nothing was produced), and whether it reached an
-        engine. The last one settles: a request that reached none is refunded (see `Admission._settle`)."""
-        self._used = max(self._used, used)
-        self._reached = self._reached or reached_engine
-        self._holders -= 1
-        if self._holders == 0:
-            used = self._used
-            self.reservation.settle(used, self._clock(), refund_request=not used and not self._reached)
 
 
 class Slot:

@@ -599,4 +599,26 @@ def diagnose(phases: list[Phase], worst: int = 5) -> str:
             lines.append(
                 f"  slow P0 +{arrived - t0:.1f}s engine {i}: engine TTFT {ttft * 1000:.0f} ms; found {found}{limits}"
             )
+        lines += _slowest_for_clients(phase, worst)
     return "\n".join(lines)
+
+
+def _slowest_for_clients(phase: Phase, worst: int) -> list[str]:
+    """The `worst` slowest P0 requests as their clients saw them, each TTFT split where it was spent: in the engine
+    (its own first token less its arrival), in the gateway (its queue, preemption and the hops to the engine), and
+    between the client and the gateway (both HTTP stacks and the network)."""
+    timed = [o for o in phase.outcomes if o.priority == "P0" and o.status == 200 and o.ttft is not None]
+    timed.sort(key=lambda o: o.ttft or 0.0, reverse=True)
+    lines = []
+    for o in timed[:worst]:
+        assert o.ttft is not None
+        rid = o.request_id or ""
+        engine, gateway = phase.engine_ttft.get(rid), phase.gateway_ttft.get(rid)
+        if engine is None or gateway is None:
+            lines.append(f"  slowest P0 for its client: {o.ttft * 1000:.0f} ms (no engine or gateway record)")
+            continue
+        lines.append(
+            f"  slowest P0 for its client: {o.ttft * 1000:.0f} ms = engine {engine * 1000:.0f} + gateway and queue "
+            f"{(gateway - engine) * 1000:.0f} + client and network {(o.ttft - gateway) * 1000:.0f} ms"
+        )
+    return lines

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -12,7 +12,8 @@ from prometheus_client.registry import Collector
 from .state import EngineLoad
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
+    from .instance import Instance
+    from .pool import Pool
 
 _GAUGES = (
     ("in_flight", "Requests the gateway has in flight on the instance."),
@@ -29,8 +30,18 @@ _GAUGES = (
 )
 
 
+class FleetView(Protocol):
+    """What the collector reads of a fleet at each scrape (the fleet replaces its pools on a reload)."""
+
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+
+    @property
+    def pools(self) -> Mapping[str, Pool]: ...
+
+
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: FleetView) -> None:
         self._fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
