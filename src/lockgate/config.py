@@ -272,6 +272,9 @@ class UpstreamConfig(_Strict):
 class HealthConfig(_Strict):
     interval_ms: Annotated[int, Field(ge=10)] = 1000
     timeout_ms: Annotated[int, Field(ge=10)] = 1000
+    #: An instance ejected after an engine went silent in a call (`upstream.stall_timeout_ms`) returns only once it
+    #: answers a one-token request within this long (its health check alone passed all along).
+    answer_probe_timeout_ms: Annotated[int, Field(ge=10)] = 10_000
     ejection: EjectionConfig = EjectionConfig()
 
 

@@ -273,3 +273,12 @@ async def test_the_engines_slots_are_the_concurrency_limit_without_configuring_o
     (instance,) = fleet.instances.values()
     await fleet.wait_until(lambda f: instance.concurrency.declared is not None)
     assert instance.concurrency.declared == 2 and instance.max_concurrency == 2
+
+
+async def test_a_real_engine_passes_the_answer_probe(gateway):
+    """The one-token request that brings back an engine ejected for going silent (`fleet/answers.py`) is one a real
+    llama.cpp answers: a probe it could never pass would keep a recovered engine out for good."""
+    from lockgate.fleet.answers import answers
+
+    (instance,) = gateway.gateway.fleet.instances.values()
+    assert await answers(instance, "smollm2", 30.0), instance.last_error

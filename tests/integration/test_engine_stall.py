@@ -215,3 +215,112 @@ async def test_a_shared_call_stuck_on_its_engine_takes_no_new_joiners(start_gate
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def _silent_then_answering(stack: contextlib.AsyncExitStack, paths: list[str], *, recovers: bool) -> str:
+    """A fake engine whose `/health` always answers and whose first generation hangs (its head, then nothing). After
+    that, every request path is recorded in `paths`; a recovered engine (`recovers`) answers each with one token,
+    one still hung does not answer at all."""
+    hung_once = False
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal hung_once
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if not head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                    continue
+                if hung_once:
+                    paths.append(head.split(b" ")[1].decode())
+                if hung_once and recovers:
+                    answer = orjson.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "x"}]})
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(answer), answer)
+                    )
+                    continue
+                hung_once = True
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
+                assert await reader.read() == b""  # nothing, until the gateway closes the connection
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def _eject_the_silent_one(start_gateway, start_sim, url: str) -> Any:
+    """A gateway over the fake engine (`hung`) and a simulator, the fake one ejected after the stream it went silent
+    in (that client's request was served by the simulator)."""
+    sim = await start_sim()
+    gw = await start_gateway(
+        [
+            {
+                "name": "m",
+                "routing": "round_robin",
+                "instances": [{"url": url, "engine": "vllm", "name": "hung"}, instance(sim, name="sim")],
+            }
+        ],
+        upstream={"stall_timeout_ms": 100},
+        health={
+            "interval_ms": 60_000,
+            "answer_probe_timeout_ms": 100,
+            "ejection": {"consecutive_failures": 1, "base_ms": 20, "max_ms": 40},
+        },
+    )
+    fleet = gw.gateway.fleet
+    (hung,) = [i for i in fleet.instances.values() if i.name == "hung"]
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):  # round robin: one of the two starts on the silent engine, and is served by the other
+            async with http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
+                assert resp.status == 200
+                assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert counter(gw.gateway.metrics.upstream_errors, instance="hung", kind="stall") == 1
+    return gw, hung
+
+
+async def test_an_engine_that_went_silent_stays_out_until_it_answers(start_gateway, start_sim, stack):
+    """Its `/health` passed all along: a health probe alone brought it back at its first backoff's end, to hang the
+    next requests for `upstream.stall_timeout_ms` each (an outside run). Now it returns only once it answers a
+    one-token request; until then its backoff doubles (an engine that never served since its return does not start
+    over)."""
+    paths: list[str] = []
+    url = await _silent_then_answering(stack, paths, recovers=False)
+    gw, hung = await _eject_the_silent_one(start_gateway, start_sim, url)
+    async with asyncio.timeout(10):
+        await gw.gateway.fleet.wait_until(lambda _: hung.ejection.ejections >= 3)  # two answer probes failed
+    assert hung.ejection.ejected and hung.ejection.silent
+    assert paths[:2] == ["/v1/completions", "/v1/completions"]  # nothing but the probes reached it
+    assert "no answer to a one-token request within 0.1 s" in (hung.last_error or "")
+    assert_gateway_clean(gw.gateway)
+
+
+async def test_an_engine_that_went_silent_returns_once_it_answers(start_gateway, start_sim, stack, caplog):
+    paths: list[str] = []
+    url = await _silent_then_answering(stack, paths, recovers=True)
+    gw, hung = await _eject_the_silent_one(start_gateway, start_sim, url)
+    async with asyncio.timeout(10):
+        await gw.gateway.fleet.wait_until(lambda _: not hung.ejection.ejected)
+    assert paths == ["/v1/completions"] and not hung.ejection.silent
+    assert "instance hung returns: it answered a one-token request" in caplog.text
+
+
+async def test_the_simulator_passes_the_answer_probe(start_gateway, start_sim):
+    from lockgate.fleet.answers import answers
+
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="sim")]}])
+    (sim_instance,) = gw.gateway.fleet.instances.values()
+    assert await answers(sim_instance, "m", 5.0), sim_instance.last_error
+    assert not await answers(sim_instance, "no-such-model", 5.0)
+    assert "HTTP 404 to a one-token request" in (sim_instance.last_error or "")

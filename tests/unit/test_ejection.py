@@ -45,7 +45,8 @@ def test_flapping_instance_keeps_its_backoff_a_behaving_one_starts_over():
     e.eject_now(3.5)  # back for 0.5 s < last backoff: 4 s now
     assert e.ejected_until == 7.5
     e.probed(True, 7.5)
-    e.eject_now(20.0)  # behaved for 12.5 s: starts over at 1 s
+    e.success()
+    e.eject_now(20.0)  # served, and behaved for 12.5 s: starts over at 1 s
     assert e.ejected_until == 21.0
 
 
@@ -85,3 +86,32 @@ def test_refused_ejection_keeps_the_instance_in_and_the_next_failure_asks_again(
     assert e.ejected_until == 1.4
     e.probed(True, 1.4)
     assert e.consecutive_failures == 0
+
+
+def test_an_ejection_after_a_silent_call_asks_for_an_answer_and_a_good_probe_clears_it():
+    e = make()
+    e.failure(0.0, silent=True)
+    e.success()  # a success between: the streak starts over, silence with it
+    e.failure(0.1)
+    e.failure(0.2)
+    assert e.failure(0.3) and not e.silent
+    e.probed(True, 1.3)
+    e.failure(2.0)
+    e.failure(2.1, silent=True)
+    assert e.failure(2.2) and e.silent  # one silent call in the streak is enough
+    assert not e.probed(False, 10.0) and e.silent  # still out, still asking for an answer
+    assert e.probed(True, 20.0) and not e.silent
+
+
+def test_an_instance_that_served_nothing_since_its_return_keeps_doubling():
+    """An engine that fails everything it is sent returned after each backoff and, back for longer than the backoff
+    before its next failures (a stall takes `upstream.stall_timeout_ms` to show), started over at `base`."""
+    e = make()
+    e.eject_now(0.0)
+    e.probed(True, 1.0)
+    e.eject_now(30.0)  # back for 29 s, but nothing served: 2 s
+    assert e.ejected_until == 32.0
+    e.probed(True, 32.0)
+    e.success()
+    e.eject_now(60.0)  # served, and back for longer than its backoff: starts over
+    assert e.ejected_until == 61.0

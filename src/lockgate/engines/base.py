@@ -85,6 +85,9 @@ class Dialect:
     #: then starts there instead of being discovered from its queue (`fleet/capacity.py`).
     parallelism_path: str | None = None
     parallelism_keys: tuple[str, ...] = ()
+    #: Where a one-token answer is asked of an engine that went silent in a call while its health check passed, before
+    #: it takes traffic again (`fleet/answers.py`); None: its health check alone brings it back (a paid provider).
+    answer_probe_path: str | None = "/v1/completions"
     #: Words of a 5xx error by which the engine blames the request itself (llama.cpp answers an embedding input
     #: longer than its batch with a 500): answered 400, neither retried elsewhere nor held against the engine.
     request_error_words: tuple[str, ...] = ()

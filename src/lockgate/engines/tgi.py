@@ -9,6 +9,7 @@ from .base import Dialect, MetricNames
 TGI = Dialect(
     name="tgi",
     health_path="/health",
+    answer_probe_path="/v1/chat/completions",
     metrics=MetricNames(
         waiting=("tgi_queue_size",),
         running=("tgi_batch_current_size",),

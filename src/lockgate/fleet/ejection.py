@@ -4,9 +4,15 @@ Theory of operation: request attempts report their outcome. `consecutive_failure
 (connect errors, broken streams, 5xx) eject the instance for a backoff that doubles with each ejection
 in a row (`base`, `2 base`, `4 base`, ... up to `max`). When the backoff has passed, the health loop
 probes the instance; a successful probe returns it to the pool, a failed one ejects it again for
-twice as long. An instance that stays in the pool for longer than its last backoff starts over at
-`base`. Failures reported while it is ejected (attempts still finishing there) change nothing.
-The caller passes `now` (monotonic seconds), so tests drive time by hand.
+twice as long. An instance that served a request successfully after its return and stayed in the pool
+for longer than its last backoff starts over at `base` (one that never answered since does not: an
+engine that fails everything it is sent keeps doubling). Failures reported while it is ejected
+(attempts still finishing there) change nothing. The caller passes `now` (monotonic seconds), so
+tests drive time by hand.
+
+An engine can go silent while its health check still passes (it accepts calls and never answers):
+an ejection whose failures include such a call (`silent`) asks for a stronger probe, an answer to a
+real request (`Fleet`'s answer probe), before the instance returns.
 
 Passive signals never empty a pool (like Envoy's `max_ejection_percent`): when the failures call for an
 ejection, the caller's `may_eject` decides (see `ejection_allowed`, evaluated over every pool the instance
@@ -33,12 +39,15 @@ class Ejection:
     __slots__ = (
         "_base",
         "_max",
+        "_served",
+        "_silence",
         "_threshold",
         "consecutive_failures",
         "ejected_until",
         "ejections",
         "held_back",
         "returned_at",
+        "silent",
     )
 
     def __init__(self, config: EjectionConfig | None = None) -> None:
@@ -52,6 +61,12 @@ class Ejection:
         self.returned_at: float | None = None
         #: Ejections the failures called for but `may_eject` refused (the pool needed the capacity).
         self.held_back = 0
+        #: A request succeeded since the instance last returned (or since it started).
+        self._served = False
+        #: The failures in a row so far include a call the engine went silent in.
+        self._silence = False
+        #: The current ejection's failures included such a call: it returns only after answering a real request.
+        self.silent = False
 
     @property
     def ejected(self) -> bool:
@@ -61,11 +76,13 @@ class Ejection:
         """The length of the current (or last) ejection."""
         return min(self._max, self._base * 2.0 ** max(0, self.ejections - 1))
 
-    def failure(self, now: float, may_eject: Callable[[], bool] | None = None) -> bool:
-        """A request attempt failed. Returns True if this ejected the instance. `may_eject` is asked only
-        when the failures call for an ejection; if it says no, the instance stays in."""
+    def failure(self, now: float, may_eject: Callable[[], bool] | None = None, *, silent: bool = False) -> bool:
+        """A request attempt failed (`silent`: the engine went silent in it). Returns True if this ejected the
+        instance. `may_eject` is asked only when the failures call for an ejection; if it says no, the instance
+        stays in."""
         if self.ejected:
             return False
+        self._silence = self._silence or silent
         self.consecutive_failures = min(self.consecutive_failures + 1, self._threshold)
         if self.consecutive_failures < self._threshold:
             return False
@@ -85,6 +102,8 @@ class Ejection:
     def success(self) -> None:
         if not self.ejected:
             self.consecutive_failures = 0
+            self._silence = False
+            self._served = True
 
     def probe_due(self, now: float) -> bool:
         return self.ejected_until is not None and now >= self.ejected_until
@@ -97,14 +116,16 @@ class Ejection:
             self.ejected_until = None
             self.returned_at = now
             self.consecutive_failures = 0
+            self._served = self._silence = self.silent = False
             return True
         self.ejections += 1
         self.ejected_until = now + self.backoff()
         return False
 
     def _eject(self, now: float) -> None:
-        if self.returned_at is not None and now - self.returned_at > self.backoff():
-            self.ejections = 0  # it behaved for longer than its last time out: start over
+        if self.returned_at is not None and self._served and now - self.returned_at > self.backoff():
+            self.ejections = 0  # it served, and behaved for longer than its last time out: start over
         self.ejections += 1
         self.ejected_until = now + self.backoff()
         self.consecutive_failures = 0
+        self.silent, self._silence = self._silence, False

@@ -28,6 +28,7 @@ from ..routing.config import RoutingConfig
 from ..routing.factory import make_policy
 from ..routing.residency import Residency
 from ..tasks import cancel_and_wait
+from .answers import answers
 from .bounded import MAX_SIDE_BODY_BYTES, BodyTooLarge, read_bounded
 from .capacity import ConcurrencyLimit, prefill_backlog_s
 from .declared import ask_parallelism
@@ -75,6 +76,8 @@ class Fleet:
         self.prefills = Changes()
         #: Instances a reload removed, each closed by its task once its requests have ended.
         self._retiring: dict[Instance, asyncio.Task[None]] = {}
+        #: Answer probes under way, of instances ejected after their engine went silent (`_answer_probe`).
+        self._answering: dict[Instance, asyncio.Task[None]] = {}
         #: Called (synchronously) after every health or ejection change, e.g. to resize admission.
         self.listeners: list[Callable[[], None]] = []
         self._closed = False
@@ -374,7 +377,7 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
-        await cancel_and_wait(self._health_task, self._scrape_task)
+        await cancel_and_wait(self._health_task, self._scrape_task, *self._answering.values())
         await self.scraper.aclose()
         retiring, self._retiring = self._retiring, {}
         for task in retiring.values():
@@ -448,7 +451,10 @@ class Fleet:
                     "instance %s refused the gateway's credentials (%s): check its `api_key`", instance.name, kind[5:]
                 )
             held_back = instance.ejection.held_back
-            ejected = instance.ejection.failure(now, lambda: self.may_eject(instance))
+            # An engine that went silent returns only once it answers (`_answer_probe`); one behind a sidecar is the
+            # sidecar's to probe so (the sidecar's own health check stands for it here).
+            silent = kind == "stall" and instance.published is None
+            ejected = instance.ejection.failure(now, lambda: self.may_eject(instance), silent=silent)
             if instance.ejection.held_back != held_back:
                 self._metrics.ejections_held_back.labels(instance.name).inc()
         else:
@@ -584,6 +590,11 @@ class Fleet:
                 for i in self.instances.values()
                 if i.ejection.probe_due(now) or (i.last_probe_at is None and i.published is None)
             ]
+            for instance in due:
+                if instance.ejection.silent and instance.ejection.probe_due(now) and instance not in self._answering:
+                    task = asyncio.create_task(self._answer_probe(instance), name="lockgate-answer-probe")
+                    self._answering[instance] = task
+            due = [i for i in due if i not in self._answering]
             if loop.time() >= next_check:
                 next_check = loop.time() + interval
                 await self.probe_all([i for i in self.instances.values() if i.published is None or i in due])
@@ -593,7 +604,7 @@ class Fleet:
             wake_in = next_check - loop.time()
             for instance in self.instances.values():
                 until = instance.ejection.ejected_until
-                if until is not None:
+                if until is not None and instance not in self._answering:
                     wake_in = min(wake_in, until - now)
             self._health_wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -620,10 +631,31 @@ class Fleet:
                     declared,
                 )
         now = time.monotonic()
-        if instance.ejection.probe_due(now) and instance.ejection.probed(ok, now):
+        ejection = instance.ejection
+        if ejection.probe_due(now) and not ejection.silent and ejection.probed(ok, now):
             log.warning("instance %s returns after a successful probe", instance.name)
         self._set_health(instance, ok)
         self._notify()
+
+    async def _answer_probe(self, instance: Instance) -> None:
+        """The probe of an instance ejected after its engine went silent in a call while its health check passed: it
+        returns only once it answers a one-token request (`health.answer_probe_timeout_ms`); otherwise it stays out
+        for twice as long. Its own task (it may take that long): the health loop goes on meanwhile."""
+        try:
+            pool = next((p for p in self.pools.values() if instance.key in p.served), None)
+            ok = pool is not None and await answers(
+                instance, pool.served[instance.key], self._config.health.answer_probe_timeout_ms / 1000
+            )
+            now = time.monotonic()
+            if instance.ejection.probe_due(now) and instance.ejection.probed(ok, now):
+                log.warning("instance %s returns: it answered a one-token request", instance.name)
+            elif not ok:
+                backoff = instance.ejection.backoff()
+                log.warning("instance %s stays out for %.1fs: %s", instance.name, backoff, instance.last_error)
+        finally:
+            self._answering.pop(instance, None)
+            self._health_wake.set()
+            self._notify()
 
     async def _check(self, instance: Instance) -> bool:
         timeout = self._config.health.timeout_ms / 1000

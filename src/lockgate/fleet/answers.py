@@ -1,0 +1,65 @@
+"""Asking an engine for a one-token answer: the probe an instance must pass to return after it went silent in a call
+while its health check still passed (`Ejection.silent`). One side call, bounded in time and size, off the hot path;
+only while the instance is ejected, so it never competes with the traffic it would get."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
+
+if TYPE_CHECKING:
+    from .instance import Instance
+
+log = logging.getLogger(__name__)
+
+
+def probe_body(path: str, served_model: str) -> dict[str, Any]:
+    """The smallest generation the dialect's `answer_probe_path` takes: one token of a two-character prompt."""
+    body: dict[str, Any] = {"model": served_model, "max_tokens": 1, "temperature": 0, "stream": False}
+    if path.endswith("/chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    return body
+
+
+async def answers(instance: Instance, served_model: str, timeout_s: float) -> bool:
+    """Whether `instance`'s engine answers a one-token generation of `served_model` within `timeout_s` (HTTP 200 and a
+    JSON object with `choices`). An engine whose dialect has no probe (`answer_probe_path`) is taken at its health
+    check's word: True."""
+    path = instance.dialect.answer_probe_path
+    if path is None:
+        return True
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with instance.session.post(
+                instance.base_url + path,
+                json=probe_body(path, served_model),
+                headers=instance.auth_headers(),
+                server_hostname=instance.server_name,
+            ) as resp:
+                body = await read_bounded(resp, MAX_SIDE_BODY_BYTES)
+                status = resp.status
+    except TimeoutError:
+        instance.last_error = f"answer probe: no answer to a one-token request within {timeout_s:g} s"
+        return False
+    except (aiohttp.ClientError, OSError) as exc:  # (an answer over the side bound too)
+        instance.last_error = f"answer probe failed: {str(exc) or exc.__class__.__name__}"
+        return False
+    if status != 200:
+        instance.last_error = f"answer probe: HTTP {status} to a one-token request"
+        return False
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict) or not answer.get("choices"):
+        instance.last_error = "answer probe: the answer to a one-token request has no choices"
+        return False
+    return True
