@@ -301,6 +301,9 @@ async def test_an_engine_that_went_silent_stays_out_until_it_answers(start_gatew
         await gw.gateway.fleet.wait_until(lambda _: hung.ejection.ejections >= 3)  # two answer probes failed
     assert hung.ejection.ejected and hung.ejection.silent
     assert paths[:2] == ["/v1/completions", "/v1/completions"]  # nothing but the probes reached it
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/admin/fleet") as resp:
+        described = {i["name"]: i for i in (await resp.json())["instances"]}
+    assert described["hung"]["ejection"]["ejected"] and described["hung"]["ejection"]["awaits_answer"]
     assert "no answer to a one-token request within 0.1 s" in (hung.last_error or "")
     assert_gateway_clean(gw.gateway)
 

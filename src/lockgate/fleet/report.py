@@ -61,6 +61,9 @@ def _instance(instance: Instance, now: float, index_blocks: int, fleet: Fleet) -
             "ejections_in_a_row": ejection.ejections,
             "consecutive_failures": ejection.consecutive_failures,
             "held_back": ejection.held_back,
+            # Ejected after its engine went silent in a call: it returns by answering a one-token request (probed
+            # when `returns_in_s` runs out), not by its health check.
+            "awaits_answer": ejection.silent,
         },
         "sources": {
             "gateway": {
