@@ -287,6 +287,10 @@ def _check_fields(body: dict[str, Any]) -> None:
 
 #: The longest `cache_salt` taken from a client (it goes to the engine with every request, and into the gateway's).
 MAX_CACHE_SALT = 256
+#: How the salts the gateway makes begin (`admission.tenants.group_salt`): a client's `cache_salt` may not, or a client
+#: of an open gateway (a sidecar reached directly) sharing engines with tenants could name a tenant's salt and read its
+#: prefix cache (the salt is a digest of the tenant's name, and an open gateway passes a client's salt on as it is).
+GATEWAY_SALT_PREFIX = "lg1-"
 
 #: At most this many inputs in one embeddings request (OpenAI's own limit).
 MAX_EMBEDDING_INPUTS = 2048
@@ -477,6 +481,8 @@ def _check_cache_salt(body: dict[str, Any]) -> None:
         raise _bad("cache_salt", "`cache_salt` must be a non-empty string of printable ASCII characters.")
     if salt is not None and len(salt) > MAX_CACHE_SALT:
         raise _bad("cache_salt", f"`cache_salt` may be at most {MAX_CACHE_SALT} characters.")
+    if salt is not None and salt.startswith(GATEWAY_SALT_PREFIX):
+        raise _bad("cache_salt", f"`cache_salt` values beginning with '{GATEWAY_SALT_PREFIX}' are the gateway's own.")
 
 
 def _opt_number(body: dict[str, Any], key: str, low: float, high: float) -> None:

@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from ..errors import InvalidRequest, ModelNotFound, Unauthorized
+from ..wire import GATEWAY_SALT_PREFIX
 from .config import SchedulingConfig, TenantConfig
 
 DEFAULT_TENANT = "default"
@@ -55,7 +56,7 @@ def group_salt(tenant: str, group: str | None = None) -> str:
     """The prefix-cache salt of `tenant`'s cache group: the one it names, else its own (the two kinds of name kept
     apart: a group named like a tenant is not that tenant's cache). A digest, so engines' logs do not carry names."""
     name = f"group:{group}" if group is not None else f"tenant:{tenant}"
-    return "lg1-" + hashlib.sha256(b"lockgate cache group\0" + name.encode()).hexdigest()[:32]
+    return GATEWAY_SALT_PREFIX + hashlib.sha256(b"lockgate cache group\0" + name.encode()).hexdigest()[:32]
 
 
 def cache_salt_for(tenant: Tenant, client_salt: object) -> str | None:
