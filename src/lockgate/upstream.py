@@ -388,7 +388,7 @@ class UpstreamEvents:
                             failure = stream_error(event)
                             if failure is not None:
                                 self._index, self._done = index, True
-                                raise self._engine_error(*failure)
+                                raise self._engine_error(*failure, event)
                         elif is_terminal(event):
                             # A response's last event (`responses.py`): its stream ends there, `[DONE]` or not.
                             out.append((event, payload, content))
@@ -469,19 +469,24 @@ class UpstreamEvents:
                 "(upstream.stall_timeout_ms): the engine looks hung; the call was closed."
             )
 
-    def _engine_error(self, message: str, status: int | None) -> UpstreamProtocolError:
+    def _engine_error(self, message: str, status: int | None, event: dict[str, Any]) -> UpstreamProtocolError:
         """The error an engine reported as an event of its stream (then usually `[DONE]`, which must not end the
         client's stream as if it had succeeded): the call is aborted, and counted as the engine's failure unless
-        the error names a client error status (4xx: the request's fault, not the engine's health)."""
+        the error names a client error status (4xx: the request's fault, not the engine's health). A sidecar's
+        error (a gateway's own envelope) keeps its code: `upstream_stalled` from behind a sidecar is one too."""
         call = self._call
         if status is not None and status < 500:
             call.abort()
         else:
             call.broken("error event in the stream")
         message = call.instance.credentials.scrub_text(message)
-        return UpstreamProtocolError(
-            f"Instance {call.served_by} reported an error in the stream: {message}", code="upstream_stream_error"
-        )
+        code = "upstream_stream_error"
+        if call.instance.published is not None:
+            error = event.get("error")
+            told = error.get("code") if isinstance(error, dict) else None
+            if isinstance(told, str) and told.isidentifier() and len(told) <= 64:
+                code = told
+        return UpstreamProtocolError(f"Instance {call.served_by} reported an error in the stream: {message}", code=code)
 
     def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:
         """Call `step` (which takes what is here with `take()`) at once and then from the engine connection's

@@ -1,6 +1,10 @@
-"""What the tests' fake engines send."""
+"""What the tests' fake engines send, and an engine that hangs."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
 
 import orjson
 
@@ -15,3 +19,60 @@ def chat_chunk(content: str) -> bytes:
         "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
     }
     return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+async def hung_engine(
+    stack: contextlib.AsyncExitStack,
+    chunks: int,
+    gone: asyncio.Event,
+    arrived: asyncio.Event | None = None,
+    *,
+    pings: bool = False,
+    whole: bool = False,
+) -> str:
+    """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
+    then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
+    anything else is answered `{}`."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if not head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                    continue
+                if whole:  # a non-streaming answer: its head comes with its end, which never comes
+                    assert await reader.read() == b""
+                    gone.set()
+                    return
+                events = b"".join(chat_chunk(c) for c in "ab"[:chunks])
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
+                if events:
+                    writer.write(b"%x\r\n%s\r\n" % (len(events), events))
+                if arrived is not None:
+                    arrived.set()
+                if pings:  # keep-alive comments, a byte at a time, every 10 ms (a proxy in front of a hung engine)
+                    while not reader.at_eof():
+                        for byte in b": ping\n\n":
+                            writer.write(b"1\r\n%c\r\n" % byte)
+                            await asyncio.sleep(0.01)  # (the engine's pace)
+                        if writer.is_closing():
+                            break
+                    gone.set()
+                    return
+                assert await reader.read() == b""  # nothing more, until the gateway closes the connection
+                gone.set()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"

@@ -16,66 +16,9 @@ import orjson
 from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, counter
-from tests.integration.fake_engines import chat_chunk
+from tests.integration.fake_engines import hung_engine
 
 STALL = {"upstream": {"stall_timeout_ms": 100}}
-
-
-async def _hung_engine(
-    stack: contextlib.AsyncExitStack,
-    chunks: int,
-    gone: asyncio.Event,
-    arrived: asyncio.Event | None = None,
-    *,
-    pings: bool = False,
-    whole: bool = False,
-) -> str:
-    """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
-    then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
-    anything else is answered `{}`."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-                await reader.readexactly(int(length.group(1)) if length else 0)
-                if not head.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
-                    continue
-                if whole:  # a non-streaming answer: its head comes with its end, which never comes
-                    assert await reader.read() == b""
-                    gone.set()
-                    return
-                events = b"".join(chat_chunk(c) for c in "ab"[:chunks])
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                )
-                if events:
-                    writer.write(b"%x\r\n%s\r\n" % (len(events), events))
-                if arrived is not None:
-                    arrived.set()
-                if pings:  # keep-alive comments, a byte at a time, every 10 ms (a proxy in front of a hung engine)
-                    while not reader.at_eof():
-                        for byte in b": ping\n\n":
-                            writer.write(b"1\r\n%c\r\n" % byte)
-                            await asyncio.sleep(0.01)  # (the engine's pace)
-                        if writer.is_closing():
-                            break
-                    gone.set()
-                    return
-                assert await reader.read() == b""  # nothing more, until the gateway closes the connection
-                gone.set()
-                return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    stack.push_async_callback(server.wait_closed)
-    stack.callback(server.close)
-    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
 def _request(**extra: Any) -> dict[str, Any]:
@@ -84,7 +27,7 @@ def _request(**extra: Any) -> dict[str, Any]:
 
 async def test_a_stream_whose_engine_goes_silent_ends_with_a_stall_error(start_gateway, stack, tmp_path):
     gone = asyncio.Event()
-    url = await _hung_engine(stack, 2, gone)
+    url = await hung_engine(stack, 2, gone)
     gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}], **STALL)
     async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
         assert resp.status == 200  # the stream had begun: the error comes as its last event
@@ -105,7 +48,7 @@ async def test_a_stream_that_brings_only_keep_alives_is_stalled_too(start_gatewa
     """Bytes keep coming, a byte at a time, and never an event (a proxy's keep-alive comments in front of a hung
     engine): the connection's own watch sees bytes; the stream's sees no event for `upstream.stall_timeout_ms`."""
     gone = asyncio.Event()
-    url = await _hung_engine(stack, 1, gone, pings=True)
+    url = await hung_engine(stack, 1, gone, pings=True)
     gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}], **STALL)
     async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
         raw = await resp.read()
@@ -122,7 +65,7 @@ async def test_a_client_wanting_the_whole_answer_gets_504_and_a_silent_engine_is
     """Nothing reached the client yet: the request goes on to the healthy instance. With nowhere else to go (a model
     that the hung engine serves alone), the client gets 504."""
     gone = asyncio.Event()
-    url = await _hung_engine(stack, 0, gone)
+    url = await hung_engine(stack, 0, gone)
     sim = await start_sim()
     hung = {"url": url, "engine": "llamacpp", "name": "hung"}  # read as a stream whatever the client asked
     gw = await start_gateway(
@@ -151,7 +94,7 @@ async def test_a_non_streaming_call_that_never_begins_its_answer_is_closed_as_hu
     begun its answer within `upstream.answer_timeout_ms` is closed the same way (504 `upstream_stalled`, charged to
     the instance), whatever the client's patience; the model's own deadline (none) is not what ends it."""
     gone = asyncio.Event()
-    url = await _hung_engine(stack, 0, gone, whole=True)
+    url = await hung_engine(stack, 0, gone, whole=True)
     gw = await start_gateway(
         [{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}],
         upstream={"answer_timeout_ms": 100},
@@ -199,7 +142,7 @@ async def test_a_shared_call_stuck_on_its_engine_takes_no_new_joiners(start_gate
 
     monkeypatch.setattr(flights, "STUCK_S", 0.0)  # (every call without its first event is past it)
     gone, arrived = asyncio.Event(), asyncio.Event()
-    url = await _hung_engine(stack, 0, gone, arrived)
+    url = await hung_engine(stack, 0, gone, arrived)
     gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
     shared = gw.gateway.dedup.flights
     async with aiohttp.ClientSession() as http:
