@@ -26,6 +26,7 @@ from .config import Config
 from .dashboard import Dashboard, SloProvider
 from .dashboard.assets import STATIC_PREFIX
 from .dedup.coalescer import Coalescer
+from .dedup.stoppable import StoppableFlight
 from .edge.server import Reply, Request, Response, json_response
 from .errors import (
     GatewayError,
@@ -388,8 +389,11 @@ class Gateway:
         room = admission.room_for(ex.api.model, klass)
         key = self.dedup.plan(ex, request.headers.get("Cache-Control"))
         if key is not None:
-            # A flight (possibly shared by several clients) is never preempted.
-            return await self.dedup.serve(ex, request, key, admission.slot(ex, klass), room)
+            # A flight of a preemptible class may be stopped while it has shown nothing and nobody joined it (its call
+            # sent again later, `dedup.stoppable`); one that has, possibly shared by several clients, never is.
+            stoppable = StoppableFlight(admission.max_preemptions) if klass in admission.preemptible else None
+            slot = admission.slot(ex, klass, tag=stoppable)
+            return await self.dedup.serve(ex, request, key, slot, room, stoppable)
         if klass in admission.preemptible and ex.api.endpoint.generates:
             return await resume.relay_resumable(ex, request, klass, admission, self.fleet)
         await admission.slot(ex, klass).take()

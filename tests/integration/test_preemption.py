@@ -23,7 +23,7 @@ from tests.conftest import instance
 from tests.integration.test_priority import assert_no_leaks, records, until
 
 P0, P2 = 0, 2
-NO_STORE = {"Cache-Control": "no-store"}  # never de-duplicated: a flight is not preemptible
+NO_STORE = {"Cache-Control": "no-store"}  # never de-duplicated: a flight is stopped only before it shows anything
 
 
 def chat(n: int, *, max_tokens: int = 40, **extra: Any) -> dict[str, Any]:
@@ -279,28 +279,69 @@ async def test_preemptions_per_request_are_bounded(start_sim, start_gateway, htt
     assert_no_leaks(gw)
 
 
-async def test_a_dedup_flight_is_not_preempted(start_sim, start_gateway, http: aiohttp.ClientSession):
+async def _shared(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """A P2 request that may be de-duplicated (temperature 0, no `Cache-Control`): served by a flight."""
+    async with http.post(url + path_of(body), data=orjson.dumps(body), headers={"x-priority": "P2"}) as resp:
+        return resp.status, await resp.read()
+
+
+def _preemptions(gw) -> str:
+    return "\n".join(
+        line for line in gw.gateway.metrics.render().decode().splitlines() if line.startswith("lockgate_preemptions_")
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_flight_that_has_shown_nothing_is_stopped_and_sent_again(start_sim, start_gateway, http, stream):
+    """A P2 flight (a de-duplicable request) held in the engine before its first token when a P0 arrives: flights were
+    never preempted, and under a flood of temperature-0 P2 requests P0 waited for whole P2 generations (an outside
+    run: P0 TTFT 1-2 s through a flood's first seconds, 67 ms with the same flood sampled). Nobody has seen anything
+    of it: its engine call is stopped, and sent again (`-p1`) once the P0 is done."""
     sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=1.0)
     sim.control.hold = True
-
-    async def coalescable() -> int:  # temperature 0 and no Cache-Control: served by a flight
-        data = orjson.dumps(chat(5, max_tokens=4))
-        async with http.post(gw.url + "/v1/chat/completions", data=data, headers={"x-priority": "P2"}) as resp:
-            await resp.read()
-            return resp.status
-
-    flight = asyncio.create_task(coalescable())
+    body = chat(5, max_tokens=4, stream=stream)
+    flight = asyncio.create_task(_shared(http, gw.url, body))
     async with asyncio.timeout(5):
         await sim.wait_held(1)
     urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
-    await until(sched, lambda core: core.queued(P0) == 1)
-    assert sched.core.running(P2) == 1
+    await until(sched, lambda core: core.running(P0) == 1)  # at once: the flight gave its slot up
+    assert sched.core.queued(P2) == 1 and sched.core.running(P2) == 0
     await let_go(sim)
     async with asyncio.timeout(10):
-        assert await flight == 200
+        status, raw = await flight
         assert (await urgent)[0] == 200
-    assert "lockgate_preemptions_total{" not in gw.gateway.metrics.render().decode()
-    assert 'reason="preempted"' not in gw.gateway.metrics.render().decode()
+    assert status == 200
+    if stream:
+        assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b'"content":"') >= 4
+    else:
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 4
+    assert 'lockgate_preemptions_total{model="m",outcome="restarted",priority="P2"} 1.0' in _preemptions(gw)
+    seen = [r.request_id for r in sim.stats.seen]
+    assert any(i.endswith("-p1") for i in seen) and sim.stats.requests_aborted >= 1
+    assert_no_leaks(gw)
+
+
+async def test_a_flight_with_output_or_a_joiner_is_not_stopped(start_sim, start_gateway, http):
+    """What a flight has received may be on its way to several clients, and another client that joined it would pay
+    for a stop: neither kind is stopped; the P0 waits for the slot."""
+    sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=1.0)
+    sim.control.hold = True
+    body = chat(6, max_tokens=4)
+    leader = asyncio.create_task(_shared(http, gw.url, body))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    joiner = asyncio.create_task(_shared(http, gw.url, body))
+    flights = gw.gateway.dedup.flights
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: any(f.subscribed_total == 2 for f in flights.all()))
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.queued(P0) == 1)
+    assert sched.core.running(P2) == 1 and "lockgate_preemptions_total{" not in _preemptions(gw)
+    await let_go(sim)
+    async with asyncio.timeout(10):
+        assert (await leader)[0] == 200 and (await joiner)[0] == 200
+        assert (await urgent)[0] == 200
+    assert "lockgate_preemptions_total{" not in _preemptions(gw)
     assert_no_leaks(gw)
 
 
@@ -543,4 +584,46 @@ async def test_a_whole_p2_response_is_restarted_and_a_streamed_one_runs_on(start
     status, raw = await streamed
     assert status == 200 and raw.rstrip().split(b"\n\n")[-1].startswith(b"event: response.incomplete")
     assert (await second)[0] == 200
+    assert_no_leaks(gw)
+
+
+@pytest.mark.parametrize("make", [chat, completion], ids=["chat", "completion"])
+async def test_a_streaming_flight_with_output_is_stopped_and_continued_seamlessly(start_sim, start_gateway, http, make):
+    """A P2 flight that has streamed tokens to its client is stopped for a P0 and continued from its output, as a
+    sampled request is: its client sees one uninterrupted generation, and the result the flight stores for the next
+    identical request is that same generation."""
+    sim, gw, _ = await one_slot(start_sim, start_gateway)
+    body = {**make(11), "stream": True, "stream_options": {"include_usage": True}}
+    expected = await uninterrupted(http, gw.url, body)  # (no-store: not a flight, nothing cached)
+    started = asyncio.Event()
+    chunks: list[bytes] = []
+
+    async def shared() -> int:
+        async with http.post(gw.url + path_of(body), data=orjson.dumps(body), headers={"x-priority": "P2"}) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    chunks.append(line[6:].strip())
+                    if sum(b'"content":"' in c or b'"text":"' in c for c in chunks) >= 3:
+                        started.set()
+            status: int = resp.status
+            return status
+
+    victim = asyncio.create_task(shared())
+    async with asyncio.timeout(5):
+        await started.wait()
+    urgent = asyncio.create_task(post(http, gw.url, make(99, max_tokens=4), "P0"))
+    async with asyncio.timeout(10):
+        assert (await urgent)[0] == 200
+        assert await victim == 200
+    events = [orjson.loads(c) for c in chunks]
+    text, usage, ids, roles = stream_summary(events)
+    want_text, want_usage, _, want_roles = stream_summary(expected)
+    assert text == want_text and roles == want_roles == (1 if make is chat else 0)
+    assert usage_of(usage) == usage_of(want_usage) and len(ids) == 1
+    assert 'lockgate_preemptions_total{model="m",outcome="resumed",priority="P2"} 1.0' in _preemptions(gw)
+    assert any(r.request_id.endswith("-p1") for r in sim.stats.seen)
+    async with http.post(gw.url + path_of(body), data=orjson.dumps(body), headers={"x-priority": "P2"}) as resp:
+        assert resp.headers["x-lockgate-cache"] == "hit"
+        cached = [orjson.loads(line[6:]) for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")]
+    assert stream_summary(cached)[:2] == (want_text, want_usage)
     assert_no_leaks(gw)

@@ -404,6 +404,12 @@ class Slot:
         self._held = False
         return functools.partial(self._scheduler.release, self.ticket)
 
+    async def regranted(self) -> None:
+        """After the work it was handed over to was stopped for a more urgent request (a flight: `dedup.stoppable`),
+        wait until the ticket is granted again (no deadline: a stopped request always completes)."""
+        assert self.ticket is not None
+        await self._scheduler.wait_granted(self.ticket)
+
     def _release_held(self) -> None:
         if self._held:
             self.give_back()

@@ -134,6 +134,7 @@ def _priority(args: argparse.Namespace) -> int:
         preemption=not args.no_preemption,
         preemptible=tuple(c for c in args.preemptible.split(",") if c),
         trace=args.trace,
+        deterministic=args.deterministic,
     )
 
     async def main() -> int:
@@ -496,6 +497,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")
     prio.add_argument(
         "--trace", action="store_true", help="sample engine queues and limits; explain the slowest P0 requests"
+    )
+    prio.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the floods' requests at temperature 0 (each prompt unique): served by de-duplication flights",
     )
     prio.set_defaults(func=_priority)
     hol = benches.add_parser("hol", help="short requests behind long ones in one class: short TTFT, mixed vs alone")

@@ -117,6 +117,9 @@ class Settings:
     trace: bool = False
     #: How long the answers of a phase may take after its arrivals end (the rest is abandoned).
     drain_s: float = 2.0
+    #: The floods' requests at temperature 0 (prompts unique): each leads a de-duplication flight instead of taking the
+    #: sampled path (P0 stays sampled, as interactive traffic is).
+    deterministic: bool = False
 
     @property
     def slots(self) -> int:
@@ -146,15 +149,18 @@ def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[i
     )
 
 
-async def _one(session: aiohttp.ClientSession, url: str, priority: str, n: int, max_tokens: int) -> Outcome:
-    body = orjson.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"{priority} request {n}: tell me something"}],
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-    )
+async def _one(
+    session: aiohttp.ClientSession, url: str, priority: str, n: int, max_tokens: int, deterministic: bool
+) -> Outcome:
+    request: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{priority} request {n}: tell me something"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    if deterministic:
+        request["temperature"] = 0
+    body = orjson.dumps(request)
     start = time.perf_counter()
     ttft: float | None = None
     status = 0
@@ -192,8 +198,12 @@ async def _arrivals(
     if rate <= 0:
         return
     max_tokens = settings.p0_max_tokens if priority == "P0" and settings.p0_max_tokens else settings.max_tokens
+    deterministic = settings.deterministic and priority != "P0"
     await open_loop(
-        rate, seconds, rng, lambda n: tasks.append(asyncio.create_task(_one(session, url, priority, n, max_tokens)))
+        rate,
+        seconds,
+        rng,
+        lambda n: tasks.append(asyncio.create_task(_one(session, url, priority, n, max_tokens, deterministic))),
     )
 
 
@@ -448,7 +458,8 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
         f"P0 {settings.p0_rate:g}/s, P1 {settings.p1_factor:g}x, P2 {settings.p2_factor:g}x capacity; "
         f"{settings.duration_s:g} s per phase; strict headroom {headroom}; max_concurrency {ceiling}; "
         f"preemption {'on' if settings.preemption else 'off'}"
-        f" ({'+'.join(settings.preemptible) or 'P2'} preemptible)",
+        f" ({'+'.join(settings.preemptible) or 'P2'} preemptible)"
+        f"{'; P1/P2 at temperature 0 (de-duplication flights)' if settings.deterministic else ''}",
         f"{'phase':<20}{'class':<6}{'sent':>6}{'ok':>6}{'429':>6}{'503':>6}{'left':>6}"
         f"{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'ok/s':>7}",
     ]

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from ..metrics import GatewayMetrics
     from ..semantic import Embedder, Probe
     from ..wire import ApiRequest
+    from .stoppable import StoppableFlight
 
 CACHE_HEADER = "x-lockgate-cache"
 
@@ -76,6 +77,10 @@ class Slot(Protocol):
 
     def hand_over(self) -> Callable[[], None]:
         """The granted slot's release, for the flight it now serves."""
+        ...
+
+    async def regranted(self) -> None:
+        """After the flight it serves was stopped: until it is granted again."""
         ...
 
 
@@ -178,11 +183,13 @@ class Coalescer:
         key: Fingerprint,
         slot: Slot,
         before_send: Callable[[Lease, bool], None] | None = None,
+        stoppable: StoppableFlight | None = None,
     ) -> Reply:
         """Serve `ex` from a cached result, a flight in progress, the semantic cache, or else a new flight that it
         leads: only then does it take `slot` (its place at the scheduler, handed over to the flight), and
         `before_send` goes with the flight's engine calls (see `attempt.open_attempts`). While it waits for the slot,
-        something may serve it without one (`_wait_to_lead`)."""
+        something may serve it without one (`_wait_to_lead`). `stoppable`, the slot's tag for a preemptible class, is
+        given the flight it leads (`dedup.stoppable`)."""
         joined = self._join(ex, key)
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
@@ -210,6 +217,9 @@ class Coalescer:
             before_send,
         )
         flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
+        if stoppable is not None:
+            chat_continuation = all(i.dialect.continue_final_message for i in ex.pool.instances)
+            stoppable.attach(flight, slot.regranted, chat_continuation=chat_continuation)
         if ex.allowance is not None:
             flight.settle_allowance = ex.allowance.share()  # and counts as the tenant's work until it ends
         self.waiting.flight_started(key, stream)

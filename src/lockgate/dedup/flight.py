@@ -37,6 +37,14 @@ model's cancel policy decides, at once:
 - `cache_partial`: the same, but the output so far is kept as a partial result (a JSON flight has none);
 - `finish_and_cache`: nothing happens; the flight finishes detached (still joinable) into the cache.
 
+A flight of a preemptible class that nobody joined may be stopped for a strict request (`stop`, through
+`dedup.stoppable`): its engine call is aborted at once, and once its slot is granted again it sends (as `<id>-p<n>`)
+the same request if nothing had come back yet, else — a streaming flight that can be continued
+(`preemption.blocker`) — the continuation of what it received (`preemption.continuation`), whose events a
+`Transcript` folds into the one generation its subscribers and its result see (the first call's id, no second role
+chunk, usage restated), as a preempted request of the direct path is resumed. A JSON flight that has its answer, a
+flight that cannot be continued once it has output, or one another client joined, is not stopped.
+
 A flight ends in one synchronous step, so a new identical request always sees exactly one of: the
 running flight, or (after success) its cached result, or (after failure/abort) nothing. An upstream
 error fails every subscriber with that same error. Nothing but the flight itself removes it from the
@@ -55,6 +63,9 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import orjson
+
+from ..admission.preemption import Plan, Transcript, blocker, continuation, plan
 from ..answer import EngineAnswer, EngineReads, read_whole
 from ..assemble import count_of, usage_of
 from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamProtocolError
@@ -74,6 +85,10 @@ T = TypeVar("T")
 #: The most of its events (in the engine's bytes) one `Subscription.take()` returns: a late joiner's replay is
 #: written a batch at a time, each waiting for the client to drain when it is slow.
 TAKE_BYTES = 64 * 1024
+
+
+class _Stopped(Exception):
+    """Internal: the flight's engine call was stopped for a more urgent request (`Flight.stop`)."""
 
 
 class FlightState(StrEnum):
@@ -97,10 +112,12 @@ class FlightOwner(Protocol):
     def flight_changed(self, flight: Flight) -> None: ...
 
 
-#: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the flight's id, what
-#: to do with each attempt's lease and call (hold them, so that the flight can abort the call) and with a failed
-#: attempt's (drop them).
-OpenEngine = Callable[[str, Callable[["Lease", "UpstreamCall"], None], Callable[[], object]], Awaitable[EngineAnswer]]
+#: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the id the engine
+#: sees, the request to send (the flight's, or its continuation after a stop), what to do with each attempt's lease
+#: and call (hold them, so that the flight can abort the call) and with a failed attempt's (drop them).
+OpenEngine = Callable[
+    [str, "ApiRequest", Callable[["Lease", "UpstreamCall"], None], Callable[[], object]], Awaitable[EngineAnswer]
+]
 
 
 class Flight:
@@ -178,6 +195,21 @@ class Flight:
         self.settle_allowance: Callable[[int, bool], None] | None = None
         #: Token-bearing events received (one token each, as the transcript of a preempted request counts them).
         self.tokens = 0
+        #: How to wait for its slot to be granted again after a stop (`dedup.stoppable`: only a flight of a preemptible
+        #: class has one), and the stops so far.
+        self.regranted: Callable[[], Awaitable[object]] | None = None
+        self.stops = 0
+        #: Why a streaming flight of a preemptible class could not be continued from partial output (None: it can),
+        #: and its output folded over its engine calls (`resumable`: None for any other flight).
+        self._blocker: str | None = None
+        self._transcript: Transcript | None = None
+        #: The engine call under way follows events already delivered (a continuation): its events are folded.
+        self._folding = False
+        #: Stopped, its engine call aborted: sent again once `regranted`; the task's cancellation that said so; the
+        #: task awaits its engine call (the only place a stop can interrupt it).
+        self._stopped = False
+        self._stop_sent = False
+        self._awaiting_engine = False
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         #: The engine call once opened (closed when the flight's task ends).
@@ -287,27 +319,46 @@ class Flight:
             self._release()
 
     async def _relay(self) -> None:
-        """Open the engine call and keep what it sends until its end (`run` decides how the flight ends)."""
-        opened = self._opened = await self._open()
-        if not self.stream:
-            self.body, self._body_bytes = await read_whole(opened, self.api, self.max_response_bytes)
-            self._nbytes = 64 + opened.call.received
-            self._complete()
-            return
-        # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
-        # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
-        events = opened.events
-        assert events is not None  # a streaming flight's engine call is a stream
-        step = functools.partial(self._step, events)  # called per read: no Python frame of its own
-        while not await events.follow(step):
-            await self._keep_within_bounds()
-        self._complete()
+        """Open the engine call and keep what it sends until its end (`run` decides how the flight ends); after a
+        stop, wait for the slot and open it again (or its continuation)."""
+        while True:
+            if self._stopped:
+                self._stopped = False
+                assert self.regranted is not None
+                await self.regranted()
+            try:
+                opened = await self._engine(self._open())
+                self._opened = opened
+                if not self.stream:
+                    self.body, self._body_bytes = await self._engine(
+                        read_whole(opened, self.api, self.max_response_bytes)
+                    )
+                    self._nbytes = 64 + opened.call.received
+                    self._complete()
+                    return
+                # The engine is read from its connection's callback, read by read (`UpstreamEvents.follow`): the task
+                # wakes only when a bound needs it to wait for the slowest subscriber, and at the end.
+                events = opened.events
+                assert events is not None  # a streaming flight's engine call is a stream
+                step = functools.partial(self._step, events)  # called per read: no Python frame of its own
+                while not await self._engine(events.follow(step)):
+                    await self._keep_within_bounds()
+                    if self._stopped:  # stopped while it waited for a subscriber: its call is closed already
+                        raise _Stopped
+                self._complete()
+                return
+            except _Stopped:
+                stopped, self._opened = self._opened, None
+                if stopped is not None:
+                    stopped.close()
 
     def _step(self, stream: EngineReads) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
         of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
         go on. Raises what broke the stream, after keeping the events before the break."""
         taken = stream.take()
+        if taken and self._transcript is not None:
+            taken = self._fold(taken)
         if taken:
             events, payloads, ends, contents = self.events, self._payloads, self._ends, self._contents
             nbytes = self._nbytes
@@ -332,6 +383,23 @@ class Flight:
         ):
             return False
         return None
+
+    def _fold(self, taken: list[tuple[dict[str, Any], bytes, bool]]) -> list[tuple[dict[str, Any], bytes, bool]]:
+        """The events of an engine call as the one generation shows them (`Transcript.take`): the first call's as they
+        came (the transcript keeps their text, for a continuation), a continuation's rewritten (their bytes encoded
+        again) or dropped."""
+        transcript = self._transcript
+        assert transcript is not None
+        if not self._folding:
+            for event, _, _ in taken:
+                transcript.take(event)  # (the first call's events come back unchanged)
+            return taken
+        folded = []
+        for event, _, content in taken:
+            out = transcript.take(event)
+            if out is not None:
+                folded.append((out, orjson.dumps(out), content))
+        return folded
 
     # --- the bounds (see the module docstring) -------------------------------------------------------
     def _consumed(self, position: int) -> int:
@@ -402,13 +470,94 @@ class Flight:
         while no call is out or its first event has come (a stream that stops after that is the stall timeout's)."""
         return None if self._lease is None else self._lease.waiting_since()
 
+    @property
+    def lease(self) -> Lease | None:
+        """The lease of its engine call now (None between calls)."""
+        return self._lease
+
+    # --- stopping for a more urgent request (synchronous, called by the scheduler) -------------------
+    def resumable(self, regranted: Callable[[], Awaitable[object]], *, chat_continuation: bool) -> None:
+        """Make the flight stoppable (`dedup.stoppable`, before its task runs): `regranted` waits for its slot after a
+        stop; `chat_continuation`: every instance of its pool can continue a final assistant message."""
+        self.regranted = regranted
+        if self.stream:
+            self._blocker = blocker(self.api, chat_continuation=chat_continuation)
+            self._transcript = Transcript(self.api.endpoint, keep_events=False, max_chars=self.max_response_bytes)
+
+    def _plan(self) -> Plan | None:
+        """How the flight would go on if stopped now (`preemption.plan`); None: it must not be stopped. Only with an
+        engine call out, and nobody but its leader ever subscribed (a joiner might be more urgent than the flight)."""
+        lease = self._lease
+        if self.regranted is None or self.state is not FlightState.RUNNING or lease is None:
+            return None
+        if self.subscribed_total > 1 or self.body is not None:
+            return None
+        if not self._base and not self.events:
+            return Plan.RESTART  # nothing delivered: sent again as it was
+        return self._resume_plan()
+
+    def _resume_plan(self) -> Plan | None:
+        transcript = self._transcript
+        if transcript is None:
+            return None
+        return plan(self._blocker, transcript, self.api.max_tokens, sent=True)
+
+    def stoppable(self) -> bool:
+        """Whether the flight may be stopped now (`_plan`)."""
+        return self._plan() is not None
+
+    def stop(self) -> Plan:
+        """Abort the engine call now (the engine sees it at once); the flight sends it again, or its continuation, once
+        its slot is granted again (`regranted`)."""
+        how = self._plan()
+        if how is None:
+            raise RuntimeError("stop() on a flight that is not stoppable")
+        self.stops += 1
+        self._stopped = True
+        self._release()
+        if self._awaiting_engine and self.task is not None:
+            self._stop_sent = True
+            self.task.cancel("lockgate: preempted")
+        return how
+
+    def redo_tokens(self) -> int:
+        """Tokens the engine prefills again when the flight goes on: its prompt, and what it produced so far."""
+        transcript = self._transcript
+        return self.api.estimated_prompt_tokens() + (transcript.tokens if transcript is not None else self.tokens)
+
+    async def _engine(self, awaitable: Awaitable[T]) -> T:
+        """Await the engine call; a stop's cancellation of this await becomes `_Stopped`."""
+        self._awaiting_engine = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._stop_sent:
+                self._stop_sent = False
+                task = self.task
+                assert task is not None
+                if task.uncancel() == 0:
+                    raise _Stopped from None
+            raise
+        finally:
+            self._awaiting_engine = False
+
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call
         self.served_by = call.instance.name
         self.attempts += 1
 
     async def _open(self) -> EngineAnswer:
-        opened = await self._open_engine(self.id, self._hold, self._release)
+        # After a stop, an engine never sees two calls with one id (SGLang aborts by id).
+        upstream_id = f"{self.id}-p{self.stops}" if self.stops else self.id
+        api = self.api
+        transcript = self._transcript
+        if transcript is not None:
+            transcript.start_attempt()
+            # Events were delivered already: this call's are folded into them (no second role chunk, the first id).
+            self._folding = self._base + len(self.events) > 0
+            if transcript.tokens:
+                api = continuation(api, transcript.text, transcript.tokens)
+        opened = await self._open_engine(upstream_id, api, self._hold, self._release)
         self.served_by = opened.call.served_by
         return opened
 

@@ -163,13 +163,13 @@ class Flights:
         fleet, metrics = self._fleet, self._metrics
 
         def open_engine(
-            flight_id: str, hold: Callable[[Lease, UpstreamCall], None], drop: Callable[[], object]
+            flight_id: str, request: ApiRequest, hold: Callable[[Lease, UpstreamCall], None], drop: Callable[[], object]
         ) -> Awaitable[Opened]:
             return open_attempts(
                 fleet,
                 metrics,
                 pool,
-                api,
+                request,
                 route,
                 flight_id,
                 hold=hold,
