@@ -261,12 +261,24 @@ async def test_an_engine_that_went_silent_returns_once_it_answers(start_gateway,
     assert "instance hung returns: it answered a one-token request" in caplog.text
 
 
-async def test_the_simulator_passes_the_answer_probe(start_gateway, start_sim):
+async def test_the_simulator_passes_the_answer_probe(start_gateway, start_sim, stack):
+    """A one-token answer passes; so does a refusal of the request itself (an embedding model, a name the engine does
+    not know: a review found an embeddings-only instance kept out for good), not a 5xx."""
     from lockgate.fleet.answers import answers
 
+    async def failing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(failing, "127.0.0.1", 0)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
     sim = await start_sim()
-    gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="sim")]}])
-    (sim_instance,) = gw.gateway.fleet.instances.values()
-    assert await answers(sim_instance, "m", 5.0), sim_instance.last_error
-    assert not await answers(sim_instance, "no-such-model", 5.0)
-    assert "HTTP 404 to a one-token request" in (sim_instance.last_error or "")
+    broken = {"url": f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "engine": "vllm", "name": "broken"}
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="sim"), broken]}])
+    instances = {i.name: i for i in gw.gateway.fleet.instances.values()}
+    assert await answers(instances["sim"], "m", 5.0), instances["sim"].last_error
+    assert await answers(instances["sim"], "no-such-model", 5.0)  # a 404: it answers
+    assert not await answers(instances["broken"], "m", 5.0)
+    assert "HTTP 503 to a one-token request" in (instances["broken"].last_error or "")

@@ -31,8 +31,8 @@ def probe_body(path: str, served_model: str) -> dict[str, Any]:
 
 async def answers(instance: Instance, served_model: str, timeout_s: float) -> bool:
     """Whether `instance`'s engine answers a one-token generation of `served_model` within `timeout_s` (HTTP 200 and a
-    JSON object with `choices`). An engine whose dialect has no probe (`answer_probe_path`) is taken at its health
-    check's word: True."""
+    JSON object with `choices`, or a refusal of the request itself: a 4xx but 408 and 429). An engine whose dialect has
+    no probe (`answer_probe_path`) is taken at its health check's word: True."""
     path = instance.dialect.answer_probe_path
     if path is None:
         return True
@@ -53,6 +53,11 @@ async def answers(instance: Instance, served_model: str, timeout_s: float) -> bo
         instance.last_error = f"answer probe failed: {str(exc) or exc.__class__.__name__}"
         return False
     if status != 200:
+        if 400 <= status < 500 and status not in (408, 429):
+            # It answers, and cannot serve this probe (an embedding model, a model name it does not know): a hung
+            # generation loop never gets so far, a valid request is queued to it and waits. Back in, rather than out
+            # for good (its own requests count against it again if it still fails them).
+            return True
         instance.last_error = f"answer probe: HTTP {status} to a one-token request"
         return False
     try:
