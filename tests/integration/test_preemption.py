@@ -627,3 +627,31 @@ async def test_a_streaming_flight_with_output_is_stopped_and_continued_seamlessl
         cached = [orjson.loads(line[6:]) for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")]
     assert stream_summary(cached)[:2] == (want_text, want_usage)
     assert_no_leaks(gw)
+
+
+async def test_an_identical_request_does_not_join_a_stopped_flight(start_sim, start_gateway, http):
+    """A stopped flight waits for its P2 slot again: an identical P0 request joined it and waited behind the P2 queue
+    (a code review). It now leads a flight of its own."""
+    sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=1.0)
+    sim.control.hold = True
+    body = chat(7, max_tokens=4)
+    flight = asyncio.create_task(_shared(http, gw.url, body))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.running(P0) == 1 and core.queued(P2) == 1)  # the flight was stopped
+
+    async def identical_p0() -> str:
+        async with http.post(gw.url + path_of(body), data=orjson.dumps(body), headers={"x-priority": "P0"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+            outcome: str = resp.headers["x-lockgate-cache"]
+            return outcome
+
+    same = asyncio.create_task(identical_p0())
+    await until(sched, lambda core: core.queued(P0) == 1)  # it queued to lead, ahead of the stopped P2
+    await let_go(sim)
+    async with asyncio.timeout(10):
+        assert await same == "miss"
+        assert (await flight)[0] == 200 and (await urgent)[0] == 200
+    assert_no_leaks(gw)

@@ -252,6 +252,9 @@ class Owner:
     def flight_changed(self, flight):
         pass
 
+    def flight_stopped(self, flight):
+        pass
+
 
 def make_flight(owner: Owner, policy: str = "immediate") -> Flight:
     """A streaming flight whose engine call is never opened (the tests drive its events themselves)."""

@@ -139,6 +139,9 @@ class Owner:
     def flight_changed(self, flight: Flight) -> None:
         self.changed.set()
 
+    def flight_stopped(self, flight: Flight) -> None:
+        self.closed.append(flight)
+
     async def wait_until(self, predicate: Any) -> None:
         async with asyncio.timeout(10):
             while not predicate():

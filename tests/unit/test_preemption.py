@@ -14,6 +14,7 @@ from lockgate.admission.gate import PoolScheduler
 from lockgate.admission.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
 from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
+from lockgate.errors import ModelNotFound
 from lockgate.fleet.fleet import Fleet
 from lockgate.metrics import GatewayMetrics, SchedulingMetrics
 from lockgate.wire import Endpoint, validate
@@ -606,3 +607,30 @@ def test_a_resumed_request_is_not_charged_its_class_share_again() -> None:
         done.append(running.klass)
     # Stride scheduling keeps each class within one grant of its exact share (10 of 40); charged twice: 5.
     assert abs(done.count(2) - 10) <= 1 and done.count(1) + done.count(2) == 40, done
+
+
+def test_a_generation_whose_finish_came_is_not_stopped() -> None:
+    """Its finish chunk taken, its `[DONE]` not read yet: a stop then would continue a finished answer (a second
+    ending for its client). Found in a review of flights' preemption; the direct path had the same gap."""
+    transcript = Transcript(Endpoint.CHAT)
+    for delta, finish in (({"role": "assistant", "content": ""}, None), ({"content": "Hi"}, None)):
+        transcript.take({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    assert plan(None, transcript, 50, sent=True) is Plan.RESUME
+    transcript.take({"id": "c", "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop"}]})
+    assert transcript.finished and plan(None, transcript, 50, sent=True) is None
+    transcript.reset()
+    assert not transcript.finished
+
+
+async def test_a_stopped_request_of_a_withdrawn_pool_gets_the_withdrawal_not_an_internal_error() -> None:
+    """A reload removed the model while a stopped request (re-queued, its owner not yet waiting again: a flight
+    still waiting for a slow subscriber) held a ticket: its wait raised RuntimeError("not waiting"), an internal
+    error for its clients (a code review)."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 1, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    running = scheduler.offer(2)
+    queued = scheduler.offer(2)
+    assert running.running and not queued.running
+    scheduler.withdraw(lambda: ModelNotFound("gone"))
+    with pytest.raises(ModelNotFound):
+        await scheduler.wait_granted(queued)

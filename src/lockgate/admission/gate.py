@@ -25,7 +25,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..changes import Changes
@@ -78,6 +78,8 @@ class PoolScheduler:
         self._metrics = metrics
         self._clock = clock
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        #: The error of a pool a reload removed (`withdraw`): what a request waiting for its slot again gets.
+        self._withdrawn: Callable[[], Exception] | None = None
         #: Strict requests' looks at their engine's queue under way (`_look`), each gone within a scrape's timeout.
         self._looks: set[asyncio.Task[None]] = set()
         #: Tests and drains wait on it; free while nobody does.
@@ -254,6 +256,8 @@ class PoolScheduler:
             return True
         waiter = self._waiters.get(ticket)
         if waiter is None or ticket.state is not TicketState.QUEUED:
+            if self._withdrawn is not None:
+                raise self._withdrawn()
             raise RuntimeError(f"{ticket!r} is not waiting")
         # A request preempted and queued again (`resumed`) always completes: no deadline but its own.
         limit = None if ticket.resumed else self.queue_time_left(ticket.klass, ticket.offered_at)
@@ -275,10 +279,13 @@ class PoolScheduler:
 
     def withdraw(self, error: Callable[[], Exception]) -> None:
         """The pool is gone (a reload removed its model): every queued request fails now with `error()` instead of
-        waiting for a slot that leads nowhere. Running ones go on."""
+        waiting for a slot that leads nowhere, and so does any stopped one that comes to wait for its slot again (it
+        may not be waiting yet). Running ones go on."""
+        self._withdrawn = error
         for ticket, waiter in list(self._waiters.items()):
             if ticket.state is TicketState.QUEUED and not waiter.done():
                 waiter.set_exception(error())
+                waiter.add_done_callback(_retrieved)  # (its request may never await it: no "never retrieved" log)
                 self.release(ticket)
 
     def queue_time_left(self, klass: int, since: float) -> float | None:
@@ -404,15 +411,20 @@ class Slot:
         self._held = False
         return functools.partial(self._scheduler.release, self.ticket)
 
-    async def regranted(self) -> None:
-        """After the work it was handed over to was stopped for a more urgent request (a flight: `dedup.stoppable`),
-        wait until the ticket is granted again (no deadline: a stopped request always completes)."""
+    def regranted(self) -> Callable[[], Awaitable[bool]]:
+        """How the work the slot was handed over to (a flight: `dedup.stoppable`) waits, after a stop for a more urgent
+        request, until the ticket is granted again (no deadline: a stopped request always completes). It holds the
+        scheduler and the ticket, not the request (a flight may outlive its leader)."""
         assert self.ticket is not None
-        await self._scheduler.wait_granted(self.ticket)
+        return functools.partial(self._scheduler.wait_granted, self.ticket)
 
     def _release_held(self) -> None:
         if self._held:
             self.give_back()
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    future.exception()
 
 
 def _stops_so_far(ticket: Ticket) -> int | None:

@@ -321,8 +321,10 @@ def blocker(api: ApiRequest, *, chat_continuation: bool) -> str | None:
 
 def plan(static_blocker: str | None, transcript: Transcript, max_tokens: int | None, *, sent: bool) -> Plan | None:
     """How the request would go on if stopped now; None: it must not be stopped. Pure."""
-    if max_tokens is not None and transcript.tokens >= max_tokens:
-        return None  # it has produced all it may: finishing, not worth stopping
+    if transcript.finished or (max_tokens is not None and transcript.tokens >= max_tokens):
+        # It has produced all it may, or its end came (its last events may be on their way to the client, its `[DONE]`
+        # not read yet): a continuation would add a second ending.
+        return None
     if static_blocker is None and not transcript.tool_calls and not transcript.overflow:
         return Plan.RESUME
     return None if sent else Plan.RESTART
@@ -387,6 +389,7 @@ class Transcript:
         "chat",
         "chunked",
         "events",
+        "finished",
         "overflow",
         "tokens",
         "tool_calls",
@@ -411,6 +414,8 @@ class Transcript:
         #: Content-bearing events taken (the tokens delivered, as the gateway counts them).
         self.tokens = 0
         self.tool_calls = False
+        #: A choice's `finish_reason` came: the generation is over.
+        self.finished = False
         self._id: str | None = None
         self._created: Any = None
         self._role_seen = False
@@ -449,6 +454,8 @@ class Transcript:
 
     def _choice(self, choice: dict[str, Any]) -> bool:
         """Account for one choice; False drops it (a repeated role chunk with nothing else)."""
+        if choice.get("finish_reason") is not None:
+            self.finished = True
         if self.chat:
             delta = choice.get("delta")
             if not isinstance(delta, dict):

@@ -24,7 +24,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..edge.server import Reply, Request
@@ -79,8 +79,8 @@ class Slot(Protocol):
         """The granted slot's release, for the flight it now serves."""
         ...
 
-    async def regranted(self) -> None:
-        """After the flight it serves was stopped: until it is granted again."""
+    def regranted(self) -> Callable[[], Awaitable[bool]]:
+        """How the flight it serves waits, after a stop, until it is granted again."""
         ...
 
 
@@ -219,7 +219,7 @@ class Coalescer:
         flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
         if stoppable is not None:
             chat_continuation = all(i.dialect.continue_final_message for i in ex.pool.instances)
-            stoppable.attach(flight, slot.regranted, chat_continuation=chat_continuation)
+            stoppable.attach(flight, slot.regranted(), chat_continuation=chat_continuation)
         if ex.allowance is not None:
             flight.settle_allowance = ex.allowance.share()  # and counts as the tenant's work until it ends
         self.waiting.flight_started(key, stream)

@@ -111,6 +111,8 @@ class FlightOwner(Protocol):
 
     def flight_changed(self, flight: Flight) -> None: ...
 
+    def flight_stopped(self, flight: Flight) -> None: ...
+
 
 #: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the id the engine
 #: sees, the request to send (the flight's, or its continuation after a stop), what to do with each attempt's lease
@@ -487,9 +489,9 @@ class Flight:
     def _plan(self) -> Plan | None:
         """How the flight would go on if stopped now (`preemption.plan`); None: it must not be stopped. Only with an
         engine call out, and nobody but its leader ever subscribed (a joiner might be more urgent than the flight)."""
-        lease = self._lease
-        if self.regranted is None or self.state is not FlightState.RUNNING or lease is None:
-            return None
+        call = self._call
+        if self.regranted is None or self.state is not FlightState.RUNNING or call is None or call.finished:
+            return None  # (a finished call: its end is read, the flight completes at its task's next step)
         if self.subscribed_total > 1 or self.body is not None:
             return None
         if not self._base and not self.events:
@@ -515,6 +517,8 @@ class Flight:
         self.stops += 1
         self._stopped = True
         self._release()
+        # Waiting for its slot, it takes no joiners: an identical request (perhaps more urgent) leads its own.
+        self.owner.flight_stopped(self)
         if self._awaiting_engine and self.task is not None:
             self._stop_sent = True
             self.task.cancel("lockgate: preempted")

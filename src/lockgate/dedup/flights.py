@@ -240,6 +240,14 @@ class Flights:
         self.closed_to_joiners += 1
         self._changes.notify()
 
+    def flight_stopped(self, flight: Flight) -> None:
+        """The flight was stopped for a more urgent request and waits for its slot: identical requests no longer find
+        it (they lead their own; it still stores its result when it completes)."""
+        table = self._table(flight)
+        if table.get(flight.key.digest) is flight:
+            del table[flight.key.digest]
+        self._changes.notify()
+
     def flight_failed(self, flight: Flight) -> None:
         self.failed += 1
         self._forget(flight)
