@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -72,6 +73,15 @@ async def hung_engine(
         finally:
             writer.close()
 
+    return await raw_server(stack, serve)
+
+
+async def raw_server(
+    stack: contextlib.AsyncExitStack,
+    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> str:
+    """A raw server on loopback (a fake engine that must see what the gateway's connection does), closed with `stack`:
+    its URL."""
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     stack.push_async_callback(server.wait_closed)
     stack.callback(server.close)

@@ -16,7 +16,7 @@ import orjson
 from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, counter
-from tests.integration.fake_engines import hung_engine
+from tests.integration.fake_engines import hung_engine, raw_server
 
 STALL = {"upstream": {"stall_timeout_ms": 100}}
 
@@ -119,10 +119,7 @@ async def test_a_health_check_that_times_out_says_so(start_gateway, stack, caplo
         await reader.read()  # never answers
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    stack.push_async_callback(server.wait_closed)
-    stack.callback(server.close)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    url = await raw_server(stack, serve)
     gw = await start_gateway(
         [{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}],
         health={"interval_ms": 60000, "timeout_ms": 50},
@@ -196,10 +193,7 @@ async def _silent_then_answering(stack: contextlib.AsyncExitStack, paths: list[s
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    stack.push_async_callback(server.wait_closed)
-    stack.callback(server.close)
-    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    return await raw_server(stack, serve)
 
 
 async def _eject_the_silent_one(start_gateway, start_sim, url: str) -> Any:
@@ -271,11 +265,8 @@ async def test_the_simulator_passes_the_answer_probe(start_gateway, start_sim, s
         writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         writer.close()
 
-    server = await asyncio.start_server(failing, "127.0.0.1", 0)
-    stack.push_async_callback(server.wait_closed)
-    stack.callback(server.close)
     sim = await start_sim()
-    broken = {"url": f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "engine": "vllm", "name": "broken"}
+    broken = {"url": await raw_server(stack, failing), "engine": "vllm", "name": "broken"}
     gw = await start_gateway([{"name": "m", "instances": [instance(sim, name="sim"), broken]}])
     instances = {i.name: i for i in gw.gateway.fleet.instances.values()}
     assert await answers(instances["sim"], "m", 5.0), instances["sim"].last_error
