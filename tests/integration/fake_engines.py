@@ -38,12 +38,7 @@ async def hung_engine(
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-                await reader.readexactly(int(length.group(1)) if length else 0)
-                if not head.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
-                    continue
+                await next_post(reader, writer)
                 if whole:  # a non-streaming answer: its head comes with its end, which never comes
                     assert await reader.read() == b""
                     gone.set()
@@ -86,3 +81,14 @@ async def raw_server(
     stack.push_async_callback(server.wait_closed)
     stack.callback(server.close)
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def next_post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """The head of the next POST on a raw connection, its body read; anything else (a health check) answered `{}`."""
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        if head.startswith(b"POST"):
+            return head
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")

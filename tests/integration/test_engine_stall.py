@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from typing import Any
 
 import aiohttp
@@ -16,7 +15,7 @@ import orjson
 from lockgate.records import read_records
 from tests.conftest import instance
 from tests.integration.cancel_support import assert_gateway_clean, counter
-from tests.integration.fake_engines import hung_engine, raw_server
+from tests.integration.fake_engines import hung_engine, next_post, raw_server
 
 STALL = {"upstream": {"stall_timeout_ms": 100}}
 
@@ -167,12 +166,7 @@ async def _silent_then_answering(stack: contextlib.AsyncExitStack, paths: list[s
         nonlocal hung_once
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-                await reader.readexactly(int(length.group(1)) if length else 0)
-                if not head.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
-                    continue
+                head = await next_post(reader, writer)
                 if hung_once:
                     paths.append(head.split(b" ")[1].decode())
                 if hung_once and recovers:
