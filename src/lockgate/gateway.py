@@ -389,9 +389,11 @@ class Gateway:
         room = admission.room_for(ex.api.model, klass)
         key = self.dedup.plan(ex, request.headers.get("Cache-Control"))
         if key is not None:
-            # A flight of a preemptible class may be stopped while it has shown nothing and nobody joined it (its call
-            # sent again later, `dedup.stoppable`); one that has, possibly shared by several clients, never is.
-            stoppable = StoppableFlight(admission.max_preemptions) if klass in admission.preemptible else None
+            # A flight of a preemptible class may be stopped while nobody joined it (sent again or continued later,
+            # `dedup.stoppable`); one that another client joined never is.
+            stoppable = None
+            if klass in admission.preemptible:
+                stoppable = StoppableFlight(admission.max_preemptions, ex.record)
             slot = admission.slot(ex, klass, tag=stoppable)
             return await self.dedup.serve(ex, request, key, slot, room, stoppable)
         if klass in admission.preemptible and ex.api.endpoint.generates:

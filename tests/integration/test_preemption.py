@@ -318,6 +318,9 @@ async def test_a_flight_that_has_shown_nothing_is_stopped_and_sent_again(start_s
     assert 'lockgate_preemptions_total{model="m",outcome="restarted",priority="P2"} 1.0' in _preemptions(gw)
     seen = [r.request_id for r in sim.stats.seen]
     assert any(i.endswith("-p1") for i in seen) and sim.stats.requests_aborted >= 1
+    # The leader's record counts the stop, as a preempted request's own does (an outside run: always 0).
+    leader = next(r for r in await records(gw) if r["priority"] == "P2")
+    assert (leader["preemptions"], leader["restarts"]) == (1, 1)
     assert_no_leaks(gw)
 
 
@@ -654,4 +657,36 @@ async def test_an_identical_request_does_not_join_a_stopped_flight(start_sim, st
     async with asyncio.timeout(10):
         assert await same == "miss"
         assert (await flight)[0] == 200 and (await urgent)[0] == 200
+    assert_no_leaks(gw)
+
+
+async def test_a_resumed_flight_takes_joiners_again(start_sim, start_gateway, http):
+    """Stopped, a flight left the registry; resumed, it never came back: identical requests waited for its end
+    unseen or made a second whole generation of it (an outside run)."""
+    sim, gw, sched = await one_slot(start_sim, start_gateway, tpot_ms=20.0)
+    sim.control.hold = True
+    body = chat(8, max_tokens=100, stream=True, stream_options={"include_usage": True})
+    flight = asyncio.create_task(_shared(http, gw.url, body))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.running(P0) == 1 and core.queued(P2) == 1)  # the flight was stopped
+    await let_go(sim)
+    async with asyncio.timeout(10):
+        assert (await urgent)[0] == 200
+        await sim.stats.wait_until(lambda: any(i.endswith("-p1") for i in sim.stats.open))  # sent again: 2 s of it
+    async with http.post(gw.url + path_of(body), data=orjson.dumps(body), headers={"x-priority": "P2"}) as resp:
+        assert resp.headers["x-lockgate-cache"] == "coalesced"
+        joined = await resp.read()
+    async with asyncio.timeout(10):
+        status, raw = await flight
+    assert status == 200
+
+    def generation(raw: bytes) -> tuple[str, dict[str, Any]]:
+        events = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+        text, usage, _, roles = stream_summary(events)
+        assert roles == 1
+        return text, usage
+
+    assert generation(joined) == generation(raw)  # the one generation, replayed and followed to its end
     assert_no_leaks(gw)

@@ -255,6 +255,9 @@ class Owner:
     def flight_stopped(self, flight):
         pass
 
+    def flight_resumed(self, flight):
+        pass
+
 
 def make_flight(owner: Owner, policy: str = "immediate") -> Flight:
     """A streaming flight whose engine call is never opened (the tests drive its events themselves)."""

@@ -142,6 +142,9 @@ class Owner:
     def flight_stopped(self, flight: Flight) -> None:
         self.closed.append(flight)
 
+    def flight_resumed(self, flight: Flight) -> None:
+        pass
+
     async def wait_until(self, predicate: Any) -> None:
         async with asyncio.timeout(10):
             while not predicate():

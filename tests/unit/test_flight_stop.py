@@ -41,6 +41,9 @@ class Owner:
     def flight_stopped(self, flight: Flight) -> None:
         self.stopped += 1
 
+    def flight_resumed(self, flight: Flight) -> None:
+        pass
+
 
 class Lease:
     answered = True

@@ -113,6 +113,8 @@ class FlightOwner(Protocol):
 
     def flight_stopped(self, flight: Flight) -> None: ...
 
+    def flight_resumed(self, flight: Flight) -> None: ...
+
 
 #: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the id the engine
 #: sees, the request to send (the flight's, or its continuation after a stop), what to do with each attempt's lease
@@ -328,6 +330,7 @@ class Flight:
                 self._stopped = False
                 assert self.regranted is not None
                 await self.regranted()
+                self.owner.flight_resumed(self)  # joinable again, now that it runs
             try:
                 opened = await self._engine(self._open())
                 self._opened = opened

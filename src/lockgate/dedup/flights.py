@@ -242,10 +242,19 @@ class Flights:
 
     def flight_stopped(self, flight: Flight) -> None:
         """The flight was stopped for a more urgent request and waits for its slot: identical requests no longer find
-        it (they lead their own; it still stores its result when it completes)."""
+        it meanwhile (they would wait behind its class's queue: they lead their own; it still stores its result when
+        it completes), until it resumes (`flight_resumed`)."""
         table = self._table(flight)
         if table.get(flight.key.digest) is flight:
             del table[flight.key.digest]
+        self._changes.notify()
+
+    def flight_resumed(self, flight: Flight) -> None:
+        """A stopped flight has its slot again and sends its call (or its continuation): identical requests find it
+        again, unless one of them leads a flight of its own meanwhile."""
+        table = self._table(flight)
+        if flight.joinable and flight.key.digest not in table:
+            table[flight.key.digest] = flight
         self._changes.notify()
 
     def flight_failed(self, flight: Flight) -> None:

@@ -14,14 +14,17 @@ from ..admission.preemption import Plan
 
 if TYPE_CHECKING:
     from ..fleet.instance import Lease
+    from ..records import UsageRecord
     from .flight import Flight
 
 
 class StoppableFlight:
-    __slots__ = ("_flight", "_max", "preemptions")
+    __slots__ = ("_flight", "_max", "_record", "preemptions")
 
-    def __init__(self, max_preemptions: int) -> None:
+    def __init__(self, max_preemptions: int, record: UsageRecord) -> None:
         self._max = max_preemptions
+        #: The leader's usage record: its stops are counted there, as a preempted request's own are.
+        self._record = record
         self._flight: Flight | None = None
         self.preemptions = 0
 
@@ -40,8 +43,12 @@ class StoppableFlight:
         flight = self._flight
         if flight is None or not self.preemptible():
             raise RuntimeError("preempt() on a flight that is not stoppable")
+        how = flight.stop()
         self.preemptions += 1
-        return flight.stop()
+        self._record.preemptions += 1
+        if how is Plan.RESTART:
+            self._record.restarts += 1
+        return how
 
     def redo_tokens(self) -> int:
         flight = self._flight
