@@ -267,3 +267,28 @@ async def test_the_simulator_passes_the_answer_probe(start_gateway, start_sim, s
     assert await answers(instances["sim"], "no-such-model", 5.0)  # a 404: it answers
     assert not await answers(instances["broken"], "m", 5.0)
     assert "HTTP 503 to a one-token request" in (instances["broken"].last_error or "")
+
+
+async def test_an_answer_probe_reads_no_more_than_its_bound(start_gateway, stack):
+    """An engine answering the probe with more than a side call's bound (64 KiB) fails it; nothing past the bound is
+    held."""
+    from lockgate.fleet.answers import answers
+    from lockgate.fleet.bounded import MAX_SIDE_BODY_BYTES
+
+    async def huge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await next_post(reader, writer)
+            body = b'{"choices": [{"text": "' + b"x" * MAX_SIDE_BODY_BYTES + b'"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+            writer.write(body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # (the gateway's health check, closed at the end; or the probe, closed at the bound)
+        finally:
+            writer.close()
+
+    url = await raw_server(stack, huge)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "big"}]}])
+    (big,) = gw.gateway.fleet.instances.values()
+    assert not await answers(big, "m", 5.0)
+    assert (big.last_error or "").startswith("answer probe failed")
