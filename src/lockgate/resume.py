@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from .admission.preemption import Plan, Transcript, blocker, continuation, fresh, plan
+from .admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, fresh, plan
 from .attempt import Opened
 from .edge.server import Reply, Request
 from .exchange import Exchange, Phase
@@ -40,12 +40,6 @@ if TYPE_CHECKING:
     from .fleet.fleet import Fleet
     from .fleet.instance import Lease
     from .fleet.pool import HeaderLookup
-
-T = TypeVar("T")
-
-
-class _Preempted(Exception):
-    """Internal: the current engine call was stopped by a preemption."""
 
 
 class Resumable:
@@ -86,8 +80,7 @@ class Resumable:
         self._active = False  # an engine call of this request is running
         self._preempted = False  # stopped; waiting to be granted again
         self._restart = False  # the next attempt starts from scratch
-        self._awaiting_engine = False
-        self._cancel_sent = False
+        self._signal = StopSignal()
 
     # --- Preemptee (synchronous, called by the scheduler) --------------------------------------
     def preemptible(self) -> bool:
@@ -107,9 +100,7 @@ class Resumable:
         self._preempted = True
         ex.detach()  # the engine sees the abort now
         ex.phase = Phase.QUEUED
-        if self._awaiting_engine and self._task is not None:
-            self._cancel_sent = True
-            self._task.cancel("lockgate: preempted")
+        self._signal.stop(self._task)
         return how
 
     def redo_tokens(self) -> int:
@@ -137,16 +128,16 @@ class Resumable:
             upstream: UpstreamEvents | None = None
             received_before = self.received
             try:
-                opened = await self._engine(self._open(api, upstream_id))
+                opened = await self._signal.engine(self._open(api, upstream_id))
                 ex.served_by(opened.call.served_by)
                 self.headers.setdefault("x-lockgate-instance", opened.call.served_by)
                 upstream = opened.events
                 assert upstream is not None  # a resumable generation is read as a stream
                 while True:
                     if self._preempted:
-                        raise _Preempted
+                        raise Stopped
                     try:
-                        event = await self._engine(anext(upstream))
+                        event = await self._signal.engine(anext(upstream))
                     except StopAsyncIteration:
                         break
                     self.received = received_before + opened.call.received
@@ -156,7 +147,7 @@ class Resumable:
                     if ex.response is not None and ex.phase is not Phase.STREAMING:
                         ex.phase = Phase.STREAMING
                     yield out
-            except _Preempted:
+            except Stopped:
                 continue
             finally:
                 self._active = False
@@ -170,22 +161,6 @@ class Resumable:
         """Route and open one engine call for `api` (`relay.open_engine`). `upstream_id` is per attempt (`<id>-p<n>`)
         so that an engine never sees two requests with one id (SGLang aborts by id)."""
         return open_engine(self.ex, self._fleet, api, self._request_headers, upstream_id)
-
-    async def _engine(self, awaitable: Awaitable[T]) -> T:
-        """Await the engine; a preemption's cancellation of this await becomes `_Preempted`."""
-        self._awaiting_engine = True
-        try:
-            return await awaitable
-        except asyncio.CancelledError:
-            if self._cancel_sent:
-                self._cancel_sent = False
-                task = self._task
-                assert task is not None
-                if task.uncancel() == 0:
-                    raise _Preempted from None
-            raise
-        finally:
-            self._awaiting_engine = False
 
     async def _wait_regranted(self) -> None:
         self._preempted = False

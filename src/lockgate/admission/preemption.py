@@ -24,14 +24,54 @@ and the simulator); the continuation's prompt is re-tokenized by the engine, whi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ..assemble import has_content
 from ..wire import ApiRequest, Endpoint
 from .scheduler import SchedulerCore, Ticket
+
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """An owner's engine call was stopped by a preemption (`StopSignal`): it goes on once its slot is granted again."""
+
+
+class StopSignal:
+    """A preemption's cancellation of its owner's task (a preempted request, a flight), told apart from any other: the
+    owner awaits its engine call through `engine()`; `stop(task)` cancels the task only while it does, and `engine()`
+    turns that one cancellation into `Stopped` (a genuine cancellation arriving with it stays a cancellation). Elsewhere
+    the owner sees the stop by its own flag, its engine call already aborted."""
+
+    __slots__ = ("_awaiting", "_sent")
+
+    def __init__(self) -> None:
+        self._awaiting = False
+        self._sent = False
+
+    def stop(self, task: asyncio.Task[Any] | None) -> None:
+        if self._awaiting and task is not None:
+            self._sent = True
+            task.cancel("lockgate: preempted")
+
+    async def engine(self, awaitable: Awaitable[T]) -> T:
+        self._awaiting = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._sent:
+                self._sent = False
+                task = asyncio.current_task()
+                assert task is not None
+                if task.uncancel() == 0:
+                    raise Stopped from None
+            raise
+        finally:
+            self._awaiting = False
 
 
 class Plan(StrEnum):

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 
-from ..admission.preemption import Plan, Transcript, blocker, continuation, plan
+from ..admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, plan
 from ..answer import EngineAnswer, EngineReads, read_whole
 from ..assemble import count_of, usage_of
 from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamProtocolError
@@ -85,10 +85,6 @@ T = TypeVar("T")
 #: The most of its events (in the engine's bytes) one `Subscription.take()` returns: a late joiner's replay is
 #: written a batch at a time, each waiting for the client to drain when it is slow.
 TAKE_BYTES = 64 * 1024
-
-
-class _Stopped(Exception):
-    """Internal: the flight's engine call was stopped for a more urgent request (`Flight.stop`)."""
 
 
 class FlightState(StrEnum):
@@ -209,11 +205,10 @@ class Flight:
         self._transcript: Transcript | None = None
         #: The engine call under way follows events already delivered (a continuation): its events are folded.
         self._folding = False
-        #: Stopped, its engine call aborted: sent again once `regranted`; the task's cancellation that said so; the
-        #: task awaits its engine call (the only place a stop can interrupt it).
+        #: Stopped, its engine call aborted: sent again once `regranted`; the task's awaits of its engine call, which a
+        #: stop interrupts (`StopSignal`).
         self._stopped = False
-        self._stop_sent = False
-        self._awaiting_engine = False
+        self._signal = StopSignal()
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
         #: The engine call once opened (closed when the flight's task ends).
@@ -332,10 +327,10 @@ class Flight:
                 await self.regranted()
                 self.owner.flight_resumed(self)  # joinable again, now that it runs
             try:
-                opened = await self._engine(self._open())
+                opened = await self._signal.engine(self._open())
                 self._opened = opened
                 if not self.stream:
-                    self.body, self._body_bytes = await self._engine(
+                    self.body, self._body_bytes = await self._signal.engine(
                         read_whole(opened, self.api, self.max_response_bytes)
                     )
                     self._nbytes = 64 + opened.call.received
@@ -346,13 +341,13 @@ class Flight:
                 events = opened.events
                 assert events is not None  # a streaming flight's engine call is a stream
                 step = functools.partial(self._step, events)  # called per read: no Python frame of its own
-                while not await self._engine(events.follow(step)):
+                while not await self._signal.engine(events.follow(step)):
                     await self._keep_within_bounds()
                     if self._stopped:  # stopped while it waited for a subscriber: its call is closed already
-                        raise _Stopped
+                        raise Stopped
                 self._complete()
                 return
-            except _Stopped:
+            except Stopped:
                 stopped, self._opened = self._opened, None
                 if stopped is not None:
                     stopped.close()
@@ -522,31 +517,13 @@ class Flight:
         self._release()
         # Waiting for its slot, it takes no joiners: an identical request (perhaps more urgent) leads its own.
         self.owner.flight_stopped(self)
-        if self._awaiting_engine and self.task is not None:
-            self._stop_sent = True
-            self.task.cancel("lockgate: preempted")
+        self._signal.stop(self.task)
         return how
 
     def redo_tokens(self) -> int:
         """Tokens the engine prefills again when the flight goes on: its prompt, and what it produced so far."""
         transcript = self._transcript
         return self.api.estimated_prompt_tokens() + (transcript.tokens if transcript is not None else self.tokens)
-
-    async def _engine(self, awaitable: Awaitable[T]) -> T:
-        """Await the engine call; a stop's cancellation of this await becomes `_Stopped`."""
-        self._awaiting_engine = True
-        try:
-            return await awaitable
-        except asyncio.CancelledError:
-            if self._stop_sent:
-                self._stop_sent = False
-                task = self.task
-                assert task is not None
-                if task.uncancel() == 0:
-                    raise _Stopped from None
-            raise
-        finally:
-            self._awaiting_engine = False
 
     def _hold(self, lease: Lease, call: UpstreamCall) -> None:
         self._lease, self._call = lease, call
