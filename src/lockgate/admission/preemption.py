@@ -109,8 +109,10 @@ class Placement(Protocol):
 class Preemptee(Protocol):
     """What a running ticket's tag must offer for the request to be preemptible. Both synchronous."""
 
-    #: Times this request was stopped so far (victims are chosen fewest first).
-    preemptions: int
+    @property
+    def preemptions(self) -> int:
+        """Times this request was stopped so far (victims are chosen fewest first)."""
+        ...
 
     def preemptible(self) -> bool: ...
 

@@ -126,6 +126,12 @@ class Flights:
     def _table(self, flight: Flight) -> dict[bytes, Flight]:
         return self._streams if flight.stream else self._bodies
 
+    def _unlist(self, flight: Flight) -> None:
+        """Identical requests no longer find `flight` (if it is still the one listed for its fingerprint)."""
+        table = self._table(flight)
+        if table.get(flight.key.digest) is flight:
+            del table[flight.key.digest]
+
     def all(self) -> list[Flight]:
         return list(self._running)
 
@@ -217,9 +223,7 @@ class Flights:
             else:
                 used = flight.tokens + flight.api.estimated_prompt_tokens() if flight.tokens else 0
             settle(used, flight.attempts > 0)
-        table = self._table(flight)
-        if table.get(flight.key.digest) is flight:
-            del table[flight.key.digest]
+        self._unlist(flight)
         self._running.discard(flight)
         self._changes.notify()
 
@@ -234,9 +238,7 @@ class Flights:
 
     def flight_closed_to_joiners(self, flight: Flight) -> None:
         """The flight's history outgrew its bound, or it is stuck (`get`): identical requests no longer find it."""
-        table = self._table(flight)
-        if table.get(flight.key.digest) is flight:
-            del table[flight.key.digest]
+        self._unlist(flight)
         self.closed_to_joiners += 1
         self._changes.notify()
 
@@ -244,9 +246,7 @@ class Flights:
         """The flight was stopped for a more urgent request and waits for its slot: identical requests no longer find
         it meanwhile (they would wait behind its class's queue: they lead their own; it still stores its result when
         it completes), until it resumes (`flight_resumed`)."""
-        table = self._table(flight)
-        if table.get(flight.key.digest) is flight:
-            del table[flight.key.digest]
+        self._unlist(flight)
         self._changes.notify()
 
     def flight_resumed(self, flight: Flight) -> None:

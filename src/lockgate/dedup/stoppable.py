@@ -19,14 +19,18 @@ if TYPE_CHECKING:
 
 
 class StoppableFlight:
-    __slots__ = ("_flight", "_max", "_record", "preemptions")
+    __slots__ = ("_flight", "_max", "_record")
 
     def __init__(self, max_preemptions: int, record: UsageRecord) -> None:
         self._max = max_preemptions
         #: The leader's usage record: its stops are counted there, as a preempted request's own are.
         self._record = record
         self._flight: Flight | None = None
-        self.preemptions = 0
+
+    @property
+    def preemptions(self) -> int:
+        """Times its flight was stopped so far (`Flight.stops`)."""
+        return 0 if self._flight is None else self._flight.stops
 
     def attach(self, flight: Flight, regranted: Callable[[], Awaitable[object]], *, chat_continuation: bool) -> None:
         """The flight the slot was handed over to, and how it waits for that slot to be granted again after a stop
@@ -44,7 +48,6 @@ class StoppableFlight:
         if flight is None or not self.preemptible():
             raise RuntimeError("preempt() on a flight that is not stoppable")
         how = flight.stop()
-        self.preemptions += 1
         self._record.preemptions += 1
         if how is Plan.RESTART:
             self._record.restarts += 1
