@@ -4,14 +4,13 @@ only while the instance is ejected, so it never competes with the traffic it wou
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
-from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
+from .bounded import MAX_SIDE_BODY_BYTES, side_call
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -37,21 +36,14 @@ async def answers(instance: Instance, served_model: str, timeout_s: float) -> bo
     if path is None:
         return True
     try:
-        async with asyncio.timeout(timeout_s):
-            async with instance.session.post(
-                instance.base_url + path,
-                json=probe_body(path, served_model),
-                headers=instance.auth_headers(),
-                server_hostname=instance.server_name,
-            ) as resp:
-                body = await read_bounded(resp, MAX_SIDE_BODY_BYTES)
-                status = resp.status
+        answer = await side_call(instance, "POST", path, timeout_s, json=probe_body(path, served_model))
     except TimeoutError:
         instance.last_error = f"answer probe: no answer to a one-token request within {timeout_s:g} s"
         return False
-    except (aiohttp.ClientError, OSError) as exc:  # (an answer over the side bound too)
+    except (aiohttp.ClientError, OSError) as exc:
         instance.last_error = f"answer probe failed: {str(exc) or exc.__class__.__name__}"
         return False
+    status = answer.status
     if status != 200:
         if 400 <= status < 500 and status not in (408, 429):
             # It answers, and cannot serve this probe (an embedding model, a model name it does not know): a hung
@@ -60,11 +52,14 @@ async def answers(instance: Instance, served_model: str, timeout_s: float) -> bo
             return True
         instance.last_error = f"answer probe: HTTP {status} to a one-token request"
         return False
+    if answer.body is None:
+        instance.last_error = f"answer probe failed: the answer is larger than {MAX_SIDE_BODY_BYTES} bytes"
+        return False
     try:
-        answer = orjson.loads(body)
+        parsed = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
-        answer = None
-    if not isinstance(answer, dict) or not answer.get("choices"):
+        parsed = None
+    if not isinstance(parsed, dict) or not parsed.get("choices"):
         instance.last_error = "answer probe: the answer to a one-token request has no choices"
         return False
     return True

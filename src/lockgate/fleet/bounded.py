@@ -1,14 +1,21 @@
-"""Reading an engine's answer to the gateway's own side calls (health, abort) within a size bound, and the
-bound of a metrics page (scraped through the lean pool, `scrape.py`).
+"""The gateway's own side calls to an engine (health check, abort, parallelism, answer probe), bounded in time and
+size, and the bound of a metrics page (scraped through the lean pool, `scrape.py`).
 
-The side calls go through aiohttp, off the hot path; each already has a timeout, but on loopback an engine can send
-hundreds of megabytes within one. `read_bounded` stops at `limit` bytes with `BodyTooLarge`, an
-`aiohttp.ClientError`, so callers that already treat client errors as a failed call need no new branch.
+The side calls go through aiohttp, off the hot path. A timeout alone does not bound them: on loopback an engine can
+send hundreds of megabytes within one. `side_call` reads at most `MAX_SIDE_BODY_BYTES` of an answer (a larger one is
+`SideAnswer.body` None, its connection dropped); each caller decides what its status and body mean.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import aiohttp
+
+if TYPE_CHECKING:
+    from .instance import Instance
 
 #: A metrics page larger than this is a failed scrape.
 MAX_METRICS_BYTES = 4 * 1024 * 1024
@@ -32,3 +39,28 @@ async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
             raise BodyTooLarge(f"the answer is larger than {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class SideAnswer:
+    status: int
+    #: The whole body; None when it was larger than `MAX_SIDE_BODY_BYTES` (the connection is dropped).
+    body: bytes | None
+
+
+async def side_call(instance: Instance, method: str, path: str, timeout_s: float, *, json: Any = None) -> SideAnswer:
+    """One side call to `instance`'s engine, with its credentials and TLS name: the answer's status and (bounded)
+    body. Raises TimeoutError past `timeout_s`, `aiohttp.ClientError` or OSError when the call fails."""
+    async with asyncio.timeout(timeout_s):
+        async with instance.session.request(
+            method,
+            instance.base_url + path,
+            json=json,
+            headers=instance.auth_headers(),
+            server_hostname=instance.server_name,
+        ) as resp:
+            try:
+                body: bytes | None = await read_bounded(resp, MAX_SIDE_BODY_BYTES)
+            except BodyTooLarge:
+                body = None
+            return SideAnswer(resp.status, body)

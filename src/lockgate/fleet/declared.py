@@ -3,14 +3,13 @@ bounded in time and size, off the hot path; `fleet/capacity.py` `ConcurrencyLimi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 
-from .bounded import MAX_SIDE_BODY_BYTES, read_bounded
+from .bounded import side_call
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -25,14 +24,10 @@ async def ask_parallelism(instance: Instance, timeout_s: float) -> int | None:
     if path is None:
         return None
     try:
-        async with asyncio.timeout(timeout_s):
-            async with instance.session.get(
-                instance.base_url + path, headers=instance.auth_headers(), server_hostname=instance.server_name
-            ) as resp:
-                body = await read_bounded(resp, MAX_SIDE_BODY_BYTES)
-                if resp.status != 200:
-                    return None
-        return instance.dialect.parallelism(orjson.loads(body))
+        answer = await side_call(instance, "GET", path, timeout_s)
+        if answer.status != 200 or answer.body is None:
+            return None
+        return instance.dialect.parallelism(orjson.loads(answer.body))
     except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
         log.info("instance %s: %s did not say its parallelism (%r)", instance.name, path, exc)
         return None

@@ -29,7 +29,7 @@ from ..routing.factory import make_policy
 from ..routing.residency import Residency
 from ..tasks import cancel_and_wait
 from .answers import answers
-from .bounded import MAX_SIDE_BODY_BYTES, BodyTooLarge, read_bounded
+from .bounded import side_call
 from .capacity import ConcurrencyLimit, prefill_backlog_s
 from .declared import ask_parallelism
 from .ejection import Ejection
@@ -561,15 +561,7 @@ class Fleet:
 
     async def _abort(self, instance: Instance, call: AbortCall) -> None:
         try:
-            async with asyncio.timeout(2.0):
-                async with instance.session.request(
-                    call.method,
-                    instance.base_url + call.path,
-                    json=call.json,
-                    headers=instance.auth_headers(),
-                    server_hostname=instance.server_name,
-                ) as resp:
-                    await read_bounded(resp, MAX_SIDE_BODY_BYTES)
+            await side_call(instance, call.method, call.path, 2.0, json=call.json)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("abort call to %s failed: %s", instance.name, exc)
 
@@ -661,19 +653,12 @@ class Fleet:
         timeout = self._config.health.timeout_ms / 1000
         ok = False
         try:
-            async with asyncio.timeout(timeout):
-                async with instance.session.get(
-                    instance.base_url + instance.dialect.health_path,
-                    headers=instance.auth_headers(),
-                    server_hostname=instance.server_name,
-                ) as resp:
-                    ok = resp.status == 200
-                    if not ok:
-                        instance.last_error = f"health check answered HTTP {resp.status}"
-                    # Read (bounded) so that the connection is reused; only the status counts: a provider's long
-                    # model list (`/v1/models`, the openai dialect's check) is no failure, its connection dropped.
-                    with contextlib.suppress(BodyTooLarge):
-                        await read_bounded(resp, MAX_SIDE_BODY_BYTES)
+            # Only the status counts: a provider's long model list (`/v1/models`, the openai dialect's check) is no
+            # failure (its connection is dropped past the side calls' bound).
+            status = (await side_call(instance, "GET", instance.dialect.health_path, timeout)).status
+            ok = status == 200
+            if not ok:
+                instance.last_error = f"health check answered HTTP {status}"
         except TimeoutError:
             instance.last_error = f"health check failed: no answer within {timeout:g} s"
         except (aiohttp.ClientError, OSError) as exc:
