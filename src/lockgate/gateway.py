@@ -565,9 +565,14 @@ class Gateway:
 
     def _dashboard_events(self, request: Request) -> Awaitable[Reply]:
         """The dashboard's SSE feed; its id header is given before the stream starts (`_with_request_id`
-        sets it after the handler returns, too late for a stream)."""
+        sets it after the handler returns, too late for a stream). The admin gate in force is asked again before
+        each event: a reload that revokes the key ends the stream."""
         assert self.dashboard is not None
-        return self.dashboard.events(request, headers={"x-request-id": echoed_request_id(request)})
+        return self.dashboard.events(
+            request,
+            headers={"x-request-id": echoed_request_id(request)},
+            allowed=lambda r: self.admin.denied(r) is None,
+        )
 
     def _unknown(self, request: Request) -> Response:
         allowed = self._allowed.get(request.path)

@@ -185,6 +185,62 @@ async def test_a_reload_that_adds_tenant_keys_closes_the_admin_api_at_once(stack
             assert (await call(http, "GET", server.url + "/metrics", "ops-key"))[0] == 200
 
 
+async def test_an_open_dashboard_feed_ends_when_a_reload_revokes_its_key(stack, start_sim, tmp_path):
+    """An outside run: a `/dashboard/events` stream opened with an admin key went on sending the fleet, tenants and
+    requests in flight every second after a reload rotated the key (or removed `admin:`), while a new request with
+    the same key was refused. The gate in force is asked before each event: the stream ends with `event: end`
+    (`"reason": "unauthorized"`); a key that is still valid keeps its stream."""
+    from lockgate.config import load_config
+    from lockgate.server import GatewayServer
+
+    sim = await start_sim()
+    path = tmp_path / "gw.yaml"
+    head = f"listen: {{host: 127.0.0.1, port: 0}}\nusage: {{path: '{tmp_path / 'u.sqlite3'}'}}\n"
+    head += f"models: [{{name: m, instances: [{{url: '{sim.url}', engine: vllm}}]}}]\n"
+    head += "dashboard: {interval_ms: 100}\n"
+    head += f"tenants: [{{name: acme, keys: ['{hash_key('tenant-key')}']}}]\n"
+
+    def admin(*keys: str) -> str:
+        return "admin: {keys: [" + ", ".join(f"'{hash_key(k)}'" for k in keys) + "]}\n"
+
+    path.write_text(head + admin("old-key", "kept-key"))
+    server = await stack.enter_async_context(GatewayServer(load_config(path), config_path=path))
+    assert server.gateway is not None and server.gateway.reloader is not None
+
+    async def first_event(http: aiohttp.ClientSession, key: str) -> tuple[aiohttp.ClientResponse, Any]:
+        resp = await http.get(server.url + "/dashboard/events", headers=bearer(key))
+        assert resp.status == 200
+        lines = aiter(resp.content)
+        assert (await anext(lines)).startswith(b"event: snapshot")
+        return resp, lines
+
+    async def ending(lines: Any) -> bytes:
+        """The stream's `end` event's data line (the snapshots before it skipped)."""
+        async with asyncio.timeout(10):  # bounds a failure only: events come every 100 ms
+            async for line in lines:
+                if line.startswith(b"event: end"):
+                    return bytes(await anext(lines)).strip()
+        raise AssertionError("the stream ended without an end event")
+
+    async with aiohttp.ClientSession() as http:
+        old, old_lines = await first_event(http, "old-key")
+        kept, kept_lines = await first_event(http, "kept-key")
+        path.write_text(head + admin("kept-key", "new-key"))  # `old-key` rotated out
+        await server.gateway.reloader.reload()
+        assert await ending(old_lines) == b'data: {"reason": "unauthorized"}'
+        assert (await call(http, "GET", server.url + "/admin/requests", "old-key"))[0] == 401
+        # The key still in force keeps its stream: events go on after the reload.
+        for _ in range(3):
+            async with asyncio.timeout(10):
+                while not (await anext(kept_lines)).startswith(b"event: snapshot"):
+                    pass
+        path.write_text(head)  # no admin keys at all: the admin routes close (403) to everyone
+        await server.gateway.reloader.reload()
+        assert await ending(kept_lines) == b'data: {"reason": "unauthorized"}'
+        old.close()
+        kept.close()
+
+
 async def _answer(
     http: aiohttp.ClientSession, url: str, auth: dict[str, str], method: str, path: str, **headers: str
 ) -> tuple[int, str | None]:

@@ -6,6 +6,9 @@ snapshot events). `/dashboard/events` is a `text/event-stream` of `event: snapsh
 
 - when the client goes away: the edge server cancels the handler (the subscription is dropped in a `with`);
 - on shutdown: `close()` ends every stream with `event: end` so that no dashboard keeps the drain waiting;
+- when its credentials no longer open the admin routes (a reload rotated or removed the admin keys, or closed an open
+  gateway with its first tenant keys): checked before each event, it ends with `event: end` (`"reason":
+  "unauthorized"`), so that a revoked key does not go on reading the fleet, the tenants and the requests in flight;
 - when the client stops reading: events are skipped while the transport is paused (nothing queues up per
   client), and the edge server cuts the connection after `limits.write_timeout_ms`.
 
@@ -16,7 +19,7 @@ At most `dashboard.max_clients` streams are open at once (503 beyond). No authen
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -40,6 +43,7 @@ EVENT_HEADERS = {
     "X-Content-Type-Options": "nosniff",
 }
 END_EVENT = b'event: end\ndata: {"reason": "shutdown"}\n\n'
+REVOKED_EVENT = b'event: end\ndata: {"reason": "unauthorized"}\n\n'
 
 
 #: The ring's hard bound, whatever the configuration (a client's first event carries the whole ring).
@@ -96,8 +100,15 @@ class Dashboard:
             return _error(NotFound(f"Unknown path: {request.method} {request.path}"), {})
         return response
 
-    async def events(self, request: Request, *, headers: Mapping[str, str] | None = None) -> Reply:
-        """The SSE feed; `headers` are added to the response (the stream's or an error's)."""
+    async def events(
+        self,
+        request: Request,
+        *,
+        headers: Mapping[str, str] | None = None,
+        allowed: Callable[[Request], bool] | None = None,
+    ) -> Reply:
+        """The SSE feed; `headers` are added to the response (the stream's or an error's). `allowed` says whether the
+        request's credentials still open the feed, asked before each event after the first."""
         extra = dict(headers or {})
         subscription = self.feed.subscribe()
         if subscription is None:
@@ -116,11 +127,15 @@ class Dashboard:
             event = await subscription.next()  # built before the status line: a failure is still a 500
             try:
                 await stream.prepare(request)
+                end = END_EVENT
                 while event is not None:
                     if not stream.write_nowait(event):
                         subscription.skipped()
                     event = await subscription.next()
-                stream.write_nowait(END_EVENT)
+                    if event is not None and allowed is not None and not allowed(request):
+                        end = REVOKED_EVENT
+                        break
+                stream.write_nowait(end)
             except ConnectionError:
                 pass  # the client has gone (the edge server is cancelling this handler, or is about to)
         return stream

@@ -81,11 +81,23 @@
       if (!response.ok || !response.body) throw new Error("HTTP " + response.status);
       setConnection("ok", "live");
       state.backoff = 1000;
+      let revoked = false;
       await readEvents(response.body.getReader(), (name, data) => {
         if (!current()) return;
         if (name === "snapshot") renderSafely(JSON.parse(data));
-        else if (name === "end") setConnection("warn", "gateway stopping");
+        else if (name === "end") {
+          let reason = "";
+          try { reason = JSON.parse(data).reason; } catch (err) { /* an end without a reason */ }
+          revoked = reason === "unauthorized";
+          if (!revoked) setConnection("warn", "gateway stopping");
+        }
       });
+      if (revoked && current()) {
+        retry = false;  // the key was revoked (a reload): until a key is entered (reconnect)
+        setConnection("bad", "admin key no longer valid");
+        $("adminkey").focus();
+        return;
+      }
       if (current()) setConnection("warn", "disconnected");
     } catch (err) {
       if (current()) setConnection("warn", "reconnecting");
