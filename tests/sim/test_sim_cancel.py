@@ -46,6 +46,30 @@ async def test_disconnect_mid_stream_aborts(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_an_aborted_requests_tokens_are_in_the_engine_metrics(
+    sim: SimServer, http: aiohttp.ClientSession
+) -> None:
+    """vLLM counts `prompt_tokens` and `generation_tokens` per step, an aborted request's too: an outside run found
+    the simulator's counters leaving them out (its `/metrics` below its own `/sim/stats`, and below what a gateway
+    delivered from it)."""
+    body = {**LONG, "stream": True}
+    async with http.post(sim.url + "/v1/completions", json=body, headers={"x-request-id": "a1"}) as resp:
+        for _ in range(3):
+            await resp.content.readuntil(b"\n\n")
+        resp.close()
+    async with asyncio.timeout(5):
+        rec = await sim.wait_ended("a1")
+    assert rec["outcome"] == "aborted" and rec["completion_tokens"] >= 3
+    async with http.get(sim.url + "/metrics") as r:
+        text = await r.text()
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:")
+    }
+    st = sim.statistics()
+    assert values["vllm:generation_tokens_total"] == st["tokens_generated"] == rec["completion_tokens"]
+    assert values["vllm:prompt_tokens_total"] == st["prompt_tokens"] > 0
+
+
 async def test_disconnect_while_held_before_first_token(sim: SimServer, http: aiohttp.ClientSession) -> None:
     async def call() -> None:
         async with http.post(

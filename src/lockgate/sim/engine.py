@@ -177,11 +177,13 @@ class Engine:
                 stats.prefix_cache_query_tokens += n
                 stats.prefix_cache_hit_tokens += seq.num_cached
                 stats.prompt_tokens += n
+                metrics.prompt_tokens.inc(n)
                 metrics.prefix_queries.inc(n)
                 metrics.prefix_hits.inc(seq.num_cached)
         if result.preempted:
             stats.preemptions += len(result.preempted)
             metrics.preemptions.inc(len(result.preempted))
+        generated = 0
         for ev in result.events:
             gen = self._gens.get(ev.seq_id)
             if gen is None:
@@ -189,6 +191,7 @@ class Engine:
             rec = gen.record
             rec.completion_tokens += 1
             stats.tokens_generated += 1
+            generated += 1
             if not gen.is_connected():
                 rec.tokens_after_disconnect += 1
                 stats.tokens_after_disconnect += 1
@@ -202,7 +205,6 @@ class Engine:
                 del self._gens[gen]
                 rec.finish_reason = reason
                 metrics.finished(
-                    prompt_tokens=rec.prompt_tokens,
                     completion_tokens=rec.completion_tokens,
                     ttft=0.0 if rec.first_token_at is None else rec.first_token_at - rec.started_at,
                     e2e=now - rec.started_at,
@@ -210,4 +212,6 @@ class Engine:
                     observe_ttft=False,
                 )
             gen._push(ev.token)
+        # As vLLM counts them, per step: an aborted request's tokens too (they were computed).
+        metrics.generation_tokens.inc(generated)
         stats.notify()

@@ -346,9 +346,9 @@ class Api:
         rec.first_token_at = time.monotonic()
         e2e = rec.first_token_at - rec.started_at
         self.metrics.prefix_queries.inc(n_prompt)
-        self.metrics.finished(
-            prompt_tokens=n_prompt, completion_tokens=n_gen, ttft=e2e, e2e=e2e, finish_reason=comp.finish_reason
-        )
+        self.metrics.prompt_tokens.inc(n_prompt)
+        self.metrics.generation_tokens.inc(n_gen)
+        self.metrics.finished(completion_tokens=n_gen, ttft=e2e, e2e=e2e, finish_reason=comp.finish_reason)
         stats.close_request(rec, "finished")
         resp_id = new_response_id(req.kind)
         u = usage(n_prompt, n_gen, 0)

@@ -117,19 +117,17 @@ class SimMetrics:
     def finished(
         self,
         *,
-        prompt_tokens: int,
         completion_tokens: int,
         ttft: float,
         e2e: float,
         finish_reason: str,
         observe_ttft: bool = True,
     ) -> None:
-        """Record a completed request (one call, so the hot path stays short).
+        """Record a completed request (one call, so the hot path stays short). Its tokens are not counted here: as
+        vLLM's, `prompt_tokens` and `generation_tokens` count the work as it is done (an aborted request's too).
 
         The step loop observes TTFT when the first token appears (``observe_ttft=False`` here).
         """
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
         if observe_ttft:
             self.ttft.observe(ttft)
         self.e2e.observe(e2e)
