@@ -464,13 +464,17 @@ class SchedulingMetrics:
         )
         self.queue_wait = LoopFamily(
             "lockgate_queue_wait_seconds",
-            "Time from arrival to getting a slot (admitted requests).",
+            "Time from arrival (or from a preemption) to getting a slot: one observation per grant, so a preempted "
+            "request that gets its slot back is observed again.",
             ["model", "priority"],
             r,
             buckets=_LATENCY_BUCKETS,
         )
         self.admissions = LoopFamily(
-            "lockgate_admissions", "Requests given a slot, by model and priority class.", ["model", "priority"], r
+            "lockgate_admissions",
+            "Slots granted, by model and priority class (a preempted request counts again when it gets a slot back).",
+            ["model", "priority"],
+            r,
         )
         self.rejections = Family(
             Counter(
