@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from . import extras
 from .admission.config import SchedulingConfig, TenantConfig, check_admission
 from .cluster.config import ClusterConfig
 from .config_env import UnsetVariable, substitute
@@ -221,6 +222,16 @@ class SemanticConfig(_Strict):
     #: Bytes of cached results held (per model); least recently used go first.
     max_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
     ttl_ms: Annotated[int, Field(ge=0)] = 300000
+
+    @model_validator(mode="after")
+    def _extra_present(self) -> SemanticConfig:
+        absent = extras.missing("semantic")
+        if absent:
+            raise ValueError(
+                f"the semantic cache needs the 'semantic' extra ({', '.join(absent)} missing): "
+                + extras.install_hint("semantic")
+            )
+        return self
 
 
 class ModelConfig(_Strict):

@@ -5,12 +5,12 @@ Kept apart from `config.py` (which embeds these sections) so the feature owns it
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..admission.config import check_key_digests
+from ..extras import install_hint, missing
 
 
 class _Strict(BaseModel):
@@ -66,13 +66,10 @@ class TracingConfig(_Strict):
     @model_validator(mode="after")
     def _sdk_present(self) -> TracingConfig:
         if self.otel and not sdk_installed():
-            raise ValueError("otel needs the OpenTelemetry SDK: pip install 'lockgate[otel]'")
+            raise ValueError(f"otel needs the OpenTelemetry SDK: {install_hint('otel')}")
         return self
 
 
 def sdk_installed() -> bool:
     """Whether the `otel` extra is installed (looked up without importing the SDK)."""
-    try:
-        return importlib.util.find_spec("opentelemetry.sdk.trace") is not None
-    except (ImportError, ValueError):
-        return False
+    return not missing("otel")

