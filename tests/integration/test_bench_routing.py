@@ -125,4 +125,9 @@ def test_a_verdict_is_a_pass_a_miss_or_within_the_rows_own_noise() -> None:
     assert routing.judge(row("predicted_ttft", 0.92, 0.31), [rr, row("x", 0.9, 0.3)], quiet)[1] == "MISS"
     # The noise of a row: how far the default's two identical runs differed.
     noise = routing.Noise.between(row("predicted_ttft", 0.90, 0.100), row("predicted_ttft#2", 0.88, 0.120))
-    assert noise.hit == pytest.approx(0.02) and noise.p99 == pytest.approx(0.2)
+    assert noise is not None and noise.hit == pytest.approx(0.02) and noise.p99 == pytest.approx(0.2)
+    # Not run twice (`--no-repeat`): the noise is not known, so no NOISE verdict, and the text does not claim 0%
+    # (a newcomer read "noise: hit 0.0 points, p99 0%" as measured).
+    assert routing.Noise.between(row("predicted_ttft", 0.90, 0.100), None) is None
+    text, verdict = routing.judge(behind, [rr, best], None)
+    assert verdict == "MISS" and "noise not measured" in text and "p99 0%" not in text

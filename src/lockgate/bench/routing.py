@@ -431,11 +431,13 @@ def report(results: list[RunResult]) -> str:
             f"{r.hit_spread * 100:>6.1f}{r.ttft_p50 * 1000:>13.1f}{r.ttft_p99 * 1000:>13.1f}{r.p99_spread:>7.0%}"
             f"{r.e2e_p99 * 1000:>12.1f}{r.cache_blocks:>10}"
         )
-    lines.append(
+    legend = (
         "hit rate and TTFT p50: medians over seeds (±hit: their max - min, in points); TTFT and e2e p99: all seeds'"
-        " requests pooled (±p99: max - min of the per-seed p99s over their median); predicted_ttft#2: the default"
-        " run again on the same seeds (the bench's own noise)"
+        " requests pooled (±p99: max - min of the per-seed p99s over their median)"
     )
+    if any(run.repeat for run in results):
+        legend += f"; {DEFAULT}#2: the default run again on the same seeds (the bench's own noise)"
+    lines.append(legend)
     by_row: dict[tuple[str, str, str, int], list[RunResult]] = {}
     for run in results:
         if run.hop_names:
@@ -458,15 +460,18 @@ def report(results: list[RunResult]) -> str:
 @dataclass(frozen=True, slots=True)
 class Noise:
     """How far the default's two identical runs of a row differed: hit rate (points as a fraction) and
-    TTFT p99 (relative); zero without a repeat."""
+    TTFT p99 (relative)."""
 
     hit: float = 0.0
     p99: float = 0.0
 
     @classmethod
-    def between(cls, a: Row | None, b: Row | None) -> Noise:
-        if a is None or b is None or not a.ttft_p99 or not b.ttft_p99:
-            return cls()
+    def between(cls, a: Row | None, b: Row | None) -> Noise | None:
+        """None when the row was not run twice (`--no-repeat`): its noise is not known."""
+        if a is None or b is None:
+            return None
+        if not a.ttft_p99 or not b.ttft_p99:
+            return cls(abs(a.hit_rate - b.hit_rate))
         return cls(abs(a.hit_rate - b.hit_rate), max(a.ttft_p99, b.ttft_p99) / min(a.ttft_p99, b.ttft_p99) - 1)
 
 
@@ -474,10 +479,14 @@ class Noise:
 Verdict = tuple[str, str]
 
 
-def judge(default: Row, others: list[Row], noise: Noise, hit_points: float = 0.03, p99_ratio: float = 1.10) -> Verdict:
+def judge(
+    default: Row, others: list[Row], noise: Noise | None, hit_points: float = 0.03, p99_ratio: float = 1.10
+) -> Verdict:
     """The issue's targets on one (family, config): the default within `hit_points` of the best hit rate
     and `p99_ratio` of the best TTFT p99 among `others` (itself included), and no worse than round_robin
-    on either. `NOISE` when it misses only by less than `noise`."""
+    on either. `NOISE` when it misses only by less than `noise` (None: not measured, never `NOISE`)."""
+    measured = noise
+    noise = noise or Noise()
     best_hit = max(others, key=lambda r: r.hit_rate)
     best_p99 = min(others, key=lambda r: r.ttft_p99)
     hit_gap = best_hit.hit_rate - default.hit_rate
@@ -494,7 +503,10 @@ def judge(default: Row, others: list[Row], noise: Noise, hit_points: float = 0.0
         strict.append(default.hit_rate >= rr.hit_rate and default.ttft_p99 <= rr.ttft_p99)
         loose.append(default.hit_rate >= rr.hit_rate - noise.hit and default.ttft_p99 <= rr.ttft_p99 * (1 + noise.p99))
         text += f"; round_robin {rr.hit_rate:.1%}, {rr.ttft_p99 * 1000:.1f} ms"
-    text += f"; noise (default run twice): hit {noise.hit * 100:.1f} points, p99 {noise.p99:.0%}"
+    if measured is None:
+        text += "; noise not measured (the default ran once)"
+    else:
+        text += f"; noise (default run twice): hit {noise.hit * 100:.1f} points, p99 {noise.p99:.0%}"
     return text, "PASS" if all(strict) else "NOISE" if all(loose) else "MISS"
 
 
