@@ -59,11 +59,13 @@ class ConfigDiff:
             or self.admin_changed
         )
 
+    def shown(self, keys: tuple[str, ...]) -> list[str]:
+        """Instances' keys as their names."""
+        return [self.instance_names.get(key, key) for key in keys]
+
     def describe(self) -> dict[str, object]:
         """JSON-ready, instances shown by name."""
-
-        def shown(keys: tuple[str, ...]) -> list[str]:
-            return [self.instance_names.get(key, key) for key in keys]
+        shown = self.shown
 
         return {
             "instances": {

@@ -57,20 +57,20 @@ class Reloader:
 
 
 def summary(diff: ConfigDiff) -> str:
-    """One line saying what a reload changed."""
+    """One line saying what a reload changed, naming the instances (by their names) and models."""
     if diff.applies_nothing:
         return "no change to apply"
     parts = [
-        f"{label} {len(keys)}"
-        for label, keys in (
-            ("instances added", diff.added_instances),
-            ("instances removed", diff.removed_instances),
-            ("instances replaced", diff.changed_instances),
+        f"{label} {len(names)} ({', '.join(names)})"
+        for label, names in (
+            ("instances added", diff.shown(diff.added_instances)),
+            ("instances removed", diff.shown(diff.removed_instances)),
+            ("instances replaced", diff.shown(diff.changed_instances)),
             ("models added", diff.added_models),
             ("models removed", diff.removed_models),
             ("models changed", diff.changed_models),
         )
-        if keys
+        if names
     ]
     if diff.tenants_changed:
         parts.append("tenants changed")

@@ -9,6 +9,7 @@ from lockgate.admission.ratelimit import RateLimiter
 from lockgate.admission.tenants import Tenant
 from lockgate.config import ConfigError, InstanceConfig, parse_config
 from lockgate.config_diff import diff_configs, plan_reload
+from lockgate.reload import summary
 
 A, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
@@ -32,6 +33,10 @@ def test_diff_names_instances_models_and_tenants() -> None:
     assert diff.tenants_changed
     assert diff.describe()["instances"] == {"added": ["b"], "removed": [], "replaced": []}
     assert diff_configs(new, new).applies_nothing
+    # What SIGHUP prints and the log says names them too (it gave counts alone: an outside run).
+    assert summary(diff) == (
+        "instances added 1 (b), models added 1 (new), models removed 1 (gone), models changed 1 (m), tenants changed"
+    )
 
 
 def test_an_instance_with_other_settings_is_replaced_and_its_models_change() -> None:
