@@ -23,13 +23,16 @@ def redact_url(url: str) -> str:
 
 
 def describe_served(config: Config) -> list[str]:
-    """One line per model: its instances (name, URL, engine) and its routing policy."""
+    """Where it listens and keeps its usage records, then one line per model: its instances (name, URL, engine) and
+    its routing policy; the cluster and the tenants."""
     simulated: dict[str, list[str]] = {}
     for name, entry in simulator_names(config):
         for served in entry.models:
             simulated.setdefault(served, []).append(f"{name} (simulated vllm)")
     listed = {m.name: m for m in config.models}
-    lines = []
+    listen = config.listen
+    where = f"unix socket {listen.unix}" if listen.unix else f"{listen.host}:{listen.port}"
+    lines = [f"listens on {where} (serve's --host / --port override it); usage records in {config.usage.path}"]
     for name in [*listed, *(m for m in simulated if m not in listed)]:
         model = listed.get(name)
         parts = []

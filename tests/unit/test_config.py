@@ -115,6 +115,8 @@ def test_check_config_summary_lists_simulated_models_and_redacts_credentials():
     assert "secret" not in text and "sk-x" not in text and "user" not in text
     assert "https://***@api.example.com/engine" in text and "with api_key" in text
     assert "model 'demo-model': 1 instance(s), routing predicted_ttft: sim-1 (simulated vllm)" in text
+    # Where it listens and keeps its records, after `${VAR}` substitution (a newcomer could not check them).
+    assert text.startswith("listens on 127.0.0.1:8080 (serve's --host / --port override it); usage records in ")
     assert redact_url("http://127.0.0.1:8001") == "http://127.0.0.1:8001"
 
 
