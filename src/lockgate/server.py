@@ -293,7 +293,8 @@ async def serve(
         ) as server:
             assert server.gateway is not None
             tune_gc()
-            announce(_banner(server))
+            # `--workers`: the first worker says it all; the others one line each.
+            announce(_banner(server) if workers is None or workers.index == 0 else _worker_line(server, workers))
             for warning in server.gateway.warnings():
                 log.warning("%s", warning)
             reloads = asyncio.create_task(_reload_on_hangup(server.gateway, hangup, announce), name="lockgate-sighup")
@@ -361,6 +362,10 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def _worker_line(server: GatewayServer, workers: WorkerSet) -> str:
+    return f"lockgate listening on {server.url} (worker {workers.index + 1} of {workers.count})"
+
+
 def _banner(server: GatewayServer) -> str:
     assert server.gateway is not None
     config = server.gateway.config
@@ -373,7 +378,9 @@ def _banner(server: GatewayServer) -> str:
         endpoints = ", ".join(redact_url(url) for url in cluster.endpoints)
         doing = "publishing these engines" if server.role == "sidecar" else "discovering the sidecars' engines"
         lines.append(f"  cluster {cluster.name!r}: {doing} through etcd at {endpoints}")
-    if config.models and server.url.startswith("http"):
+    if server.role == "sidecar" and cluster is not None:
+        lines.append("  clients reach these engines through the cluster's central gateways (`lockgate serve`)")
+    elif config.models and server.url.startswith("http"):
         example = config.models[0].name
         # With tenant keys the gateway wants one (401 otherwise): the lines say where it goes.
         keyed = any(tenant.keys for tenant in config.tenants)

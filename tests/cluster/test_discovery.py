@@ -69,6 +69,8 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
     # Each says at start what its cluster section makes it do.
     assert f"cluster {name!r}: discovering the sidecars' engines through etcd at {etcd.url}" in _banner(central)
     assert f"cluster {name!r}: publishing these engines through etcd at {etcd.url}" in _banner(sidecar)
+    # A sidecar's banner sends clients to the centrals, not to a curl of the sidecar itself (a newcomer's run).
+    assert "through the cluster's central gateways" in _banner(sidecar) and "Try it" not in _banner(sidecar)
 
     session = await stack.enter_async_context(aiohttp.ClientSession())
     async with session.get(central.url + "/v1/models") as resp:

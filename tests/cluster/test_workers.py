@@ -61,13 +61,16 @@ async def workers_behind_a_sidecar(
     return proc, f"http://127.0.0.1:{port}", path, config
 
 
-async def listening(proc: asyncio.subprocess.Process, count: int) -> None:
-    """Until `count` more workers of `proc` said they listen (30 s at most)."""
+async def listening(proc: asyncio.subprocess.Process, count: int) -> list[bytes]:
+    """Until `count` more workers of `proc` said they listen (30 s at most): what each said first."""
     assert proc.stdout is not None
+    said = []
     async with asyncio.timeout(30):
         for _ in range(count):
-            while b"lockgate listening on" not in await proc.stdout.readline():
+            while b"lockgate listening on" not in (line := await proc.stdout.readline()):
                 assert not proc.stdout.at_eof(), "a worker exited early"
+            said.append(line)
+    return said
 
 
 async def terminated(proc: asyncio.subprocess.Process) -> int:
@@ -84,7 +87,11 @@ async def test_two_workers_share_a_port_as_replicas(
 ) -> None:
     proc, url, _, _ = await workers_behind_a_sidecar(etcd, stack, tmp_path, "w")
     try:
-        await listening(proc, 2)
+        # The first worker prints the banner (models, the curl to try, where the metrics are), the other one line:
+        # a newcomer saw the whole banner once per worker.
+        said = sorted(await listening(proc, 2))
+        assert said[0].rstrip() == f"lockgate listening on {url}".encode()
+        assert said[1].rstrip() == f"lockgate listening on {url} (worker 2 of 2)".encode()
         session = await stack.enter_async_context(aiohttp.ClientSession())
 
         async def both_replicas_ready() -> bool:
