@@ -526,6 +526,7 @@ class Gateway:
                 self._shown_ids(),
                 deadline_s=deadline_s,
                 relay=self.relays_identity,
+                deleted=self.dedup.forget_response,
             )
         except GatewayError as exc:
             reply = self.error_response(exc, echo)

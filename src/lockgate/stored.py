@@ -74,13 +74,15 @@ async def forward(
     *,
     deadline_s: float | None = None,
     relay: bool = False,
+    deleted: Callable[[str], None] | None = None,
 ) -> Response:
     """Answer a stored response's route (see the module docstring) for `tenant` (its allowance already taken);
     raises `GatewayError` for the client's error. `record`: the request's usage record (its id is the one the engine
     is told), filled in once the request is forwarded (its `instance` set: an accepted request, to be submitted;
     the caller records how it ended). `ids`: the ids clients are shown (`response_ids.py`). `deadline_s`: the
     client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a central replica, which tells a
-    sidecar whose request it is (the sidecar checks the tenant again)."""
+    sidecar whose request it is (the sidecar checks the tenant again). `deleted`: told the engine's id of a response
+    the engine deleted (the result cache forgets it)."""
     rest = request.path[len(PREFIX) :]
     response_id, slash, action = rest.partition("/")
     tail = slash + action
@@ -134,6 +136,9 @@ async def forward(
         return Response(
             status=error.http_status, body=error.body_bytes(), content_type="application/json", headers=headers
         )
+
+    if request.method == "DELETE" and status < 300 and deleted is not None:
+        deleted(engine_id)
 
     def show(engine: str) -> str:
         return response_id if engine == engine_id else ids.show(engine, tenant.name, instance.key)

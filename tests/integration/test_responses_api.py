@@ -603,6 +603,29 @@ async def test_identical_responses_share_one_engine_call_and_its_stored_result(f
     assert home is not None and home[0] == gw.gateway.fleet.pools["m"].instances[0].key
 
 
+async def test_a_deleted_response_is_not_handed_out_again_from_the_result_cache(fleet, http) -> None:
+    """An outside run: after `DELETE /v1/responses/{id}`, the same temperature-0 request within the cache's TTL was a
+    cache hit carrying the deleted id (which the gateway then answered 404 for, and refused as a
+    `previous_response_id`). A delete through the gateway drops cached results carrying the id (a flight still
+    running when its response is deleted does not store it: `test_dedup_core`)."""
+    _, gw = fleet
+    body = {"model": "m", "input": "delete me", "max_output_tokens": 5, "temperature": 0}
+
+    async def ask(payload: dict[str, Any]) -> tuple[str, str]:
+        async with http.post(gw.url + "/v1/responses", json=payload) as r:
+            assert r.status == 200
+            return r.headers["x-lockgate-cache"], (await r.json())["id"]
+
+    outcome, first = await ask(body)
+    assert outcome == "miss" and await ask(body) == ("hit", first)
+    async with http.delete(gw.url + f"/v1/responses/{first}") as r:
+        assert r.status == 200
+    outcome, second = await ask(body)
+    assert outcome == "miss" and second != first  # a new generation, with an id that exists
+    async with http.get(gw.url + f"/v1/responses/{second}") as r:
+        assert r.status == 200
+
+
 async def test_stored_routes_count_against_the_tenants_rate_limit(start_sim, start_gateway, http) -> None:
     sim = await start_sim(**SIM)
     gw = await start_gateway(

@@ -13,7 +13,7 @@ import xxhash
 
 from lockgate.answer import EngineAnswer
 from lockgate.assemble import ClientView, assemble
-from lockgate.dedup.cache import Result, ResultCache
+from lockgate.dedup.cache import MAX_REFUSED, Result, ResultCache
 from lockgate.dedup.eligibility import eligible, opted_out
 from lockgate.dedup.fingerprint import fingerprint, sampling_scope
 from lockgate.dedup.flight import Flight, FlightState
@@ -120,6 +120,26 @@ def test_cache_ttl_with_a_deterministic_clock():
     assert cache.get(key(1)) is None
     assert len(cache) == 0 and cache.nbytes == 0
     assert cache.statistics()["expirations"] == 1
+
+
+def test_a_deleted_response_id_leaves_the_cache_and_is_not_stored_for_a_ttl():
+    """`forget_mentioning` (a stored response deleted through the gateway): results carrying the id are dropped, and
+    one a flight stores later (it was still running at the delete) is refused until the TTL has passed; the memory of
+    deleted ids is bounded."""
+    clock = Clock()
+    cache = ResultCache(max_entries=10, max_bytes=10_000, ttl_ms=5000, clock=clock)
+    gone = b'"resp_1"'
+    cache.put(key(1), result(10, text="resp_1"))
+    cache.put(key(2), result(10, text="resp_2"))
+    assert cache.forget_mentioning(gone) == 1
+    assert cache.get(key(1)) is None and cache.get(key(2)) is not None
+    assert not cache.put(key(3), Result(body={"id": "resp_1", "output": []}, nbytes=10))
+    assert cache.statistics()["refused"] == 1
+    clock.now += 5.0
+    assert cache.put(key(3), Result(body={"id": "resp_1", "output": []}, nbytes=10))
+    for n in range(MAX_REFUSED + 10):
+        cache.forget_mentioning(b'"resp_x%d"' % n)
+    assert len(cache._refused) == MAX_REFUSED
 
 
 def test_cache_is_lru_and_bounded_by_entries_and_bytes():

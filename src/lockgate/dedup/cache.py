@@ -81,6 +81,17 @@ class Result:
         body: dict[str, Any] = orjson.loads(self._body)
         return body
 
+    def mentions(self, needle: bytes) -> bool:
+        """Whether `needle` occurs in the packed result (its events or body), without decoding it."""
+        return (self._events is not None and needle in self._events) or (
+            self._body is not None and needle in self._body
+        )
+
+
+#: Deleted ids remembered at once (`ResultCache.forget_mentioning`): each costs a substring search of every result
+#: stored within its TTL.
+MAX_REFUSED = 1024
+
 
 class ResultCache:
     def __init__(
@@ -111,6 +122,10 @@ class ResultCache:
         self.evictions = 0
         self.expirations = 0
         self.too_large = 0
+        #: Text no result may carry for a TTL, with when that ends (`forget_mentioning`): a deleted stored response's
+        #: id, which a flight still running may be about to store. At most `MAX_REFUSED`, the oldest dropped first.
+        self._refused: OrderedDict[bytes, float] = OrderedDict()
+        self.refused = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -151,6 +166,9 @@ class ResultCache:
         if result.nbytes > self.max_entry_bytes:
             self.too_large += 1
             return False
+        if self._refused and self._carries_refused(result):
+            self.refused += 1
+            return False
         existing = self._entries.get(key.digest)
         if existing is not None:
             if existing[0].complete and not result.complete:
@@ -187,6 +205,26 @@ class ResultCache:
             return expires_at
         return None
 
+    def forget_mentioning(self, needle: bytes) -> int:
+        """Drop every result carrying `needle`, and store none carrying it for the next TTL (a deleted stored
+        response's id: no client may be handed it again from here). Returns how many were dropped."""
+        if not self.enabled:
+            return 0
+        self._refused.pop(needle, None)
+        self._refused[needle] = self._clock() + self.ttl_s
+        while len(self._refused) > MAX_REFUSED:
+            self._refused.popitem(last=False)
+        doomed = [digest for digest, (result, _) in self._entries.items() if result.mentions(needle)]
+        for digest in doomed:
+            self._drop(digest)
+        return len(doomed)
+
+    def _carries_refused(self, result: Result) -> bool:
+        now = self._clock()
+        while self._refused and next(iter(self._refused.values())) <= now:
+            self._refused.popitem(last=False)
+        return any(result.mentions(needle) for needle in self._refused)
+
     def _drop(self, digest: bytes) -> None:
         result, _ = self._entries.pop(digest)
         del self._lru[digest]
@@ -206,4 +244,5 @@ class ResultCache:
             "evictions": self.evictions,
             "expirations": self.expirations,
             "too_large": self.too_large,
+            "refused": self.refused,
         }

@@ -358,6 +358,12 @@ class Coalescer:
         prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
         return f"{prefix}{self._response_prefix}{next(self._response_count):x}"
 
+    def forget_response(self, engine_id: str) -> None:
+        """A stored response was deleted (`DELETE /v1/responses/{id}` through this gateway): cached results carrying
+        its id go, and none carrying it is stored for a TTL (a flight still running), so that no later identical
+        request is handed an id that no longer exists."""
+        self.cache.forget_mentioning(b'"' + engine_id.encode() + b'"')
+
     def forget_models(self, models: Iterable[str]) -> None:
         """Models a reload removed: their semantic caches go with them (one added again under the name, perhaps in
         front of other engines, must not answer from the answers of before; a new cache needs a restart)."""
