@@ -33,6 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequest, NotFound
 
+#: A response id longer than this is neither remembered nor taken as a `previous_response_id` (engines' ids are ~40
+#: characters; made-up ones of a body's length would otherwise fill a pool's memory of responses' homes).
+MAX_RESPONSE_ID_CHARS = 256
+
 if TYPE_CHECKING:
     from .fleet.instance import Instance
     from .fleet.pool import Pool
@@ -169,7 +173,8 @@ def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: P
     previous = body.get("previous_response_id")
     if not isinstance(previous, str):
         return None
-    taken = ids.take(previous, tenant)
+    # (No id this gateway or an engine made is so long: refused before it reaches any memory.)
+    taken = ids.take(previous, tenant) if len(previous) <= MAX_RESPONSE_ID_CHARS else None
     home = pool.response_home(taken[0]) if taken is not None else None
     if taken is None or (home is not None and home[1] != tenant):
         # (The memory's tenant counts where ids are not bound: at a sidecar, a direct caller naming a response a

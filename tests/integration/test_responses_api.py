@@ -15,6 +15,7 @@ from aiohttp import web
 
 from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
+from lockgate.response_ids import MAX_RESPONSE_ID_CHARS
 from tests.conftest import instance
 from tests.integration.cancel_support import StreamReader, assert_gateway_clean, wait_sim_idle
 
@@ -624,6 +625,25 @@ async def test_a_deleted_response_is_not_handed_out_again_from_the_result_cache(
     assert outcome == "miss" and second != first  # a new generation, with an id that exists
     async with http.get(gw.url + f"/v1/responses/{second}") as r:
         assert r.status == 200
+
+
+async def test_a_made_up_previous_response_id_of_any_length_is_not_remembered(fleet, http) -> None:
+    """An outside run: a `previous_response_id` of a megabyte ending in a real instance's tag (`_lg<tag>`, shown in
+    any response id) was kept in the pool's memory of responses' homes before the engine answered 404: 65,536 of them
+    per model, each as long as a body. An id longer than any engine makes is refused at once and never remembered."""
+    _, gw = fleet
+    pool = gw.gateway.fleet.pools["m"]
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+        real = (await r.json())["id"]
+    remembered = len(pool._response_homes)
+    tag = real.rsplit("_lg", 1)[1]
+    for made_up in ("x" * 100_000 + "_lg" + tag, "y" * MAX_RESPONSE_ID_CHARS + "_lg" + tag):
+        body = {"model": "m", "input": "hi", "max_output_tokens": 2, "previous_response_id": made_up}
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "previous_response_not_found"
+    assert len(pool._response_homes) == remembered
+    pool.remember_response("z" * (MAX_RESPONSE_ID_CHARS + 1), pool.instances[0].key, "default")  # (an engine's)
+    assert len(pool._response_homes) == remembered
 
 
 async def test_stored_routes_count_against_the_tenants_rate_limit(start_sim, start_gateway, http) -> None:

@@ -23,6 +23,7 @@ from typing import Protocol
 from ..config import ModelConfig
 from ..errors import Unavailable
 from ..metrics import GatewayMetrics
+from ..response_ids import MAX_RESPONSE_ID_CHARS
 from ..routing.placement import anchor_depth, rendezvous_spread
 from ..routing.policies import Policy, PoolSnapshot, RouteRequest
 from ..routing.prefix import PrefixIndex, prompt_blocks
@@ -52,7 +53,7 @@ class LongPrefillBusy(Exception):
     turn (`Fleet.prefills`, `Pool.long_turn`), then routes again."""
 
 
-#: Responses whose instance a pool remembers for their follow-ups (`previous_response_id`): ~100 bytes each.
+#: Responses whose instance a pool remembers for their follow-ups (`previous_response_id`): ~200 bytes each.
 MAX_RESPONSE_HOMES = 65_536
 
 #: Routed prompts before a pool's measured reuse replaces the assumption that caches are reused (1.0).
@@ -331,6 +332,8 @@ class Pool:
     def remember_response(self, response_id: str, instance_key: str, tenant: str) -> None:
         """`instance_key` made the response `response_id` for `tenant`: its follow-ups go there while it can take
         them, and its stored copy is asked for there (`stored.py`)."""
+        if len(response_id) > MAX_RESPONSE_ID_CHARS:
+            return
         homes = self._response_homes
         homes[response_id] = (instance_key, tenant)
         if len(homes) > MAX_RESPONSE_HOMES:
