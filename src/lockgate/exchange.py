@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -166,7 +167,7 @@ class Exchange:
         self.allowance: Allowance | None = None
         #: A response's ids and event numbering as its client sees them (None: not a response).
         self.naming = (
-            ResponseNaming(pool, tenant, self.serving, response_ids, previous_response)
+            ResponseNaming(pool, tenant, _weakly(self.serving), response_ids, previous_response)
             if api.endpoint is Endpoint.RESPONSES
             else None
         )
@@ -517,3 +518,17 @@ class Registry:
 
     async def wait_empty(self) -> None:
         await self._empty.wait()
+
+
+def _weakly(method: Callable[[], Instance | None]) -> Callable[[], Instance | None]:
+    """`method` of an object, called through a weak reference (None once the object is gone): a callable that the
+    object's own parts hold makes no reference cycle. (`ResponseNaming` holding `Exchange.serving` did: every response
+    request's exchange, with its request body, waited for a full garbage collection, which the server's tuned
+    collector runs rarely: RSS grew by the bodies' size, a megabyte a request with 1 MB bodies.)"""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Instance | None:
+        bound = ref()
+        return bound() if bound is not None else None
+
+    return call

@@ -201,3 +201,6 @@ async def relay_resumable(
         return whole_body(ex, whole_answer(ex.api, run.transcript.events), run.headers)
     finally:
         await events.aclose()
+        # The ticket's tag is the run: without this, the two would wait for a full garbage collection, the request's
+        # body and answer with them (the exchange's hold still releases the ticket).
+        run.ticket = None

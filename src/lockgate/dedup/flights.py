@@ -20,6 +20,7 @@ clients mix pays at most one extra call per window, one whose clients agree gets
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -202,13 +203,17 @@ class Flights:
         flight.task = task
         flight.loop = task.get_loop()
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(functools.partial(self._task_done, flight))
         self.started += 1
         self._changes.notify()
         return flight
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, flight: Flight, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        # An ended task keeps its exception (a cancelled flight's) and that exception's frames, which hold the flight:
+        # the flight holding the task back would make a cycle that keeps the request's body and the flight's history
+        # until a full garbage collection.
+        flight.task = None
         self._changes.notify()
 
     def _forget(self, flight: Flight, result: Result | None = None) -> None:
