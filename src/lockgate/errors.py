@@ -290,6 +290,20 @@ class UpstreamStatusError(UpstreamError):
 _ENVELOPE = ("message", "type", "param", "code")
 
 
+def drop_tracebacks(exc: BaseException) -> None:
+    """Forget the tracebacks of a handled error and of the errors it chains (`__cause__`, `__context__`). A traceback
+    keeps every frame the error went through, with their locals (the request, its body, its engine call); an error
+    that something the frames hold also holds (a future it was set on, a response that stored it) makes a reference
+    cycle of all of it, freed only by a full garbage collection. Once a request's fate is decided from an error, its
+    message is all that is needed."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
 def _openai_shaped(error: dict[str, Any]) -> bool:
     return (
         isinstance(error.get("message"), str)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import sse
 from .edge.server import Reply, Response, StreamResponse
-from .errors import Cancelled, DeadlineExceeded, GatewayError
+from .errors import Cancelled, DeadlineExceeded, GatewayError, drop_tracebacks
 from .records import UsageRecord
 from .response_ids import ResponseNaming
 from .wire import ApiRequest, Endpoint
@@ -431,17 +431,19 @@ class Exchange:
             return self.response or Response(status=499)
         except GatewayError as exc:
             self.detach()
+            drop_tracebacks(exc)
             if self.naming is not None:  # an engine's error naming the response followed up: by the client's id
                 exc.message = self.naming.in_message(exc.message)
             reason = exc.reason if isinstance(exc, Cancelled) else None
             if reason is not None:  # (an operator cancelled the flight this request shares)
                 return await self._end_with("cancelled", exc, reason=reason)
             return await self._end_with("rejected" if exc.rejected else "error", exc)
-        except Exception:
+        except Exception as exc:
             # A bug, not a request's fate: still end it truthfully (500 / a final SSE error event and an
             # `error` record), never as "completed".
             log.exception("request %s failed inside the gateway", self.id)
             self.detach()
+            drop_tracebacks(exc)
             return await self._end_with("error", GatewayError("The gateway failed to serve the request."))
         finally:
             self._release()

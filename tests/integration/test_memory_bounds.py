@@ -362,6 +362,18 @@ def collector_off() -> Any:
         gc.enable()
 
 
+def garbage_of_requests() -> list[str]:
+    """What a full collection would free now of the requests' objects (listed by `DEBUG_SAVEALL`, not by weak
+    references: the compiled build's flight takes none)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return [type(o).__name__ for o in gc.garbage if type(o).__name__ in ("Flight", "Exchange", "ApiRequest")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
 @pytest.mark.parametrize(
     ("path", "body", "headers"),
     [
@@ -405,10 +417,44 @@ async def test_a_finished_request_is_freed_without_the_garbage_collector(
         assert seen and all(ref() is None for ref in seen), [ref() for ref in seen]
 
 
+@pytest.mark.parametrize("temperature", [1, 0], ids=["direct", "flight"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_request_an_engine_failure_ended_is_freed_without_the_garbage_collector(
+    start_sim, start_gateway, http, stream, temperature
+):
+    """An engine that resets its connections: the error the engine client stored and set on the future its reader
+    awaited kept every frame it went through, the request's among them (a reference cycle through the future and
+    the stored error). A request ended by an error drops the tracebacks of its error chain (`drop_tracebacks`)."""
+    sim = await start_sim()
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    gateway = gw.gateway
+    assert gateway is not None
+    async with http.post(sim.url + "/sim/control", json={"reset_prob": 1.0}) as r:
+        assert r.status == 200
+    seen: list[weakref.ref[Any]] = []
+    original_add = Registry.add
+
+    def add(registry: Registry, exchange: Exchange) -> None:
+        seen.append(weakref.ref(exchange))
+        original_add(registry, exchange)
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream}
+    body["temperature"] = temperature
+    with pytest.MonkeyPatch.context() as patch, collector_off():
+        patch.setattr(Registry, "add", add)
+        for _ in range(2):
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                answer = await r.read()
+                assert (b"upstream" in answer) and (r.status == 200 if stream else r.status == 502), answer
+        await gateway.registry.wait_empty()
+        await gateway.records.wait_flushed()
+        assert seen and all(ref() is None for ref in seen), [ref() for ref in seen]
+        assert garbage_of_requests() == []
+
+
 async def test_a_flight_its_client_left_is_freed_without_the_garbage_collector(start_sim, start_gateway):
     """A cancelled flight's task keeps its CancelledError, whose frames hold the flight, which held the task back: a
-    cycle with the request's body and the flight's history, until a full collection. (What a collection would find
-    is listed by `DEBUG_SAVEALL`, not by weak references: the compiled build's flight takes none.)"""
+    cycle with the request's body and the flight's history, until a full collection."""
     sim = await start_sim(tpot_ms=50.0)
     gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
     gateway = gw.gateway
@@ -426,11 +472,4 @@ async def test_a_flight_its_client_left_is_freed_without_the_garbage_collector(s
             await flights.wait_until(lambda: not flights._running and not flights._tasks)
             await gateway.registry.wait_empty()
             await wait_sim_idle(sim)
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            gc.collect()
-            left = [type(o).__name__ for o in gc.garbage if type(o).__name__ in ("Flight", "Exchange", "ApiRequest")]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-        assert left == []
+        assert garbage_of_requests() == []
