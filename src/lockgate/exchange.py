@@ -432,12 +432,12 @@ class Exchange:
         except GatewayError as exc:
             self.detach()
             drop_tracebacks(exc)
-            if self.naming is not None:  # an engine's error naming the response followed up: by the client's id
-                exc.message = self.naming.in_message(exc.message)
-            reason = exc.reason if isinstance(exc, Cancelled) else None
+            # An engine's error naming the response followed up: as the client knows it.
+            shown = self.naming.in_error(exc) if self.naming is not None else exc
+            reason = shown.reason if isinstance(shown, Cancelled) else None
             if reason is not None:  # (an operator cancelled the flight this request shares)
-                return await self._end_with("cancelled", exc, reason=reason)
-            return await self._end_with("rejected" if exc.rejected else "error", exc)
+                return await self._end_with("cancelled", shown, reason=reason)
+            return await self._end_with("rejected" if shown.rejected else "error", shown)
         except Exception as exc:
             # A bug, not a request's fate: still end it truthfully (500 / a final SSE error event and an
             # `error` record), never as "completed".

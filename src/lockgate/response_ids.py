@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidRequest, NotFound
+from .errors import GatewayError, InvalidRequest, NotFound, UpstreamStatusError
 
 #: A response id longer than this is neither remembered nor taken as a `previous_response_id` (engines' ids are ~40
 #: characters; made-up ones of a body's length would otherwise fill a pool's memory of responses' homes).
@@ -153,10 +153,19 @@ class ResponseNaming:
         instance = self._home()
         return self._ids.show(engine_id, self._tenant, instance.key if instance is not None else None)
 
-    def in_message(self, message: str) -> str:
-        """An engine's error message about the response followed up, naming it by the id the client knows."""
+    def in_error(self, error: GatewayError) -> GatewayError:
+        """An engine's error as the client sees it: the response followed up named by the id the client knows; the
+        engine not finding that response is the gateway's own 404 (`previous_response_not_found`, as when the gateway
+        refuses an id itself: one code for one condition, whoever found it missing)."""
         previous = self._previous
-        return message if previous is None else message.replace(previous[0], previous[1])
+        if previous is None or previous[0] not in error.message:
+            return error
+        if isinstance(error, UpstreamStatusError) and error.upstream_status == 404:
+            missing = unknown_previous(previous[1])
+            missing.rejected = error.rejected  # (the request's fault, as the engine's 4xx was: not a failure)
+            return missing
+        error.message = error.message.replace(previous[0], previous[1])
+        return error
 
 
 def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: Pool) -> tuple[str, str] | None:
@@ -179,11 +188,7 @@ def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: P
     if taken is None or (home is not None and home[1] != tenant):
         # (The memory's tenant counts where ids are not bound: at a sidecar, a direct caller naming a response a
         # central made for one of its tenants, as the stored routes already refused.)
-        raise NotFound(
-            f"Previous response with id '{previous}' not found.",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
+        raise unknown_previous(previous)
     engine_id, tag = taken
     if tag is not None and home is None:
         key = tagged_member(pool, tag)
@@ -191,6 +196,15 @@ def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: P
             pool.remember_response(engine_id, key, tenant)
     body["previous_response_id"] = engine_id
     return engine_id, previous
+
+
+def unknown_previous(shown_id: str) -> NotFound:
+    """The 404 for a `previous_response_id` that names no response the client may follow up."""
+    return NotFound(
+        f"Previous response with id '{shown_id}' not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
 
 
 def _refuse_unbound_names(body: dict[str, Any]) -> None:

@@ -646,6 +646,22 @@ async def test_a_made_up_previous_response_id_of_any_length_is_not_remembered(fl
     assert len(pool._response_homes) == remembered
 
 
+async def test_an_unknown_previous_response_has_one_code_whoever_finds_it_missing(fleet, http, tmp_path) -> None:
+    """An outside run: an unknown `previous_response_id` was 404 `previous_response_not_found` when the gateway refused
+    it (another tenant's, a made-up tag) but the engine's `NotFoundError` when the engine did (an open gateway). One
+    condition, one code; recorded as the request's fault (rejected), not the service's."""
+    _, gw = fleet
+    body = {"model": "m", "input": "hi", "max_output_tokens": 2, "previous_response_id": "resp_nope"}
+    async with http.post(gw.url + "/v1/responses", json=body, headers={"x-request-id": "prev-404"}) as r:
+        error = (await r.json())["error"]
+        assert r.status == 404
+    assert (error["code"], error["param"]) == ("previous_response_not_found", "previous_response_id")
+    assert "'resp_nope'" in error["message"]
+    await gw.gateway.records.wait_flushed()
+    [row] = [r for r in read_records(str(tmp_path / "usage.sqlite3")) if r["client_request_id"] == "prev-404"]
+    assert row["status"] == "rejected"
+
+
 async def test_stored_routes_count_against_the_tenants_rate_limit(start_sim, start_gateway, http) -> None:
     sim = await start_sim(**SIM)
     gw = await start_gateway(
