@@ -73,13 +73,16 @@ class ClientGone(Exception):
 class Subscription(Protocol):
     """A share of an upstream call owned by someone else (a flight). `close()` is idempotent and
     returns True if closing it aborted that upstream call; `instance()` names the instance that call went to (the
-    engine serving it once it opened); `attempts()` counts the engine calls the flight started."""
+    engine serving it once it opened); `attempts()` counts the engine calls the flight started; `tokens()` the tokens
+    its engine call has sent so far."""
 
     def close(self) -> bool: ...
 
     def instance(self) -> str | None: ...
 
     def attempts(self) -> int: ...
+
+    def tokens(self) -> int: ...
 
 
 class Host(Protocol):
@@ -366,6 +369,12 @@ class Exchange:
         if lease is not None and not lease.released and lease.answered:
             # Read from the engine before anything reaches the client (an answer assembled from a stream).
             tokens = max(tokens, lease.completion_tokens)
+            if phase is Phase.CONNECTING:
+                phase = Phase.GENERATING
+        elif subscription is not None and (shared := subscription.tokens()):
+            # A client of a flight that another request leads: the shared call's tokens (a non-streaming client is
+            # sent nothing until the end, and stayed "connecting" for the whole generation: an outside run).
+            tokens = max(tokens, shared)
             if phase is Phase.CONNECTING:
                 phase = Phase.GENERATING
         return {

@@ -281,10 +281,8 @@ async def test_another_sites_page_cannot_change_anything_with_a_browsers_cached_
             assert (await status("GET", "/admin/requests", Origin="http://evil.example"))[0] == 200
 
 
-async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_generating(start_gateway, serve_app):
-    """A non-streaming P2 request is read from its engine as a stream (to be resumable): while the engine generates,
-    `GET /admin/requests` shows it `generating` with the tokens so far (it showed `connecting` and 0 until the end)."""
-    more = asyncio.Event()
+def counting_engine(more: asyncio.Event) -> web.Application:
+    """An engine that streams three tokens at once, then its end once `more` is set."""
 
     async def engine(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -311,7 +309,16 @@ async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_
     app = web.Application()
     app.router.add_post("/v1/chat/completions", engine)
     app.router.add_get("/health", health)
-    gw = await start_gateway([{"name": "m", "instances": [{"url": await serve_app(app), "engine": "vllm"}]}])
+    return app
+
+
+async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_generating(start_gateway, serve_app):
+    """A non-streaming P2 request is read from its engine as a stream (to be resumable): while the engine generates,
+    `GET /admin/requests` shows it `generating` with the tokens so far (it showed `connecting` and 0 until the end)."""
+    more = asyncio.Event()
+    gw = await start_gateway(
+        [{"name": "m", "instances": [{"url": await serve_app(counting_engine(more)), "engine": "vllm"}]}]
+    )
     body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 10}
     # The gateway's engine client waits for more (`Response.wait`) each time it has read all that came: a look then.
     waiting = asyncio.Event()
@@ -335,6 +342,33 @@ async def test_an_answer_assembled_from_an_engine_stream_shows_its_tokens_while_
         async with await task as resp:
             assert resp.status == 200
             assert (await resp.json())["choices"][0]["message"]["content"] == "one two three"
+
+
+async def test_a_non_streaming_client_of_a_shared_call_shows_its_tokens_while_generating(start_gateway, serve_app):
+    """An outside run: a non-streaming client that joined a streaming flight showed `connecting` in `GET
+    /admin/requests` for the whole generation. It shows `generating` and the shared call's tokens."""
+    more = asyncio.Event()
+    gw = await start_gateway(
+        [{"name": "m", "instances": [{"url": await serve_app(counting_engine(more)), "engine": "vllm"}]}]
+    )
+    assert gw.gateway is not None
+    flights = gw.gateway.dedup.flights
+    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 10, "temperature": 0}
+    async with aiohttp.ClientSession() as http, asyncio.timeout(5):
+        leader = await http.post(gw.url + "/v1/chat/completions", json={**body, "stream": True})
+        await flights.wait_until(lambda: any(f.tokens == 3 for f in flights._running))
+        joiner = asyncio.create_task(http.post(gw.url + "/v1/chat/completions", json=body))
+        await flights.wait_until(lambda: flights.statistics()["subscribers"] == 2)
+        async with http.get(gw.url + "/admin/requests") as resp:
+            listed = {r["stream"]: r for r in (await resp.json())["requests"]}
+        assert (listed[False]["phase"], listed[False]["completion_tokens"]) == ("generating", 3)
+        assert listed[True]["phase"] == "streaming"
+        more.set()
+        async with await joiner as resp:
+            assert resp.status == 200 and resp.headers["x-lockgate-cache"] == "coalesced"
+            assert (await resp.json())["choices"][0]["message"]["content"] == "one two three"
+        await leader.read()
+        leader.release()
 
 
 async def _send_head(url: str, head: str) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:

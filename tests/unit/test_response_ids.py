@@ -52,6 +52,7 @@ def test_a_requests_naming_shows_the_followed_up_id_as_its_client_sent_it() -> N
     from types import SimpleNamespace
     from typing import Any
 
+    from lockgate.errors import GatewayError
     from lockgate.response_ids import ResponseNaming
 
     remembered: list[tuple[str, str, str]] = []
@@ -60,7 +61,7 @@ def test_a_requests_naming_shows_the_followed_up_id_as_its_client_sent_it() -> N
     ids = ResponseIds("secret")
     naming = ResponseNaming(pool, "acme", lambda: serving[0] if serving else None, ids, ("resp_old", "resp_old_shown"))
     assert naming.shows and naming.show("resp_old") == "resp_old_shown"
-    assert naming.in_message("Response 'resp_old' failed") == "Response 'resp_old_shown' failed"
+    assert naming.in_error(GatewayError("Response 'resp_old' failed")).message == "Response 'resp_old_shown' failed"
     naming.made("resp_new")
     assert remembered == []  # (no instance yet: nothing to pin to)
     serving.append(SimpleNamespace(key="http://engine-1"))
@@ -68,7 +69,7 @@ def test_a_requests_naming_shows_the_followed_up_id_as_its_client_sent_it() -> N
     assert remembered == [("resp_new", "http://engine-1", "acme")]
     assert naming.show("resp_new") == ids.show("resp_new", "acme", "http://engine-1")
     plain = ResponseNaming(pool, "acme", lambda: None)
-    assert not plain.shows and plain.show("resp_x") == "resp_x" and plain.in_message("m") == "m"
+    assert not plain.shows and plain.show("resp_x") == "resp_x" and plain.in_error(GatewayError("m")).message == "m"
 
 
 def test_an_unbound_follow_up_may_not_continue_a_response_remembered_for_another_tenant() -> None:

@@ -675,6 +675,10 @@ class Subscription:
         """Engine calls the flight started so far."""
         return self.flight.attempts
 
+    def tokens(self) -> int:
+        """Tokens the flight's engine call has sent so far (0 for a call answered with one JSON body, until then)."""
+        return self.flight.tokens
+
     def __aiter__(self) -> Subscription:
         return self
 
