@@ -282,6 +282,9 @@ async def test_a_flight_the_engine_refused_names_the_instance_it_went_to(start_s
     sim.control.fail_status = 400
     status, headers, _ = await call(http, gw.url, BODY)
     assert status == 400 and headers["x-lockgate-instance"] == sim.url
+    # And its de-duplication outcome, as every answer of a de-duplicated request says it (an outside run: engine
+    # errors of de-duplicated requests had no `x-lockgate-cache`).
+    assert headers["x-lockgate-cache"] == "miss"
     await gw.gateway.records.wait_flushed()
     (row,) = read_records(gw.gateway.records._path)
     assert (row["status"], row["instance"], row["served_by"]) == ("rejected", sim.url, "miss")

@@ -300,26 +300,28 @@ class Coalescer:
         cached: Result | None,
     ) -> Reply:
         ex.record.served_by = ex.dedup_outcome = outcome
+        # On every answer, the engine's errors included (the exchange's error response carries these headers).
+        ex.response_headers[CACHE_HEADER] = outcome
         if cached is not None:
             ex.served_from = cached.instance
         if ex.api.stream:
-            response = await self._stream(ex, http_request, outcome, source)
+            response = await self._stream(ex, http_request, source)
         elif cached is not None:
             body = cached.body
-            response = self._whole(ex, outcome, body, cached.events if body is None else (), source)
+            response = self._whole(ex, body, cached.events if body is None else (), source)
         elif source.flight.stream:
-            response = self._whole(ex, outcome, None, await source.wait_done(self.max_response_bytes), source)
+            response = self._whole(ex, None, await source.wait_done(self.max_response_bytes), source)
         else:
-            response = self._whole(ex, outcome, await source.wait_body(), (), source)
+            response = self._whole(ex, await source.wait_body(), (), source)
         if outcome != "miss":
             self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)
         return response
 
     @staticmethod
-    def _headers(ex: Exchange, outcome: str, source: Any) -> dict[str, str]:
+    def _headers(ex: Exchange, source: Any) -> dict[str, str]:
         """The answer's headers; a flight's client also records the engine that produced it (known by now: the
         headers go out with the answer's first byte)."""
-        headers = {"x-request-id": ex.record.client_request_id or ex.id, **ex.response_headers, CACHE_HEADER: outcome}
+        headers = {"x-request-id": ex.record.client_request_id or ex.id, **ex.response_headers}
         if isinstance(source, Subscription) and source.flight.served_by is not None:  # (a cache hit used none)
             ex.served_by(source.flight.served_by)
             headers["x-lockgate-instance"] = source.flight.served_by
@@ -328,7 +330,6 @@ class Coalescer:
     def _whole(
         self,
         ex: Exchange,
-        outcome: str,
         body: dict[str, Any] | None,
         events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
         source: Any,
@@ -340,10 +341,10 @@ class Coalescer:
         else:
             # A response keeps the engine's id (the one it may have stored, for follow-ups): no id of ours.
             out = whole_answer(ex.api, events, self._response_id(endpoint) if endpoint.chunked else None)
-        return whole_body(ex, out, self._headers(ex, outcome, source))
+        return whole_body(ex, out, self._headers(ex, source))
 
-    async def _stream(self, ex: Exchange, http_request: Request, outcome: str, source: Subscription | _Replay) -> Reply:
-        headers = self._headers(ex, outcome, source)
+    async def _stream(self, ex: Exchange, http_request: Request, source: Subscription | _Replay) -> Reply:
+        headers = self._headers(ex, source)
         if isinstance(source, _Replay):
             own_id = self._response_id(ex.api.endpoint)
             return await stream_events(ex, http_request, source, headers, response_id=own_id, ready=source.ready)
