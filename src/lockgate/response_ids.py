@@ -139,7 +139,7 @@ class ResponseNaming:
         """The engine serving the request made the response `engine_id`: a follow-up naming it goes there
         (`Pool.remember_response`)."""
         instance = self._home()
-        if instance is not None:
+        if instance is not None and len(engine_id) <= MAX_RESPONSE_ID_CHARS:
             self._pool.remember_response(engine_id, instance.key, self._tenant)
 
     def show(self, engine_id: str) -> str:

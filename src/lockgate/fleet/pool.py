@@ -23,7 +23,6 @@ from typing import Protocol
 from ..config import ModelConfig
 from ..errors import Unavailable
 from ..metrics import GatewayMetrics
-from ..response_ids import MAX_RESPONSE_ID_CHARS
 from ..routing.placement import anchor_depth, rendezvous_spread
 from ..routing.policies import Policy, PoolSnapshot, RouteRequest
 from ..routing.prefix import PrefixIndex, prompt_blocks
@@ -332,8 +331,6 @@ class Pool:
     def remember_response(self, response_id: str, instance_key: str, tenant: str) -> None:
         """`instance_key` made the response `response_id` for `tenant`: its follow-ups go there while it can take
         them, and its stored copy is asked for there (`stored.py`)."""
-        if len(response_id) > MAX_RESPONSE_ID_CHARS:
-            return
         homes = self._response_homes
         homes[response_id] = (instance_key, tenant)
         if len(homes) > MAX_RESPONSE_HOMES:
