@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from lockgate.http import ConnectError, DisconnectedError, HttpPool, ProtocolError, StalledError
-from lockgate.http.connection import HIGH_WATER, WRITE_PIECE
+from lockgate.http.connection import HIGH_WATER, MAX_HEAD_BYTES, WRITE_PIECE
 
 RawHandler = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -648,6 +648,48 @@ async def test_malformed_responses_raise_protocol_error(raw_server, open_pool, a
             await response.read()
         response.release()
     assert_clean(pool, idle=0)
+
+
+async def test_trailers_are_bounded_with_the_head_and_never_kept(raw_server, open_pool) -> None:
+    """An outside run: a chunked body's trailers were taken without bound (each line kept in the connection's header
+    dict, a value that never ends buffered by the parser), and as each read counted as the engine's activity no
+    stall ended them: RSS +6.8 MB/s. Trailers are bounded with the head (`MAX_HEAD_BYTES`) and not kept: a small
+    one does not reach the next response's headers on the same connection either."""
+    endless = asyncio.Event()
+
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (request := await read_request(reader)) is not None:
+            chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-t\r\n\r\n3\r\nabc\r\n0\r\n"
+            if request[0].startswith(b"GET /small"):
+                writer.write(chunked + b"x-t: 1\r\n\r\n")
+            elif request[0].startswith(b"GET /next"):
+                writer.write(OK)
+            elif request[0].startswith(b"GET /many"):
+                writer.write(chunked)
+                for n in range(20_000):  # ~400 KB of trailer lines, without end if the client took them
+                    writer.write(b"x-t%d: %s\r\n" % (n, b"v" * 12))
+                await writer.drain()
+                await endless.wait()
+            else:  # one trailer value that never ends
+                writer.write(chunked + b"x-t: ")
+                for _ in range(100):
+                    writer.write(b"v" * 4096)
+                await writer.drain()
+                await endless.wait()
+
+    pool = open_pool((await raw_server(handler)).url)
+    response = await pool.request("GET", "/small", b"")
+    assert await response.read() == b"abc" and "x-t" not in response.headers
+    after = await pool.request("GET", "/next", b"")  # (on the same connection)
+    assert "x-t" not in after.headers and after.status == 200
+    await after.read()
+    for path in ("/many", "/endless"):
+        response = await pool.request("GET", path, b"")
+        with pytest.raises(ProtocolError, match=f"trailers are larger than {MAX_HEAD_BYTES} bytes"):
+            async with asyncio.timeout(10):  # (bounds a failure only: before, the read never ended)
+                await response.read()
+        response.release()
+    endless.set()
 
 
 async def test_invalid_request_line_or_header_is_refused_before_sending(open_pool) -> None:

@@ -416,8 +416,9 @@ class Connection(asyncio.Protocol):
             return
         self._received = True
         self.reads += 1
-        if self._head is not None:
-            self._head_bytes += len(data)  # an upper bound of the head received so far
+        # An upper bound of the head received so far; once it is complete, of what came since the last piece of body
+        # (`on_body` sets it back to 0): a chunked body's trailers, which the parser would otherwise take without end.
+        self._head_bytes += len(data)
         # The response whose body this read may carry: its listener hears of the whole read once, after the
         # parser is done with it (not from inside llhttp's callbacks, and one call for several chunks).
         response = self._response
@@ -430,15 +431,19 @@ class Connection(asyncio.Protocol):
             return
         if response is not None and response._listener is not None:
             response._listener()
-        if self._head is not None and self._head_bytes > MAX_HEAD_BYTES:
-            # Still no complete head after this much: the status line and headers are too large.
-            message = f"the response head is larger than {MAX_HEAD_BYTES} bytes"
+        if self._head_bytes > MAX_HEAD_BYTES:
+            # Still no complete head after this much: the status line and headers are too large; or after the body's
+            # last piece, its trailers are.
+            what = "the response head is" if self._head is not None else "the response's trailers are"
+            message = f"{what} larger than {MAX_HEAD_BYTES} bytes"
             self._fail(ProtocolError(message), ProtocolError(message))
             self.abort()
 
     # -- llhttp callbacks (called from inside feed_data) --------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head is None:
+            return  # a trailer, after a chunked body: not kept (bounded with the head's bytes in `data_received`)
         key = name.decode("latin-1").lower()
         headers = self._headers
         text = value.decode("latin-1")
@@ -479,6 +484,7 @@ class Connection(asyncio.Protocol):
         response = self._response
         if response is None:
             return
+        self._head_bytes = 0
         response._body.append(body)
         response._buffered += len(body)
         waiter = response._waiter
