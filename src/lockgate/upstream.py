@@ -225,6 +225,14 @@ class UpstreamCall:
         return True
 
 
+#: Events that carry nothing at all: a read that brings only these is a quiet one (`UpstreamEvents._quiet_read`).
+_EMPTY = frozenset({b"null", b"{}"})
+
+
+def _all_empty(payloads: list[bytes]) -> bool:
+    return all(len(payload) <= 4 and payload in _EMPTY for payload in payloads)
+
+
 class UpstreamEvents:
     """The parsed `data:` payloads of a call's stream, until `[DONE]` or the end of the body: taken a network
     read's worth at a time without waiting (`take()`, what a reader following the connection calls from its
@@ -413,9 +421,9 @@ class UpstreamEvents:
                     if chunk is None:
                         return out
                     if chunk:
-                        self._payloads = self._decoder.feed(chunk)
+                        payloads = self._payloads = self._decoder.feed(chunk)
                         more = self._response.complete
-                        if not self._payloads and self._stall_s:
+                        if self._stall_s and (not payloads or (len(payloads[0]) <= 4 and _all_empty(payloads))):
                             self._quiet_read()
                         elif self._quiet_since is not None:
                             self._quiet_since = None
@@ -454,9 +462,10 @@ class UpstreamEvents:
                 self._lease.completion_tokens += tokens
 
     def _quiet_read(self) -> None:
-        """A read that brought no event: past `upstream.stall_timeout_ms` of such reads (counted from the first), the
-        stream is stalled as if the engine had sent nothing (an engine's keep-alive comments, or a proxy's in front
-        of a hung engine, kept it open for good)."""
+        """A read that brought no event, or only empty ones (`null`, `{}`): past `upstream.stall_timeout_ms` of such
+        reads (counted from the first), the stream is stalled as if the engine had sent nothing (an engine's
+        keep-alive comments, a proxy's in front of a hung engine, or a broken engine's empty events every few
+        milliseconds kept it open for good)."""
         now = time.monotonic()
         if self._quiet_since is None:
             self._quiet_since = now

@@ -29,11 +29,13 @@ async def hung_engine(
     arrived: asyncio.Event | None = None,
     *,
     pings: bool = False,
+    empty_events: bool = False,
     whole: bool = False,
 ) -> str:
     """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
     then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
-    anything else is answered `{}`."""
+    anything else is answered `{}`. `pings`: keep-alive comments meanwhile, a byte every 10 ms; `empty_events`: events
+    that carry nothing (`data: null`, `data: {}`), one every 10 ms."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -51,10 +53,13 @@ async def hung_engine(
                     writer.write(b"%x\r\n%s\r\n" % (len(events), events))
                 if arrived is not None:
                     arrived.set()
-                if pings:  # keep-alive comments, a byte at a time, every 10 ms (a proxy in front of a hung engine)
+                if pings or empty_events:
+                    # Keep-alive comments a byte at a time (a proxy in front of a hung engine), or empty events.
+                    empty = [b"data: null\n\n", b"data: {}\n\n"]
+                    pieces = [b": ping\n\n"[i : i + 1] for i in range(8)] if pings else empty
                     while not reader.at_eof():
-                        for byte in b": ping\n\n":
-                            writer.write(b"1\r\n%c\r\n" % byte)
+                        for piece in pieces:
+                            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                             await asyncio.sleep(0.01)  # (the engine's pace)
                         if writer.is_closing():
                             break

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from lockgate.records import read_records
 from tests.conftest import instance
@@ -43,11 +44,14 @@ async def test_a_stream_whose_engine_goes_silent_ends_with_a_stall_error(start_g
     assert row["status"] == "error"
 
 
-async def test_a_stream_that_brings_only_keep_alives_is_stalled_too(start_gateway, stack):
+@pytest.mark.parametrize("empty_events", [False, True], ids=["keep-alives", "empty-events"])
+async def test_a_stream_that_brings_only_keep_alives_is_stalled_too(start_gateway, stack, empty_events):
     """Bytes keep coming, a byte at a time, and never an event (a proxy's keep-alive comments in front of a hung
-    engine): the connection's own watch sees bytes; the stream's sees no event for `upstream.stall_timeout_ms`."""
+    engine): the connection's own watch sees bytes; the stream's sees no event for `upstream.stall_timeout_ms`. So
+    with events that carry nothing (`data: null`, `data: {}` every 10 ms: an outside run's broken engine held a
+    stream, its slot and its engine connection for as long as its client waited)."""
     gone = asyncio.Event()
-    url = await hung_engine(stack, 1, gone, pings=True)
+    url = await hung_engine(stack, 1, gone, pings=not empty_events, empty_events=empty_events)
     gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}], **STALL)
     async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
         raw = await resp.read()
