@@ -34,6 +34,10 @@ _KEEP_ALIVE = b"Connection: keep-alive\r\n"
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
+#: The parser of every connection once lost (nothing feeds it).
+_LOST = httptools.HttpRequestParser(object())
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What each connection enforces (`limits:` in the configuration; see `HttpServer`)."""
@@ -192,6 +196,10 @@ class Connection(asyncio.Protocol):
         self._arm(self._loop.time() + server.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # The parser holds this protocol's bound methods (a reference cycle) and what it was gathering: let both go
+        # now, not at the collector's next full pass.
+        self._parser = _LOST
+        self._raw_headers = []
         self.lost = True
         self._server.connection_gone(self)
         if self._timer is not None:

@@ -56,6 +56,8 @@ HIGH_WATER = 256 * 1024
 WRITE_PIECE = 256 * 1024
 #: A response's status line and headers may not be larger than this.
 MAX_HEAD_BYTES = 64 * 1024
+#: The parser of every connection once lost (nothing feeds it).
+_LOST = HttpResponseParser(object())
 
 
 class Response:
@@ -185,6 +187,9 @@ class Response:
         finally:
             if self._listener is listener:
                 self._listener = None
+            # An exception `done` holds has this frame in its traceback: the frame must not hold `done` (a reference
+            # cycle, until the collector's next full pass).
+            del done, listener
 
     def release(self) -> None:
         """Give the connection back: to the pool if the body was completely received, else closed."""
@@ -386,6 +391,10 @@ class Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # The parser holds this protocol's bound methods (a reference cycle) and what it was gathering, the headers
+        # dict a head or trailers in progress: let both go now, not at the collector's next full pass.
+        self._parser = _LOST
+        self._headers = {}
         response = self._response
         if response is not None and self._until_close and exc is None:
             # A body without length or chunking ends when the server closes: that is its end, not an error.

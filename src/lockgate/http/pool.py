@@ -160,6 +160,10 @@ class HttpPool:
                 future.cancel()  # nobody will await it: keep abort() from setting an exception on it
                 conn.abort()
                 raise
+            finally:
+                # An exception the future holds has this frame in its traceback: the frame must not hold the future
+                # (a reference cycle, the connection in it, until the collector's next full pass).
+                del future
 
     async def aclose(self) -> None:
         """Close every connection, idle and in use (their readers see a ProtocolError); fail waiters."""
