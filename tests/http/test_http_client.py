@@ -825,6 +825,30 @@ async def test_a_watched_request_fails_as_stalled_when_its_server_goes_silent(ra
     assert_clean(pool, idle=0)
 
 
+async def test_a_head_trickled_a_byte_at_a_time_is_stalled_too(raw_server, open_pool) -> None:
+    """An outside run's slow-loris engine sent its response head a byte a second: every read moved the stall watch
+    on, and the head's 64 KiB bound would have taken 18 hours. A head that began must be complete within the watch."""
+    closed = asyncio.Event()
+
+    async def handler(index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-slow: ")
+        while not writer.is_closing():
+            writer.write(b"v")  # (a header value that never ends: never a complete head)
+            await writer.drain()
+            await asyncio.sleep(STALL_S / 5)  # (the engine's pace: well within the watch between two bytes)
+            if reader.at_eof():
+                break
+        closed.set()
+
+    pool = open_pool((await raw_server(handler)).url)
+    with pytest.raises(StalledError, match=r"did not finish its response head within 0\.05s"):
+        async with asyncio.timeout(10):  # (bounds a failure only: before, the request never ended)
+            await pool.request("POST", "/", b"{}", watch=STALL_S)
+    await closed.wait()
+    assert_clean(pool, idle=0)
+
+
 async def test_neither_an_unwatched_request_nor_one_whose_reading_is_paused_stalls(raw_server, open_pool) -> None:
     """A request not watched waits as long as its server takes (a whole answer that comes at its end); one whose
     reader has not taken what arrived (reading paused: the gateway is the slow one) is not the server's stall, and is

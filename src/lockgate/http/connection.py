@@ -242,6 +242,7 @@ class Connection(asyncio.Protocol):
     __slots__ = (
         "_drain",
         "_head",
+        "_head_began",
         "_head_bytes",
         "_head_only",
         "_headers",
@@ -292,6 +293,8 @@ class Connection(asyncio.Protocol):
         self._response: Response | None = None
         self._head_only = False
         self._head_bytes = 0
+        #: When a stall check first saw the current head begun and not complete (0.0: not seen so).
+        self._head_began = 0.0
         self._received = False
         self._until_close = False
         self._headers: dict[str, str] = {}
@@ -314,6 +317,7 @@ class Connection(asyncio.Protocol):
         self._head = future
         self._head_only = head_only
         self._head_bytes = 0
+        self._head_began = 0.0
         self._received = False
         self._headers = {}
         if len(body) <= WRITE_PIECE:
@@ -372,6 +376,16 @@ class Connection(asyncio.Protocol):
         and return True."""
         if not self.watch or self.closed or (self._head is None and self._response is None):
             return False
+        if self._head is not None and self._received:
+            # The head has begun and is not complete: a server sends it at once, and one trickled a byte at a time
+            # would keep the reads moving for as long as it liked (64 KiB at a byte a second: 18 hours).
+            if not self._head_began:
+                self._head_began = now
+            elif now - self._head_began >= self.watch:
+                error = StalledError(self.watch, trickled=True)
+                self._fail(error, error)
+                self.abort()
+                return True
         if self.reads != self._seen_reads or self.reading_paused:
             self._seen_reads, self._quiet_since = self.reads, now
             return False

@@ -40,8 +40,11 @@ class ResponseTooLarge(ProtocolError):
 
 class StalledError(ProtocolError):
     """The server sent nothing for the pool's `stall_timeout_s` while the response (its head, or the rest of its
-    body) was awaited on a watched request; the connection was closed."""
+    body) was awaited on a watched request, or it began its head and did not finish it within as long (`trickled`: a
+    byte at a time keeps the reads moving); the connection was closed."""
 
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"the server sent nothing for {timeout_s:g}s")
+    def __init__(self, timeout_s: float, *, trickled: bool = False) -> None:
+        what = "did not finish its response head within" if trickled else "sent nothing for"
+        super().__init__(f"the server {what} {timeout_s:g}s")
         self.timeout_s = timeout_s
+        self.trickled = trickled
