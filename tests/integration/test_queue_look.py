@@ -13,6 +13,7 @@ from aiohttp import web
 from lockgate.config import parse_config
 from lockgate.fleet.fleet import Fleet
 from lockgate.fleet.instance import Instance
+from lockgate.fleet.scrape import MAX_SCRAPE_SHARE, scrape_interval
 from lockgate.metrics import GatewayMetrics
 
 
@@ -75,3 +76,37 @@ async def test_a_look_at_an_engines_queue_is_one_scrape_for_all_askers_and_reads
         young.release()
         engine.own.tpot = type(engine.own.tpot)()  # the step time not measured: it cannot be told
         assert await young.queue_ahead() is None
+
+
+async def test_an_engine_whose_page_costs_more_than_its_interval_allows_is_scraped_less_often(serve_app) -> None:
+    """An outside run's engine served a page of 90,000 series under the size bound: parsing it every 200 ms cost the
+    gateway 21% of a core. The loop waits `scrape_interval` (the page's cost over `MAX_SCRAPE_SHARE`) before the next
+    scrape of such an engine; a page that parses quickly keeps the configured interval."""
+    big = "".join(f'vllm:num_requests_running{{k="{n}"}} 1\n' for n in range(60_000))
+    pages = {"big": big, "small": "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"}
+    urls = {}
+    for name, text in pages.items():
+
+        async def metrics(_: web.Request, text: str = text) -> web.Response:
+            return web.Response(text=text)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        urls[name] = await serve_app(app)
+    config = parse_config(
+        {
+            "models": [
+                {"name": "m", "instances": [{"url": url, "engine": "vllm", "name": name} for name, url in urls.items()]}
+            ],
+            "scrape": {"interval_ms": 200},
+            "health": {"interval_ms": 600000},
+        }
+    )
+    assert scrape_interval(0.2, 0.0001) == 0.2 and scrape_interval(0.2, 0.04) == 0.04 / MAX_SCRAPE_SHARE
+    async with Fleet(config, GatewayMetrics()) as fleet:
+        scraper = fleet.scraper
+        await scraper.scrape_all()  # (the loop's first round, or joined with it: one scrape of each engine)
+        due = {instance.name: at - time.monotonic() for instance, at in scraper._due.items()}
+        assert list(due) == ["big"] and due["big"] > 0.2  # (the page's cost, measured: at least 4 ms here)
+        small = next(i for i in fleet.pools["m"].instances if i.name == "small")
+        assert small.engine_load is not None and small.scrape_error is None
