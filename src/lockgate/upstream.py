@@ -559,7 +559,6 @@ def stalled(instance: str, exc: StalledError, *, stream: bool) -> UpstreamStalle
     """The error for an engine call that waited its watch for the engine's next byte (504): a stream's
     `upstream.stall_timeout_ms`, a whole answer's `upstream.answer_timeout_ms`."""
     setting = "upstream.stall_timeout_ms" if stream else "upstream.answer_timeout_ms"
-    what = "did not finish its response head within" if exc.trickled else "sent nothing for"
     return UpstreamStalled(
-        f"Instance {instance} {what} {exc.timeout_s:g}s ({setting}): the engine looks hung; the call was closed."
+        f"Instance {instance} {exc.what} {exc.timeout_s:g}s ({setting}): the engine looks hung; the call was closed."
     )

@@ -44,7 +44,7 @@ class StalledError(ProtocolError):
     byte at a time keeps the reads moving); the connection was closed."""
 
     def __init__(self, timeout_s: float, *, trickled: bool = False) -> None:
-        what = "did not finish its response head within" if trickled else "sent nothing for"
-        super().__init__(f"the server {what} {timeout_s:g}s")
+        #: What the server did, in the words of the message (`upstream.stalled` names the engine with them).
+        self.what = "did not finish its response head within" if trickled else "sent nothing for"
+        super().__init__(f"the server {self.what} {timeout_s:g}s")
         self.timeout_s = timeout_s
-        self.trickled = trickled
