@@ -82,13 +82,16 @@ async def test_an_engine_whose_page_costs_more_than_its_interval_allows_is_scrap
     """An outside run's engine served a page of 90,000 series under the size bound: parsing it every 200 ms cost the
     gateway 21% of a core. The loop waits `scrape_interval` (the page's cost over `MAX_SCRAPE_SHARE`) before the next
     scrape of such an engine; a small page keeps the configured interval whatever a busy process measured it to cost
-    (a first version deferred small pages after a pause of the loop, and another test's instance missed its scrape)."""
+    (a first version deferred small pages after a pause of the loop, and another test's instance missed its scrape).
+    A strict request's look at the engine's queue keeps to the same schedule (it scraped such an engine at once)."""
     big = "".join(f'vllm:num_requests_running{{k="{n}"}} 1\n' for n in range(60_000))
     pages = {"big": big, "small": "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"}
     urls = {}
+    scrapes = dict.fromkeys(pages, 0)
     for name, text in pages.items():
 
-        async def metrics(_: web.Request, text: str = text) -> web.Response:
+        async def metrics(_: web.Request, text: str = text, name: str = name) -> web.Response:
+            scrapes[name] += 1
             return web.Response(text=text)
 
         app = web.Application()
@@ -112,3 +115,9 @@ async def test_an_engine_whose_page_costs_more_than_its_interval_allows_is_scrap
         small = next(i for i in fleet.pools["m"].instances if i.name == "small")
         assert small.engine_load is not None and small.scrape_error is None
         assert len(big.encode()) >= MIN_COSTLY_PAGE > len(pages["small"])
+        # A strict request's look (`fresh`) at the costly engine does not scrape it before it is due: it cannot tell.
+        costly = next(i for i in fleet.pools["m"].instances if i.name == "big")
+        before = scrapes["big"]
+        assert await scraper.fresh(costly, 0.0) is None
+        assert scrapes["big"] == before
+        assert await scraper.fresh(small, 0.0) is small.engine_load  # (a small page is read again at once)

@@ -176,10 +176,14 @@ class Scraper:
             log.exception("instance %s: its scrape failed in the gateway", instance.name)
 
     async def fresh(self, instance: Instance, max_age: float) -> EngineLoad | None:
-        """The engine's load at most `max_age` seconds old: the last scrape's, else a scrape now (`fetch`)."""
-        load = instance.engine_load
-        if load is not None and instance.scrape_error is None and time.monotonic() - load.scraped_at <= max_age:
+        """The engine's load at most `max_age` seconds old: the last scrape's, else a scrape now (`fetch`). None if
+        the scrape failed, or if the engine's page is too costly to read again yet (`scrape_interval`): an asker
+        must not undo the schedule that bounds what its scrapes cost."""
+        load, now = instance.engine_load, time.monotonic()
+        if load is not None and instance.scrape_error is None and now - load.scraped_at <= max_age:
             return load
+        if self._due.get(instance, now) > now:
+            return None
         return await self.fetch(instance)
 
     async def fetch(self, instance: Instance) -> EngineLoad | None:
