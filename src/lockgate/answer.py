@@ -74,6 +74,9 @@ class EngineAnswer(Protocol):
     @property
     def events(self) -> EngineEvents | None: ...
 
+    @property
+    def whole(self) -> tuple[dict[str, Any], bytes | None] | None: ...
+
     def close(self) -> None: ...
 
 

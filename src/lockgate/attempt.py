@@ -6,10 +6,11 @@ the holder receives each attempt's lease and call through `hold` the moment they
 them up through `drop`, so whoever owns the request owns the engine call at every `await`.
 
 An attempt may be retried on another instance for a failed connect, a retryable status (500/502/503, or the
-engine refusing the gateway's credentials: 401/403/407),
-and for streams also a stream that breaks or ends before its first event. Retries are bounded by
-the model's `retries` and by the request's deadline. A connection that failed (refused, or dropped before an
-answer) rules out every instance at that address for the retry: the engines behind one sidecar share it.
+engine refusing the gateway's credentials: 401/403/407), for streams also a stream that breaks or ends before its
+first event, and for a non-streaming client an answer that breaks before its end (read whole while opening:
+`whole_limit`; an answer too large is not tried again). Retries are bounded by the model's `retries` and by the
+request's deadline. A connection that failed (refused, or dropped before an answer) rules out every instance at
+that address for the retry: the engines behind one sidecar share it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .errors import GatewayError, UpstreamConnectError, UpstreamError, UpstreamProtocolError
+from .answer import read_whole
+from .errors import GatewayError, UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTooLarge
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .fleet.pool import LongPrefillBusy
 from .routing.policies import RouteRequest
@@ -46,6 +48,9 @@ class Opened:
     lease: Lease
     #: The stream's events (None: the engine answers with one JSON body).
     events: UpstreamEvents | None
+    #: The whole answer for a non-streaming client, read while opening (`open_attempts`' `whole_limit`): its body and
+    #: the engine's bytes of it (None: assembled from a stream).
+    whole: tuple[dict[str, Any], bytes | None] | None = None
 
     def close(self) -> None:
         if self.events is not None:
@@ -65,10 +70,13 @@ async def open_attempts(
     time_left: Callable[[], bool],
     priority: int | None = None,
     before_send: Callable[[Lease, bool], None] | None = None,
+    whole_limit: int | None = None,
 ) -> Opened:
     """Route and open the engine call (see the module docstring); `before_send` is called with each attempt's
     lease just before its request goes out, and whether the engine streams its answer (then the lease sees its
-    first token): a strict request makes room there (`PoolScheduler.make_room`)."""
+    first token): a strict request makes room there (`PoolScheduler.make_room`). `whole_limit`: read the whole
+    answer before returning (`Opened.whole`, within that many bytes: `answer.read_whole`), for a client that
+    receives nothing before it, so that an engine dying midway sends it elsewhere too."""
     tried: set[str] = set()
     attempts = pool.config.retries + 1
     last_error: UpstreamError | None = None
@@ -117,15 +125,21 @@ async def open_attempts(
                 served = pool.named(call.served_by)
                 if served is not None:
                     lease.move(served)
-            if not call.stream:
-                return Opened(call, lease, None)
-            events = call.events(lease)
-            await events.read_first()
-            return Opened(call, lease, events)
+            events = None
+            if call.stream:
+                events = call.events(lease)
+                await events.read_first()
+            opened = Opened(call, lease, events)
+            if whole_limit is not None:
+                opened.whole = await read_whole(opened, api, whole_limit)
+            return opened
         except UpstreamError as exc:
             drop()
-            # Nothing reached a client yet: a stream that broke before its first event may go elsewhere.
-            retryable = exc.retryable or isinstance(exc, UpstreamProtocolError)
+            # Nothing reached a client yet: a stream that broke before its first event may go elsewhere (an answer
+            # read whole, before its end), unless it broke on the gateway's bound (another engine's is as large).
+            retryable = exc.retryable or (
+                isinstance(exc, UpstreamProtocolError) and not isinstance(exc, UpstreamTooLarge)
+            )
             if not retryable or attempt + 1 == attempts or not time_left():
                 raise
             last_error = exc

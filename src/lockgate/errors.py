@@ -202,6 +202,12 @@ class UpstreamProtocolError(UpstreamError):
     default_code = "upstream_protocol_error"
 
 
+class UpstreamTooLarge(UpstreamProtocolError):
+    """The engine's answer crossed the gateway's bound (`upstream.max_response_bytes`): not tried elsewhere."""
+
+    default_code = "upstream_response_too_large"
+
+
 class UpstreamStalled(UpstreamProtocolError):
     """The engine sent nothing for `upstream.stall_timeout_ms` while its streamed answer was awaited (a hung engine
     holds its requests until then, not forever); the call was closed."""

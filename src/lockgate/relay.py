@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .answer import read_whole
 from .attempt import Opened, open_attempts
 from .edge.server import Reply, Request
 from .exchange import Exchange, Phase
@@ -41,12 +40,15 @@ async def relay(
 ) -> Reply:
     """An admitted request that is not de-duplicated, straight from an engine of `fleet` (`before_send`: see
     `open_attempts`)."""
-    opened = await open_engine(ex, fleet, ex.api, http_request.headers, ex.id, before_send)
+    # A non-streaming client's answer is read whole while opening: one that breaks midway goes elsewhere.
+    whole_limit = None if ex.api.stream else fleet.upstream.max_response_bytes
+    opened = await open_engine(ex, fleet, ex.api, http_request.headers, ex.id, before_send, whole_limit)
     ex.served_by(opened.call.served_by)
     try:
-        if ex.api.stream:
-            return await _relay_stream(ex, http_request, opened)
-        return await _relay_whole(ex, opened, fleet.upstream.max_response_bytes)
+        if opened.whole is not None:
+            body, raw = opened.whole
+            return whole_body(ex, body, _headers(ex), raw)
+        return await _relay_stream(ex, http_request, opened)
     finally:
         opened.close()
 
@@ -58,9 +60,11 @@ def open_engine(
     headers: HeaderLookup,
     upstream_id: str,
     before_send: Callable[[Lease, bool], None] | None = None,
+    whole_limit: int | None = None,
 ) -> Awaitable[Opened]:
     """Route `api` (the request's own, or a resumed one's continuation) and open its engine call, retrying elsewhere
-    before the first byte (`open_attempts`); `ex` holds each attempt's lease and call, within its deadline."""
+    before the first byte (`open_attempts`, `whole_limit` too); `ex` holds each attempt's lease and call, within its
+    deadline."""
 
     def hold(lease: Lease, call: UpstreamCall) -> None:
         ex.attach(lease, call)
@@ -78,6 +82,7 @@ def open_engine(
         time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
         priority=ex.engine_priority,
         before_send=before_send,
+        whole_limit=whole_limit,
     )
 
 
@@ -88,11 +93,6 @@ def _headers(ex: Exchange) -> dict[str, str]:
         **ex.response_headers,
         "x-lockgate-cache": "bypass",
     }
-
-
-async def _relay_whole(ex: Exchange, opened: Opened, limit: int) -> Reply:
-    body, raw = await read_whole(opened, ex.api, limit)
-    return whole_body(ex, body, _headers(ex), raw)
 
 
 async def _relay_stream(ex: Exchange, http_request: Request, opened: Opened) -> Reply:

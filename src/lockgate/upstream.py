@@ -34,6 +34,7 @@ from .errors import (
     UpstreamProtocolError,
     UpstreamStalled,
     UpstreamStatusError,
+    UpstreamTooLarge,
     stream_error,
 )
 from .fleet.fleet import Fleet
@@ -547,11 +548,10 @@ def call_failed(
     return UpstreamProtocolError(f"Instance {instance.name} failed: {exc}")
 
 
-def too_large(instance: str, limit: int) -> UpstreamProtocolError:
+def too_large(instance: str, limit: int) -> UpstreamTooLarge:
     """The error for an engine answer larger than `upstream.max_response_bytes` (502)."""
-    return UpstreamProtocolError(
-        f"Instance {instance} sent an answer larger than upstream.max_response_bytes ({limit} bytes).",
-        code="upstream_response_too_large",
+    return UpstreamTooLarge(
+        f"Instance {instance} sent an answer larger than upstream.max_response_bytes ({limit} bytes)."
     )
 
 

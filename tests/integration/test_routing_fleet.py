@@ -13,6 +13,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lockgate.records import read_records
 from tests.conftest import instance
 
 SYSTEM = "You are the support agent of a large company. Follow the policy carefully. " * 8
@@ -195,6 +196,31 @@ async def test_instance_killed_mid_stream_yields_an_sse_error_not_a_retry(start_
     error = orjson.loads(events[-1].removeprefix(b"data: "))
     assert error["error"]["type"] == "upstream_error"
     assert spare.statistics()["requests_started"] == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["direct", "flight"])
+async def test_a_whole_answer_that_breaks_midway_is_retried_elsewhere(
+    start_sim, start_gateway, http, tmp_path, temperature
+):
+    """An outside run: llama.cpp killed while it generated a non-streaming client's answer (which the gateway reads
+    as a stream, `stream_upstream_always`) gave the client 502 though the other engine was idle and the client had
+    received nothing. The answer is read whole while the call opens, so a break midway goes elsewhere like a break
+    before the first event (on the direct path and for a de-duplication flight's JSON answer)."""
+    broken, good = await start_sim(), await start_sim()
+    instances = [instance(sim, name=name, engine="llamacpp") for name, sim in (("broken", broken), ("good", good))]
+    model = {"name": "m", "routing": "round_robin", "retries": 1, "instances": instances}
+    gw = await start_gateway([model], scrape={"enabled": False})
+    await control(http, broken, reset_after_tokens=3)  # three tokens, then its connection drops
+    body = {**chat(max_tokens=8), "temperature": temperature}
+    status, name, raw = await post(http, gw.url, body)
+    assert status == 200 and name == "good", raw
+    answer = orjson.loads(raw)
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 8
+    assert broken.statistics()["requests_started"] == 1 and good.statistics()["requests_finished"] == 1
+    assert upstream_errors(gw) == {("broken", "stream"): 1} and retries(gw) == 1
+    await gw.gateway.records.wait_flushed()
+    [record] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
 
 
 async def test_conversation_follows_its_cached_prefix_and_admin_fleet_shows_sources(start_sim, start_gateway, http):

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import orjson
 
 from ..admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, plan
-from ..answer import EngineAnswer, EngineReads, read_whole
+from ..answer import EngineAnswer, EngineReads
 from ..assemble import count_of, usage_of
 from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamProtocolError
 from ..http.connection import listener_of
@@ -330,9 +330,9 @@ class Flight:
                 opened = await self._signal.engine(self._open())
                 self._opened = opened
                 if not self.stream:
-                    self.body, self._body_bytes = await self._signal.engine(
-                        read_whole(opened, self.api, self.max_response_bytes)
-                    )
+                    whole = opened.whole  # read while opening: an answer that broke midway was tried elsewhere
+                    assert whole is not None
+                    self.body, self._body_bytes = whole
                     self._nbytes = 64 + opened.call.received
                     self._complete()
                     return

@@ -183,6 +183,7 @@ class Flights:
                 drop=drop,
                 time_left=lambda: True,
                 before_send=before_send,
+                whole_limit=None if request.stream else fleet.upstream.max_response_bytes,
             )
 
         flight = Flight(
