@@ -10,7 +10,8 @@ engine refusing the gateway's credentials: 401/403/407), for streams also a stre
 first event, and for a non-streaming client an answer that breaks before its end (read whole while opening:
 `whole_limit`; an answer too large is not tried again). Retries are bounded by the model's `retries` and by the
 request's deadline. A connection that failed (refused, or dropped before an answer) rules out every instance at
-that address for the retry: the engines behind one sidecar share it.
+that address for the retry: the engines behind one sidecar share it; so does any failure of a sidecar's (it tried
+its node's other engines before it answered).
 """
 
 from __future__ import annotations
@@ -144,9 +145,10 @@ async def open_attempts(
                 raise
             last_error = exc
             tried.add(instance.key)
-            if isinstance(exc, UpstreamConnectError):
+            if isinstance(exc, UpstreamConnectError) or instance.published is not None:
                 # The address failed, not only this engine: behind a sidecar that died with the request on it, the
-                # engines beside this one are gone too (a refused connection ejects them, a dropped one does not).
+                # engines beside this one are gone too (a refused connection ejects them, a dropped one does not);
+                # and a sidecar that answered an error had tried its node's other engines itself (its own retries).
                 tried.update(other.key for other in pool.instances if other.url == instance.url)
     raise AssertionError("unreachable")  # pragma: no cover
 

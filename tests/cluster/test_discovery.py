@@ -388,6 +388,30 @@ async def test_a_request_on_a_sidecar_that_dies_is_retried_on_another_node(
     resp.release()
 
 
+async def test_a_sidecar_that_answered_an_error_is_not_asked_again_through_its_other_engine(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """An outside run: both engines behind one sidecar died; the sidecar answered 503 (it had tried both), and the
+    central's one retry went to the other engine behind that same sidecar, which answered the same: clients got 503
+    while another node was healthy. A sidecar's failure rules out its address for the retry, as a dropped
+    connection does."""
+    name = unique_cluster("node-error")
+    sims = await start_sims(stack, 3)
+    for node, engines in (("node-a", sims[:2]), ("node-b", sims[2:])):
+        config = sidecar_config(etcd.url, name, engines, str(tmp_path / f"{node}.sqlite3"), node=node)
+        await stack.enter_async_context(GatewayServer(parse_config(config), role="sidecar"))
+    central_cfg = central_config(etcd.url, name, str(tmp_path / "c.sqlite3"), routing="round_robin")
+    central = await stack.enter_async_context(GatewayServer(parse_config(central_cfg)))
+    assert central.gateway is not None
+    await central.gateway.fleet.wait_until(lambda f: routable(f) == 3)
+    sims[0].control.fail_status = sims[1].control.fail_status = 503
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    for i in range(4):  # round robin: each engine of node-a is the first choice of some of them
+        async with session.post(central.url + "/v1/chat/completions", json=chat(f"failing node {i}")) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-lockgate-instance"] == "node-b/engine-0"
+
+
 async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless_it_stopped(tmp_path: Path) -> None:
     """An outside run: after etcd stalled past the lease TTL (or lost its data), every node key expired and the
     centrals dropped every engine before the sidecars re-registered ~50 ms later: clients got 404
