@@ -537,10 +537,12 @@ def call_failed(
 ) -> UpstreamError:
     """The gateway's error for an engine call that failed before its answer's status, reported to the fleet (its
     health and ejection). A connection the engine closed before answering (a dying engine; a stale keep-alive
-    connection is retried once by the pool) produced nothing: another instance may be tried, as when it refused."""
+    connection is retried once by the pool) produced nothing: another instance may be tried, as when it refused.
+    A failed connection's detail names the engine's address: the fleet's (`/admin/fleet`, the log), not the
+    client's (behind a central, a sidecar's answer showed its clients an engine's internal host and port)."""
     if isinstance(exc, ConnectError):
         fleet.report_failure(instance, "connect", str(exc))
-        return UpstreamConnectError(f"Cannot connect to instance {instance.name}: {exc}")
+        return UpstreamConnectError(f"Cannot connect to instance {instance.name}.")
     if isinstance(exc, DisconnectedError):
         fleet.report_failure(instance, "disconnect", repr(exc))
         return UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}")

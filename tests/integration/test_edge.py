@@ -109,6 +109,8 @@ async def test_unhealthy_fleet_503_with_retry_after_and_connect_failure_502(star
     status, _, raw = await post(http, gw.url, CHAT)
     assert status == 502 and error_of(raw)["code"] == "upstream_unreachable"
     assert fleet.instances[url].healthy is False
+    # What failed to connect where is the operator's to see (`/admin/fleet`), not the client's.
+    assert "Errno" not in raw.decode() and "Errno" in str(fleet.instances[url].last_error)
 
 
 async def test_retry_before_first_byte_goes_to_another_instance(start_sim, start_gateway, http):
