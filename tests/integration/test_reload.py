@@ -309,7 +309,9 @@ async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
     """A reload removes model `gone` while one of its requests runs and another waits for its only slot: the waiting
     request is answered 404 `model_not_found` at once, saying a reload removed the model (it waited for the running
     request and then got 503 `no_healthy_instance`); the running one completes. At temperature 0 the requests may be
-    de-duplicated: the queued one waits to lead a flight (`Slot.wait(unless)`), and is told as well."""
+    de-duplicated: the queued one waits to lead a flight (`Slot.wait(unless)`), and is told as well, and so is an
+    identical one waiting behind it (an outside run: it queued anew in the removed pool when the one ahead was told,
+    until its queue deadline). The model added again by a later reload takes requests again."""
     server, path, (sim_a, sim_b) = gateway
     gw = server.gateway
     assert gw is not None
@@ -338,6 +340,10 @@ async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
         await sim_a.wait_held(1)
         waiting = asyncio.create_task(one(1))
         await scheduler.wait_until(lambda core: queued(core) == 1)
+        twin = None
+        if temperature is not None:  # an identical request waits behind the queued one, without a ticket
+            twin = asyncio.create_task(one(1))
+            await gw.dedup.waiting.wait_until(lambda: len(gw.dedup.waiting) == 2)
 
         write(path, usage, [sim_b], {"a": KEY_A})
         async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
@@ -346,8 +352,16 @@ async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
         assert status == 404 and not running.done()
         assert answer["error"]["code"] == "model_not_found"
         assert "removed" in answer["error"]["message"] and "'gone'" in answer["error"]["message"]
+        if twin is not None:
+            status, answer = await twin
+            assert status == 404 and answer["error"]["code"] == "model_not_found"
         sim_a.release()
         assert (await running)[0] == 200
+        await gw.fleet.wait_retired()
+        path.write_text(both)  # the model again
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert (await resp.json())["changes"]["models"]["added"] == ["gone"]
+        assert (await one(2))[0] == 200
     await gw.fleet.wait_retired()
     assert_gateway_clean(gw)
     # Refused, not failed (it was recorded `error`, and counted against the success objective).

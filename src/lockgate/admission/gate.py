@@ -113,7 +113,11 @@ class PoolScheduler:
 
     def offer(self, klass: int, tag: object = None, arrived: float | None = None) -> Ticket:
         """Ask for a slot: the ticket comes back granted or queued; a full queue raises QueueFull. `arrived`: see
-        `SchedulerCore.offer` (this scheduler's clock)."""
+        `SchedulerCore.offer` (this scheduler's clock). A withdrawn pool (`withdraw`) raises its error: an identical
+        request that waited behind one of its queued requests looks for its own place once that one was told, and
+        queued anew here until its queue deadline (an outside run)."""
+        if self._withdrawn is not None:
+            raise self._withdrawn()
         ticket = Ticket(klass, tag)
         now = self._clock()
         if self.core.grant_at_once(ticket, now):
@@ -287,6 +291,10 @@ class PoolScheduler:
                 waiter.set_exception(error())
                 waiter.add_done_callback(_retrieved)  # (its request may never await it: no "never retrieved" log)
                 self.release(ticket)
+
+    def reinstate(self) -> None:
+        """A reload added the withdrawn pool's model again: it takes requests again."""
+        self._withdrawn = None
 
     def queue_time_left(self, klass: int, since: float) -> float | None:
         """Seconds left of class `klass`'s queue deadline for a request that began waiting at `since` (this
@@ -479,6 +487,7 @@ class Admission:
     def _add_schedulers(self, config: Config) -> None:
         for m in config.models:
             if m.name in self.schedulers:
+                self.schedulers[m.name].reinstate()  # (a model removed by a reload, then added again)
                 continue
             capacity = sum(i.concurrency_ceiling(config.upstream) for i in m.instances)
             self.schedulers[m.name] = PoolScheduler(
