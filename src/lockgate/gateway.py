@@ -96,6 +96,8 @@ class Gateway:
         #: A response's id as each tenant's clients see it (`response_ids.py`; with tenants configured), and as an
         #: open gateway's clients see it.
         self.response_ids = ResponseIds()
+        #: The warnings standing when they were last said (`unsaid_warnings`).
+        self._said: frozenset[str] = frozenset()
         self._open_ids = ResponseIds(bound=False)
         #: At a sidecar (its callers' tenants relayed by central replicas): tags are not believed (`response_ids.py`).
         self._sidecar_ids = ResponseIds(bound=False, trusts_tags=False)
@@ -161,7 +163,7 @@ class Gateway:
             # The routes the gate guards may have changed with it (`metrics_require_key` guards `/metrics`).
             self._route_table = self._routes()
         if diff.tenants_changed or diff.admin_changed:
-            for warning in self.warnings():  # (said at start too; a reload that adds the first tenants says it here)
+            for warning in self.unsaid_warnings():  # (a reload that adds the first tenants says it here)
                 log.warning("%s", warning)
         self.metrics.tokens.set_tenants(_tenant_order(config))
         self.fleet.apply(config, diff)  # its listeners resize the schedulers of the new pools
@@ -445,6 +447,15 @@ class Gateway:
         except GatewayError as exc:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)
+
+    def unsaid_warnings(self) -> list[str]:
+        """The `warnings()` not standing when they were last asked for (at start, at a reload changing tenants or
+        admin keys): each is said when it comes about, not again at every reload (an outside run's log held 181
+        copies of one after as many reloads)."""
+        now = self.warnings()
+        unsaid = [warning for warning in now if warning not in self._said]
+        self._said = frozenset(now)
+        return unsaid
 
     def warnings(self) -> list[str]:
         """What the operator of a gateway with tenants is told once it listens (and after a reload that changes its

@@ -295,7 +295,7 @@ async def serve(
             tune_gc()
             # `--workers`: the first worker says it all; the others one line each.
             announce(_banner(server) if workers is None or workers.index == 0 else _worker_line(server, workers))
-            for warning in server.gateway.warnings():
+            for warning in server.gateway.unsaid_warnings():
                 log.warning("%s", warning)
             reloads = asyncio.create_task(_reload_on_hangup(server.gateway, hangup, announce), name="lockgate-sighup")
             try:

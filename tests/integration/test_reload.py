@@ -9,6 +9,7 @@ and the answer says why. Removed instances are closed once their last request en
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,24 @@ async def gateway(stack: Any, start_sim: Any, tmp_path: Path) -> tuple[GatewaySe
     server = GatewayServer(load_config(path), config_path=path)
     await stack.enter_async_context(server)
     return server, path, sims
+
+
+async def test_a_warning_still_standing_is_not_said_again_at_each_reload(
+    gateway: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside run's log held 181 copies of one start-up warning after as many reloads changing tenants: a
+    warning is said when it comes about (at start, or at the reload that brings it), not again while it stands."""
+    server, path, (sim_a, _) = gateway
+    gw = server.gateway
+    assert gw is not None
+    assert any("/metrics needs no key" in w for w in gw.unsaid_warnings())  # what `lockgate serve` logs at start
+    caplog.set_level(logging.WARNING, logger="lockgate.gateway")
+    async with aiohttp.ClientSession() as http:
+        for keys in ({"a": KEY_A, "b": KEY_B}, {"a": KEY_A}):
+            write(path, tmp_path / "usage.sqlite3", [sim_a], keys)
+            async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+                assert (await resp.json())["changes"]["tenants_changed"] is True
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_reload_with_twenty_streams_in_flight(gateway: Any, tmp_path: Path) -> None:
