@@ -165,6 +165,27 @@ async def test_replicas_agree_share_load_and_coalesce_at_the_sidecar(
     assert sum(s.statistics()["requests_started"] for s in sims) == asked + 1
 
 
+async def test_a_central_that_has_not_read_etcd_yet_answers_503_not_404(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """An outside run: a central restarted in a rolling update answered its first requests (and, started while etcd
+    was down, every request) 404 `model_not_found`, which SDKs do not retry, for a model its sidecars serve. Until
+    its first read of etcd a model it does not know is 503 `cluster_not_synced`; after it, 404."""
+    unreachable = central_config("http://127.0.0.1:1", unique_cluster("unsynced"), str(tmp_path / "u.sqlite3"))
+    blind = await stack.enter_async_context(GatewayServer(parse_config(unreachable)))
+    synced_cfg = central_config(etcd.url, unique_cluster("synced"), str(tmp_path / "s.sqlite3"))
+    synced = await stack.enter_async_context(GatewayServer(parse_config(synced_cfg)))
+    assert synced.gateway is not None
+    await synced.gateway.fleet.wait_until(lambda f: not f.discovering)
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with session.post(blind.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "cluster_not_synced"
+    async with session.post(synced.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
+
+
 async def test_a_central_that_knows_no_engine_is_not_ready(
     etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
 ) -> None:

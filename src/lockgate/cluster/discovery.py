@@ -96,6 +96,7 @@ class Discovery:
         self._tasks: list[asyncio.Task[None]] = []
         #: etcd key -> the timer that detaches the engines of a node whose key went without it stopping (`_delete`).
         self._leaving: dict[str, asyncio.TimerHandle] = {}
+        fleet.discovering = True  # until the first full read (`resync`)
 
     async def __aenter__(self) -> Discovery:
         await self.etcd.__aenter__()
@@ -152,6 +153,8 @@ class Discovery:
         """Make the fleet match a full read of the prefix."""
         self.resyncs += 1
         self.synced_at = now
+        if self._fleet.discovering:
+            self._fleet.discovered()
         seen = set()
         for kv in kvs:
             seen.add(kv.key)

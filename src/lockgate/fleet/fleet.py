@@ -98,6 +98,9 @@ class Fleet:
         self.reports: dict[str, Callable[[], Any]] = {}
         #: Models only discovered instances served, gone with the last of them, and when (`gone_recently`).
         self._gone: dict[str, float] = {}
+        #: A cluster's central that has not read etcd yet (`cluster.discovery`; `discovered`): a model it does not
+        #: know may be one its sidecars serve.
+        self.discovering = False
 
     async def __aenter__(self) -> Fleet:
         self._build(self._config)
@@ -546,6 +549,11 @@ class Fleet:
         self._changes.notify()
         for listener in self.listeners:
             listener()
+
+    def discovered(self) -> None:
+        """A cluster's central read etcd for the first time: the models it does not know are not served."""
+        self.discovering = False
+        self._notify()
 
     async def wait_until(self, predicate: Callable[[Fleet], bool]) -> None:
         """Wait until `predicate(self)` holds, re-checked on every health/ejection change (no polling)."""
