@@ -5,7 +5,7 @@ Shared by the direct path (an `Exchange` holds the attempt) and by flights (a `F
 the holder receives each attempt's lease and call through `hold` the moment they exist and gives
 them up through `drop`, so whoever owns the request owns the engine call at every `await`.
 
-An attempt may be retried on another instance for a failed connect, a retryable status (500/502/503, or the
+An attempt may be retried on another instance for a failed connect, a retryable status (500-503, or the
 engine refusing the gateway's credentials: 401/403/407), for streams also a stream that breaks or ends before its
 first event, and for a non-streaming client an answer that breaks before its end (read whole while opening:
 `whole_limit`; an answer too large is not tried again). Retries are bounded by the model's `retries` and by the

@@ -240,7 +240,9 @@ class UpstreamStatusError(UpstreamError):
         # unsupported parameter), which is not a failure of the service either (`slo/usage.py`).
         # So may a refusal of the gateway's credentials: another instance may hold its own (and this one is ejected
         # as for a 5xx, `Fleet.report_failure`).
-        self.retryable = status in (500, 502, 503) or self.credentials_refused
+        # A 501 is an engine that does not do what was asked (an embeddings request to a llama.cpp started without
+        # `--embedding`): another may.
+        self.retryable = status in (500, 501, 502, 503) or self.credentials_refused
         self.rejected = 400 <= status < 500 and not self.credentials_refused
 
     @property

@@ -121,6 +121,22 @@ async def test_unknown_model_is_404(pair, http) -> None:
         assert (await resp.json())["error"]["code"] == "model_not_found"
 
 
+async def test_an_instance_that_does_not_serve_embeddings_is_passed_over_and_not_ejected(pair, http) -> None:
+    """An outside run: one llama.cpp of two started without `--embedding` answered the fleet's embeddings 501, which
+    reached the client (no retry) and counted as a failure of the instance's health (toward its ejection, which would
+    take it away from chat too). A 501 goes to another instance and says nothing of the engine's health."""
+    gw, a, _ = pair
+    assert gw.gateway is not None
+    a.control.fail_status = 501
+    for _ in range(8):  # round robin: half of them start on the instance that cannot serve them
+        async with http.post(gw.url + "/v1/embeddings", json={"model": "emb", "input": "x"}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-lockgate-instance"] == "b"
+    engine = next(i for i in gw.gateway.fleet.instances.values() if i.name == "a")
+    assert a.statistics()["requests_failed"] == 4
+    assert engine.ejection.consecutive_failures == 0 and not engine.ejection.ejected and engine.healthy
+
+
 async def test_retried_on_another_instance_before_the_first_byte(pair, http, tmp_path) -> None:
     gw, a, _ = pair
     assert gw.gateway is not None

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: An engine's refusals of the gateway's own credentials: failures of the instance, as a 5xx is, not the request's.
 _CREDENTIALS_REFUSED = ("http_401", "http_403", "http_407")
+#: An engine that does not do what was asked (an endpoint it does not serve): says nothing about its health (an
+#: outside run: a llama.cpp without `--embedding` answering the fleet's embeddings was charged a failure for each).
+_NOT_IMPLEMENTED = "http_501"
 #: Failures that count against an instance's health (with a 5xx): it broke the connection, the answer or the stream,
 #: or went silent in it.
 _ENGINE_FAILURES = ("disconnect", "protocol", "stream", "stall")
@@ -447,7 +450,11 @@ class Fleet:
                     if other.url == instance.url and other is not instance and not other.ejection.ejected:
                         self._set_health(other, False)
                         other.ejection.eject_now(now)
-        elif kind in _ENGINE_FAILURES or kind.startswith("http_5") or kind in _CREDENTIALS_REFUSED:
+        elif (
+            kind in _ENGINE_FAILURES
+            or (kind.startswith("http_5") and kind != _NOT_IMPLEMENTED)
+            or (kind in _CREDENTIALS_REFUSED)
+        ):
             if kind in _CREDENTIALS_REFUSED and not instance.told_credentials:
                 instance.told_credentials = True  # once per instance: its `api_key` (or the engine's) is wrong
                 log.warning(
