@@ -135,6 +135,7 @@ async def test_an_instance_that_does_not_serve_embeddings_is_passed_over_and_not
     engine = next(i for i in gw.gateway.fleet.instances.values() if i.name == "a")
     assert a.statistics()["requests_failed"] == 4
     assert engine.ejection.consecutive_failures == 0 and not engine.ejection.ejected and engine.healthy
+    assert engine.own.errors == 0 and engine.last_error is None  # (what `/admin/fleet` shows)
 
 
 async def test_retried_on_another_instance_before_the_first_byte(pair, http, tmp_path) -> None:

@@ -179,6 +179,10 @@ async def test_an_engines_500_is_retried_elsewhere_and_a_4xx_is_not(start_sim, s
     assert sorted(s for s, _, _ in answers) == ([200, 200] if retried else [200, status])
     assert failing.statistics()["requests_started"] == 1
     assert good.statistics()["requests_finished"] == (2 if retried else 1)
+    # A 4xx is the request's, refused: not an error of the instance's in `/admin/fleet` (an outside run read a
+    # client's bad requests there as the engine failing).
+    engine = next(i for i in gw.gateway.fleet.instances.values() if i.name == "failing")
+    assert engine.own.errors == (1 if retried else 0) and (engine.last_error is None) is not retried
 
 
 async def test_instance_killed_mid_stream_yields_an_sse_error_not_a_retry(start_sim, start_gateway, http):

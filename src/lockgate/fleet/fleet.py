@@ -438,9 +438,13 @@ class Fleet:
         `health.ejection.consecutive_failures` in a row, unless its pools need it (`may_eject`). Either
         way it returns after a successful probe."""
         self._metrics.upstream_errors.labels(instance.name, kind).inc()
-        instance.last_error = detail
         now = time.monotonic()
-        instance.own.error(now)
+        refused = (kind[:6] == "http_4" and kind not in _CREDENTIALS_REFUSED) or kind == _NOT_IMPLEMENTED
+        if not refused:
+            # The instance's errors (`/admin/fleet`), not the requests it refused (an outside run read a client's
+            # bad requests there as the engine failing).
+            instance.last_error = detail
+            instance.own.error(now)
         if kind == "connect":
             self._set_health(instance, False)
             ejected = instance.ejection.eject_now(now)
@@ -452,8 +456,8 @@ class Fleet:
                         other.ejection.eject_now(now)
         elif (
             kind in _ENGINE_FAILURES
-            or (kind.startswith("http_5") and kind != _NOT_IMPLEMENTED)
-            or (kind in _CREDENTIALS_REFUSED)
+            or (kind[:6] == "http_5" and kind != _NOT_IMPLEMENTED)
+            or kind in _CREDENTIALS_REFUSED
         ):
             if kind in _CREDENTIALS_REFUSED and not instance.told_credentials:
                 instance.told_credentials = True  # once per instance: its `api_key` (or the engine's) is wrong
