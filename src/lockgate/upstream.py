@@ -445,11 +445,10 @@ class UpstreamEvents:
                 except EventTooLarge:
                     self._done = True
                     call.broken("event too large")
-                    raise UpstreamProtocolError(
+                    raise UpstreamTooLarge(
                         f"Instance {call.served_by} sent an SSE event larger than "
                         f"{'upstream.max_response_bytes' if self._responses else 'upstream.max_event_bytes'} "
-                        f"({self._decoder.max_event_bytes} bytes).",
-                        code="upstream_response_too_large",
+                        f"({self._decoder.max_event_bytes} bytes)."
                     ) from None
         except UpstreamProtocolError as exc:
             if not out:

@@ -208,9 +208,12 @@ async def test_an_engine_answer_over_max_response_bytes_is_a_502(start_gateway, 
 async def test_an_engine_event_over_max_event_bytes_is_a_502(start_gateway, serve_app, http, whole):
     """`endless`: an SSE line that never ends (no newline, ever): the gateway stops at `upstream.max_event_bytes`.
     `one-write`: a 100 KiB event that arrives whole (an outside run: such events passed, the bound held only for an
-    event still incomplete after a read)."""
+    event still incomplete after a read). Not tried on the other engine: its answer would cross the bound as well."""
+    calls = 0
 
     async def engine(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         with contextlib.suppress(ConnectionError):
@@ -223,18 +226,25 @@ async def test_an_engine_event_over_max_event_bytes_is_a_502(start_gateway, serv
                 await response.write(b"x" * 16384)
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", engine)
-    url = await serve_app(app)
+    async def healthy(_: web.Request) -> web.Response:
+        return web.Response()
+
+    urls = []
+    for _ in range(2):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", engine)
+        app.router.add_get("/health", healthy)
+        urls.append(await serve_app(app))
+    instances = [{"url": url, "engine": "vllm"} for url in urls]
     gw = await start_gateway(
-        [{"name": "m", "dedup": "off", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}],
-        upstream={"max_event_bytes": 65536},
+        [{"name": "m", "dedup": "off", "retries": 1, "instances": instances}], upstream={"max_event_bytes": 65536}
     )
     body = {**DETERMINISTIC, "max_tokens": 5, "stream": True}
     async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 502
         error = upstream_error(await resp.read())
     assert error["code"] == "upstream_response_too_large" and "max_event_bytes" in error["message"]
+    assert calls == 1
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["endless", "one-write"])
