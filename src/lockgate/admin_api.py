@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .admission.admin import AdminGate, cross_site
 from .admission.admin import challenge as admin_challenge
@@ -24,7 +24,40 @@ from .workers import reload_all_workers
 from .workerset import LOCAL_HEADER, WorkerSet
 
 if TYPE_CHECKING:
-    from .gateway import Gateway
+    from .dedup.coalescer import Coalescer
+    from .exchange import Registry
+    from .fleet.fleet import Fleet
+    from .metrics import GatewayMetrics
+    from .reload import Reloader
+    from .slo import SloService
+
+
+class Operated(Protocol):
+    """What the operator's routes read and drive (`gateway.Gateway`)."""
+
+    @property
+    def workers(self) -> WorkerSet | None: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def registry(self) -> Registry: ...
+
+    @property
+    def dedup(self) -> Coalescer: ...
+
+    @property
+    def fleet(self) -> Fleet: ...
+
+    @property
+    def slo(self) -> SloService: ...
+
+    @property
+    def reloader(self) -> Reloader | None: ...
+
+    def error_response(self, error: GatewayError, request_id: str) -> Response: ...
+
 
 #: `DELETE /admin/requests/{id}` cancels a request in flight (or a flight, by its id).
 CANCEL_PREFIX = "/admin/requests/"
@@ -33,7 +66,7 @@ Handler = Callable[[Request], Awaitable[Reply]]
 
 
 class AdminApi:
-    def __init__(self, gateway: Gateway, gate: AdminGate) -> None:
+    def __init__(self, gateway: Operated, gate: AdminGate) -> None:
         self._gateway = gateway
         #: Who may use these routes (replaced by a reload that changes tenants or admin keys).
         self.gate = gate

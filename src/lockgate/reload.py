@@ -12,15 +12,21 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .config import Config, ConfigError, InstanceConfig, load_config
 from .config_diff import ConfigDiff, diff_configs, plan_reload
 
-if TYPE_CHECKING:
-    from .gateway import Gateway
-
 log = logging.getLogger(__name__)
+
+
+class Reconfigurable(Protocol):
+    """What a reload changes (`gateway.Gateway`): the configuration it serves, swapped in synchronously."""
+
+    @property
+    def config(self) -> Config: ...
+
+    def reconfigure(self, config: Config, diff: ConfigDiff) -> None: ...
 
 
 class Reloader:
@@ -28,7 +34,7 @@ class Reloader:
         self,
         path: str | Path,
         file_config: Config,
-        gateway: Gateway,
+        gateway: Reconfigurable,
         simulated: Mapping[str, list[InstanceConfig]],
     ) -> None:
         self.path = Path(path)

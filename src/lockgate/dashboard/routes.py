@@ -20,7 +20,6 @@ At most `dashboard.max_clients` streams are open at once (503 beyond). No authen
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -31,10 +30,7 @@ from .assets import STATIC_PREFIX, Assets
 from .feed import Feed
 from .history import Sample
 from .snapshot import build_snapshot
-from .sources import gather, read_totals
-
-if TYPE_CHECKING:
-    from ..gateway import Gateway
+from .sources import Observed, gather, read_totals
 
 EVENT_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -61,7 +57,7 @@ def encode_event(snapshot: object) -> bytes:
 
 
 class Dashboard:
-    def __init__(self, gateway: Gateway, config: DashboardConfig) -> None:
+    def __init__(self, gateway: Observed, config: DashboardConfig) -> None:
         self._gateway = gateway
         self.assets = Assets.load()
         self.feed = Feed(

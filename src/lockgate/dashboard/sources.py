@@ -20,7 +20,11 @@ from ..metrics import LoopFamily
 from .history import Buckets, Totals
 
 if TYPE_CHECKING:
-    from ..gateway import Gateway
+    from ..admission.gate import Admission
+    from ..dedup.coalescer import Coalescer
+    from ..exchange import Registry
+    from ..fleet.fleet import Fleet
+    from ..metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,34 @@ MAX_REQUESTS_SHOWN = 100
 #: What `Gateway.slo_provider` returns: `{"objectives": [{"name", "objective", "target", "status",
 #: "budget_remaining", "windows"}]}` (the shape of `GET /admin/slo`), or None when nothing is evaluated.
 SloProvider = Callable[[], Mapping[str, Any] | None]
+
+
+class Observed(Protocol):
+    """What a snapshot reads of the gateway (`gateway.Gateway`)."""
+
+    @property
+    def started_at(self) -> float: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def registry(self) -> Registry: ...
+
+    @property
+    def fleet(self) -> Fleet: ...
+
+    @property
+    def admission(self) -> Admission: ...
+
+    @property
+    def dedup(self) -> Coalescer: ...
+
+    @property
+    def slo_provider(self) -> SloProvider | None: ...
 
 
 class _Collectable(Protocol):
@@ -117,7 +149,7 @@ def counter_by(family: _Collectable, label: str) -> dict[str, float]:
     return out
 
 
-def read_totals(gateway: Gateway) -> Totals:
+def read_totals(gateway: Observed) -> Totals:
     """The cumulative metrics a `Sample` is the difference of. TTFT leaves out non-streaming requests
     when the family says which they are (their "first token" is the whole answer)."""
     metrics = gateway.metrics
@@ -129,7 +161,7 @@ def read_totals(gateway: Gateway) -> Totals:
     )
 
 
-def gather(gateway: Gateway, *, max_requests: int = MAX_REQUESTS_SHOWN) -> GatewayState:
+def gather(gateway: Observed, *, max_requests: int = MAX_REQUESTS_SHOWN) -> GatewayState:
     """Read the gateway's state for one snapshot."""
     exchanges = gateway.registry.all()
     listed = sorted(exchanges, key=lambda e: e.started)[:max_requests]
