@@ -184,10 +184,13 @@ class AdminApi:
                 request.path, request.headers.get("authorization")
             )
             flights += [flight for _, other in others for flight in other.get("flights", ())]
-            # Each worker's own caches and counts (`statistics` is this worker's).
-            answer["statistics_by_worker"] = {str(workers.index): answer["statistics"]} | {
+            # Each worker's own caches and counts, and their sum (an outside run read this worker's alone, then
+            # named `statistics`, as the gateway's).
+            by_worker = {str(workers.index): answer["statistics"]} | {
                 str(n): other.get("statistics") for n, other in others
             }
+            answer["statistics_by_worker"] = by_worker
+            answer["statistics"] = summed([part for part in by_worker.values() if isinstance(part, dict)])
         return json_response(answer)
 
     async def reload(self, request: Request) -> Response:
@@ -216,3 +219,15 @@ class AdminApi:
 
     async def fleet(self, request: Request) -> Response:
         return json_response(describe_fleet(self._gateway.fleet))
+
+
+def summed(parts: list[Any]) -> Any:
+    """Workers' statistics added up key by key: counts (integers) summed; anything else (a threshold, a flag, a
+    list of examples) as the first part has it."""
+    first = parts[0]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(key for part in parts if isinstance(part, dict) for key in part)
+        return {key: summed([part[key] for part in parts if isinstance(part, dict) and key in part]) for key in keys}
+    if isinstance(first, int) and not isinstance(first, bool):
+        return sum(part for part in parts if isinstance(part, int) and not isinstance(part, bool))
+    return first

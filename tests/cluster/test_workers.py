@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import yaml
 
+from lockgate.admin_api import summed
 from lockgate.config import parse_config
 from lockgate.server import GatewayServer
 from lockgate.sim import SimConfig, SimServer
@@ -270,6 +271,11 @@ async def test_operator_routes_answer_for_every_worker(
             [listed[n]] = answer["requests"]  # the stream, whichever worker holds it
         assert listed[0]["id"] == listed[1]["id"] and listed[0]["worker"] == listed[1]["worker"]
         holder = listed[0]["worker"]
+        # `/admin/flights`: every worker's statistics, and their sum (an outside run read one worker's as the sum).
+        async with worker[0].get("http://w/admin/flights") as r:
+            flights = await r.json()
+        assert set(flights["statistics_by_worker"]) == {"0", "1"}
+        assert flights["statistics"] == summed(list(flights["statistics_by_worker"].values()))
         assert holder in (0, 1)
         for n in (0, 1):
             async with worker[n].get("http://w/metrics") as r:
