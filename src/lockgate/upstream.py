@@ -541,7 +541,7 @@ def call_failed(
     client's (behind a central, a sidecar's answer showed its clients an engine's internal host and port)."""
     if isinstance(exc, ConnectError):
         fleet.report_failure(instance, "connect", str(exc))
-        return UpstreamConnectError(f"Cannot connect to instance {instance.name}.")
+        return UpstreamConnectError(f"Cannot connect to instance {instance.name}: {exc.reason}.")
     if isinstance(exc, DisconnectedError):
         fleet.report_failure(instance, "disconnect", repr(exc))
         return UpstreamConnectError(f"Instance {instance.name} closed the connection: {exc}")

@@ -110,6 +110,7 @@ async def test_unhealthy_fleet_503_with_retry_after_and_connect_failure_502(star
     assert status == 502 and error_of(raw)["code"] == "upstream_unreachable"
     assert fleet.instances[url].healthy is False
     # What failed to connect where is the operator's to see (`/admin/fleet`), not the client's.
+    assert error_of(raw)["message"].endswith(": the connection was refused.")
     assert "Errno" not in raw.decode() and "Errno" in str(fleet.instances[url].last_error)
 
 

@@ -23,7 +23,12 @@ class HttpClientError(Exception):
 
 
 class ConnectError(HttpClientError):
-    """No connection could be made (or the pool is closed); nothing was sent."""
+    """No connection could be made (or the pool is closed); nothing was sent. The message names the address;
+    `reason` says what happened without it (what a client of the gateway may be told)."""
+
+    def __init__(self, message: str, reason: str = "the connection failed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class DisconnectedError(HttpClientError):

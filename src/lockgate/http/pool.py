@@ -175,7 +175,7 @@ class HttpPool:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_exception(ConnectError("pool is closed"))
+                waiter.set_exception(ConnectError("pool is closed", "the gateway is closing its connections"))
         conns = [*self._idle, *self._in_use]
         for conn in conns:
             conn.abort()
@@ -210,7 +210,7 @@ class HttpPool:
         loop = asyncio.get_running_loop()
         while True:
             if self._closed:
-                raise ConnectError("pool is closed")
+                raise ConnectError("pool is closed", "the gateway is closing its connections")
             if not fresh and (conn := self._checkout_nowait()) is not None:
                 return conn
             idle = self._idle
@@ -253,19 +253,26 @@ class HttpPool:
                     )
         except TimeoutError as exc:
             conn.abort()
-            raise ConnectError(f"connect to {self._where()} timed out after {self._connect_timeout}s") from exc
+            raise ConnectError(
+                f"connect to {self._where()} timed out after {self._connect_timeout}s", "the connection timed out"
+            ) from exc
         except ssl.SSLCertVerificationError as exc:
             conn.abort()
             raise ConnectError(
                 f"TLS: the certificate of {self._where()} was rejected ({exc.verify_message}; "
-                f"server name {self._server_name!r})"
+                f"server name {self._server_name!r})",
+                "its TLS certificate was rejected",
             ) from exc
         except ssl.SSLError as exc:
             conn.abort()
-            raise ConnectError(f"TLS handshake with {self._where()} failed: {exc.reason or exc}") from exc
+            raise ConnectError(
+                f"TLS handshake with {self._where()} failed: {exc.reason or exc}", "the TLS handshake failed"
+            ) from exc
         except OSError as exc:
             conn.abort()
-            raise ConnectError(f"cannot connect to {self._where()}: {exc}") from exc
+            refused = isinstance(exc, ConnectionRefusedError)
+            reason = "the connection was refused" if refused else "the connection failed"
+            raise ConnectError(f"cannot connect to {self._where()}: {exc}", reason) from exc
         except BaseException:
             conn.abort()
             raise
