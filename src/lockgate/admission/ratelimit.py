@@ -190,10 +190,13 @@ class RateLimiter:
                     fill = min(fill, max(0.0, bucket.level) / bucket.capacity)
         return fill
 
-    def set_share(self, tenant: Tenant, share: float, now: float) -> None:
-        """This gateway's fraction (0..1] of the tenant's per-minute limits; the rest belongs to other
-        replicas of the cluster. Buckets are resized keeping the fraction they hold (so shares moving
-        between replicas neither lose nor mint allowance)."""
+    def set_share(self, tenant: Tenant, share: float, now: float, given_fill: float | None = None) -> None:
+        """This gateway's fraction (0..1] of the tenant's per-minute limits; the rest belongs to other replicas of
+        the cluster. A bucket that shrinks keeps the fraction it holds (what it gives up goes with its share); one
+        that grows takes the added part at `given_fill`, the fraction the replicas it comes from said they held, if
+        lower than its own (None: its own), so that shares moving between replicas do not mint allowance (an
+        outside run: a replica killed after spending its share left the survivor's full half to grow into the
+        whole limit, full, and the tenant was admitted 1.7x its limit)."""
         share = min(1.0, max(1e-6, share))
         self._shares[tenant.name] = share
         state = self._states.get(tenant.name)
@@ -203,7 +206,14 @@ class RateLimiter:
             if bucket is not None and limit is not None:
                 bucket.refill(now)
                 capacity = limit * share
-                bucket.level = bucket.level * capacity / bucket.capacity if bucket.capacity > 0 else capacity
+                if bucket.capacity <= 0:
+                    bucket.level = capacity
+                elif capacity <= bucket.capacity or given_fill is None:
+                    bucket.level = bucket.level * capacity / bucket.capacity
+                else:
+                    # (Never above its own fraction: the others' word is up to a record old, and they spent since.)
+                    fill = min(max(0.0, bucket.level) / bucket.capacity, given_fill)
+                    bucket.level = min(capacity, bucket.level + (capacity - bucket.capacity) * fill)
                 bucket.capacity = capacity
 
     def state(self, tenant: Tenant, now: float) -> TenantState:
@@ -251,7 +261,9 @@ class RateLimiter:
                 retry_after=None,
             )
         requests_wait = state.requests.wait_for(1) if state.requests is not None else 0.0
-        tokens_wait = state.tokens.wait_for(tokens) if state.tokens is not None else 0.0
+        # A reservation larger than this replica's share of the limit (a cluster's: it is under the limit) waits for
+        # a full bucket and leaves a debt: it could never pass otherwise, and Retry-After would promise it would.
+        tokens_wait = state.tokens.wait_for(min(tokens, state.tokens.capacity)) if state.tokens is not None else 0.0
         if requests_wait > 0 or tokens_wait > 0:
             # Retry-After is when both are back: a retry once the requests are would still find the tokens short.
             wait = max(requests_wait, tokens_wait)

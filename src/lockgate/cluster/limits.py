@@ -4,14 +4,16 @@ Every replica publishes, in its replica record, the demand it sees per rate-limi
 offered per second, admitted or refused, an average over ~`TAU_S`); every replica reads all the records
 (the central role's watch) and computes the same shares from them:
 
-    share(me) = (1 - w) / n + w * demand(me) / total demand
-    w         = (1 - EQUAL_PART) * min(1, requests in the window / MIN_EVIDENCE)
+    share(me) = EQUAL_PART / n + (1 - EQUAL_PART) * (count(me) + PRIOR_REQUESTS) / (total + n * PRIOR_REQUESTS)
 
-so the shares of the live replicas add up to one: together they admit the tenant's limit, wherever its
-clients connect. Demand counts only once there is enough of it to measure (a handful of requests would
-make the ratio noise), and never entirely (`EQUAL_PART`), so that a replica with no traffic for a tenant
-can take its first requests. A replica that joins or leaves (its lease expires) changes `n` and the
-shares at once; shares move only by more than `HYSTERESIS` (each move resizes the buckets).
+where `count` is a replica's requests in the window (demand x `TAU_S`), so the shares of the live replicas add up
+to one: together they admit the tenant's limit, wherever its clients connect. A few requests move the shares a
+little (`PRIOR_REQUESTS`: the ratio of a handful is noise), many move them to their ratio, and demand never counts
+entirely (`EQUAL_PART`), so that a replica with no traffic for a tenant can take its first requests: a client whose
+every request reaches one replica of two gets up to 0.9 of its limit. A replica that joins or leaves (its lease
+expires) changes `n` and the shares at once; shares move only by more than `HYSTERESIS` (each move resizes the
+buckets, `RateLimiter.set_share`: the part a share gains comes at the fill the others last said they held, the
+departed one's included, if lower than its own).
 
 A replica that joins a running cluster (a new one, a restart, a `--workers` worker started again) starts each
 tenant's buckets at the mean fraction the other replicas' records say they still hold (`fill`), not full: a
@@ -35,21 +37,28 @@ from .keys import ReplicaRecord, encode_replica
 EQUAL_PART = 0.2
 #: Time constant of the demand average (seconds).
 TAU_S = 10.0
-#: Requests in the window before the demand ratio gets its full weight.
-MIN_EVIDENCE = 200.0
+#: Requests counted for every replica beyond its own in the window (`share_of`): a handful of requests would make
+#: the demand ratio noise, and each move of a share resizes the buckets. (A fixed 200 requests in the window before
+#: the ratio counted in full left a tenant of 60 a minute, all of whose traffic reached one replica of two, about
+#: half its limit: an outside run.)
+PRIOR_REQUESTS = 5.0
 #: Smallest share change applied.
 HYSTERESIS = 0.02
 
 
 def share_of(me: str, demand: Mapping[str, float]) -> float:
     """This replica's share of one tenant's limits, from every live replica's demand for it (requests
-    per second; `me` included; a replica absent from `demand` counts as none)."""
-    n = len(set(demand) | {me})
-    total = sum(max(0.0, d) for d in demand.values())
+    per second; `me` included; a replica absent from `demand` counts as none): `EQUAL_PART` split equally, the rest
+    by each replica's part of the requests in the window, counted with `PRIOR_REQUESTS` more for every replica, so
+    that a few requests move the shares a little and many move them to their ratio."""
+    replicas = set(demand) | {me}
+    n = len(replicas)
+    counts = {r: max(0.0, demand.get(r, 0.0)) * TAU_S for r in replicas}
+    total = sum(counts.values())
     if total <= 0:
         return 1.0 / n
-    weight = (1 - EQUAL_PART) * min(1.0, total * TAU_S / MIN_EVIDENCE)
-    return (1 - weight) / n + weight * max(0.0, demand.get(me, 0.0)) / total
+    ratio = (counts[me] + PRIOR_REQUESTS) / (total + n * PRIOR_REQUESTS)
+    return EQUAL_PART / n + (1 - EQUAL_PART) * ratio
 
 
 class ClusterLimits:
@@ -107,7 +116,11 @@ class ClusterLimits:
     def apply(self, replicas: Mapping[str, ReplicaRecord]) -> None:
         """The live replicas changed (or their demand did): recompute and apply this replica's shares."""
         self.replicas = {r.id: dict(r.demand) for r in replicas.values()}
+        # What the others said they hold, the ones that left included (their last word): a share that grows takes
+        # its added part at that fill, not at this replica's own (`RateLimiter.set_share`).
+        before = {rid: fill for rid, fill in self._fills.items() if rid != self.replica}
         self._fills = {r.id: dict(r.fill) for r in replicas.values()}
+        others = before | {rid: fill for rid, fill in self._fills.items() if rid != self.replica}
         now = time.monotonic()
         for name, tenant in self._tenants.items():
             demand = {rid: d.get(name, 0.0) for rid, d in self.replicas.items()}
@@ -115,7 +128,9 @@ class ClusterLimits:
             current = self._limiter.share(name)
             if abs(share - current) > HYSTERESIS or (share != current and len(demand) != self._count.get(name)):
                 self._count[name] = len(demand)
-                self._limiter.set_share(tenant, share, now)
+                fills = [fill[name] for fill in others.values() if name in fill]
+                given = sum(fills) / len(fills) if fills else None
+                self._limiter.set_share(tenant, share, now, given)
 
     def shares(self) -> dict[str, float]:
         return {name: round(self._limiter.share(name), 4) for name in self._tenants}
