@@ -476,12 +476,17 @@ class RecordWriter:
         delete it. A line that is no record (torn by a crash or a full disk mid-append), or a record the database
         refuses for itself (a null id, a value it cannot bind: a line added by hand), is moved to
         `<path>.spill.rejected` rather than blocking the others; a failure of the database itself (locked, full)
-        raises, and the whole file is imported again later (INSERT OR REPLACE: nothing twice)."""
-        rejecting = claimed.with_suffix(".rejecting")  # (this attempt's; appended to `.rejected` once it succeeds)
-        rejected = 0
-        with claimed.open("rb") as lines, rejecting.open("wb") as aside:
+        raises, and the import resumes later after the last batch stored (`<path>.spill.imported` says where: an
+        outside run saw a file imported again from its first line, the rows kept once by INSERT OR REPLACE but the
+        batches stored before the failure written to the access log and counted twice)."""
+        rejecting = claimed.with_suffix(".rejecting")  # (this file's; appended to `.rejected` once it is done)
+        progress = claimed.with_suffix(".imported")
+        done, aside_done = _read_progress(progress)
+        with claimed.open("rb") as lines, rejecting.open("ab") as aside:
+            lines.seek(done)
+            aside.truncate(aside_done)  # (lines put aside after the last batch stored are put aside again)
             batch: list[UsageRecord] = []
-            for line in lines:
+            while line := lines.readline():
                 line = line.rstrip(b"\r\n")
                 if not line:
                     continue
@@ -489,17 +494,22 @@ class RecordWriter:
                     batch.append(UsageRecord(**orjson.loads(line)))
                 except (orjson.JSONDecodeError, TypeError):
                     aside.write(line + b"\n")
-                    rejected += 1
                     continue
                 if len(batch) >= self._batch_size:
-                    rejected += self._write_sorting(batch, aside.write)
+                    self._write_sorting(batch, aside.write)
                     batch = []
-            rejected += self._write_sorting(batch, aside.write)
-        if rejected:
+                    aside.flush()
+                    _write_progress(progress, lines.tell(), aside.tell())
+            self._write_sorting(batch, aside.write)
+        put_aside = rejecting.read_bytes()
+        if put_aside:
             target = claimed.with_suffix(".rejected")
-            _append(target, rejecting.read_bytes())
-            log.error("usage writer: %d line(s) of %s are no records; moved to %s", rejected, claimed, target)
+            _append(target, put_aside)
+            log.error(
+                "usage writer: %d line(s) of %s are no records; moved to %s", put_aside.count(b"\n"), claimed, target
+            )
         rejecting.unlink()
+        progress.unlink(missing_ok=True)
         claimed.unlink()
 
     def _write_live(self, batch: list[UsageRecord]) -> None:
@@ -588,6 +598,23 @@ def _record_line(record: UsageRecord) -> bytes:
         return orjson.dumps(row) + b"\n"
     except TypeError:
         return json.dumps(row, separators=(",", ":"), default=repr).encode() + b"\n"
+
+
+def _read_progress(path: Path) -> tuple[int, int]:
+    """How far an earlier import of a spill file got (`RecordWriter._import_claimed`): the bytes of the file stored,
+    and of its put-aside lines; (0, 0) if it got nowhere (or the note cannot be read: the file is imported whole)."""
+    try:
+        done, aside = path.read_text().split()
+        return max(0, int(done)), max(0, int(aside))
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _write_progress(path: Path, done: int, aside: int) -> None:
+    """Note how far an import got, replacing the note whole (a crash leaves the old one or the new one)."""
+    partial = path.with_suffix(".imported-new")
+    partial.write_text(f"{done} {aside}\n")
+    partial.replace(path)
 
 
 def _append(path: Path, data: bytes) -> None:

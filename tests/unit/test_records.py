@@ -359,6 +359,47 @@ def test_a_spill_file_is_imported_a_batch_at_a_time(tmp_path: Path) -> None:
     assert peak < size / 4, (peak, size)  # (read whole: more than twice the file)
 
 
+def test_an_import_that_fails_midway_resumes_after_the_last_batch_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside run: a spill import failing at a later batch (the database locked again) was imported again from
+    the file's first line: INSERT OR REPLACE kept the rows once, but every batch stored before the failure was
+    written to the access log and counted in `lockgate_usage_records_written_total` twice (512 requests billed twice
+    from the access log). The import resumes after the last batch stored; lines put aside before it stay aside
+    once."""
+    path = str(tmp_path / "u.sqlite3")
+    claimed = Path(path + ".spill.importing")
+    lines = [orjson.dumps(asdict(record(n))) for n in range(10)]
+    lines.insert(1, lines[0][:17])  # a torn line in the first batch
+    claimed.write_bytes(b"".join(line + b"\n" for line in lines))
+    writer = RecordWriter(path, GatewayMetrics(), batch_size=3)
+    writer._open()
+    stored: list[str] = []
+    original = writer._write
+    calls = [0]
+
+    def write(batch: list[UsageRecord]) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise sqlite3.OperationalError("database is locked")
+        original(batch)
+        stored.extend(r.request_id for r in batch)
+
+    monkeypatch.setattr(writer, "_write", write)
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            writer._import_claimed(claimed)  # two batches stored, the third refused
+        assert stored == ["r0", "r1", "r2", "r3", "r4", "r5"] and claimed.exists()
+        writer._import_claimed(claimed)  # later: resumes at the third batch
+    finally:
+        assert writer._db is not None
+        writer._db.close()
+    assert stored == [f"r{n}" for n in range(10)]  # each once: what the access log and the counter see
+    assert writer.written == 10 and len(read_records(path)) == 10
+    assert read_file(path + ".spill.rejected") == lines[1] + b"\n"
+    assert not claimed.exists() and not exists(path + ".spill.imported") and not exists(path + ".spill.rejecting")
+
+
 async def test_a_directory_at_the_spill_path_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An operator's directory at the spill path was renamed as a claimed spill and blocked every import after;
     now it is no spill file: the records it could not take are held, then stored once the database works."""
