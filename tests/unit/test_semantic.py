@@ -188,3 +188,24 @@ def test_the_index_is_bounded_by_bytes_of_results():
     assert len(index) == 3 and index.nbytes == 90
     index.add(b"s", rng.random(4, dtype=np.float32), "big", sized(101))  # larger than the bound: not added
     assert len(index) == 3 and index.nbytes == 90
+
+
+def test_the_index_loads_its_engine_so_that_the_embedders_runtime_loads_after_it() -> None:
+    """Found while checking the extra: a process that imported usearch's extension (a `SemanticIndex`) before
+    onnxruntime (the embedder's runtime) died with a segmentation fault inside libstdc++ when it loaded onnxruntime
+    (onnxruntime 1.32, usearch 2.26). The gateway built its embedder first, so `serve` was spared, but any other
+    order (a tool, a test, a later change) killed the process."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("usearch") is None or importlib.util.find_spec("onnxruntime") is None:
+        pytest.skip("the semantic extra is not installed")  # (imported here to check, they would crash this process)
+    script = (
+        "from lockgate.semantic.index import SemanticIndex\n"
+        "SemanticIndex(8, max_entries=4, ttl_ms=1000)\n"
+        "import onnxruntime\n"
+        "print('loaded', onnxruntime.get_device())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "loaded" in done.stdout, (done.returncode, done.stderr[-500:])

@@ -8,6 +8,7 @@ entries overall (least recently used go first) and by a TTL; an injectable clock
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,6 +47,10 @@ class SemanticIndex:
     ) -> None:
         """Bounded by `max_entries` and by `max_bytes` of results (None: entries only); least recently
         used go first, and a result larger than `max_bytes` is not added."""
+        with contextlib.suppress(ImportError):
+            # The embedder's runtime first: loaded after usearch's extension, onnxruntime's crashes the process in
+            # libstdc++ (onnxruntime 1.32 with usearch 2.26: a segmentation fault while importing it).
+            import onnxruntime  # noqa: F401
         from usearch.index import Index
 
         self._index_type = Index
