@@ -129,8 +129,18 @@ def plan_reload(
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, "the new configuration with the running settings")) from None
     expanded = with_instances(merged, simulated)
+    listed = {model.name for model in new_file.models}
+    served_models = []
+    for model in expanded.models:
+        old = old_models.get(model.name)
+        if model.name not in listed and old is not None and old.semantic is not None and model.semantic is None:
+            # Gone from `models:` but still served by the simulators: its cache runs on until a restart (an outside
+            # run: the reload said nothing, and reloading the file it started with then reported a change).
+            restart.append(f"models[{model.name}].semantic")
+            model = model.model_copy(update={"semantic": old.semantic})
+        served_models.append(model)
     return ReloadPlan(
-        served=served.model_copy(update={"models": expanded.models, "tenants": merged.tenants, "admin": merged.admin}),
+        served=served.model_copy(update={"models": served_models, "tenants": merged.tenants, "admin": merged.admin}),
         applied_file=merged,
         restart_required=tuple(restart),
     )

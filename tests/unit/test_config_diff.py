@@ -115,6 +115,24 @@ def test_a_reload_that_turns_on_dedup_for_a_model_with_a_semantic_section_needs_
     assert plan_reload(old, added, old, {}).restart_required == ("models[n].semantic",)
 
 
+def test_a_semantic_model_gone_from_the_file_but_still_simulated_keeps_its_cache_until_a_restart() -> None:
+    """An outside run: a model's `models:` entry (its `semantic:` with it) deleted while `simulate:` still serves it:
+    the reload said `restart_required: []` and the cache kept serving; reloading the file the gateway started with
+    then reported `models[sem].semantic` as changed, at every reload after."""
+    from lockgate.embedded import with_instances
+
+    simulate = [{"models": ["sem"], "count": 1}]
+    running = config([{"name": "sem", "instances": [], "semantic": {"threshold": 0.9}}], simulate=simulate)
+    simulated = {"sem": [InstanceConfig(url=A, engine="vllm", name="sim-1")]}
+    served = with_instances(running, simulated)
+    dropped = config([], simulate=simulate)
+    plan = plan_reload(running, dropped, served, simulated)
+    assert plan.restart_required == ("models[sem].semantic",)
+    assert [m.semantic for m in plan.served.models if m.name == "sem"] == [running.models[0].semantic]
+    again = plan_reload(plan.applied_file, running, plan.served, simulated)  # the file it started with, again
+    assert again.restart_required == ()
+
+
 def test_rate_limits_take_new_capacities_and_keep_levels() -> None:
     tenant = Tenant(name="t", models=None, default_priority=1, max_priority=0, requests_per_minute=10)
     limiter = RateLimiter()
