@@ -12,9 +12,9 @@ from lockgate.wire import ApiRequest, Endpoint, validate
 
 
 def test_guard_keeps_numbers_and_negations_apart():
-    assert signature("What is 12 times 7?") == (("12", "7"), 0)
-    assert signature("what is twelve times seven") == (("12", "7"), 0)
-    assert signature("Isn't it 1,000 km?") == (("1000",), 1)
+    assert signature("What is 12 times 7?") == (("12", "*", "7"), 0)
+    assert signature("what is twelve times seven") == (("12", "*", "7"), 0)
+    assert signature("Isn't it 1,000 km?") == (("1000", "km"), 1)
     assert not compatible("What is 12 times 7?", "What is 12 times 8?")
     assert not compatible("Is coffee bad for you?", "Is coffee not bad for you?")
     assert not compatible("Which countries border Germany?", "Which countries don't border Germany?")
@@ -47,6 +47,42 @@ def test_guard_reads_commas_between_numbers_as_separators_unless_they_group_thou
     assert not compatible("What is 1,5 times 2?", "What is 15 times 2?")
     assert compatible("Is 1,234 more than 1,000?", "Is 1234 more than 1000?")
     assert signature("-1,2") == (("-1", "2"), 0)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("Ce vin est bon pour la santé ?", "Ce vin n'est pas bon pour la santé ?"),
+        ("¿Es bueno el café?", "¿No es bueno el café?"),
+        ("Ist Kaffee gesund?", "Ist Kaffee nicht gesund?"),
+        ("Кофе полезен?", "Кофе не полезен?"),
+        ("Convert 5 miles to km", "Convert 5 km to miles"),
+        ("What is 100 F in C?", "What is 100 C in F?"),
+        ("Select rows where age > 30", "Select rows where age < 30"),
+        ("Sort the list in ascending order", "Sort the list in descending order"),
+        ("Should I eat before running?", "Should I eat after running?"),
+        ("Convert the title to uppercase", "Convert the title to lowercase"),
+        ("What is 12 plus 7?", "What is 12 minus 7?"),
+        ("Find the maximum of the column", "Find the minimum of the column"),
+    ],
+)
+def test_guard_keeps_apart_what_an_outside_run_saw_served_for_each_other(one: str, other: str) -> None:
+    """Each pair was served the other's cached answer at the default threshold: negations in other languages, a
+    swapped unit or comparison, opposite poles, another operation."""
+    assert not compatible(one, other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("Convert 5 miles to kilometers", "convert 5 mi into km"),
+        ("What's the max of these values?", "What is the maximum of these values?"),
+        ("Is it 30 °C today?", "Is it 30 celsius today?"),
+        ("Ce vin est-il bon ?", "Est-ce que ce vin est bon ?"),
+    ],
+)
+def test_guard_lets_paraphrases_through(one: str, other: str) -> None:
+    assert compatible(one, other)
 
 
 def chat(content: str, **extra: Any) -> ApiRequest:
@@ -168,6 +204,33 @@ async def test_scope_ttl_bounds_and_long_texts(embedder):
         cache.add(await cache.probe("t", chat(question)), answer(question))
     assert len(cache.index) == 2
     assert await cache.probe("t", chat("word " * 300)) is None  # longer than the model reads
+
+
+async def test_texts_the_model_cannot_read_whole_are_not_compared(embedder):
+    """An outside run: unrelated Thai questions (no spaces: one unknown word each), Khmer ones, and "Draw me a 🐱"
+    / "Draw me a 🐶" embedded alike (the tokenizer's unknown piece), similarity 1.0, and were served each other's
+    answers; a 3 MB prompt was tokenized whole to find it too long, holding the event loop for seconds."""
+    from lockgate.semantic.embedder import MAX_TEXT_CHARS
+
+    cache, _ = await cache_with(embedder, "How do I reset my password?")
+    for text in ("วันนี้อากาศเป็นอย่างไร", "Draw me a 🐱", "ថ្ងៃនេះអាកាសធាតុយ៉ាងម៉េច"):
+        assert not embedder.fits(text)
+        assert await cache.probe("t", chat(text)) is None
+    long = "a " * MAX_TEXT_CHARS
+    tokenized = []
+    original = embedder._tokenizer
+
+    class Counting:
+        def encode(self, text: str) -> Any:
+            tokenized.append(len(text))
+            return original.encode(text)
+
+    embedder._tokenizer = Counting()
+    try:
+        assert not embedder.fits(long) and tokenized == []  # refused by its length alone
+    finally:
+        embedder._tokenizer = original
+    assert embedder.fits("Comment réinitialiser mon mot de passe ?")  # accents are known pieces
 
 
 def test_the_index_is_bounded_by_bytes_of_results():

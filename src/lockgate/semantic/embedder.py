@@ -16,6 +16,13 @@ from ..extras import install_hint
 
 TOKENIZER = Path(__file__).with_name("tokenizer.json")
 MAX_TOKENS = 128
+#: Longer texts are not embedded (nor tokenized): 128 tokens of any text the model reads whole are far shorter,
+#: and tokenizing a 3 MB prompt to find it too long held the event loop's lock for seconds (an outside run: health
+#: checks timed out and engines were taken out).
+MAX_TEXT_CHARS = 4096
+#: The tokenizer's id for a piece it does not know: Thai, Khmer (no spaces: a whole sentence is one word), an
+#: emoji, a word over 100 characters.
+UNKNOWN_ID = 100
 
 
 class Embedder(Protocol):
@@ -25,7 +32,10 @@ class Embedder(Protocol):
         """One L2-normalised float32 row per text; None for a text too long to embed whole."""
         ...
 
-    def fits(self, text: str) -> bool: ...
+    def fits(self, text: str) -> bool:
+        """Whether the model reads the text whole and knows every piece of it (otherwise two different texts
+        could embed alike: it is not compared by meaning)."""
+        ...
 
 
 class SemanticUnavailable(RuntimeError):
@@ -61,8 +71,13 @@ class MiniLM:
         self._inputs = {i.name for i in self._session.get_inputs()}
 
     def fits(self, text: str) -> bool:
-        """False when the text is longer than the model reads (the tail would be ignored)."""
-        return not self._tokenizer.encode(text).overflowing
+        """False when the text is longer than the model reads (the tail would be ignored), or holds a piece the
+        tokenizer does not know (`UNKNOWN_ID`: every unrelated Thai question embedded alike, similarity 1.0, and was
+        served another's answer: an outside run)."""
+        if len(text) > MAX_TEXT_CHARS:
+            return False
+        encoding = self._tokenizer.encode(text)
+        return not encoding.overflowing and UNKNOWN_ID not in encoding.ids
 
     def embed(self, texts: list[str]) -> Any:
         np = self._np
