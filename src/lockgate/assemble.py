@@ -145,6 +145,55 @@ def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
     return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}
 
 
+class ChoiceUsages:
+    """An engine's usage reported per choice, merged as OpenAI counts it: every choice's completion tokens, each
+    prompt's tokens once (`per_prompt` choices each: `n`). llama.cpp reports a completion's usage on each choice's
+    finish chunk and a chat's on a usage-only chunk per choice, each for that choice alone: the last one read was the
+    answer's usage (an outside run: a completion of two prompts reported one prompt's tokens). `merge` rewrites each
+    event carrying a usage to the totals so far, so that the last one carries them all."""
+
+    __slots__ = ("_next", "_per_prompt", "_seen")
+
+    def __init__(self, per_prompt: int) -> None:
+        self._per_prompt = max(1, per_prompt)
+        #: Choice index -> its prompt tokens, completion tokens and cached prompt tokens (None: not reported).
+        self._seen: dict[int, tuple[int, int, int | None]] = {}
+        #: The index given to the next usage that names no choice (a chat's usage-only chunks come in order).
+        self._next = 0
+
+    def merge(self, event: dict[str, Any]) -> None:
+        usage = event.get("usage")
+        if not isinstance(usage, dict):
+            return
+        index: int | None = None
+        choices = event.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            found = choices[0].get("index")
+            index = found if type(found) is int and found >= 0 else None
+        if index is None:
+            index, self._next = self._next, self._next + 1
+        details = usage.get("prompt_tokens_details")
+        cached = count_of(details.get("cached_tokens")) if isinstance(details, dict) else None
+        self._seen[index] = (count_of(usage.get("prompt_tokens")), count_of(usage.get("completion_tokens")), cached)
+        if len(self._seen) == 1:
+            return  # one choice so far: its usage is the answer's
+        prompts: dict[int, tuple[int, int | None]] = {}
+        completion = 0
+        for choice, (prompt, generated, hits) in self._seen.items():
+            completion += generated
+            prompts.setdefault(choice // self._per_prompt, (prompt, hits))
+        prompt = sum(tokens for tokens, _ in prompts.values())
+        merged = {
+            **usage,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if isinstance(details, dict):
+            merged["prompt_tokens_details"] = {**details, "cached_tokens": sum(h or 0 for _, h in prompts.values())}
+        event["usage"] = merged
+
+
 def has_content(event: dict[str, Any]) -> bool:
     """Whether a chunk (or a response's event) carries output: a token at least."""
     for choice in event.get("choices") or ():

@@ -106,6 +106,7 @@ async def open_attempts(
             stream=stream,
             # Only a sidecar (an engine published through etcd) is told whose request it is.
             headers=api.trace_headers + api.relay_headers if instance.published is not None else api.trace_headers,
+            choices_per_prompt=api.choices_per_prompt(),
         )
         uncached = max(0, route.prompt_tokens - cached)
         lease = fleet.lease(

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from .assemble import has_content
+from .assemble import ChoiceUsages, has_content
 from .errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -58,6 +58,7 @@ MAX_ENGINE_NAME = 256
 class UpstreamCall:
     __slots__ = (
         "_body",
+        "_choices_per_prompt",
         "_extra_headers",
         "_finished",
         "_fleet",
@@ -83,8 +84,11 @@ class UpstreamCall:
         *,
         stream: bool,
         headers: tuple[tuple[str, str], ...] = (),
+        choices_per_prompt: int = 1,
     ) -> None:
         self._fleet = fleet
+        #: The request's `n`: how a usage reported per choice is counted (`assemble.ChoiceUsages`).
+        self._choices_per_prompt = choices_per_prompt
         #: Request headers beyond the instance's own (trace context).
         self._extra_headers = headers
         self._metrics = metrics
@@ -183,7 +187,8 @@ class UpstreamCall:
         stall_s = limits.stall_timeout_ms / 1000
         if self._path == RESPONSES_PATH:
             return UpstreamEvents(self, self._require(), limits.max_response_bytes, lease, stall_s, responses=True)
-        return UpstreamEvents(self, self._require(), limits.max_event_bytes, lease, stall_s)
+        usages = ChoiceUsages(self._choices_per_prompt) if self.instance.dialect.usage_per_choice else None
+        return UpstreamEvents(self, self._require(), limits.max_event_bytes, lease, stall_s, usages=usages)
 
     def _require(self) -> Response:
         if self._response is None:
@@ -265,6 +270,7 @@ class UpstreamEvents:
         "_stall_s",
         "_tail",
         "_taken",
+        "_usages",
         "backlog",
         "broken",
         "ended",
@@ -279,8 +285,11 @@ class UpstreamEvents:
         stall_s: float = 0.0,
         *,
         responses: bool = False,
+        usages: ChoiceUsages | None = None,
     ) -> None:
         self._call = call
+        #: An engine's usage reported per choice, merged into each event that carries one (None: it is the answer's).
+        self._usages = usages
         #: `upstream.stall_timeout_ms` (0: off) for a stream that brings bytes but no event (keep-alive comments, or an
         #: event a byte at a time: the connection's own watch sees bytes), and since when its reads brought none.
         self._stall_s = stall_s
@@ -393,6 +402,8 @@ class UpstreamEvents:
                         )
                     content = has_content(event)
                     if not content:
+                        if self._usages is not None:
+                            self._usages.merge(event)
                         if "error" in event or event.get("object") == "error" or event.get("type") == "error":
                             failure = stream_error(event)
                             if failure is not None:

@@ -132,6 +132,11 @@ class ApiRequest:
             self._prompt_tokens = max(1, len(self.prompt_text()) // 4)
         return self._prompt_tokens
 
+    def choices_per_prompt(self) -> int:
+        """The request's `n` (1 unless it asks for more)."""
+        n = self.body.get("n")
+        return n if type(n) is int and n > 1 else 1
+
     def sequences(self) -> int:
         """How many generations the engine runs for it (`n`, or a completion's larger `best_of`, for each prompt of a
         batched completion): each may use `max_tokens`, and its usage counts them all."""

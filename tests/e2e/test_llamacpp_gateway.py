@@ -156,6 +156,24 @@ async def test_batched_prompts(client):
     )
     indexes = {c.index async for chunk in stream for c in chunk.choices}
     assert indexes == {0, 1}
+    # Usage counts both prompts (llama.cpp reports each choice's on its finish chunk: the last one was the answer's,
+    # one prompt's tokens; an outside run).
+    alone = [
+        await client.completions.create(model="smol", prompt=p, max_tokens=3, temperature=0)
+        for p in ("The sky is", "Grass is")
+    ]
+    assert reply.usage is not None and all(a.usage is not None for a in alone)
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone if a.usage)
+    stream = await client.completions.create(
+        model="smol", prompt=["The sky is", "Grass is"], max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    [streamed] = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (
+        reply.usage.prompt_tokens,
+        reply.usage.completion_tokens,
+    )
 
 
 async def test_streamed_usage_counts_every_choice(client):

@@ -250,3 +250,34 @@ def test_a_token_count_no_engine_reports_is_read_as_unknown() -> None:
     from lockgate.assemble import count_of
 
     assert [count_of(v) for v in (5, 0, 2**53, 2**53 + 1, 2**64, -1, True, 3.0, "7", None)] == [5, 0, 2**53] + [0] * 7
+
+
+def test_usage_reported_per_choice_is_merged_as_openai_counts_it() -> None:
+    """llama.cpp reports a completion's usage on each choice's finish chunk and a chat's on a usage-only chunk per
+    choice, each for that choice alone; the last one read was taken as the answer's (an outside run: a completion
+    of two prompts reported one prompt's tokens). Merged: every choice's completion tokens, each prompt's once."""
+    from lockgate.assemble import ChoiceUsages
+
+    def finish(index: int, prompt: int, completion: int, cached: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
+        usage.update(total_tokens=prompt + completion, prompt_tokens_details={"cached_tokens": cached})
+        return {"choices": [{"index": index, "text": "", "finish_reason": "length"}], "usage": usage}
+
+    # Two prompts of 2 and 4 tokens, n=2: choices 0 and 1 are the first prompt's, 2 and 3 the second's.
+    usages = ChoiceUsages(2)
+    events = [finish(1, 2, 3, 1), finish(3, 4, 3, 3), finish(2, 4, 3, 3), finish(0, 2, 3, 1)]
+    for event in events:
+        usages.merge(event)
+    assert events[0]["usage"]["prompt_tokens"] == 2  # one choice so far: as the engine said
+    last = events[-1]["usage"]
+    assert (last["prompt_tokens"], last["completion_tokens"], last["total_tokens"]) == (6, 12, 18)
+    assert last["prompt_tokens_details"] == {"cached_tokens": 4}
+    # A chat's usage-only chunks name no choice: one prompt, each chunk a choice's.
+    chat = ChoiceUsages(2)
+    chunks = [{"choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 3}} for _ in range(2)]
+    for chunk in chunks:
+        chat.merge(chunk)
+    assert chunks[-1]["usage"] == {"prompt_tokens": 31, "completion_tokens": 6, "total_tokens": 37}
+    plain = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    chat.merge(plain)
+    assert "usage" not in plain

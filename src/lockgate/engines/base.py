@@ -76,6 +76,8 @@ class Dialect:
     #: The engine stops generating on disconnect only for streams: non-streaming client requests are
     #: sent upstream as streams (and assembled by the gateway) so that they can be aborted too.
     stream_upstream_always: bool = False
+    #: The engine reports a stream's usage per choice, each for that choice alone (`assemble.ChoiceUsages` merges it).
+    usage_per_choice: bool = False
     #: The engine closes the connection after a stream even when it advertised keep-alive.
     close_after_stream: bool = False
     #: Idle keep-alive connections are dropped after this long (must be below the engine's own timeout).

@@ -19,6 +19,8 @@ LLAMACPP = Dialect(
         tpot_tokens=("llamacpp:tokens_predicted_total",),
     ),
     stream_upstream_always=True,
+    # A completion's usage rides on each choice's finish chunk, a chat's on a usage-only chunk per choice.
+    usage_per_choice=True,
     close_after_stream=True,
     keepalive_s=4.0,
     # `--parallel N` slots: exactly what it runs at once.
