@@ -349,3 +349,38 @@ def test_a_whole_answer_is_waited_on_only_while_nothing_else_progresses_there() 
     own.first_token(other, now=6.0)  # the engine answers others: it is working
     view = view_of(own, 7.0)
     assert view.oldest_whole_wait_s == 1.0
+
+
+async def test_a_first_token_that_may_have_waited_for_a_slot_does_not_measure_the_prefill_rate() -> None:
+    """An outside run: under a flood, first tokens that had waited for one of an 8-slot engine's sequence slots were
+    measured as prefill (the prompt tokens ahead of them over their wait): its rate fell to a few hundred tokens a
+    second, every queue there read as prefill work, and its concurrency limit stayed at 256 with 240 requests waiting
+    inside it. While the engine's last scrape shows a queue at least as long as what it runs, a first token measures
+    neither the rate nor the latency floor."""
+    import dataclasses
+
+    from lockgate.config import parse_config
+    from lockgate.fleet.fleet import Fleet
+    from lockgate.fleet.instance import engine_queues
+    from lockgate.metrics import GatewayMetrics
+
+    model = {"name": "m", "instances": [{"url": "http://127.0.0.1:9", "engine": "vllm"}]}
+    config = parse_config({"models": [model], "scrape": {"enabled": False}, "health": {"interval_ms": 600000}})
+    async with Fleet(config, GatewayMetrics()) as fleet:
+        [engine] = fleet.pools["m"].instances
+        load = EngineLoad(scraped_at=0.0, waiting=240.0, running=8.0)
+        engine.engine_load = load
+        assert engine_queues(engine)
+        queued = fleet.lease(engine, "m", 1000, 1000)
+        queued._attempt.sent_at -= 5.0  # five seconds waiting for a slot
+        queued.first_token()
+        assert engine.own.prefill_tps.samples == 0 and engine.own.latency_floor == 0.0
+        assert engine.own.ttft.samples == 1  # (what a client waited, all the same)
+        queued.release()
+        engine.engine_load = dataclasses.replace(load, waiting=0.0)
+        assert not engine_queues(engine)
+        taken = fleet.lease(engine, "m", 1000, 1000)
+        taken._attempt.sent_at -= 0.2
+        taken.first_token()
+        assert engine.own.prefill_tps.samples == 1
+        taken.release()

@@ -271,7 +271,9 @@ class OwnAccounting:
         moved.sent_at = attempt.sent_at
         return moved
 
-    def first_token(self, attempt: Attempt, now: float) -> None:
+    def first_token(self, attempt: Attempt, now: float, measure: bool = True) -> None:
+        """The attempt's first token came back. `measure`: its time measures the prefill rate and the latency
+        floor; not when it may have waited for a sequence slot (`engine_queues`), which no prefill explains."""
         if attempt.first_at is not None:
             return
         attempt.first_at = now
@@ -284,10 +286,11 @@ class OwnAccounting:
         self.ttft.add(ttft, now)
         # The instance prefilled what was queued ahead plus this prompt before answering.
         work = attempt.backlog + attempt.tokens
-        self._latency(ttft, work, self.tpot.value, now)
         busy = ttft - self.tpot.value
-        if work >= _MIN_RATE_TOKENS and busy > 0:
-            self.prefill_tps.add(work / busy, now)
+        if measure:
+            self._latency(ttft, work, self.tpot.value, now)
+            if work >= _MIN_RATE_TOKENS and busy > 0:
+                self.prefill_tps.add(work / busy, now)
         if now > self.prefill_until:
             # It was overdue: what is still queued is estimated afresh from here, at the rate just measured.
             self.busy_since = now
@@ -295,7 +298,14 @@ class OwnAccounting:
         self.updated_at = now
 
     def end(
-        self, attempt: Attempt, now: float, completion_tokens: int, *, whole: bool = False, engine_tpot: float = 0.0
+        self,
+        attempt: Attempt,
+        now: float,
+        completion_tokens: int,
+        *,
+        whole: bool = False,
+        engine_tpot: float = 0.0,
+        measure: bool = True,
     ) -> None:
         """The attempt is over (whichever way). Idempotence is the lease's job.
 
@@ -310,7 +320,7 @@ class OwnAccounting:
                 self._long_done(attempt)
             if whole and completion_tokens >= 1:
                 self.whole_time.add(now - attempt.sent_at, now)
-                self._split_whole(attempt, now, completion_tokens, engine_tpot)
+                self._split_whole(attempt, now, completion_tokens, engine_tpot, measure)
         else:
             decode = now - attempt.first_at
             self.decode.add(decode, now)
@@ -324,7 +334,7 @@ class OwnAccounting:
         if self.on_long_done is not None:
             self.on_long_done()
 
-    def _split_whole(self, attempt: Attempt, now: float, tokens: int, engine_tpot: float) -> None:
+    def _split_whole(self, attempt: Attempt, now: float, tokens: int, engine_tpot: float, measure: bool) -> None:
         """A non-streamed answer's total time L = TTFT + (tokens - 1) * TPOT, with TPOT from this
         instance's streams if it has any, else from a least-squares fit of L against the token count
         over recent whole answers (exponentially weighted moments; needs answers of different
@@ -339,10 +349,11 @@ class OwnAccounting:
         attempt.first_at = attempt.sent_at + ttft
         self.ttft.add(ttft, now)
         work = attempt.backlog + attempt.tokens
-        self._latency(ttft, work, tpot, now)
         busy = ttft - tpot
-        if work >= _MIN_RATE_TOKENS and busy > 0:
-            self.prefill_tps.add(work / busy, now)
+        if measure:
+            self._latency(ttft, work, tpot, now)
+            if work >= _MIN_RATE_TOKENS and busy > 0:
+                self.prefill_tps.add(work / busy, now)
         self.decode.add(total - ttft, now)
 
     def error(self, now: float) -> None:
