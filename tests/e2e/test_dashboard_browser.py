@@ -144,7 +144,11 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
 
             # A long stream appears in the table; its cancel button ends it as an admin cancel.
             stream = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "a long story"}], max_tokens=5000, stream=True
+                model="m",
+                messages=[{"role": "user", "content": "a long story"}],
+                max_tokens=5000,
+                stream=True,
+                extra_headers={"x-request-id": "client-story-1"},
             )
             chunks = aiter(stream)
             await anext(chunks)  # it is streaming
@@ -152,6 +156,11 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
             await row.wait_for(timeout=REFLECT_MS)
             [live] = [e.id for e in gw.gateway.registry.all()]
             assert await row.get_attribute("data-id") == live
+            # The client's own id is shown under the gateway's (an outside run had to ask /admin/requests for it).
+            await page.wait_for_function(
+                "() => document.querySelector('tr[data-testid=request] .client-id')?.textContent === 'client-story-1'",
+                timeout=REFLECT_MS,
+            )
             await page.wait_for_function(
                 "() => document.querySelector('tr[data-testid=request] td:nth-child(5)').textContent === 'streaming'",
                 timeout=REFLECT_MS,
@@ -190,6 +199,18 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
             await refused.goto(gw.url + "/dashboard")
             await refused.wait_for_function(
                 "() => document.getElementById('conn').textContent === 'admin key required'", timeout=REFLECT_MS
+            )
+            # Every dashboard slot taken (`dashboard.max_clients`: the gateway's 503): the page says so (an outside
+            # run read "reconnecting", as if the gateway were down).
+            crowded = await browser.new_page()
+            full = b'{"error": {"message": "too many", "type": "service_unavailable", "code": "too_many_dashboards"}}'
+            await crowded.route(
+                "**/dashboard/events",
+                lambda route: route.fulfill(status=503, content_type="application/json", body=full),
+            )
+            await crowded.goto(gw.url + "/dashboard")
+            await crowded.wait_for_function(
+                "() => document.getElementById('conn').textContent === 'too many dashboards open'", timeout=REFLECT_MS
             )
         finally:
             await browser.close()

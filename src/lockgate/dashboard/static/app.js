@@ -78,7 +78,16 @@
         $("adminkey").focus();
         return;
       }
-      if (!response.ok || !response.body) throw new Error("HTTP " + response.status);
+      if (!response.ok || !response.body) {
+        let code = "";
+        try { code = (await response.json()).error.code; } catch (err) { /* not the gateway's error envelope */ }
+        if (code === "too_many_dashboards") {
+          // Not the gateway down: every dashboard slot is taken (`dashboard.max_clients`); retried with backoff.
+          setConnection("warn", "too many dashboards open");
+          return;
+        }
+        throw new Error("HTTP " + response.status);
+      }
       setConnection("ok", "live");
       state.backoff = 1000;
       let revoked = false;
@@ -435,7 +444,11 @@
       tr.dataset.testid = "request";
       tr.dataset.id = r.id;
       const c = cells(tr, 9);
-      fill(c[0], r.id, "mono");
+      // The client's own x-request-id (how a client names its request to an operator) under the gateway's id.
+      const ids = el("span");
+      ids.append(el("span", null, r.id));
+      if (r.client_request_id && r.client_request_id !== r.id) ids.append(el("span", "muted client-id", r.client_request_id));
+      fill(c[0], ids, "mono");
       fill(c[1], r.model);
       fill(c[2], r.tenant);
       fill(c[3], r.priority || "–");
