@@ -28,7 +28,8 @@ test: $(VENV)/.dev
 # source change), `make test-compiled` runs the whole suite against it. Not part of `make test` (compiling takes a
 # few minutes); `make serve` and `make test` use the pure-Python package (editable: a change to a file takes effect).
 CVENV   := .venv-compiled
-SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
+# Every file the package installs: the dashboard's page and the tokenizer too (a changed app.js did not rebuild).
+SOURCES := $(shell find src/lockgate -type f ! -name '*.pyc' ! -path '*/__pycache__/*') setup.py pyproject.toml
 
 compiled: $(CVENV)/.built
 
