@@ -300,3 +300,19 @@ def test_the_slots_an_engine_is_known_to_have() -> None:
     assert declared.known_slots() == 6
     stated = ConcurrencyLimit(4, stated=True)  # `max_concurrency: 4`: the operator's number for this engine
     assert stated.known_slots() == 4
+
+
+def test_an_engine_whose_kv_cache_is_full_is_saturated_at_what_fits_there() -> None:
+    """An outside run: a 16-slot engine whose KV cache fitted 8-14 sequences ran 15 at the flood's first scrape, then
+    8-12 with ~40 waiting. Running well under that first peak read as free slots (the queue then waits for a prefill
+    step, not a slot) and the moving count was never steady: the limit stayed at the ceiling for 9-20 s while P0
+    waited inside the engine behind the flood (p99 38-41x idle). With the cache full, neither rule applies."""
+    signals = [(15, 33), (12, 36), (9, 38), (10, 38), (11, 37), (10, 38)]
+    unseen = ConcurrencyLimit(256)
+    for running, waiting in signals:
+        unseen.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=True)
+    assert unseen.limit == 256  # without the cache's word: free slots, a prefill queue
+    full = ConcurrencyLimit(256)
+    for running, waiting in signals:
+        full.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=True, kv_full=True)
+    assert full.limit == 15  # what it ran at once lately (later scrapes take it to what runs now)

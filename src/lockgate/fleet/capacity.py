@@ -148,6 +148,7 @@ class ConcurrencyLimit:
         prefill_backlog_s: float = 0.0,
         decode_s: float | None = None,
         overdue: bool | None = None,
+        kv_full: bool = False,
     ) -> bool:
         """One scrape's signals and the gateway's requests there now; True if the limit changed.
         `prefill_backlog_s`: the prefill work the gateway has sent there and not seen answered, in seconds
@@ -155,7 +156,10 @@ class ConcurrencyLimit:
         its slot after its first token: 0.0 while not measured (no saturation is judged before the
         instance answered a request), None when the caller has no such signal (the queue alone counts);
         `overdue`: whether a request the gateway sent there waits past its first token's due time
-        (`OwnAccounting.overdue`; None: not known)."""
+        (`OwnAccounting.overdue`; None: not known). `kv_full`: the engine's KV cache is (nearly) full: it runs what
+        fits there, fewer than its slots, and that count moves as sequences grow and are preempted (an outside run:
+        a 16-slot engine whose cache fitted 8-14 ran 8-14 with 40 waiting, which read as free slots, and its limit
+        stayed at the ceiling for 20 s while P0 waited there behind them)."""
         if not self.adaptive or running is None or waiting is None:
             self._streak = 0
             return False
@@ -167,7 +171,7 @@ class ConcurrencyLimit:
         # fewer has free slots, and its queue waits for something else (its step's token budget, behind a long
         # prefill that the gateway's own count may have missed).
         peak = max(self._recent)
-        below_peak = running < peak - max(1.0, 0.1 * peak)
+        below_peak = running < peak - max(1.0, 0.1 * peak) and not kv_full
         prefill_bound = waiting >= 1 and running >= 1 and (not unexplained or below_peak or overdue is False)
         if self._trial_from is not None:  # a queue prefill explains neither confirms nor refutes a probe
             return self._judge(running, 0.0 if prefill_bound else waiting, in_flight)
@@ -176,7 +180,7 @@ class ConcurrencyLimit:
             return False
         backlog = waiting >= max(2.0, 0.25 * running)
         if waiting >= 1 and running >= 1 and (backlog or in_flight >= self.limit):
-            steady = previous is not None and abs(running - previous) <= max(1.0, 0.1 * running)
+            steady = kv_full or (previous is not None and abs(running - previous) <= max(1.0, 0.1 * running))
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
             held = self._held_from
             if held is not None and running > self.limit:  # the engine was still taking them in: undo

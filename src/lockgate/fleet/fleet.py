@@ -47,6 +47,9 @@ _CREDENTIALS_REFUSED = ("http_401", "http_403", "http_407")
 #: An engine that does not do what was asked (an endpoint it does not serve): says nothing about its health (an
 #: outside run: a llama.cpp without `--embedding` answering the fleet's embeddings was charged a failure for each).
 _NOT_IMPLEMENTED = "http_501"
+#: An engine's KV-cache use at which it runs what fits there rather than what its slots allow
+#: (`ConcurrencyLimit.observe`'s `kv_full`).
+KV_FULL = 0.9
 #: Failures that count against an instance's health (with a 5xx): it broke the connection, the answer or the stream,
 #: or went silent in it.
 _ENGINE_FAILURES = ("disconnect", "protocol", "stream", "stall")
@@ -528,6 +531,7 @@ class Fleet:
                 backlog_s,
                 own.decode.value,
                 own.overdue(time.monotonic()),
+                load.kv_usage is not None and load.kv_usage >= KV_FULL,
             ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",
