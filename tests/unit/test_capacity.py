@@ -307,12 +307,13 @@ def test_an_engine_whose_kv_cache_is_full_is_saturated_at_what_fits_there() -> N
     8-12 with ~40 waiting. Running well under that first peak read as free slots (the queue then waits for a prefill
     step, not a slot) and the moving count was never steady: the limit stayed at the ceiling for 9-20 s while P0
     waited inside the engine behind the flood (p99 38-41x idle). With the cache full, neither rule applies."""
-    signals = [(15, 33), (12, 36), (9, 38), (10, 38), (11, 37), (10, 38)]
+    # (The flood's first scrape: its requests were just sent, none overdue yet.)
+    signals = [(15, 33, False), (12, 36, True), (9, 38, True), (10, 38, True), (11, 37, True), (10, 38, True)]
     unseen = ConcurrencyLimit(256)
-    for running, waiting in signals:
-        unseen.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=True)
+    for running, waiting, overdue in signals:
+        unseen.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=overdue)
     assert unseen.limit == 256  # without the cache's word: free slots, a prefill queue
     full = ConcurrencyLimit(256)
-    for running, waiting in signals:
-        full.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=True, kv_full=True)
+    for running, waiting, overdue in signals:
+        full.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=overdue, kv_full=True)
     assert full.limit == 15  # what it ran at once lately (later scrapes take it to what runs now)
