@@ -30,6 +30,10 @@ sequences in the KV cache).
   strict reserve's free slot sat on it, and P0 was routed there into the engine's queue
   (`bench priority --duration 60 --trace`: a limit of 5 on a 4-slot engine for 45 s, P0 TTFT p99 5x
   under the P1 + P2 flood, engine-side);
+- **a full KV cache** (`kv_full`: the engine's scraped KV use at least `fleet.KV_FULL`): the engine runs what
+  fits there, fewer than its slots and a count that moves as sequences grow and are preempted; neither the
+  steady-count rule nor the peak rule below applies (a 16-slot engine fitting 8-14 sequences ran 15 at a flood's
+  first scrape, then 8-12 with ~38 waiting: read as free slots, the limit stayed at the ceiling for 9-20 s);
 - no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is;
 - **prefill-bound**: requests also wait inside an engine whose slots are free, for its per-step token
   budget, behind long prompts being prefilled (chunked prefill admits at most `max_num_batched_tokens`
