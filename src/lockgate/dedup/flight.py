@@ -68,7 +68,7 @@ import orjson
 from ..admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, plan
 from ..answer import EngineAnswer, EngineReads
 from ..assemble import count_of, usage_of
-from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamProtocolError
+from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamTooLarge
 from ..http.connection import listener_of
 from .cache import Result
 from .fingerprint import Fingerprint
@@ -765,16 +765,15 @@ class Subscription:
     async def wait_done(self, max_bytes: int | None = None) -> list[dict[str, Any]]:
         """Every event of the generation, once it has completed (non-streaming clients). The events are
         read as they come (so this subscriber never holds the flight back); more than `max_bytes` of
-        them is an `UpstreamProtocolError` (502) for this subscriber."""
+        them is an `UpstreamTooLarge` (502) for this subscriber."""
         flight = self.flight
         start = flight._consumed(self._position)
         events: list[dict[str, Any]] = []
         async for event in self:
             events.append(event)
             if max_bytes is not None and flight._consumed(self._position) - start > max_bytes:
-                raise UpstreamProtocolError(
-                    f"The engine's answer is larger than upstream.max_response_bytes ({max_bytes} bytes).",
-                    code="upstream_response_too_large",
+                raise UpstreamTooLarge(
+                    f"The engine's answer is larger than upstream.max_response_bytes ({max_bytes} bytes)."
                 )
         return events
 

@@ -129,7 +129,8 @@ _SCALE_WORDS = frozenset(
 
 
 def signature(text: str) -> tuple[tuple[str, ...], int]:
-    """The numbers in a text (in order, as written or spelled, with their signs) and how many negations it has."""
+    """The numbers in a text (in order, as written or spelled, with their signs), with its comparisons, arithmetic
+    words, units and poles among them in their order (`_POLES`), and how many negations it has."""
     numbers: list[str] = []
     negations = 0
     after_number = False
