@@ -384,3 +384,22 @@ async def test_a_first_token_that_may_have_waited_for_a_slot_does_not_measure_th
         taken.first_token()
         assert engine.own.prefill_tps.samples == 1
         taken.release()
+
+
+def test_how_long_a_request_holds_its_slot_is_bounded_below_by_the_oldest_still_decoding() -> None:
+    """`OwnAccounting.decode_s`: the mean measured at the ends of generations; before any ended here (a flood's first
+    generation, an engine just added), how long the oldest stream still running has decoded so far."""
+    own = OwnAccounting()
+    assert own.decode_s(5.0) == 0.0  # nothing decodes here
+    first = own.start(10, 0.0)
+    whole = own.start(10, 0.0, whole=True)  # its first token is never seen: it says nothing of this
+    assert own.decode_s(5.0) == 0.0
+    own.first_token(first, 1.0)
+    second = own.start(10, 1.5)
+    own.first_token(second, 2.0)
+    assert own.decode_s(4.0) == pytest.approx(3.0)  # the first, decoding since 1.0
+    own.end(first, 4.5, 40)
+    assert own.decode_s(9.0) == pytest.approx(3.5)  # measured now: the bound is no longer needed
+    own.end(whole, 9.0, 0)
+    own.end(second, 9.0, 40)
+    assert own.decode.samples == 2 and not own._decoding

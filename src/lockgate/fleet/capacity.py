@@ -43,9 +43,11 @@ sequences in the KV cache).
   from exactly this). So a queue counts as saturation only if it is not explained by prefill work: the
   gateway's own count of uncached prompt tokens sent there and not yet answered, at the instance's
   measured prefill rate, must stay below half the mean time a request holds its slot decoding (`decode_s`;
-  a slot-bound queue waits about that long, a prefill-bound one about the backlog). Before the instance
-  has answered a request (no `decode_s` yet) no queue counts: the first long prompts of a run are
-  exactly when a prefill-bound queue looks like saturation. Two more signals say a queue is not a slot limit,
+  a slot-bound queue waits about that long, a prefill-bound one about the backlog). Before a generation
+  ended there, the fleet passes how long the oldest one still running has decoded, or its peers' mean if
+  longer (an engine added during a flood), and their prefill rate for its unmeasured one; with none of
+  these (`decode_s` 0.0) no queue counts: the first long prompts of a run are exactly when a prefill-bound
+  queue looks like saturation. Two more signals say a queue is not a slot limit,
   which that estimate missed (`bench hol`: limits of 9-11 on engines of 16 slots, and short requests queued in
   the gateway): the engine runs clearly fewer than it ran at once in the last few seconds (its slots are free;
   requests arriving during a long prefill step wait for the step, not for a slot), or none of the gateway's own

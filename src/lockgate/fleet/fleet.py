@@ -37,6 +37,7 @@ from .instance import Instance, Lease
 from .metrics import FleetCollector
 from .pool import Pool
 from .scrape import Scraper
+from .state import Ewma, OwnAccounting
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
@@ -523,14 +524,16 @@ class Fleet:
             instance.hit_gap.observe(instance.predicted_hits, instance.predicted_queries, load)
             before = instance.concurrency.limit
             own = instance.own
-            backlog_s = prefill_backlog_s(own.queued_prompt_tokens, own.prefill_tps.value, own.default_tps)
+            now = time.monotonic()
+            rate = own.prefill_tps.value or self._peers_mean(instance, lambda peer: peer.prefill_tps)
+            backlog_s = prefill_backlog_s(own.queued_prompt_tokens, rate, own.default_tps)
             if instance.concurrency.observe(
                 load.running,
                 load.waiting,
                 instance.in_flight,
                 backlog_s,
-                own.decode.value,
-                own.overdue(time.monotonic()),
+                self._decode_s(instance, now),
+                own.overdue(now),
                 load.kv_usage is not None and load.kv_usage >= KV_FULL,
             ):
                 log.info(
@@ -542,6 +545,29 @@ class Fleet:
                     load.waiting,
                 )
                 self._notify()
+
+    def _decode_s(self, instance: Instance, now: float) -> float:
+        """How long a request holds a slot at `instance` after its first token (`OwnAccounting.decode_s`); before
+        any ended there, at least its peers' (`_peers_mean`): how long a generation lasts is mostly the workload's
+        (its lengths), and an engine added or restarted during a flood would otherwise count no queue as a slot's
+        until its first generation ended there."""
+        own = instance.own.decode_s(now)
+        if instance.own.decode.samples:
+            return own
+        return max(own, self._peers_mean(instance, lambda peer: peer.decode))
+
+    def _peers_mean(self, instance: Instance, measure: Callable[[OwnAccounting], Ewma]) -> float:
+        """The mean of a measure over the instances serving a model with `instance` that have measured it (0.0: none
+        has): what an unmeasured instance is judged by until it measures its own, as routing judges it
+        (`routing.cost`: an engine added during a flood is unmeasured exactly when its queue matters)."""
+        values = {
+            other.key: measure(other.own).value
+            for pool in self.pools.values()
+            if instance.key in pool.served
+            for other in pool.instances
+            if measure(other.own).samples
+        }
+        return sum(values.values()) / len(values) if values else 0.0
 
     def _token_ratio(self, instance: Instance) -> float | None:
         """Engine tokens per estimated token for `instance`: what its own answers taught, else the mean of

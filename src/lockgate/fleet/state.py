@@ -126,6 +126,8 @@ class OwnAccounting:
         #: streamed ones, and those answered as one body (their first token is never seen; they stay until their end).
         self._unanswered: dict[Attempt, None] = {}
         self._unanswered_whole: dict[Attempt, None] = {}
+        #: The streamed attempts answered here and not ended (they hold a sequence slot, decoding), oldest first.
+        self._decoding: dict[Attempt, None] = {}
         #: When the engine last showed progress here: a first token, or an answer that ended with tokens.
         self.progress_at = 0.0
         #: The last `_FLOOR_SAMPLES` latencies (`latency_floor`), and when the last was taken.
@@ -212,6 +214,15 @@ class OwnAccounting:
         self.updated_at = now
         return attempt
 
+    def decode_s(self, now: float) -> float:
+        """How long a request holds its slot here after its first token: the mean measured at their ends; before
+        any ended here (a fresh instance, a flood's first generation), how long the oldest stream still running here
+        has held its slot so far, a lower bound that grows as it decodes (0.0: none is decoding here yet)."""
+        if self.decode.samples:
+            return self.decode.value
+        oldest = next(iter(self._decoding), None)
+        return 0.0 if oldest is None or oldest.first_at is None else max(0.0, now - oldest.first_at)
+
     def step_s(self) -> float | None:
         """The engine's step here: the measured TPOT; before any stream ended here (a fresh gateway, a flood's
         first seconds), the measured TTFT, which holds at least a step (an upper bound: a due time later than it
@@ -280,6 +291,7 @@ class OwnAccounting:
         self.progress_at = now
         self.queued_prompt_tokens -= attempt.tokens
         self._waiting(attempt).pop(attempt, None)
+        self._decoding[attempt] = None
         if attempt.long:
             self._long_done(attempt)
         ttft = now - attempt.sent_at
@@ -322,6 +334,7 @@ class OwnAccounting:
                 self.whole_time.add(now - attempt.sent_at, now)
                 self._split_whole(attempt, now, completion_tokens, engine_tpot, measure)
         else:
+            self._decoding.pop(attempt, None)
             decode = now - attempt.first_at
             self.decode.add(decode, now)
             if completion_tokens > 1:
