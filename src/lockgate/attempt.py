@@ -11,7 +11,8 @@ first event, and for a non-streaming client an answer that breaks before its end
 `whole_limit`; an answer too large is not tried again). Retries are bounded by the model's `retries` and by the
 request's deadline. A connection that failed (refused, or dropped before an answer) rules out every instance at
 that address for the retry: the engines behind one sidecar share it; so does any failure of a sidecar's (it tried
-its node's other engines before it answered).
+its node's other engines before it answered). A preemptible generation that breaks later goes on elsewhere through
+here too (`resume.py`: `exclude`, `after`).
 """
 
 from __future__ import annotations
@@ -72,15 +73,19 @@ async def open_attempts(
     priority: int | None = None,
     before_send: Callable[[Lease, bool], None] | None = None,
     whole_limit: int | None = None,
+    exclude: frozenset[str] = frozenset(),
+    after: UpstreamError | None = None,
 ) -> Opened:
     """Route and open the engine call (see the module docstring); `before_send` is called with each attempt's
     lease just before its request goes out, and whether the engine streams its answer (then the lease sees its
     first token): a strict request makes room there (`PoolScheduler.make_room`). `whole_limit`: read the whole
     answer before returning (`Opened.whole`, within that many bytes: `answer.read_whole`), for a client that
-    receives nothing before it, so that an engine dying midway sends it elsewhere too."""
-    tried: set[str] = set()
+    receives nothing before it, so that an engine dying midway sends it elsewhere too. `exclude` and `after`: the
+    instances an engine call that broke midway rules out (`ruled_out`) and its error, for the call that takes over
+    its generation (`resume.py`): counted as a retry, and raised if no other instance can be tried."""
+    tried: set[str] = set(exclude)
     attempts = pool.config.retries + 1
-    last_error: UpstreamError | None = None
+    last_error: UpstreamError | None = after
     for attempt in range(attempts):
         request = replace(route, exclude=frozenset(tried)) if tried else route
         try:
@@ -138,20 +143,32 @@ async def open_attempts(
         except UpstreamError as exc:
             drop()
             # Nothing reached a client yet: a stream that broke before its first event may go elsewhere (an answer
-            # read whole, before its end), unless it broke on the gateway's bound (another engine's is as large).
-            retryable = exc.retryable or (
-                isinstance(exc, UpstreamProtocolError) and not isinstance(exc, UpstreamTooLarge)
-            )
-            if not retryable or attempt + 1 == attempts or not time_left():
+            # read whole, before its end).
+            if not another_may_answer(exc) or attempt + 1 == attempts or not time_left():
                 raise
             last_error = exc
-            tried.add(instance.key)
-            if isinstance(exc, UpstreamConnectError) or instance.published is not None:
-                # The address failed, not only this engine: behind a sidecar that died with the request on it, the
-                # engines beside this one are gone too (a refused connection ejects them, a dropped one does not);
-                # and a sidecar that answered an error had tried its node's other engines itself (its own retries).
-                tried.update(other.key for other in pool.instances if other.url == instance.url)
+            tried |= ruled_out(pool, instance, exc)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def another_may_answer(exc: UpstreamError) -> bool:
+    """Whether an engine call that failed with `exc` may be tried on another instance: the engine may not have seen it
+    (`retryable`), or its answer broke (a stream, a whole answer read midway), unless it broke on the gateway's own
+    bound (`UpstreamTooLarge`: another engine's is as large) or the engine refused the request itself mid-stream (an
+    error event with a 4xx status: `rejected`)."""
+    if exc.retryable:
+        return True
+    return isinstance(exc, UpstreamProtocolError) and not isinstance(exc, UpstreamTooLarge) and not exc.rejected
+
+
+def ruled_out(pool: Pool, instance: Instance, exc: UpstreamError) -> set[str]:
+    """The instances a failure of `instance` with `exc` rules out for another try: itself, and when the address
+    failed, not only this engine, every instance there: behind a sidecar that died with the request on it, the
+    engines beside this one are gone too (a refused connection ejects them, a dropped one does not); and a sidecar
+    that answered an error had tried its node's other engines itself (its own retries)."""
+    if isinstance(exc, UpstreamConnectError) or instance.published is not None:
+        return {instance.key} | {other.key for other in pool.instances if other.url == instance.url}
+    return {instance.key}
 
 
 def _choose(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Instance, int] | None:

@@ -14,6 +14,7 @@ exception anywhere in the process chains it (and those before it) as its context
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from .respond import pump, whole_body
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from .errors import UpstreamError
     from .fleet.fleet import Fleet
     from .fleet.instance import Lease
     from .fleet.pool import HeaderLookup
@@ -61,10 +63,12 @@ def open_engine(
     upstream_id: str,
     before_send: Callable[[Lease, bool], None] | None = None,
     whole_limit: int | None = None,
+    exclude: frozenset[str] = frozenset(),
+    after: UpstreamError | None = None,
 ) -> Awaitable[Opened]:
     """Route `api` (the request's own, or a resumed one's continuation) and open its engine call, retrying elsewhere
-    before the first byte (`open_attempts`, `whole_limit` too); `ex` holds each attempt's lease and call, within its
-    deadline."""
+    before the first byte (`open_attempts`, `whole_limit`, `exclude` and `after` too); `ex` holds each attempt's lease
+    and call, within its deadline (`in_time`)."""
 
     def hold(lease: Lease, call: UpstreamCall) -> None:
         ex.attach(lease, call)
@@ -79,11 +83,18 @@ def open_engine(
         upstream_id,
         hold=hold,
         drop=ex.detach,
-        time_left=lambda: ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s,
+        time_left=functools.partial(in_time, ex),
         priority=ex.engine_priority,
         before_send=before_send,
         whole_limit=whole_limit,
+        exclude=exclude,
+        after=after,
     )
+
+
+def in_time(ex: Exchange) -> bool:
+    """Whether the request's deadline leaves time for another engine call."""
+    return ex.deadline_s is None or time.perf_counter() - ex.started < ex.deadline_s
 
 
 def _headers(ex: Exchange) -> dict[str, str]:

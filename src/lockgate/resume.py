@@ -12,6 +12,11 @@ scheduler then re-queues the ticket. `events()` absorbs exactly that cancellatio
 for its ticket to be granted again, and opens the continuation (`preemption.continuation`) or, for
 requests that cannot be continued and have sent nothing yet, the original request again.
 
+An engine call that breaks after it opened (the engine died, hung past the stall timeout, or sent an error event
+that another instance may not) is taken over the same way (`_fails_over`): detached, and the generation continued —
+or restarted while its client has nothing — on an instance the failure did not rule out, within the model's
+`retries` over the whole generation; with nowhere else to go, the engine's error stands.
+
 The `Exchange` stays the single owner of everything: the ticket is released by its hold, the engine
 call and lease by `detach()`, and `events()` holds nothing across a preemption. A request stopped
 while its client write is in progress is not cancelled (the write finishes, then `events()` sees the
@@ -25,10 +30,11 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, fresh, plan
-from .attempt import Opened
+from .attempt import Opened, another_may_answer, ruled_out
 from .edge.server import Reply, Request
+from .errors import UpstreamError
 from .exchange import Exchange, Phase
-from .relay import open_engine
+from .relay import in_time, open_engine
 from .respond import stream_events, whole_body
 from .responses import whole_answer
 from .upstream import UpstreamEvents, too_large
@@ -81,6 +87,11 @@ class Resumable:
         self._preempted = False  # stopped; waiting to be granted again
         self._restart = False  # the next attempt starts from scratch
         self._signal = StopSignal()
+        #: Engine calls that broke midway and were taken over elsewhere (`_fails_over`), the instances they ruled out
+        #: for the rest of the generation, and the last one's error (raised if no other instance can take it).
+        self._failovers = 0
+        self._ruled_out: frozenset[str] = frozenset()
+        self._failed: UpstreamError | None = None
 
     # --- Preemptee (synchronous, called by the scheduler) --------------------------------------
     def preemptible(self) -> bool:
@@ -149,6 +160,10 @@ class Resumable:
                     yield out
             except Stopped:
                 continue
+            except UpstreamError as exc:
+                if opened is None or not self._fails_over(exc, opened):
+                    raise
+                continue
             finally:
                 self._active = False
                 if upstream is not None:
@@ -159,8 +174,30 @@ class Resumable:
 
     def _open(self, api: ApiRequest, upstream_id: str) -> Awaitable[Opened]:
         """Route and open one engine call for `api` (`relay.open_engine`). `upstream_id` is per attempt (`<id>-p<n>`)
-        so that an engine never sees two requests with one id (SGLang aborts by id)."""
-        return open_engine(self.ex, self._fleet, api, self._request_headers, upstream_id)
+        so that an engine never sees two requests with one id (SGLang aborts by id). After a failover, not where the
+        generation broke (and if nowhere else can take it, that engine's error stands)."""
+        failed, self._failed = self._failed, None
+        return open_engine(
+            self.ex, self._fleet, api, self._request_headers, upstream_id, exclude=self._ruled_out, after=failed
+        )
+
+    def _fails_over(self, exc: UpstreamError, opened: Opened) -> bool:
+        """An engine call that broke after it opened (its engine died, hung or failed midway): whether the generation
+        goes on elsewhere, as after a preemption (continued from what it produced, or restarted while nothing reached
+        the client), within the model's `retries` over the whole generation and the deadline. False: the error
+        stands, as it does for a request that cannot be continued once its client has output."""
+        ex = self.ex
+        how = self._plan()
+        if how is None or not another_may_answer(exc) or self._failovers >= ex.pool.config.retries or not in_time(ex):
+            return False
+        self._failovers += 1
+        self._ruled_out |= ruled_out(ex.pool, opened.lease.instance, exc)
+        self._failed = exc
+        ex.detach()
+        if how is Plan.RESTART:
+            ex.record.restarts += 1
+            self.transcript.reset()
+        return True
 
     async def _wait_regranted(self) -> None:
         self._preempted = False

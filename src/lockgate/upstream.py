@@ -506,7 +506,13 @@ class UpstreamEvents:
             told = error.get("code") if isinstance(error, dict) else None
             if isinstance(told, str) and told.isidentifier() and len(told) <= 64:
                 code = told
-        return UpstreamProtocolError(f"Instance {call.served_by} reported an error in the stream: {message}", code=code)
+        error = UpstreamProtocolError(
+            f"Instance {call.served_by} reported an error in the stream: {message}", code=code
+        )
+        # A client error status: the request's fault, as an engine's 4xx answer is (recorded `rejected`, not tried on
+        # another instance).
+        error.rejected = status is not None and status < 500
+        return error
 
     def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:
         """Call `step` (which takes what is here with `take()`) at once and then from the engine connection's

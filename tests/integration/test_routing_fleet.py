@@ -227,6 +227,57 @@ async def test_a_whole_answer_that_breaks_midway_is_retried_elsewhere(
     assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_preemptible_generation_that_breaks_midway_goes_on_elsewhere(
+    start_sim, start_gateway, http, tmp_path, stream
+):
+    """A P2 request (one generation over several engine calls, `resume.py`) whose engine dropped its connection
+    midway ended in 502, or an SSE error, with the other engine idle: its path reads its events itself to be
+    preemptible, and a break was never tried elsewhere. It goes on there as after a preemption: continued from the
+    tokens it had (the streaming client sees one stream), within the model's `retries`."""
+    broken, good = await start_sim(), await start_sim()
+    gw = await round_robin(start_gateway, {"broken": broken, "good": good})
+    await control(http, broken, reset_after_tokens=3)  # three tokens, then its connection drops
+    body = chat(stream=stream, max_tokens=8)
+    async with http.post(
+        gw.url + "/v1/chat/completions", data=orjson.dumps(body), headers={"x-priority": "P2"}
+    ) as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+    if stream:
+        events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"[DONE]"
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks)
+        assert sum(1 for c in chunks for choice in c["choices"] if choice["delta"].get("content")) == 8
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    else:
+        answer = orjson.loads(raw)
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 8
+    assert broken.statistics()["requests_started"] == 1 and good.statistics()["requests_finished"] == 1
+    assert upstream_errors(gw) == {("broken", "stream"): 1} and retries(gw) == 1
+    await gw.gateway.records.wait_flushed()
+    [record] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert record["status"] == "completed" and record["instance"] == "good" and record["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("retries_", [1, 0])
+async def test_a_preemptible_generation_with_nowhere_else_to_go_ends_in_its_engines_error(
+    start_sim, start_gateway, http, retries_
+):
+    """With no other instance (or `retries: 0`), a P2 generation that broke midway fails as it did: the engine's
+    error (502), not a 503 for the instance it ruled out."""
+    broken = await start_sim()
+    gw = await round_robin(start_gateway, {"broken": broken}, retries=retries_)
+    await control(http, broken, reset_after_tokens=3)
+    async with http.post(
+        gw.url + "/v1/chat/completions", data=orjson.dumps(chat(max_tokens=8)), headers={"x-priority": "P2"}
+    ) as resp:
+        assert resp.status == 502
+        assert (await resp.json())["error"]["code"] == "upstream_protocol_error"
+    assert broken.statistics()["requests_started"] == 1 and retries(gw) == 0
+
+
 async def test_conversation_follows_its_cached_prefix_and_admin_fleet_shows_sources(start_sim, start_gateway, http):
     sims = [await start_sim(num_kv_blocks=512) for _ in range(3)]
     gw = await start_gateway(

@@ -112,17 +112,28 @@ async def test_a_failed_flight_fails_every_subscriber_and_is_not_kept(start_gate
     assert len(calls) == 2
 
 
-async def test_an_error_event_naming_a_client_error_does_not_count_against_the_engine(start_gateway, serve_app):
+async def test_an_error_event_naming_a_client_error_does_not_count_against_the_engine(
+    start_gateway, serve_app, tmp_path
+):
+    """The engine refused the request itself mid-stream (a 4xx in its error event): not the engine's failure, the
+    request is recorded `rejected` (it was an `error` against the success objective), and a preemptible one is not
+    taken over by another engine, which would refuse it too."""
     calls: list[dict[str, Any]] = []
-    url = await _engine(serve_app, ERROR_EVENTS["client_fault"], calls)
-    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}])
+    urls = [await _engine(serve_app, ERROR_EVENTS["client_fault"], calls) for _ in range(2)]
+    instances = [{"url": url, "engine": "vllm", "name": f"e{n}"} for n, url in enumerate(urls)]
+    gw = await start_gateway([{"name": "m", "instances": instances}])
     async with aiohttp.ClientSession() as http:
-        async with http.post(gw.url + "/v1/chat/completions", json=_request(1.0)) as resp:
-            raw = await resp.read()
-        assert b"bad grammar" in raw and b"[DONE]" not in raw
+        for priority in ("P1", "P2"):
+            async with http.post(
+                gw.url + "/v1/chat/completions", json=_request(1.0), headers={"x-priority": priority}
+            ) as resp:
+                raw = await resp.read()
+            assert b"bad grammar" in raw and b"[DONE]" not in raw
         async with http.get(gw.url + "/metrics") as resp:
             metrics = await resp.text()
-    assert 'lockgate_upstream_errors_total{instance="e",kind="stream"}' not in metrics
+    assert 'kind="stream"' not in metrics and len(calls) == 2
+    await gw.gateway.records.wait_flushed()
+    assert [row["status"] for row in read_records(str(tmp_path / "usage.sqlite3"))] == ["rejected", "rejected"]
 
 
 def test_only_an_error_is_an_error_event():
