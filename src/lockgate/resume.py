@@ -141,7 +141,8 @@ class Resumable:
             try:
                 opened = await self._signal.engine(self._open(api, upstream_id))
                 ex.served_by(opened.call.served_by)
-                self.headers.setdefault("x-lockgate-instance", opened.call.served_by)
+                if ex.response is None:  # (the client's headers are not out yet: the instance that answers it)
+                    self.headers["x-lockgate-instance"] = opened.call.served_by
                 upstream = opened.events
                 assert upstream is not None  # a resumable generation is read as a stream
                 while True:

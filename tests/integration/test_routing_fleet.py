@@ -243,6 +243,8 @@ async def test_a_preemptible_generation_that_breaks_midway_goes_on_elsewhere(
         gw.url + "/v1/chat/completions", data=orjson.dumps(body), headers={"x-priority": "P2"}
     ) as resp:
         assert resp.status == 200
+        # (A streaming client's headers went out with its first tokens; a whole answer's name who made it.)
+        assert resp.headers["x-lockgate-instance"] == ("broken" if stream else "good")
         raw = await resp.read()
     if stream:
         events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
