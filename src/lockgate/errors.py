@@ -131,6 +131,15 @@ class ModelNotFound(NotFound):
     rejected = True
 
 
+#: The most of a client's model name an error message repeats (a 100,000-character name was echoed whole).
+MAX_NAME_SHOWN = 200
+
+
+def shown(name: str) -> str:
+    """A client's name (of a model) as an error message repeats it: at most `MAX_NAME_SHOWN` characters."""
+    return name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "…"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"

@@ -36,6 +36,7 @@ from .errors import (
     ShuttingDown,
     Unauthorized,
     Unavailable,
+    shown,
 )
 from .exchange import Exchange, Registry
 from .fleet.fleet import Fleet
@@ -348,13 +349,13 @@ class Gateway:
                     # (An outside run: a central restarted in a rolling update, or started while etcd was down, told
                     # clients 404, which SDKs do not retry, for models its sidecars serve.)
                     raise Unavailable(
-                        f"The model '{api.model}' is not known here yet: this gateway has not read the cluster's "
-                        "engines from etcd; retry shortly.",
+                        f"The model '{shown(api.model)}' is not known here yet: this gateway has not read the "
+                        "cluster's engines from etcd; retry shortly.",
                         code="cluster_not_synced",
                         retry_after=1,
                     )
                 raise ModelNotFound(
-                    f"The model '{api.model}' does not exist or you do not have access to it.",
+                    f"The model '{shown(api.model)}' does not exist or you do not have access to it.",
                     param="model",
                 )
             traceparent = request.headers.get(TRACEPARENT)
@@ -452,7 +453,7 @@ class Gateway:
             tenant = self.admission.book.authenticate(request.headers.get("authorization"))
             card = self._model_cards.get(model_id)
             if card is None or not tenant.may_use(model_id):
-                raise ModelNotFound(f"The model '{model_id}' does not exist or you do not have access to it.")
+                raise ModelNotFound(f"The model '{shown(model_id)}' does not exist or you do not have access to it.")
         except GatewayError as exc:
             return self.error_response(exc, "")  # `_set_request_id` adds the id
         return json_response(card)

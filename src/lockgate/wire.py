@@ -462,6 +462,40 @@ def _check_stop(stop: Any) -> None:
     raise _bad("stop", "`stop` must be a string or an array of strings.")
 
 
+def _check_tools(body: dict[str, Any]) -> None:
+    """`tools`: an array of objects, each with a string `type` (chat's `{"type": "function", "function": {...}}`, the
+    Responses API's typed tools). An engine that cannot parse them may answer 500 (llama.cpp: "Failed to parse
+    tools"), which reads as the engine failing: retried elsewhere, and its instances ejected for a client's mistake."""
+    tools = body["tools"]
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise _bad("tools", "`tools` must be an array of tool objects.")
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise _bad(f"tools[{index}]", f"`tools[{index}]` must be an object with a string `type`.")
+        function = tool.get("function")
+        if function is not None and not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise _bad(f"tools[{index}].function", f"`tools[{index}].function` must be an object with a string `name`.")
+
+
+def _check_tool_choice(body: dict[str, Any]) -> None:
+    """`tool_choice`: "none", "auto", "required", or an object with a string `type` naming a tool."""
+    choice = body["tool_choice"]
+    if choice is None or choice in ("none", "auto", "required"):
+        return
+    if isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        return
+    raise _bad("tool_choice", "`tool_choice` must be 'none', 'auto', 'required' or an object naming a tool.")
+
+
+def _check_response_format(body: dict[str, Any]) -> None:
+    """`response_format`: an object with a string `type` (which types an engine supports is the engine's to say)."""
+    form = body["response_format"]
+    if form is not None and not (isinstance(form, dict) and isinstance(form.get("type"), str)):
+        raise _bad("response_format", "`response_format` must be an object with a string `type`.")
+
+
 def _check_n(body: dict[str, Any]) -> None:
     n = _opt_int(body, "n", minimum=1)
     if n is not None and n > 128:
@@ -515,4 +549,7 @@ _FIELD_CHECKS: dict[str, Callable[[dict[str, Any]], object]] = {
     "stop": lambda body: _check_stop(body["stop"]),
     # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
     "cache_salt": _check_cache_salt,
+    "tools": _check_tools,
+    "tool_choice": _check_tool_choice,
+    "response_format": _check_response_format,
 }

@@ -85,3 +85,18 @@ async def test_a_reload_updates_the_models_and_the_allow_lists(stack, start_sim,
     status, body = await _get(server.url + "/v1/models", "k-acme")
     assert status == 200 and [m["id"] for m in body["data"]] == ["m", "n"]
     assert (await _get(server.url + "/v1/models/n", "k-acme"))[0] == 200
+
+
+async def test_an_unknown_models_name_is_repeated_at_most_200_characters(gateway) -> None:
+    """A 100,000-character model name came back whole in the 404's message (and 12 KB for a models route)."""
+    long = "m" * 100_000
+    body = {"model": long, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": "Bearer k-all"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gateway.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status == 404
+            error = (await resp.json())["error"]
+        assert error["code"] == "model_not_found" and f"'{'m' * 200}…'" in error["message"]
+        assert len(error["message"]) < 300
+    status, answer = await _get(gateway.url + "/v1/models/" + "x" * 12_000, "k-all")
+    assert status == 404 and len(answer["error"]["message"]) < 300

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-from ..errors import InvalidRequest, ModelNotFound, Unauthorized
+from ..errors import InvalidRequest, ModelNotFound, Unauthorized, shown
 from ..wire import GATEWAY_SALT_PREFIX
 from .config import SchedulingConfig, TenantConfig
 
@@ -127,7 +127,9 @@ class TenantBook:
 
     def check_model(self, tenant: Tenant, model: str) -> None:
         if not tenant.may_use(model):
-            raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")
+            raise ModelNotFound(
+                f"The model '{shown(model)}' does not exist or you do not have access to it.", param="model"
+            )
 
     def priority(self, tenant: Tenant, header: str | None) -> int:
         """The class index for a request: its `x-priority` header (a class name), or the tenant's
