@@ -196,6 +196,8 @@ class TokenCounters(Collector):
     def __init__(self, registry: CollectorRegistry, tenant_order: Sequence[str], max_tenant_labels: int) -> None:
         self._max = max_tenant_labels
         self._labels: dict[str, str] = {}
+        #: Every tenant name given a label of its own in this process (its series stay exported).
+        self._given: set[str] = set()
         self._by_label: dict[tuple[str, str], TokenCount] = {}
         #: (model, tenant) -> its counts; the request path reads it directly (no call when present).
         self.children: dict[tuple[str, str], TokenCount] = {}
@@ -203,8 +205,16 @@ class TokenCounters(Collector):
         registry.register(self)
 
     def set_tenants(self, tenant_order: Sequence[str]) -> None:
-        """The configured tenants changed (a reload): label them anew. Counts already made stay where they are."""
-        self._labels = {name: name for name in list(dict.fromkeys(tenant_order))[: self._max]}
+        """The configured tenants changed (a reload): label them anew. Counts already made stay where they are, so
+        a name once given keeps its label, and a new one takes a place no name ever had: the process never exports
+        more than `max_tenant_labels` tenant names (reloads that renamed tenants added series past the bound)."""
+        order = list(dict.fromkeys(tenant_order))
+        labels = {name: name for name in order if name in self._given}
+        for name in order:
+            if name not in labels and len(self._given) < self._max:
+                self._given.add(name)
+                labels[name] = name
+        self._labels = labels
         self.children = {}
 
     def tenant_label(self, tenant: str) -> str:

@@ -38,3 +38,19 @@ def test_token_counters_bound_the_tenant_label() -> None:
     assert 'lockgate_prompt_tokens_total{model="m",tenant="other"} 2.0' in text
     assert 'lockgate_completion_tokens_total{model="m",tenant="other"} 5.0' in text
     assert 'tenant="b"' not in text and 'tenant="c"' not in text
+
+
+def test_reloads_never_take_the_tenant_label_past_its_bound() -> None:
+    """An outside run: with a bound of 2 and tenants a, b, c, a reload without b labelled c too (three names, and c's
+    history split between `other` and its name). A name keeps its label; a new one takes a place never used."""
+    metrics = GatewayMetrics(tenants=["a", "b", "c"], max_tenant_labels=2)
+    tokens = metrics.tokens
+    tokens.child("m", "b").prompt += 1
+    tokens.set_tenants(["a", "c", "d"])  # b removed: its place is not given again (its series stays)
+    assert [tokens.tenant_label(t) for t in "acd"] == ["a", "other", "other"]
+    tokens.child("m", "c").prompt += 2
+    text = metrics.render().decode()
+    assert 'tenant="b"} 1.0' in text and 'tenant="other"} 2.0' in text and 'tenant="c"' not in text
+    grow = GatewayMetrics(tenants=["a"], max_tenant_labels=2).tokens
+    grow.set_tenants(["a", "b", "c"])  # a place never used: the first new name takes it
+    assert [grow.tenant_label(t) for t in "abc"] == ["a", "b", "other"]
