@@ -208,6 +208,10 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
         assert changes["instances"] == {"added": [], "removed": ["A"], "replaced": ["C"]}
         assert instance_a.retired and not instance_a.routable and instance_a.in_flight == 1
         assert list(gw.fleet.instances) == [sim_b.url]
+        # Its instance gauges stay while its request runs, like its calls and permits (an outside run saw them gone).
+        text = gw.metrics.render().decode()
+        assert 'lockgate_instance_in_flight{instance="A"} 1.0' in text
+        assert 'lockgate_upstream_calls_in_flight{instance="A"} 1.0' in text
 
         sim_a.release()
         sim_b.release()
@@ -215,6 +219,7 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
         await gw.fleet.wait_retired()
         assert statuses == [200, 200]
         assert instance_a.session.closed
+        assert 'lockgate_instance_in_flight{instance="A"}' not in gw.metrics.render().decode()
         # A health check of A that lands after it closed (an outside run saw its series come back) changes no series.
         gw.fleet._set_health(instance_a, False)
         assert 'lockgate_instance_healthy{instance="A"}' not in gw.metrics.render().decode()

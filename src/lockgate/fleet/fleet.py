@@ -326,6 +326,11 @@ class Fleet:
             ):
                 gauge.remove(instance.name)
 
+    @property
+    def retiring(self) -> Iterable[Instance]:
+        """The instances a reload removed whose requests have not all ended yet (closed once they have)."""
+        return tuple(self._retiring)
+
     async def wait_retired(self) -> None:
         """Wait until every retired instance has been closed (tests, admin)."""
         while self._retiring:

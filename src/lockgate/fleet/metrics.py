@@ -39,6 +39,9 @@ class FleetView(Protocol):
     @property
     def pools(self) -> Mapping[str, Pool]: ...
 
+    @property
+    def retiring(self) -> Iterable[Instance]: ...
+
 
 class FleetCollector(Collector):
     def __init__(self, fleet: FleetView) -> None:
@@ -49,7 +52,12 @@ class FleetCollector(Collector):
         families = {
             name: GaugeMetricFamily(f"lockgate_instance_{name}", doc, labels=["instance"]) for name, doc in _GAUGES
         }
-        for instance in self._fleet.instances.values():
+        current = self._fleet.instances.values()
+        names = {instance.name for instance in current}
+        # An instance a reload removed is shown until its last request ends (as its calls and permits are), unless
+        # one of the same name replaced it.
+        leaving = [instance for instance in self._fleet.retiring if instance.name not in names]
+        for instance in (*current, *leaving):
             own, load = instance.own, instance.engine_load
             values = {
                 "in_flight": instance.in_flight,
