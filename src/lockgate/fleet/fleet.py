@@ -530,14 +530,18 @@ class Fleet:
             before = instance.concurrency.limit
             own = instance.own
             now = time.monotonic()
-            rate = own.prefill_tps.value or self._peers_mean(instance, lambda peer: peer.prefill_tps)
+            # (Its peers' measures are looked up only for a queue there, which is all they judge.)
+            queue = load.waiting is not None and load.waiting >= 1
+            rate = own.prefill_tps.value
+            if not rate and queue:
+                rate = self._peers_mean(instance, lambda peer: peer.prefill_tps)
             backlog_s = prefill_backlog_s(own.queued_prompt_tokens, rate, own.default_tps)
             if instance.concurrency.observe(
                 load.running,
                 load.waiting,
                 instance.in_flight,
                 backlog_s,
-                self._decode_s(instance, now),
+                self._decode_s(instance, now) if queue else own.decode_s(now),
                 own.overdue(now),
                 load.kv_usage is not None and load.kv_usage >= KV_FULL,
             ):
