@@ -168,6 +168,25 @@ def test_predicted_ttft_counts_near_equal_predictions_as_equal_and_takes_the_emp
     assert pick(exact, REQ, snap(quick, other)) == "i0"
 
 
+def test_predicted_ttft_sends_a_reproducible_request_to_the_holder_of_its_whole_prompt_among_ties():
+    """Two identical temperature-0 requests through two central replicas: the second found the first's engine
+    through the sidecars' residency (its whole prompt held there), but a prompt within a step's worth of prefill
+    saves nothing routing weighs, so the emptier node took it and the pair made two engine calls (28 of 28 pairs in
+    an outside run). Among near ties a reproducible request goes where its whole prompt is held (the same request may
+    be in flight there, or its result); a sampled one, or one held nowhere whole, as before."""
+    policy = PredictedTTFT()
+    short = RouteRequest("m", prompt_tokens=184)
+    holder = view(0, prefill_tps=8_000, tpot_s=0.027, in_flight=1, cached_tokens=176)
+    other = view(1, prefill_tps=8_000, tpot_s=0.027, in_flight=0)
+    assert pick(policy, short, snap(holder, other)) == "i1"  # a sampled request: the emptier
+    repeat = replace(short, repeat_tokens=176)
+    assert pick(policy, repeat, snap(holder, other)) == "i0"
+    assert pick(policy, repeat, snap(replace(holder, cached_tokens=100), other)) == "i1"  # only part of it
+    # Not past a real difference: a holder predicted well behind the other is not taken.
+    busy = replace(holder, queued_prompt_tokens=4_000)
+    assert pick(policy, repeat, snap(busy, other)) == "i1"
+
+
 def test_predicted_ttft_rotates_a_prompt_cached_nowhere_among_the_instances_near_the_best():
     """With nothing cached anywhere only the waits differ, and the estimates of them are rough: picking the emptier
     instance sent consecutive arrivals to the same few, whose prefills collided (`bench routing`, uniform prompts: TTFT

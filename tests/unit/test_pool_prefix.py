@@ -159,3 +159,18 @@ async def test_instances_that_left_are_remembered_for_the_grace_only(monkeypatch
         assert not pool.left_lately(a.key) and a.key not in pool._departed
     finally:
         await fleet.aclose()
+
+
+def test_a_reproducible_request_carries_the_tokens_its_prompts_blocks_cover() -> None:
+    """`RouteRequest.repeat_tokens` (`cost.PredictedTTFT`'s tie rule): set for temperature 0 or a seed, 0 for a
+    sampled request; what an instance that was sent this very prompt holds of it (its full blocks)."""
+    p = pool("predicted_ttft")
+    content = b"z" * 1000  # 15 full blocks of 64 characters and a part
+    for extra, reproducible in ((b"", False), (b', "temperature": 0', True), (b', "seed": 3', True)):
+        raw = b'{"model": "m", "messages": [{"role": "user", "content": "' + content + b'"}]' + extra + b"}"
+        route = p.route_request(parse_request(Endpoint.CHAT, raw))
+        if not reproducible:
+            assert route.repeat_tokens == 0
+            continue
+        instance, _ = p.choose(route)  # its blocks are indexed there now
+        assert route.repeat_tokens == len(route.blocks) * 16 and p.choose(route) == (instance, route.repeat_tokens)

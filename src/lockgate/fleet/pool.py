@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ..config import ModelConfig
+from ..dedup.eligibility import is_deterministic
 from ..errors import Unavailable
 from ..metrics import GatewayMetrics
 from ..routing.placement import anchor_depth, rendezvous_spread
@@ -199,14 +200,16 @@ class Pool:
                 home = self._response_homes.get(previous)
                 if home is not None:
                     pin, pin_only = home[0], True
+        prompt_tokens = api.estimated_prompt_tokens()
         return RouteRequest(
             api.model,
             "",
-            prompt_tokens=api.estimated_prompt_tokens(),
+            prompt_tokens=prompt_tokens,
             affinity_key=key,
             blocks=blocks,
             pin=pin,
             pin_only=pin_only,
+            repeat_tokens=self._cached_tokens(prompt_tokens, len(blocks)) if is_deterministic(api.body) else 0,
             stream=api.stream,
         )
 
@@ -223,7 +226,7 @@ class Pool:
         index = self.index
         tokens_per_block = max(1, index.block_chars // 4)
         for i in self.instances:
-            cached = self._cached_tokens(request, matched.get(i.key)) if request is not None else 0
+            cached = self._cached_tokens(request.prompt_tokens, matched.get(i.key)) if request is not None else 0
             room = index.room(i.key)
             views.append(
                 i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block, panic=panic)
@@ -245,9 +248,9 @@ class Pool:
         for key in rendezvous_spread(request.blocks[depth - 1], keys, self.placement_choices):
             matched[key] = len(request.blocks)
 
-    def _cached_tokens(self, request: RouteRequest, blocks: int | None) -> int:
-        """Blocks are characters: the share of the prompt they cover, in tokens."""
-        return min(request.prompt_tokens, blocks * self.index.block_chars // 4) if blocks else 0
+    def _cached_tokens(self, prompt_tokens: int, blocks: int | None) -> int:
+        """Blocks are characters: the share of a prompt of `prompt_tokens` they cover, in tokens."""
+        return min(prompt_tokens, blocks * self.index.block_chars // 4) if blocks else 0
 
     def is_long(self, instance: Instance, uncached_tokens: int) -> bool:
         """Whether `uncached_tokens` of prompt take `instance` at least `routing.long_prefill_ms` to prefill, at its
@@ -296,7 +299,7 @@ class Pool:
         if sole is not None:
             instance = sole
             matched = self.index.match(request.blocks).get(sole.key) if request.blocks else None
-            cached = self._cached_tokens(request, matched)
+            cached = self._cached_tokens(request.prompt_tokens, matched)
         else:
             snapshot = self.snapshot(request)
             view = self.policy.choose(request, snapshot)

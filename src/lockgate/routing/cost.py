@@ -72,6 +72,13 @@ and half its own prefill of the best: the rotation's even spacing, without the i
 the estimates do see (a rotation that ignored them, tried: 1.00x on uniform, 8x `predicted_ttft`'s p99 with one
 slow instance; the window of one step alone: 1.03-1.10x).
 
+A reproducible request (temperature 0, or a seed): among near ties, the instances holding its whole prompt go first,
+short or not, measured or not. One was sent this very prompt lately: it may have the same request in flight, or its
+result, where a sidecar de-duplicates it; a central that did not send it learns where it went from the sidecars'
+residency reports. Taking the emptier instead sent the second of two identical requests through two centrals to the
+other node (an outside run: 28 of 28 pairs, 150 ms to 1 s apart, made two engine calls; a tie because a prompt within a
+step's worth of prefill saves nothing routing weighs).
+
 Ties: predictions within `near_tie` of the best count as equal, and among them the instances holding the most of
 the prompt beyond a step's worth go first, then the emptier. A tie means the first token comes as soon either way,
 and the holder spends no prefill on it: taking the emptier instead re-prefilled a document its busy holder had
@@ -193,11 +200,16 @@ class PredictedTTFT:
             window = max(cutoff, min(costs) + tpot + 0.5 * request.prompt_tokens / rate)
             return min((o for o, c in zip(options, costs, strict=True) if c <= window), key=self._least_recent)
         tied = [o for o, c in zip(options, costs, strict=True) if c <= cutoff]
-        # (Module docstring, "ties".)
-        held = [max(0.0, t.cached_tokens - tpot * rate) if t.prefill_tps else 0.0 for t in tied]
-        most = max(held)
-        if most > 0:
-            tied = [t for t, h in zip(tied, held, strict=True) if h == most]
+        # (Module docstring, "ties" and "a reproducible request".)
+        whole = request.repeat_tokens
+        holders = [t for t in tied if t.cached_tokens >= whole] if whole else []
+        if holders:
+            tied = holders
+        else:
+            held = [max(0.0, t.cached_tokens - tpot * rate) if t.prefill_tps else 0.0 for t in tied]
+            most = max(held)
+            if most > 0:
+                tied = [t for t, h in zip(tied, held, strict=True) if h == most]
         return lowest(tied, [t.in_flight for t in tied], self._cursor)
 
     def _least_recent(self, view: InstanceView) -> int:

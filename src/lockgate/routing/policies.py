@@ -104,6 +104,10 @@ class RouteRequest:
     #: The pinned engine alone can serve it (a follow-up: no other engine holds the response it continues): while
     #: that member cannot take it, 503 rather than another engine's 404.
     pin_only: bool = False
+    #: A reproducible request (temperature 0, or a seed): the tokens its prompt's blocks cover (0: not reproducible).
+    #: An instance holding that much of it was sent this very prompt lately, and may hold the same request in
+    #: flight or its result (a sidecar de-duplicates), so among near ties it goes there (`cost.PredictedTTFT`).
+    repeat_tokens: int = 0
     #: A streamed answer: only those take long prompts' turns (`Pool.is_long`; a whole answer's first token is
     #: not seen, so it could not give its turn back at the end of its prefill).
     stream: bool = False
