@@ -231,14 +231,6 @@ class UpstreamCall:
         return True
 
 
-#: Events that carry nothing at all: a read that brings only these is a quiet one (`UpstreamEvents._quiet_read`).
-_EMPTY = frozenset({b"null", b"{}"})
-
-
-def _all_empty(payloads: list[bytes]) -> bool:
-    return all(len(payload) <= 4 and payload in _EMPTY for payload in payloads)
-
-
 class UpstreamEvents:
     """The parsed `data:` payloads of a call's stream, until `[DONE]` or the end of the body: taken a network
     read's worth at a time without waiting (`take()`, what a reader following the connection calls from its
@@ -290,8 +282,9 @@ class UpstreamEvents:
         self._call = call
         #: An engine's usage reported per choice, merged into each event that carries one (None: it is the answer's).
         self._usages = usages
-        #: `upstream.stall_timeout_ms` (0: off) for a stream that brings bytes but no event (keep-alive comments, or an
-        #: event a byte at a time: the connection's own watch sees bytes), and since when its reads brought none.
+        #: `upstream.stall_timeout_ms` (0: off) for a stream that brings bytes but no token (keep-alive comments, an
+        #: event a byte at a time, events without output: the connection's own watch sees bytes), and since when its
+        #: reads brought none.
         self._stall_s = stall_s
         self._quiet_since: float | None = None
         #: A response's stream (the Responses API): its end is a terminal event, its events bounded as a whole answer.
@@ -377,6 +370,7 @@ class UpstreamEvents:
             more = True
             while True:
                 payloads, index, tail = self._payloads, self._index, self._tail
+                first, before = index, tokens
                 while index < len(payloads):
                     payload = payloads[index]
                     index += 1
@@ -419,6 +413,13 @@ class UpstreamEvents:
                     tokens += content
                     out.append((event, payload, content))
                 self._index = index
+                if self._stall_s:
+                    # The stall clock runs until a token comes: events that carry none (an empty delta, forever) keep
+                    # the stream open as keep-alives would.
+                    if tokens > before:
+                        self._quiet_since = None
+                    elif index > first:  # (events read now, not those of an earlier call)
+                        self._quiet_read()
                 if tail:
                     # The engine ended the body without `[DONE]`: an incomplete stream.
                     self._done = True
@@ -435,10 +436,8 @@ class UpstreamEvents:
                     if chunk:
                         payloads = self._payloads = self._decoder.feed(chunk)
                         more = self._response.complete
-                        if self._stall_s and (not payloads or (len(payloads[0]) <= 4 and _all_empty(payloads))):
+                        if self._stall_s and not payloads:
                             self._quiet_read()
-                        elif self._quiet_since is not None:
-                            self._quiet_since = None
                     else:
                         self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
                         self._tail = True
@@ -473,20 +472,20 @@ class UpstreamEvents:
                 self._lease.completion_tokens += tokens
 
     def _quiet_read(self) -> None:
-        """A read that brought no event, or only empty ones (`null`, `{}`): past `upstream.stall_timeout_ms` of such
-        reads (counted from the first), the stream is stalled as if the engine had sent nothing (an engine's
-        keep-alive comments, a proxy's in front of a hung engine, or a broken engine's empty events every few
-        milliseconds kept it open for good)."""
+        """A read that brought no event, or only events without a token (`null`, `{}`, an empty delta): past
+        `upstream.stall_timeout_ms` of such reads (counted from the first), the stream is stalled as if the engine had
+        sent nothing (an engine's keep-alive comments, a proxy's in front of a hung engine, or a broken engine's empty
+        events every few milliseconds kept it open for good)."""
         now = time.monotonic()
         if self._quiet_since is None:
             self._quiet_since = now
         elif now - self._quiet_since >= self._stall_s:
             self._done = True
             call = self._call
-            call.broken("bytes but no event", "stall")
+            call.broken("no token", "stall")
             raise UpstreamStalled(
-                f"Instance {call.served_by} sent no event for {self._stall_s:g}s, only keep-alives or pieces of one "
-                "(upstream.stall_timeout_ms): the engine looks hung; the call was closed."
+                f"Instance {call.served_by} sent no token for {self._stall_s:g}s, only keep-alives, pieces of an event "
+                "or events without output (upstream.stall_timeout_ms): the engine looks hung; the call was closed."
             )
 
     def _engine_error(self, message: str, status: int | None, event: dict[str, Any]) -> UpstreamProtocolError:

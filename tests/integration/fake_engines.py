@@ -30,12 +30,14 @@ async def hung_engine(
     *,
     pings: bool = False,
     empty_events: bool = False,
+    hollow_events: bool = False,
     whole: bool = False,
 ) -> str:
     """A fake engine (a raw server: it must see the disconnect) whose every stream sends its head and `chunks` tokens,
     then nothing until the gateway closes the connection (then `gone` is set; `arrived` once a stream has begun);
     anything else is answered `{}`. `pings`: keep-alive comments meanwhile, a byte every 10 ms; `empty_events`: events
-    that carry nothing (`data: null`, `data: {}`), one every 10 ms."""
+    that carry nothing (`data: null`, `data: {}`), one every 10 ms; `hollow_events`: chunks with choices but no token
+    (an empty delta, an empty content), one every 10 ms."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -53,10 +55,15 @@ async def hung_engine(
                     writer.write(b"%x\r\n%s\r\n" % (len(events), events))
                 if arrived is not None:
                     arrived.set()
-                if pings or empty_events:
+                if pings or empty_events or hollow_events:
                     # Keep-alive comments a byte at a time (a proxy in front of a hung engine), or empty events.
                     empty = [b"data: null\n\n", b"data: {}\n\n"]
-                    pieces = [b": ping\n\n"[i : i + 1] for i in range(8)] if pings else empty
+                    hollow = [
+                        b'data: {"choices":[{"index":0,"delta":{}}]}\n\n',
+                        b'data: {"choices":[{"index":0,"delta":{"content":""}}]}\n\n',
+                    ]
+                    pings_ = [b": ping\n\n"[i : i + 1] for i in range(8)]
+                    pieces = pings_ if pings else hollow if hollow_events else empty
                     while not reader.at_eof():
                         for piece in pieces:
                             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))

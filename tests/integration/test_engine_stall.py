@@ -44,14 +44,22 @@ async def test_a_stream_whose_engine_goes_silent_ends_with_a_stall_error(start_g
     assert row["status"] == "error"
 
 
-@pytest.mark.parametrize("empty_events", [False, True], ids=["keep-alives", "empty-events"])
-async def test_a_stream_that_brings_only_keep_alives_is_stalled_too(start_gateway, stack, empty_events):
+@pytest.mark.parametrize("sends", ["keep-alives", "empty-events", "hollow-events"])
+async def test_a_stream_that_brings_only_keep_alives_is_stalled_too(start_gateway, stack, sends):
     """Bytes keep coming, a byte at a time, and never an event (a proxy's keep-alive comments in front of a hung
-    engine): the connection's own watch sees bytes; the stream's sees no event for `upstream.stall_timeout_ms`. So
+    engine): the connection's own watch sees bytes; the stream's sees no token for `upstream.stall_timeout_ms`. So
     with events that carry nothing (`data: null`, `data: {}` every 10 ms: an outside run's broken engine held a
-    stream, its slot and its engine connection for as long as its client waited)."""
+    stream, its slot and its engine connection for as long as its client waited), and with chunks that have choices
+    but no token (an empty delta or content: they held it until the model's `timeout_ms`, by default forever)."""
     gone = asyncio.Event()
-    url = await hung_engine(stack, 1, gone, pings=not empty_events, empty_events=empty_events)
+    url = await hung_engine(
+        stack,
+        1,
+        gone,
+        pings=sends == "keep-alives",
+        empty_events=sends == "empty-events",
+        hollow_events=sends == "hollow-events",
+    )
     gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}], **STALL)
     async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/chat/completions", json=_request()) as resp:
         raw = await resp.read()
