@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .answer import read_whole
-from .errors import GatewayError, UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTooLarge
+from .errors import GatewayError, UpstreamConnectError, UpstreamError, another_may_answer
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .fleet.pool import LongPrefillBusy
 from .routing.policies import RouteRequest
@@ -149,16 +149,6 @@ async def open_attempts(
             last_error = exc
             tried |= ruled_out(pool, instance, exc)
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def another_may_answer(exc: UpstreamError) -> bool:
-    """Whether an engine call that failed with `exc` may be tried on another instance: the engine may not have seen it
-    (`retryable`), or its answer broke (a stream, a whole answer read midway), unless it broke on the gateway's own
-    bound (`UpstreamTooLarge`: another engine's is as large) or the engine refused the request itself mid-stream (an
-    error event with a 4xx status: `rejected`)."""
-    if exc.retryable:
-        return True
-    return isinstance(exc, UpstreamProtocolError) and not isinstance(exc, UpstreamTooLarge) and not exc.rejected
 
 
 def ruled_out(pool: Pool, instance: Instance, exc: UpstreamError) -> set[str]:

@@ -225,6 +225,16 @@ class UpstreamStalled(UpstreamProtocolError):
     default_code = "upstream_stalled"
 
 
+def another_may_answer(exc: UpstreamError) -> bool:
+    """Whether an engine call that failed with `exc` may be tried on another instance: the engine may not have seen it
+    (`retryable`), or its answer broke (a stream, a whole answer read midway), unless it broke on the gateway's own
+    bound (`UpstreamTooLarge`: another engine's is as large) or the engine refused the request itself mid-stream (an
+    error event with a 4xx status: `rejected`)."""
+    if exc.retryable:
+        return True
+    return isinstance(exc, UpstreamProtocolError) and not isinstance(exc, UpstreamTooLarge) and not exc.rejected
+
+
 class UpstreamStatusError(UpstreamError):
     """The engine answered with an error status: passed on, with its error in the OpenAI envelope (`body`). A 401,
     403 or 407 is the engine refusing the gateway's own credentials, not the client's: 502 (as is a status that is

@@ -30,9 +30,9 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, fresh, plan
-from .attempt import Opened, another_may_answer, ruled_out
+from .attempt import Opened, ruled_out
 from .edge.server import Reply, Request
-from .errors import UpstreamError
+from .errors import UpstreamError, another_may_answer
 from .exchange import Exchange, Phase
 from .relay import in_time, open_engine
 from .respond import stream_events, whole_body

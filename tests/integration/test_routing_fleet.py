@@ -227,18 +227,20 @@ async def test_a_whole_answer_that_breaks_midway_is_retried_elsewhere(
     assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["resumable", "flight"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_preemptible_generation_that_breaks_midway_goes_on_elsewhere(
-    start_sim, start_gateway, http, tmp_path, stream
+    start_sim, start_gateway, http, tmp_path, stream, temperature
 ):
     """A P2 request (one generation over several engine calls, `resume.py`) whose engine dropped its connection
     midway ended in 502, or an SSE error, with the other engine idle: its path reads its events itself to be
     preemptible, and a break was never tried elsewhere. It goes on there as after a preemption: continued from the
-    tokens it had (the streaming client sees one stream), within the model's `retries`."""
+    tokens it had (the streaming client sees one stream), within the model's `retries`. So does a de-duplicated one
+    (temperature 0: a flight, whose every subscriber sees the one stream)."""
     broken, good = await start_sim(), await start_sim()
     gw = await round_robin(start_gateway, {"broken": broken, "good": good})
     await control(http, broken, reset_after_tokens=3)  # three tokens, then its connection drops
-    body = chat(stream=stream, max_tokens=8)
+    body = {**chat(stream=stream, max_tokens=8), "temperature": temperature}
     async with http.post(
         gw.url + "/v1/chat/completions", data=orjson.dumps(body), headers={"x-priority": "P2"}
     ) as resp:
@@ -257,7 +259,9 @@ async def test_a_preemptible_generation_that_breaks_midway_goes_on_elsewhere(
         answer = orjson.loads(raw)
         assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 8
     assert broken.statistics()["requests_started"] == 1 and good.statistics()["requests_finished"] == 1
-    assert upstream_errors(gw) == {("broken", "stream"): 1} and retries(gw) == 1
+    # (A JSON flight's engine answers as one body: its break is a dropped connection, not a broken stream.)
+    kind = "disconnect" if temperature == 0 and not stream else "stream"
+    assert upstream_errors(gw) == {("broken", kind): 1} and retries(gw) == 1
     await gw.gateway.records.wait_flushed()
     [record] = read_records(str(tmp_path / "usage.sqlite3"))
     assert record["status"] == "completed" and record["instance"] == "good" and record["completion_tokens"] == 8

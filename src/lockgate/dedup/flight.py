@@ -68,13 +68,21 @@ import orjson
 from ..admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, plan
 from ..answer import EngineAnswer, EngineReads
 from ..assemble import count_of, usage_of
-from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamTooLarge
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    GatewayError,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamTooLarge,
+    another_may_answer,
+)
 from ..http.connection import listener_of
 from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet.instance import Lease
+    from ..fleet.instance import Instance, Lease
     from ..upstream import UpstreamCall
     from ..wire import ApiRequest
 
@@ -112,12 +120,20 @@ class FlightOwner(Protocol):
     def flight_resumed(self, flight: Flight) -> None: ...
 
 
-#: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the id the engine
-#: sees, the request to send (the flight's, or its continuation after a stop), what to do with each attempt's lease
-#: and call (hold them, so that the flight can abort the call) and with a failed attempt's (drop them).
-OpenEngine = Callable[
-    [str, "ApiRequest", Callable[["Lease", "UpstreamCall"], None], Callable[[], object]], Awaitable[EngineAnswer]
-]
+class OpenEngine(Protocol):
+    """Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the id the engine
+    sees, the request to send (the flight's, or its continuation after a stop), what to do with each attempt's lease
+    and call (hold them, so that the flight can abort the call) and with a failed attempt's (drop them); `failed`: the
+    instance and error of the call it takes over, broken midway (`Flight._fails_over`), which rules out instances."""
+
+    def __call__(
+        self,
+        flight_id: str,
+        request: ApiRequest,
+        hold: Callable[[Lease, UpstreamCall], None],
+        drop: Callable[[], object],
+        failed: tuple[Instance, UpstreamError] | None = None,
+    ) -> Awaitable[EngineAnswer]: ...
 
 
 class Flight:
@@ -134,8 +150,13 @@ class Flight:
         max_lag_bytes: int = 1 << 20,
         max_history_bytes: int = 4 << 20,
         deadline_s: float | None = None,
+        failovers: int = 0,
     ) -> None:
         self.owner = owner
+        #: How many of its engine calls that break midway may be taken over elsewhere (the model's `retries`), and the
+        #: last one's instance and error, for the call that takes over (`_fails_over`).
+        self._failovers = failovers
+        self._failed: tuple[Instance, UpstreamError] | None = None
         #: The model's `timeout_ms`: no client of the flight waits longer, and a flight run on for the cache
         #: (`finish_and_cache`, every client gone) holds its slot no longer than that on a stuck engine.
         self.deadline_s = deadline_s
@@ -351,6 +372,27 @@ class Flight:
                 stopped, self._opened = self._opened, None
                 if stopped is not None:
                     stopped.close()
+            except UpstreamError as exc:
+                if not self._fails_over(exc):
+                    raise
+
+    def _fails_over(self, exc: UpstreamError) -> bool:
+        """A streaming flight's engine call that broke after it opened (its engine died, hung or failed midway):
+        whether the flight goes on elsewhere, as after a stop (sent again while nothing was delivered, else continued
+        from what it delivered, for a flight that can be: `resumable`), within `failovers`. Its subscribers see one
+        stream. False: the error stands (every subscriber gets it)."""
+        opened = self._opened
+        if opened is None or self._failovers <= 0 or not another_may_answer(exc):
+            return False
+        how = Plan.RESTART if not self._base and not self.events else self._resume_plan()
+        if how is None:
+            return False
+        self._failovers -= 1
+        self._failed = (opened.lease.instance, exc)
+        self._opened = None
+        opened.close()
+        self._release()
+        return True
 
     def _step(self, stream: EngineReads) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
@@ -541,7 +583,8 @@ class Flight:
             self._folding = self._base + len(self.events) > 0
             if transcript.tokens:
                 api = continuation(api, transcript.text, transcript.tokens)
-        opened = await self._open_engine(upstream_id, api, self._hold, self._release)
+        failed, self._failed = self._failed, None
+        opened = await self._open_engine(upstream_id, api, self._hold, self._release, failed)
         self.served_by = opened.call.served_by
         return opened
 
