@@ -149,7 +149,6 @@ class UpstreamCall:
                 status, body, content_type = 400, blamed, "application/json"
             self._fleet.report_failure(instance, f"http_{status}", body[:200].decode("utf-8", "replace"))
             raise UpstreamStatusError(status, body, content_type, response.headers.get("retry-after"))
-        self._fleet.report_success(instance)
         if instance.published is not None:
             self.served_by = served_by(instance.name, instance.published.node, response.headers)
 
@@ -202,10 +201,15 @@ class UpstreamCall:
             self._fleet.report_failure(self.instance, kind, reason)
 
     def release(self) -> None:
-        """The body is complete: the connection goes back to the pool."""
-        if self._response is not None and not self._finished:
+        """The body is complete: the connection goes back to the pool, and the engine served the call, a success for
+        its ejection count (not at its headers: an engine that broke every stream midway had each one's failure
+        undone by its own start, and was never ejected)."""
+        if self._finished:
+            return
+        if self._response is not None:
             self._response.release()
         self._finish()
+        self._fleet.report_success(self.instance)
 
     def _finish(self) -> None:
         if not self._finished:

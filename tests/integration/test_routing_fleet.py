@@ -284,6 +284,23 @@ async def test_a_preemptible_generation_with_nowhere_else_to_go_ends_in_its_engi
     assert broken.statistics()["requests_started"] == 1 and retries(gw) == 0
 
 
+async def test_an_engine_that_breaks_every_stream_midway_is_ejected(start_sim, start_gateway, http):
+    """An outside run: a simulator breaking every stream after 20 tokens kept a third of the traffic, never ejected
+    (`consecutive_failures` stayed at 1): each call's success was counted when its headers came, which undid the
+    failure of the one before. A call succeeds when its answer is complete."""
+    failing, gw = await failing_and_good(start_sim, start_gateway, "failing", base_ms=60_000, max_ms=60_000)
+    await control(http, failing, reset_after_tokens=3)
+    engine = next(i for i in gw.gateway.fleet.instances.values() if i.name == "failing")
+    outcomes = []
+    for _ in range(4):  # round robin: two of them there (P1: a break mid-stream reaches the client)
+        async with http.post(gw.url + "/v1/chat/completions", json=chat(stream=True, max_tokens=8)) as resp:
+            outcomes.append((resp.headers["x-lockgate-instance"], b"[DONE]" in await resp.read()))
+    assert sorted(outcomes) == [("failing", False), ("failing", False), ("good", True), ("good", True)]
+    assert engine.ejection.ejected and failing.statistics()["requests_started"] == 2
+    _, name, _ = await post(http, gw.url, chat())
+    assert name == "good"
+
+
 async def test_conversation_follows_its_cached_prefix_and_admin_fleet_shows_sources(start_sim, start_gateway, http):
     sims = [await start_sim(num_kv_blocks=512) for _ in range(3)]
     gw = await start_gateway(
