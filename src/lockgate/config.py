@@ -73,6 +73,10 @@ class LimitsConfig(_Strict):
     #: A client that leaves the gateway's send buffer toward it full for this long (it stopped reading) is
     #: treated as gone: its connection is closed and its engine request aborted.
     write_timeout_ms: Annotated[int, Field(ge=100)] = 60_000
+    #: The kernel's send buffer toward each client (`SO_SNDBUF`; 0: the kernel's own, which grows to megabytes). The
+    #: write timeout starts only once the buffers toward a client are full: left to grow, ~3 MB queued toward a client
+    #: that had stopped reading, and its engine generated ~14,000 tokens, before it was noticed.
+    send_buffer_bytes: Annotated[int, Field(ge=0)] = 256 * 1024
 
     @model_validator(mode="after")
     def _one_largest_body_fits(self) -> LimitsConfig:

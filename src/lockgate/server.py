@@ -191,6 +191,7 @@ class GatewayServer:
             body_timeout_s=limits.body_timeout_ms / 1000,
             max_connections=limits.max_connections,
             max_held_body_bytes=limits.max_held_body_bytes,
+            send_buffer_bytes=limits.send_buffer_bytes,
             error_body=edge_error_body,
             error_headers=lambda: {"x-request-id": new_request_id()},
             precheck=self.gateway.precheck,

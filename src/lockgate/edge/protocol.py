@@ -51,6 +51,9 @@ class Limits:
     max_connections: int = 8192
     #: Bytes of request bodies all connections may hold at once (being received, or not yet answered).
     max_held_body_bytes: int = 512 * 1024 * 1024
+    #: The kernel's send buffer of each client connection (`SO_SNDBUF`; 0: the kernel's own, which grows to
+    #: megabytes: a client that stopped reading was noticed only once that much was queued toward it).
+    send_buffer_bytes: int = 0
 
 
 def default_error_body(status: int, message: str, code: str | None = None) -> bytes:
@@ -184,6 +187,8 @@ class Connection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._server.limits.send_buffer_bytes:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._server.limits.send_buffer_bytes)
         server = self._server
         server.live.add(self)
         if server.closing:  # accepted in the same loop iteration as the shutdown began

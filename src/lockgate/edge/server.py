@@ -96,6 +96,7 @@ class HttpServer:
         body_timeout_s: float = 60.0,
         max_connections: int = 8192,
         max_held_body_bytes: int = 512 * 1024 * 1024,
+        send_buffer_bytes: int = 0,
         error_body: Callable[[int, str, str | None], bytes] | None = None,
         error_headers: Callable[[], Mapping[str, str]] | None = None,
         precheck: Callable[[Request], Response | None] | None = None,
@@ -115,6 +116,7 @@ class HttpServer:
             body_timeout_s=body_timeout_s,
             max_connections=max_connections,
             max_held_body_bytes=max_held_body_bytes,
+            send_buffer_bytes=send_buffer_bytes,
         )
         # What its connections call: the application, and the server's own answers (see the docstring).
         self.handler = handler
