@@ -341,3 +341,29 @@ def test_retry_after_follows_the_hold_time_of_what_runs() -> None:
     assert core.retry_after(2) == 4.0  # one ahead of two slots: the next to free
     core.release(running[0], 1.0)
     assert core.hold_s[2] == pytest.approx(4.0 + 0.2 * (1.0 - 4.0))
+
+
+def test_retry_after_counts_a_backlogged_class_as_staying_backlogged_and_stops_at_the_queue_timeout() -> None:
+    """An outside run: a P2 flood behind a P1 backlog its clients kept up was told 38 s (the P1 share counted only for
+    the P1 requests queued at that moment) and waited 49-60 s; a full P1 queue with a 6 s timeout, after two long
+    requests had made the mean hold time long, was told 64 s though everything queued was gone within 6.5 s."""
+    classes = (
+        ClassSpec("P0", weight=0.6, strict=True, max_queue=8),
+        ClassSpec("P1", weight=0.3, max_queue=64, queue_timeout_s=6.0),
+        ClassSpec("P2", weight=0.1, max_queue=400),
+    )
+    core = SchedulerCore(classes, capacity=4)
+    held = [offer(core, 2) for _ in range(4)]
+    for t in held:
+        core.release(t, 1.0)  # held 1 s each
+    for _ in range(4):
+        offer(core, 2)  # running again
+    for _ in range(10):
+        offer(core, 2)
+    alone = core.retry_after(2)  # 11 of its own over 4 slots: 3 rounds of 1 s
+    assert alone == 3.0
+    offer(core, 1)  # one P1 request queued: P1 backlogged, it takes 3 slots in 4 while P2 drains
+    assert core.retry_after(2) == 11.0  # (11 + 33) over 4 slots: 11 rounds (it said 3: the one P1 request)
+    for _ in range(63):
+        offer(core, 1)
+    assert core.retry_after(1) == 6.0  # 16 rounds of 1 s, but the queue is gone within its timeout
