@@ -168,6 +168,9 @@ class Exchange:
         self.response_headers: dict[str, str] = {PRIORITY_SERVED_HEADER: priority} if priority else {}
         #: The tenant's rate-limit reservation for it (`Admission.allow`), shared with a flight it leads.
         self.allowance: Allowance | None = None
+        #: Tokens its engine calls produced (`Lease.produced`: read, or estimated for whole answers cut short), which
+        #: its tenant is charged for even when none was delivered (`Admission._settle`).
+        self.engine_tokens = 0
         #: A response's ids and event numbering as its client sees them (None: not a response).
         self.naming = (
             ResponseNaming(pool, tenant, _weakly(self.serving), response_ids, previous_response)
@@ -251,6 +254,7 @@ class Exchange:
         if aborted and self._cancel_detected_at is not None:
             self.host.metrics.abort_latency.observe(time.perf_counter() - self._cancel_detected_at)
         if lease is not None:
+            self.engine_tokens += lease.produced(time.monotonic())
             lease.release(self.record.prompt_tokens)
 
     def hold(self, release: Callable[[], None]) -> None:

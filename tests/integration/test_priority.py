@@ -256,6 +256,52 @@ async def test_token_reservation_refunded_on_cancel(start_sim, start_gateway, ht
     assert_no_leaks(gw)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["direct", "flight"])
+async def test_a_whole_answer_its_client_left_is_charged_for_what_the_engine_generated(
+    start_sim, start_gateway, http, monkeypatch, temperature
+):
+    """An outside run: non-streaming requests abandoned shortly before their answers came had the engine generate
+    ~1,380 tokens and were charged none (the answer is read whole: nothing was counted), so leaving was a way around
+    `tokens_per_minute`. Its engine's work is estimated from the time it ran at the instance's measured speed
+    (`Lease.produced`) and charged, on the direct path and for a de-duplication flight's JSON answer alike."""
+    from lockgate.admission.ratelimit import Allowance
+
+    charged: list[int] = []
+    done = Allowance.done
+
+    def spy(self: Allowance, used: int, reached_engine: bool) -> None:
+        charged.append(used)
+        done(self, used, reached_engine)
+
+    monkeypatch.setattr(Allowance, "done", spy)
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=5.0)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "default", "tokens_per_minute": 100_000, "requests_per_minute": 1000}],
+    )
+    async with http.post(gw.url + "/v1/chat/completions", json=chat(0, max_tokens=40, stream=True)) as resp:
+        await resp.read()  # a stream first: the instance's time per token is measured
+    generated = sim.statistics()["tokens_generated"]
+    body = {**chat(1, max_tokens=3000), "temperature": temperature}
+    left = asyncio.create_task(post(http, gw.url, body))
+    async with asyncio.timeout(20):
+        await sim.wait_until(lambda s: s.stats.tokens_generated >= generated + 200)  # it is generating
+    left.cancel()  # the client leaves before its whole answer
+    with contextlib.suppress(asyncio.CancelledError):
+        await left
+    async with asyncio.timeout(5):
+        await gw.gateway.registry.wait_empty()
+        await gw.gateway.dedup.flights.wait_until(lambda: len(gw.gateway.dedup.flights) == 0)
+        await sim.wait_until(lambda s: s.stats.requests_aborted == 1)
+    made = sim.statistics()["tokens_generated"] - generated
+    rows = await records(gw)
+    assert [r["status"] for r in rows] == ["completed", "cancelled"] and rows[1]["completion_tokens"] == 0
+    # The settle of the abandoned request (the flight's own and its leader's: the most counts): its prompt and about
+    # what the engine made, where it was charged nothing.
+    assert 0.5 * made <= max(charged[1:]) <= 1.5 * made + 50, (charged, made)
+    assert_no_leaks(gw)
+
+
 async def test_a_reservation_counts_every_choice(start_sim, start_gateway, http):
     """`max_tokens` bounds each of `n` choices (and of a completion's `best_of`): the reservation is n times it,
     so a request that may use more than the tenant's tokens per minute is refused before any engine runs it."""

@@ -57,6 +57,9 @@ class Owner:
 class Lease:
     answered = True
 
+    def produced(self, now: float) -> int:
+        return 0
+
     def release(self) -> None:
         pass
 

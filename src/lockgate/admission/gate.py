@@ -616,13 +616,22 @@ class Admission:
 
     @staticmethod
     def _settle(ex: Exchange, allowance: Allowance) -> None:
-        """A request that delivered nothing costs no tokens; otherwise prompt + delivered tokens. One that also
-        reached no engine (refused by the scheduler's queue, no healthy instance, cancelled while queued) does not
-        count as a request either: retried by its SDK, a full queue's 429 used up the tenant's requests per minute."""
+        """A request whose engines produced nothing and that delivered nothing costs no tokens; otherwise its prompt and
+        the more of the tokens delivered and produced (`Exchange.engine_tokens`, at most its `max_tokens`): a client
+        that left before its whole answer came, or whose deadline passed, had the engine generate it, and leaving was a
+        way around the token limit (an outside run: six requests abandoned at 2.7 s, ~1,380 tokens generated, none
+        charged).
+        One that also reached no engine (refused by the scheduler's queue, no healthy instance, cancelled while queued)
+        does not count as a request either: retried by its SDK, a full queue's 429 used up the tenant's requests per
+        minute."""
         record = ex.record
+        produced = ex.engine_tokens
+        limit = ex.api.max_tokens
+        if limit is not None:
+            produced = min(produced, limit * ex.api.sequences())
         used = 0
-        if record.completion_tokens > 0 or record.status == "completed":
-            used = record.completion_tokens + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
+        if record.completion_tokens > 0 or produced > 0 or record.status == "completed":
+            used = max(record.completion_tokens, produced) + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
         allowance.done(used, record.attempts > 0)
 
     def _watch(self, tenant: Tenant) -> None:

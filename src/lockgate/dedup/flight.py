@@ -216,6 +216,8 @@ class Flight:
         self.settle_allowance: Callable[[int, bool], None] | None = None
         #: Token-bearing events received (one token each, as the transcript of a preempted request counts them).
         self.tokens = 0
+        #: Tokens its engine calls produced (`Lease.produced`: also a whole answer's, estimated when it was cut short).
+        self.engine_tokens = 0
         #: How to wait for its slot to be granted again after a stop (`dedup.stoppable`: only a flight of a preemptible
         #: class has one), and the stops so far.
         self.regranted: Callable[[], Awaitable[object]] | None = None
@@ -666,6 +668,7 @@ class Flight:
         lease, self._lease = self._lease, None
         aborted = call.abort() if call is not None else False
         if lease is not None:
+            self.engine_tokens += lease.produced(time.monotonic())
             lease.release()
         return aborted
 

@@ -239,7 +239,11 @@ class Flights:
             if result is not None and result.completion_tokens:
                 used = result.prompt_tokens + result.completion_tokens
             else:
-                used = flight.tokens + flight.api.estimated_prompt_tokens() if flight.tokens else 0
+                # (A JSON flight cut short shows no events: its engine's work is estimated, `Lease.produced`.)
+                produced = max(flight.tokens, flight.engine_tokens)
+                if flight.api.max_tokens is not None:
+                    produced = min(produced, flight.api.max_tokens * flight.api.sequences())
+                used = produced + flight.api.estimated_prompt_tokens() if produced else 0
             settle(used, flight.attempts > 0)
         self._unlist(flight)
         self._running.discard(flight)

@@ -263,6 +263,21 @@ class Lease:
         not measured."""
         return self.instance.own.first_token_due(self._attempt, slack_steps)
 
+    def produced(self, now: float) -> int:
+        """Tokens the engine has produced for this attempt: those read from its stream, or its whole answer's; for a
+        whole answer not come yet (its client left, its deadline passed), an estimate: the time since it was sent, less
+        the instance's measured first-token time, at its measured time per token (its streams', else its whole answers'
+        fit, else the engine's own), 0 while none is measured. Work its tenant is charged for (`Admission._settle`): a
+        client that left before its whole answers came had the engine generate them for free."""
+        attempt = self._attempt
+        if self.completion_tokens or self._whole or not attempt.whole:
+            return self.completion_tokens
+        own, load = self.instance.own, self.instance.engine_load
+        tpot = own.tpot.value or own.whole.slope() or (load.tpot_s if load is not None and load.tpot_s else 0.0)
+        if tpot <= 0:
+            return 0
+        return max(0, int((now - attempt.sent_at - own.ttft.value) / tpot))
+
     def whole(self, completion_tokens: int) -> None:
         """A non-streamed answer arrived complete: its timing still feeds the instance's TTFT/TPOT."""
         self.completion_tokens = completion_tokens
