@@ -32,3 +32,26 @@ def test_odd_bodies_never_raise() -> None:
     assert creds.scrub(b"[" * 300 + b'"SECRETKEY-abc\\u0031"' + b"]" * 300).startswith(b'{"error"')  # withheld
     assert creds.scrub_text("odd \ud800 text") == "odd ? text"
     assert creds.scrub(b"\xff\xfe not utf-8") == b"\xff\xfe not utf-8"
+
+
+def test_a_base64_copy_at_any_alignment_or_escapes_written_out_withhold_the_message() -> None:
+    """An outside run got an engine's credential through in base64 (`bad RmFrZUVuZ2luZUtleS1YWVo5ODc2NQ==`) and with a
+    JSON escape written out as text (`FakeEngineKey\\u002dXYZ98765`, which a client reading it as JSON decodes)."""
+    import base64
+
+    secret = "FakeEngineKey-XYZ98765?>"  # (`?>` gives `/` and `+` in base64: both alphabets are looked for)
+    creds = Credentials([secret])
+    for before in ("", "x", "xy", "bad "):
+        plain = (before + secret + " trailing").encode()
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            text = "token " + encode(plain).decode()
+            assert creds.scrub_text(text) == WITHHELD, (before, encode)
+    escaped = secret.replace("-", "\\u002d")
+    assert creds.scrub_text(f"bad key {escaped}") == WITHHELD
+    assert creds.scrub(orjson.dumps({"error": {"message": f"bad key {escaped}"}})).startswith(b'{"error"')
+    assert (
+        "withheld"
+        in orjson.loads(creds.scrub(orjson.dumps({"error": {"message": f"bad key {escaped}"}})))["error"]["message"]
+    )
+    # Other base64 text (another key) goes through.
+    assert creds.scrub_text("token " + base64.b64encode(b"another key entirely").decode()).startswith("token ")
