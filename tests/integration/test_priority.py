@@ -258,22 +258,12 @@ async def test_token_reservation_refunded_on_cancel(start_sim, start_gateway, ht
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["direct", "flight"])
 async def test_a_whole_answer_its_client_left_is_charged_for_what_the_engine_generated(
-    start_sim, start_gateway, http, monkeypatch, temperature
+    start_sim, start_gateway, http, temperature
 ):
     """An outside run: non-streaming requests abandoned shortly before their answers came had the engine generate
     ~1,380 tokens and were charged none (the answer is read whole: nothing was counted), so leaving was a way around
     `tokens_per_minute`. Its engine's work is estimated from the time it ran at the instance's measured speed
     (`Lease.produced`) and charged, on the direct path and for a de-duplication flight's JSON answer alike."""
-    from lockgate.admission.ratelimit import Allowance
-
-    charged: list[int] = []
-    done = Allowance.done
-
-    def spy(self: Allowance, used: int, reached_engine: bool) -> None:
-        charged.append(used)
-        done(self, used, reached_engine)
-
-    monkeypatch.setattr(Allowance, "done", spy)
     sim = await start_sim(prefill_tps=1e6, tpot_ms=5.0)
     gw = await start_gateway(
         [{"name": "m", "instances": [instance(sim)]}],
@@ -286,6 +276,9 @@ async def test_a_whole_answer_its_client_left_is_charged_for_what_the_engine_gen
     left = asyncio.create_task(post(http, gw.url, body))
     async with asyncio.timeout(20):
         await sim.wait_until(lambda s: s.stats.tokens_generated >= generated + 200)  # it is generating
+    [ex] = gw.gateway.registry.all()
+    allowance = ex.allowance
+    assert allowance is not None
     left.cancel()  # the client leaves before its whole answer
     with contextlib.suppress(asyncio.CancelledError):
         await left
@@ -296,9 +289,10 @@ async def test_a_whole_answer_its_client_left_is_charged_for_what_the_engine_gen
     made = sim.statistics()["tokens_generated"] - generated
     rows = await records(gw)
     assert [r["status"] for r in rows] == ["completed", "cancelled"] and rows[1]["completion_tokens"] == 0
-    # The settle of the abandoned request (the flight's own and its leader's: the most counts): its prompt and about
-    # what the engine made, where it was charged nothing.
-    assert 0.5 * made <= max(charged[1:]) <= 1.5 * made + 50, (charged, made)
+    # What its allowance was settled with (the flight's and its leader's: the most): its prompt and about what the
+    # engine made, where it was charged nothing.
+    charged = allowance.reservation.used
+    assert allowance.reservation.settled and 0.5 * made <= charged <= 1.5 * made + 50, (charged, made)
     assert_no_leaks(gw)
 
 

@@ -5,7 +5,8 @@ and refilling continuously. Admission takes one request and a *reservation* of t
 prompt + `max_tokens`) at once, or takes nothing and raises `RateLimitExceeded` with the wait until
 enough would be back (`Retry-After`) and the limit headers clients expect. When the request ends —
 completed, failed or cancelled — its owner settles the reservation with the tokens actually used;
-the unused part flows back, so a cancelled request costs only what was delivered. Settling is
+the unused part flows back, so a cancelled request costs only what was delivered or its engine produced
+(`Admission._settle`). Settling is
 idempotent. Time is passed in (`now`, monotonic seconds); nothing here awaits.
 
 In a cluster each central replica holds a *share* of every tenant's per-minute limits (`set_share`,
