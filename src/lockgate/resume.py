@@ -81,7 +81,7 @@ class Resumable:
         self._scheduler = scheduler
         self._max = max_preemptions
         self._task = asyncio.current_task()
-        chat_continuation = all(i.dialect.continue_final_message for i in ex.pool.instances)
+        chat_continuation = all(i.continues_chat for i in ex.pool.instances)
         self._blocker = blocker(ex.api, chat_continuation=chat_continuation)
         self._active = False  # an engine call of this request is running
         self._preempted = False  # stopped; waiting to be granted again

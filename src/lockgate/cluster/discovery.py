@@ -234,6 +234,7 @@ class Discovery:
                 ttft_s=engine.ttft_s,
                 tpot_s=engine.tpot_s,
                 prefill_tps=engine.prefill_tps,
+                engine=engine.engine,
             )
             # The sidecar counts every replica's requests; this replica's own are counted live here, so
             # the rest (as of now) is the other replicas'. Their slots count here; their queued prefill

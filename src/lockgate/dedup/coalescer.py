@@ -218,7 +218,7 @@ class Coalescer:
         )
         flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
         if stoppable is not None:
-            chat_continuation = all(i.dialect.continue_final_message for i in ex.pool.instances)
+            chat_continuation = all(i.continues_chat for i in ex.pool.instances)
             stoppable.attach(flight, slot.regranted(), chat_continuation=chat_continuation)
         if ex.allowance is not None:
             flight.settle_allowance = ex.allowance.share()  # and counts as the tenant's work until it ends

@@ -13,7 +13,7 @@ import aiohttp
 
 from ..config import InstanceConfig
 from ..credentials import Credentials
-from ..engines import Dialect, dialect_for
+from ..engines import DIALECTS, Dialect, dialect_for
 from ..http import HttpPool
 from ..metrics import GatewayMetrics
 from ..routing.policies import InstanceView
@@ -111,6 +111,18 @@ class Instance:
     def in_service(self) -> bool:
         """Passes its health checks and is configured: what a panicking pool routes over (ejection aside)."""
         return self.healthy and not self.retired
+
+    @property
+    def continues_chat(self) -> bool:
+        """Whether its engine continues a final assistant message (`Dialect.continue_final_message`: a preempted or
+        broken chat generation resumes from its partial output). Behind a sidecar, the engine's there, which the
+        sidecar relays the request to as it is (a central built its discovered instances as OpenAI servers, which
+        do not: chat P2 streams that broke there ended in an error, and preempted ones started over)."""
+        published = self.published
+        if published is None:
+            return self.dialect.continue_final_message
+        dialect = DIALECTS.get(published.engine)
+        return dialect is not None and dialect.continue_final_message
 
     @property
     def routable(self) -> bool:

@@ -454,6 +454,9 @@ class Published:
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     prefill_tps: float = 0.0
+    #: The engine's dialect at its sidecar (`engine:` there): what it can do, which this replica, speaking to the
+    #: sidecar as to any OpenAI server, cannot tell from its own dialect (`Instance.continues_chat`).
+    engine: str = "openai"
 
     def age(self, now: float) -> float:
         return now - self.received_at
