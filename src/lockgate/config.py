@@ -300,6 +300,16 @@ class UsageConfig(_Strict):
     #: Records held in memory before new ones spill to ``<path>.spill.jsonl``.
     queue_size: Annotated[int, Field(ge=1)] = 10000
 
+    @field_validator("path")
+    @classmethod
+    def _directory_exists(cls, value: str) -> str:
+        # (`check-config` said OK to a path in a directory that does not exist, which `serve` then could not open.)
+        if value != ":memory:" and not value.startswith("file:"):
+            directory = Path(value).parent
+            if not directory.is_dir():
+                raise ValueError(f"the directory of {value!r} ({directory}) does not exist")
+        return value
+
 
 class ShutdownConfig(_Strict):
     #: How long running requests may keep streaming after SIGTERM before they are aborted.

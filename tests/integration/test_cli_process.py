@@ -161,11 +161,17 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_usage_database_that_cannot_be_opened_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "gw.yaml"
-    usage = tmp_path / "missing-dir" / "usage.sqlite3"
+    usage = tmp_path / "a-directory"  # (its directory exists: the configuration is valid)
+    usage.mkdir()
     path.write_text(config_text(free_port(), usage, "http://127.0.0.1:9", ["k"]))
     assert main(["serve", "--config", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"lockgate: cannot start: cannot open the usage database '{usage}': unable to open database file"]
+    # A directory that does not exist is the configuration's mistake, found by `check-config` too (exit 2).
+    missing = tmp_path / "missing-dir" / "usage.sqlite3"
+    path.write_text(config_text(free_port(), missing, "http://127.0.0.1:9", ["k"]))
+    assert main(["check-config", str(path)]) == 2
+    assert f"usage.path: the directory of '{missing}'" in capsys.readouterr().err
 
 
 async def test_sighup_without_a_config_file_says_there_is_nothing_to_reload() -> None:

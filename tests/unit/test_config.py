@@ -1,3 +1,4 @@
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -293,3 +294,12 @@ def test_one_engine_listed_under_two_models_with_different_limits_is_a_config_er
         parse_config({"models": [first, {"name": "b", "instances": [limited]}]})
     same = {"name": "b", "instances": [{"url": "http://127.0.0.1:1"}]}
     parse_config({"models": [first, same]})  # the same (unset) on both: one engine, fine
+
+
+def test_a_usage_path_in_a_directory_that_does_not_exist_is_refused_at_load(tmp_path: Path) -> None:
+    """A newcomer's run: `check-config` said OK, then `serve` could not open the database."""
+    base = {"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9"}]}]}
+    with pytest.raises(ConfigError, match=r"usage\.path: the directory of"):
+        parse_config({**base, "usage": {"path": str(tmp_path / "missing" / "usage.sqlite3")}})
+    assert parse_config({**base, "usage": {"path": str(tmp_path / "usage.sqlite3")}}).usage.path.endswith("sqlite3")
+    assert parse_config({**base, "usage": {"path": ":memory:"}}).usage.path == ":memory:"

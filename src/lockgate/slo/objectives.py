@@ -18,9 +18,12 @@ What the events of each objective are (the usage records, `slo/usage.py`, and th
   first token later than the threshold, or none. Rejections do not count.
 - `engine_idle`: engine samples (each engine with a fresh busy signal, once per sample); bad: it ran nothing.
 - `cancel_rate`: finished requests (not rejected); bad: cancelled.
-- `dedup_saving`: finished requests (not rejected), whatever their end: a stream its client abandoned spent the
-  engine's work if it led its call, and none if it joined one; good: served without an engine call of their own
-  (coalesced or a cache hit). What `lockgate_dedup_total` counts, so the Prometheus rule reads the same.
+- `dedup_saving`: finished requests (not rejected) that could be shared (de-duplication eligible: a flight's leader,
+  coalesced, a cache or semantic hit; not a sampled request under `dedup: deterministic`, nor one opted out),
+  whatever their end: a stream its client abandoned spent the engine's work if it led its call, and none if it
+  joined one; good: served without an engine call of their own. What `lockgate_dedup_total` counts without
+  `bypass`, so the Prometheus rule reads the same. (Counting every request, a fresh install serving sampled chat,
+  which no default shares, burned it from its first request: `lockgate slo` exited 3 on day one.)
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def objectives(config: SloConfig) -> list[Objective]:
         Objective("cancel_rate", f"cancel rate < {_pct(config.cancel_rate_max)}", 1 - config.cancel_rate_max),
         Objective(
             "dedup_saving",
-            f"de-duplication saving >= {_pct(config.dedup_saving_min)} of requests",
+            f"de-duplication saving >= {_pct(config.dedup_saving_min)} of shareable requests",
             config.dedup_saving_min,
         ),
     ]

@@ -14,8 +14,8 @@ Differences from the usage-record evaluation, where the metrics cannot say the s
 - `engine_idle` samples `lockgate_instance_engine_running` at each rule evaluation (healthy instances
   with a known value), like the gateway's own sampler; an idle engine counts only while requests wait
   (`lockgate_queue_depth`, or an engine's own queue).
-- `dedup_saving` counts the de-duplication outcomes (`lockgate_dedup_total`): every request that ended and was not
-  rejected, embeddings as `bypass`, the same requests as the records.
+- `dedup_saving` counts the de-duplication outcomes (`lockgate_dedup_total`) of the requests that could be shared
+  (not `bypass`: sampled, opted out, embeddings), the same requests as the records.
 Labels come from the SLI metrics of issue 15 (`{model, priority, status}` on the request counter, `{model,
 priority, stream}` on TTFT, `{model, priority, reason}` on cancellations; docs/metrics.md).
 """
@@ -57,8 +57,8 @@ def _error_ratio(name: str, config: SloConfig, window: str) -> str:
         bad = _sum_rate('lockgate_cancellations_total{reason!="preempted"}', window)
         return f'{bad} / sum(rate(lockgate_requests_total{{status!="rejected"}}[{window}]))'
     if name == "dedup_saving":
-        bad = _sum_rate('lockgate_dedup_total{outcome=~"miss|bypass"}', window)
-        return f'{bad} / sum(rate(lockgate_dedup_total{{outcome=~"miss|bypass|coalesced|hit|semantic"}}[{window}]))'
+        bad = _sum_rate('lockgate_dedup_total{outcome="miss"}', window)
+        return f'{bad} / sum(rate(lockgate_dedup_total{{outcome=~"miss|coalesced|hit|semantic"}}[{window}]))'
     raise ValueError(f"unknown objective {name!r}")
 
 

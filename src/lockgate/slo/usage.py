@@ -42,8 +42,8 @@ _AGGREGATES = {
     ),
     "cancel_rate": (f"status != 'rejected' AND {_GENERATION}", f"status = 'cancelled' AND {_GENERATION}"),
     "dedup_saving": (
-        f"status != 'rejected' AND {_GENERATION}",
-        f"status != 'rejected' AND {_GENERATION} AND served_by NOT IN ('coalesced', 'hit', 'semantic')",
+        f"status != 'rejected' AND {_GENERATION} AND served_by IN ('miss', 'coalesced', 'hit', 'semantic')",
+        f"status != 'rejected' AND {_GENERATION} AND served_by = 'miss'",
     ),
 }
 #: The objectives counted from the usage records.
