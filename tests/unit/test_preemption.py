@@ -11,7 +11,17 @@ from typing import Any
 import pytest
 
 from lockgate.admission.gate import PoolScheduler
-from lockgate.admission.preemption import Plan, Transcript, blocker, choose_victim, continuation, fresh, plan
+from lockgate.admission.preemption import (
+    Plan,
+    Stopped,
+    StopSignal,
+    Transcript,
+    blocker,
+    choose_victim,
+    continuation,
+    fresh,
+    plan,
+)
 from lockgate.admission.scheduler import ClassSpec, SchedulerCore, Ticket, TicketState
 from lockgate.config import parse_config
 from lockgate.errors import ModelNotFound
@@ -634,3 +644,38 @@ async def test_a_stopped_request_of_a_withdrawn_pool_gets_the_withdrawal_not_an_
     scheduler.withdraw(lambda: ModelNotFound("gone"))
     with pytest.raises(ModelNotFound):
         await scheduler.wait_granted(queued)
+
+
+async def test_a_stop_from_inside_its_own_engine_call_cancels_nothing() -> None:
+    """An outside run: a P2 stream's break ejected its instance from inside that stream's own task; the pool shrinking
+    preempted the same request, whose stop cancelled its own task: the cancellation landed at its next await, outside
+    the engine call, and read as its client gone (the stream closed without a word, `client_disconnect`). The owner
+    sees such a stop by its flag; only another task is cancelled."""
+    from lockgate.errors import UpstreamProtocolError
+
+    signal = StopSignal()
+    own = asyncio.current_task()
+
+    async def breaks() -> None:
+        signal.stop(own)  # (the failure's report ejected the instance, which preempted this request, right here)
+        raise UpstreamProtocolError("the stream broke")
+
+    with pytest.raises(UpstreamProtocolError):
+        await signal.engine(breaks())
+    await asyncio.sleep(0)  # a cancellation of itself would land here
+    assert own is not None and own.cancelling() == 0
+    # Another task awaiting its engine call is stopped as before.
+    started = asyncio.Event()
+
+    async def waits() -> None:
+        async def engine_call() -> None:
+            started.set()
+            await asyncio.Event().wait()
+
+        await signal.engine(engine_call())
+
+    other = asyncio.create_task(waits())
+    await started.wait()
+    signal.stop(other)
+    with pytest.raises(Stopped):
+        await other

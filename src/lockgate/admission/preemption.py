@@ -54,7 +54,11 @@ class StopSignal:
         self._sent = False
 
     def stop(self, task: asyncio.Task[Any] | None) -> None:
-        if self._awaiting and task is not None:
+        # Not the task running now: a stop made from inside the owner's own engine call (its failure ejected its
+        # instance, and the pool shrinking preempted it) is seen by the owner's flag; a cancellation of itself would
+        # land at its next await, outside `engine()`, and read as its client gone (an outside run: P2 streams closed
+        # without a word, recorded `client_disconnect`, whenever their own break ejected the instance).
+        if self._awaiting and task is not None and task is not asyncio.current_task():
             self._sent = True
             task.cancel("lockgate: preempted")
 
