@@ -5,24 +5,9 @@ from __future__ import annotations
 
 import time
 
-from aiohttp import web
+from tests.integration.test_engine_signals import paged_engine
 
 _IDLE = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"
-
-
-def _engine(page: dict[str, str]) -> web.Application:
-    """An engine whose `/metrics` answers `page["text"]` (changed by the test as it goes)."""
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=page["text"])
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
-    return app
 
 
 async def test_an_instance_that_ended_no_generation_judges_its_queue_by_how_long_its_peers_generations_last(
@@ -34,7 +19,7 @@ async def test_an_instance_that_ended_no_generation_judges_its_queue_by_how_long
     limit). How long a generation lasts is mostly the workload's: its peers' measure stands in for it, and their
     prefill rate for its own, as routing does."""
     pages = [{"text": _IDLE}, {"text": _IDLE}]
-    urls = [await serve_app(_engine(page)) for page in pages]
+    urls = [await serve_app(paged_engine(page)) for page in pages]
     specs = [{"url": url, "engine": "vllm", "name": f"e{n}"} for n, url in enumerate(urls)]
     gw = await start_gateway([{"name": "m", "instances": specs}], scrape={"enabled": False})
     fleet = gw.gateway.fleet

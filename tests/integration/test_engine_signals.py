@@ -17,7 +17,7 @@ async def http():
         yield session
 
 
-def _engine(page: dict[str, str]) -> web.Application:
+def paged_engine(page: dict[str, str]) -> web.Application:
     """A chat engine whose `/metrics` answers `page["text"]` (changed by the test as it goes)."""
 
     async def chat(request: web.Request) -> web.Response:
@@ -50,7 +50,7 @@ async def test_an_engine_reporting_impossible_numbers_takes_nothing_down(
     """`+Inf` requests waiting made every request of the model a 500 (the gateway's arithmetic on it overflowed) and
     `/admin/fleet` too; a line without its closing brace ended the scrape loop for every instance, silently."""
     page = {"text": "vllm:num_requests_waiting +Inf\nvllm:num_requests_running 1e300\nvllm:kv_cache_usage_perc -1\n"}
-    url = await serve_app(_engine(page))
+    url = await serve_app(paged_engine(page))
     sim = await start_sim()
     liar_spec = {"url": url, "engine": "vllm", "name": "liar"}
     gw = await start_gateway([{"name": "m", "routing": routing, "instances": [liar_spec, instance(sim)]}])
