@@ -620,10 +620,9 @@ class Admission:
         the more of the tokens delivered and produced (`Exchange.engine_tokens`, at most its `max_tokens`): a client
         that left before its whole answer came, or whose deadline passed, had the engine generate it, and leaving was a
         way around the token limit (an outside run: six requests abandoned at 2.7 s, ~1,380 tokens generated, none
-        charged).
-        One that also reached no engine (refused by the scheduler's queue, no healthy instance, cancelled while queued)
-        does not count as a request either: retried by its SDK, a full queue's 429 used up the tenant's requests per
-        minute."""
+        charged). One that also reached no engine (refused by the scheduler's queue, no healthy instance, cancelled
+        while queued) does not count as a request either: retried by its SDK, a full queue's 429 used up the tenant's
+        requests per minute."""
         record = ex.record
         produced = ex.engine_tokens
         limit = ex.api.max_tokens
