@@ -37,7 +37,7 @@ from .instance import Instance, Lease
 from .metrics import FleetCollector
 from .pool import Pool
 from .scrape import Scraper
-from .state import Ewma, OwnAccounting
+from .state import Ewma
 
 if TYPE_CHECKING:
     from ..config_diff import ConfigDiff
@@ -534,7 +534,7 @@ class Fleet:
             queue = load.waiting is not None and load.waiting >= 1
             rate = own.prefill_tps.value
             if not rate and queue:
-                rate = self._peers_mean(instance, lambda peer: peer.prefill_tps)
+                rate = self._peers_mean(instance, lambda peer: peer.own.prefill_tps) or 0.0
             backlog_s = prefill_backlog_s(own.queued_prompt_tokens, rate, own.default_tps)
             if instance.concurrency.observe(
                 load.running,
@@ -563,20 +563,20 @@ class Fleet:
         own = instance.own.decode_s(now)
         if instance.own.decode.samples:
             return own
-        return max(own, self._peers_mean(instance, lambda peer: peer.decode))
+        return max(own, self._peers_mean(instance, lambda peer: peer.own.decode) or 0.0)
 
-    def _peers_mean(self, instance: Instance, measure: Callable[[OwnAccounting], Ewma]) -> float:
-        """The mean of a measure over the instances serving a model with `instance` that have measured it (0.0: none
+    def _peers_mean(self, instance: Instance, measure: Callable[[Instance], Ewma]) -> float | None:
+        """The mean of a measure over the instances serving a model with `instance` that have measured it (None: none
         has): what an unmeasured instance is judged by until it measures its own, as routing judges it
         (`routing.cost`: an engine added during a flood is unmeasured exactly when its queue matters)."""
         values = {
-            other.key: measure(other.own).value
+            other.key: measure(other).value
             for pool in self.pools.values()
             if instance.key in pool.served
             for other in pool.instances
-            if measure(other.own).samples
+            if measure(other).samples
         }
-        return sum(values.values()) / len(values) if values else 0.0
+        return sum(values.values()) / len(values) if values else None
 
     def _token_ratio(self, instance: Instance) -> float | None:
         """Engine tokens per estimated token for `instance`: what its own answers taught, else the mean of
@@ -585,14 +585,7 @@ class Fleet:
         full for routing, so one that had answered nothing would never be given a request to learn from."""
         if instance.token_ratio.samples:
             return instance.token_ratio.value
-        peers = {
-            other.key: other.token_ratio.value
-            for pool in self.pools.values()
-            if instance.key in pool.served
-            for other in pool.instances
-            if other.token_ratio.samples
-        }
-        return sum(peers.values()) / len(peers) if peers else None
+        return self._peers_mean(instance, lambda peer: peer.token_ratio)
 
     # --- waiting for state changes (tests, admin) ------------------------------------------------
     def _notify(self) -> None:
