@@ -161,6 +161,36 @@ def ruled_out(pool: Pool, instance: Instance, exc: UpstreamError) -> set[str]:
     return {instance.key}
 
 
+class Failover:
+    """A generation's engine calls that broke after they opened and were taken over elsewhere (a preemptible request's,
+    `resume.py`; a flight's, `dedup/flight.py`): at most the model's `retries` of them, the instances their breaks
+    ruled out for the rest of the generation (`ruled_out`), and the last break's error, for the call that takes over
+    (`open_attempts`' `exclude` and `after`: raised if no other instance can be tried)."""
+
+    __slots__ = ("_error", "_left", "_pool", "excluded")
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._left = pool.config.retries
+        self.excluded: frozenset[str] = frozenset()
+        self._error: UpstreamError | None = None
+
+    def take(self, exc: UpstreamError, instance: Instance) -> bool:
+        """Whether a call to `instance` that broke with `exc` may be taken over elsewhere (`another_may_answer`, within
+        the budget); if so, counted, and the instances it rules out remembered."""
+        if self._left <= 0 or not another_may_answer(exc):
+            return False
+        self._left -= 1
+        self.excluded |= ruled_out(self._pool, instance, exc)
+        self._error = exc
+        return True
+
+    def error(self) -> UpstreamError | None:
+        """The break the next engine call takes over (once: a later call, after a preemption, takes over none)."""
+        error, self._error = self._error, None
+        return error
+
+
 def _choose(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Instance, int] | None:
     """The model's pool as configured now (a reload since the request arrived, or was queued, may have replaced
     it, and its old instances no longer take requests) and its choice of instance; None for a long prompt while

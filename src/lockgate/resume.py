@@ -30,9 +30,9 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, fresh, plan
-from .attempt import Opened, ruled_out
+from .attempt import Failover, Opened
 from .edge.server import Reply, Request
-from .errors import UpstreamError, another_may_answer
+from .errors import UpstreamError
 from .exchange import Exchange, Phase
 from .relay import in_time, open_engine
 from .respond import stream_events, whole_body
@@ -87,11 +87,8 @@ class Resumable:
         self._preempted = False  # stopped; waiting to be granted again
         self._restart = False  # the next attempt starts from scratch
         self._signal = StopSignal()
-        #: Engine calls that broke midway and were taken over elsewhere (`_fails_over`), the instances they ruled out
-        #: for the rest of the generation, and the last one's error (raised if no other instance can take it).
-        self._failovers = 0
-        self._ruled_out: frozenset[str] = frozenset()
-        self._failed: UpstreamError | None = None
+        #: Engine calls that broke midway and were taken over elsewhere (`_fails_over`).
+        self._failover = Failover(ex.pool)
 
     # --- Preemptee (synchronous, called by the scheduler) --------------------------------------
     def preemptible(self) -> bool:
@@ -177,9 +174,15 @@ class Resumable:
         """Route and open one engine call for `api` (`relay.open_engine`). `upstream_id` is per attempt (`<id>-p<n>`)
         so that an engine never sees two requests with one id (SGLang aborts by id). After a failover, not where the
         generation broke (and if nowhere else can take it, that engine's error stands)."""
-        failed, self._failed = self._failed, None
+        failover = self._failover
         return open_engine(
-            self.ex, self._fleet, api, self._request_headers, upstream_id, exclude=self._ruled_out, after=failed
+            self.ex,
+            self._fleet,
+            api,
+            self._request_headers,
+            upstream_id,
+            exclude=failover.excluded,
+            after=failover.error(),
         )
 
     def _fails_over(self, exc: UpstreamError, opened: Opened) -> bool:
@@ -189,11 +192,8 @@ class Resumable:
         stands, as it does for a request that cannot be continued once its client has output."""
         ex = self.ex
         how = self._plan()
-        if how is None or not another_may_answer(exc) or self._failovers >= ex.pool.config.retries or not in_time(ex):
+        if how is None or not in_time(ex) or not self._failover.take(exc, opened.lease.instance):
             return False
-        self._failovers += 1
-        self._ruled_out |= ruled_out(ex.pool, opened.lease.instance, exc)
-        self._failed = exc
         ex.detach()
         if how is Plan.RESTART:
             ex.record.restarts += 1

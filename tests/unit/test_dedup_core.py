@@ -282,7 +282,7 @@ class Owner:
 def make_flight(owner: Owner, policy: str = "immediate") -> Flight:
     """A streaming flight whose engine call is never opened (the tests drive its events themselves)."""
 
-    async def never_opened(flight_id: str, request: Any, hold: Any, drop: Any, failed: Any = None) -> EngineAnswer:
+    async def never_opened(flight_id: str, request: Any, hold: Any, drop: Any) -> EngineAnswer:
         raise AssertionError("not run")
 
     body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}

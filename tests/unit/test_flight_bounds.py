@@ -196,7 +196,7 @@ class FakeEngine:
 
 
 def start_flight(owner: Owner, engine: FakeEngine, *, lag: int, history: int, policy: str) -> Flight:
-    async def open_engine(flight_id: str, request: Any, hold: Any, drop: Any, failed: Any = None) -> EngineAnswer:
+    async def open_engine(flight_id: str, request: Any, hold: Any, drop: Any) -> EngineAnswer:
         return cast(EngineAnswer, engine)
 
     return Flight(

@@ -124,7 +124,7 @@ async def test_a_flight_whose_end_came_is_not_stopped_before_its_task_completes_
     api = parse_request(Endpoint.CHAT, orjson.dumps(BODY))
     engine = Engine([[chunk("", role=True), chunk("Hello")], [chunk(" world", finish="stop")]])
 
-    async def open_engine(flight_id: str, request: Any, hold: Any, drop: Any, failed: Any = None) -> EngineAnswer:
+    async def open_engine(flight_id: str, request: Any, hold: Any, drop: Any) -> EngineAnswer:
         hold(Lease(), engine.call)
         return cast(EngineAnswer, engine)
 

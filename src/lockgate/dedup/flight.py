@@ -68,21 +68,14 @@ import orjson
 from ..admission.preemption import Plan, Stopped, StopSignal, Transcript, blocker, continuation, plan
 from ..answer import EngineAnswer, EngineReads
 from ..assemble import count_of, usage_of
-from ..errors import (
-    Cancelled,
-    DeadlineExceeded,
-    GatewayError,
-    ShuttingDown,
-    UpstreamError,
-    UpstreamTooLarge,
-    another_may_answer,
-)
+from ..errors import Cancelled, DeadlineExceeded, GatewayError, ShuttingDown, UpstreamError, UpstreamTooLarge
 from ..http.connection import listener_of
 from .cache import Result
 from .fingerprint import Fingerprint
 
 if TYPE_CHECKING:
-    from ..fleet.instance import Instance, Lease
+    from ..attempt import Failover
+    from ..fleet.instance import Lease
     from ..upstream import UpstreamCall
     from ..wire import ApiRequest
 
@@ -120,20 +113,13 @@ class FlightOwner(Protocol):
     def flight_resumed(self, flight: Flight) -> None: ...
 
 
-class OpenEngine(Protocol):
-    """Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool), given the id the engine
-    sees, the request to send (the flight's, or its continuation after a stop), what to do with each attempt's lease
-    and call (hold them, so that the flight can abort the call) and with a failed attempt's (drop them); `failed`: the
-    instance and error of the call it takes over, broken midway (`Flight._fails_over`), which rules out instances."""
-
-    def __call__(
-        self,
-        flight_id: str,
-        request: ApiRequest,
-        hold: Callable[[Lease, UpstreamCall], None],
-        drop: Callable[[], object],
-        failed: tuple[Instance, UpstreamError] | None = None,
-    ) -> Awaitable[EngineAnswer]: ...
+#: Opens a flight's engine call (`Flights`: `attempt.open_attempts` over the model's pool, after what its `Failover`
+#: ruled out), given the id the engine sees, the request to send (the flight's, or its continuation after a stop or a
+#: break), what to do with each attempt's lease and call (hold them, so that the flight can abort the call) and with
+#: a failed attempt's (drop them).
+OpenEngine = Callable[
+    [str, "ApiRequest", Callable[["Lease", "UpstreamCall"], None], Callable[[], object]], Awaitable[EngineAnswer]
+]
 
 
 class Flight:
@@ -150,13 +136,12 @@ class Flight:
         max_lag_bytes: int = 1 << 20,
         max_history_bytes: int = 4 << 20,
         deadline_s: float | None = None,
-        failovers: int = 0,
+        failover: Failover | None = None,
     ) -> None:
         self.owner = owner
-        #: How many of its engine calls that break midway may be taken over elsewhere (the model's `retries`), and the
-        #: last one's instance and error, for the call that takes over (`_fails_over`).
-        self._failovers = failovers
-        self._failed: tuple[Instance, UpstreamError] | None = None
+        #: Its engine calls that broke midway and were taken over elsewhere (`_fails_over`; None: none may be), shared
+        #: with `open_engine`, which opens the next call after what they ruled out.
+        self._failover = failover
         #: The model's `timeout_ms`: no client of the flight waits longer, and a flight run on for the cache
         #: (`finish_and_cache`, every client gone) holds its slot no longer than that on a stuck engine.
         self.deadline_s = deadline_s
@@ -381,16 +366,14 @@ class Flight:
     def _fails_over(self, exc: UpstreamError) -> bool:
         """A streaming flight's engine call that broke after it opened (its engine died, hung or failed midway):
         whether the flight goes on elsewhere, as after a stop (sent again while nothing was delivered, else continued
-        from what it delivered, for a flight that can be: `resumable`), within `failovers`. Its subscribers see one
+        from what it delivered, for a flight that can be: `resumable`), within its `Failover`. Its subscribers see one
         stream. False: the error stands (every subscriber gets it)."""
-        opened = self._opened
-        if opened is None or self._failovers <= 0 or not another_may_answer(exc):
+        opened, failover = self._opened, self._failover
+        if opened is None or failover is None:
             return False
         how = Plan.RESTART if not self._base and not self.events else self._resume_plan()
-        if how is None:
+        if how is None or not failover.take(exc, opened.lease.instance):
             return False
-        self._failovers -= 1
-        self._failed = (opened.lease.instance, exc)
         self._opened = None
         opened.close()
         self._release()
@@ -585,8 +568,7 @@ class Flight:
             self._folding = self._base + len(self.events) > 0
             if transcript.tokens:
                 api = continuation(api, transcript.text, transcript.tokens)
-        failed, self._failed = self._failed, None
-        opened = await self._open_engine(upstream_id, api, self._hold, self._release, failed)
+        opened = await self._open_engine(upstream_id, api, self._hold, self._release)
         self.served_by = opened.call.served_by
         return opened
 

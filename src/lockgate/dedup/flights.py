@@ -26,9 +26,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..attempt import Opened, open_attempts, ruled_out
+from ..attempt import Failover, Opened, open_attempts
 from ..changes import Changes
-from ..errors import Cancelled, ShuttingDown, UpstreamError
+from ..errors import Cancelled, ShuttingDown
 from .cache import Result, ResultCache
 from .fingerprint import Fingerprint
 from .flight import Flight
@@ -39,7 +39,7 @@ MIXED_WINDOW_S = 60.0
 if TYPE_CHECKING:
     from ..config import FlightsConfig
     from ..fleet.fleet import Fleet
-    from ..fleet.instance import Instance, Lease
+    from ..fleet.instance import Lease
     from ..fleet.pool import Pool
     from ..metrics import GatewayMetrics
     from ..routing.policies import RouteRequest
@@ -169,18 +169,12 @@ class Flights:
             self._mixed_until[pool.model] = self._clock() + MIXED_WINDOW_S
         fleet, metrics = self._fleet, self._metrics
 
-        #: The instances the flight's broken engine calls ruled out (`Flight._fails_over`).
-        excluded: set[str] = set()
+        #: The flight's engine calls that break midway and are taken over elsewhere (`Flight._fails_over`).
+        failover = Failover(pool)
 
         def open_engine(
-            flight_id: str,
-            request: ApiRequest,
-            hold: Callable[[Lease, UpstreamCall], None],
-            drop: Callable[[], object],
-            failed: tuple[Instance, UpstreamError] | None = None,
+            flight_id: str, request: ApiRequest, hold: Callable[[Lease, UpstreamCall], None], drop: Callable[[], object]
         ) -> Awaitable[Opened]:
-            if failed is not None:
-                excluded.update(ruled_out(pool, *failed))
             return open_attempts(
                 fleet,
                 metrics,
@@ -193,8 +187,8 @@ class Flights:
                 time_left=lambda: True,
                 before_send=before_send,
                 whole_limit=None if request.stream else fleet.upstream.max_response_bytes,
-                exclude=frozenset(excluded),
-                after=None if failed is None else failed[1],
+                exclude=failover.excluded,
+                after=failover.error(),
             )
 
         flight = Flight(
@@ -208,7 +202,7 @@ class Flights:
             max_lag_bytes=self._max_lag_bytes,
             max_history_bytes=self._max_history_bytes,
             deadline_s=pool.config.timeout_ms / 1000 if pool.config.timeout_ms else None,
-            failovers=pool.config.retries,
+            failover=failover,
         )
         table[key.digest] = flight
         self._running.add(flight)
