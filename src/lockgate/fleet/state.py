@@ -141,9 +141,14 @@ class OwnAccounting:
         whatever the prompt) has a floor the prefill rate does not show; a burst of long prompts does not raise it."""
         return min(self._latencies) if self._latencies else 0.0
 
-    def _latency(self, ttft: float, work: int, tpot: float, now: float) -> None:
-        self._latencies.append(max(0.0, ttft - work / self.rate - tpot))
+    def _measure_first_token(self, ttft: float, work: int, step: float, now: float) -> None:
+        """A first token after `work` tokens of prefill (this prompt and what was queued ahead of it) and a step: a
+        sample of the latency floor, and of the prefill rate when the work is enough to tell."""
+        self._latencies.append(max(0.0, ttft - work / self.rate - step))
         self.latency_at = now
+        busy = ttft - step
+        if work >= _MIN_RATE_TOKENS and busy > 0:
+            self.prefill_tps.add(work / busy, now)
 
     def waiting_since(self, attempt: Attempt) -> float:
         """Since when `attempt` (unanswered) has waited with nothing to show: its sending, or the engine's last progress
@@ -297,12 +302,8 @@ class OwnAccounting:
         ttft = now - attempt.sent_at
         self.ttft.add(ttft, now)
         # The instance prefilled what was queued ahead plus this prompt before answering.
-        work = attempt.backlog + attempt.tokens
-        busy = ttft - self.tpot.value
         if measure:
-            self._latency(ttft, work, self.tpot.value, now)
-            if work >= _MIN_RATE_TOKENS and busy > 0:
-                self.prefill_tps.add(work / busy, now)
+            self._measure_first_token(ttft, attempt.backlog + attempt.tokens, self.tpot.value, now)
         if now > self.prefill_until:
             # It was overdue: what is still queued is estimated afresh from here, at the rate just measured.
             self.busy_since = now
@@ -361,12 +362,8 @@ class OwnAccounting:
         ttft = max(0.0, total - (tokens - 1) * tpot)
         attempt.first_at = attempt.sent_at + ttft
         self.ttft.add(ttft, now)
-        work = attempt.backlog + attempt.tokens
-        busy = ttft - tpot
         if measure:
-            self._latency(ttft, work, tpot, now)
-            if work >= _MIN_RATE_TOKENS and busy > 0:
-                self.prefill_tps.add(work / busy, now)
+            self._measure_first_token(ttft, attempt.backlog + attempt.tokens, tpot, now)
         self.decode.add(total - ttft, now)
 
     def error(self, now: float) -> None:
