@@ -153,6 +153,11 @@ class ApiRequest:
                 most *= len(prompt)
         return most
 
+    def generable(self, tokens: int) -> int:
+        """`tokens` at most what the engine may generate for it: `max_tokens` for each of its `sequences()` (an
+        estimate of its engine's work is bounded by that)."""
+        return tokens if self.max_tokens is None else min(tokens, self.max_tokens * self.sequences())
+
     def streamed_with_usage(self, body: dict[str, Any]) -> ApiRequest:
         """This request as a stream that reports its usage, sending `body` (a flight's engine request), with the
         prompt's text and estimate already computed carried over (`dataclasses.replace` would compute them again,

@@ -624,10 +624,7 @@ class Admission:
         while queued) does not count as a request either: retried by its SDK, a full queue's 429 used up the tenant's
         requests per minute."""
         record = ex.record
-        produced = ex.engine_tokens
-        limit = ex.api.max_tokens
-        if limit is not None:
-            produced = min(produced, limit * ex.api.sequences())
+        produced = ex.api.generable(ex.engine_tokens)
         used = 0
         if record.completion_tokens > 0 or produced > 0 or record.status == "completed":
             used = max(record.completion_tokens, produced) + (record.prompt_tokens or ex.api.estimated_prompt_tokens())

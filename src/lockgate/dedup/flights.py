@@ -234,9 +234,7 @@ class Flights:
                 used = result.prompt_tokens + result.completion_tokens
             else:
                 # (A JSON flight cut short shows no events: its engine's work is estimated, `Lease.produced`.)
-                produced = max(flight.tokens, flight.engine_tokens)
-                if flight.api.max_tokens is not None:
-                    produced = min(produced, flight.api.max_tokens * flight.api.sequences())
+                produced = flight.api.generable(max(flight.tokens, flight.engine_tokens))
                 used = produced + flight.api.estimated_prompt_tokens() if produced else 0
             settle(used, flight.attempts > 0)
         self._unlist(flight)
