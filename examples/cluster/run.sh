@@ -25,7 +25,7 @@ for port in 8010 8020; do
     for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break; sleep 0.1; done
 done
 cat <<'TEXT'
-Cluster up: central replicas on :8010 and :8020, sidecars on :8101 and :8102, etcd on :2379.
+Cluster up: central replicas on :8010 and :8020, sidecars on :8111 and :8112, etcd on :2379.
   curl -s http://127.0.0.1:8010/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model": "demo-model", "messages": [{"role": "user", "content": "Hello!"}]}'
   curl -s http://127.0.0.1:8020/admin/fleet      # the etcd view: nodes, ages, engines

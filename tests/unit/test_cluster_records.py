@@ -118,3 +118,19 @@ def test_the_cluster_example_configs_are_valid() -> None:
     configs = {p.name: load_config(p) for p in sorted(here.glob("*.yaml"))}
     assert sorted(configs) == ["central-1.yaml", "central-2.yaml", "sidecar-1.yaml", "sidecar-2.yaml"]
     assert all(c.cluster is not None and c.cluster.name == "example" for c in configs.values())
+
+
+def test_the_examples_can_run_side_by_side() -> None:
+    """The cluster example and the llama.cpp example listen on ports of their own (both once took 8101/8102)."""
+    import re
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2] / "examples"
+
+    def ports(*paths: Path) -> set[int]:
+        pattern = r"(?:port[: ]+|127\.0\.0\.1:)(\d{4,5})"
+        return {int(p) for path in paths for p in re.findall(pattern, path.read_text())}
+
+    llamacpp, cluster = ports(here / "llamacpp.yaml"), ports(*(here / "cluster").glob("*"))
+    assert {8080, 8101, 8102} <= llamacpp and {2379, 8010, 8020} <= cluster
+    assert not llamacpp & cluster
