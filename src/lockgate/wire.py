@@ -316,9 +316,13 @@ def _validate_embeddings(model: str, body: dict[str, Any]) -> ApiRequest:
             raise _bad("input", "`input` must not be an empty string.")
     elif not isinstance(text, list) or not text:
         raise _bad("input", "`input` is required: a string, an array of strings, or an array of token ids.")
+    elif _token_ids(text):
+        pass  # one input, however long (the engine holds it to its context)
     elif len(text) > MAX_EMBEDDING_INPUTS:
         raise _bad("input", f"`input` may hold at most {MAX_EMBEDDING_INPUTS} items.")
-    elif not _token_ids(text):
+    elif all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+        raise _bad("input", "Token ids in `input` must be integers from 0.")
+    else:
         for index, item in enumerate(text):
             if isinstance(item, str):
                 if item:
@@ -395,10 +399,10 @@ def _validate_response(model: str, body: dict[str, Any]) -> ApiRequest:
 
 
 def _token_ids(value: Any) -> bool:
-    """A non-empty array of token ids: integers (JSON's `true` and `false` are not)."""
+    """A non-empty array of token ids: integers from 0 (JSON's `true` and `false` are not)."""
     if not isinstance(value, list) or not value:
         return False
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
 def _bad(param: str, message: str) -> InvalidRequest:
@@ -452,8 +456,8 @@ def _check_prompt(prompt: Any) -> None:
             return
     raise _bad(
         "prompt",
-        "`prompt` is required: a string, an array of strings, an array of token ids or an array of non-empty arrays "
-        "of token ids.",
+        "`prompt` is required: a string, an array of strings, an array of token ids (integers from 0) or an array of "
+        "non-empty arrays of token ids.",
     )
 
 

@@ -99,6 +99,29 @@ def test_completion_bad_prompt(prompt):
     assert info.value.param == "prompt"
 
 
+@pytest.mark.parametrize("prompt", [[-1, 5], [[3], [-2]]])
+def test_completion_token_ids_are_from_zero(prompt):
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(Endpoint.COMPLETIONS, orjson.dumps({"model": "m", "prompt": prompt}))
+    assert info.value.param == "prompt"
+
+
+def test_one_array_of_token_ids_is_one_embedding_input_however_long():
+    """The 2,048-item bound counts inputs: one array of 2,900 token ids is one input (it was refused, while the same
+    ids wrapped in an outer array passed)."""
+    for text in ([7] * 2900, [[7] * 2900], ["x"] * 2048, [[1, 2]] * 2048):
+        assert parse_request(Endpoint.EMBEDDINGS, orjson.dumps({"model": "m", "input": text})).max_tokens == 0
+    for text, param in (
+        ([[7]] * 2049, "input"),
+        (["x"] * 2049, "input"),
+        ([-1, 5], "input"),
+        ([[1], [-1]], "input[1]"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            parse_request(Endpoint.EMBEDDINGS, orjson.dumps({"model": "m", "input": text}))
+        assert info.value.param == param, text
+
+
 def test_assistant_tool_call_without_content_is_valid():
     import orjson
 
