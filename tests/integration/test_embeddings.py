@@ -200,3 +200,26 @@ async def test_tenants_priorities_and_the_model_allow_list(start_sim, start_gate
     assert await embed("m", "k-acme") == 200
     # The lowest class is preemptible; an embedding there is served on the plain path (nothing to resume).
     assert await embed("other", "k-all", priority="P2") == 200
+
+
+async def test_an_input_whose_fewest_tokens_fit_the_tenants_limit_is_served(start_sim, start_gateway, http) -> None:
+    """The "can never pass" refusal counts an input at its fewest tokens: 2,900 five-letter words under a 3,000-token
+    limit were refused for good on their ~4-characters estimate (3,625). It waits for a full bucket instead, and the
+    refusal that remains speaks of the input, not of a `max_tokens` an embedding does not have."""
+    from lockgate.admission.tenants import hash_key
+
+    sim = await start_sim(**SIM)
+    tenants = [{"name": "t", "keys": [hash_key("k")], "tokens_per_minute": 3000}]
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}], tenants=tenants)
+
+    async def embed(text: str) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": "Bearer k"}
+        async with http.post(gw.url + "/v1/embeddings", json={"model": "m", "input": text}, headers=headers) as r:
+            return r.status, await r.json()
+
+    status, body = await embed("word " * 2900)
+    assert status == 200 and body["usage"]["prompt_tokens"] == 2900, body
+    status, body = await embed("word " * 7000)
+    assert status == 429 and body["error"]["code"] == "tokens_exceed_limit", body
+    assert "its input" in body["error"]["message"] and "max_tokens" not in body["error"]["message"]
+

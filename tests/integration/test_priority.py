@@ -316,7 +316,7 @@ async def test_a_reservation_counts_every_choice(start_sim, start_gateway, http)
         assert status == 429, raw
         error = orjson.loads(raw)["error"]
         assert error["code"] == "tokens_exceed_limit", error
-        assert 800 < int(error["message"].split("may use ")[1].split()[0]) < 820, error
+        assert 800 < int(error["message"].split("at least ")[1].split()[0]) < 820, error
         assert headers["x-should-retry"] == "false"
     assert sim.stats.requests_started == 0
     # One choice of the same size fits, and reserves a single max_tokens.

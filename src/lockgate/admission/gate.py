@@ -578,12 +578,13 @@ class Admission:
         api = ex.api
         max_tokens = api.max_tokens if api.max_tokens is not None else tenant.assumed_max_tokens
         # `max_tokens` bounds each of the `n` choices: eight of them may use eight times as much.
-        reserve = api.estimated_prompt_tokens() + max_tokens * api.sequences()
+        output = max_tokens * api.sequences()
+        reserve = api.estimated_prompt_tokens() + output
         if tenant.name not in self._watched:
             self._watch(tenant)
         now = self._clock()
         try:
-            reservation = self.limiter.admit(tenant, reserve, now)
+            reservation = self.limiter.admit(tenant, reserve, now, api.least_prompt_tokens() + output, output)
         except RateLimitExceeded as exc:
             self._metrics.rejections.labels(f"rate_limit_{exc.reason}", self.class_name(klass)).inc()
             raise

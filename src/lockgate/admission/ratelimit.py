@@ -233,8 +233,11 @@ class RateLimiter:
                 bucket.refill(now)
         return state
 
-    def admit(self, tenant: Tenant, tokens: int, now: float) -> Reservation:
-        """Take one request and reserve `tokens`, or raise `RateLimitExceeded` taking nothing."""
+    def admit(self, tenant: Tenant, tokens: int, now: float, least: int | None = None, output: int = 1) -> Reservation:
+        """Take one request and reserve `tokens`, or raise `RateLimitExceeded` taking nothing. `least`: the fewest
+        the request can use (`tokens` unless given): refused for good only when that is over the tenant's limit (a
+        reservation between the two waits for a full bucket); `output`: the output limit in `tokens` (0: an input
+        alone, an embedding's)."""
         state = self.state(tenant, now)
         if tenant.max_concurrent is not None and state.in_flight >= tenant.max_concurrent:
             raise self._refusal(
@@ -248,16 +251,20 @@ class RateLimiter:
                 # Not a fixed second: an SDK's two quick retries would fail behind requests that take longer.
                 retry_after=max(1.0, state.mean_hold_s),
             )
-        if state.tokens is not None and tokens > (tenant.tokens_per_minute or 0):
+        if state.tokens is not None and (tokens if least is None else least) > (tenant.tokens_per_minute or 0):
             # First: whatever else is short, this request can never pass (and its client must not retry).
+            uses, advice = (
+                ("prompt + its output limit for each choice", "lower max_tokens (max_output_tokens for a response)")
+                if output
+                else ("its input", "send its inputs in smaller requests")
+            )
             raise self._refusal(
                 tenant,
                 state,
                 now,
                 "tokens",
-                f"This request may use {tokens} tokens (prompt + its output limit for each choice), more than tenant "
-                f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); lower max_tokens "
-                "(max_output_tokens for a response).",
+                f"This request uses at least {tokens if least is None else least} tokens ({uses}), more than tenant "
+                f"'{tenant.name}' may use per minute ({tenant.tokens_per_minute}); {advice}.",
                 code="tokens_exceed_limit",
                 retry_after=None,
             )
@@ -275,7 +282,7 @@ class RateLimiter:
                 reason = "tokens"
                 message = (
                     f"{tenant.tokens_per_minute} tokens per minute; this request reserves {tokens} "
-                    "(prompt + its output limit for each choice)"
+                    f"({'prompt + its output limit for each choice' if output else 'its input'})"
                 )
             raise self._refusal(
                 tenant,
