@@ -223,3 +223,13 @@ async def test_an_input_whose_fewest_tokens_fit_the_tenants_limit_is_served(star
     assert status == 429 and body["error"]["code"] == "tokens_exceed_limit", body
     assert "its input" in body["error"]["message"] and "max_tokens" not in body["error"]["message"]
 
+
+async def test_an_input_longer_than_the_context_is_context_length_exceeded(start_sim, start_gateway, http) -> None:
+    """As for a chat prompt: the simulator says it in vLLM's words (it had words of its own, which the gateway did not
+    read as a context overflow: `code` was the engine's `BadRequestError`)."""
+    sim = await start_sim(max_model_len=64, **SIM)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    async with http.post(gw.url + "/v1/embeddings", json={"model": "m", "input": "word " * 100}) as r:
+        error = (await r.json())["error"]
+        assert r.status == 400 and error["code"] == "context_length_exceeded", error
+        assert error["type"] == "invalid_request_error"

@@ -65,7 +65,12 @@ def parse_embed_request(body: dict[str, Any], config: SimConfig) -> EmbedRequest
         if not tokens:
             raise WireError(400, "an input is empty", param="input")
         if len(tokens) > config.max_model_len:
-            raise WireError(400, f"an input is longer than the model's {config.max_model_len} tokens", param="input")
+            raise WireError(
+                400,
+                f"This model's maximum context length is {config.max_model_len} tokens. However, you requested "
+                f"{len(tokens)} tokens in the input for embedding generation. Please reduce the length of the input.",
+                param="input",
+            )  # (vLLM's words)
         inputs.append(tokens)
     dimensions = body.get("dimensions")
     if dimensions is None:
