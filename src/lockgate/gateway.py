@@ -526,6 +526,7 @@ class Gateway:
                 )
             reservation = self.admission.allow_plain(tenant)
         except GatewayError as exc:
+            self._count_stored(request, "", "rejected", 0.0)
             return self.error_response(exc, echo)
         self._stored_in_flight += 1
         record = UsageRecord(
@@ -567,8 +568,21 @@ class Gateway:
                     record.http_status = reply.status
                     record.status = "completed" if reply.status < 400 else "rejected" if reply.status < 500 else "error"
                 self.records.submit(record)
+            if record.instance is not None:
+                status = record.cancel_reason or record.status
+            else:  # refused before it was forwarded (no record), or the client left meanwhile, or a gateway failure
+                status = "client_disconnect" if reply is None else "error" if reply.status == 500 else "rejected"
+            self._count_stored(request, record.model, status, time.time() - record.started_at)
         reply.headers = {**reply.headers, "x-request-id": echo}
         return reply
+
+    def _count_stored(self, request: Request, model: str, status: str, elapsed: float) -> None:
+        """A stored response's route, counted as the endpoints' requests are (`Exchange._finish_record`), by its
+        action (`responses.retrieve`, ...; `responses.unknown` for a route there is not)."""
+        metrics = self.metrics
+        metrics.requests.labels(model, "", status).inc()
+        metrics.request_duration.labels(model, "", status).observe(elapsed)
+        metrics.endpoint_requests.labels(stored.endpoint_of(request) or "responses.unknown", status).inc()
 
     async def _health(self, request: Request) -> Response:
         return json_response({"status": "ok"})

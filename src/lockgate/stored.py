@@ -65,6 +65,18 @@ MAX_IN_FLIGHT = 32
 DEFAULT_TIMEOUT_S = 60.0
 
 
+def endpoint_of(request: Request) -> str | None:
+    """What a stored response's route is (`responses.retrieve`, ...; None: no such route)."""
+    response_id, tail = _split(request)
+    return _ACTIONS.get((request.method, tail)) if response_id else None
+
+
+def _split(request: Request) -> tuple[str, str]:
+    """The response id a stored response's route names, and the rest of its path (`/cancel`, ...)."""
+    response_id, slash, action = request.path[len(PREFIX) :].partition("/")
+    return response_id, slash + action
+
+
 async def forward(
     request: Request,
     tenant: Tenant,
@@ -83,11 +95,9 @@ async def forward(
     client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a central replica, which tells a
     sidecar whose request it is (the sidecar checks the tenant again). `deleted`: told the engine's id of a response
     the engine deleted (the result cache forgets it)."""
-    rest = request.path[len(PREFIX) :]
-    response_id, slash, action = rest.partition("/")
-    tail = slash + action
-    endpoint = _ACTIONS.get((request.method, tail))
-    if not response_id or endpoint is None:
+    response_id, tail = _split(request)
+    endpoint = endpoint_of(request)
+    if endpoint is None:
         raise NotFound(f"There is no route {request.method} {request.path}.", code="unknown_route")
     if _asks_stream(request.query_string):
         raise InvalidRequest(

@@ -17,7 +17,7 @@ from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
 from lockgate.response_ids import MAX_RESPONSE_ID_CHARS, ResponseNaming
 from tests.conftest import instance
-from tests.integration.cancel_support import StreamReader, assert_gateway_clean, wait_sim_idle
+from tests.integration.cancel_support import StreamReader, assert_gateway_clean, counter, wait_sim_idle
 
 SIM = {"prefill_tps": 1e6, "tpot_ms": 1.0}
 
@@ -429,6 +429,21 @@ async def test_a_tenant_cannot_reach_another_tenants_stored_response(start_sim, 
     async with http.post(gw.url + "/v1/responses", json=follow, headers={"Authorization": "Bearer key-a"}) as r:
         assert r.status == 200
     assert sim.statistics()["requests_started"] == 2
+    # Counted as the endpoints' requests are, refused or served (an outside run: stored routes moved no counter).
+    for method in ("DELETE", "POST"):
+        path = f"/v1/responses/{made}" + ("/cancel" if method == "POST" else "")
+        async with http.request(method, gw.url + path, headers={"Authorization": "Bearer key-b"}) as r:
+            assert r.status == 404
+    async with http.get(gw.url + "/v1/responses/x/nothing", headers={"Authorization": "Bearer key-b"}) as r:
+        assert r.status == 404
+    m = gw.gateway.metrics
+    assert counter(m.endpoint_requests, endpoint="responses.retrieve", status="rejected") == 2  # (b's, the keyless)
+    assert counter(m.endpoint_requests, endpoint="responses.retrieve", status="completed") == 1
+    assert counter(m.endpoint_requests, endpoint="responses.delete", status="rejected") == 1
+    assert counter(m.endpoint_requests, endpoint="responses.cancel", status="rejected") == 1
+    assert counter(m.endpoint_requests, endpoint="responses.unknown", status="rejected") == 1
+    assert counter(m.requests, model="", status="rejected") == 6  # (those five, and b's follow-up)
+    assert counter(m.requests, model="m", priority="", status="completed") == 1  # (a's retrieve: no class)
 
 
 async def test_with_tenants_names_the_gateway_cannot_bind_are_refused(start_sim, start_gateway, http) -> None:
