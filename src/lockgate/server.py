@@ -95,6 +95,9 @@ class GatewayServer:
         #: The cluster role's state (`Discovery` or `Publisher`) when the config has a `cluster:` section.
         self.cluster: Any = None
         self.url = ""
+        #: Why the server must stop (set once: a sidecar whose node name proved taken), and the event `serve` awaits.
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
 
     @property
     def role(self) -> Role:
@@ -168,7 +171,7 @@ class GatewayServer:
             self.gateway.slo.records_path = config.usage.path  # `/admin/slo` over every worker's records
         if config.cluster is not None:
             from .cluster.member import join
-            from .cluster.publisher import NodeNameTaken
+            from .cluster.publisher import NodeNameTaken, Publisher
 
             try:
                 self.cluster = await self._stack.enter_async_context(
@@ -176,6 +179,14 @@ class GatewayServer:
                 )
             except NodeNameTaken as exc:
                 raise StartupError(str(exc)) from exc
+            if isinstance(self.cluster, Publisher):
+                self.cluster.failed = self.fail
+
+    def fail(self, reason: str) -> None:
+        """Stop serving for `reason` (`serve` shuts down gracefully and exits 1)."""
+        if self.failure is None:
+            self.failure = reason
+            self.failed.set()
 
     def _edge(self, config: Config) -> HttpServer:
         """An HTTP server in front of the gateway, with the configuration's limits."""
@@ -299,10 +310,14 @@ async def serve(
             for warning in server.gateway.unsaid_warnings():
                 log.warning("%s", warning)
             reloads = asyncio.create_task(_reload_on_hangup(server.gateway, hangup, announce), name="lockgate-sighup")
+            stopping = asyncio.create_task(stop.wait(), name="lockgate-stop")
+            failing = asyncio.create_task(server.failed.wait(), name="lockgate-failed")
             try:
-                await stop.wait()
+                await asyncio.wait((stopping, failing), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                await cancel_and_wait(reloads)
+                await cancel_and_wait(reloads, stopping, failing)
+            if server.failure is not None:
+                print(f"lockgate: stopping: {server.failure}", file=sys.stderr, flush=True)
             announce("lockgate: shutting down (draining requests in flight; a second SIGINT/SIGTERM stops them now)")
 
             def hurry() -> None:
@@ -315,7 +330,7 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     announce("lockgate: stopped")
-    return 0
+    return 1 if server.failure is not None else 0
 
 
 async def _reload_on_hangup(gateway: Gateway, hangup: asyncio.Event, announce: Callable[[str], object]) -> None:

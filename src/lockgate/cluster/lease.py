@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from .store import Etcd, LeaseLost, StoreUnavailable
 
@@ -55,10 +55,18 @@ class Registration:
         #: The value last written under the current lease (None: the key must be written).
         self._written: bytes | None = None
         self.last_error: str | None = None
+        #: Said that etcd cannot be reached (so that reaching it is said too).
+        self._warned = False
+        #: Awaited before a lease is granted for the key, until it returns (it raises `StoreUnavailable` while etcd is
+        #: out of reach, and anything else to stop): `Publisher`'s claim of its node name, made before the first
+        #: publication and again after a lease was lost (etcd lost its keys, or was away past the TTL). It may take
+        #: the key itself (`adopt`). `claimed`: made for the current lease.
+        self.claim: Callable[[], Awaitable[None]] | None = None
+        self.claimed = False
 
     def adopt(self, lease: int, written: bytes) -> None:
         """Keep the key that `written` was stored at under `lease` (a sidecar that created it itself: `Publisher`)."""
-        self.lease, self._written = lease, written
+        self.lease, self._written, self.claimed = lease, written, True
 
     async def run(self) -> None:
         """Keep the key in etcd until cancelled."""
@@ -68,6 +76,11 @@ class Registration:
             try:
                 now = loop.time()
                 answered = False  # only an answer from etcd confirms (an unchanged value asks nothing)
+                if self.claim is not None and not self.claimed:
+                    await self.claim()
+                    self.claimed = True
+                    if self.lease is not None:  # (the check took the key itself)
+                        continue
                 if self.lease is None:
                     self.lease, granted = await self.etcd.grant(self.ttl_s)
                     self._written = None
@@ -94,6 +107,7 @@ class Registration:
             except LeaseLost as exc:
                 log.info("etcd lease for %s lost (%s): granting a new one", self.key, exc)
                 self.lease = None
+                self.claimed = False
                 self.last_error = str(exc)
                 continue
             except StoreUnavailable as exc:
@@ -106,15 +120,27 @@ class Registration:
         self.last_error = None
         if not self.connected:
             self.connected = True
-            log.info("etcd: %s registered", self.key)
+            if self._warned:
+                self._warned = False
+                log.warning("etcd reached: %s registered", self.key)
+            else:
+                log.info("etcd: %s registered", self.key)
             if self._on_change is not None:
                 self._on_change(True)
 
     def _failed(self, error: str) -> None:
         self.last_error = error
+        if self.connected or not self._warned:
+            # (Also when it was never reached: a wrong endpoint, or etcd down at the start, said nothing at all.)
+            if self.connected:
+                log.warning("etcd unreachable (%s); retrying every %.2fs", error, self.retry_s)
+            else:
+                log.warning(
+                    "etcd not reached (%s); %s not registered yet, retrying every %.2fs", error, self.key, self.retry_s
+                )
+            self._warned = True
         if self.connected:
             self.connected = False
-            log.warning("etcd unreachable (%s); retrying every %.2fs", error, self.retry_s)
             if self._on_change is not None:
                 self._on_change(False)
 

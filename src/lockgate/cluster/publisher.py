@@ -12,6 +12,7 @@ dies stops refreshing the lease and its record disappears within the TTL; one th
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -24,6 +25,8 @@ from .config import ClusterConfig
 from .keys import MAX_RESIDENT, EngineRecord, NodeRecord, decode_node, encode_node, node_key
 from .lease import Registration
 from .store import Etcd, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class NodeNameTaken(Exception):
@@ -100,6 +103,8 @@ class Publisher:
             republish_s=config.publish_interval_ms / 1000,
         )
         self._task: asyncio.Task[None] | None = None
+        #: Told why, when this sidecar cannot publish after all (its node's name proved taken once etcd answered).
+        self.failed: Callable[[str], None] | None = None
         #: Per engine: anchors of the prompts routed to it since the last publication (newest kept).
         self._resident: dict[str, deque[int]] = {}
 
@@ -130,13 +135,38 @@ class Publisher:
         for pool in self._fleet.pools.values():
             pool.report_routed = self._routed
         await self.etcd.__aenter__()
+        # Made again before each lease the registration grants (after one was lost), and before the first publication
+        # when etcd is out of reach now: two sidecars started under one name while etcd was down published in turn
+        # for good, and centrals swapped the node between them at every publication.
+        self.registration.claim = self._claim
         try:
             await self._claim()
+            self.registration.claimed = True
+        except StoreUnavailable:
+            pass
         except BaseException:
             await self.etcd.aclose()
             raise
         self._task = asyncio.create_task(self.registration.run(), name="lockgate-cluster-publish")
+        self._task.add_done_callback(self._ended)
         return self
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The publishing task ends only when cancelled, or when the node's name proved taken once etcd answered:
+        then this sidecar publishes nothing, and says so (`failed`, which stops the process: exit 1, as at the
+        start)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        self.registration.last_error = str(error)
+        if isinstance(error, NodeNameTaken):
+            log.error("lockgate sidecar: %s", error)
+        else:  # (a bug: the process goes on serving its direct clients, publishing nothing)
+            log.error("cluster publishing stopped", exc_info=error)
+        if self.failed is not None:
+            self.failed(str(error))
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -147,28 +177,23 @@ class Publisher:
         one that stopped took the key of the other with it. A record of this URL (this sidecar's earlier run) is
         taken over; one of another URL is another sidecar's: alive if its record changes, or if its key outlives a
         lease TTL (a killed sidecar's key goes within its TTL, and is then taken over); draining, it is refused too
-        (it still publishes until it stops). etcd out of reach skips the check (the registration retries)."""
+        (it still publishes until it stops). Raises `StoreUnavailable` while etcd is out of reach (made again before
+        the first publication)."""
         key = self.registration.key
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(self.config.lease_ttl_ms / 1000, 2.0) + 1.0  # etcd's TTLs are 2 s at least
         seen: int | None = None
         while True:
-            try:
-                _, kvs = await self.etcd.get_prefix(key)
-            except StoreUnavailable:
-                return
+            _, kvs = await self.etcd.get_prefix(key)
             record = next((decode_node(kv.value) for kv in kvs if kv.key == key), None)
             if record is None:
                 # Free: take it in one transaction, so that of two sidecars starting at the same instant one does.
-                try:
-                    lease, _ = await self.etcd.grant(self.registration.ttl_s)
-                    value = self._value()
-                    if await self.etcd.create(key, value, lease=lease):
-                        self.registration.adopt(lease, value)
-                        return
-                    await self.etcd.revoke(lease)
-                except StoreUnavailable:
+                lease, _ = await self.etcd.grant(self.registration.ttl_s)
+                value = self._value()
+                if await self.etcd.create(key, value, lease=lease):
+                    self.registration.adopt(lease, value)
                     return
+                await self.etcd.revoke(lease)
                 continue  # another sidecar took it meanwhile: is it alive?
             if record.url == self.url:
                 return
@@ -188,7 +213,8 @@ class Publisher:
     async def aclose(self) -> None:
         if self._task is not None:
             task, self._task = self._task, None
-            await cancel_and_wait(task)
+            if not task.done():  # (one that ended by itself was reported: `_ended`)
+                await cancel_and_wait(task)
             # The last record says it stopped, whatever the drain published: centrals then let the node go at
             # once when its key goes, instead of keeping its engines as they do for a node whose lease expired.
             self._stopping = True
