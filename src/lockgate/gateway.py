@@ -346,14 +346,16 @@ class Gateway:
                         retry_after=1,
                     )
                 if self.fleet.discovering:
-                    # (An outside run: a central restarted in a rolling update, or started while etcd was down, told
-                    # clients 404, which SDKs do not retry, for models its sidecars serve.)
+                    # (An outside run: a central restarted in a rolling update, or started while etcd was down, or
+                    # before any sidecar published, told clients 404, which SDKs do not retry, for models its sidecars
+                    # serve.)
                     raise Unavailable(
                         f"The model '{shown(api.model)}' is not known here yet: this gateway has not read the "
-                        "cluster's engines from etcd; retry shortly.",
+                        "cluster's engines from etcd (or no sidecar has published any); retry shortly.",
                         code="cluster_not_synced",
                         retry_after=1,
                     )
+
                 raise ModelNotFound(
                     f"The model '{shown(api.model)}' does not exist or you do not have access to it.",
                     param="model",

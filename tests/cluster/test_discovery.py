@@ -412,7 +412,9 @@ async def test_a_sidecar_that_answered_an_error_is_not_asked_again_through_its_o
             assert resp.headers["x-lockgate-instance"] == "node-b/engine-0"
 
 
-async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless_it_stopped(tmp_path: Path) -> None:
+async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless_it_stopped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """An outside run: after etcd stalled past the lease TTL (or lost its data), every node key expired and the
     centrals dropped every engine before the sidecars re-registered ~50 ms later: clients got 404
     `model_not_found` (which SDKs do not retry) for a model served by live sidecars, and every engine was rebuilt.
@@ -437,6 +439,9 @@ async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless
         assert fleet.pools["m"].instances == [engine] and not engine.routable  # 503 for now, not 404
         discovery.apply([put(record)], 0.0)  # it re-registered
         assert fleet.pools["m"].instances == [engine] and engine.routable and not engine.retired  # the same engine
+        # The return is said as the failure was (an outside run: a log reader saw the whole fleet go, never come back).
+        said = [(r.levelname, r.message) for r in caplog.records if "engine-0" in r.message]
+        assert [level for level, _ in said] == ["WARNING", "WARNING"] and "is now healthy" in said[1][1], said
         discovery.apply([gone], 0.0)
         async with asyncio.timeout(30):  # bounds a hang only: it leaves at the lease TTL's timer
             await fleet.wait_until(lambda f: "m" not in f.pools)
@@ -445,6 +450,10 @@ async def test_a_node_whose_key_expired_keeps_its_engines_for_a_lease_ttl_unless
         assert fleet.pools["m"].instances[0] is not engine  # back after it left: a new engine
         discovery.apply([put(dataclasses.replace(record, draining=True)), gone], 0.0)
         assert "m" not in fleet.pools  # a sidecar that stopped leaves at once
+        # A watch still open to an etcd that stopped answering the lease: not connected, and why (it showed none).
+        discovery.watching, discovery.registration.connected = True, False
+        discovery.registration.last_error = "keepalive timed out"
+        assert discovery.describe()["last_error"] == "keepalive timed out"
     finally:
         await discovery.aclose()
         await fleet.aclose()
@@ -501,3 +510,70 @@ async def test_of_two_sidecars_starting_at_once_under_one_node_name_one_refuses(
     running = [o for o in outcomes if isinstance(o, GatewayServer)]
     assert len(refused) == 1 and len(running) == 1, outcomes
     assert "node 'node-r' is published by a running sidecar" in str(refused[0])
+
+
+async def test_a_sidecar_started_while_etcd_is_down_checks_its_node_name_once_etcd_answers(
+    stack: contextlib.AsyncExitStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside run: a second sidecar under a running one's `cluster.node`, started while etcd was down, skipped the
+    check for good; once etcd was back both published in turn, and centrals swapped the node between them at every
+    publication. It now checks before its first publication and stops (exit 1 from `serve`). It also said nothing
+    about etcd out of reach from its start (a wrong endpoint logged nothing, ever): now once, and once reached."""
+    etcd = EtcdServer(tmp_path / "etcd")
+    etcd.start()
+    stack.callback(etcd.stop)
+    name = unique_cluster("late")
+    sims = await start_sims(stack, 1)
+
+    def sidecar(usage: str) -> GatewayServer:
+        config = sidecar_config(etcd.url, name, sims, str(tmp_path / usage), node="node-l")
+        return GatewayServer(parse_config(config), role="sidecar")
+
+    first = await stack.enter_async_context(sidecar("a.sqlite3"))
+    etcd.stop()
+    second = await stack.enter_async_context(sidecar("b.sqlite3"))  # starts: etcd cannot say the name is taken
+    assert second.failure is None
+    await eventually(lambda: "not reached" in caplog.text, what="the second sidecar to say etcd is out of reach")
+    said = [r for r in caplog.records if r.name == "lockgate.cluster.lease" and "not reached" in r.message]
+    assert len(said) == 1 and said[0].levelname == "WARNING", said  # once, not every retry
+    etcd.start()
+    async with asyncio.timeout(30):  # bounds a hang only: the check waits up to a lease TTL for the other's record
+        await second.failed.wait()
+    assert second.failure is not None and "node 'node-l' is published by a running sidecar at " + first.url in (
+        second.failure
+    )
+    assert second.cluster.registration.writes == 0 and not second.cluster.connected
+    await eventually(lambda: first.cluster.connected, what="the first sidecar to publish again")
+    assert "etcd reached: " in caplog.text  # the first one, whose loss was said, says it is back
+    _, kvs = await first.cluster.etcd.get_prefix(first.cluster.registration.key)
+    from lockgate.cluster.keys import decode_node
+
+    assert [decode_node(kv.value).url for kv in kvs] == [first.url]
+
+
+async def test_a_central_that_finds_no_sidecar_says_so_and_answers_503(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside run: a central whose `cluster.name` differed from its sidecars' logged nothing and answered 404
+    `model_not_found` (as did every central of a cluster started all at once, until the sidecars published), which
+    SDKs do not retry: 503 `cluster_not_synced`, and a warning naming the prefix it reads."""
+    name = unique_cluster("empty")
+    central = await stack.enter_async_context(
+        GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))))
+    )
+    await eventually(lambda: central.cluster.synced_at is not None, what="the central to read etcd")
+    assert f"no sidecar publishes under /lockgate/{name}/" in caplog.text
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    async with session.post(central.url + "/v1/chat/completions", json=chat("hi")) as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "cluster_not_synced"
+    sims = await start_sims(stack, 1)
+    await stack.enter_async_context(
+        GatewayServer(
+            parse_config(sidecar_config(etcd.url, name, sims, str(tmp_path / "s.sqlite3"), node="n")), role="sidecar"
+        )
+    )
+    assert central.gateway is not None
+    await central.gateway.fleet.wait_until(lambda f: routable(f) == 1)
+    async with session.post(central.url + "/v1/chat/completions", json={**chat("hi"), "model": "other"}) as resp:
+        assert resp.status == 404  # a model no sidecar serves, once some do

@@ -170,10 +170,14 @@ async def test_a_central_that_has_not_read_etcd_yet_answers_503_not_404(
 ) -> None:
     """An outside run: a central restarted in a rolling update answered its first requests (and, started while etcd
     was down, every request) 404 `model_not_found`, which SDKs do not retry, for a model its sidecars serve. Until
-    its first read of etcd a model it does not know is 503 `cluster_not_synced`; after it, 404."""
+    its first read of etcd that finds a sidecar, a model it does not know is 503 `cluster_not_synced`; after it, 404."""
     unreachable = central_config("http://127.0.0.1:1", unique_cluster("unsynced"), str(tmp_path / "u.sqlite3"))
     blind = await stack.enter_async_context(GatewayServer(parse_config(unreachable)))
-    synced_cfg = central_config(etcd.url, unique_cluster("synced"), str(tmp_path / "s.sqlite3"))
+    cluster = unique_cluster("synced")
+    sim = await stack.enter_async_context(SimServer(SimConfig(models=("other",))))
+    sidecar = sidecar_config(etcd.url, cluster, [sim], str(tmp_path / "side.sqlite3"), node="n", model="other")
+    await stack.enter_async_context(GatewayServer(parse_config(sidecar), role="sidecar"))
+    synced_cfg = central_config(etcd.url, cluster, str(tmp_path / "s.sqlite3"))
     synced = await stack.enter_async_context(GatewayServer(parse_config(synced_cfg)))
     assert synced.gateway is not None
     await synced.gateway.fleet.wait_until(lambda f: not f.discovering)

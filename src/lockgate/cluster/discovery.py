@@ -96,7 +96,7 @@ class Discovery:
         self._tasks: list[asyncio.Task[None]] = []
         #: etcd key -> the timer that detaches the engines of a node whose key went without it stopping (`_delete`).
         self._leaving: dict[str, asyncio.TimerHandle] = {}
-        fleet.discovering = True  # until the first full read (`resync`)
+        fleet.discovering = True  # until a read of etcd finds a sidecar (`_found`)
 
     async def __aenter__(self) -> Discovery:
         await self.etcd.__aenter__()
@@ -134,17 +134,29 @@ class Discovery:
         retry = min(0.25, self.config.lease_ttl_ms / 4000)
         while True:
             try:
+                first = self.synced_at is None
                 revision, kvs = await self.etcd.get_prefix(self.prefix)
                 self.resync(kvs, time.monotonic())
                 if self.last_error is not None:
-                    log.info("etcd watch resumed: %d sidecar(s) in the fleet", len(self.nodes))
+                    log.warning("etcd watch resumed: %d sidecar(s) in the fleet", len(self.nodes))
                     self.last_error = None
+                if first and not self.nodes:
+                    # (A central whose `cluster.name` differs from its sidecars' said nothing, and served nothing.)
+                    log.warning(
+                        "etcd at %s: no sidecar publishes under %s yet (is `cluster.name` the sidecars' own?); "
+                        "requests get 503 until one does",
+                        self.etcd.endpoint,
+                        self.prefix,
+                    )
                 self.watching = True
                 async for events in self.etcd.watch_prefix(self.prefix, revision + 1):
                     self.apply(events, time.monotonic())
             except StoreUnavailable as exc:
                 if self.watching or self.last_error is None:
-                    log.warning("etcd watch lost (%s): serving on the last-known fleet", exc)
+                    if self.synced_at is None:
+                        log.warning("etcd not reached (%s): no fleet known yet, requests get 503 until it is", exc)
+                    else:
+                        log.warning("etcd watch lost (%s): serving on the last-known fleet", exc)
                 self.last_error = str(exc)
             self.watching = False
             await asyncio.sleep(retry)
@@ -153,8 +165,6 @@ class Discovery:
         """Make the fleet match a full read of the prefix."""
         self.resyncs += 1
         self.synced_at = now
-        if self._fleet.discovering:
-            self._fleet.discovered()
         seen = set()
         for kv in kvs:
             seen.add(kv.key)
@@ -162,6 +172,14 @@ class Discovery:
         for key in [k for k in [*self.nodes, *self.replicas] if k not in seen]:
             self._delete(key)
         self._replicas_changed()
+        self._found()
+
+    def _found(self) -> None:
+        """Once etcd was read and a sidecar found, the models not known here are not served (404). Before, the fleet
+        is still being discovered (503 `cluster_not_synced`): a cluster starting all at once has centrals that read
+        etcd before any sidecar published."""
+        if self._fleet.discovering and self.nodes:
+            self._fleet.discovered()
 
     def apply(self, events: list[WatchEvent], now: float) -> None:
         self.synced_at = now
@@ -176,6 +194,7 @@ class Discovery:
                 self._delete(event.key)
         if replicas:
             self._replicas_changed()
+        self._found()
 
     def _replicas_changed(self) -> None:
         if self.limits is not None:
@@ -315,7 +334,8 @@ class Discovery:
             "tenant_shares": self.limits.shares() if self.limits is not None else {},
             "resyncs": self.resyncs,
             "events": self.events,
-            "last_error": self.last_error if not self.connected else None,
+            # (The watch may stay open to an etcd that stopped answering the replica's lease.)
+            "last_error": (self.last_error or self.registration.last_error) if not self.connected else None,
             "nodes": [
                 {
                     "node": record.node,

@@ -719,8 +719,8 @@ class Fleet:
 
     def _set_health(self, instance: Instance, healthy: bool, *, cache_lost: bool = True) -> None:
         if instance.healthy != healthy:
-            if healthy:
-                log.info("instance %s is now healthy", instance.name)
+            if healthy:  # (at WARNING, as the failure was: a log that shows only failures reads as a fleet gone)
+                log.warning("instance %s is now healthy", instance.name)
             else:  # (an instance starts healthy: one never reachable is reported at its first check)
                 log.warning("instance %s is now unhealthy: %s", instance.name, instance.last_error or "no reason known")
             if not healthy and cache_lost:
