@@ -551,7 +551,9 @@ def _problems(exc: ValidationError) -> list[str]:
             message = "unknown key (check its spelling and indentation)"
         elif any(isinstance(part, str) and (part == "api_key" or part.endswith("keys")) for part in err["loc"]):
             pass  # never echo what may be a secret (`keys`, `central_keys`, `api_key`)
-        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+        elif "(got " in message:
+            pass  # (a check that names the value itself)
+        elif "input" in err and err["type"] != "missing" and not isinstance(err["input"], dict):
             message = f"{message} (got {err['input']!r})"
         lines.append(f"{where}: {message}")
     return lines

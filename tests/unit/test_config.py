@@ -285,6 +285,14 @@ def test_a_sidecars_advertised_url_is_checked_as_an_instance_url() -> None:
     assert "cluster.advertise_url" in str(err.value) and "Port out of range" in str(err.value)
 
 
+def test_an_etcd_endpoint_without_a_scheme_is_named_once() -> None:
+    """An outside run: the message said what it got twice ("(got '127.0.0.1:2379') (got ['127.0.0.1:2379'])")."""
+    cluster = {"endpoints": ["127.0.0.1:2379"], "name": "c"}
+    with pytest.raises(ConfigError) as err:
+        parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}], "cluster": cluster})
+    assert str(err.value).count("(got ") == 1 and "(got '127.0.0.1:2379')" in str(err.value)
+
+
 def test_one_engine_listed_under_two_models_with_different_limits_is_a_config_error() -> None:
     """The regression run: `max_concurrency: 2` on the second listing of a shared URL was silently ignored (the first
     listing's, unset, was taken: 256), which also disabled the routing ceiling the limit is for."""
