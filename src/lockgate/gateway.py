@@ -474,10 +474,10 @@ class Gateway:
         tenants or admin keys): response ids that hold in this process only (no `LOCKGATE_RESPONSE_ID_SECRET`: after a
         restart, or at another replica, they are 404); engines whose prefix caches every tenant shares (they take no
         `cache_salt`); a `/metrics` anyone who reaches the port reads, which names the tenants, their usage and their
-        remaining quotas."""
+        remaining quotas. Under `--workers` (the first worker says it): engines every worker reaches on its own."""
+        said = self._shared_engines()
         if self.admission.book.open:
-            return []
-        said = []
+            return said
         if self.response_ids.drawn:
             said.append(
                 f"{SECRET_ENV} is not set: the response ids this process shows its tenants are valid here only (after "
@@ -501,6 +501,24 @@ class Gateway:
                 "keep the port private"
             )
         return said
+
+    def _shared_engines(self) -> list[str]:
+        """Under `--workers`, the instances each worker sends to directly (not behind a sidecar): every worker admits
+        up to such an engine's limit on its own and stops only its own requests (an outside run: P0 behind another
+        worker's P2 streams waited 4.7 s for a whole generation, 45-110 ms from one process)."""
+        workers = self.workers
+        if workers is None or workers.index != 0:
+            return []
+        direct = sorted({i.name for i in self.fleet.instances.values() if not i.published})
+        if not direct:
+            return []
+        shown = ", ".join(direct[:5]) + (f" and {len(direct) - 5} more" if len(direct) > 5 else "")
+        return [
+            f"instances {shown} are reached by each of the {workers.count} workers on its own: each worker admits "
+            "up to an engine's limit and preempts only its own requests, so priorities (P0 before P2), tenants' "
+            "max_concurrent and de-duplication hold within a worker, not across them; put such engines behind a "
+            "`lockgate sidecar` (one scheduler per engine), or run one process in front of them"
+        ]
 
     def _shown_ids(self) -> ResponseIds:
         """The response ids clients are shown (`response_ids.py`): bound to their tenant once tenants are configured,

@@ -79,3 +79,29 @@ def test_a_relayed_salt_is_taken_only_printable_and_within_its_bound() -> None:
     assert relayed_cache_salt("x" * 512) == "x" * 512
     assert relayed_cache_salt("x" * 513) is None and relayed_cache_salt("a\x00b") is None
     assert relayed_cache_salt("") is None and relayed_cache_salt(None) is None
+
+
+async def test_the_first_worker_names_the_engines_every_worker_reaches_on_its_own() -> None:
+    """An outside run: under `--workers 3` with engines listed in `models:`, P0 waited 4.7 s behind other workers' P2
+    streams (each worker admits up to the engine's limit and preempts only its own), where one process took 45-110 ms;
+    nothing said so. The first worker says it; engines behind a sidecar are not named."""
+    from lockgate.config import parse_config
+    from lockgate.gateway import Gateway
+    from lockgate.workerset import WorkerSet
+
+    models = [{"name": "m", "instances": [{"url": "http://127.0.0.1:9", "name": "e1"}]}]
+    raw = {"usage": {"path": ":memory:"}, "models": models}
+
+    async def said(index: int | None) -> list[str]:
+        gateway = Gateway(parse_config(raw, "test"))
+        gateway.fleet._build(gateway.config)
+        if index is not None:
+            gateway.workers = WorkerSet("/nonexistent", index, 3)
+        try:
+            return [w for w in gateway.warnings() if "workers on its own" in w]
+        finally:
+            await gateway.fleet.aclose()
+
+    (warning,) = await said(0)
+    assert warning.startswith("instances e1 are reached by each of the 3 workers on its own") and "sidecar" in warning
+    assert await said(1) == [] and await said(None) == []
