@@ -123,7 +123,9 @@ class WorkerSet:
                     )
                 return Answer(n, response.status, body)
         except (TimeoutError, OSError, HttpClientError, ValueError) as exc:  # ValueError: a path it cannot send
-            log.warning("worker %d: no answer from worker %d to %s %s: %s", self.index, n, method, path, exc)
+            # (A timeout's text is empty: the log line ended at its colon.)
+            reason = f"none within {TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+            log.warning("worker %d: no answer from worker %d to %s %s: %s", self.index, n, method, path, reason)
             return None
 
     async def scrape(self, own: bytes, authorization: str | None) -> bytes:

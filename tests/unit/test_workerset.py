@@ -68,6 +68,33 @@ async def test_a_worker_that_does_not_answer_or_answers_too_much_is_left_out(tmp
     assert missing == [2, 3]
 
 
+async def test_a_worker_that_does_not_answer_in_time_is_logged_with_a_reason(
+    tmp_path: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    """An outside run (a worker stopped with SIGSTOP): the log line ended at its colon, a timeout's text being empty."""
+    monkeypatch.setattr(workerset, "TIMEOUT_S", 0.2)
+    never = asyncio.Event()
+
+    async def hung(request: web.Request) -> web.Response:
+        await never.wait()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/admin/requests", hung)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, workerset.socket_path(str(tmp_path), 1)).start()
+    workers = workerset.WorkerSet(str(tmp_path), index=0, count=2)
+    try:
+        answers, missing = await workers.others_json("/admin/requests", None)
+    finally:
+        never.set()
+        await workers.aclose()
+        await runner.cleanup()
+    assert answers == [] and missing == [1]
+    assert "no answer from worker 1 to GET /admin/requests: none within 0.2 s" in caplog.text
+
+
 async def test_scrapes_arriving_while_one_is_gathered_share_it(tmp_path: Any) -> None:
     """An outside run: 16 concurrent scrapes of a large fleet each gathered and parsed every worker's text, took
     seconds, and left live workers out (past the 2 s limit). Scrapes that arrive during a gathering now share it."""
