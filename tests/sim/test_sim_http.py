@@ -140,7 +140,15 @@ async def test_errors_use_the_openai_envelope(sim: SimServer, http: aiohttp.Clie
     assert status == 404 and err["code"] == 404
     assert (await post(b"{not json"))[0] == 400
     assert (await post(orjson.dumps({**CHAT, "n": 2})))[0] == 400
-    assert (await post(orjson.dumps({"model": "m", "prompt": [1, 2]}), "/v1/completions"))[0] == 400
+    assert (await post(orjson.dumps({"model": "m", "prompt": [[1], [2]]}), "/v1/completions"))[0] == 400  # a batch
+    # What vLLM would answer and the simulator cannot is refused, not ignored (an outside run got 200 without them).
+    for extra in ({"suffix": "x"}, {"echo": True}, {"logprobs": 2}):
+        status, err = await post(orjson.dumps({"model": "m", "prompt": "hi", **extra}), "/v1/completions")
+        assert status == 400 and err["param"] == next(iter(extra)), err
+    status, err = await post(orjson.dumps({**CHAT, "logprobs": True, "top_logprobs": 2}))
+    assert status == 400 and err["param"] == "logprobs"
+    async with http.post(sim.url + "/v1/completions", json={"model": "m", "prompt": [7, 8, 9], "max_tokens": 2}) as r:
+        assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 3  # token ids: one each
     assert (await post(orjson.dumps({**CHAT, "max_tokens": "x"})))[0] == 400
     ok = {**CHAT, "priority": 3, "unknown_field": {"x": 1}, "continue_final_message": False}
     async with http.post(sim.url + "/v1/chat/completions", json=ok) as r:

@@ -87,6 +87,12 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
     n = _get(body, "n", int, 1)
     if n != 1:
         raise WireError(400, "the simulator supports only n=1", param="n")
+    # What vLLM would answer and the simulator cannot: said, not ignored (an outside run took a 200 without them).
+    if body.get("suffix") is not None:
+        raise WireError(400, "suffix is not currently supported", param="suffix")  # (vLLM's own words)
+    for field in ("echo", "logprobs", "top_logprobs"):
+        if body.get(field) not in (None, False):
+            raise WireError(400, f"the simulator does not support '{field}'", param=field)
     messages: Any
     if kind == "responses":
         messages = _response_messages(body)
@@ -107,12 +113,15 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
             raise WireError(400, str(e), param="messages") from None
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not isinstance(prompt, str):
-            msg = "'prompt' must be a string (batched or token prompts are not supported)"
+        if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+            text = " ".join(str(t) for t in prompt)  # token ids: one token each
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            msg = "'prompt' must be a string or an array of token ids (batched prompts are not supported)"
             raise WireError(400, msg, param="prompt")
-        text = prompt
     prompt_tokens = tokenize(text)
     if not prompt_tokens:
         raise WireError(400, "the prompt is empty", param="prompt" if kind != "chat" else "messages")
