@@ -503,9 +503,8 @@ class Gateway:
         return said
 
     def _shared_engines(self) -> list[str]:
-        """Under `--workers`, the instances each worker sends to directly (not behind a sidecar): every worker admits
-        up to such an engine's limit on its own and stops only its own requests (an outside run: P0 behind another
-        worker's P2 streams waited 4.7 s for a whole generation, 45-110 ms from one process)."""
+        """Under `--workers`, the instances each worker sends to directly (not behind a sidecar): each worker takes its
+        part of such an engine's limit (`Instance.share`), and what it counts of tenants and duplicates is its own."""
         workers = self.workers
         if workers is None or workers.index != 0:
             return []
@@ -514,10 +513,10 @@ class Gateway:
             return []
         shown = ", ".join(direct[:5]) + (f" and {len(direct) - 5} more" if len(direct) > 5 else "")
         return [
-            f"instances {shown} are reached by each of the {workers.count} workers on its own: each worker admits "
-            "up to an engine's limit and preempts only its own requests, so priorities (P0 before P2), tenants' "
-            "max_concurrent and de-duplication hold within a worker, not across them; put such engines behind a "
-            "`lockgate sidecar` (one scheduler per engine), or run one process in front of them"
+            f"instances {shown} are reached by each of the {workers.count} workers on its own: each worker takes its "
+            "part of an engine's limit (a client's requests all on one connection use one worker's part), and "
+            "tenants' max_concurrent and de-duplication hold within a worker, not across them; put such engines "
+            "behind a `lockgate sidecar` for one scheduler per engine"
         ]
 
     def _shown_ids(self) -> ResponseIds:

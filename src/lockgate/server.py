@@ -168,6 +168,7 @@ class GatewayServer:
             except OSError as exc:
                 raise StartupError(f"cannot listen on {self._workers.socket}: {_reason(exc)}") from exc
             self.gateway.workers = self._workers
+            self.gateway.fleet.split_between(self._workers.index, self._workers.count)
             self.gateway.slo.records_path = config.usage.path  # `/admin/slo` over every worker's records
         if config.cluster is not None:
             from .cluster.member import join

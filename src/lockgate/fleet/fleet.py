@@ -108,6 +108,16 @@ class Fleet:
         #: A cluster's central that has not read etcd yet (`cluster.discovery`; `discovered`): a model it does not
         #: know may be one its sidecars serve.
         self.discovering = False
+        #: Under `--workers`: (this worker's index, the workers' count), given to every instance (`Instance.share`).
+        self.share: tuple[int, int] | None = None
+
+    def split_between(self, index: int, count: int) -> None:
+        """This gateway is worker `index` of `count` (`--workers`): each instance it reaches directly takes its part
+        of the engine's limit (`Instance.share`), those of later reloads too."""
+        self.share = (index, count) if count > 1 else None
+        for instance in self.instances.values():
+            instance.share = self.share
+        self._notify()
 
     async def __aenter__(self) -> Fleet:
         self._build(self._config)
@@ -381,6 +391,7 @@ class Fleet:
             scrapes=scrapes,
         )
         instance.own.on_long_done = self.prefills.notify
+        instance.share = self.share
         if self._config.scrape.enabled and dialect.metrics_path:
             instance.look = functools.partial(self.scraper.fresh, instance, _LOOK_MAX_AGE_S)
         return instance
@@ -539,7 +550,7 @@ class Fleet:
             if instance.concurrency.observe(
                 load.running,
                 load.waiting,
-                instance.in_flight,
+                instance.engine_in_flight(),
                 backlog_s,
                 self._decode_s(instance, now) if queue else own.decode_s(now),
                 own.overdue(now),

@@ -22,6 +22,12 @@ from .ejection import Ejection
 from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
 
 
+def part_of(limit: int, index: int, count: int) -> int:
+    """Worker `index`'s part of an engine's `limit` among `count` workers: the parts add up to the limit (the first
+    workers take what does not divide), each at least one."""
+    return max(1, limit // count + (1 if index < limit % count else 0))
+
+
 class Instance:
     """One engine process. Mutable runtime state; routing sees it only through `view()`."""
 
@@ -45,6 +51,12 @@ class Instance:
         self.concurrency = ConcurrencyLimit(
             config.max_concurrency or max_connections, stated=config.max_concurrency is not None
         )
+        #: Under `--workers`: (this worker's index, the workers' count). Each worker reaches an engine that is not
+        #: behind a sidecar on its own, so each takes its part of the engine's limit: together they never send it
+        #: more than it runs, and a P0 finding its part full preempts its own worker's P2 there (an outside run: with
+        #: every worker admitting up to the whole limit, P0 waited behind other workers' P2 streams for a whole
+        #: generation, 4.7 s, in the engine's queue).
+        self.share: tuple[int, int] | None = None
         self.api_key = config.api_key
         self.basic_authorization = config.basic_authorization
         #: The credentials sent to the engine, scrubbed out of what it says (`credentials.py`).
@@ -104,8 +116,30 @@ class Instance:
 
     @property
     def max_concurrency(self) -> int:
-        """How many requests this instance takes at once now (routing and scheduling use it)."""
-        return self.concurrency.limit
+        """How many requests this instance takes at once now (routing and scheduling use it): its engine's limit, or
+        under `--workers` this worker's part of it (`share`)."""
+        limit = self.concurrency.limit
+        share = self.share
+        if share is None or self.published is not None:
+            return limit
+        return part_of(limit, *share)
+
+    def known_slots(self) -> int | None:
+        """The slots its engine is known to have (`ConcurrencyLimit.known_slots`; None: not known), or under
+        `--workers` this worker's part of them."""
+        known = self.concurrency.known_slots()
+        share = self.share
+        if known is None or share is None or self.published is not None:
+            return known
+        return part_of(known, *share)
+
+    def engine_in_flight(self) -> int:
+        """The requests of this gateway at its engine, for judging the engine's limit (`ConcurrencyLimit.observe`):
+        under `--workers`, every worker's, reckoned from this one's use of its part (they share the load alike)."""
+        part = self.max_concurrency
+        if part == self.concurrency.limit:
+            return self.in_flight
+        return self.in_flight * self.concurrency.limit // part
 
     @property
     def in_service(self) -> bool:
@@ -248,7 +282,7 @@ class Lease:
         already generating there (its first token back): this attempt then waits for one of them to end. A whole
         (non-streamed) answer never shows its first token and does not count: the answer errs towards "not full"."""
         instance = self.instance
-        known = instance.concurrency.known_slots()
+        known = instance.known_slots()
         return known is not None and instance.in_flight - instance.own.pending >= known
 
     def slots_known(self) -> bool:
