@@ -137,6 +137,38 @@ def count_of(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT else 0
 
 
+#: The keys of a whole answer's choice (or response item) whose strings are output the engine generated.
+_OUTPUT_KEYS = frozenset({"content", "text", "arguments", "reasoning_content", "reasoning", "refusal"})
+
+
+def estimated_output_tokens(body: dict[str, Any]) -> int:
+    """A whole answer's output tokens, for an engine that reports none: its generated text at ~4 characters a token,
+    at least one for each choice (or response output item) that has any."""
+    total = 0
+    for part in (*(body.get("choices") or ()), *(body.get("output") or ())):
+        chars = _output_chars(part, 0)
+        if chars:
+            total += max(1, chars // 4)
+    return total
+
+
+def _output_chars(value: Any, depth: int) -> int:
+    """Characters of the strings under `_OUTPUT_KEYS` in `value` (a choice, its message, parts: a few levels)."""
+    if depth > 6:
+        return 0
+    if isinstance(value, list):
+        return sum(_output_chars(item, depth + 1) for item in value)
+    if not isinstance(value, dict):
+        return 0
+    chars = 0
+    for key, item in value.items():
+        if isinstance(item, str):
+            chars += len(item) if key in _OUTPUT_KEYS else 0
+        elif isinstance(item, (dict, list)) and key not in ("logprobs", "annotations"):
+            chars += _output_chars(item, depth + 1)
+    return chars
+
+
 def usage_tokens(usage: dict[str, Any]) -> dict[str, Any]:
     """A response's usage (`input_tokens`, `output_tokens`: the Responses API) under the names the gateway's records
     read (`prompt_tokens`, `completion_tokens`); a completion's usage as it is."""

@@ -27,11 +27,12 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from . import sse
-from .assemble import ClientView, count_of, has_content, usage_tokens
+from .assemble import ClientView, count_of, estimated_output_tokens, has_content, usage_tokens
 from .edge.server import Reply, Request, Response, StreamResponse
 from .errors import GatewayError, UpstreamProtocolError
 from .exchange import ClientGone, Exchange, Phase
 from .responses import ResponseView, failure_of, show_ids
+from .wire import Endpoint
 
 T = TypeVar("T")
 
@@ -361,9 +362,17 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
         body["model"] = model
         raw = orjson.dumps(body)
     usage = body.get("usage")
+    record = ex.record
     if isinstance(usage, dict):
         usage = usage_tokens(usage)
-        ex.record.prompt_tokens = count_of(usage.get("prompt_tokens"))
-        ex.record.completion_tokens = count_of(usage.get("completion_tokens"))
-    ex.record.http_status = 200
+        record.prompt_tokens = count_of(usage.get("prompt_tokens"))
+        record.completion_tokens = count_of(usage.get("completion_tokens"))
+    if not record.completion_tokens:
+        # No count (or none that is one) from an engine that generated output: estimated, as a stream's are (the
+        # record said 0 and 0, and the tenant was charged nothing for the output). The prompt's follows when the
+        # record ends (`Exchange._finish_record`); an embedding's is estimated here.
+        record.completion_tokens = estimated_output_tokens(body)
+    if not record.prompt_tokens and ex.api.endpoint is Endpoint.EMBEDDINGS:
+        record.prompt_tokens = ex.api.estimated_prompt_tokens()
+    record.http_status = 200
     return ex.whole_response(raw, headers)

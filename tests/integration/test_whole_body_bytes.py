@@ -3,6 +3,8 @@ names the model the client asked for), and is rewritten with the client's model 
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import orjson
 from aiohttp import web
@@ -42,3 +44,44 @@ async def test_another_model_name_is_rewritten_to_the_clients(start_gateway, ser
     body = await _answer(start_gateway, serve_app, b"/models/served-name")
     assert body != ENGINE_BODY % b"/models/served-name"
     assert orjson.loads(body) == {**orjson.loads(ENGINE_BODY % b"/models/served-name"), "model": "m"}
+
+
+async def test_a_whole_answer_without_usage_is_recorded_with_estimates(start_gateway, serve_app, tmp_path):
+    """An outside run: an engine (or provider) that sent no `usage`, or one with counts that are none (strings,
+    negatives), had its answers recorded as 0 prompt and 0 completion tokens, and the tenant charged nothing for the
+    output (streams were estimated). Now estimated: ~4 characters a token, at least one per choice with output."""
+    from lockgate.records import read_records
+
+    bodies: dict[str, dict[str, Any]] = {
+        "/v1/chat/completions": {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world, twenty chars"}}]
+        },
+        "/v1/completions": {"choices": [{"index": 0, "text": "hi"}], "usage": {"prompt_tokens": "12"}},
+        "/v1/embeddings": {"data": [{"index": 0, "embedding": [0.1], "object": "embedding"}], "usage": None},
+    }
+
+    async def engine(request: web.Request) -> web.Response:
+        if request.method == "POST":
+            return web.json_response({"id": "x", "model": "m", **bodies[request.path]})
+        return web.Response(text="") if request.path == "/metrics" else web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", engine)
+    url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    asks = {
+        "/v1/chat/completions": CHAT,
+        "/v1/completions": {"model": "m", "prompt": "a prompt of some forty characters length", "temperature": 1},
+        "/v1/embeddings": {"model": "m", "input": "sixteen chars.."},
+    }
+    async with aiohttp.ClientSession() as http:
+        for path, body in asks.items():
+            async with http.post(gw.url + path, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+    await gw.gateway.records.wait_flushed()
+    rows = {
+        r["endpoint"]: (r["prompt_tokens"], r["completion_tokens"])
+        for r in read_records(str(tmp_path / "usage.sqlite3"))
+    }
+    assert rows == {"chat": (rows["chat"][0], 6), "completions": (10, 1), "embeddings": (3, 0)}, rows
+    assert rows["chat"][0] > 0
