@@ -74,6 +74,27 @@ async def test_an_engine_reporting_impossible_numbers_takes_nothing_down(
     assert (liar.engine_load.waiting, liar.engine_load.running) == (2.0, 1.0)
 
 
+async def test_a_byte_that_is_not_utf8_loses_only_its_line(serve_app, start_gateway) -> None:
+    """An outside run: one such byte in a comment line made the whole page a failed scrape (the load went stale)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=b"# HELP x caf\xe9\nvllm:num_requests_waiting 2\nvllm:num_requests_running 1\n")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm", "name": "e"}]}])
+    fleet = gw.gateway.fleet
+    await fleet.scraper.scrape_all()
+    (engine,) = fleet.instances.values()
+    assert engine.scrape_error is None and engine.engine_load is not None
+    assert (engine.engine_load.waiting, engine.engine_load.running) == (2.0, 1.0)
+
+
 async def test_a_scrape_the_gateway_fails_to_apply_ends_no_other_instances_scrapes(
     start_sim, start_gateway, monkeypatch, caplog
 ) -> None:

@@ -222,8 +222,8 @@ class Scraper:
             if response.status != 200:
                 raise HttpStatusError(f"HTTP {response.status}")
             started = time.thread_time()  # (the CPU this thread spends: not the time it waits for the cores)
-            text = body.decode()
-        except (HttpClientError, HttpStatusError, OSError, TimeoutError, UnicodeDecodeError) as exc:
+            text = body.decode("utf-8", "replace")  # (a stray byte in a comment lost the whole page)
+        except (HttpClientError, HttpStatusError, OSError, TimeoutError) as exc:
             instance.scrape_error = f"metrics scrape failed: {exc!r}"[:300]
             return None
         load = parse_load(text, instance.dialect.metrics, time.monotonic())
