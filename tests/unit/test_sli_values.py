@@ -16,7 +16,11 @@ def test_kv_cache_hit_rate_weighs_instances_by_their_queried_tokens() -> None:
     idle = EngineLoad(scraped_at=0.0, prefix_hits=0.0, prefix_queries=60.0)
     assert kv_cache_hit_rate([busy, idle, None]) == 0.3
     # An engine counting more hits than queries (an outside run's, which showed 5.05): a rate is at most 1.
-    assert kv_cache_hit_rate([EngineLoad(scraped_at=0.0, prefix_hits=101.0, prefix_queries=20.0)]) == 1.0
+    liar = EngineLoad(scraped_at=0.0, prefix_hits=101.0, prefix_queries=20.0)
+    assert kv_cache_hit_rate([liar]) == 1.0
+    # Nor does it drown its peers: another run's liar (1e14 hits over 1 query) read 1.0 beside an engine's 0 of 66.
+    big = EngineLoad(scraped_at=0.0, prefix_hits=1e14, prefix_queries=1.0)
+    assert kv_cache_hit_rate([big, EngineLoad(scraped_at=0.0, prefix_hits=0.0, prefix_queries=66.0)]) == 1 / 67
 
 
 def test_kv_cache_hit_rate_falls_back_to_the_engines_own_rate_and_is_absent_without_one() -> None:

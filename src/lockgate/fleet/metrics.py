@@ -120,12 +120,14 @@ def kv_cache_hit_rate(loads: Iterable[EngineLoad | None]) -> float | None:
         if load is None:
             continue
         if load.prefix_hits is not None and load.prefix_queries is not None:
-            hits += load.prefix_hits
+            # An engine counting more hits than queries (a bug of its own) counts as all hits, not more: one such
+            # engine's 1e14 hits over 1 query read 1.0 for a model whose other engine hit 0 of 66.
+            hits += min(load.prefix_hits, load.prefix_queries)
             queries += load.prefix_queries
         elif load.prefix_hit_rate is not None:
             rates.append(load.prefix_hit_rate)
     if queries > 0:
-        return min(1.0, hits / queries)  # (an engine counting more hits than queries: a bug of its own)
+        return hits / queries
     if rates:
         return sum(rates) / len(rates)
     return None
