@@ -60,6 +60,10 @@ class SSEDecoder:
                 elif block:
                     events += self._feed_lines(block + b"\n\n")
             self._buffer = rest
+        if len(self._buffer) + self._data_bytes > self.max_event_bytes:
+            # The complete lines of the event still open: comments (keep-alives) and fields other than `data` take no
+            # room (an outside run: a megabyte of comment lines, no blank line between them, ended a stream).
+            events += self._feed_lines(self._buffer)
         if len(self._buffer) + self._data_bytes > self.max_event_bytes or any(
             len(event) > self.max_event_bytes for event in events
         ):

@@ -104,3 +104,16 @@ def test_a_responses_error_event_is_named_and_keeps_the_envelope():
         "sequence_number": 7,
         **envelope,
     }
+
+
+def test_comment_lines_without_a_blank_line_take_no_room():
+    """An outside run: more than the bound of keep-alive comment lines, each ending in one newline and no blank line
+    between them, ended a stream as one event too large; each is a complete line, not an event growing."""
+    decoder = SSEDecoder(max_event_bytes=1024)
+    for _ in range(200):
+        assert decoder.feed(b": keep-alive\n") == []
+    assert decoder.feed(b"data: after\n\n") == [b"after"]
+    # An open event's data lines still count together.
+    with pytest.raises(EventTooLarge):
+        for _ in range(200):
+            decoder.feed(b": keep-alive\ndata: abcdefghij\n")
