@@ -378,7 +378,7 @@ class UpstreamEvents:
                 while index < len(payloads):
                     payload = payloads[index]
                     index += 1
-                    if payload == DONE and not tail:
+                    if payload == DONE:
                         self._index = index
                         self._done = self.ended = True
                         call.release()
@@ -443,7 +443,9 @@ class UpstreamEvents:
                         if self._stall_s and not payloads:
                             self._quiet_read()
                     else:
-                        self._payloads = [payload for payload in self._decoder.close() if payload != DONE]
+                        # (A last event without its blank line counts, `[DONE]` too: an outside run's engine ended
+                        # its body right after `data: [DONE]\n`, and every complete stream was an error.)
+                        self._payloads = self._decoder.close()
                         self._tail = True
                     self._index = 0
                 except StalledError as exc:

@@ -85,3 +85,34 @@ async def test_a_whole_answer_without_usage_is_recorded_with_estimates(start_gat
     }
     assert rows == {"chat": (rows["chat"][0], 6), "completions": (10, 1), "embeddings": (3, 0)}, rows
     assert rows["chat"][0] > 0
+
+
+async def test_a_stream_ended_right_after_its_done_line_is_complete(start_gateway, serve_app, tmp_path):
+    """An outside run: an engine that closed its body right after `data: [DONE]\\n` (no blank line) had every
+    complete stream end in an error event ("ended the stream without [DONE]"), recorded as an error."""
+    from lockgate.records import read_records
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        if request.method != "POST":
+            return web.Response(text="") if request.path == "/metrics" else web.json_response({})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "x", "object": "chat.completion.chunk", "model": "m"}
+        await response.write(b"data: " + orjson.dumps({**chunk, "choices": [{"index": 0, "delta": {"content": "ok"}}]}))
+        await response.write(b"\n\ndata: [DONE]\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", engine)
+    url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "instances": [{"url": url, "engine": "vllm"}]}])
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as resp,
+    ):
+        text = await resp.text()
+    assert resp.status == 200 and text.endswith("data: [DONE]\n\n") and "error" not in text, text
+    await gw.gateway.records.wait_flushed()
+    (row,) = read_records(str(tmp_path / "usage.sqlite3"))
+    assert row["status"] == "completed", row
