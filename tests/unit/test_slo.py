@@ -71,6 +71,25 @@ def test_a_fast_burn_pages_and_a_slow_one_opens_a_ticket() -> None:
     assert slow["budget_remaining"] == pytest.approx(0.93)
 
 
+def test_an_alert_no_window_could_reach_burns_at_a_reachable_rate() -> None:
+    """An outside run: de-duplication's saving (a target of 15%: a budget of 0.85) had both default alerts, 14.4x and
+    6x, over a bad share that is at most 1, so neither could ever fire, in the evaluator and the Prometheus rules
+    alike. Such an alert burns halfway between 1 and the highest rate (1 / 0.85): a saving under 7.5% over both."""
+    config = SloConfig()
+    nothing = Counts(1000, 1000)  # no request shared anything
+    counts = {w: nothing for w in WINDOWS}
+    saving = next(o for o in evaluate(config, {"dedup_saving": counts})["objectives"] if o["name"] == "dedup_saving")
+    assert [(a["burn_rate"], a["firing"]) for a in saving["alerts"]] == [(1.088235, True), (1.088235, True)]
+    half = {w: Counts(1000, 900) for w in WINDOWS}  # 10% saved: under target, above the alerts' 7.5%
+    saving = next(o for o in evaluate(config, {"dedup_saving": half})["objectives"] if o["name"] == "dedup_saving")
+    assert not any(a["firing"] for a in saving["alerts"])
+    rules = prometheus_rules(config)["groups"][1]["rules"]
+    exprs = [r["expr"] for r in rules if r["labels"]["slo"] == "dedup_saving"]
+    assert exprs and all("(1.088235 * 0.85)" in e for e in exprs), exprs
+    # An objective whose budget the rate fits keeps it as configured.
+    assert [a["burn_rate"] for a in _success(config, **counts)["alerts"]] == [14.4, 6.0]
+
+
 def test_status_met_burning_unknown() -> None:
     config = SloConfig()
     met = _success(config, **{"30d": Counts(10_000, 5)})  # half the budget spent, no alert

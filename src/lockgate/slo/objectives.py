@@ -83,6 +83,17 @@ def budget(target: float) -> float:
     return round(1 - target, 12)
 
 
+def reachable(rate: float, target: float) -> float:
+    """An alert's burn `rate` for an objective of `target`: as configured, unless no window could ever burn that fast
+    (the bad share is at most 1, so the burn rate at most 1 / budget: de-duplication's saving, a budget of 0.85, made
+    both default alerts, 14.4x and 6x, ones that never fire); then halfway between 1 (the budget lasts the period) and
+    that highest rate."""
+    allowed = budget(target)
+    if rate * allowed < 1:
+        return rate
+    return round((1 + 1 / allowed) / 2, 6)
+
+
 def burn_rate(counts: Counts | None, target: float) -> float | None:
     """Bad share / error budget over a window; None without events."""
     if counts is None or counts.events <= 0:
@@ -104,17 +115,13 @@ def evaluate(config: SloConfig, counts: Mapping[str, Mapping[str, Counts]]) -> d
         alerts = []
         for alert in config.alerts:
             long_rate, short_rate = rates[alert.long_window], rates[alert.short_window]
-            firing = (
-                long_rate is not None
-                and short_rate is not None
-                and long_rate > alert.burn_rate
-                and short_rate > alert.burn_rate
-            )
+            rate = reachable(alert.burn_rate, objective.target)
+            firing = long_rate is not None and short_rate is not None and long_rate > rate and short_rate > rate
             alerts.append(
                 {
                     "severity": alert.severity,
                     "windows": [alert.long_window, alert.short_window],
-                    "burn_rate": alert.burn_rate,
+                    "burn_rate": rate,
                     "firing": firing,
                 }
             )

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from .config import SloConfig
-from .objectives import budget, objectives
+from .objectives import budget, objectives, reachable
 
 
 def _sum_rate(selector: str, window: str) -> str:
@@ -99,7 +99,8 @@ def prometheus_rules(config: SloConfig) -> dict[str, Any]:
             }
         )
         for alert in config.alerts:
-            threshold = f"({alert.burn_rate!r} * {allowed!r})"
+            rate = reachable(alert.burn_rate, objective.target)
+            threshold = f"({rate!r} * {allowed!r})"
             alerting.append(
                 {
                     "alert": f"LockgateSlo{_camel(name)}Burn{_camel(alert.severity)}",
@@ -109,10 +110,10 @@ def prometheus_rules(config: SloConfig) -> dict[str, Any]:
                     ),
                     "labels": {"severity": alert.severity, "slo": name},
                     "annotations": {
-                        "summary": f"lockgate SLO {objective.text}: error budget burning over {alert.burn_rate:g}x",
+                        "summary": f"lockgate SLO {objective.text}: error budget burning over {rate:g}x",
                         "description": (
                             f"Over both {alert.long_window} and {alert.short_window}, {name} spends its error budget "
-                            f"({allowed:g} of events) more than {alert.burn_rate:g} times faster than the "
+                            f"({allowed:g} of events) more than {rate:g} times faster than the "
                             f"{config.period} period allows. `lockgate slo` or GET /admin/slo shows the numbers."
                         ),
                     },
