@@ -344,3 +344,27 @@ def test_the_exit_status_says_whether_an_objective_burns() -> None:
     assert exit_status(evaluation("met", "unknown")) == 0
     assert exit_status(evaluation()) == 0
     assert exit_status(evaluation("met", "burning")) == EXIT_BURNING != 0
+
+
+def test_a_long_window_counts_the_last_minutes_as_the_short_ones_do(tmp_path: Any) -> None:
+    """An outside run: right after a burst of requests, the 6 h and 30 d windows (refreshed at most once a minute)
+    counted fewer events than the last hour in the same answer (110 against 113). They take their last quarter hour
+    from the short windows' buckets, re-read at every evaluation."""
+    from lockgate.slo.service import _Records
+
+    path = str(tmp_path / "usage.sqlite3")
+    usage = _UsageFile(path)
+    wall = 300.0 * 6_000_000 + 7
+    usage.add(wall - 7200, n=5)  # two hours ago
+    windows = {"5m": 300, "1h": 3600, "6h": 6 * 3600, "30d": 30 * 86400}
+    config = SloConfig(priority="P0")
+    source = _Records(config, windows, connect_readonly(path))
+    first = source.counts(0.0, wall)
+    assert first["cancel_rate"]["6h"].events == 5 and first["cancel_rate"]["1h"].events == 0
+    usage.add(wall + 5, n=3)  # a burst, read 10 s later: the long windows are not refreshed yet (60 s)
+    usage.add(wall + 5, "cancelled", n=1)
+    later = source.counts(10.0, wall + 10)["cancel_rate"]
+    assert later["1h"] == Counts(events=4, bad=1)
+    assert later["6h"] == later["30d"] == Counts(events=9, bad=1)
+    exact = count_windows(connect_readonly(path), config, wall + 10, windows)["cancel_rate"]
+    assert later == exact

@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 #: Windows up to this long are refreshed at every evaluation; longer ones at most every `_LONG_WINDOW_REFRESH_S`.
 _SHORT_WINDOW_S = 3600
 _LONG_WINDOW_REFRESH_S = 60.0
+#: The longer windows' buckets, and how far back each refresh re-reads them (a record is written after its request
+#: ended: the writer's batching, a spill file's re-import).
+_LONG_BUCKET_S = 300
+_LONG_SETTLE_S = 900
 
 
 class SloService:
@@ -180,7 +184,10 @@ class _Records:
             config, {w: s for w, s in windows.items() if s <= _SHORT_WINDOW_S}, bucket_s=60, settle_s=120
         )
         self._long = BucketedWindows(
-            config, {w: s for w, s in windows.items() if s > _SHORT_WINDOW_S}, bucket_s=300, settle_s=900
+            config,
+            {w: s for w, s in windows.items() if s > _SHORT_WINDOW_S},
+            bucket_s=_LONG_BUCKET_S,
+            settle_s=_LONG_SETTLE_S,
         )
         self._long_at = -math.inf
 
@@ -190,6 +197,9 @@ class _Records:
             self._long_at = now
         self._short.refresh(self.db, wall)
         counts = self._short.counts(wall)
-        for name, by_window in self._long.counts(wall).items():
+        # The long windows' last settled bucket bound; after it, the short windows' buckets (re-read now) count.
+        split = math.floor((wall - _LONG_SETTLE_S) / _LONG_BUCKET_S) * _LONG_BUCKET_S
+        recent = (split, self._short.total(split)) if self._short.covers(split, wall) else None
+        for name, by_window in self._long.counts(wall, recent).items():
             counts[name].update(by_window)
         return counts

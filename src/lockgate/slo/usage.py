@@ -139,20 +139,35 @@ class BucketedWindows:
         self._buckets.update(fresh)
         self._refreshed_at = now
 
-    def counts(self, now: float) -> dict[str, dict[str, Counts]]:
-        """`result[objective][window]`: the buckets from the one containing `now - window` on."""
+    def counts(self, now: float, recent: tuple[float, Sums] | None = None) -> dict[str, dict[str, Counts]]:
+        """`result[objective][window]`: the buckets from the one containing `now - window` on. `recent`: the sums
+        from an instant (a bucket bound) on, counted by finer windows refreshed more often: these buckets' count
+        stops there (a 6 h window read up to a minute ago counted fewer events than the last hour read now)."""
         out: dict[str, dict[str, Counts]] = {name: {} for name in RECORD_OBJECTIVES}
-        width = 2 * len(RECORD_OBJECTIVES)
         for window, seconds in self._windows.items():
-            first = math.floor((now - seconds) / self._bucket_s)
-            total = [0.0] * width
-            for b, sums in self._buckets.items():
-                if b >= first:
-                    for i in range(width):
-                        total[i] += sums[i]
-            for name, counts in _counts(tuple(total)).items():
+            if recent is None:
+                total = self.total(now - seconds)
+            else:
+                split, sums = recent
+                total = tuple(a + b for a, b in zip(self.total(now - seconds, split), sums, strict=True))
+            for name, counts in _counts(total).items():
                 out[name][window] = counts
         return out
+
+    def covers(self, start: float, now: float) -> bool:
+        """Whether these buckets hold every record since `start` (within their horizon)."""
+        return start >= now - self._horizon_s
+
+    def total(self, start: float, end: float | None = None) -> Sums:
+        """The sums of the buckets from the one containing `start` on (up to the one starting at `end`, excluded)."""
+        first = math.floor(start / self._bucket_s)
+        last = math.inf if end is None else end / self._bucket_s
+        total = [0.0] * (2 * len(RECORD_OBJECTIVES))
+        for b, sums in self._buckets.items():
+            if first <= b < last:
+                for i, value in enumerate(sums):
+                    total[i] += value
+        return tuple(total)
 
 
 #: What follows `usage.path` in a worker's usage database (`--workers`); its SQLite companions (-wal) do not match.
