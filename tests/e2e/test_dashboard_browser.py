@@ -212,6 +212,24 @@ async def test_the_dashboard_in_a_browser_shows_the_fleet_reflects_traffic_and_c
             await crowded.wait_for_function(
                 "() => document.getElementById('conn').textContent === 'too many dashboards open'", timeout=REFLECT_MS
             )
+            # A gateway that says it stops (`event: end`, the drain): the page says it stopped, not "disconnected"
+            # (an outside run saw "gateway stopping" replaced at once as the feed closed).
+            stopped = await browser.new_page()
+            ends: list[int] = []
+
+            async def end_once(route: Any) -> None:
+                ends.append(1)
+                if len(ends) > 1:  # (its reconnection, once the gateway is gone)
+                    await route.abort()
+                    return
+                body = b'event: end\ndata: {"reason": "shutdown"}\n\n'
+                await route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+            await stopped.route("**/dashboard/events", end_once)
+            await stopped.goto(gw.url + "/dashboard")
+            await stopped.wait_for_function(
+                "() => document.getElementById('conn').textContent === 'gateway stopped'", timeout=REFLECT_MS
+            )
         finally:
             await browser.close()
     assert seen == []

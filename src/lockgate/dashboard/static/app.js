@@ -91,6 +91,7 @@
       setConnection("ok", "live");
       state.backoff = 1000;
       let revoked = false;
+      let stopping = false;
       await readEvents(response.body.getReader(), (name, data) => {
         if (!current()) return;
         if (name === "snapshot") renderSafely(JSON.parse(data));
@@ -98,7 +99,8 @@
           let reason = "";
           try { reason = JSON.parse(data).reason; } catch (err) { /* an end without a reason */ }
           revoked = reason === "unauthorized";
-          if (!revoked) setConnection("warn", "gateway stopping");
+          stopping = !revoked;
+          if (stopping) setConnection("warn", "gateway stopping");
         }
       });
       if (revoked && current()) {
@@ -107,7 +109,8 @@
         $("adminkey").focus();
         return;
       }
-      if (current()) setConnection("warn", "disconnected");
+      // (A gateway that said it stops is not just "disconnected": an outside run saw the word replaced at once.)
+      if (current()) setConnection("warn", stopping ? "gateway stopped" : "disconnected");
     } catch (err) {
       if (current()) setConnection("warn", "reconnecting");
     } finally {
