@@ -35,6 +35,7 @@ from .errors import (
     UpstreamStalled,
     UpstreamStatusError,
     UpstreamTooLarge,
+    shown,
     stream_error,
 )
 from .fleet.fleet import Fleet
@@ -149,6 +150,14 @@ class UpstreamCall:
                 status, body, content_type = 400, blamed, "application/json"
             self._fleet.report_failure(instance, f"http_{status}", body[:200].decode("utf-8", "replace"))
             raise UpstreamStatusError(status, body, content_type, response.headers.get("retry-after"))
+        if response.status >= 300:
+            # A redirect (an `http://` URL an engine's proxy sends to `https://`): not followed, and not an answer
+            # (its body was read as one: "not JSON", "ended without [DONE]", which named nothing to fix).
+            self.abort()
+            where = shown(response.headers.get("location") or "nowhere")
+            message = f"answered {response.status}, a redirect to {where}, which the gateway does not follow"
+            self._fleet.report_failure(instance, f"http_{response.status}", message)
+            raise UpstreamProtocolError(f"Instance {instance.name} {message}: set its url to where it points.")
         if instance.published is not None:
             self.served_by = served_by(instance.name, instance.published.node, response.headers)
 

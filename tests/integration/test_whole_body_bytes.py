@@ -116,3 +116,32 @@ async def test_a_stream_ended_right_after_its_done_line_is_complete(start_gatewa
     await gw.gateway.records.wait_flushed()
     (row,) = read_records(str(tmp_path / "usage.sqlite3"))
     assert row["status"] == "completed", row
+
+
+async def test_an_engine_that_redirects_is_named_as_such(start_gateway, serve_app, start_sim):
+    """An outside run: an engine answering 301/307 (an `http://` URL its proxy sends to `https://`) had its redirect's
+    body read as an answer: 502 "not JSON" or "ended without [DONE]", naming nothing to fix. The redirect is said, and
+    the request goes to another instance."""
+
+    async def engine(request: web.Request) -> web.Response:
+        if request.method == "POST":
+            raise web.HTTPTemporaryRedirect("https://engine.example/v1/chat/completions")
+        return web.Response(text="") if request.path == "/metrics" else web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", engine)
+    url = await serve_app(app)
+    gw = await start_gateway([{"name": "m", "retries": 0, "instances": [{"url": url, "engine": "vllm"}]}])
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            async with http.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
+                error = (await resp.json())["error"]
+            assert resp.status == 502, error
+            assert "answered 307, a redirect to https://engine.example/v1/chat/completions" in error["message"], error
+    sim = await start_sim()
+    both = [{"url": url, "engine": "vllm", "name": "redirects"}, {"url": sim.url, "engine": "vllm", "name": "sim"}]
+    gw = await start_gateway([{"name": "m", "routing": "round_robin", "instances": both}])
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):
+            async with http.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200 and resp.headers["x-lockgate-instance"] == "sim"
