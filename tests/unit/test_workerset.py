@@ -38,6 +38,16 @@ def test_every_workers_series_is_kept_with_its_worker_label_and_families_stay_wh
     assert merged.decode().count("# TYPE lockgate_requests_total counter") == 1
 
 
+async def serve_worker(tmp_path: Any, n: int, path: str, handler: Any) -> web.AppRunner:
+    """Worker `n`'s socket, answering GET `path` with `handler`; the caller cleans the runner up."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, workerset.socket_path(str(tmp_path), n)).start()
+    return runner
+
+
 async def test_a_worker_that_does_not_answer_or_answers_too_much_is_left_out(tmp_path: Any, monkeypatch: Any) -> None:
     """Asking the others is bounded: a worker without a socket (restarting) and one whose answer is over the cap are
     named as unreachable; the one that answers is heard."""
@@ -49,14 +59,7 @@ async def test_a_worker_that_does_not_answer_or_answers_too_much_is_left_out(tmp
     async def large(request: web.Request) -> web.Response:
         return web.Response(body=b"x" * 4096)
 
-    runners = []
-    for n, handler in ((1, small), (2, large)):
-        app = web.Application()
-        app.router.add_get("/admin/requests", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.UnixSite(runner, workerset.socket_path(str(tmp_path), n)).start()
-        runners.append(runner)
+    runners = [await serve_worker(tmp_path, n, "/admin/requests", handler) for n, handler in ((1, small), (2, large))]
     workers = workerset.WorkerSet(str(tmp_path), index=0, count=4)  # worker 3 has no socket
     try:
         answers, missing = await workers.others_json("/admin/requests", None)
@@ -79,11 +82,7 @@ async def test_a_worker_that_does_not_answer_in_time_is_logged_with_a_reason(
         await never.wait()
         return web.Response()
 
-    app = web.Application()
-    app.router.add_get("/admin/requests", hung)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.UnixSite(runner, workerset.socket_path(str(tmp_path), 1)).start()
+    runner = await serve_worker(tmp_path, 1, "/admin/requests", hung)
     workers = workerset.WorkerSet(str(tmp_path), index=0, count=2)
     try:
         answers, missing = await workers.others_json("/admin/requests", None)
@@ -108,11 +107,7 @@ async def test_scrapes_arriving_while_one_is_gathered_share_it(tmp_path: Any) ->
         await release.wait()
         return web.Response(body=exposition(7, 0.5), content_type="text/plain")
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.UnixSite(runner, workerset.socket_path(str(tmp_path), 1)).start()
+    runner = await serve_worker(tmp_path, 1, "/metrics", metrics)
     workers = workerset.WorkerSet(str(tmp_path), index=0, count=2)
     try:
         scrapes = [asyncio.create_task(workers.scrape(exposition(1, 0.05), None)) for _ in range(5)]
