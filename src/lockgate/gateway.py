@@ -355,7 +355,6 @@ class Gateway:
                         code="cluster_not_synced",
                         retry_after=1,
                     )
-
                 raise ModelNotFound(
                     f"The model '{shown(api.model)}' does not exist or you do not have access to it.",
                     param="model",
