@@ -72,6 +72,13 @@ class SSEDecoder:
 
     def _feed_lines(self, buffer: bytes) -> list[bytes]:
         events: list[bytes] = []
+        held = b""
+        if buffer.find(b"\r") >= 0:
+            # A lone CR ends a line too (the SSE specification; an outside run's engine used them): as LF, but a CR
+            # ending this piece waits for the next, whose LF may make it a CRLF.
+            if buffer.endswith(b"\r"):
+                buffer, held = buffer[:-1], b"\r"
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         start = 0
         while True:
             end = buffer.find(b"\n", start)
@@ -79,8 +86,6 @@ class SSEDecoder:
                 break
             line = buffer[start:end]
             start = end + 1
-            if line.endswith(b"\r"):
-                line = line[:-1]
             if not line:
                 if self._data:
                     events.append(b"\n".join(self._data))
@@ -93,7 +98,7 @@ class SSEDecoder:
                     value = value[1:]
                 self._data.append(value)
                 self._data_bytes += len(value) + 1
-        self._buffer = buffer[start:]
+        self._buffer = buffer[start:] + held
         return events
 
     def close(self) -> list[bytes]:

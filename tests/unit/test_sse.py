@@ -49,6 +49,8 @@ def test_final_event_without_blank_line_counts_on_close():
                 b"event: e\ndata: a\ndata: b\n\n",
                 b"\n",
                 b"data: crlf\r\n\r\n",
+                b"data: cr\r\r",
+                b"event: e\rdata: c\rdata: d\r\r",
                 b"id: 7\n\n",
                 b"data: [DONE]\n\n",
             ]
@@ -117,3 +119,15 @@ def test_comment_lines_without_a_blank_line_take_no_room():
     with pytest.raises(EventTooLarge):
         for _ in range(200):
             decoder.feed(b": keep-alive\ndata: abcdefghij\n")
+
+
+def test_a_lone_cr_ends_a_line_and_a_crlf_split_between_reads_is_one_line_end():
+    """The SSE specification's line ends are CRLF, LF and CR alone (an outside run's engine used CR: 502, "not
+    JSON")."""
+    lone = SSEDecoder()
+    assert lone.feed(b"data: a\r\rdata: b\r\r") == [b"a"]  # (the last CR may be a CRLF's: the next read says)
+    assert lone.feed(b"data: c\r\r") == [b"b"] and lone.close() == [b"c"]
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: a\r") == []
+    assert decoder.feed(b"\n") == []  # the CR and this LF are one line end: no blank line yet
+    assert decoder.feed(b"\r\n") == [b"a"]
