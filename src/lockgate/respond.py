@@ -358,15 +358,12 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
         failure = failure_of(body)
         if failure is not None:
             ex.engine_failed(failure)
-    if raw is None or body.get("model") != model:
-        body["model"] = model
-        raw = orjson.dumps(body)
     usage = body.get("usage")
     record = ex.record
     if isinstance(usage, dict):
-        usage = usage_tokens(usage)
-        record.prompt_tokens = count_of(usage.get("prompt_tokens"))
-        record.completion_tokens = count_of(usage.get("completion_tokens"))
+        counts = usage_tokens(usage)
+        record.prompt_tokens = count_of(counts.get("prompt_tokens"))
+        record.completion_tokens = count_of(counts.get("completion_tokens"))
     if not record.completion_tokens:
         # No count (or none that is one) from an engine that generated output: estimated, as a stream's are (the
         # record said 0 and 0, and the tenant was charged nothing for the output). The prompt's follows when the
@@ -374,5 +371,28 @@ def whole_body(ex: Exchange, body: dict[str, Any], headers: dict[str, str], raw:
         record.completion_tokens = estimated_output_tokens(body)
     if not record.prompt_tokens and ex.api.endpoint is Endpoint.EMBEDDINGS:
         record.prompt_tokens = ex.api.estimated_prompt_tokens()
+    if isinstance(usage, dict) and not _counts_only(usage):
+        # Counts that are none (strings, negatives, 1e20) reach no client: the record's (an outside run's SDK got
+        # `prompt_tokens='12'` and `total_tokens='x'`).
+        prompt = record.prompt_tokens or ex.api.estimated_prompt_tokens()
+        body["usage"] = {
+            **usage,
+            "prompt_tokens": prompt,
+            "completion_tokens": record.completion_tokens,
+            "total_tokens": prompt + record.completion_tokens,
+        }
+        raw = None
+    if raw is None or body.get("model") != model:
+        body["model"] = model
+        raw = orjson.dumps(body)
     record.http_status = 200
     return ex.whole_response(raw, headers)
+
+
+def _counts_only(usage: dict[str, Any]) -> bool:
+    """Whether a chat, completion or embedding usage's counts that are there are counts (a response's usage, in
+    other names, is taken as it is)."""
+    return all(
+        key not in usage or count_of(usage[key]) == usage[key]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    )

@@ -74,10 +74,15 @@ async def test_a_whole_answer_without_usage_is_recorded_with_estimates(start_gat
         "/v1/completions": {"model": "m", "prompt": "a prompt of some forty characters length", "temperature": 1},
         "/v1/embeddings": {"model": "m", "input": "sixteen chars.."},
     }
+    answers = {}
     async with aiohttp.ClientSession() as http:
         for path, body in asks.items():
             async with http.post(gw.url + path, json=body) as resp:
                 assert resp.status == 200, await resp.text()
+                answers[path] = await resp.json()
+    # Counts that are none reach no client: the record's (an SDK got `prompt_tokens='12'`); no usage stays none.
+    assert answers["/v1/completions"]["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+    assert "usage" not in answers["/v1/chat/completions"] and answers["/v1/embeddings"]["usage"] is None
     await gw.gateway.records.wait_flushed()
     rows = {
         r["endpoint"]: (r["prompt_tokens"], r["completion_tokens"])
