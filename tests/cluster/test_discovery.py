@@ -552,17 +552,26 @@ async def test_a_sidecar_started_while_etcd_is_down_checks_its_node_name_once_et
 
 
 async def test_a_central_that_finds_no_sidecar_says_so_and_answers_503(
-    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    etcd: EtcdServer,
+    stack: contextlib.AsyncExitStack,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An outside run: a central whose `cluster.name` differed from its sidecars' logged nothing and answered 404
     `model_not_found` (as did every central of a cluster started all at once, until the sidecars published), which
-    SDKs do not retry: 503 `cluster_not_synced`, and a warning naming the prefix it reads."""
+    SDKs do not retry: 503 `cluster_not_synced`, and a warning naming the prefix it reads, once none has come a
+    while after its first read (not at every cold start: sidecars publish moments after)."""
+    from lockgate.cluster import discovery
+
+    monkeypatch.setattr(discovery, "_LONELY_S", 0.2)
     name = unique_cluster("empty")
     central = await stack.enter_async_context(
         GatewayServer(parse_config(central_config(etcd.url, name, str(tmp_path / "c.sqlite3"))))
     )
     await eventually(lambda: central.cluster.synced_at is not None, what="the central to read etcd")
-    assert f"no sidecar publishes under /lockgate/{name}/" in caplog.text
+    assert "no sidecar publishes" not in caplog.text
+    await eventually(lambda: f"no sidecar publishes under /lockgate/{name}/" in caplog.text, what="the warning")
     session = await stack.enter_async_context(aiohttp.ClientSession())
     async with session.post(central.url + "/v1/chat/completions", json=chat("hi")) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"

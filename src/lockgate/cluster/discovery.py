@@ -54,6 +54,10 @@ from .store import Etcd, KeyValue, StoreUnavailable, WatchEvent
 
 log = logging.getLogger(__name__)
 
+#: How long after a first read of etcd that found no sidecar a central says so (a cluster started at once has its
+#: sidecars published moments after its centrals read etcd).
+_LONELY_S = 10.0
+
 
 def new_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -96,6 +100,8 @@ class Discovery:
         self._tasks: list[asyncio.Task[None]] = []
         #: etcd key -> the timer that detaches the engines of a node whose key went without it stopping (`_delete`).
         self._leaving: dict[str, asyncio.TimerHandle] = {}
+        #: The timer that says no sidecar was found (`_still_lonely`), after the first read of etcd found none.
+        self._lonely: asyncio.TimerHandle | None = None
         fleet.discovering = True  # until a read of etcd finds a sidecar (`_found`)
 
     async def __aenter__(self) -> Discovery:
@@ -110,6 +116,8 @@ class Discovery:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._lonely is not None:
+            self._lonely.cancel()
         for timer in self._leaving.values():
             timer.cancel()
         self._leaving.clear()
@@ -142,12 +150,9 @@ class Discovery:
                     self.last_error = None
                 if first and not self.nodes:
                     # (A central whose `cluster.name` differs from its sidecars' said nothing, and served nothing.)
-                    log.warning(
-                        "etcd at %s: no sidecar publishes under %s yet (is `cluster.name` the sidecars' own?); "
-                        "requests get 503 until one does",
-                        self.etcd.endpoint,
-                        self.prefix,
-                    )
+                    # Said if none has come a while after: a cluster started at once has its sidecars moments later.
+                    loop = asyncio.get_running_loop()
+                    self._lonely = loop.call_later(_LONELY_S, self._still_lonely)
                 self.watching = True
                 async for events in self.etcd.watch_prefix(self.prefix, revision + 1):
                     self.apply(events, time.monotonic())
@@ -160,6 +165,16 @@ class Discovery:
                 self.last_error = str(exc)
             self.watching = False
             await asyncio.sleep(retry)
+
+    def _still_lonely(self) -> None:
+        self._lonely = None
+        if not self.nodes:
+            log.warning(
+                "etcd at %s: no sidecar publishes under %s (is `cluster.name` the sidecars' own?); requests get 503 "
+                "until one does",
+                self.etcd.endpoint,
+                self.prefix,
+            )
 
     def resync(self, kvs: list[KeyValue], now: float) -> None:
         """Make the fleet match a full read of the prefix."""
