@@ -89,6 +89,8 @@
         throw new Error("HTTP " + response.status);
       }
       setConnection("ok", "live");
+      // Let in without a key typed: the gateway asks none, or the browser sent its login (HTTP Basic).
+      if (!adminKey()) $("adminkey").placeholder = "not needed here";
       state.backoff = 1000;
       let revoked = false;
       let stopping = false;
@@ -288,7 +290,8 @@
     const finished = Object.values(snap.finished).reduce((a, b) => a + b, 0);
     setText("kpi-finished", fmtNum(finished) + " finished");
     setText("kpi-errors", last ? fmtNum(windowMean("errors_ps", RATE_S), 2) : "–");
-    setText("kpi-rejected", last ? fmtNum(windowMean("rejected_ps", RATE_S), 2) + " rejected/s" : "");
+    // Every refusal (a limit, a bad request, a missing key: status "rejected"), not only the queues' (their panel).
+    setText("kpi-rejected", last ? fmtNum(windowMean("rejected_ps", RATE_S), 2) + " refused/s" : "");
     setText("kpi-lat", fmtSeconds(latest("latency_p99")));
     setText("kpi-lat-note", "p50 " + fmtSeconds(latest("latency_p50")) + " · peak " + fmtSeconds(windowMax("latency_p99", WINDOW_S)));
     setText("kpi-ttft", fmtSeconds(latest("ttft_p99")));
@@ -311,7 +314,7 @@
     lineChart($("chart-rate"), [
       { name: "rps", label: "finished", color: "var(--accent)", area: true },
       { name: "errors_ps", label: "errors", color: "var(--bad)" },
-      { name: "rejected_ps", label: "rejected", color: "var(--warn)" },
+      { name: "rejected_ps", label: "refused (4xx)", color: "var(--warn)" },
     ], (v) => (v === 0 ? "0" : fmtNum(v, v < 10 ? 1 : 0)), true);
   }
 
