@@ -376,7 +376,7 @@ class Config(_Strict):
     #: Simulated engines to start in-process; their instances are added to the models they serve.
     simulate: list[SimFleetEntry] = []
     models: list[ModelConfig] = []
-    #: Priority classes and the per-pool scheduler (see docs/config-tenants-priority.md).
+    #: Priority classes and the per-pool scheduler (see docs/tenants-and-priorities.md).
     scheduling: SchedulingConfig = SchedulingConfig()
     #: Tenants and their API keys; with no keys configured the gateway is open (tenant "default").
     tenants: list[TenantConfig] = []

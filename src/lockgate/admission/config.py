@@ -1,7 +1,7 @@
 """Configuration of tenants, API keys, priority classes and the scheduler (`tenants:`, `scheduling:`).
 
 Kept apart from `config.py` (which embeds these sections) so the admission feature owns its keys.
-See docs/config-tenants-priority.md for the reference.
+See docs/tenants-and-priorities.md for the reference.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _default_classes() -> list[PriorityClassConfig]:
 
 
 class PreemptionConfig(_Strict):
-    """Preemption with resumption (see docs/config-tenants-priority.md)."""
+    """Preemption with resumption (see docs/tenants-and-priorities.md)."""
 
     enabled: bool = True
     #: A request stopped this many times is no longer preemptible.
