@@ -311,3 +311,17 @@ def test_a_usage_path_in_a_directory_that_does_not_exist_is_refused_at_load(tmp_
         parse_config({**base, "usage": {"path": str(tmp_path / "missing" / "usage.sqlite3")}})
     assert parse_config({**base, "usage": {"path": str(tmp_path / "usage.sqlite3")}}).usage.path.endswith("sqlite3")
     assert parse_config({**base, "usage": {"path": ":memory:"}}).usage.path == ":memory:"
+
+
+def test_the_examples_are_valid_configurations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every configuration under examples/ loads (a newcomer starts from `examples/minimal.yaml`)."""
+    from pathlib import Path
+
+    from lockgate.config import load_config
+
+    monkeypatch.delenv("LOCKGATE_EXAMPLE_DATA", raising=False)
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    loaded = {p.name: load_config(p) for p in sorted(examples.rglob("*.yaml"))}
+    assert {"minimal.yaml", "llamacpp.yaml", "central-1.yaml", "sidecar-1.yaml"} <= set(loaded)
+    minimal = loaded["minimal.yaml"]
+    assert minimal.simulate and len(minimal.tenants) == 1 and minimal.admin.keys
