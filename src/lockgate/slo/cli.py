@@ -98,7 +98,11 @@ def _fetch(url: str, admin_key: str | None) -> dict[str, Any]:
         with urllib.request.urlopen(request, timeout=30) as response:
             body = response.read()
     except urllib.error.HTTPError as exc:
-        raise _FetchError(f"{request.full_url} answered {exc.code}: {_error_message(exc.read())}") from None
+        message = f"{request.full_url} answered {exc.code}: {_error_message(exc.read())}"
+        if exc.code in (401, 403):  # (the gateway's words are for HTTP clients: say how this command sends one)
+            given = "the admin key given was refused" if admin_key else "no admin key was given"
+            message += f" ({given}: pass one with --admin-key, or in ${ADMIN_KEY_ENV})"
+        raise _FetchError(message) from None
     except (urllib.error.URLError, OSError) as exc:
         raise _FetchError(f"cannot reach {request.full_url}: {getattr(exc, 'reason', exc)}") from None
     try:
