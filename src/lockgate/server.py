@@ -42,7 +42,7 @@ from .gateway import Gateway
 from .observe.access_log import AccessLogUnavailable
 from .reload import Reloader, summary
 from .request_ids import new_request_id
-from .summary import redact_url
+from .summary import keys_configured, redact_url
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -400,7 +400,7 @@ def _banner(server: GatewayServer) -> str:
     elif config.models and server.url.startswith("http"):
         example = config.models[0].name
         # With tenant keys the gateway wants one (401 otherwise): the lines say where it goes.
-        keyed = any(tenant.keys for tenant in config.tenants)
+        keyed = keys_configured(config)
         key = "<a tenant key>" if keyed else "unused"
         auth = f" -H 'Authorization: Bearer {key}'" if keyed else ""
         lines += [

@@ -59,4 +59,14 @@ def describe_served(config: Config) -> list[str]:
         lines.append(f"{len(config.tenants)} tenant(s), {keys} API key(s)")
     else:
         lines.append("no API keys: the gateway is open (every request is tenant 'default')")
+    if config.admin.keys:
+        lines.append(f"{len(config.admin.keys)} admin key(s): /admin/* and /dashboard answer them")
+    elif keys_configured(config):
+        # (`serve` said it; `check-config` did not: the operator routes 403 with tenant keys and no admin key.)
+        lines.append("no admin key: /admin/* and /dashboard are closed (403) while tenants have keys; set admin.keys")
     return lines
+
+
+def keys_configured(config: Config) -> bool:
+    """Whether clients need a key (a tenant has one)."""
+    return any(t.keys for t in config.tenants)

@@ -3,6 +3,7 @@ from typing import Any
 
 import pytest
 
+from lockgate.admission.tenants import hash_key
 from lockgate.config import ConfigError, load_config, parse_config
 from lockgate.embedded import default_config, simulated_instances, with_instances
 from lockgate.summary import describe_served, redact_url
@@ -119,6 +120,19 @@ def test_check_config_summary_lists_simulated_models_and_redacts_credentials():
     # Where it listens and keeps its records, after `${VAR}` substitution (a newcomer could not check them).
     assert text.startswith("listens on 127.0.0.1:8080 (serve's --host / --port override it); usage records in ")
     assert redact_url("http://127.0.0.1:8001") == "http://127.0.0.1:8001"
+
+
+def test_check_config_says_whether_the_operator_routes_are_open() -> None:
+    """A newcomer's run: with tenant keys and no admin key, `check-config` said OK and nothing more, while `serve` then
+    closed /admin/* and /dashboard (403)."""
+    models = [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]
+    tenants = [{"name": "t", "keys": [hash_key("k")]}]
+    closed = "\n".join(describe_served(parse_config({"models": models, "tenants": tenants})))
+    assert "no admin key: /admin/* and /dashboard are closed (403) while tenants have keys" in closed
+    admin = {"keys": [hash_key("a"), hash_key("b")]}
+    opened = "\n".join(describe_served(parse_config({"models": models, "tenants": tenants, "admin": admin})))
+    assert "2 admin key(s)" in opened and "closed" not in opened
+    assert "admin" not in "\n".join(describe_served(parse_config({"models": models})))  # (open: nothing to say)
 
 
 def test_userinfo_becomes_a_basic_credential_and_leaves_the_url():
