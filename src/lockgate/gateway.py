@@ -363,7 +363,7 @@ class Gateway:
             if traceparent is not None:
                 api.trace_headers = trace_headers(traceparent, request.headers.get(TRACESTATE))
             deadline_s = self._deadline(request, pool.config.timeout_ms)
-            ids = self._shown_ids() if api.endpoint is Endpoint.RESPONSES else None
+            ids = self._shown_ids(tenant) if api.endpoint is Endpoint.RESPONSES else None
             previous = take_references(api.body, tenant.name, ids, pool) if ids is not None else None
             klass = self.admission.book.priority(tenant, request.headers.get(PRIORITY_HEADER))
             if self.relays_identity:
@@ -518,13 +518,15 @@ class Gateway:
             "behind a `lockgate sidecar` for one scheduler per engine"
         ]
 
-    def _shown_ids(self) -> ResponseIds:
+    def _shown_ids(self, tenant: Tenant) -> ResponseIds:
         """The response ids clients are shown (`response_ids.py`): bound to their tenant once tenants are configured,
-        else tagged with their home only (one party; at a sidecar, whose callers' tenants are relayed, the tags are
-        not believed: only its memory, which keeps each response's tenant, finds a response)."""
+        else tagged with their home only (one party). At a sidecar the tags of a direct caller's ids are not believed
+        (only its memory, which keeps each response's tenant, finds a response); a central's are: it took the id back
+        for its tenant (the HMAC), and after a restart the memory is empty (an outside run: every follow-up of a
+        response made before the sidecar restarted went to whichever engine routing chose, and got a final 404)."""
         if not self.admission.book.open:
             return self.response_ids
-        return self._sidecar_ids if self.relayed is not None else self._open_ids
+        return self._sidecar_ids if self.relayed is not None and not tenant.relayed else self._open_ids
 
     async def _stored(self, request: Request) -> Response:
         """A stored response's routes (`stored.py`), for the caller's tenant, within its rate limits and concurrency
@@ -563,7 +565,7 @@ class Gateway:
                 tenant,
                 self.fleet,
                 record,
-                self._shown_ids(),
+                self._shown_ids(tenant),
                 deadline_s=deadline_s,
                 relay=self.relays_identity,
                 deleted=self.dedup.forget_response,

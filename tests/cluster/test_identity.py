@@ -219,3 +219,39 @@ async def test_tenants_stay_apart_in_the_engines_cache_through_the_hop(
     assert await cached(cent.url, BETA_KEY) == 0
     forged = {identity.CACHE_SALT_HEADER: group_salt("acme"), TENANT_HEADER: "acme"}  # acme's own salt
     assert await cached(side.url, DIRECT_KEY, **forged) == 0
+
+
+async def test_a_sidecar_that_forgot_where_responses_were_made_follows_the_centrals_id(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path
+) -> None:
+    """An outside run: after a sidecar restarted (its memory of where each response was made empty), follow-ups and
+    retrievals of responses made before went to whichever of its engines routing chose, and got a final 404 from the
+    others (the SDKs do not retry it). A central's request names the engine by the id's tag, which the sidecar now
+    believes (the central took the id back for its tenant); a direct caller's tag is still not believed."""
+    name = unique_cluster("forgot")
+    sims = [await stack.enter_async_context(SimServer(SimConfig(models=("m",)))) for _ in range(2)]
+    config = sidecar(etcd.url, name, sims[0], str(tmp_path / "s.sqlite3"))
+    del config["tenants"]  # (an open sidecar: its ids are tagged, not bound; with tenants its ids are bound)
+    config["models"][0]["routing"] = "round_robin"
+    config["models"][0]["instances"] = [
+        {"url": s.url, "engine": "vllm", "name": f"e{i}", "max_concurrency": 1} for i, s in enumerate(sims)
+    ]
+    side = await stack.enter_async_context(GatewayServer(parse_config(config), role="sidecar"))
+    cent = await stack.enter_async_context(GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / "c")))))
+    assert cent.gateway is not None and side.gateway is not None
+    async with asyncio.timeout(15):
+        await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and len(f.pools["m"].instances) == 2)
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    body = {"model": "m", "input": "hello", "max_output_tokens": 4}
+    async with http.post(cent.url + "/v1/responses", json=body, headers=acme) as resp:
+        made = await resp.json()
+    side_pool = side.gateway.fleet.pools["m"]
+    for _ in range(3):  # (round robin at the sidecar: a guess reaches the other engine within two)
+        side_pool._response_homes.clear()  # what a restart leaves it
+        follow = {**body, "input": "and then?", "previous_response_id": made["id"]}
+        async with http.post(cent.url + "/v1/responses", json=follow, headers=acme) as resp:
+            assert resp.status == 200, await resp.text()
+        side_pool._response_homes.clear()
+        async with http.get(cent.url + f"/v1/responses/{made['id']}", headers=acme) as resp:
+            assert resp.status == 200, await resp.text()
