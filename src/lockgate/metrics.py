@@ -189,15 +189,18 @@ class TokenCounters(Collector):
     """`lockgate_prompt_tokens_total` and `lockgate_completion_tokens_total` by model and tenant.
 
     Tenant label values are bounded: the first `max_tenant_labels` tenants in `tenant_order` (the
-    configuration's order) keep their name, every other tenant is counted under `other`. `child()` is
-    one dict lookup on the request path (tenant names come from the configuration, so the cache of
-    (model, tenant) pairs is bounded too)."""
+    configuration's order) keep their name, then tenants the configuration does not name (a sidecar's, relayed by
+    its centrals: `cluster/identity.py`, itself bounded) as they first come while places are left; every other
+    tenant is counted under `other`. `child()` is one dict lookup on the request path (the cache of (model, tenant)
+    pairs is bounded by the tenants' names, configured or relayed)."""
 
     def __init__(self, registry: CollectorRegistry, tenant_order: Sequence[str], max_tenant_labels: int) -> None:
         self._max = max_tenant_labels
         self._labels: dict[str, str] = {}
         #: Every tenant name given a label of its own in this process (its series stay exported).
         self._given: set[str] = set()
+        #: The configured tenants' names (those past the bound are `other`, whatever comes after them).
+        self._configured: frozenset[str] = frozenset()
         self._by_label: dict[tuple[str, str], TokenCount] = {}
         #: (model, tenant) -> its counts; the request path reads it directly (no call when present).
         self.children: dict[tuple[str, str], TokenCount] = {}
@@ -215,10 +218,20 @@ class TokenCounters(Collector):
                 self._given.add(name)
                 labels[name] = name
         self._labels = labels
+        self._configured = frozenset(order)
         self.children = {}
 
     def tenant_label(self, tenant: str) -> str:
-        return self._labels.get(tenant, OTHER_TENANTS)
+        label = self._labels.get(tenant)
+        if label is None:
+            # A name the configuration does not hold (a sidecar's relayed tenants: an outside run found all of them
+            # under `other`, though their records named them): its own label while places are left.
+            if tenant in self._given or (tenant not in self._configured and len(self._given) < self._max):
+                self._given.add(tenant)
+                label = self._labels[tenant] = tenant
+            else:
+                label = OTHER_TENANTS
+        return label
 
     def child(self, model: str, tenant: str) -> TokenCount:
         child = self.children.get((model, tenant))

@@ -58,3 +58,15 @@ def test_reloads_never_take_the_tenant_label_past_its_bound() -> None:
     grow = GatewayMetrics(tenants=["a"], max_tenant_labels=2).tokens
     grow.set_tenants(["a", "b", "c"])  # a place never used: the first new name takes it
     assert [grow.tenant_label(t) for t in "abc"] == ["a", "b", "other"]
+
+
+def test_tenants_the_configuration_does_not_name_take_the_places_left() -> None:
+    """An outside run: a sidecar (no tenants of its own) counted every tenant its centrals relayed under `other`,
+    though its records named them. Names it does not configure take the places left, in the order they come; a
+    configured tenant past the bound stays `other`."""
+    sidecar = GatewayMetrics(tenants=[], max_tenant_labels=2).tokens
+    assert [sidecar.tenant_label(t) for t in ("acme", "beta", "acme", "gamma")] == ["acme", "beta", "acme", "other"]
+    sidecar.set_tenants([])  # (a reload: names given keep their label)
+    assert sidecar.tenant_label("beta") == "beta" and sidecar.tenant_label("delta") == "other"
+    local = GatewayMetrics(tenants=["a", "b", "c"], max_tenant_labels=2).tokens
+    assert [local.tenant_label(t) for t in ("c", "relayed")] == ["other", "other"]  # (the two places are a's, b's)
