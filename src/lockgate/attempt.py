@@ -142,6 +142,11 @@ async def open_attempts(
             return opened
         except UpstreamError as exc:
             drop()
+            if route.pin_only and route.pin is not None and another_may_answer(exc):
+                # The one engine that holds the previous response failed as another would be tried for (refused, a
+                # 5xx, broke): the follow-up is to retry shortly, as when it is known to be out (an outside run: the
+                # first follow-up after its engine crashed was 502, the next ones 503).
+                raise pool.home_unavailable(route.pin) from None
             # Nothing reached a client yet: a stream that broke before its first event may go elsewhere (an answer
             # read whole, before its end).
             if not another_may_answer(exc) or attempt + 1 == attempts or not time_left():

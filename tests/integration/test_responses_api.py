@@ -871,3 +871,19 @@ async def test_a_stored_route_keeps_the_clients_deadline(serve_app, start_gatewa
         assert r.status == 400
     assert gw.gateway._stored_in_flight == 0
     never.set()
+
+
+async def test_a_follow_up_whose_engine_just_died_is_told_to_retry(start_sim, start_gateway, http) -> None:
+    """An outside run: the first follow-up after its engine crashed (before anything had noticed) was 502
+    `upstream_unreachable`, later ones 503 `previous_response_unavailable`: one answer for one condition."""
+    sims = [await start_sim(**SIM) for _ in range(2)]
+    gw = await start_gateway(rotating(sims))
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+        made, home = await r.json(), r.headers["x-lockgate-instance"]
+    await sims[int(home[-1])].__aexit__(None, None, None)  # the engine is gone; the gateway has not looked yet
+    body = {"model": "m", "input": "and?", "max_output_tokens": 2, "previous_response_id": made["id"]}
+    for _ in range(2):
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            error = (await r.json())["error"]
+            assert r.status == 503 and error["code"] == "previous_response_unavailable", error
+            assert int(r.headers["Retry-After"]) >= 1

@@ -276,23 +276,26 @@ class Pool:
             raise LongPrefillBusy
         return self._by_key[view.key], view.cached_tokens
 
+    def home_unavailable(self, key: str) -> Unavailable:
+        """The 503 for a follow-up whose previous response's engine (`key`) cannot take it now: to retry shortly."""
+        home = self._by_key.get(key)
+        return Unavailable(
+            f"The engine that holds the previous response ({home.name if home is not None else key}) cannot take "
+            "requests right now; retry shortly.",
+            code="previous_response_unavailable",
+            retry_after=2,
+        )
+
     def choose(self, request: RouteRequest) -> tuple[Instance, int]:
         """The instance to try, and how many of the request's prompt tokens it likely has cached (which
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
         `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
-        if sole is None and request.pin_only and request.pin is not None:
-            home = self._by_key.get(request.pin)
-            if home is not None or self.left_lately(request.pin):
-                # (A sidecar briefly gone, an engine ejected or restarting: its responses come back with it. Another
-                # engine would answer 404, which no client retries.)
-                name = home.name if home is not None else request.pin
-                raise Unavailable(
-                    f"The engine that holds the previous response ({name}) cannot take requests right now; retry "
-                    "shortly.",
-                    code="previous_response_unavailable",
-                    retry_after=2,
-                )
+        pin = request.pin
+        if sole is None and request.pin_only and pin is not None and (pin in self._by_key or self.left_lately(pin)):
+            # (A sidecar briefly gone, an engine ejected or restarting: its responses come back with it. Another
+            # engine would answer 404, which no client retries.)
+            raise self.home_unavailable(pin)
         if sole is None:
             sole = self._sole_candidate(request)
         snapshot: PoolSnapshot | None = None
