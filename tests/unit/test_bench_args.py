@@ -4,6 +4,7 @@ ends) is argparse's usage error naming the option, not a hang, a traceback or a 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
@@ -106,3 +107,19 @@ def test_a_compare_url_or_existing_program_is_accepted() -> None:
     specs = ["http://127.0.0.1:9000", "env --port {port}"]
     args = build_parser().parse_args(["bench", "overhead", *(x for s in specs for x in ("--compare", s))])
     assert args.compare == specs
+
+
+def test_the_priority_bench_runs_the_default_routing_unless_told(tmp_path: Any) -> None:
+    """An outside run: `bench priority`, the issue's measure "with the default config", routed with `least_load`
+    (the default is `predicted_ttft`) without saying so; its report now names the routing and the bench's own
+    `max_queue`."""
+    from lockgate.bench import priority
+    from lockgate.config import ModelConfig, load_config
+
+    path = tmp_path / "c.yaml"
+    priority._config(path, priority.Settings(), 8080, [8001, 8002], str(tmp_path))
+    default = ModelConfig(name="m", instances=[{"url": "http://127.0.0.1:1"}]).routing.policy  # type: ignore[list-item]
+    assert load_config(path).models[0].routing.policy == default == "predicted_ttft"
+    priority._config(path, priority.Settings(routing="least_load"), 8080, [8001], str(tmp_path))
+    assert load_config(path).models[0].routing.policy == "least_load"
+    assert build_parser().parse_args(["bench", "priority", "--routing", "cache_aware"]).routing == "cache_aware"

@@ -131,6 +131,7 @@ def _priority(args: argparse.Namespace) -> int:
         p1_factor=args.p1_factor,
         headroom=args.headroom,
         max_concurrency=args.max_concurrency,
+        routing=args.routing,
         preemption=not args.no_preemption,
         preemptible=tuple(c for c in args.preemptible.split(",") if c),
         trace=args.trace,
@@ -492,6 +493,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     prio.add_argument(
         "--max-concurrency", type=positive_int, default=None, help="instances' max_concurrency (default: discovered)"
+    )
+    prio.add_argument(
+        "--routing", choices=POLICIES, default=None, help="the model's routing policy (default: the config's default)"
     )
     prio.add_argument("--no-preemption", action="store_true", help="scheduling.preemption.enabled: false")
     prio.add_argument("--preemptible", default="", help="classes to mark preemptible, e.g. P1,P2 (default: P2)")

@@ -108,7 +108,11 @@ class Settings:
     headroom: float | None = None
     #: Each instance's max_concurrency (None: discovered from the engine, the default)
     max_concurrency: int | None = None
+    #: Each class's `max_queue`: the bench's own (the defaults' 256-4,096 would queue a minute's flood for minutes
+    #: after its phase), said in the report.
     max_queue: int = 64
+    #: The model's routing policy (None: the configuration's default, `predicted_ttft`).
+    routing: str | None = None
     seed: int = 1
     preemption: bool = True
     #: Classes marked `preemptible: true` (empty: the default, the last class only).
@@ -132,6 +136,7 @@ def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[i
     instances = "".join(f"      - {{url: 'http://127.0.0.1:{p}', engine: vllm{ceiling}}}\n" for p in sim_ports)
     headroom = "" if settings.headroom is None else f"  strict_headroom: {settings.headroom}\n"
     q = settings.max_queue
+    routing = "" if settings.routing is None else f"    routing: {settings.routing}\n"
     pre = {
         c: f", preemptible: {str(c in settings.preemptible).lower()}" if settings.preemptible else "" for c in CLASSES
     }
@@ -145,7 +150,7 @@ def _config(path: Path, settings: Settings, gateway_port: int, sim_ports: list[i
         f"    - {{name: P0, strict: true, max_queue: {q}, queue_timeout_ms: 10000}}\n"
         f"    - {{name: P1, weight: {WEIGHTS['P1']}, max_queue: {q}, queue_timeout_ms: 60000{pre['P1']}}}\n"
         f"    - {{name: P2, weight: {WEIGHTS['P2']}, max_queue: {q}, queue_timeout_ms: 60000{pre['P2']}}}\n"
-        f"models:\n  - name: {MODEL}\n    routing: least_load\n    instances:\n{instances}"
+        f"models:\n  - name: {MODEL}\n{routing}    instances:\n{instances}"
     )
 
 
@@ -456,7 +461,9 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
         f"~{info['capacity_rps']:.0f} req/s at {settings.max_tokens} tokens x {settings.tpot_ms:g} ms "
         f"(P0: {settings.p0_max_tokens or settings.max_tokens} tokens); "
         f"P0 {settings.p0_rate:g}/s, P1 {settings.p1_factor:g}x, P2 {settings.p2_factor:g}x capacity; "
-        f"{settings.duration_s:g} s per phase; strict headroom {headroom}; max_concurrency {ceiling}; "
+        f"{settings.duration_s:g} s per phase; routing {settings.routing or 'default (predicted_ttft)'}; "
+        f"max_queue {settings.max_queue} per class (the bench's); strict headroom {headroom}; "
+        f"max_concurrency {ceiling}; "
         f"preemption {'on' if settings.preemption else 'off'}"
         f" ({'+'.join(settings.preemptible) or 'P2'} preemptible)"
         f"{'; P1/P2 at temperature 0 (de-duplication flights)' if settings.deterministic else ''}",
