@@ -586,3 +586,27 @@ async def test_a_central_that_finds_no_sidecar_says_so_and_answers_503(
     await central.gateway.fleet.wait_until(lambda f: routable(f) == 1)
     async with session.post(central.url + "/v1/chat/completions", json={**chat("hi"), "model": "other"}) as resp:
         assert resp.status == 404  # a model no sidecar serves, once some do
+
+
+async def test_the_engines_sharing_an_unreachable_sidecar_say_why_they_are_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newcomer's run: after a sidecar was killed, the log said its other engine "is now unhealthy: no reason
+    known"; it names the sidecar's address now."""
+    config = parse_config(central_config("http://127.0.0.1:1", unique_cluster("why"), str(tmp_path / "c.sqlite3")))
+    assert config.cluster is not None
+    fleet = Fleet(config, GatewayMetrics())
+    discovery = Discovery(config.cluster, fleet)
+    engines = (EngineRecord("e0", "engine-0", ("m",)), EngineRecord("e1", "engine-1", ("m",)))
+    record = NodeRecord("node-w", "http://127.0.0.1:9", engines, seq=1)
+    try:
+        discovery.apply([WatchEvent("put", node_key(config.cluster.name, "node-w"), encode_node(record), 0)], 0.0)
+        first, second = sorted(fleet.pools["m"].instances, key=lambda i: i.name)
+        fleet.report_failure(first, "connect", "cannot connect to 127.0.0.1:9")
+        assert (
+            not second.healthy and second.last_error == "its sidecar cannot be reached (cannot connect to 127.0.0.1:9)"
+        )
+        assert "no reason known" not in caplog.text
+    finally:
+        await discovery.aclose()
+        await fleet.aclose()

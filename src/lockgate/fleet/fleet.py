@@ -472,6 +472,7 @@ class Fleet:
                 # Engines behind one sidecar share its address: none of them can be reached either.
                 for other in self.instances.values():
                     if other.url == instance.url and other is not instance and not other.ejection.ejected:
+                        other.last_error = f"its sidecar cannot be reached ({detail})"  # (it said "no reason known")
                         self._set_health(other, False)
                         other.ejection.eject_now(now)
         elif (
