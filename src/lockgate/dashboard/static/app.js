@@ -292,9 +292,11 @@
     setText("kpi-errors", last ? fmtNum(windowMean("errors_ps", RATE_S), 2) : "–");
     // Every refusal (a limit, a bad request, a missing key: status "rejected"), not only the queues' (their panel).
     setText("kpi-rejected", last ? fmtNum(windowMean("rejected_ps", RATE_S), 2) + " refused/s" : "");
-    setText("kpi-lat", fmtSeconds(latest("latency_p99")));
+    // The worst second of the last few, not the newest one alone (it swung 5 ms-990 ms under steady load, and read
+    // "–" whenever that second finished nothing).
+    setText("kpi-lat", fmtSeconds(windowMax("latency_p99", RATE_S)));
     setText("kpi-lat-note", "p50 " + fmtSeconds(latest("latency_p50")) + " · peak " + fmtSeconds(windowMax("latency_p99", WINDOW_S)));
-    setText("kpi-ttft", fmtSeconds(latest("ttft_p99")));
+    setText("kpi-ttft", fmtSeconds(windowMax("ttft_p99", RATE_S)));
     setText("kpi-ttft-note", "p50 " + fmtSeconds(latest("ttft_p50")) + " · peak " + fmtSeconds(windowMax("ttft_p99", WINDOW_S)));
     setText("kpi-dedup", fmtPct(snap.dedup.hit_ratio));
     setText("kpi-dedup-note", fmtNum(snap.dedup.flights_in_flight) + " shared calls in flight");
