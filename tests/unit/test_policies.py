@@ -319,12 +319,6 @@ def test_predicted_ttft_relaxes_a_stale_measurement_toward_its_peers():
     # Off (half-life 0): the measurement stands however old.
     frozen = PredictedTTFT(PredictedTTFTOptions(measured_half_life_ms=0))
     assert pick(frozen, REQ, snap(fast, aged)) == "i0"
-    # A P0 is never the request that re-tries it (an outside run: 1 P0 in 10 went to an engine 8x slower than its
-    # peer on an idle fleet); a request of another class is.
-    rotated = PredictedTTFT()
-    assert pick(rotated, REQ, snap(fast, stalled)) == "i0"  # (chosen last: a near tie would now go to i1)
-    assert pick(rotated, replace(REQ, urgent=True), snap(fast, aged)) == "i0"
-    assert pick(rotated, REQ, snap(fast, aged)) == "i1"
 
 
 def test_relaxed_halves_the_distance_to_the_peers_each_half_life():

@@ -178,7 +178,7 @@ class Pool:
         left = self._departed.get(key)
         return left is not None and key not in self._by_key and time.monotonic() - left < DEPARTED_GRACE_S
 
-    def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None, urgent: bool = False) -> RouteRequest:
+    def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
         key = headers.get(self.config.routing.consistent_hash.header) if headers is not None else None
@@ -211,7 +211,6 @@ class Pool:
             pin_only=pin_only,
             repeat_tokens=self._cached_tokens(prompt_tokens, len(blocks)) if is_deterministic(api.body) else 0,
             stream=api.stream,
-            urgent=urgent,
         )
 
     def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:

@@ -50,9 +50,7 @@ matters for the same reason: a measurement taken during a stall (the first reque
 connection, a paused process) made an instance look 10x slower, it was never chosen again, so never
 re-measured, and the fleet ran on one instance fewer for good (seen in `bench routing`: an instance
 given 1 of 200 requests). A really slow instance is re-tried about once per half-life and priced out
-again by the fresh sample, by a request of a class that is not strict: a P0 (`RouteRequest.urgent`) sees the
-measures as they stand (on an idle fleet of a 5 ms and a 40 ms engine, the re-tries were 1 P0 in 10, at ~40 ms
-against 8); under load its queue terms still spread it to the slow instance, which is measured again then.
+again by the fresh sample.
 
 Short shared prefixes: a prefix cached on an instance saves its prefill there, but a saving smaller than one
 engine step (a chat's system prompt of a few dozen tokens: ~3 ms where a step is 10 ms) is not worth a routing
@@ -192,8 +190,7 @@ class PredictedTTFT:
         # next door, and an instance of 2 ran 4 while its neighbour ran none.
         options = with_room(options)
         reuse = snapshot.reuse
-        half_life_s = 0.0 if request.urgent else self._half_life_s  # (`RouteRequest.urgent`)
-        costs = [predict_ttft(o, request, rate, tpot, half_life_s, reuse, whole) for o in options]
+        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse, whole) for o in options]
         # Equal predictions (an idle fleet), or as good as equal (`near_tie`): the holder of the most of the prompt,
         # then the emptier instance, then round-robin.
         cutoff = min(costs) * self._near + self._near_s
