@@ -487,11 +487,10 @@ class Gateway:
             {i.name for i in self.fleet.instances.values() if not i.dialect.cache_salt and not i.published}
         )
         if unsalted:
-            shown = ", ".join(unsalted[:5]) + (f" and {len(unsalted) - 5} more" if len(unsalted) > 5 else "")
             said.append(
-                f"instances {shown} take no cache_salt (not vLLM): every tenant shares their prefix caches, so one "
-                "tenant can learn another's prompts through cached_tokens or time to first token there; give tenants "
-                "that must not share instances of their own"
+                f"instances {_some(unsalted)} take no cache_salt (not vLLM): every tenant shares their prefix caches, "
+                "so one tenant can learn another's prompts through cached_tokens or time to first token there; give "
+                "tenants that must not share instances of their own"
             )
         if not self.admin.gate.protects(METRICS_PATH):
             said.append(
@@ -510,11 +509,10 @@ class Gateway:
         direct = sorted({i.name for i in self.fleet.instances.values() if not i.published})
         if not direct:
             return []
-        shown = ", ".join(direct[:5]) + (f" and {len(direct) - 5} more" if len(direct) > 5 else "")
         return [
-            f"instances {shown} are reached by each of the {workers.count} workers on its own: each worker takes its "
-            "part of an engine's limit (a client's requests all on one connection use one worker's part), and "
-            "tenants' max_concurrent and de-duplication hold within a worker, not across them; put such engines "
+            f"instances {_some(direct)} are reached by each of the {workers.count} workers on its own: each worker "
+            "takes its part of an engine's limit (a client's requests all on one connection use one worker's part), "
+            "and tenants' max_concurrent and de-duplication hold within a worker, not across them; put such engines "
             "behind a `lockgate sidecar` for one scheduler per engine"
         ]
 
@@ -657,6 +655,11 @@ def _with_request_id(
         return reply
 
     return wrapped
+
+
+def _some(names: list[str]) -> str:
+    """Names as a warning lists them: the first five, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _tenant_order(config: Config) -> list[str]:
