@@ -67,14 +67,15 @@ DEFAULT_TIMEOUT_S = 60.0
 
 def endpoint_of(request: Request) -> str | None:
     """What a stored response's route is (`responses.retrieve`, ...; None: no such route)."""
-    response_id, tail = _split(request)
-    return _ACTIONS.get((request.method, tail)) if response_id else None
+    return _route(request)[2]
 
 
-def _split(request: Request) -> tuple[str, str]:
-    """The response id a stored response's route names, and the rest of its path (`/cancel`, ...)."""
+def _route(request: Request) -> tuple[str, str, str | None]:
+    """The response id a stored response's route names, the rest of its path (`/cancel`, ...) and what the route is
+    (None: no such route)."""
     response_id, slash, action = request.path[len(PREFIX) :].partition("/")
-    return response_id, slash + action
+    tail = slash + action
+    return response_id, tail, _ACTIONS.get((request.method, tail)) if response_id else None
 
 
 async def forward(
@@ -95,8 +96,7 @@ async def forward(
     client's (`x-lockgate-timeout-ms`), within the model's `timeout_ms`. `relay`: a central replica, which tells a
     sidecar whose request it is (the sidecar checks the tenant again). `deleted`: told the engine's id of a response
     the engine deleted (the result cache forgets it)."""
-    response_id, tail = _split(request)
-    endpoint = endpoint_of(request)
+    response_id, tail, endpoint = _route(request)
     if endpoint is None:
         raise NotFound(f"There is no route {request.method} {request.path}.", code="unknown_route")
     if _asks_stream(request.query_string):
