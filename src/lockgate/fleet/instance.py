@@ -118,20 +118,19 @@ class Instance:
     def max_concurrency(self) -> int:
         """How many requests this instance takes at once now (routing and scheduling use it): its engine's limit, or
         under `--workers` this worker's part of it (`share`)."""
-        limit = self.concurrency.limit
-        share = self.share
-        if share is None or self.published is not None:
-            return limit
-        return part_of(limit, *share)
+        return self._part(self.concurrency.limit)
 
     def known_slots(self) -> int | None:
         """The slots its engine is known to have (`ConcurrencyLimit.known_slots`; None: not known), or under
         `--workers` this worker's part of them."""
         known = self.concurrency.known_slots()
+        return None if known is None else self._part(known)
+
+    def _part(self, slots: int) -> int:
+        """This worker's part of the engine's `slots` (`share`; all of them outside `--workers`, or behind a
+        sidecar)."""
         share = self.share
-        if known is None or share is None or self.published is not None:
-            return known
-        return part_of(known, *share)
+        return slots if share is None or self.published is not None else part_of(slots, *share)
 
     def engine_in_flight(self) -> int:
         """The requests of this gateway at its engine, for judging the engine's limit (`ConcurrencyLimit.observe`):
