@@ -130,15 +130,13 @@ class Registration:
 
     def _failed(self, error: str) -> None:
         self.last_error = error
-        if self.connected or not self._warned:
-            # (Also when it was never reached: a wrong endpoint, or etcd down at the start, said nothing at all.)
-            if self.connected:
-                log.warning("etcd unreachable (%s); retrying every %.2fs", error, self.retry_s)
-            else:
-                log.warning(
-                    "etcd not reached (%s); %s not registered yet, retrying every %.2fs", error, self.key, self.retry_s
-                )
-            self._warned = True
+        if self.connected:
+            log.warning("etcd unreachable (%s); retrying every %.2fs", error, self.retry_s)
+        elif not self._warned:  # (never reached: a wrong endpoint, or etcd down at the start, said nothing at all)
+            log.warning(
+                "etcd not reached (%s); %s not registered yet, retrying every %.2fs", error, self.key, self.retry_s
+            )
+        self._warned = True
         if self.connected:
             self.connected = False
             if self._on_change is not None:
