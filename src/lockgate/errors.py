@@ -131,12 +131,13 @@ class ModelNotFound(NotFound):
     rejected = True
 
 
-#: The most of a client's model name an error message repeats (a 100,000-character name was echoed whole).
+#: The most of a client's name (a model's, a response id) an error message repeats (a 100,000-character model name was
+#: echoed whole, a 5,000-character response id too).
 MAX_NAME_SHOWN = 200
 
 
 def shown(name: str) -> str:
-    """A client's name (of a model) as an error message repeats it: at most `MAX_NAME_SHOWN` characters."""
+    """A client's name (of a model, a response) as an error message repeats it: at most `MAX_NAME_SHOWN` characters."""
     return name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "…"
 
 

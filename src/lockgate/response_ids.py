@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import GatewayError, InvalidRequest, NotFound, UpstreamStatusError
+from .errors import GatewayError, InvalidRequest, NotFound, UpstreamStatusError, shown
 
 #: A response id longer than this is neither remembered nor taken as a `previous_response_id` (engines' ids are ~40
 #: characters; made-up ones of a body's length would otherwise fill a pool's memory of responses' homes).
@@ -201,7 +201,7 @@ def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: P
 def unknown_previous(shown_id: str) -> NotFound:
     """The 404 for a `previous_response_id` that names no response the client may follow up."""
     return NotFound(
-        f"Previous response with id '{shown_id}' not found.",
+        f"Previous response with id '{shown(shown_id)}' not found.",
         param="previous_response_id",
         code="previous_response_not_found",
     )
@@ -229,8 +229,11 @@ def _refuse_unbound_names(body: dict[str, Any]) -> None:
 
 
 def tagged_member(pool: Pool, tag: str) -> str | None:
-    """The key of the member a shown id's tag names (`home_tag`), if any."""
-    return next((i.key for i in pool.instances if home_tag(i.key) == tag), None)
+    """The key of the member a shown id's tag names (`home_tag`), if any: one now, or one that left lately (a sidecar
+    restarting: a follow-up to its response is told to retry, `Pool.left_lately`; a replica that never saw the
+    response answered 404 while the one that made it answered 503)."""
+    keys = [i.key for i in pool.instances] + pool.left_lately_keys()
+    return next((key for key in keys if home_tag(key) == tag), None)
 
 
 def _open(shown: str) -> tuple[str, str | None]:

@@ -31,7 +31,9 @@ from .errors import (
     InvalidRequest,
     NotFound,
     Unavailable,
+    UpstreamConnectError,
     UpstreamStatusError,
+    shown,
 )
 from .fleet.instance import upstream_headers
 from .http import ConnectError, DisconnectedError, ProtocolError, ResponseTooLarge
@@ -111,18 +113,23 @@ async def forward(
         found = home_of(fleet, engine_id)
         if found is None and tag is not None:
             found = _home_by_tag(fleet, tag, tenant)
+    if taken is not None and found is None and fleet.discovering:
+        # (A central that has not read the cluster's engines yet: a plain request is told the same.)
+        raise Unavailable(
+            "This gateway has not read the cluster's engines from etcd yet; retry shortly.",
+            code="cluster_not_synced",
+            retry_after=1,
+        )
     if taken is None or found is None or found[2] != tenant.name or not tenant.may_use(found[0].model):
-        raise NotFound(f"No response '{response_id}' is known for you.", code="response_not_found")
+        raise NotFound(f"No response '{shown(response_id)}' is known for you.", code="response_not_found")
     pool, key, _ = found
     instance = pool.member(key)
     if instance is None and pool.left_lately(key):  # (a sidecar restarting: its engines come back with it)
-        raise Unavailable(
-            f"The engine that holds response '{response_id}' cannot take requests right now; retry shortly.",
-            code="response_unavailable",
-            retry_after=2,
-        )
+        raise _unavailable(response_id)
     if instance is None:
-        raise NotFound(f"The engine that made response '{response_id}' has left the fleet.", code="response_not_found")
+        raise NotFound(
+            f"The engine that made response '{shown(response_id)}' has left the fleet.", code="response_not_found"
+        )
     path = PREFIX + urllib.parse.quote(engine_id, safe="") + tail
     if request.query_string:
         path += "?" + request.query_string
@@ -136,9 +143,14 @@ async def forward(
             status, body, content_type = await _call(instance, request, path, record.request_id, fleet, relayed)
     except TimeoutError:
         raise DeadlineExceeded(f"Instance {instance.name} did not answer within {timeout:g} s.") from None
+    except UpstreamConnectError as exc:
+        # (The engine that holds it is down or restarting: no other has it, and a 502 read as final to a client
+        # the README tells to retry.)
+        record.error = exc.message[:500]
+        raise _unavailable(response_id) from None
     headers = {"x-lockgate-instance": instance.name}
     if status == 404:  # (deleted, or not stored: the same answer as for an id never made)
-        raise NotFound(f"No response '{response_id}' is known for you.", code="response_not_found")
+        raise NotFound(f"No response '{shown(response_id)}' is known for you.", code="response_not_found")
     if status >= 400:
         error = UpstreamStatusError(status, body, content_type)
         error.message = error.message.replace(engine_id, response_id)  # the id the client knows
@@ -185,6 +197,16 @@ async def _call(
     else:
         fleet.report_success(instance)
     return response.status, body, response.content_type or "application/json"
+
+
+def _unavailable(response_id: str) -> Unavailable:
+    """The 503 for a stored response whose engine cannot take requests right now (down, restarting, its sidecar gone
+    a moment ago): only that engine holds it."""
+    return Unavailable(
+        f"The engine that holds response '{shown(response_id)}' cannot take requests right now; retry shortly.",
+        code="response_unavailable",
+        retry_after=2,
+    )
 
 
 def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:

@@ -11,12 +11,14 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from lockgate.admission.tenants import group_salt, hash_key
 from lockgate.cluster import identity
 from lockgate.cluster.identity import TENANT_HEADER, Relayed
 from lockgate.config import parse_config
 from lockgate.records import read_records
+from lockgate.response_ids import SECRET_ENV
 from lockgate.server import GatewayServer
 from lockgate.sim import SimConfig, SimServer
 from tests.cluster.support import cluster_section, unique_cluster
@@ -255,3 +257,49 @@ async def test_a_sidecar_that_forgot_where_responses_were_made_follows_the_centr
         side_pool._response_homes.clear()
         async with http.get(cent.url + f"/v1/responses/{made['id']}", headers=acme) as resp:
             assert resp.status == 200, await resp.text()
+
+
+async def test_a_central_that_never_saw_a_response_tells_its_follow_up_to_retry_while_its_node_is_away(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside run: a response made through central A, its sidecar restarting, was 503 (retry) through A but a final
+    404 through B, which had not seen it made: B looked for the id's engine among the members of now only. A member that
+    left lately counts as the response's home at every central (`tagged_member`), for follow-ups and stored routes
+    alike, and the 503 names the engine as clients see it (`node/engine`), not its addresses."""
+    monkeypatch.setenv(SECRET_ENV, "one secret for both centrals")
+    name = unique_cluster("away")
+    sims = [await stack.enter_async_context(SimServer(SimConfig(models=("m",)))) for _ in range(2)]
+    nodes: list[contextlib.AsyncExitStack] = []
+    for i, sim in enumerate(sims):
+        node = await stack.enter_async_context(contextlib.AsyncExitStack())
+        config = sidecar(etcd.url, name, sim, str(tmp_path / f"s{i}.sqlite3"))
+        config["cluster"]["node"] = f"node-{i}"
+        await node.enter_async_context(GatewayServer(parse_config(config), role="sidecar"))
+        nodes.append(node)
+    made_by, other = [
+        await stack.enter_async_context(GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / f"c{i}")))))
+        for i in range(2)
+    ]
+    for cent in (made_by, other):
+        assert cent.gateway is not None
+        async with asyncio.timeout(15):
+            await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and len(f.pools["m"].instances) == 2)
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+    body = {"model": "m", "input": "hello", "max_output_tokens": 4}
+    async with http.post(made_by.url + "/v1/responses", json=body, headers=acme) as resp:
+        assert resp.status == 200, await resp.text()
+        home, made = resp.headers["x-lockgate-instance"], await resp.json()
+    await nodes[int(home.split("/")[0][-1])].aclose()  # its sidecar stops (and leaves etcd)
+    assert other.gateway is not None
+    async with asyncio.timeout(15):
+        await other.gateway.fleet.wait_until(lambda f: len(f.pools["m"].instances) == 1)
+    follow = {**body, "input": "and then?", "previous_response_id": made["id"]}
+    for cent in (made_by, other):
+        async with http.post(cent.url + "/v1/responses", json=follow, headers=acme) as resp:
+            error = (await resp.json())["error"]
+            assert (resp.status, resp.headers["Retry-After"]) == (503, "2")
+            assert error["code"] == "previous_response_unavailable"
+            assert f"({home})" in error["message"]
+        async with http.get(cent.url + f"/v1/responses/{made['id']}", headers=acme) as resp:
+            assert (resp.status, (await resp.json())["error"]["code"]) == (503, "response_unavailable")

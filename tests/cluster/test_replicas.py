@@ -186,6 +186,10 @@ async def test_a_central_that_has_not_read_etcd_yet_answers_503_not_404(
     async with session.post(blind.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["code"] == "cluster_not_synced"
+    # (A stored response's route too: it was 404 `response_not_found`, final to an SDK, for an id the cluster holds.)
+    async with session.get(blind.url + "/v1/responses/resp_made_before_the_restart") as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "cluster_not_synced"
     async with session.post(synced.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
 

@@ -255,6 +255,22 @@ async def test_a_follow_up_whose_engine_cannot_take_it_now_is_told_to_retry(star
     assert [s.statistics()["requests_started"] for s in sims][1 - int(home[-1])] == started[1 - int(home[-1])]
 
 
+async def test_a_stored_response_whose_engine_is_down_is_told_to_retry(start_sim, start_gateway, http) -> None:
+    """An outside run: retrieving a stored response while its engine was down (a member still: not yet ejected) was
+    502 `upstream_unreachable`, which no client retries, where the README says 503 `response_unavailable`: only that
+    engine holds it, and it may be back in a moment."""
+    sim = await start_sim(**SIM)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+        made = await r.json()
+    await sim.aclose()
+    for method in ("GET", "DELETE"):
+        async with http.request(method, gw.url + f"/v1/responses/{made['id']}") as r:
+            error = (await r.json())["error"]
+            assert (r.status, error["code"], r.headers.get("Retry-After")) == (503, "response_unavailable", "2")
+            assert made["id"] in error["message"]
+
+
 async def test_a_pool_remembers_a_bounded_number_of_responses(fleet) -> None:
     from lockgate.fleet.pool import MAX_RESPONSE_HOMES
 

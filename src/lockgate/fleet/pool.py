@@ -101,7 +101,7 @@ class Pool:
         self._response_homes: OrderedDict[str, tuple[str, str]] = OrderedDict()
         #: Members that left lately (a sidecar restarting, a reload), by key, with when: a follow-up to a response
         #: made there is told to retry while they may come back (`DEPARTED_GRACE_S`), not sent elsewhere.
-        self._departed: dict[str, float] = {}
+        self._departed: dict[str, tuple[float, str]] = {}
         #: Created for instances discovered at run time (cluster mode), not configured.
         self.discovered = False
         #: Central replicas (cluster mode): the anchor depth of the shared default placement
@@ -167,16 +167,29 @@ class Pool:
     def discard(self, key: str) -> None:
         """Remove an instance (requests already on it keep their lease, and its served name); its prefix index
         entries age out by LRU."""
-        if self._by_key.pop(key, None) is not None:
+        gone = self._by_key.pop(key, None)
+        if gone is not None:
             self.instances = [i for i in self.instances if i.key != key]
             now = time.monotonic()
-            self._departed = {k: t for k, t in self._departed.items() if now - t < DEPARTED_GRACE_S}
-            self._departed[key] = now
+            self._departed = {k: left for k, left in self._departed.items() if now - left[0] < DEPARTED_GRACE_S}
+            self._departed[key] = (now, gone.name)
 
     def left_lately(self, key: str) -> bool:
         """Whether the instance `key` left the pool less than `DEPARTED_GRACE_S` ago (and is not back)."""
         left = self._departed.get(key)
-        return left is not None and key not in self._by_key and time.monotonic() - left < DEPARTED_GRACE_S
+        return left is not None and key not in self._by_key and time.monotonic() - left[0] < DEPARTED_GRACE_S
+
+    def name_of(self, key: str) -> str:
+        """The name of the member `key`, or of one that left (a sidecar's engine: `<node>/<engine>`, not its URLs)."""
+        home = self._by_key.get(key)
+        if home is not None:
+            return home.name
+        left = self._departed.get(key)
+        return left[1] if left is not None else key
+
+    def left_lately_keys(self) -> list[str]:
+        """The keys of the instances that left the pool less than `DEPARTED_GRACE_S` ago (and are not back)."""
+        return [key for key in self._departed if self.left_lately(key)]
 
     def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
@@ -278,9 +291,8 @@ class Pool:
 
     def home_unavailable(self, key: str) -> Unavailable:
         """The 503 for a follow-up whose previous response's engine (`key`) cannot take it now: to retry shortly."""
-        home = self._by_key.get(key)
         return Unavailable(
-            f"The engine that holds the previous response ({home.name if home is not None else key}) cannot take "
+            f"The engine that holds the previous response ({self.name_of(key)}) cannot take "
             "requests right now; retry shortly.",
             code="previous_response_unavailable",
             retry_after=2,
