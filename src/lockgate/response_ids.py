@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import GatewayError, InvalidRequest, NotFound, UpstreamStatusError, shown
 
-#: A response id longer than this is neither remembered nor taken as a `previous_response_id` (engines' ids are ~40
-#: characters; made-up ones of a body's length would otherwise fill a pool's memory of responses' homes).
+#: The longest engine's response id the gateway keeps consistent (engines' ids are ~40 characters).
 MAX_RESPONSE_ID_CHARS = 256
 
 if TYPE_CHECKING:
@@ -49,6 +48,11 @@ _TAG_HEX = 8  # the instance that made the response: a hash of its key (not secr
 _MAC_HEX = 24  # 96 bits
 _NO_HOME = "0" * _TAG_HEX
 _HEX = frozenset("0123456789abcdef")
+#: A response id longer than this is neither remembered nor taken as a `previous_response_id` (made-up ones of a
+#: body's length would otherwise fill a pool's memory of responses' homes): an engine's longest, and what two tiers of
+#: gateways add to it (a sidecar's suffix, then a central's, each at most `_MARK` + tag + mac). With only the engine's
+#: 256, a central showed ids it then refused as follow-ups (an outside run: a 215-character engine id, 261 shown).
+MAX_SHOWN_ID_CHARS = MAX_RESPONSE_ID_CHARS + 2 * (len(_MARK) + _TAG_HEX + _MAC_HEX)
 
 
 def home_tag(instance_key: str) -> str:
@@ -139,7 +143,7 @@ class ResponseNaming:
         """The engine serving the request made the response `engine_id`: a follow-up naming it goes there
         (`Pool.remember_response`)."""
         instance = self._home()
-        if instance is not None and len(engine_id) <= MAX_RESPONSE_ID_CHARS:
+        if instance is not None and len(engine_id) <= MAX_SHOWN_ID_CHARS:  # (at a central: a sidecar's shown id)
             self._pool.remember_response(engine_id, instance.key, self._tenant)
 
     def show(self, engine_id: str) -> str:
@@ -183,7 +187,7 @@ def take_references(body: dict[str, Any], tenant: str, ids: ResponseIds, pool: P
     if not isinstance(previous, str):
         return None
     # (No id this gateway or an engine made is so long: refused before it reaches any memory.)
-    taken = ids.take(previous, tenant) if len(previous) <= MAX_RESPONSE_ID_CHARS else None
+    taken = ids.take(previous, tenant) if len(previous) <= MAX_SHOWN_ID_CHARS else None
     home = pool.response_home(taken[0]) if taken is not None else None
     if taken is None or (home is not None and home[1] != tenant):
         # (The memory's tenant counts where ids are not bound: at a sidecar, a direct caller naming a response a

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
-from lockgate.response_ids import MAX_RESPONSE_ID_CHARS, ResponseNaming
+from lockgate.response_ids import MAX_SHOWN_ID_CHARS, ResponseNaming
 from tests.conftest import instance
 from tests.integration.cancel_support import StreamReader, assert_gateway_clean, counter, wait_sim_idle
 
@@ -668,12 +668,12 @@ async def test_a_made_up_previous_response_id_of_any_length_is_not_remembered(fl
         real = (await r.json())["id"]
     remembered = len(pool._response_homes)
     tag = real.rsplit("_lg", 1)[1]
-    for made_up in ("x" * 100_000 + "_lg" + tag, "y" * MAX_RESPONSE_ID_CHARS + "_lg" + tag):
+    for made_up in ("x" * 100_000 + "_lg" + tag, "y" * MAX_SHOWN_ID_CHARS + "_lg" + tag):
         body = {"model": "m", "input": "hi", "max_output_tokens": 2, "previous_response_id": made_up}
         async with http.post(gw.url + "/v1/responses", json=body) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "previous_response_not_found"
     assert len(pool._response_homes) == remembered
-    ResponseNaming(pool, "default", lambda: pool.instances[0]).made("z" * (MAX_RESPONSE_ID_CHARS + 1))  # (an engine's)
+    ResponseNaming(pool, "default", lambda: pool.instances[0]).made("z" * (MAX_SHOWN_ID_CHARS + 1))  # (an engine's)
     assert len(pool._response_homes) == remembered
 
 

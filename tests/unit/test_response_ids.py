@@ -146,3 +146,29 @@ def test_a_sidecar_does_not_believe_the_tags_of_ids_taken_back() -> None:
     shown = ResponseIds(bound=False).show("resp_abc", "", "http://engine-1")
     assert ResponseIds(bound=False, trusts_tags=False).take(shown, "default") == ("resp_abc", None)
     assert ResponseIds(bound=False).take(shown, "default") == ("resp_abc", home_tag("http://engine-1"))
+
+
+def test_an_id_shown_through_a_sidecar_and_a_central_is_taken_back() -> None:
+    """An outside run: a central showed a 261-character id (an engine's of 215, a sidecar's suffix, the central's) and
+    refused it as a `previous_response_id` (the cap was the engine's 256). Whatever two tiers make of an engine's
+    longest id is taken back, and remembered."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from lockgate.response_ids import MAX_RESPONSE_ID_CHARS, ResponseNaming, take_references
+
+    engine_id = "r" * MAX_RESPONSE_ID_CHARS
+    at_sidecar = ResponseIds("sidecar's").show(engine_id, "relayed", "http://engine")
+    remembered: dict[str, tuple[str, str]] = {}
+    pool: Any = SimpleNamespace(
+        response_home=remembered.get,
+        remember_response=lambda rid, key, tenant: remembered.__setitem__(rid, (key, tenant)),
+        instances=[],
+    )
+    central = ResponseIds("central's")
+    serving: Any = SimpleNamespace(key="http://sidecar#http://engine")
+    naming = ResponseNaming(pool, "acme", lambda: serving, central)
+    naming.made(at_sidecar)
+    shown = naming.show(at_sidecar)
+    assert len(shown) > MAX_RESPONSE_ID_CHARS + 40 and at_sidecar in remembered
+    assert take_references({"input": "x", "previous_response_id": shown}, "acme", central, pool) == (at_sidecar, shown)
