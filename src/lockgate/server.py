@@ -136,6 +136,7 @@ class GatewayServer:
             gateway.fleet.placement_choices = config.cluster.placement_choices
             gateway.fleet.shared_residency = True
             gateway.relays_identity = True
+            gateway.dedup.flights.keeps_stored = False  # (another replica may delete a stored response unseen)
         try:
             self.gateway = await self._stack.enter_async_context(gateway)
         except AccessLogUnavailable as exc:
@@ -169,6 +170,7 @@ class GatewayServer:
                 raise StartupError(f"cannot listen on {self._workers.socket}: {_reason(exc)}") from exc
             self.gateway.workers = self._workers
             self.gateway.fleet.split_between(self._workers.index, self._workers.count)
+            self.gateway.dedup.flights.keeps_stored = False  # (another worker may delete a stored response unseen)
             self.gateway.slo.records_path = config.usage.path  # `/admin/slo` over every worker's records
         if config.cluster is not None:
             from .cluster.member import join

@@ -303,3 +303,36 @@ async def test_a_central_that_never_saw_a_response_tells_its_follow_up_to_retry_
             assert f"({home})" in error["message"]
         async with http.get(cent.url + f"/v1/responses/{made['id']}", headers=acme) as resp:
             assert (resp.status, (await resp.json())["error"]["code"]) == (503, "response_unavailable")
+
+
+async def test_a_central_does_not_reuse_a_stored_response_another_central_may_delete(
+    etcd: EtcdServer, stack: contextlib.AsyncExitStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside run: a response deleted through central B came back from central A's result cache (`hit`, the deleted
+    id, then 404 for it) for the cache's TTL: only the process that relays a deletion forgets it. A central keeps no
+    finished stored response for reuse; one made with `store: false` (no object to delete) is still reused."""
+    monkeypatch.setenv(SECRET_ENV, "one secret for both centrals")
+    name = unique_cluster("deleted")
+    _, _, made_by, http = await central_and_sidecar(etcd, stack, tmp_path, name)
+    other = await stack.enter_async_context(
+        GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / "c2.sqlite3"))))
+    )
+    assert other.gateway is not None
+    async with asyncio.timeout(15):
+        await other.gateway.fleet.wait_until(lambda f: "m" in f.pools and f.pools["m"].ready())
+    acme = {"Authorization": f"Bearer {ACME_KEY}"}
+
+    async def create(**extra: Any) -> tuple[str, str]:
+        body = {"model": "m", "input": "the same question", "max_output_tokens": 4, "temperature": 0, **extra}
+        async with http.post(made_by.url + "/v1/responses", json=body, headers=acme) as resp:
+            assert resp.status == 200, await resp.text()
+            return resp.headers["x-lockgate-cache"], (await resp.json())["id"]
+
+    outcome, first = await create()
+    async with http.delete(other.url + f"/v1/responses/{first}", headers=acme) as resp:
+        assert resp.status == 200 and (await resp.json())["deleted"] is True
+    outcome, again = await create()
+    assert outcome == "miss" and again != first
+    async with http.get(made_by.url + f"/v1/responses/{again}", headers=acme) as resp:
+        assert resp.status == 200
+    assert [(await create(store=False))[0] for _ in range(2)] == ["miss", "hit"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..attempt import Failover, Opened, open_attempts
 from ..changes import Changes
 from ..errors import Cancelled, ShuttingDown
+from ..wire import Endpoint
 from .cache import Result, ResultCache
 from .fingerprint import Fingerprint
 from .flight import Flight
@@ -68,6 +69,11 @@ class Flights:
         self._mixed_until: dict[str, float] = {}
         self._metrics = metrics
         self.cache = cache
+        #: Whether a finished stored response (the Responses API, `store` not false) is kept for reuse: not where
+        #: another process may delete it unseen (a central replica, one of several workers: an outside run deleted a
+        #: response through one central and got its id back from the other's cache, then 404 for it). Such a process
+        #: still shares the responses in flight.
+        self.keeps_stored = True
         self._max_lag_bytes = config.max_lag_bytes if config is not None else 1 << 20
         self._max_history_bytes = config.max_history_bytes if config is not None else 4 << 20
         #: Joinable flights by fingerprint (streaming ones, JSON ones), and every flight still running
@@ -244,11 +250,12 @@ class Flights:
     # --- FlightOwner: called synchronously by a flight as it ends ---------------------------------
     def flight_completed(self, flight: Flight, result: Result | None) -> None:
         self.completed += 1
-        if result is not None:
-            self.cache.put(flight.key, result)  # before forgetting: a newcomer finds one or the other
+        kept = result if result is not None and self._keeps(flight) else None
+        if kept is not None:
+            self.cache.put(flight.key, kept)  # before forgetting: a newcomer finds one or the other
         self._forget(flight, result)
-        if flight.on_completed is not None and result is not None and result.nbytes <= self.cache.max_entry_bytes:
-            flight.on_completed(result)  # the semantic cache: the same per-entry bound
+        if flight.on_completed is not None and kept is not None and kept.nbytes <= self.cache.max_entry_bytes:
+            flight.on_completed(kept)  # the semantic cache: the same per-entry bound
 
     def flight_closed_to_joiners(self, flight: Flight) -> None:
         """The flight's history outgrew its bound, or it is stuck (`get`): identical requests no longer find it."""
@@ -277,9 +284,14 @@ class Flights:
 
     def flight_abandoned(self, flight: Flight, partial: Result | None) -> None:
         self.abandoned += 1
-        if partial is not None and partial.has_events:
+        if partial is not None and partial.has_events and self._keeps(flight):
             self.cache.put(flight.key, partial)
         self._forget(flight)
+
+    def _keeps(self, flight: Flight) -> bool:
+        """Whether the flight's result may be kept for reuse (`keeps_stored`)."""
+        api = flight.api
+        return self.keeps_stored or api.endpoint is not Endpoint.RESPONSES or api.body.get("store") is False
 
     # --- observation (tests, admin) ---------------------------------------------------------------
     def flight_changed(self, flight: Flight) -> None:
