@@ -150,6 +150,13 @@ async def test_errors_use_the_openai_envelope(sim: SimServer, http: aiohttp.Clie
     async with http.post(sim.url + "/v1/completions", json={"model": "m", "prompt": [7, 8, 9], "max_tokens": 2}) as r:
         assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 3  # token ids: one each
     assert (await post(orjson.dumps({**CHAT, "max_tokens": "x"})))[0] == 400
+    # It never calls a tool: a choice that demands a call is refused (it was answered in text); "auto" may be text.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        status, err = await post(orjson.dumps({**CHAT, "tools": tools, "tool_choice": choice}))
+        assert status == 400 and err["param"] == "tool_choice", err
+    async with http.post(sim.url + "/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": "auto"}) as r:
+        assert r.status == 200
     ok = {**CHAT, "priority": 3, "unknown_field": {"x": 1}, "continue_final_message": False}
     async with http.post(sim.url + "/v1/chat/completions", json=ok) as r:
         assert r.status == 200
@@ -342,3 +349,31 @@ async def test_responses_whole_and_streamed_in_both_modes(make_sim, http: aiohtt
         assert deltas == text == events[-1]["response"]["output"][0]["content"][0]["text"]
         texts.append(text)
     assert texts[0] == texts[1]
+
+
+async def test_a_stored_responses_input_items_page_as_openais_do(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    """An outside run: `input_items` ignored `limit`, `order` and `after` and listed oldest first; OpenAI lists newest
+    first (`order=desc`) by default, 20 to a page."""
+    conversation = [{"role": "user", "content": f"message {i}"} for i in range(25)]
+    async with http.post(
+        sim.url + "/v1/responses", json={"model": "m", "input": conversation, "max_output_tokens": 2}
+    ) as r:
+        made = await r.json()
+    base = sim.url + f"/v1/responses/{made['id']}/input_items"
+
+    async def listed(query: str) -> tuple[list[str], bool]:
+        async with http.get(base + query) as r:
+            page = await r.json()
+            return [item["content"][0]["text"] for item in page["data"]], page["has_more"]
+
+    texts, more = await listed("")
+    assert (len(texts), texts[0], more) == (20, "message 24", True)
+    async with http.get(base + "?order=asc&limit=2") as r:
+        page = await r.json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["message 0", "message 1"] and page["has_more"]
+    assert await listed(f"?order=asc&after={page['last_id']}&limit=100") == (
+        [f"message {i}" for i in range(2, 25)],
+        False,
+    )
+    async with http.get(base + "?limit=0") as r:
+        assert r.status == 400

@@ -74,7 +74,25 @@ class ResponseStore:
         kept = self._kept.get(request.match_info["id"])
         if kept is None:
             return self._missing(request)
-        return web.json_response({"object": "list", "data": kept[1], "has_more": False})
+        query = request.query
+        order, after = query.get("order", "desc"), query.get("after")
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            message = "'limit' must be 1 to 100 and 'order' 'asc' or 'desc'"
+            body = error_body(400, message, "BadRequestError")
+            return web.Response(status=400, body=body, content_type="application/json")
+        # OpenAI's paging: newest first unless `order=asc`, `limit` items after the one named `after`.
+        items = kept[1] if order == "asc" else kept[1][::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        listed: dict[str, Any] = {"object": "list", "data": page, "has_more": len(items) > limit}
+        listed["first_id"], listed["last_id"] = (page[0].get("id"), page[-1].get("id")) if page else (None, None)
+        return web.json_response(listed)
 
     async def _cancel(self, request: web.Request) -> web.Response:
         if request.match_info["id"] not in self._kept:

@@ -93,6 +93,12 @@ def parse_request(kind: str, body: dict[str, Any], config: SimConfig) -> GenRequ
     for field in ("echo", "logprobs", "top_logprobs"):
         if body.get(field) not in (None, False):
             raise WireError(400, f"the simulator does not support '{field}'", param=field)
+    # It never calls a tool: `tools` with `tool_choice` "auto" (or none) may be answered in text, as a model may; a
+    # choice that demands a call cannot be honoured (an outside run got text for `"required"`).
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        msg = "the simulator does not call tools: 'tool_choice' may only be 'auto' or 'none'"
+        raise WireError(400, msg, param="tool_choice")
     messages: Any
     if kind == "responses":
         messages = _response_messages(body)
