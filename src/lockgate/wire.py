@@ -503,6 +503,9 @@ def _check_tools(body: dict[str, Any]) -> None:
         function = tool.get("function")
         if function is not None and not (isinstance(function, dict) and isinstance(function.get("name"), str)):
             raise _bad(f"tools[{index}].function", f"`tools[{index}].function` must be an object with a string `name`.")
+        if tool["type"] == "function" and function is None and not isinstance(tool.get("name"), str):
+            # (chat's function is in `function`, the Responses API's is the tool itself: a nameless one passed)
+            raise _bad(f"tools[{index}]", f"`tools[{index}]`: a function tool needs a string `name`.")
 
 
 def _check_tool_choice(body: dict[str, Any]) -> None:

@@ -25,6 +25,9 @@ def test_tools_tool_choice_and_response_format_in_their_forms_pass():
         assert parse_request(Endpoint.CHAT, chat(**extra)).body["model"] == "m"
     responses = orjson.dumps({"model": "m", "input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "auto"})
     assert parse_request(Endpoint.RESPONSES, responses).endpoint is Endpoint.RESPONSES
+    function = {"type": "function", "name": "f", "parameters": {"type": "object"}}  # (the Responses API's shape)
+    responses = orjson.dumps({"model": "m", "input": "hi", "tools": [function]})
+    assert parse_request(Endpoint.RESPONSES, responses).endpoint is Endpoint.RESPONSES
 
 
 def test_valid_chat_passes_unknown_fields_through():
@@ -61,6 +64,7 @@ def test_valid_chat_passes_unknown_fields_through():
         (chat(tools="nope"), "tools"),
         (chat(tools=[{"function": {"name": "f"}}]), "tools[0]"),
         (chat(tools=[{"type": "function", "function": "f"}]), "tools[0].function"),
+        (chat(tools=[{"type": "function"}]), "tools[0]"),  # (no function, no name: it passed, an outside run)
         (chat(tool_choice="sometimes"), "tool_choice"),
         (chat(tool_choice={"function": {"name": "f"}}), "tool_choice"),
         (chat(response_format="json"), "response_format"),
