@@ -506,7 +506,7 @@ class Gateway:
         workers = self.workers
         if workers is None or workers.index != 0:
             return []
-        direct = sorted({i.name for i in self.fleet.instances.values() if not i.published})
+        direct = sorted({i.name for i in self.fleet.instances.values() if not i.published and i.share is not None})
         if not direct:
             return []
         return [

@@ -169,6 +169,7 @@ class GatewayServer:
             except OSError as exc:
                 raise StartupError(f"cannot listen on {self._workers.socket}: {_reason(exc)}") from exc
             self.gateway.workers = self._workers
+            self.gateway.fleet.private = frozenset(spec.key for specs in self.simulated.values() for spec in specs)
             self.gateway.fleet.split_between(self._workers.index, self._workers.count)
             self.gateway.dedup.flights.keeps_stored = False  # (another worker may delete a stored response unseen)
             self.gateway.slo.records_path = config.usage.path  # `/admin/slo` over every worker's records

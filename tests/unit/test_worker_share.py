@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lockgate.config import parse_config
 from lockgate.fleet.instance import part_of
 from lockgate.gateway import Gateway
+from lockgate.server import GatewayServer
+from lockgate.workerset import WorkerSet
 
 
 def test_the_parts_add_up_to_the_limit_each_at_least_one() -> None:
@@ -45,3 +49,24 @@ async def test_a_worker_schedules_over_its_part_of_each_engine() -> None:
         assert (a.max_concurrency, b.max_concurrency) == (8, 4) and a.known_slots() == 8
     finally:
         await fleet.aclose()
+
+
+async def test_a_workers_own_simulators_are_not_split(tmp_path: Path) -> None:
+    """An outside run: under `--workers 3` with a `simulate:` entry, each worker started its own 4-slot simulator and
+    still took a third of it, as of an engine the workers share: 12 requests ran in 4 waves where three simulators
+    could run them at once. An instance this process runs for itself is all its own; a listed engine is still split."""
+    config = parse_config(
+        {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "usage": {"path": str(tmp_path / "u.sqlite3")},
+            "simulate": [{"models": ["sim"], "count": 1, "max_num_seqs": 4}],
+            "models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9", "name": "a", "max_concurrency": 8}]}],
+        },
+        "test",
+    )
+    async with GatewayServer(config, workers=WorkerSet(str(tmp_path), 0, 3)) as server:
+        assert server.gateway is not None
+        by_name = {i.name: i.max_concurrency for i in server.gateway.fleet.instances.values()}
+        assert by_name == {"sim-1": 4, "a": 3}
+        said = server.gateway._shared_engines()  # (the first worker's warning at start)
+        assert len(said) == 1 and "instances a are reached" in said[0] and "sim-1" not in said[0]

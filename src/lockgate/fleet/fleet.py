@@ -110,14 +110,21 @@ class Fleet:
         self.discovering = False
         #: Under `--workers`: (this worker's index, the workers' count), given to every instance (`Instance.share`).
         self.share: tuple[int, int] | None = None
+        #: Instances this process runs for itself (the embedded simulators: each worker starts its own), never shared.
+        self.private: frozenset[str] = frozenset()
 
     def split_between(self, index: int, count: int) -> None:
         """This gateway is worker `index` of `count` (`--workers`): each instance it reaches directly takes its part
         of the engine's limit (`Instance.share`), those of later reloads too."""
         self.share = (index, count) if count > 1 else None
         for instance in self.instances.values():
-            instance.share = self.share
+            instance.share = self._share_of(instance.key)
         self._notify()
+
+    def _share_of(self, key: str) -> tuple[int, int] | None:
+        """The part of instance `key`'s engine this worker takes (`share`): all of it for one of its own (`private`:
+        an embedded simulator, each worker's; split, it capped a gateway of three workers at one simulator's slots)."""
+        return None if key in self.private else self.share
 
     async def __aenter__(self) -> Fleet:
         self._build(self._config)
@@ -391,7 +398,7 @@ class Fleet:
             scrapes=scrapes,
         )
         instance.own.on_long_done = self.prefills.notify
-        instance.share = self.share
+        instance.share = self._share_of(instance.key)
         if self._config.scrape.enabled and dialect.metrics_path:
             instance.look = functools.partial(self.scraper.fresh, instance, _LOOK_MAX_AGE_S)
         return instance
