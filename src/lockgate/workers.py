@@ -8,7 +8,9 @@ duplicates meeting at the sidecar), so a configuration without `cluster:` is ref
 writes its usage records to `<usage.path>.worker-<i>` (one SQLite writer per file).
 
 This process only supervises: it forwards SIGINT, SIGTERM and SIGHUP to every worker and exits when
-they all have, with the first non-zero status among theirs (0 if none). A worker that ends on its own after it
+they all have, with the first non-zero status among theirs (0 if none; a worker ended by the stop signal itself, one
+that came before it could drain, counts as 0). A worker still running `KILL_GRACE_S` past `shutdown.drain_ms` after
+the stop signal (stopped, hung) is killed (SIGKILL). A worker that ends on its own after it
 started (killed, out of memory, a signal of its own, whatever its status) is started again, at once the first time,
 then after pauses of 1, 2, 4 and 8 s (`MAX_RESTARTS` a minute), then every `RETRY_S` while the others serve: one
 that cannot start again (a configuration file broken since the launch) neither spins nor takes the healthy workers
@@ -48,8 +50,11 @@ START_GRACE_S = 5.0
 #: Restarts of one worker within a minute (after pauses of 0, 1, 2, 4 and 8 s) before it is tried only every `RETRY_S`.
 MAX_RESTARTS = 5
 RETRY_S = 30.0
-#: While stopping, the stop signal is sent again to the workers still running this often.
-_RESEND_S = 1.0
+#: While stopping, how often the supervisor looks whether a worker is past its time (`KILL_GRACE_S`).
+_CHECK_S = 0.25
+#: A worker still running this long after `shutdown.drain_ms` has passed since the stop signal is killed (SIGKILL):
+#: its drain ended by then, and its shutdown (records flushed, connections closed) takes well under a second.
+KILL_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -73,7 +78,8 @@ def run_workers(
         )
     if config.listen.unix or (port if port is not None else config.listen.port) == 0:
         raise WorkersError("--workers needs a TCP port (listen.port or --port, not 0 or a unix socket)")
-    return _Supervisor(worker_command(config_path, host=host, port=port, log_level=log_level), workers).run()
+    command = worker_command(config_path, host=host, port=port, log_level=log_level)
+    return _Supervisor(command, workers, drain_s=config.shutdown.drain_ms / 1000).run()
 
 
 def worker_command(config_path: str, *, host: str | None, port: int | None, log_level: str | None) -> list[str]:
@@ -89,8 +95,14 @@ def worker_command(config_path: str, *, host: str | None, port: int | None, log_
 
 
 class _Supervisor:
-    def __init__(self, command: list[str], workers: int) -> None:
+    def __init__(self, command: list[str], workers: int, *, drain_s: float = 10.0) -> None:
+        """`drain_s`: the workers' `shutdown.drain_ms`; a worker still running `KILL_GRACE_S` after it, counted from
+        the stop signal, is killed (SIGKILL)."""
         self._command = command
+        self._kill_after_s = drain_s + KILL_GRACE_S
+        #: When the stop signal came (monotonic; None: none yet), and whether the workers left were killed.
+        self._stop_at: float | None = None
+        self._killed = False
         #: The workers' sockets, through which the one an operator request reaches asks the others (`workerset.py`).
         self._sockets = tempfile.mkdtemp(prefix="lockgate-workers-")
         self._env = {
@@ -115,14 +127,18 @@ class _Supervisor:
     def _spawn(self, n: int) -> None:
         # Started with SIGHUP ignored (inherited across exec) until its gateway handles it: a reload forwarded while
         # a worker was still starting ended it (the default action), and at the launch that stopped every worker.
-        self._children[n] = subprocess.Popen(
-            [*self._command, "--worker", str(n)], env=self._env, preexec_fn=_ignore_hangup
-        )
+        child = subprocess.Popen([*self._command, "--worker", str(n)], env=self._env, preexec_fn=_ignore_hangup)
+        self._children[n] = child
+        if self._stopping:  # (the stop signal came while it was being started: `_forward` did not know it yet)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, self._stop_signal)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
             self._stopping = True
             self._stop_signal = signum
+            if self._stop_at is None:
+                self._stop_at = time.monotonic()
         # Every child in `_children` is unreaped (the loop reaps, then removes it), so its pid is not reused yet.
         # (`Popen.poll` or `send_signal` here would reap one behind the loop's back: it then waited for it forever.)
         for child in self._children.values():
@@ -144,14 +160,14 @@ class _Supervisor:
         while self._children or (self._due and not self._stopping):
             self._start_due()
             if self._stopping:
-                timeout: float | None = _RESEND_S
+                timeout: float | None = _CHECK_S
             else:
                 timeout = max(0.0, min(self._due.values()) - time.monotonic()) if self._due else None
             ended = self._wait(timeout)
             if ended is None:
-                if self._stopping:
-                    # A signal sent while a worker was between fork and exec is lost with its image: again.
-                    self._forward(self._stop_signal, None)
+                # (The stop signal is not sent again: a second one hurries a draining worker, and one arriving after it
+                # gave its handler back ended it with the signal's status, which read as a failure.)
+                self._kill_late()
                 continue
             pid, status = ended
             n = next((i for i, child in self._children.items() if child.pid == pid), None)
@@ -160,16 +176,34 @@ class _Supervisor:
             child = self._children.pop(n)
             child.returncode = os.waitstatus_to_exitcode(status)
             if self._stopping:
-                self._codes.append(child.returncode)
+                # (Ended by the stop signal itself, which reached it before its handler: it stopped as asked.)
+                self._codes.append(0 if child.returncode == -self._stop_signal else child.returncode)
                 continue
             self._ended(n, child.returncode)
         return next((code for code in self._codes if code != 0), 0)
 
+    def _kill_late(self) -> None:
+        """Kill (SIGKILL) the workers still running `kill_after_s` after the stop signal: one stopped (SIGSTOP) or hung
+        in a deadlock never ends on SIGTERM, and the supervisor waited for it for good (an outside run: 50 s, until it
+        was continued)."""
+        if self._killed or self._stop_at is None or time.monotonic() - self._stop_at < self._kill_after_s:
+            return
+        self._killed = True
+        late = sorted(self._children)
+        log.error(
+            "lockgate: workers %s still running %g s after the stop signal: killing them",
+            ", ".join(map(str, late)),
+            self._kill_after_s,
+        )
+        for n in late:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._children[n].pid, signal.SIGKILL)
+
     def _wait(self, timeout: float | None) -> tuple[int, int] | None:
-        """A child that ended (pid, wait status), waiting at most `timeout` seconds (None: until one does)."""
-        if timeout is None:
-            return os.waitpid(-1, 0)
-        deadline = time.monotonic() + timeout
+        """A child that ended (pid, wait status), waiting at most `timeout` seconds (None: until one does), or None
+        as soon as a stop signal comes. (Polled: a blocking `waitpid` is resumed after a signal's handler, and a stop
+        signal that no worker heeded left the supervisor waiting in it for good.)"""
+        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         stopping = self._stopping
         while True:
             try:

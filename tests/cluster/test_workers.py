@@ -333,15 +333,15 @@ async def test_operator_routes_answer_for_every_worker(
             await proc.wait()
 
 
-def supervise(worker_script: str, **constants: float) -> subprocess.Popen[str]:
+def supervise(worker_script: str, drain_s: float = 10.0, **constants: float) -> subprocess.Popen[str]:
     """A supervisor of two stand-in workers (`worker_script`, its last argument the worker's index) in a process of
-    its own, with `workers` module constants set (the timings of these tests)."""
+    its own, with `workers` module constants set (the timings of these tests) and `drain_s` as its `drain_ms`."""
     settings = "".join(f"workers.{name} = {value!r}\n" for name, value in constants.items())
     code = (
         "import sys\nfrom lockgate import workers\n"
         + settings
         + f"command = [sys.executable, '-c', {worker_script!r}]\n"
-        "sys.exit(workers._Supervisor(command, 2).run())\n"
+        f"sys.exit(workers._Supervisor(command, 2, drain_s={drain_s!r}).run())\n"
     )
     return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env())
 
@@ -391,8 +391,8 @@ async def test_a_reload_reaching_workers_still_starting_does_not_end_them() -> N
         await poll_until(hangup_ignored, what="two workers that ignore SIGHUP")
         proc.send_signal(signal.SIGHUP)
         proc.send_signal(signal.SIGTERM)
-        # Ended by the SIGTERM forwarded after the SIGHUP (status -15), not by the SIGHUP (-1).
-        assert await asyncio.to_thread(proc.wait, 30) == -signal.SIGTERM & 0xFF
+        # Ended by the SIGTERM forwarded after the SIGHUP (as asked: status 0), not by the SIGHUP (-1).
+        assert await asyncio.to_thread(proc.wait, 30) == 0
     finally:
         stop(proc)
 
@@ -473,3 +473,57 @@ def test_workers_share_one_response_id_secret_even_when_an_empty_one_is_set(monk
             assert secret and (secret == "mine") == kept
         finally:
             shutil.rmtree(supervisor._sockets, ignore_errors=True)
+
+
+async def test_workers_that_do_not_stop_are_killed_after_the_drain() -> None:
+    """An outside run: a worker stopped (SIGSTOP) when the supervisor got SIGTERM kept it waiting for good (50 s, until
+    the worker was continued): the stop signal was only sent again. A worker still running `KILL_GRACE_S` after the
+    drain is killed, and the supervisor says which."""
+    ignoring = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    proc = supervise(ignoring, drain_s=0.2, KILL_GRACE_S=0.3)
+    try:
+
+        async def deaf() -> bool:
+            workers = children_of(proc.pid)
+            return len(workers) == 2 and all(ignored_signals(pid) & (1 << (signal.SIGTERM - 1)) for pid in workers)
+
+        await poll_until(deaf, what="two workers that ignore SIGTERM")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) != 0  # (killed workers: their status is -9)
+        assert proc.stderr is not None
+        said = proc.stderr.read()
+        assert "workers 0, 1 still running 0.5 s after the stop signal: killing them" in said, said
+    finally:
+        stop(proc)
+
+
+async def test_a_draining_worker_gets_the_stop_signal_once() -> None:
+    """A second SIGTERM hurries a lockgate worker's drain (its running requests are stopped at once). Once one worker
+    had ended, the supervisor sent the stop signal again every second to the others, cutting their drains short (and
+    one that had given its handler back ended with the signal's status). Each worker gets it once; here, one that
+    drains for 2 s counts what it got (its exit status: the SIGTERMs beyond the first)."""
+    script = (
+        "import signal, sys, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
+        "while not got:\n    time.sleep(0.01)\n"
+        "if sys.argv[-1] == '1':\n    time.sleep(2)\n"  # worker 1 drains; worker 0 ends at once
+        "sys.exit(len(got) - 1)\n"
+    )
+    proc = supervise(script, drain_s=30.0)
+    try:
+
+        async def handling() -> bool:
+            workers = children_of(proc.pid)
+            return len(workers) == 2 and all(caught_signals(pid) & (1 << (signal.SIGTERM - 1)) for pid in workers)
+
+        await poll_until(handling, what="two workers that handle SIGTERM")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        stop(proc)
+
+
+def caught_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return int(next(line for line in fh if line.startswith("SigCgt:")).split()[1], 16)
