@@ -317,3 +317,23 @@ def test_an_engine_whose_kv_cache_is_full_is_saturated_at_what_fits_there() -> N
     for running, waiting, overdue in signals:
         full.observe(running=running, waiting=waiting, in_flight=48, decode_s=0.9, overdue=overdue, kv_full=True)
     assert full.limit == 15  # what it ran at once lately (later scrapes take it to what runs now)
+
+
+def test_a_limit_a_full_kv_cache_set_is_probed_again_as_soon_as_the_cache_has_room() -> None:
+    """An outside run: 20 clients that never read held long streams on a 64-slot engine until its KV cache was full;
+    the limit fell to what fitted (9) and stayed there for 13 minutes of ordinary traffic after they left, its probes
+    each a cooldown or more apart (and ever rarer). What a full cache set is probed again at once when the cache has
+    room; a limit learned with room in the cache waits for the cooldown as before."""
+    limit = ConcurrencyLimit(64, cooldown=300)
+    for _ in range(3):
+        limit.observe(running=9, waiting=12, in_flight=21, decode_s=None, kv_full=True)
+    assert limit.limit == 9
+    assert not limit.observe(running=9, waiting=0, in_flight=9, decode_s=None, kv_full=True)  # still full: no probe
+    assert limit.observe(running=9, waiting=0, in_flight=9, decode_s=None) and limit.limit == 10  # room: a probe
+    assert not limit.observe(running=10, waiting=0, in_flight=10, decode_s=None)  # confirmed
+    assert limit.observe(running=10, waiting=0, in_flight=10, decode_s=None) and limit.limit == 11  # and on it grows
+    slots = ConcurrencyLimit(64, cooldown=300)
+    for _ in range(3):
+        slots.observe(running=9, waiting=12, in_flight=21, decode_s=None)
+    assert slots.limit == 9
+    assert not any(slots.observe(running=9, waiting=0, in_flight=9, decode_s=None) for _ in range(100))

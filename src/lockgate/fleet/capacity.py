@@ -97,6 +97,7 @@ class ConcurrencyLimit:
         "_configured",
         "_held",
         "_held_from",
+        "_kv_bound",
         "_learned",
         "_prev_running",
         "_recent",
@@ -134,8 +135,9 @@ class ConcurrencyLimit:
         #: Scrapes to wait before the next probe: `cooldown`, doubled (up to 10x) each time a probe only found
         #: the limit it started from again, so that a stable engine is probed ever more rarely.
         self._wait = cooldown
-        #: The limit the last saturation set (None: none yet).
+        #: The limit the last saturation set (None: none yet), and whether the engine's KV cache was full then.
         self._learned: int | None = None
+        self._kv_bound = False
         #: What the engine ran at once in recent scrapes: it can run at least their maximum.
         self._recent: deque[float] = deque(maxlen=_PEAK_SCRAPES)
         #: Discovery (no limit learned yet): the limit a first backlog was held from until the next scrape
@@ -204,7 +206,9 @@ class ConcurrencyLimit:
                     # engine may not show its full count for 25 scrapes (a 4-slot engine's limit fell to 3 under
                     # the P1 + P2 flood). Such weak evidence does not cut below what a saturation learned.
                     found = max(found, self._learned)
-                return self._saturated(found)
+                changed = self._saturated(found)
+                self._kv_bound = kv_full
+                return changed
             if self._learned is None and not self._held and (waiting >= running or (backlog and overdue)):
                 # Discovery: a first backlog as long as the batch holds the limit at what the engine runs
                 # until a later scrape confirms it (saturation), undoes it (running grew past it) or a probe
@@ -228,7 +232,11 @@ class ConcurrencyLimit:
             return self._set(held)
         self._streak = 0
         self._calm += 1
-        if waiting < 1 and in_flight >= self.limit and self._calm >= self._wait:
+        # A limit a full KV cache set is what fitted there then, not the engine's slots: once the cache has room
+        # again, probing needs no cooldown (an outside run: a 64-slot engine's limit, cut to 9 while 20 clients that
+        # never read held long streams there, stayed at 9 for 13 minutes of ordinary traffic, probes ever rarer).
+        relieved = self._kv_bound and not kv_full
+        if waiting < 1 and in_flight >= self.limit and (self._calm >= self._wait or relieved):
             # After a saturation the first step is one slot: a refuted probe queues one request, not an eighth.
             step = 1 if self._learned is not None and self.limit <= self._learned else max(1, self.limit // 8)
             before = self.limit
@@ -295,6 +303,7 @@ class ConcurrencyLimit:
         (`refuted`: a probe found the same limit again, so the next waits twice as long)."""
         self._streak = 0
         self._calm = 0
+        self._kv_bound = False
         found = max(1, min(self.ceiling, found))
         if refuted:
             self._wait = min(self._wait * 2, 10 * self.cooldown)
