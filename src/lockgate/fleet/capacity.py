@@ -33,7 +33,8 @@ sequences in the KV cache).
 - **a full KV cache** (`kv_full`: the engine's scraped KV use at least `fleet.KV_FULL`): the engine runs what
   fits there, fewer than its slots and a count that moves as sequences grow and are preempted; neither the
   steady-count rule nor the peak rule below applies (a 16-slot engine fitting 8-14 sequences ran 15 at a flood's
-  first scrape, then 8-12 with ~38 waiting: read as free slots, the limit stayed at the ceiling for 9-20 s);
+  first scrape, then 8-12 with ~38 waiting: read as free slots, the limit stayed at the ceiling for 9-20 s). What
+  it sets is what fitted, not the slots: once the cache has room, a probe needs no cooldown;
 - no queue signal (the dialect exports none, or scrapes fail): the limit stays where it is;
 - **prefill-bound**: requests also wait inside an engine whose slots are free, for its per-step token
   budget, behind long prompts being prefilled (chunked prefill admits at most `max_num_batched_tokens`
