@@ -572,6 +572,8 @@ async def test_a_central_that_finds_no_sidecar_says_so_and_answers_503(
     await eventually(lambda: central.cluster.synced_at is not None, what="the central to read etcd")
     assert "no sidecar publishes" not in caplog.text
     await eventually(lambda: f"no sidecar publishes under /lockgate/{name}/" in caplog.text, what="the warning")
+    # (Not "requests get 503": an outside run's operator read it while the models its configuration lists answered.)
+    assert "requests for models only sidecars serve get 503 until one does" in caplog.text
     session = await stack.enter_async_context(aiohttp.ClientSession())
     async with session.post(central.url + "/v1/chat/completions", json=chat("hi")) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"

@@ -159,7 +159,12 @@ class Discovery:
             except StoreUnavailable as exc:
                 if self.watching or self.last_error is None:
                     if self.synced_at is None:
-                        log.warning("etcd not reached (%s): no fleet known yet, requests get 503 until it is", exc)
+                        # (Models the configuration lists are served meanwhile: "requests get 503" misled an operator.)
+                        log.warning(
+                            "etcd not reached (%s): no sidecar known yet, requests for models only sidecars serve get "
+                            "503 until it is",
+                            exc,
+                        )
                     else:
                         log.warning("etcd watch lost (%s): serving on the last-known fleet", exc)
                 self.last_error = str(exc)
@@ -170,8 +175,8 @@ class Discovery:
         self._lonely = None
         if not self.nodes:
             log.warning(
-                "etcd at %s: no sidecar publishes under %s (is `cluster.name` the sidecars' own?); requests get 503 "
-                "until one does",
+                "etcd at %s: no sidecar publishes under %s (is `cluster.name` the sidecars' own?); requests for models "
+                "only sidecars serve get 503 until one does",
                 self.etcd.endpoint,
                 self.prefix,
             )
