@@ -211,16 +211,22 @@ def _unavailable(response_id: str) -> Unavailable:
 
 def home_of(fleet: Fleet, response_id: str) -> tuple[Pool, str, str] | None:
     """The pool, instance key and tenant of a response made through this gateway (`Pool.remember_response`)."""
-    for pool in fleet.pools.values():
+    for pool in _pools(fleet):
         home = pool.response_home(response_id)
         if home is not None:
             return pool, home[0], home[1]
     return None
 
 
+def _pools(fleet: Fleet) -> list[Pool]:
+    """The pools a stored response may have been made in: the fleet's, and those whose last instance left moments ago
+    (a lone sidecar restarting: its responses come back with it, and until then they are 503, not 404)."""
+    return [*fleet.pools.values(), *fleet.gone_pools()]
+
+
 def _home_by_tag(fleet: Fleet, tag: str, tenant: Tenant) -> tuple[Pool, str, str] | None:
     """The pool and key of the instance a shown id's tag names (a process that never saw the response)."""
-    for pool in fleet.pools.values():
+    for pool in _pools(fleet):
         key = tagged_member(pool, tag) if tenant.may_use(pool.model) else None
         if key is not None:
             return pool, key, tenant.name

@@ -100,17 +100,27 @@ async def test_central_routes_to_each_engine_through_its_sidecar(
     # nobody configured at the central gateway. For a while its clients are told to retry (a sidecar restarting
     # takes seconds: a 404 ended every request of a single-node model's planned restart, as SDKs do not retry it),
     # then that it does not exist.
+    async with session.post(
+        central.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}
+    ) as r:
+        stored = central.url + f"/v1/responses/{(await r.json())['id']}"
     await sidecar.shutdown(drain_s=1)
     await fleet.wait_until(lambda f: "m" not in f.pools)
     async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"
         assert "left the cluster" in (await resp.json())["error"]["message"]
+    # (A stored response made there likewise: it was 404, final to an SDK, while its only sidecar restarted.)
+    async with session.get(stored) as resp:
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "response_unavailable"
     async with session.post(central.url + "/v1/chat/completions", json={**chat("x"), "model": "never"}) as resp:
         assert resp.status == 404
-    fleet._gone["m"] -= GONE_GRACE_S  # the grace has passed
+    left, pool = fleet._gone["m"]
+    fleet._gone["m"] = (left - GONE_GRACE_S, pool)  # the grace has passed
     async with session.post(central.url + "/v1/chat/completions", json=chat("gone")) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["param"] == "model"
+    async with session.get(stored) as resp:
+        assert resp.status == 404
     # Idle, its drain published nothing: its last record says it stopped all the same (an outside run saw an idle
     # sidecar's clean stop taken for a lease that expired: 503 for a lease TTL, then 404).
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sidecar node-a ")]

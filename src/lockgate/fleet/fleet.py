@@ -103,8 +103,9 @@ class Fleet:
         self._discovered: dict[str, tuple[InstanceConfig, tuple[str, ...], RoutingConfig | None]] = {}
         #: Extra sections of `GET /admin/fleet` (cluster mode adds the etcd view), by name.
         self.reports: dict[str, Callable[[], Any]] = {}
-        #: Models only discovered instances served, gone with the last of them, and when (`gone_recently`).
-        self._gone: dict[str, float] = {}
+        #: Models only discovered instances served, gone with the last of them: when, and their pool (`gone_recently`,
+        #: `gone_pools`).
+        self._gone: dict[str, tuple[float, Pool]] = {}
         #: A cluster's central that has not read etcd yet (`cluster.discovery`; `discovered`): a model it does not
         #: know may be one its sidecars serve.
         self.discovering = False
@@ -259,14 +260,19 @@ class Fleet:
         if pool.discovered and not pool.instances:
             del self.pools[pool.model]
             now = time.monotonic()
-            self._gone = {model: at for model, at in self._gone.items() if now - at < GONE_GRACE_S}
-            self._gone[pool.model] = now
+            self._gone = {model: gone for model, gone in self._gone.items() if now - gone[0] < GONE_GRACE_S}
+            self._gone[pool.model] = (now, pool)
 
     def gone_recently(self, model: str) -> bool:
         """Whether `model` was served by discovered instances until less than `GONE_GRACE_S` ago (a sidecar
         restarting, a node replaced): its clients get a 503 to retry, not a 404 their SDKs take for final."""
-        at = self._gone.get(model)
-        return at is not None and time.monotonic() - at < GONE_GRACE_S
+        gone = self._gone.get(model)
+        return gone is not None and time.monotonic() - gone[0] < GONE_GRACE_S
+
+    def gone_pools(self) -> list[Pool]:
+        """The pools of the models `gone_recently`: a stored response made on one of their instances is told to retry
+        (`stored.py`), as a follow-up to it is."""
+        return [pool for model, (_, pool) in self._gone.items() if self.gone_recently(model)]
 
     def set_health(self, instance: Instance, healthy: bool, *, cache_lost: bool = True) -> None:
         """Health from another source (a sidecar's publication): applied and announced like a probe's.
