@@ -75,6 +75,40 @@ def test_guard_keeps_apart_what_an_outside_run_saw_served_for_each_other(one: st
 @pytest.mark.parametrize(
     ("one", "other"),
     [
+        ("Convert 5 ounces to grams", "Convert 5 grams to ounces"),
+        ("Convert 10 GB to MB", "Convert 10 MB to GB"),
+        ("Convert 20 $ to €", "Convert 20 € to $"),
+        ("What is the tenth digit of pi?", "What is the ninth digit of pi?"),
+        ("Compute x-y for x=5 and y=3", "Compute y-x for x=5 and y=3"),
+        ("How many days until Christmas 2026?", "How many days since Christmas 2026?"),
+        ("Is Python faster than Java?", "Is Java faster than Python?"),
+        ("Does Alice owe Bob money?", "Does Bob owe Alice money?"),
+        ("Is it legal to drive at 17 in the UK?", "Is it illegal to drive at 17 in the UK?"),
+        ("What is the weather in Paris today?", "What is the weather in Paris tomorrow?"),
+        (
+            "What is the maximum dose of acetaminophen for adults?",
+            "What is the maximum dose of acetaminophen for children?",
+        ),
+        ("Who is the CEO of Apple?", "Who was the CEO of Apple?"),
+        ("Should I buy Tesla stock?", "Should I sell Tesla stock?"),
+        ("What is a and b?", "What is a or b?"),
+        ("Do cats purr?", "Do bats purr?"),
+    ],
+)
+def test_guard_keeps_apart_the_same_words_reordered_or_a_word_of_substance_changed(one: str, other: str) -> None:
+    """A second outside run: each pair was served the other's answer at the default threshold (similarity 0.93-0.99):
+    units the signature did not list, symbols, ordinals, operands and roles swapped, one word of substance changed."""
+    assert not compatible(one, other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("How tall is Mount Kilimanjaro?", "Please tell me how tall Mount Kilimanjaro is, thanks so much."),
+        ("What's the capital of France?", "What is the capital of France?"),
+        ("Waht is the capital of France?", "What is the capital of France?"),
+        ("What are the benefits of exercise?", "What are some benefits of exercising?"),
+        ("Summarize the plot of Hamlet", "Give me a summary of Hamlet's plot"),
         ("Convert 5 miles to kilometers", "convert 5 mi into km"),
         ("What's the max of these values?", "What is the maximum of these values?"),
         ("Is it 30 °C today?", "Is it 30 celsius today?"),

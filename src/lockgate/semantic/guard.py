@@ -8,12 +8,15 @@ is not "5"), the same comparisons (`>`, `<=`, ...), arithmetic words, units and 
 descending, maximum / minimum, ...) in the same order ("5 miles to km" is not "5 km to miles"), and the same number
 of negations, in English however the apostrophe is typed (typographic, as phones and Macs type it, or left out:
 "dont") and in the other languages the model reads most (French, Spanish, Portuguese, Italian, German, Dutch,
-Russian); similarity decides only among texts that pass. Other antonyms ("good" / "bad") are not caught here: the
-threshold has to.
+Russian); and the two must be a rewording (`reworded`), not the same words in another order nor the same text with a
+word or two of substance changed (an outside run: "5 ounces to grams" / "5 grams to ounces", "tenth" / "ninth",
+"legal" / "illegal", "adults" / "children" each served the other's answer at the default threshold). Similarity
+decides only among texts that pass; antonyms within a longer rewording are left to the threshold.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 
 #: A number's minus sign: a hyphen or minus sign right before its digits, not after a word or a digit ("5-10" is
@@ -159,5 +162,105 @@ def signature(text: str) -> tuple[tuple[str, ...], int]:
     return tuple(numbers), negations
 
 
+#: Any one character that is not a letter, a digit or a space: symbols count as words here ("$", "€", "%", "-").
+_TOKEN = re.compile(_WORD.pattern + r"|[^\w\s]")
+#: Contractions spelled out, so that "what's" is "what is" and "isn't" is "is not" on both sides.
+_CONTRACTIONS = (
+    (re.compile(r"n't\b"), " not"),
+    (re.compile(r"'s\b"), " is"),
+    (re.compile(r"'re\b"), " are"),
+    (re.compile(r"'m\b"), " am"),
+    (re.compile(r"'ll\b"), " will"),
+    (re.compile(r"'ve\b"), " have"),
+    (re.compile(r"'d\b"), " would"),
+)
+#: A dash or "and"/"to" between two numbers: a range ("5-10", "5 to 10", "5 and 10" alike).
+_RANGE = re.compile(r"(?<=\d)\s*(?:-|\u2013|\bto\b|\band\b)\s*(?=\d)")
+#: Words and marks a rewording adds, drops or swaps without changing the question: courtesy, auxiliaries, articles,
+#: pronouns of the asker, prepositions (a unit's or a pole's order is the signature's), sentence punctuation.
+_FILLER = frozenset(
+    {"please", "kindly", "thanks", "thank", "so", "much", "just", "hey", "hi", "hello", "quick", "question", "help"}
+    | {"can", "could", "would", "will", "shall", "should", "do", "does", "did", "is", "are", "am", "be", "it", "its"}
+    | {"i", "me", "my", "we", "us", "our", "you", "your", "tell", "show", "explain", "give", "let", "know", "want"}
+    | {"need", "like", "wonder", "wondering", "the", "a", "an", "this", "that", "there", "some", "any", "really"}
+    | {"to", "into", "in", "of", "for", "on", "at", "by", "with", "from", "about", "as"}
+    | set(".,;:!?\"'()[]{}-\u2013\u2014\u2026")
+)
+#: A word at least this long is the same word without its ending, or with two neighbouring letters swapped.
+_SPELLING_MIN = 4
+
+
+def _content(text: str) -> list[str]:
+    """A text's words that carry its question (`_FILLER` left out), contractions spelled out, negations as "not",
+    units and poles by their label (`_POLES`), numbers as "#", so that a rewording's are the same words."""
+    text = _ODD_APOSTROPHE.sub("'", text.lower().translate(_APOSTROPHES))
+    for pattern, spelled in _CONTRACTIONS:
+        text = pattern.sub(spelled, text)
+    words: list[str] = []
+    for token in _TOKEN.findall(_RANGE.sub(" ", text)):
+        if token in _FILLER:
+            continue
+        if token[0].isdigit() or (token[0] in "-\u2212" and len(token) > 1) or token in _NUMBER_WORDS:
+            words.append("#")  # (the numbers themselves are the signature's: "1,000" is "1000", "twelve" 12)
+        else:
+            words.append("not" if token in _NEGATIONS else _POLES.get(token, token))
+    return words
+
+
+def _stem(word: str) -> str:
+    """`word` without an ending that makes no other question of it ("exercise" / "exercising")."""
+    for ending in ("ing", "ed", "es", "s", "e"):
+        if len(word) - len(ending) >= _SPELLING_MIN and word.endswith(ending):
+            return word[: -len(ending)]
+    return word
+
+
+def _same_word(a: str, b: str) -> bool:
+    """Another ending of one word ("exercise" / "exercising", a plural) or a typo that swapped two neighbouring letters
+    ("waht"): not a letter changed, added or dropped ("cats" / "bats", "plan" / "plane" are other words)."""
+    if _stem(a) == _stem(b):
+        return True
+    if len(a) != len(b) or len(a) < _SPELLING_MIN:
+        return False
+    differ = [i for i in range(len(a)) if a[i] != b[i]]
+    if len(differ) != 2 or differ[1] != differ[0] + 1:
+        return False
+    i, j = differ
+    return a[i] == b[j] and a[j] == b[i]
+
+
+def reworded(a: str, b: str) -> bool:
+    """Whether `b` asks what `a` does in other words, as far as words tell (pure). Not when the two are the same words
+    in another order ("Is Python faster than Java?" / "Is Java faster than Python?", "5 ounces to grams" / "5 grams
+    to ounces", "x-y" / "y-x"), nor when they are the same text but for a word or two of substance ("the tenth digit"
+    / "the ninth digit", "legal" / "illegal", "for adults" / "for children", "until" / "since"): an embedding puts
+    such pairs closer together (0.93-0.99, an outside run, each served the other's answer at the default 0.92) than
+    many true paraphrases. Courtesy, auxiliaries, articles and the like (`_FILLER`), a typo or a plural, and
+    contractions spelled either way are not substance; a rewording of more than two words is left to the threshold."""
+    words_a, words_b = _content(a), _content(b)
+    if words_a == words_b:
+        return True
+    if sorted(words_a) == sorted(words_b):
+        return False  # the same words in another order: roles or operands swapped
+    matcher = difflib.SequenceMatcher(a=words_a, b=words_b, autojunk=False)
+    dropped: list[str] = []
+    added: list[str] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            dropped += words_a[i1:i2]
+            added += words_b[j1:j2]
+    for word in list(dropped):  # a typo or a plural is the same word
+        twin = next((other for other in added if _same_word(word, other)), None)
+        if twin is not None:
+            dropped.remove(word)
+            added.remove(twin)
+    if not dropped and not added:
+        return True
+    kept = sum(block.size for block in matcher.get_matching_blocks())
+    return not (len(dropped) <= 2 and len(added) <= 2 and kept >= 0.5 * max(len(words_a), len(words_b)))
+
+
 def compatible(a: str, b: str) -> bool:
-    return signature(a) == signature(b)
+    """Whether a semantic hit may answer `b` with `a`'s answer: the same signature (numbers, units, poles, negations)
+    and a rewording, not another question in the same words (`reworded`)."""
+    return signature(a) == signature(b) and reworded(a, b)
