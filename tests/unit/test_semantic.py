@@ -271,20 +271,55 @@ def test_the_index_is_bounded_by_bytes_of_results():
     pytest.importorskip("usearch")
     import numpy as np
 
-    from lockgate.semantic.index import SemanticIndex
+    from lockgate.semantic.index import SCOPE_BYTES, SemanticIndex
 
-    index = SemanticIndex(4, max_entries=100, ttl_ms=1000, max_bytes=100, clock=Clock())
+    bound = SCOPE_BYTES + 100
+    index = SemanticIndex(4, max_entries=100, ttl_ms=1000, max_bytes=bound, clock=Clock())
 
     def sized(nbytes: int) -> Result:
         return Result(events=(), nbytes=nbytes)
 
     rng = np.random.default_rng(1)
-    for n in range(10):
-        index.add(b"s", rng.random(4, dtype=np.float32), f"q{n}", sized(30))
-        assert index.nbytes <= 100
-    assert len(index) == 3 and index.nbytes == 90
+    for n in range(10):  # each entry: its result (14), its vector (16) and its text (2)
+        index.add(b"s", rng.random(4, dtype=np.float32), f"q{n}", sized(14))
+        assert index.nbytes <= bound
+    assert len(index) == 3 and index.nbytes == SCOPE_BYTES + 3 * 32
     index.add(b"s", rng.random(4, dtype=np.float32), "big", sized(101))  # larger than the bound: not added
-    assert len(index) == 3 and index.nbytes == 90
+    assert len(index) == 3 and index.nbytes == SCOPE_BYTES + 3 * 32
+
+
+def test_the_index_counts_each_scopes_index_in_its_bytes():
+    """An outside run: a client that made each request a scope of its own (a system prompt each, temperature 0) took
+    a gateway from 292 to 757 MB while the semantic cache said it held 3.95 MB of its 64 MiB: only results were
+    counted, and each scope's usearch index (~50 KB resident) was not. Now each is, and the bound holds them too."""
+    pytest.importorskip("usearch")
+    import numpy as np
+
+    from lockgate.semantic.index import SCOPE_BYTES, SemanticIndex
+
+    index = SemanticIndex(4, max_entries=1000, ttl_ms=1000, max_bytes=4 * SCOPE_BYTES, clock=Clock())
+    rng = np.random.default_rng(1)
+    for n in range(20):
+        index.add(f"scope {n}".encode(), rng.random(4, dtype=np.float32), "q", Result(events=(), nbytes=10))
+        assert index.nbytes <= 4 * SCOPE_BYTES
+    assert index.scopes == len(index) == 3  # a fourth scope's index would pass the bound
+
+
+def test_expired_entries_go_when_one_is_added():
+    """The same run: entries past their TTL stayed counted (and held) with no traffic to find them."""
+    pytest.importorskip("usearch")
+    import numpy as np
+
+    from lockgate.semantic.index import SemanticIndex
+
+    clock = Clock()
+    index = SemanticIndex(4, max_entries=100, ttl_ms=1000, clock=clock)
+    rng = np.random.default_rng(1)
+    for n in range(5):
+        index.add(b"s", rng.random(4, dtype=np.float32), f"q{n}", Result(events=(), nbytes=10))
+    clock.now += 2.0
+    index.add(b"t", rng.random(4, dtype=np.float32), "new", Result(events=(), nbytes=10))
+    assert len(index) == 1 and index.scopes == 1
 
 
 def test_the_index_loads_its_engine_so_that_the_embedders_runtime_loads_after_it() -> None:
