@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from lockgate.edge.protocol import Connection, parsed_weight
 from lockgate.edge.request import split_target
 from lockgate.edge.server import HttpServer, Request, Response, StreamResponse, json_response
+from tests.cluster.support import eventually
 
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 
@@ -1254,3 +1255,40 @@ async def test_a_request_that_ends_last_during_shutdown_wakes_it() -> None:
     server.request_ended()
     async with asyncio.timeout(5):  # bounds a hang only: the end wakes the shutdown at once
         await waiter
+
+
+async def test_request_trailers_are_bounded_and_not_kept() -> None:
+    """An outside run: the trailers after a chunked body escaped every bound (16 MB of trailer lines held ~230 MB of
+    the gateway's memory until the body timeout, then the request was answered 200). Reads of nothing but trailers
+    count against `max_header_bytes`: 431, the connection closed; within the bound they are read and dropped."""
+    calls: list[Request] = []
+    async with serving(never_called(calls), max_header_bytes=1024) as server, connect(server) as (reader, writer):
+        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n")
+        await eventually(lambda: any(c._chunk_open and not c._chunk_body for c in server.live), what="the last chunk")
+        for _ in range(64):
+            writer.write(b"a: b\r\n" * 50)
+            await writer.drain()
+            if reader.at_eof() or any(c._trailer_bytes > 1024 for c in server.live):
+                break
+        error = await expect_error(reader, 431)
+        assert "trailers" in error["message"]
+    assert calls == []
+    async with serving(echo) as server, connect(server) as (reader, writer):
+        head = b"POST /t HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(head + b"2\r\nhi\r\n0\r\nX-Test: late\r\n\r\n")
+        resp = await read_response(reader)
+        assert resp.status == 200 and orjson.loads(resp.body)["body"] == "hi"
+        assert orjson.loads(resp.body)["x_test"] is None  # (a trailer is not a header)
+
+
+async def test_an_http_1_0_request_framed_by_transfer_encoding_is_answered_then_closed() -> None:
+    """RFC 9112 section 6.1 (an outside run: it was kept alive): a proxy in front reading it as HTTP/1.0 would see no
+    body, and its chunks as the next request."""
+    async with serving(echo) as server, connect(server) as (reader, writer):
+        writer.write(
+            b"POST /a HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
+            + http("GET", "/b")
+        )
+        resp = await read_response(reader)
+        assert resp.status == 200 and resp.headers["connection"] == "close"
+        assert await reader.read() == b""

@@ -100,6 +100,8 @@ class Connection(asyncio.Protocol):
         "_body",
         "_body_deadline",
         "_body_size",
+        "_chunk_body",
+        "_chunk_open",
         "_deadline",
         "_discarding",
         "_drain_waiter",
@@ -123,6 +125,7 @@ class Connection(asyncio.Protocol):
         "_task",
         "_task_running",
         "_timer",
+        "_trailer_bytes",
         "_unsent",
         "_url",
         "close_after",
@@ -151,6 +154,12 @@ class Connection(asyncio.Protocol):
         #: Bytes of this connection's request bodies counted in the server's held bodies (`max_held_body_bytes`).
         self._held = 0
         self._header_bytes_raw = 0  # bytes received while in the header phase, in earlier reads
+        #: A chunk's header was read and its chunk has not ended (`on_chunk_header`), and whether body bytes of it came:
+        #: a chunk open without any is the last one (size 0), whose trailers follow. Reads that bring nothing but those
+        #: are counted (`_trailer_bytes`) against `max_header_bytes`; the trailers themselves are not kept.
+        self._chunk_open = False
+        self._chunk_body = False
+        self._trailer_bytes = 0
         #: Messages begun during the read being parsed (`data_received`).
         self._began_in_read = 0
         self._read_size = 0  # of the read being parsed
@@ -256,6 +265,7 @@ class Connection(asyncio.Protocol):
         self._read_size = len(data)
         continuing = self._in_message
         self._began_in_read = 0
+        trailing = self._chunk_open and not self._chunk_body
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -280,6 +290,13 @@ class Connection(asyncio.Protocol):
                 self._header_bytes_raw += len(data)
             if self._header_bytes_raw > self._server.limits.max_header_bytes:
                 self._fail(_Reject(431, "Request headers are too large."))
+        elif trailing and self._chunk_open and not self._chunk_body:
+            # A read of the last chunk's trailers alone (the read that began them is not counted: it may hold body
+            # bytes; one read at most). Unbounded, a client held 16 MB of trailer lines (~230 MB of the gateway's
+            # memory), or one endless trailer value, for the whole body timeout.
+            self._trailer_bytes += len(data)
+            if self._trailer_bytes > self._server.limits.max_header_bytes:
+                self._fail(_Reject(431, "Request trailers are too large."))
 
     # -- parser callbacks ------------------------------------------------------------------------------------------
 
@@ -294,6 +311,8 @@ class Connection(asyncio.Protocol):
         self._began_in_read += 1
         self._in_message = True
         self._in_headers = True
+        self._chunk_open = self._chunk_body = False
+        self._trailer_bytes = 0
         self._url = b""
         self._raw_headers = []
         self._header_bytes_raw = 0
@@ -304,7 +323,15 @@ class Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_headers.append((name, value))
+        if self._in_headers:  # (a trailer is not kept: nothing reads it)
+            self._raw_headers.append((name, value))
+
+    def on_chunk_header(self) -> None:
+        self._chunk_open = True
+        self._chunk_body = False
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_open = False
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
@@ -336,6 +363,9 @@ class Connection(asyncio.Protocol):
         if coding is not None and coding.replace(" ", "").replace("\t", "").lower() != "chunked":
             # llhttp frames `gzip, chunked` by its final coding and would pass the body on still compressed.
             raise self._rejecting(501, f"Transfer-Encoding {coding!r} is not supported; only chunked.")
+        # RFC 9112 section 6.1: framing an HTTP/1.0 message by Transfer-Encoding is faulty (a proxy in front that reads
+        # it as HTTP/1.0 sees no body, and the chunks as the next request): answered, then the connection closed.
+        keep_alive = parser.should_keep_alive() and not (coding is not None and version == "1.0")
         coding = items.get("content-encoding")
         if coding is not None and coding.strip().lower() not in ("", "identity"):
             raise self._rejecting(415, f"Content-Encoding {coding!r} is not supported; send the body uncompressed.")
@@ -357,7 +387,7 @@ class Connection(asyncio.Protocol):
         method_bytes = parser.get_method()
         method = _METHODS.get(method_bytes) or method_bytes.decode("ascii", "replace")
         self._request = Request(
-            self, method, raw_path, path, query, Headers(items), version, parser.should_keep_alive(), content_length
+            self, method, raw_path, path, query, Headers(items), version, keep_alive, content_length
         )
         self._body = []
         self._body_size = 0
@@ -378,6 +408,7 @@ class Connection(asyncio.Protocol):
                 self._expect_pending = True  # answered when the request in progress is done
 
     def on_body(self, chunk: bytes) -> None:
+        self._chunk_body = True
         size = len(chunk)
         self._body_size += size
         server = self._server
