@@ -184,6 +184,8 @@ class Exchange:
         self.served_from: str | None = None
         #: Priority for engines whose dialect accepts one (lower = more urgent); None: not sent.
         self.engine_priority: int | None = None
+        #: Admitted at a strict class (P0): routed by instances' speeds as measured (`RouteRequest.urgent`).
+        self.urgent = False
         #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).
         self.span: Any = None
         #: The running deadline (`asyncio.Timeout`) while `run()` is active, if the request has one:

@@ -399,6 +399,7 @@ class Gateway:
         response is restarted, while its client has been sent nothing)."""
         admission = self.admission
         admission.allow(ex, tenant, klass)
+        ex.urgent = admission.classes[klass].strict
         room = admission.room_for(ex.api.model, klass)
         key = self.dedup.plan(ex, request.headers.get("Cache-Control"))
         if key is not None:

@@ -319,6 +319,24 @@ def test_predicted_ttft_relaxes_a_stale_measurement_toward_its_peers():
     # Off (half-life 0): the measurement stands however old.
     frozen = PredictedTTFT(PredictedTTFTOptions(measured_half_life_ms=0))
     assert pick(frozen, REQ, snap(fast, aged)) == "i0"
+    # A P0 is never the request that re-tries it (an outside run: 1 P0 in 10 went to an engine 8x slower than its
+    # peer on an idle fleet); a request of another class is.
+    rotated = PredictedTTFT()
+    assert pick(rotated, REQ, snap(fast, stalled)) == "i0"  # (chosen last: a near tie would now go to i1)
+    assert pick(rotated, replace(REQ, urgent=True), snap(fast, aged)) == "i0"
+    assert pick(rotated, REQ, snap(fast, aged)) == "i1"
+
+
+def test_a_p0_still_sees_an_instances_latency_floor_fade():
+    """The first try of P0 routing by measures as they stand (`RouteRequest.urgent`) froze the latency floor too: a
+    floor measured at a flood's start (the engine's queue, not its speed) kept every P0 off that engine, and they
+    stacked on the other (`bench priority`: P0 TTFT p99 1.45x, reverted). Only the speeds stand; the floor fades."""
+    policy = PredictedTTFT()  # half-life 2 s
+    one = view(0, prefill_tps=40_000, tpot_s=0.01, in_flight=3, prefill_age_s=0.1, tpot_age_s=0.1)
+    floored = view(1, prefill_tps=40_000, tpot_s=0.01, latency_floor_s=0.4, latency_age_s=0.1)
+    urgent = replace(REQ, urgent=True)
+    assert pick(policy, urgent, snap(one, floored)) == "i0"
+    assert pick(policy, urgent, snap(one, replace(floored, latency_age_s=20.0))) == "i1"
 
 
 def test_relaxed_halves_the_distance_to_the_peers_each_half_life():
@@ -390,3 +408,18 @@ def test_predicted_ttft_keeps_a_near_tie_where_the_prompt_is_cached():
     assert pick(PredictedTTFT(), question, snap(holder, idle)) == "i0"
     # A holder that is really slower loses it.
     assert pick(PredictedTTFT(), question, snap(replace(holder, queued_prompt_tokens=8000), idle)) == "i1"
+
+
+def test_a_p0_may_go_to_a_fast_instance_whose_slots_less_urgent_work_fills():
+    """An outside run, a fast (5 ms a step) and a slow (40 ms) engine under a P2 flood: every P0 went to the slow one,
+    the only one with a free slot (~90 ms against ~10 idle). A P0 is priced where the slots are full too (the scheduler
+    stops a less urgent request there for it); other requests keep to instances with room."""
+    policy = PredictedTTFT()
+    fast = view(0, prefill_tps=40_000, tpot_s=0.005, decode_s=0.32, in_flight=8, max_concurrency=8, running=8)
+    slow = view(1, prefill_tps=5_000, tpot_s=0.04, decode_s=2.5, in_flight=3, max_concurrency=8, running=3)
+    request = RouteRequest("m", prompt_tokens=12)
+    assert pick(policy, request, snap(fast, slow)) == "i1"
+    assert pick(policy, replace(request, urgent=True), snap(fast, slow)) == "i0"
+    # A full instance still waits a share of its generations: a P0 takes the free slot of a peer as fast.
+    peer = replace(fast, key="i2", name="i2", in_flight=7, running=7)
+    assert pick(policy, replace(request, urgent=True), snap(fast, peer)) == "i2"

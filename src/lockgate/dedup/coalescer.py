@@ -213,7 +213,7 @@ class Coalescer:
             key,
             ex.pool,
             upstream_request(ex.api, stream=stream),
-            ex.pool.route_request(ex.api, http_request.headers),
+            ex.pool.route_request(ex.api, http_request.headers, ex.urgent),
             before_send,
         )
         flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left

@@ -191,7 +191,7 @@ class Pool:
         """The keys of the instances that left the pool less than `DEPARTED_GRACE_S` ago (and are not back)."""
         return [key for key in self._departed if self.left_lately(key)]
 
-    def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None) -> RouteRequest:
+    def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None, urgent: bool = False) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
         key = headers.get(self.config.routing.consistent_hash.header) if headers is not None else None
@@ -224,6 +224,7 @@ class Pool:
             pin_only=pin_only,
             repeat_tokens=self._cached_tokens(prompt_tokens, len(blocks)) if is_deterministic(api.body) else 0,
             stream=api.stream,
+            urgent=urgent,
         )
 
     def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:

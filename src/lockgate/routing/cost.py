@@ -7,7 +7,8 @@
 
     queue wait     = prompt tokens already queued there / prefill rate
                      + (when every batch slot is taken) the share of a request's decode time until a
-                       slot frees
+                       slot frees (a P0's: a step, a less urgent request being stopped for it; it takes
+                       a full instance only a step sooner than every one with room)
     uncached       = prompt tokens - (tokens that instance likely has cached (prefix index), less one
                      decode step's worth of prefill: see "short shared prefixes" below)
     prefill rate   = that instance's measured rate (EWMA); until it is measured, the mean of the
@@ -50,7 +51,10 @@ matters for the same reason: a measurement taken during a stall (the first reque
 connection, a paused process) made an instance look 10x slower, it was never chosen again, so never
 re-measured, and the fleet ran on one instance fewer for good (seen in `bench routing`: an instance
 given 1 of 200 requests). A really slow instance is re-tried about once per half-life and priced out
-again by the fresh sample.
+again by the fresh sample, by a request of a class that is not strict: a P0 (`RouteRequest.urgent`) takes the speeds
+as measured (on an idle fleet of a 5 ms and a 40 ms engine, the re-tries were 1 P0 in 10, at ~40 ms against 8); under
+load its queue terms still spread it to the slow instance. Its latency floor fades for every class: judged as it
+stood, a floor measured at a flood's start sent every P0 to the other engine (`bench priority`: 1.45x, reverted).
 
 Short shared prefixes: a prefix cached on an instance saves its prefill there, but a saving smaller than one
 engine step (a chat's system prompt of a few dozen tokens: ~3 ms where a step is 10 ms) is not worth a routing
@@ -119,17 +123,21 @@ def predict_ttft(
     default_whole_s: float = 0.0,
 ) -> float:
     """Predicted TTFT of `request` on `view` (see the module docstring); the defaults are its peers'
-    means, what an unmeasured (or long unmeasured, with `half_life_s`) instance is judged by."""
-    rate = relaxed(view.prefill_tps, default_prefill_tps, view.prefill_age_s, half_life_s)
-    tpot = relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, half_life_s)
+    means, what an unmeasured (or long unmeasured, with `half_life_s`) instance is judged by. An urgent request
+    (`RouteRequest.urgent`) takes the speeds as measured, only the latency floor fading."""
+    speeds_half_life_s = 0.0 if request.urgent else half_life_s
+    rate = relaxed(view.prefill_tps, default_prefill_tps, view.prefill_age_s, speeds_half_life_s)
+    tpot = relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, speeds_half_life_s)
     # A cached prefix saves nothing worth a routing choice until it saves a step: the first step's worth of
     # it is discounted (see the module docstring, "short shared prefixes").
     uncached = max(0, request.prompt_tokens - max(0, view.cached_tokens - round(tpot * rate)))
     wait = view.queued_prompt_tokens / rate
     over = view.in_flight + 1 - view.max_concurrency
     if over > 0:
-        # No free batch slot: on average one frees every decode_s / max_concurrency seconds.
-        wait += over * view.decode_s / view.max_concurrency
+        # No free batch slot: on average one frees every decode_s / max_concurrency seconds. For a P0, a less urgent
+        # request there is stopped (`Admission.make_room`): its slot frees at the next step.
+        per_slot = view.decode_s / view.max_concurrency
+        wait += over * (min(tpot, per_slot) if request.urgent and tpot > 0 else per_slot)
     # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
     # some engines never say) counts as full: the cold start is when prefixes find their homes, and
     # a copy placed then on a second instance "for free" later crowds out a prefix of its own. An instance sent
@@ -187,9 +195,14 @@ class PredictedTTFT:
         tpot = _mean_measured([o.tpot_s for o in options])
         whole = _mean_measured([o.whole_s for o in options])
         # The limit is a ceiling (`with_room`): a cached prefix made waiting there look cheaper than a cold prefill
-        # next door, and an instance of 2 ran 4 while its neighbour ran none.
-        options = with_room(options)
+        # next door, and an instance of 2 ran 4 while its neighbour ran none. A P0 (`RouteRequest.urgent`) may take a
+        # full instance clearly sooner than every one with room (`_sooner_full`).
         reuse = snapshot.reuse
+        roomy = with_room(options)
+        if request.urgent and len(roomy) < len(options):
+            options = self._sooner_full(request, options, roomy, rate, tpot, reuse, whole)
+        else:
+            options = roomy
         costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse, whole) for o in options]
         # Equal predictions (an idle fleet), or as good as equal (`near_tie`): the holder of the most of the prompt,
         # then the emptier instance, then round-robin.
@@ -211,6 +224,30 @@ class PredictedTTFT:
             if most > 0:
                 tied = [t for t, h in zip(tied, held, strict=True) if h == most]
         return lowest(tied, [t.in_flight for t in tied], self._cursor)
+
+    def _sooner_full(
+        self,
+        request: RouteRequest,
+        options: list[InstanceView],
+        roomy: list[InstanceView],
+        rate: float,
+        tpot: float,
+        reuse: float,
+        whole: float,
+    ) -> list[InstanceView]:
+        """A P0's candidates when some are full: the full ones its first token is predicted to come from a step
+        sooner than from any with room (before it is sent there the scheduler stops a less urgent request for it,
+        `Admission.make_room`: its wait is a step, `predict_ttft`), else those with room. Kept to instances with room,
+        every P0 of a flood went to the slow engine of a fast and a slow one, the only one with room (~90 ms against
+        ~10 on the fast one idle); free to take any full one, it stopped requests where a free slot was as soon."""
+
+        def cost(view: InstanceView) -> float:
+            return predict_ttft(view, request, rate, tpot, self._half_life_s, reuse, whole)
+
+        free = set(map(id, roomy))
+        best = min(map(cost, roomy)) - max(tpot, self._near_s)
+        sooner = [o for o in options if id(o) not in free and cost(o) * self._near < best]
+        return sooner or roomy
 
     def _least_recent(self, view: InstanceView) -> int:
         return self._chosen.get(view.key, 0)

@@ -111,6 +111,12 @@ class RouteRequest:
     #: A streamed answer: only those take long prompts' turns (`Pool.is_long`; a whole answer's first token is
     #: not seen, so it could not give its turn back at the end of its prefill).
     stream: bool = False
+    #: A strict class's request (P0): `predicted_ttft` judges instances' speeds (prefill rate, step) as measured, not
+    #: relaxed toward their peers', so that it is never the request that re-tries an instance priced out as slow (an
+    #: outside run: 1 P0 in 10 went to an engine 8x slower than its peer on an idle fleet, ~40 ms against 8). Their
+    #: latency floors still fade: a P0 judging them as they stood sent every P0 to one engine at a flood's start. Nor
+    #: is it kept to instances with room: it may go where less urgent work fills the slots (see `PredictedTTFT`).
+    urgent: bool = False
 
 
 class Policy(Protocol):
