@@ -507,7 +507,8 @@ class Gateway:
         workers = self.workers
         if workers is None or workers.index != 0:
             return []
-        direct = sorted({i.name for i in self.fleet.instances.values() if not i.published and i.share is not None})
+        fleet = self.fleet
+        direct = sorted({i.name for i in fleet.instances.values() if not i.published and i.key not in fleet.private})
         if not direct:
             return []
         return [
