@@ -82,6 +82,14 @@ async def test_relayed_tenants_counted_as_one_share_no_results(
     assert sim.stats.requests_started == 4
 
 
+async def knowing(*centrals: GatewayServer, instances: int) -> None:
+    """Wait until each central knows `instances` instances of model `m` (15 s at most)."""
+    for cent in centrals:
+        assert cent.gateway is not None
+        async with asyncio.timeout(15):
+            await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and len(f.pools["m"].instances) == instances)
+
+
 def sidecar(etcd_url: str, cluster: str, sim: SimServer, usage: str) -> dict[str, Any]:
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -240,9 +248,8 @@ async def test_a_sidecar_that_forgot_where_responses_were_made_follows_the_centr
     ]
     side = await stack.enter_async_context(GatewayServer(parse_config(config), role="sidecar"))
     cent = await stack.enter_async_context(GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / "c")))))
-    assert cent.gateway is not None and side.gateway is not None
-    async with asyncio.timeout(15):
-        await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and len(f.pools["m"].instances) == 2)
+    assert side.gateway is not None
+    await knowing(cent, instances=2)
     http = await stack.enter_async_context(aiohttp.ClientSession())
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     body = {"model": "m", "input": "hello", "max_output_tokens": 4}
@@ -280,10 +287,7 @@ async def test_a_central_that_never_saw_a_response_tells_its_follow_up_to_retry_
         await stack.enter_async_context(GatewayServer(parse_config(central(etcd.url, name, str(tmp_path / f"c{i}")))))
         for i in range(2)
     ]
-    for cent in (made_by, other):
-        assert cent.gateway is not None
-        async with asyncio.timeout(15):
-            await cent.gateway.fleet.wait_until(lambda f: "m" in f.pools and len(f.pools["m"].instances) == 2)
+    await knowing(made_by, other, instances=2)
     http = await stack.enter_async_context(aiohttp.ClientSession())
     acme = {"Authorization": f"Bearer {ACME_KEY}"}
     body = {"model": "m", "input": "hello", "max_output_tokens": 4}

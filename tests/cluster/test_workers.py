@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +374,16 @@ def sleepers(pid: int) -> set[int]:
     return found
 
 
+async def both_workers(proc: subprocess.Popen[str], mask: Callable[[int], int], signum: int, what: str) -> None:
+    """Wait until the supervisor's two workers have `signum` in their `mask` (`ignored_signals`, `caught_signals`)."""
+
+    async def ready() -> bool:
+        workers = children_of(proc.pid)
+        return len(workers) == 2 and all(mask(pid) & (1 << (signum - 1)) for pid in workers)
+
+    await poll_until(ready, what=what)
+
+
 def ignored_signals(pid: int) -> int:
     with open(f"/proc/{pid}/status") as fh:
         return int(next(line for line in fh if line.startswith("SigIgn:")).split()[1], 16)
@@ -383,12 +394,7 @@ async def test_a_reload_reaching_workers_still_starting_does_not_end_them() -> N
     SIGHUP before its handler is installed), and with it, every worker. Workers now start with SIGHUP ignored."""
     proc = supervise("import time\ntime.sleep(60)\n")  # stand-ins that never handle SIGHUP
     try:
-
-        async def hangup_ignored() -> bool:
-            workers = children_of(proc.pid)
-            return len(workers) == 2 and all(ignored_signals(pid) & (1 << (signal.SIGHUP - 1)) for pid in workers)
-
-        await poll_until(hangup_ignored, what="two workers that ignore SIGHUP")
+        await both_workers(proc, ignored_signals, signal.SIGHUP, "two workers that ignore SIGHUP")
         proc.send_signal(signal.SIGHUP)
         proc.send_signal(signal.SIGTERM)
         # Ended by the SIGTERM forwarded after the SIGHUP (as asked: status 0), not by the SIGHUP (-1).
@@ -482,12 +488,7 @@ async def test_workers_that_do_not_stop_are_killed_after_the_drain() -> None:
     ignoring = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
     proc = supervise(ignoring, drain_s=0.2, KILL_GRACE_S=0.3)
     try:
-
-        async def deaf() -> bool:
-            workers = children_of(proc.pid)
-            return len(workers) == 2 and all(ignored_signals(pid) & (1 << (signal.SIGTERM - 1)) for pid in workers)
-
-        await poll_until(deaf, what="two workers that ignore SIGTERM")
+        await both_workers(proc, ignored_signals, signal.SIGTERM, "two workers that ignore SIGTERM")
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) != 0  # (killed workers: their status is -9)
         assert proc.stderr is not None
@@ -512,12 +513,7 @@ async def test_a_draining_worker_gets_the_stop_signal_once() -> None:
     )
     proc = supervise(script, drain_s=30.0)
     try:
-
-        async def handling() -> bool:
-            workers = children_of(proc.pid)
-            return len(workers) == 2 and all(caught_signals(pid) & (1 << (signal.SIGTERM - 1)) for pid in workers)
-
-        await poll_until(handling, what="two workers that handle SIGTERM")
+        await both_workers(proc, caught_signals, signal.SIGTERM, "two workers that handle SIGTERM")
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0
     finally:
