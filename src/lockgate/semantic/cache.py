@@ -33,6 +33,11 @@ class Probe:
     vector: Any
 
 
+#: Completion fields whose answer carries the prompt itself (`echo`) or a score of each of its tokens (vLLM's
+#: `prompt_logprobs`): a paraphrase's answer would show the other text.
+_ECHOED = ("echo", "prompt_logprobs")
+
+
 def probe_input(tenant: str, api: ApiRequest) -> tuple[bytes, str] | None:
     """The exact scope and the text compared by meaning; None when the request has no such text."""
     body = api.body
@@ -47,7 +52,8 @@ def probe_input(tenant: str, api: ApiRequest) -> tuple[bytes, str] | None:
         text, context = content, [*messages[:-1], {k: v for k, v in last.items() if k != "content"}]
     else:
         prompt = body.get("prompt")
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str) or any(body.get(key) not in (None, False, 0) for key in _ECHOED):
+            # (An answer that repeats its prompt, or scores it, is another prompt's answer word for word.)
             return None
         text, context = prompt, None
     if not text.strip():
