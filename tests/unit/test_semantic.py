@@ -93,6 +93,15 @@ def test_guard_keeps_apart_what_an_outside_run_saw_served_for_each_other(one: st
         ("Should I buy Tesla stock?", "Should I sell Tesla stock?"),
         ("What is a and b?", "What is a or b?"),
         ("Do cats purr?", "Do bats purr?"),
+        # A third run, on the rewording rule: prepositions are substance, endings other than a plural too.
+        ("How to copy data to S3", "How to copy data from S3"),
+        ("Flights from Paris to London", "Flights to Paris from London"),
+        ("Is it safe to take melatonin with alcohol?", "Is it safe to take melatonin for alcohol?"),
+        ("How do I board a plane?", "How do I board a plan?"),
+        ("Should I call you or should you call me?", "Should you call me or should I call you?"),
+        ("Why did my order get cancelled?", "Why will my order get cancelled?"),
+        ("Can I take ibuprofen while pregnant?", "Should I take ibuprofen while pregnant?"),
+        ("Do I owe you money?", "Do you owe me money?"),
     ],
 )
 def test_guard_keeps_apart_the_same_words_reordered_or_a_word_of_substance_changed(one: str, other: str) -> None:
@@ -107,8 +116,9 @@ def test_guard_keeps_apart_the_same_words_reordered_or_a_word_of_substance_chang
         ("How tall is Mount Kilimanjaro?", "Please tell me how tall Mount Kilimanjaro is, thanks so much."),
         ("What's the capital of France?", "What is the capital of France?"),
         ("Waht is the capital of France?", "What is the capital of France?"),
-        ("What are the benefits of exercise?", "What are some benefits of exercising?"),
-        ("Summarize the plot of Hamlet", "Give me a summary of Hamlet's plot"),
+        ("I can't access my account", "I cannot access my account"),
+        ("In Python, how do I reverse a list?", "How do I reverse a list in Python?"),
+        ("How do I remove duplicate rows?", "How do I remove a duplicate row?"),
         ("Convert 5 miles to kilometers", "convert 5 mi into km"),
         ("What's the max of these values?", "What is the maximum of these values?"),
         ("Is it 30 °C today?", "Is it 30 celsius today?"),
@@ -354,3 +364,17 @@ def test_the_index_loads_its_engine_so_that_the_embedders_runtime_loads_after_it
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "loaded" in done.stdout, (done.returncode, done.stderr[-500:])
+
+
+def test_the_guard_reads_what_the_model_reads_and_compares_no_more_than_it_reads():
+    """A third outside run: a question padded with thousands of zero-width characters (which the model's tokenizer
+    drops: the same 9 tokens, similarity 1.0) was thousands of words to the guard, whose comparison then took 139 s on
+    the event loop (`/health` blocked). Characters the tokenizer drops are not words; more words than the model reads
+    are not compared at all (no hit)."""
+    from lockgate.semantic.guard import _MAX_WORDS, _content
+
+    padded = "How do I reset my password?" + "\u200d\u200b\u200c\u2060\u00ad" * 800
+    assert _content(padded) == _content("How do I reset my password?")
+    assert compatible(padded, "How do I reset my password?")
+    many = " ".join("x" if i % 2 else "y" for i in range(_MAX_WORDS + 1))
+    assert not compatible(many, many.replace("x", "y", 1))

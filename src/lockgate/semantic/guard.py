@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import unicodedata
 
 #: A number's minus sign: a hyphen or minus sign right before its digits, not after a word or a digit ("5-10" is
 #: a range: 5 and 10).
@@ -164,8 +165,12 @@ def signature(text: str) -> tuple[tuple[str, ...], int]:
 
 #: Any one character that is not a letter, a digit or a space: symbols count as words here ("$", "€", "%", "-").
 _TOKEN = re.compile(_WORD.pattern + r"|[^\w\s]")
-#: Contractions spelled out, so that "what's" is "what is" and "isn't" is "is not" on both sides.
+#: Contractions spelled out, so that "what's" is "what is" and "isn't" is "is not" on both sides ("can't" and "won't"
+#: first: the general rule left "ca" and "wo", and "I can't" differed from "I cannot").
 _CONTRACTIONS = (
+    (re.compile(r"\bcan't\b|\bcannot\b"), "can not"),
+    (re.compile(r"\bwon't\b"), "will not"),
+    (re.compile(r"\bshan't\b"), "shall not"),
     (re.compile(r"n't\b"), " not"),
     (re.compile(r"'s\b"), " is"),
     (re.compile(r"'re\b"), " are"),
@@ -177,47 +182,79 @@ _CONTRACTIONS = (
 #: A dash or "and"/"to" between two numbers: a range ("5-10", "5 to 10", "5 and 10" alike).
 _RANGE = re.compile(r"(?<=\d)\s*(?:-|\u2013|\bto\b|\band\b)\s*(?=\d)")
 #: Words and marks a rewording adds, drops or swaps without changing the question: courtesy, auxiliaries, articles,
-#: pronouns of the asker, prepositions (a unit's or a pole's order is the signature's), sentence punctuation.
+#: pronouns of the asker, sentence punctuation.
 _FILLER = frozenset(
     {"please", "kindly", "thanks", "thank", "so", "much", "just", "hey", "hi", "hello", "quick", "question", "help"}
-    | {"can", "could", "would", "will", "shall", "should", "do", "does", "did", "is", "are", "am", "be", "it", "its"}
-    | {"i", "me", "my", "we", "us", "our", "you", "your", "tell", "show", "explain", "give", "let", "know", "want"}
+    | {"can", "could", "would", "do", "does", "is", "are", "am", "be", "it", "its"}
+    | {"tell", "show", "explain", "give", "let", "know", "want"}
     | {"need", "like", "wonder", "wondering", "the", "a", "an", "this", "that", "there", "some", "any", "really"}
-    | {"to", "into", "in", "of", "for", "on", "at", "by", "with", "from", "about", "as"}
+    | {"excuse", "sorry", "cheers", "appreciated", "advance"}
     | set(".,;:!?\"'()[]{}-\u2013\u2014\u2026")
 )
-#: A word at least this long is the same word without its ending, or with two neighbouring letters swapped.
+#: Prepositions are substance (an outside run: "copy data to S3" / "from S3", "flights from Paris to London" / "to
+#: Paris from London", "melatonin with alcohol" / "for alcohol" were served each other's answers), by their sense.
+_PREPOSITIONS = {
+    **dict.fromkeys(("to", "into", "toward", "towards", "onto"), "to"),
+    **dict.fromkeys(("in", "inside", "within"), "in"),
+    **{word: word for word in ("of", "for", "on", "at", "by", "with", "from", "about", "as", "out", "off")},
+}
+#: Who and when are substance too, by their sense (a third run: "Should I call you or should you call me?" / "Should
+#: you call me or should I call you?", "Why did my order get cancelled?" / "Why will...", "Can I take ibuprofen while
+#: pregnant?" / "Should I..." were served each other's answers); "how do I" and "how can I" stay one question.
+_ROLES = {
+    **dict.fromkeys(("i", "me", "my", "mine", "myself"), "i"),
+    **dict.fromkeys(("we", "us", "our", "ours", "ourselves"), "we"),
+    **dict.fromkeys(("you", "your", "yours", "yourself", "yourselves"), "you"),
+    **dict.fromkeys(("did", "was", "were", "had"), "past"),
+    **dict.fromkeys(("will", "shall"), "future"),
+    **dict.fromkeys(("should", "must", "ought"), "should"),
+}
+#: "Tell me", "show me", ...: a courtesy, not the asker's role.
+_ASKED = re.compile(r"\b(tell|show|give|let|help)\s+(?:me|us)\b")
+#: A word at least this long is the same word without its plural ending, or with two neighbouring letters swapped.
 _SPELLING_MIN = 4
+#: Texts with more words than this are not compared word by word (no hit): the comparison's cost grows faster than
+#: the square of the words (128 words repeating two: ~10 ms; 4,000 such took minutes), and a text the model reads
+#: whole has at most its 128 tokens.
+_MAX_WORDS = 128
 
 
 def _content(text: str) -> list[str]:
     """A text's words that carry its question (`_FILLER` left out), contractions spelled out, negations as "not",
-    units and poles by their label (`_POLES`), numbers as "#", so that a rewording's are the same words."""
+    units and poles by their label (`_POLES`), prepositions by their sense, numbers as "#", so that a rewording's are
+    the same words. Characters the model's tokenizer drops (format characters such as a zero-width space, control
+    characters, combining marks alone) are not words: an outside run padded a question with thousands of them, which
+    the model read as the question and the comparison as thousands of words (139 s on the event loop)."""
     text = _ODD_APOSTROPHE.sub("'", text.lower().translate(_APOSTROPHES))
     for pattern, spelled in _CONTRACTIONS:
         text = pattern.sub(spelled, text)
     words: list[str] = []
-    for token in _TOKEN.findall(_RANGE.sub(" ", text)):
-        if token in _FILLER:
+    for token in _TOKEN.findall(_RANGE.sub(" ", _ASKED.sub(r"\1", text))):
+        if token in _FILLER or (len(token) == 1 and unicodedata.category(token)[0] in "CMZ"):
             continue
         if token[0].isdigit() or (token[0] in "-\u2212" and len(token) > 1) or token in _NUMBER_WORDS:
             words.append("#")  # (the numbers themselves are the signature's: "1,000" is "1000", "twelve" 12)
+        elif token in _PREPOSITIONS:
+            words.append(_PREPOSITIONS[token])
+        elif token in _ROLES:
+            words.append(_ROLES[token])
         else:
             words.append("not" if token in _NEGATIONS else _POLES.get(token, token))
     return words
 
 
 def _stem(word: str) -> str:
-    """`word` without an ending that makes no other question of it ("exercise" / "exercising")."""
-    for ending in ("ing", "ed", "es", "s", "e"):
-        if len(word) - len(ending) >= _SPELLING_MIN and word.endswith(ending):
+    """`word` without a plural ending ("rows" / "row"); other endings ("-ed", "-ing", "-e") may make another question
+    of it ("plane" is not "plan", "cancelled" not "cancelling")."""
+    for ending in ("es", "s"):
+        if len(word) - len(ending) >= 3 and word.endswith(ending):
             return word[: -len(ending)]
     return word
 
 
 def _same_word(a: str, b: str) -> bool:
-    """Another ending of one word ("exercise" / "exercising", a plural) or a typo that swapped two neighbouring letters
-    ("waht"): not a letter changed, added or dropped ("cats" / "bats", "plan" / "plane" are other words)."""
+    """A plural of one word ("row" / "rows") or a typo that swapped two neighbouring letters ("waht"): not a letter
+    changed, added or dropped ("cats" / "bats", "plan" / "plane" are other words)."""
     if _stem(a) == _stem(b):
         return True
     if len(a) != len(b) or len(a) < _SPELLING_MIN:
@@ -229,19 +266,29 @@ def _same_word(a: str, b: str) -> bool:
     return a[i] == b[j] and a[j] == b[i]
 
 
+def _rotated(a: list[str], b: list[str]) -> bool:
+    """Whether `b` is `a` with a leading phrase moved to its end, or the reverse ("In Python, how do I reverse a list?"
+    / "How do I reverse a list in Python?"): a rotation, which swaps no roles ("Alice owes Bob" / "Bob owes Alice")."""
+    return len(a) >= 3 and len(a) == len(b) and any(a[k:] + a[:k] == b for k in range(1, len(a)))
+
+
 def reworded(a: str, b: str) -> bool:
     """Whether `b` asks what `a` does in other words, as far as words tell (pure). Not when the two are the same words
     in another order ("Is Python faster than Java?" / "Is Java faster than Python?", "5 ounces to grams" / "5 grams
-    to ounces", "x-y" / "y-x"), nor when they are the same text but for a word or two of substance ("the tenth digit"
-    / "the ninth digit", "legal" / "illegal", "for adults" / "for children", "until" / "since"): an embedding puts
-    such pairs closer together (0.93-0.99, an outside run, each served the other's answer at the default 0.92) than
-    many true paraphrases. Courtesy, auxiliaries, articles and the like (`_FILLER`), a typo or a plural, and
-    contractions spelled either way are not substance; a rewording of more than two words is left to the threshold."""
+    to ounces", "x-y" / "y-x"; a phrase moved from the front to the end is a rewording), nor when they are the same
+    text but for a word or two of substance ("the tenth digit" / "the ninth digit", "legal" / "illegal", "for adults" /
+    "for children", "to S3" / "from S3"): an embedding puts such pairs closer together (0.93-0.99, an outside run, each
+    served the other's answer at the default 0.92) than many true paraphrases. Courtesy, auxiliaries, articles and the
+    like (`_FILLER`), a plural or a swap of neighbouring letters, and contractions spelled either way are not
+    substance; a rewording of more than two words is left to the threshold. The cost, measured by an outside run on
+    pairs of its own: most true paraphrases that change a word or two (synonyms, "how do I" / an imperative) miss."""
     words_a, words_b = _content(a), _content(b)
     if words_a == words_b:
         return True
+    if max(len(words_a), len(words_b)) > _MAX_WORDS:
+        return False
     if sorted(words_a) == sorted(words_b):
-        return False  # the same words in another order: roles or operands swapped
+        return _rotated(words_a, words_b)  # else the same words in another order: roles or operands swapped
     matcher = difflib.SequenceMatcher(a=words_a, b=words_b, autojunk=False)
     dropped: list[str] = []
     added: list[str] = []
