@@ -34,6 +34,7 @@ from .attempt import Failover, Opened
 from .edge.server import Reply, Request
 from .errors import UpstreamError
 from .exchange import Exchange, Phase
+from .fleet.instance import mark_stoppable
 from .relay import in_time, open_engine
 from .respond import stream_events, whole_body
 from .responses import whole_answer
@@ -181,6 +182,7 @@ class Resumable:
             api,
             self._request_headers,
             upstream_id,
+            mark_stoppable,
             exclude=failover.excluded,
             after=failover.error(),
         )

@@ -508,3 +508,27 @@ async def test_the_answer_says_the_priority_it_was_served_at(start_sim, start_ga
         headers = {"Authorization": f"Bearer {key}", **({"x-priority": asked} if asked else {})}
         async with http.post(gw.url + "/v1/chat/completions", data=orjson.dumps(chat()), headers=headers) as resp:
             assert resp.status == 200 and resp.headers["x-lockgate-priority"] == served, (key, asked)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["resumable", "flight"])
+async def test_a_preemptible_request_counts_on_its_instance_as_one_a_p0_may_stop(
+    start_sim, start_gateway, http, temperature
+):
+    """Routing prices a P0 at a full instance as a step's wait only for the requests it can have stopped there
+    (`InstanceView.stoppable`): a P2 request's engine call counts, on the resumable path and as a flight's leader; a
+    P0's does not; none is left counted once they end."""
+    sim = await start_sim(**QUICK)
+    sim.control.hold = True
+    gw = await start_gateway([{"name": "m", "instances": [instance(sim)]}])
+    [engine] = gw.gateway.fleet.instances.values()
+    batch = asyncio.create_task(post(http, gw.url, chat(1, temperature=temperature), **{"x-priority": "P2"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(1)
+    urgent = asyncio.create_task(post(http, gw.url, chat(2, temperature=temperature), **{"x-priority": "P0"}))
+    async with asyncio.timeout(5):
+        await sim.wait_held(2)
+    assert (engine.in_flight, engine.stoppable) == (2, 1)
+    sim.control.hold = False
+    sim.release()
+    assert [(await batch)[0], (await urgent)[0]] == [200, 200]
+    assert (engine.in_flight, engine.stoppable) == (0, 0)

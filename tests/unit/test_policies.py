@@ -415,11 +415,15 @@ def test_a_p0_may_go_to_a_fast_instance_whose_slots_less_urgent_work_fills():
     the only one with a free slot (~90 ms against ~10 idle). A P0 is priced where the slots are full too (the scheduler
     stops a less urgent request there for it); other requests keep to instances with room."""
     policy = PredictedTTFT()
-    fast = view(0, prefill_tps=40_000, tpot_s=0.005, decode_s=0.32, in_flight=8, max_concurrency=8, running=8)
+    full = view(0, prefill_tps=40_000, tpot_s=0.005, decode_s=0.32, in_flight=8, max_concurrency=8, running=8)
+    fast = replace(full, stoppable=8)  # its slots held by P2 requests
     slow = view(1, prefill_tps=5_000, tpot_s=0.04, decode_s=2.5, in_flight=3, max_concurrency=8, running=3)
     request = RouteRequest("m", prompt_tokens=12)
     assert pick(policy, request, snap(fast, slow)) == "i1"
     assert pick(policy, replace(request, urgent=True), snap(fast, slow)) == "i0"
+    # A second outside run: full of P0s (nothing there to stop), it was priced as a step's wait all the same, and P0s
+    # stacked on a fast 2-slot engine five deep, each waiting whole generations (flood p99 122 -> 682 ms).
+    assert pick(policy, replace(request, urgent=True), snap(full, slow)) == "i1"
     # A full instance still waits a share of its generations: a P0 takes the free slot of a peer as fast.
-    peer = replace(fast, key="i2", name="i2", in_flight=7, running=7)
+    peer = replace(fast, key="i2", name="i2", in_flight=7, running=7, stoppable=7)
     assert pick(policy, replace(request, urgent=True), snap(fast, peer)) == "i2"

@@ -174,3 +174,23 @@ def test_a_reproducible_request_carries_the_tokens_its_prompts_blocks_cover() ->
             continue
         instance, _ = p.choose(route)  # its blocks are indexed there now
         assert route.repeat_tokens == len(route.blocks) * 16 and p.choose(route) == (instance, route.repeat_tokens)
+
+
+def test_an_instance_counts_the_leases_a_p0_may_have_stopped() -> None:
+    """The leases of a preemptible class's requests (`Lease.stoppable`, marked before they are sent) are what a P0
+    routed to a full instance can have stopped there (`InstanceView.stoppable`): counted while they last, where they
+    move, once each."""
+    p = two_instance_pool(make_policy("predicted_ttft"))
+    first, second = p.instances
+    p2 = Lease(first, GatewayMetrics())
+    p0 = Lease(first, GatewayMetrics())
+    p2.stoppable()
+    p2.stoppable()
+    assert (first.in_flight, first.stoppable) == (2, 1)
+    assert first.view().stoppable == 1
+    p2.move(second)  # (a sidecar served it on another of its engines)
+    assert (first.stoppable, second.stoppable) == (0, 1)
+    p2.release()
+    p2.stoppable()  # (released: no longer counted)
+    p0.release()
+    assert (first.in_flight, first.stoppable, second.in_flight, second.stoppable) == (0, 0, 0, 0)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from ..changes import Changes
 from ..errors import ModelNotFound, QueueFull, QueueTimeout
+from ..fleet.instance import mark_stoppable
 from ..metrics import SchedulingMetrics
 from .preemption import (
     Placement,
@@ -566,8 +567,12 @@ class Admission:
         return self.classes[klass].name
 
     def room_for(self, model: str, klass: int) -> Callable[[Lease, bool], None] | None:
-        """What a request of `model` and class `klass` calls with each engine call's lease just before it is sent
-        (`PoolScheduler.make_room`): None unless the class is strict and a less urgent one is preemptible."""
+        """What a request of `model` and class `klass` calls with each engine call's lease just before it is sent: a
+        strict class makes room there (`PoolScheduler.make_room`) when a less urgent one is preemptible; a preemptible
+        class marks its lease (`Lease.stoppable`: routing prices a P0 at that full instance as a step's wait); else
+        None."""
+        if klass in self.preemptible:
+            return mark_stoppable
         if not self.classes[klass].strict or not any(k > klass for k in self.preemptible):
             return None
         return functools.partial(self.schedulers[model].make_room, klass)

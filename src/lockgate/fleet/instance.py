@@ -89,6 +89,8 @@ class Instance:
         self.idle: asyncio.Event | None = None
         #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
         self.in_flight = 0
+        #: Of those, the leases of requests of a preemptible class (`Lease.stoppable`).
+        self.stoppable = 0
         #: Leases held, by the model (pool) they were taken for: once retired, what it still runs of each pool's
         #: requests (`Fleet.apply`: capacity the pool lends until they end).
         self.leased: dict[str, int] = {}
@@ -199,6 +201,7 @@ class Instance:
             routable=self.in_service if panic else self.routable,
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
+            stoppable=self.stoppable,
             own=self.own,
             engine=self.engine_load,
             now=time.monotonic() if now is None else now,
@@ -216,6 +219,7 @@ class Lease:
         "_estimate",
         "_metrics",
         "_released",
+        "_stoppable",
         "_whole",
         "completion_tokens",
         "instance",
@@ -241,6 +245,7 @@ class Lease:
         self._estimate = prompt_tokens
         self._metrics = metrics
         self._released = False
+        self._stoppable = False
         #: Tokens received so far (for the instance's TPOT), kept current by the relay.
         self.completion_tokens = 0
         self._whole = False
@@ -328,6 +333,13 @@ class Lease:
         self.completion_tokens = completion_tokens
         self._whole = True
 
+    def stoppable(self) -> None:
+        """The request is of a preemptible class: a P0 routed to its full instance has it stopped (`Instance.stoppable`,
+        `predict_ttft`). Counted until the lease ends (and where it moves)."""
+        if not self._released and not self._stoppable:
+            self._stoppable = True
+            self.instance.stoppable += 1
+
     def move(self, to: Instance) -> None:
         """The engine serving this attempt is `to`, not the instance it was routed to (a sidecar picks
         among its node's engines): its slot, queued prompt and TTFT/TPOT samples count there from now,
@@ -339,6 +351,7 @@ class Lease:
         before.own.end(self._attempt, now, 0)  # no first token yet: no sample, only the queue undone
         self._attempt = to.own.adopt(self._attempt, now)
         to.in_flight += 1
+        to.stoppable += self._stoppable
         to.leased[self.model] = to.leased.get(self.model, 0) + 1
         self.instance = to
         self._vacate(before)
@@ -365,6 +378,7 @@ class Lease:
 
     def _vacate(self, instance: Instance) -> None:
         instance.in_flight -= 1
+        instance.stoppable -= self._stoppable
         leased = instance.leased
         left = leased.get(self.model, 0) - 1
         if left > 0:
@@ -408,3 +422,9 @@ def engine_queues(instance: Instance) -> bool:
     if load is None or load.waiting is None or load.running is None:
         return False
     return load.waiting >= max(1.0, load.running)
+
+
+def mark_stoppable(lease: Lease, watch: bool) -> None:
+    """A preemptible class's engine calls' hook before they are sent (`Admission.room_for`, `resume.Resumable`): the
+    lease counts as one a P0 may have stopped (`Lease.stoppable`)."""
+    lease.stoppable()

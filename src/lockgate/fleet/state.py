@@ -472,6 +472,7 @@ def merge(
     stale_after: float,
     cached_tokens: int = 0,
     cache_room: int | None = None,
+    stoppable: int = 0,
 ) -> InstanceView:
     queued = own.backlog_tokens(now)
     fresh = engine is not None and engine.age(now) <= stale_after
@@ -523,4 +524,5 @@ def merge(
         whole_s=own.whole_time.value,
         latency_floor_s=own.latency_floor,
         latency_age_s=0.0 if own.latency_at is None else now - own.latency_at,
+        stoppable=stoppable,
     )

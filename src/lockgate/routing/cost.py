@@ -134,10 +134,13 @@ def predict_ttft(
     wait = view.queued_prompt_tokens / rate
     over = view.in_flight + 1 - view.max_concurrency
     if over > 0:
-        # No free batch slot: on average one frees every decode_s / max_concurrency seconds. For a P0, a less urgent
-        # request there is stopped (`Admission.make_room`): its slot frees at the next step.
+        # No free batch slot: on average one frees every decode_s / max_concurrency seconds. For a P0, a request of a
+        # preemptible class there is stopped (`Admission.make_room`): its slot frees at the next step, for as many as
+        # there are (an outside run: a fast 2-slot engine full of P0s was priced as a step's wait, and P0s stacked
+        # there five deep, each waiting whole generations).
         per_slot = view.decode_s / view.max_concurrency
-        wait += over * (min(tpot, per_slot) if request.urgent and tpot > 0 else per_slot)
+        quick = min(over, view.stoppable) if request.urgent and tpot > 0 else 0
+        wait += quick * min(tpot, per_slot) + (over - quick) * per_slot
     # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
     # some engines never say) counts as full: the cold start is when prefixes find their homes, and
     # a copy placed then on a second instance "for free" later crowds out a prefix of its own. An instance sent

@@ -71,6 +71,9 @@ class InstanceView:
     #: of the last (`OwnAccounting.latency_floor`): what a first token takes there at the least, whatever the prompt.
     latency_floor_s: float = 0.0
     latency_age_s: float = 0.0
+    #: Requests of a preemptible class in flight there (`Lease.stoppable`): a P0 sent there when it is full has one
+    #: stopped for it (`Admission.make_room`), at most this many.
+    stoppable: int = 0
 
     @property
     def load(self) -> float:
