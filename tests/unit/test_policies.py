@@ -427,3 +427,15 @@ def test_a_p0_may_go_to_a_fast_instance_whose_slots_less_urgent_work_fills():
     # A full instance still waits a share of its generations: a P0 takes the free slot of a peer as fast.
     peer = replace(fast, key="i2", name="i2", in_flight=7, running=7, stoppable=7)
     assert pick(policy, replace(request, urgent=True), snap(fast, peer)) == "i2"
+
+
+def test_a_p0_does_not_rotate_onto_an_engine_steps_slower():
+    """A second outside run, P0 traffic alone on two engines, one slowed 12x midway: the "cached nowhere" rotation
+    took every instance within one step of the best, the step being the peers' mean, which the slow engine's own
+    step widened enough to keep it in: half the P0s went on going there. A P0's step is the fastest one's."""
+    policy = PredictedTTFT()
+    fast = view(0, prefill_tps=40_000, tpot_s=0.005, prefill_age_s=0.1, tpot_age_s=0.1)
+    slow = view(1, prefill_tps=40_000, tpot_s=0.015, prefill_age_s=0.1, tpot_age_s=0.1)  # 3x: within the mean step
+    urgent = RouteRequest("m", prompt_tokens=12, urgent=True)
+    assert [pick(policy, urgent, snap(fast, slow)) for _ in range(4)] == ["i0"] * 4
+    assert {pick(policy, replace(urgent, urgent=False), snap(fast, slow)) for _ in range(4)} == {"i0", "i1"}

@@ -213,7 +213,11 @@ class PredictedTTFT:
         if not any(o.cached_tokens for o in options):
             # Cached nowhere: only the waits differ, and the least recently chosen instance among those within a
             # step and half this prompt's prefill of the best wins (module docstring, "cached nowhere").
-            window = max(cutoff, min(costs) + tpot + 0.5 * request.prompt_tokens / rate)
+            # A P0's step is the fastest measured one's: the peers' mean widened the window by the slow engine's own
+            # step, and a fleet of two taking P0s alone went on sending half of them to one slowed midway (an outside
+            # run).
+            step = min((o.tpot_s for o in options if o.tpot_s > 0), default=tpot) if request.urgent else tpot
+            window = max(cutoff, min(costs) + step + 0.5 * request.prompt_tokens / rate)
             return min((o for o, c in zip(options, costs, strict=True) if c <= window), key=self._least_recent)
         tied = [o for o, c in zip(options, costs, strict=True) if c <= cutoff]
         # (Module docstring, "ties" and "a reproducible request".)
