@@ -181,8 +181,8 @@ _CONTRACTIONS = (
 )
 #: A dash or "and"/"to" between two numbers: a range ("5-10", "5 to 10", "5 and 10" alike).
 _RANGE = re.compile(r"(?<=\d)\s*(?:-|\u2013|\bto\b|\band\b)\s*(?=\d)")
-#: Words and marks a rewording adds, drops or swaps without changing the question: courtesy, auxiliaries, articles,
-#: pronouns of the asker, sentence punctuation.
+#: Words and marks a rewording adds, drops or swaps without changing the question: courtesy, "do" / "can" and the like,
+#: articles and determiners, sentence punctuation (who, when and prepositions are substance: `_ROLES`, `_PREPOSITIONS`).
 _FILLER = frozenset(
     {"please", "kindly", "thanks", "thank", "so", "much", "just", "hey", "hi", "hello", "quick", "question", "help"}
     | {"can", "could", "would", "do", "does", "is", "are", "am", "be", "it", "its"}
