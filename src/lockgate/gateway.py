@@ -413,7 +413,8 @@ class Gateway:
         if klass in admission.preemptible and ex.api.endpoint.generates:
             return await resume.relay_resumable(ex, request, klass, admission, self.fleet)
         await admission.slot(ex, klass).take()
-        return await relay(ex, request, self.fleet, room)
+        # (A preemptible class's request that cannot be resumed here, an embedding: nothing there a P0 can stop.)
+        return await relay(ex, request, self.fleet, None if klass in admission.preemptible else room)
 
     @staticmethod
     def _deadline(request: Request, default_ms: int | None) -> float | None:
