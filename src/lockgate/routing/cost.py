@@ -201,12 +201,18 @@ class PredictedTTFT:
         # next door, and an instance of 2 ran 4 while its neighbour ran none. A P0 (`RouteRequest.urgent`) may take a
         # full instance clearly sooner than every one with room (`_sooner_full`).
         reuse = snapshot.reuse
+
+        def cost(view: InstanceView) -> float:
+            return predict_ttft(view, request, rate, tpot, self._half_life_s, reuse, whole)
+
         roomy = with_room(options)
+        costs = [cost(o) for o in roomy]
         if request.urgent and len(roomy) < len(options):
-            options = self._sooner_full(request, options, roomy, rate, tpot, reuse, whole)
+            free = set(map(id, roomy))
+            full = [o for o in options if id(o) not in free]
+            options, costs = self._sooner_full(full, [cost(o) for o in full], roomy, costs, tpot)
         else:
             options = roomy
-        costs = [predict_ttft(o, request, rate, tpot, self._half_life_s, reuse, whole) for o in options]
         # Equal predictions (an idle fleet), or as good as equal (`near_tie`): the holder of the most of the prompt,
         # then the emptier instance, then round-robin.
         cutoff = min(costs) * self._near + self._near_s
@@ -234,27 +240,23 @@ class PredictedTTFT:
 
     def _sooner_full(
         self,
-        request: RouteRequest,
-        options: list[InstanceView],
+        full: list[InstanceView],
+        full_costs: list[float],
         roomy: list[InstanceView],
-        rate: float,
+        roomy_costs: list[float],
         tpot: float,
-        reuse: float,
-        whole: float,
-    ) -> list[InstanceView]:
-        """A P0's candidates when some are full: the full ones its first token is predicted to come from a step
-        sooner than from any with room (before it is sent there the scheduler stops a less urgent request for it,
-        `Admission.make_room`: its wait is a step, `predict_ttft`), else those with room. Kept to instances with room,
-        every P0 of a flood went to the slow engine of a fast and a slow one, the only one with room (~90 ms against
-        ~10 on the fast one idle); free to take any full one, it stopped requests where a free slot was as soon."""
-
-        def cost(view: InstanceView) -> float:
-            return predict_ttft(view, request, rate, tpot, self._half_life_s, reuse, whole)
-
-        free = set(map(id, roomy))
-        best = min(map(cost, roomy)) - max(tpot, self._near_s)
-        sooner = [o for o in options if id(o) not in free and cost(o) * self._near < best]
-        return sooner or roomy
+    ) -> tuple[list[InstanceView], list[float]]:
+        """A P0's candidates (and their predictions) when some are full: the full ones its first token is predicted to
+        come from a step sooner than from any with room (before it is sent there the scheduler stops a less urgent
+        request for it, `Admission.make_room`: its wait is a step, `predict_ttft`), else those with room. Kept to
+        instances with room, every P0 of a flood went to the slow engine of a fast and a slow one, the only one with
+        room (~90 ms against ~10 on the fast one idle); free to take any full one, it stopped requests where a free
+        slot was as soon."""
+        best = min(roomy_costs) - max(tpot, self._near_s)
+        sooner = [(o, c) for o, c in zip(full, full_costs, strict=True) if c * self._near < best]
+        if not sooner:
+            return roomy, roomy_costs
+        return [o for o, _ in sooner], [c for _, c in sooner]
 
     def _least_recent(self, view: InstanceView) -> int:
         return self._chosen.get(view.key, 0)
