@@ -239,6 +239,35 @@ def test_discovery_holds_a_shorter_backlog_when_the_gateways_own_requests_there_
     assert not one.observe(running=16, waiting=1, in_flight=17, decode_s=0.5, overdue=True) and one.limit == 256
 
 
+def test_discovery_holds_a_lone_waiting_request_older_than_a_step_while_one_of_the_gateways_is_overdue() -> None:
+    """P0 traffic alone on a fast 4-slot engine next to a slow 32-slot one: its queue rarely grew past one, so its
+    limit was never learned, and routing kept sending P0s into its queue for a whole generation (p99 ~0.4-0.6 s, the
+    slow engine with room). One request waiting counts when it waits for a slot: older than a step (`aged`) while
+    one of the gateway's is overdue there, the engine at the most it ran lately. Either alone is a step's arrival."""
+    lone = ConcurrencyLimit(256)
+    assert lone.observe(running=4, waiting=1, in_flight=5, decode_s=0.8, overdue=True, aged=True)
+    assert lone.limit == 4 and lone.known_slots() == 4
+    assert not lone.observe(running=4, waiting=1, in_flight=5, decode_s=0.8, overdue=True, aged=True)  # confirmed
+    assert lone.limit == 4
+    for overdue, aged in ((True, None), (True, False), (None, True), (False, True)):
+        quiet = ConcurrencyLimit(256)
+        assert not quiet.observe(running=4, waiting=1, in_flight=5, decode_s=0.8, overdue=overdue, aged=aged)
+        assert quiet.limit == 256 and quiet.known_slots() is None
+    other = ConcurrencyLimit(256)  # the waiting one is another client's: the gateway's own all run
+    assert not other.observe(running=4, waiting=1, in_flight=4, decode_s=0.8, overdue=True, aged=True)
+    assert other.limit == 256
+    below = ConcurrencyLimit(256)  # the engine ran more a moment ago: it has free slots, the wait is for its step
+    below.observe(running=12, waiting=0, in_flight=12, decode_s=0.8)
+    assert not below.observe(running=4, waiting=1, in_flight=5, decode_s=0.8, overdue=True, aged=True)
+    assert below.limit == 256
+    learned = ConcurrencyLimit(256)  # once a limit is learned, one waiting is weak evidence (the rule below)
+    learned.observe(running=8, waiting=9, in_flight=17)
+    learned.observe(running=8, waiting=9, in_flight=17)
+    assert learned.limit == 8
+    assert not learned.observe(running=7, waiting=1, in_flight=8, decode_s=0.8, overdue=True, aged=True)
+    assert learned.limit == 8
+
+
 def test_one_waiting_at_a_full_limit_does_not_cut_below_the_learned_limit() -> None:
     """With the strict reserve keeping a slot free, a 4-slot engine ran 3 for seconds at a time; a slot freed a
     moment before two scrapes (one waiting, the gateway's whole limit there) then cut its limit to 3 (`bench

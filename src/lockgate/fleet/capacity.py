@@ -64,7 +64,12 @@ confirms the hold (the saturation rule) or undoes it when the engine runs more t
 taking a burst in); otherwise the first probe judges it (a one-slot trial that a flood refutes within a
 scrape; on an engine that runs more, growth by an eighth per scrape). Only a queue at least as long as
 the batch holds (a shorter one is more often a step's arrivals at low load), or a backlog (two, and a
-quarter of the batch) while a request the gateway sent there is overdue: one hold per backlog.
+quarter of the batch) while a request the gateway sent there is overdue, or a single request waiting that is
+both: one of the gateway's there is overdue and the engine's queue holds more than the gateway sent it within
+the last step (`aged`: so it waits for a slot, not for the step it arrived in), with the engine at the most it
+ran lately: one hold per backlog. Without that last rule an engine fed by P0 traffic alone was never learned:
+its queue rarely grows past one, the limit stayed at the ceiling, and routing kept sending P0s into a full
+4-slot engine's queue for a whole generation (p99 ~0.4-0.6 s where a 32-slot engine next to it had room).
 
 **Declared**: where the engine says what it runs at once (llama.cpp's `total_slots`, SGLang's
 `max_running_requests`, TGI's `max_batch_size`: `Dialect.parallelism`), `declare()` makes that the
@@ -158,6 +163,7 @@ class ConcurrencyLimit:
         decode_s: float | None = None,
         overdue: bool | None = None,
         kv_full: bool = False,
+        aged: bool | None = None,
     ) -> bool:
         """One scrape's signals and the gateway's requests there now; True if the limit changed.
         `prefill_backlog_s`: the prefill work the gateway has sent there and not seen answered, in seconds
@@ -168,7 +174,8 @@ class ConcurrencyLimit:
         (`OwnAccounting.overdue`; None: not known). `kv_full`: the engine's KV cache is (nearly) full: it runs what
         fits there, fewer than its slots, and that count moves as sequences grow and are preempted (an outside run:
         a 16-slot engine whose cache fitted 8-14 ran 8-14 with 40 waiting, which read as free slots, and its limit
-        stayed at the ceiling for 20 s while P0 waited there behind them)."""
+        stayed at the ceiling for 20 s while P0 waited there behind them). `aged`: the engine's queue holds more than
+        the gateway sent it within the last step (`OwnAccounting.queued_beyond`; None: not known)."""
         if not self.adaptive or running is None or waiting is None:
             self._streak = 0
             return False
@@ -188,7 +195,9 @@ class ConcurrencyLimit:
             self._streak = 0
             return False
         backlog = waiting >= max(2.0, 0.25 * running)
-        if waiting >= 1 and running >= 1 and (backlog or in_flight >= self.limit):
+        # One request waiting, but for a slot: it is older than a step and one of the gateway's is overdue there.
+        lone = self._learned is None and overdue is True and aged is True and in_flight > running
+        if waiting >= 1 and running >= 1 and (backlog or in_flight >= self.limit or lone):
             steady = kv_full or (previous is not None and abs(running - previous) <= max(1.0, 0.1 * running))
             self._streak = self._streak + 1 if steady or self._streak == 0 else 1
             held = self._held_from
@@ -210,7 +219,7 @@ class ConcurrencyLimit:
                 changed = self._saturated(found)
                 self._kv_bound = kv_full
                 return changed
-            if self._learned is None and not self._held and (waiting >= running or (backlog and overdue)):
+            if self._learned is None and not self._held and (waiting >= running or (backlog and overdue) or lone):
                 # Discovery: a first backlog as long as the batch holds the limit at what the engine runs
                 # until a later scrape confirms it (saturation), undoes it (running grew past it) or a probe
                 # judges it. A shorter queue is more often a step's arrivals at low load, unless the gateway's

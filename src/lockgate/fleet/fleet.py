@@ -569,6 +569,7 @@ class Fleet:
                 self._decode_s(instance, now) if queue else own.decode_s(now),
                 own.overdue(now),
                 load.kv_usage is not None and load.kv_usage >= KV_FULL,
+                own.queued_beyond(load.waiting, load.scraped_at) if queue and load.waiting is not None else None,
             ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",
