@@ -60,11 +60,14 @@ def whole_answer(
     response_id: str | None = None,
     *,
     source: str = "The engine",
+    finished_at: float | None = None,
 ) -> dict[str, Any]:
     """The whole answer a non-streaming client gets for a generation's events, its own dict (the caller may change
     it): a completion assembled (`assemble_for`, with `response_id`), or a response as its stream's terminal event
     carries it (the engine's id kept), given a `completed_at` if the engine's stream had none (llama.cpp's; its whole
-    answer has one). `source` names who sent a response's stream that ended without it (`UpstreamProtocolError`)."""
+    answer has one): when the generation ended (`finished_at`, wall clock: one time for every answer of a shared or
+    cached one), else now. `source` names who sent a response's stream that ended without it
+    (`UpstreamProtocolError`)."""
     if api.endpoint.chunked:
         return assemble_for(api, events, response_id)
     # (An index, not `reversed()`: mypyc 1.x fails to compile a loop over `reversed()` of these events.)
@@ -74,7 +77,7 @@ def whole_answer(
         if is_terminal(event) and isinstance(response, dict):
             out = dict(response)  # (the events may be a flight's, shared by its clients)
             if out.get("status") == "completed" and "completed_at" not in out:
-                out["completed_at"] = int(time.time())
+                out["completed_at"] = int(time.time() if finished_at is None else finished_at)
             return out
     raise UpstreamProtocolError(f"{source} ended a response's stream without the response.")
 

@@ -590,6 +590,40 @@ async def test_a_whole_p2_response_is_restarted_and_a_streamed_one_runs_on(start
     assert_no_leaks(gw)
 
 
+async def test_a_whole_p2_response_of_a_flight_with_output_is_restarted(start_sim, start_gateway, http):
+    """An outside run: a non-streaming P2 Responses request at temperature 0 (de-duplicable: a flight, which streams
+    from the engine) was never stopped once the engine had sent it events, though its client, waiting for the whole
+    answer, had been sent nothing: the P0 waited a whole generation (0.93 s). It is stopped, restarted from scratch,
+    and answers what an uninterrupted run does."""
+    sim, gw, sched = await one_slot(start_sim, start_gateway)
+    body = {"model": "m", "input": "tell me a story", "max_output_tokens": 40, "temperature": 0}
+
+    async def respond(headers: dict[str, str]) -> tuple[int, Any]:
+        async with http.post(gw.url + "/v1/responses", data=orjson.dumps(body), headers=headers) as resp:
+            return resp.status, await resp.json()
+
+    waiting = asyncio.create_task(respond({"x-priority": "P2"}))
+    await until_generating(sim)
+    [flight] = gw.gateway.dedup.flights.all()
+    async with asyncio.timeout(5):
+        while flight.tokens < 2:  # the flight has kept output (its subscriber has taken it)
+            await flight.wait_changed()
+    sim.control.hold = True
+    urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
+    await until(sched, lambda core: core.running(P0) == 1)  # at once: the flight gave its slot up
+    assert sched.core.queued(P2) == 1 and sched.core.running(P2) == 0
+    await let_go(sim)
+    async with asyncio.timeout(10):
+        assert (await urgent)[0] == 200
+        status, answer = await waiting
+    assert status == 200 and answer["status"] == "incomplete" and answer["usage"]["output_tokens"] == 40
+    _, expected = await respond({"x-priority": "P2", **NO_STORE})
+    assert answer["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert sim.stats.find(f"{flight.id}-p1") is not None
+    assert 'lockgate_preemptions_total{model="m",outcome="restarted",priority="P2"} 1.0' in _preemptions(gw)
+    assert_no_leaks(gw)
+
+
 @pytest.mark.parametrize("make", [chat, completion], ids=["chat", "completion"])
 async def test_a_streaming_flight_with_output_is_stopped_and_continued_seamlessly(start_sim, start_gateway, http, make):
     """A P2 flight that has streamed tokens to its client is stopped for a P0 and continued from its output, as a

@@ -5,6 +5,8 @@ usage records; validation; a client that leaves mid-stream; an engine that break
 from __future__ import annotations
 
 import asyncio
+import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -13,6 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+import lockgate.responses
 from lockgate.admission.tenants import hash_key
 from lockgate.records import read_records
 from lockgate.response_ids import MAX_SHOWN_ID_CHARS, ResponseNaming
@@ -579,6 +582,23 @@ async def test_a_whole_response_from_an_engine_stream_says_when_it_completed(ser
         whole = await r.json()
     assert whole["status"] == "completed" and isinstance(whole["completed_at"], int)
     assert whole["output"][0]["content"][0]["text"] == "hi"
+
+
+async def test_a_whole_response_served_again_says_when_it_completed_not_when_served(fleet, http, monkeypatch) -> None:
+    """An outside run: the same whole response served again from the result cache (its id the same) gave another
+    `completed_at` each time, the time it was served: the gateway stamps one where the engine's stream carried none
+    (as the simulator's does not). It is the time the generation ended, for every answer of it."""
+    clock = itertools.count(2_000_000_000, 1000)  # (where the gateway would still ask the time at each answer)
+    monkeypatch.setattr(lockgate.responses, "time", SimpleNamespace(time=lambda: next(clock)))
+    body = {"model": "m", "input": "when did it end", "temperature": 0}  # (no limit: it ends `completed`)
+    answers = []
+    for _ in range(2):
+        async with http.post(fleet[1].url + "/v1/responses", json=body) as r:
+            answers.append((r.headers["x-lockgate-cache"], await r.json()))
+    (first_outcome, first), (second_outcome, second) = answers
+    assert (first_outcome, second_outcome) == ("miss", "hit") and first["id"] == second["id"]
+    assert first["status"] == "completed" and isinstance(first["completed_at"], int)
+    assert second["completed_at"] == first["completed_at"] >= first["created_at"]
 
 
 async def test_a_response_event_past_its_bound_names_the_bound_it_passed(start_sim, start_gateway, http) -> None:

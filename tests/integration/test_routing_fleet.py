@@ -227,6 +227,34 @@ async def test_a_whole_answer_that_breaks_midway_is_retried_elsewhere(
     assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["direct", "flight"])
+async def test_a_whole_response_that_breaks_midway_is_retried_elsewhere(
+    start_sim, start_gateway, http, tmp_path, temperature
+):
+    """An outside run: a non-streaming Responses request at temperature 0 got 502 when its engine broke midway, the
+    other engine idle (the same request without temperature was retried there): its de-duplication flight streams
+    from the engine, and a streamed flight with events was never tried again, though its only client, a whole one,
+    had been sent nothing. Such a flight starts over elsewhere."""
+    broken, good = await start_sim(), await start_sim()
+    gw = await round_robin(start_gateway, {"broken": broken, "good": good})
+    await control(http, broken, reset_after_tokens=3)  # three tokens, then its connection drops
+    body = {"model": "m", "input": "a whole response", "max_output_tokens": 8, "temperature": temperature}
+    async with http.post(gw.url + "/v1/responses", data=orjson.dumps(body)) as resp:
+        raw = await resp.read()
+        assert resp.status == 200 and resp.headers["x-lockgate-instance"] == "good", raw
+    answer = orjson.loads(raw)
+    assert answer["status"] == "incomplete" and answer["usage"]["output_tokens"] == 8
+    [message] = answer["output"]
+    assert len(message["content"][0]["text"].split()) == 8  # one answer's tokens, not the broken call's before them
+    assert broken.statistics()["requests_started"] == 1 and good.statistics()["requests_finished"] == 1
+    # (The direct path reads the engine's whole answer: its break is a dropped connection; a flight's, a stream's.)
+    kind = "disconnect" if temperature else "stream"
+    assert upstream_errors(gw) == {("broken", kind): 1} and retries(gw) == 1
+    await gw.gateway.records.wait_flushed()
+    [record] = read_records(str(tmp_path / "usage.sqlite3"))
+    assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["resumable", "flight"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_preemptible_generation_that_breaks_midway_goes_on_elsewhere(

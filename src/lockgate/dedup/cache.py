@@ -34,7 +34,16 @@ class Result:
     full garbage collection (bytes are not). A read is a cache hit, much rarer than a store; each reader gets its
     own dicts, so none can change what the next one reads."""
 
-    __slots__ = ("_body", "_events", "complete", "completion_tokens", "instance", "nbytes", "prompt_tokens")
+    __slots__ = (
+        "_body",
+        "_events",
+        "complete",
+        "completion_tokens",
+        "finished_at",
+        "instance",
+        "nbytes",
+        "prompt_tokens",
+    )
 
     def __init__(
         self,
@@ -48,10 +57,12 @@ class Result:
         *,
         packed_events: bytes | None = None,
         packed_body: bytes | None = None,
+        finished_at: float | None = None,
     ) -> None:
         """`packed_events`: the events already packed, a JSON array (a flight joins the engine's bytes of each);
         `packed_body`: the body already packed, a JSON object (the engine's bytes of a JSON flight's answer), kept
-        instead of encoding `body`."""
+        instead of encoding `body`; `finished_at`: when the generation ended (wall clock; now if not given), a
+        response's `completed_at` where the engine gave none."""
         if packed_events is not None:
             self._events: bytes | None = packed_events
         else:
@@ -65,6 +76,7 @@ class Result:
         self.completion_tokens = completion_tokens
         self.complete = complete
         self.instance = instance
+        self.finished_at = time.time() if finished_at is None else finished_at
 
     @property
     def events(self) -> tuple[dict[str, Any], ...]:

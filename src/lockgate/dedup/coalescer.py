@@ -311,9 +311,10 @@ class Coalescer:
             response = await self._stream(ex, http_request, source)
         elif cached is not None:
             body = cached.body
-            response = self._whole(ex, body, cached.events if body is None else (), source)
+            response = self._whole(ex, body, cached.events if body is None else (), source, cached.finished_at)
         elif source.flight.stream:
-            response = self._whole(ex, None, await source.wait_done(self.max_response_bytes), source)
+            events = await source.wait_done(self.max_response_bytes)
+            response = self._whole(ex, None, events, source, source.flight.finished_at)
         else:
             response = self._whole(ex, await source.wait_body(), (), source)
         if ex.prompt_tokens_delta:
@@ -338,14 +339,17 @@ class Coalescer:
         body: dict[str, Any] | None,
         events: tuple[dict[str, Any], ...] | list[dict[str, Any]],
         source: Any,
+        finished_at: float | None = None,
     ) -> Reply:
-        """A non-streaming answer from a shared body (copied: every client gets its own id) or from events."""
+        """A non-streaming answer from a shared body (copied: every client gets its own id) or from events (ended at
+        `finished_at`, wall clock)."""
         endpoint = ex.api.endpoint
         if body is not None:  # (a completion: a response's flight always streams)
             out = {**body, "id": self._response_id(endpoint)}
         else:
             # A response keeps the engine's id (the one it may have stored, for follow-ups): no id of ours.
-            out = whole_answer(ex.api, events, self._response_id(endpoint) if endpoint.chunked else None)
+            response_id = self._response_id(endpoint) if endpoint.chunked else None
+            out = whole_answer(ex.api, events, response_id, finished_at=finished_at)
         return whole_body(ex, out, self._headers(ex, source))
 
     async def _stream(self, ex: Exchange, http_request: Request, source: Subscription | _Replay) -> Reply:

@@ -170,6 +170,8 @@ class Flight:
         #: Index (in the whole generation) and byte offset of `events[0]`.
         self._base = 0
         self._base_bytes = 0
+        #: Times the generation started over (`_start_over`): a non-streaming subscriber drops what it collected.
+        self.epoch = 0
         self.max_lag_bytes = max_lag_bytes
         self.max_history_bytes = max_history_bytes
         #: New subscribers are accepted (the buffer still holds the whole generation).
@@ -191,6 +193,8 @@ class Flight:
         self.attempts = 0
         self.started = time.perf_counter()
         self.task: asyncio.Task[None] | None = None
+        #: When it completed (wall clock): each of its answers' `completed_at` where the engine gave none, cached too.
+        self.finished_at: float | None = None
         #: Called with the result when the flight completes (the semantic cache adds it).
         self.on_completed: Callable[[Result], None] | None = None
         #: Releases its leader's slot at the pool's scheduler (`Slot.hand_over`) when the flight ends, however it
@@ -377,7 +381,30 @@ class Flight:
         self._opened = None
         opened.close()
         self._release()
+        if how is Plan.RESTART:
+            self._start_over()
         return True
+
+    def _untold(self) -> bool:
+        """Whether no client has been sent any of the generation, so that it may start over from scratch: every
+        subscriber there answers a non-streaming client (`wait_done`: its answer is made at the end) or has taken
+        nothing. (An outside run: a non-streaming Responses request, whose flight streams from the engine,
+        got 502 when its engine broke midway, where the direct path tried another instance; and a P2 one was never
+        preempted, P0 waiting a whole generation behind it.)"""
+        return all(subscription.whole or not subscription._position for subscription in self._subscriptions)
+
+    def _start_over(self) -> None:
+        """Forget the generation kept so far (`_untold`): the next engine call makes it again, from its first event."""
+        if not self._base and not self.events:
+            return
+        self.events, self._payloads, self._ends, self._contents = [], [], [], []
+        self._base = self._base_bytes = self._nbytes = self.tokens = 0
+        self._floor_bytes = self._floor_position = 0
+        self.epoch += 1
+        for subscription in self._subscriptions:
+            subscription._position = 0
+        if self._transcript is not None:
+            self._transcript = Transcript(self.api.endpoint, keep_events=False, max_chars=self.max_response_bytes)
 
     def _step(self, stream: EngineReads) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
@@ -520,14 +547,16 @@ class Flight:
         if self.subscribed_total > 1 or self.body is not None:
             return None
         if not self._base and not self.events:
-            return Plan.RESTART  # nothing delivered: sent again as it was
+            return Plan.RESTART  # nothing kept: sent again as it was
         return self._resume_plan()
 
     def _resume_plan(self) -> Plan | None:
+        """How a flight with output goes on: continued from it (`preemption.plan`), else started over if no client was
+        sent any of it (`_untold`), else not at all (None)."""
         transcript = self._transcript
-        if transcript is None:
-            return None
-        return plan(self._blocker, transcript, self.api.max_tokens, sent=True)
+        if transcript is None:  # (not resumable: its output cannot be continued)
+            return Plan.RESTART if self._untold() else None
+        return plan(self._blocker, transcript, self.api.max_tokens, sent=not self._untold())
 
     def stoppable(self) -> bool:
         """Whether the flight may be stopped now (`_plan`)."""
@@ -542,6 +571,8 @@ class Flight:
         self.stops += 1
         self._stopped = True
         self._release()
+        if how is Plan.RESTART:
+            self._start_over()
         # Waiting for its slot, it takes no joiners: an identical request (perhaps more urgent) leads its own.
         self.owner.flight_stopped(self)
         self._signal.stop(self.task)
@@ -592,6 +623,7 @@ class Flight:
                 instance=self.served_by,
                 body=body,
                 packed_body=self._body_bytes,
+                finished_at=self.finished_at,
             )
         usage = usage_of(self.events)
         prompt = completion = 0
@@ -606,12 +638,14 @@ class Flight:
             completion_tokens=completion,
             complete=complete,
             instance=self.served_by,
+            finished_at=self.finished_at,
         )
 
     def _complete(self) -> None:
         if self.state is not FlightState.RUNNING:
             return
         self.state = FlightState.COMPLETED
+        self.finished_at = time.time()
         self._wake_reader()
         self._release()
         self.owner.flight_completed(self, self._result(complete=True))
@@ -674,7 +708,7 @@ class Flight:
 class Subscription:
     """One client's view of a flight: replay, then the live tail. `close()` is idempotent."""
 
-    __slots__ = ("_closed", "_position", "backlog", "broken", "ended", "flight")
+    __slots__ = ("_closed", "_position", "backlog", "broken", "ended", "flight", "whole")
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight
@@ -687,6 +721,8 @@ class Subscription:
         self.backlog = False
         self.ended = False
         self.broken = False
+        #: It answers a non-streaming client (`wait_done`): nothing it took was sent before the end.
+        self.whole = False
 
     @property
     def passes_through(self) -> bool:
@@ -795,9 +831,14 @@ class Subscription:
         read as they come (so this subscriber never holds the flight back); more than `max_bytes` of
         them is an `UpstreamTooLarge` (502) for this subscriber."""
         flight = self.flight
+        self.whole = True
         start = flight._consumed(self._position)
+        epoch = flight.epoch
         events: list[dict[str, Any]] = []
         async for event in self:
+            if flight.epoch != epoch:  # the generation started over (`Flight._start_over`): collect it again
+                epoch, start = flight.epoch, 0
+                events.clear()
             events.append(event)
             if max_bytes is not None and flight._consumed(self._position) - start > max_bytes:
                 raise UpstreamTooLarge(
