@@ -262,6 +262,71 @@ async def test_a_queued_request_goes_to_the_instance_that_replaced_its_own(gatew
     assert_gateway_clean(gw)
 
 
+async def test_requests_on_a_replaced_instance_count_on_its_replacement_until_they_end(
+    gateway: Any, tmp_path: Path
+) -> None:
+    """An outside run: a reload that replaced both instances (a new `max_concurrency`, the same URLs) showed them idle
+    in the in-flight and permit gauges, `/admin/fleet` and the dashboard while their streams ran on; and routing could
+    send the engine a whole limit more. The requests of a replaced instance hold its replacement's slots (the same
+    engine): they count there until they end."""
+    server, path, (sim_a, _) = gateway
+    gw = server.gateway
+    assert gw is not None
+    usage = tmp_path / "usage.sqlite3"
+
+    def gauges(name: str) -> dict[str, str]:
+        lines = gw.metrics.render().decode().splitlines()
+        wanted = ("lockgate_instance_in_flight{", "lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{")
+        return {
+            line.split("{")[0]: line.rsplit(" ", 1)[1]
+            for line in lines
+            if line.startswith(wanted) and f'instance="{name}"' in line
+        }
+
+    async def fleet_in_flight(http: aiohttp.ClientSession) -> dict[str, int]:
+        async with http.get(server.url + "/admin/fleet", headers=auth(ADMIN_KEY)) as resp:
+            return {row["name"]: row["in_flight"] for row in (await resp.json())["instances"]}
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+        await one_slot_on(http, server, path, usage, sim_a)
+        sim_a.control.hold_next = 1
+        held = asyncio.create_task(
+            http.post(server.url + "/v1/chat/completions", json=chat(0, False), headers=auth(KEY_A))
+        )
+        await sim_a.wait_held(1)
+        old = gw.fleet.instances[sim_a.url]
+        write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 2")
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert (await resp.json())["changes"]["instances"]["replaced"] == ["A"]
+        new = gw.fleet.instances[sim_a.url]
+        assert new is not old and old.retired and new.in_flight == 1 and new.leased == {"m": 1}
+        assert gauges("A") == {
+            "lockgate_instance_in_flight": "1.0",
+            "lockgate_permits_in_use": "1.0",
+            "lockgate_upstream_calls_in_flight": "1.0",
+        }
+        assert await fleet_in_flight(http) == {"A": 1}
+        # Replaced again while it runs (renamed too): it counts on the newest one, once.
+        path.write_text(path.read_text().replace("name: A", "name: Z"))
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert resp.status == 200
+        newest = gw.fleet.instances[sim_a.url]
+        assert newest.in_flight == 1 and gauges("Z")["lockgate_upstream_calls_in_flight"] == "1.0"
+        assert await fleet_in_flight(http) == {"Z": 1}
+        sim_a.release()
+        async with await held as resp:
+            assert resp.status == 200
+            await resp.read()
+        await gw.fleet.wait_retired()
+        assert (old.in_flight, new.in_flight, newest.in_flight) == (0, 0, 0) and newest.leased == {}
+        assert gauges("Z") == {
+            "lockgate_instance_in_flight": "0.0",
+            "lockgate_permits_in_use": "0.0",
+            "lockgate_upstream_calls_in_flight": "0.0",
+        }
+    assert_gateway_clean(gw)
+
+
 async def test_the_embedded_default_has_nothing_to_reload(start_gateway: Any, start_sim: Any) -> None:
     sim = await start_sim()
     server = await start_gateway([{"name": "m", "instances": [{"url": sim.url, "engine": "vllm"}]}])

@@ -185,7 +185,20 @@ class Fleet:
         self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
         self._metrics.concurrency_limit.labels(instance.name).set_function(lambda i=instance: i.max_concurrency)
         self._metrics.prefix_hit_rate_gap.labels(instance.name).set_function(lambda i=instance: i.hit_gap.value)
-        self._metrics.upstream_calls_in_flight.labels(instance.name).set_function(lambda i=instance: i.open_calls)
+        calls = self._metrics.upstream_calls_in_flight.labels(instance.name)
+        calls.set_function(lambda i=instance: self._calls_open(i))
+
+    def _calls_open(self, instance: Instance) -> int:
+        """Engine calls open on `instance`'s connections and on those of the instances it replaced at their URL (a
+        reload: `Instance.hand_over`) that are still running calls."""
+        count = instance.open_calls
+        for retired in self._retiring:
+            at = retired.successor
+            while at is not None and at is not instance:
+                at = at.successor
+            if at is instance:
+                count += retired.open_calls
+        return count
 
     # --- instances discovered at run time (cluster mode) ------------------------------------------
     def attach(
@@ -296,8 +309,9 @@ class Fleet:
         its requests in flight end (those keep the instance they hold; their next attempts route
         through `pools`, see `attempt.py`). New instances are probed at once and scraped with the
         others. Unchanged pools stay as they are."""
-        for key in (*diff.removed_instances, *diff.changed_instances):
-            self._retire(self.instances.pop(key))
+        retired = [self.instances.pop(key) for key in (*diff.removed_instances, *diff.changed_instances)]
+        for instance in retired:
+            self._retire(instance)
         previous = self.pools
         # A model the file adds may have a pool already: a central replica's, built from the engines it discovered
         # (with defaults): the file's settings replace it.
@@ -305,6 +319,10 @@ class Fleet:
         unchanged = {name: pool for name, pool in previous.items() if name not in renewed}
         self._build(config, previous)
         self.pools = {name: unchanged.get(name, pool) for name, pool in self.pools.items()}
+        for instance in retired:
+            successor = next((i for i in self.instances.values() if i.url == instance.url), None)
+            if successor is not None:
+                instance.hand_over(successor)
         for name, pool in self.pools.items():
             before = previous.get(name)
             if before is None or pool is before:

@@ -96,6 +96,9 @@ class Instance:
         self.leased: dict[str, int] = {}
         #: Set once retired: told each time one of its leases ends (the fleet's pools shrink what they lend).
         self.on_vacated: Callable[[], None] | None = None
+        #: Retired, the instance a reload put at its URL (the same engine): its leases count there too until they end
+        #: (`hand_over`).
+        self.successor: Instance | None = None
         self.open_calls = 0
         self.last_probe_at: float | None = None
         #: Its engine was asked how many sequences it runs at once since it last came up (`declared.py`).
@@ -162,6 +165,17 @@ class Instance:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.retired and not self.ejection.ejected
+
+    def hand_over(self, successor: Instance) -> None:
+        """A reload replaced this (retired) instance by `successor` at the same URL: the engine is the same, and the
+        requests still running here hold its slots. They count there from now until they end (its in-flight gauge,
+        `/admin/fleet`, the dashboard, and routing, which sent the engine a full limit more before: an outside run saw
+        both instances idle after a reload, their streams still running)."""
+        self.successor = successor
+        successor.in_flight += self.in_flight
+        successor.stoppable += self.stoppable
+        for model, count in self.leased.items():
+            successor.leased[model] = successor.leased.get(model, 0) + count
 
     def wake_if_idle(self) -> None:
         """No lease held and no engine call open on its connections: wake `wait_idle` (a retired instance closes)."""
@@ -338,7 +352,10 @@ class Lease:
         `predict_ttft`). Counted until the lease ends (and where it moves)."""
         if not self._released and not self._stoppable:
             self._stoppable = True
-            self.instance.stoppable += 1
+            at: Instance | None = self.instance
+            while at is not None:
+                at.stoppable += 1
+                at = at.successor
 
     def move(self, to: Instance) -> None:
         """The engine serving this attempt is `to`, not the instance it was routed to (a sidecar picks
@@ -377,19 +394,22 @@ class Lease:
         self._vacate(instance)
 
     def _vacate(self, instance: Instance) -> None:
-        instance.in_flight -= 1
-        instance.stoppable -= self._stoppable
-        leased = instance.leased
-        left = leased.get(self.model, 0) - 1
-        if left > 0:
-            leased[self.model] = left
-        else:
-            leased.pop(self.model, None)
-        if instance.in_flight < 0:
-            self._metrics.leaks.labels("negative_in_flight").inc()
-        if instance.on_vacated is not None:
-            instance.on_vacated()
-        instance.wake_if_idle()
+        at: Instance | None = instance
+        while at is not None:  # (and at the instances that replaced it at its URL, `Instance.hand_over`)
+            at.in_flight -= 1
+            at.stoppable -= self._stoppable
+            leased = at.leased
+            left = leased.get(self.model, 0) - 1
+            if left > 0:
+                leased[self.model] = left
+            else:
+                leased.pop(self.model, None)
+            if at.in_flight < 0:
+                self._metrics.leaks.labels("negative_in_flight").inc()
+            if at.on_vacated is not None:
+                at.on_vacated()
+            at.wake_if_idle()
+            at = at.successor
 
 
 def _auth(instance: Instance) -> dict[str, str]:
