@@ -391,6 +391,13 @@ async def test_a_queued_request_goes_to_a_new_engine_without_waiting_for_the_rem
     assert_gateway_clean(gw)
 
 
+def queue_series(gw: Any, model: str) -> dict[str, str]:
+    """The model's queue-depth and slots-in-use series as exported: sample (name and labels) -> value."""
+    lines = gw.metrics.render().decode().splitlines()
+    wanted = (f'lockgate_queue_depth{{model="{model}"', f'lockgate_queue_slots_in_use{{model="{model}"')
+    return {line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in lines if line.startswith(wanted)}
+
+
 @pytest.mark.parametrize("temperature", [None, 0.0])
 async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
     gateway: Any, tmp_path: Path, temperature: float | None
@@ -444,12 +451,17 @@ async def test_requests_queued_for_a_model_a_reload_removes_are_told_at_once(
         if twin is not None:
             status, answer = await twin
             assert status == 404 and answer["error"]["code"] == "model_not_found"
+        # Its queue gauges stay while its request runs, and go with it (an outside run: exported at 0 for as long as
+        # the model was not configured).
+        assert sorted(queue_series(gw, "gone").values()) == ["0.0"] * 5 + ["1.0"]
         sim_a.release()
         assert (await running)[0] == 200
         await gw.fleet.wait_retired()
+        assert queue_series(gw, "gone") == {}
         path.write_text(both)  # the model again
         async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert (await resp.json())["changes"]["models"]["added"] == ["gone"]
+        assert len(queue_series(gw, "gone")) == 6
         assert (await one(2))[0] == 200
     await gw.fleet.wait_retired()
     assert_gateway_clean(gw)

@@ -22,6 +22,7 @@ and `release()` returns the slot (granting the next waiter) or leaves the queue 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
@@ -85,15 +86,31 @@ class PoolScheduler:
         self._looks: set[asyncio.Task[None]] = set()
         #: Tests and drains wait on it; free while nobody does.
         self._changes = Changes()
+        self._export()
         core = self.core
-        for index, spec in enumerate(core.classes):
-            metrics.queue_depth.labels(model, spec.name).set_function(functools.partial(core.queued, index))
-            metrics.slots_in_use.labels(model, spec.name).set_function(functools.partial(core.running, index))
         #: Per class: its admissions counter and queue-wait histogram (looked up once, not per grant).
         self._granted_metrics = [
             (metrics.admissions.labels(model, spec.name), metrics.queue_wait.labels(model, spec.name))
             for spec in core.classes
         ]
+
+    def _export(self) -> None:
+        """Its queue and slot gauges, per class (read when scraped)."""
+        core, metrics = self.core, self._metrics
+        for index, spec in enumerate(core.classes):
+            metrics.queue_depth.labels(self.model, spec.name).set_function(functools.partial(core.queued, index))
+            metrics.slots_in_use.labels(self.model, spec.name).set_function(functools.partial(core.running, index))
+
+    def _unexport(self) -> None:
+        """A withdrawn pool's gauges go once nothing runs there (an outside run: a removed model's queue gauges stayed
+        exported at 0 for as long as it was not configured)."""
+        core, metrics = self.core, self._metrics
+        if core.running_total or core.queued_total:
+            return
+        for spec in core.classes:
+            for family in (metrics.queue_depth, metrics.slots_in_use):
+                with contextlib.suppress(KeyError):  # (removed already)
+                    family.remove(self.model, spec.name)
 
     def resize(self, capacity: int, reserve: int, lent: int = 0) -> None:
         """The pool grew or shrank (instances ejected, unhealthy or back): grant what now fits. `lent`: its requests
@@ -292,10 +309,12 @@ class PoolScheduler:
                 waiter.set_exception(error())
                 waiter.add_done_callback(_retrieved)  # (its request may never await it: no "never retrieved" log)
                 self.release(ticket)
+        self._unexport()
 
     def reinstate(self) -> None:
         """A reload added the withdrawn pool's model again: it takes requests again."""
         self._withdrawn = None
+        self._export()
 
     def queue_time_left(self, klass: int, since: float) -> float | None:
         """Seconds left of class `klass`'s queue deadline for a request that began waiting at `since` (this
@@ -323,6 +342,8 @@ class PoolScheduler:
         granted = self.core.release(ticket, self._clock())
         if granted:
             self._wake(granted)
+        if self._withdrawn is not None:
+            self._unexport()
         self._changes.notify()
 
     async def wait_until(self, predicate: Callable[[SchedulerCore], bool]) -> None:
