@@ -45,6 +45,8 @@ class ConfigDiff:
     restart_required: tuple[str, ...] = ()
     #: Instance key -> display name (the new one where both configurations list it).
     instance_names: Mapping[str, str] = field(default_factory=dict, compare=False)
+    #: Instance key -> its name in the running configuration, for those a reload replaces under another name.
+    former_names: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def applies_nothing(self) -> bool:
@@ -63,6 +65,10 @@ class ConfigDiff:
         """Instances' keys as their names."""
         return [self.instance_names.get(key, key) for key in keys]
 
+    def replaced_names(self) -> list[tuple[str | None, str]]:
+        """Each replaced instance's former name (None: the same) and its name now."""
+        return [(self.former_names.get(key), self.instance_names.get(key, key)) for key in self.changed_instances]
+
     def describe(self) -> dict[str, object]:
         """JSON-ready, instances shown by name."""
         shown = self.shown
@@ -72,6 +78,12 @@ class ConfigDiff:
                 "added": shown(self.added_instances),
                 "removed": shown(self.removed_instances),
                 "replaced": shown(self.changed_instances),
+                # (An outside run: a reload that swapped two names read as two instances replaced, nothing renamed.)
+                "renamed": {
+                    self.former_names[key]: shown((key,))[0]
+                    for key in self.changed_instances
+                    if key in self.former_names
+                },
             },
             "models": {
                 "added": list(self.added_models),
@@ -190,4 +202,9 @@ def diff_configs(old: Config, new: Config, restart_required: tuple[str, ...] = (
         admin_changed=old.admin != new.admin,
         restart_required=restart_required,
         instance_names={key: spec.name or key for key, spec in (*old_specs.items(), *new_specs.items())},
+        former_names={
+            key: old_specs[key].name or key
+            for key in changed
+            if (old_specs[key].name or key) != (new_specs[key].name or key)
+        },
     )

@@ -71,7 +71,7 @@ def summary(diff: ConfigDiff) -> str:
         for label, names in (
             ("instances added", diff.shown(diff.added_instances)),
             ("instances removed", diff.shown(diff.removed_instances)),
-            ("instances replaced", diff.shown(diff.changed_instances)),
+            ("instances replaced", [f"{old} -> {new}" if old else new for old, new in diff.replaced_names()]),
             ("models added", diff.added_models),
             ("models removed", diff.removed_models),
             ("models changed", diff.changed_models),

@@ -205,7 +205,7 @@ async def test_a_removed_instance_finishes_its_requests_then_closes(gateway: Any
         path.write_text(path.read_text().replace("name: B}", "name: C}"))
         async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             changes = (await resp.json())["changes"]
-        assert changes["instances"] == {"added": [], "removed": ["A"], "replaced": ["C"]}
+        assert changes["instances"] == {"added": [], "removed": ["A"], "replaced": ["C"], "renamed": {"B": "C"}}
         assert instance_a.retired and not instance_a.routable and instance_a.in_flight == 1
         assert list(gw.fleet.instances) == [sim_b.url]
         # Its instance gauges stay while its request runs, like its calls and permits (an outside run saw them gone).
@@ -368,7 +368,8 @@ async def test_a_queued_request_goes_to_a_new_engine_without_waiting_for_the_rem
         # A is swapped for B (another engine, the same single slot): the queued request goes to B now.
         path.write_text(path.read_text().replace(sim_a.url, sim_b.url).replace("name: A", "name: B"))
         async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
-            assert (await resp.json())["changes"]["instances"] == {"added": ["B"], "removed": ["A"], "replaced": []}
+            changed = (await resp.json())["changes"]["instances"]
+            assert changed == {"added": ["B"], "removed": ["A"], "replaced": [], "renamed": {}}
         await second
         assert served == ["B"] and not first.done()
         assert scheduler.core.capacity == 2  # B's slot, and A's request's until it ends

@@ -31,7 +31,7 @@ def test_diff_names_instances_models_and_tenants() -> None:
     assert diff.added_instances == (B,) and not diff.removed_instances and not diff.changed_instances
     assert (diff.added_models, diff.removed_models, diff.changed_models) == (("new",), ("gone",), ("m",))
     assert diff.tenants_changed
-    assert diff.describe()["instances"] == {"added": ["b"], "removed": [], "replaced": []}
+    assert diff.describe()["instances"] == {"added": ["b"], "removed": [], "replaced": [], "renamed": {}}
     assert diff_configs(new, new).applies_nothing
     # What SIGHUP prints and the log says names them too (it gave counts alone: an outside run).
     assert summary(diff) == (
@@ -57,6 +57,21 @@ def test_an_instance_with_other_settings_is_replaced_and_its_models_change() -> 
     )
     diff = diff_configs(old, renamed)
     assert not diff.changed_instances and diff.changed_models == ("m",)
+
+
+def test_a_reload_that_moves_names_between_engines_says_so() -> None:
+    """An outside run: `{A: s1, B: s2}` reloaded as `{A: sX, B: s1}` answered "replaced: [sX, s1]", with s2 gone and sX
+    new nowhere in it. The instances are the engines (their URLs): both are replaced, and renamed."""
+    old = config([{"name": "m", "instances": [{"url": A, "name": "s1"}, {"url": B, "name": "s2"}]}])
+    new = config([{"name": "m", "instances": [{"url": A, "name": "sX"}, {"url": B, "name": "s1"}]}])
+    diff = diff_configs(old, new)
+    assert diff.describe()["instances"] == {
+        "added": [],
+        "removed": [],
+        "replaced": ["sX", "s1"],
+        "renamed": {"s1": "sX", "s2": "s1"},
+    }
+    assert summary(diff) == "instances replaced 2 (s1 -> sX, s2 -> s1), models changed 1 (m)"
 
 
 def test_plan_keeps_sections_that_need_a_restart() -> None:
