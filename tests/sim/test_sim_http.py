@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import struct
+import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -15,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from lockgate.sim import SimServer
+from lockgate.sim import SimServer, handlers
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6}
 
@@ -349,6 +352,27 @@ async def test_responses_whole_and_streamed_in_both_modes(make_sim, http: aiohtt
         assert deltas == text == events[-1]["response"]["output"][0]["content"][0]["text"]
         texts.append(text)
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_stored_response_says_it_was_created_when_its_answer_does(
+    make_sim, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """An outside run: `GET /v1/responses/{id}` said the response was created a second after its answer did (the
+    store stamped the time it ended). One time for both: when the request came."""
+    clock = itertools.count(2_000_000_000, 1000)  # (where the simulator would still ask the time again)
+    monkeypatch.setattr(handlers, "time", SimpleNamespace(time=lambda: next(clock), monotonic=time.monotonic))
+    sim = await make_sim(tpot_ms=1.0)
+    body = {"model": "m", "input": "when", "max_output_tokens": 3, "stream": stream}
+    async with http.post(sim.url + "/v1/responses", json=body) as r:
+        if stream:
+            last = (await r.read()).decode().strip().split("\n\n")[-1].split("\n")[1]
+            answer = orjson.loads(last.removeprefix("data: "))["response"]
+        else:
+            answer = await r.json()
+    async with http.get(sim.url + f"/v1/responses/{answer['id']}") as r:
+        stored = await r.json()
+    assert stored["id"] == answer["id"] and stored["created_at"] == answer["created_at"]
 
 
 async def test_a_stored_responses_input_items_page_as_openais_do(sim: SimServer, http: aiohttp.ClientSession) -> None:

@@ -239,12 +239,13 @@ class Api:
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "responses")
 
-    def _keep(self, req: GenRequest, resp_id: str, text: str, finish_reason: str, usage_: dict[str, Any]) -> None:
-        """A finished response goes to the store (`sim/stored.py`)."""
+    def _keep(
+        self, req: GenRequest, resp_id: str, created: int, text: str, finish_reason: str, usage_: dict[str, Any]
+    ) -> None:
+        """A finished response goes to the store (`sim/stored.py`), created when its request came, as its answer says
+        (an outside run: the stored one said it was created when it ended)."""
         if req.body is not None:
-            response = response_object(
-                req.model, resp_id, int(time.time()), text, finish_reason, usage_, previous_of(req)
-            )
+            response = response_object(req.model, resp_id, created, text, finish_reason, usage_, previous_of(req))
             self.responses.keep(response, req.body)
 
     async def embeddings(self, request: web.Request) -> web.Response:
@@ -352,9 +353,10 @@ class Api:
         stats.close_request(rec, "finished")
         resp_id = new_response_id(req.kind)
         u = usage(n_prompt, n_gen, 0)
-        self._keep(req, resp_id, comp.text, comp.finish_reason, u)
+        created = int(time.time())
+        self._keep(req, resp_id, created, comp.text, comp.finish_reason, u)
         if not req.stream:
-            body = full_response(req, resp_id, int(time.time()), comp.text, comp.finish_reason, u)
+            body = full_response(req, resp_id, created, comp.text, comp.finish_reason, u)
             return web.Response(body=body, content_type=_JSON)
         w = writer_for(req, resp_id)
         parts = [w.role()]
@@ -464,8 +466,9 @@ class Api:
             rec.completion_tokens = n
         rec.finish_reason = finish_reason
         text, u = "".join(parts), usage(len(req.prompt_tokens), n, rec.cached_tokens)
-        self._keep(req, resp_id, text, finish_reason, u)
-        body = full_response(req, resp_id, int(time.time()), text, finish_reason, u)
+        created = int(time.time() - (time.monotonic() - rec.started_at))  # (when the request came)
+        self._keep(req, resp_id, created, text, finish_reason, u)
+        body = full_response(req, resp_id, created, text, finish_reason, u)
         return web.Response(body=body, content_type=_JSON), "finished"
 
     async def _stream(
@@ -501,6 +504,6 @@ class Api:
         u = usage(len(req.prompt_tokens), n, rec.cached_tokens)
         await write(w.end(u, req.include_usage))
         if isinstance(w, ResponseEventWriter):
-            self._keep(req, resp_id, w.text, rec.finish_reason or "stop", u)
+            self._keep(req, resp_id, w.created, w.text, rec.finish_reason or "stop", u)
         await resp.write_eof()
         return resp, "finished"

@@ -299,7 +299,7 @@ class ResponseEventWriter:
     response and its message, `token()` is one `response.output_text.delta`, `end()` closes the text, the item and
     the response (`response.completed`, or `response.incomplete` at `max_output_tokens`) with the usage."""
 
-    __slots__ = ("_created", "_finish", "_id", "_item_id", "_model", "_previous", "_seq", "_text")
+    __slots__ = ("_finish", "_id", "_item_id", "_model", "_previous", "_seq", "_text", "created")
 
     @property
     def text(self) -> str:
@@ -311,7 +311,7 @@ class ResponseEventWriter:
         self._item_id = _item_id(resp_id)
         self._model = req.model
         self._previous = previous_of(req)
-        self._created = int(time.time())
+        self.created = int(time.time())
         self._seq = 0
         self._text: list[str] = []
         self._finish = "stop"
@@ -322,7 +322,7 @@ class ResponseEventWriter:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
     def role(self) -> bytes:
-        opened = response_object(self._model, self._id, self._created, None, None, None, self._previous)
+        opened = response_object(self._model, self._id, self.created, None, None, None, self._previous)
         return b"".join(
             (
                 self._event("response.created", response=opened),
@@ -353,7 +353,7 @@ class ResponseEventWriter:
     def end(self, usage_: dict[str, Any], include_usage: bool = True) -> bytes:
         """(A response always carries its usage: `include_usage` is the chat writer's.)"""
         text = "".join(self._text)
-        whole = response_object(self._model, self._id, self._created, text, self._finish, usage_, self._previous)
+        whole = response_object(self._model, self._id, self.created, text, self._finish, usage_, self._previous)
         part = {"type": "output_text", "text": text, "annotations": []}
         return b"".join(
             (
