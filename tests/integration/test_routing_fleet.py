@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.records import read_records
 from tests.conftest import instance
+from tests.integration.cancel_support import assert_gateway_clean
 
 SYSTEM = "You are the support agent of a large company. Follow the policy carefully. " * 8
 
@@ -253,6 +254,51 @@ async def test_a_whole_response_that_breaks_midway_is_retried_elsewhere(
     await gw.gateway.records.wait_flushed()
     [record] = read_records(str(tmp_path / "usage.sqlite3"))
     assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+async def test_a_whole_answer_sharing_a_stream_that_broke_midway_starts_over_elsewhere(
+    start_sim, start_gateway, http, endpoint
+):
+    """An outside run: a non-streaming request that joined an identical streaming one (temperature 0: one flight) got
+    502 when the engine broke midway, where alone it was retried on the other engine: the stream's client had been sent
+    part of the generation, so the flight could not start over, and every client got the error. The streaming client
+    still gets it (an SSE error event after what it was sent); the whole one, sent nothing, starts over elsewhere."""
+    broken, good = await start_sim(), await start_sim()
+    gw = await round_robin(start_gateway, {"broken": broken, "good": good})
+    flights = gw.gateway.dedup.flights
+    await control(http, broken, reset_after_tokens=3, hold=True)  # held, then three tokens and a dropped connection
+    if endpoint == "chat":
+        path, body = "/v1/chat/completions", {**chat(max_tokens=8), "temperature": 0}
+    else:
+        path, body = "/v1/responses", {"model": "m", "input": "shared", "max_output_tokens": 8, "temperature": 0}
+
+    async def ask(stream: bool) -> tuple[int, str | None, bytes]:
+        async with http.post(gw.url + path, data=orjson.dumps({**body, "stream": stream})) as resp:
+            return resp.status, resp.headers.get("x-lockgate-instance"), await resp.read()
+
+    leader = asyncio.create_task(ask(True))
+    async with asyncio.timeout(5):
+        await broken.wait_held(1)
+    joiner = asyncio.create_task(ask(False))
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: flights.statistics()["subscribers"] == 2)
+    await control(http, broken, hold=False)
+    broken.release()
+    async with asyncio.timeout(10):
+        (lead_status, _, streamed), (status, name, raw) = await leader, await joiner
+    assert lead_status == 200 and b"upstream_protocol_error" in streamed.rstrip().split(b"\n\n")[-1]
+    assert status == 200 and name == "good", raw
+    answer = orjson.loads(raw)
+    if endpoint == "chat":
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 8
+    else:
+        assert answer["status"] == "incomplete" and answer["usage"]["output_tokens"] == 8
+    assert broken.statistics()["requests_started"] == 1 and good.statistics()["requests_finished"] == 1
+    assert retries(gw) == 1
+    async with asyncio.timeout(5):
+        await flights.wait_until(lambda: flights.statistics()["in_flight"] == 0)
+    assert_gateway_clean(gw.gateway)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["resumable", "flight"])

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..edge.server import Reply, Request
+from ..errors import UpstreamError
 from ..exchange import Phase
 from ..respond import pump, stream_events, whole_body
 from ..responses import whole_answer
@@ -43,6 +44,7 @@ from .synthesize import events_of
 from .waiting import Waiting
 
 if TYPE_CHECKING:
+    from ..attempt import Failover
     from ..config import Config
     from ..exchange import Exchange
     from ..fleet.fleet import Fleet
@@ -189,7 +191,27 @@ class Coalescer:
         leads: only then does it take `slot` (its place at the scheduler, handed over to the flight), and
         `before_send` goes with the flight's engine calls (see `attempt.open_attempts`). While it waits for the slot,
         something may serve it without one (`_wait_to_lead`). `stoppable`, the slot's tag for a preemptible class, is
-        given the flight it leads (`dedup.stoppable`)."""
+        given the flight it leads (`dedup.stoppable`). A non-streaming client whose flight broke after a streaming one
+        was sent part of it starts over (`Flight.again`): as a new flight's leader or another's client."""
+        failover: Failover | None = None
+        while True:
+            try:
+                return await self._serve(ex, http_request, key, slot, before_send, stoppable, failover)
+            except _Again as again:
+                failover = again.failover
+                ex.detach()  # (its subscription to the broken flight)
+                ex.record.instance = None
+
+    async def _serve(
+        self,
+        ex: Exchange,
+        http_request: Request,
+        key: Fingerprint,
+        slot: Slot,
+        before_send: Callable[[Lease, bool], None] | None,
+        stoppable: StoppableFlight | None,
+        failover: Failover | None,
+    ) -> Reply:
         joined = self._join(ex, key)
         if joined is not None:
             return await self._respond(ex, http_request, *joined)
@@ -215,6 +237,7 @@ class Coalescer:
             upstream_request(ex.api, stream=stream),
             ex.pool.route_request(ex.api, http_request.headers, ex.urgent),
             before_send,
+            failover,
         )
         flight.release_slot = slot.hand_over()  # the flight's engine call holds the slot, even once its leader left
         if stoppable is not None:
@@ -313,7 +336,13 @@ class Coalescer:
             body = cached.body
             response = self._whole(ex, body, cached.events if body is None else (), source, cached.finished_at)
         elif source.flight.stream:
-            events = await source.wait_done(self.max_response_bytes)
+            try:
+                events = await source.wait_done(self.max_response_bytes)
+            except UpstreamError:
+                again = source.flight.again
+                if again is None:
+                    raise
+                raise _Again(again) from None
             response = self._whole(ex, None, events, source, source.flight.finished_at)
         else:
             response = self._whole(ex, await source.wait_body(), (), source)
@@ -398,6 +427,15 @@ def upstream_request(api: ApiRequest, *, stream: bool) -> ApiRequest:
     body = {k: v for k, v in api.body.items() if k not in ("stream", "stream_options")}
     body["stream"] = True
     return api.streamed_with_usage(body)
+
+
+class _Again(Exception):
+    """A non-streaming client's flight broke after a streaming client of it was sent part of the generation
+    (`Flight.again`): it starts over elsewhere, the break counted against the same retries."""
+
+    def __init__(self, failover: Failover) -> None:
+        super().__init__("the flight broke: started over")
+        self.failover = failover
 
 
 class _Replay:

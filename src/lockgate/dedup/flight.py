@@ -195,6 +195,9 @@ class Flight:
         self.task: asyncio.Task[None] | None = None
         #: When it completed (wall clock): each of its answers' `completed_at` where the engine gave none, cached too.
         self.finished_at: float | None = None
+        #: Set when its engine call broke after a streaming client was sent part of the generation, within the model's
+        #: retries: its non-streaming clients, sent nothing, start it over elsewhere with this (`Coalescer.serve`).
+        self.again: Failover | None = None
         #: Called with the result when the flight completes (the semantic cache adds it).
         self.on_completed: Callable[[Result], None] | None = None
         #: Releases its leader's slot at the pool's scheduler (`Slot.hand_over`) when the flight ends, however it
@@ -376,7 +379,15 @@ class Flight:
         if opened is None or failover is None:
             return False
         how = Plan.RESTART if not self._base and not self.events else self._resume_plan()
-        if how is None or not failover.take(exc, opened.lease.instance):
+        if how is None:
+            # Its streaming clients get the error; its non-streaming ones, sent nothing, start it over elsewhere (an
+            # outside run: a whole answer that joined a stream got 502 where, alone, it was retried).
+            if any(subscription.whole for subscription in self._subscriptions) and failover.take(
+                exc, opened.lease.instance
+            ):
+                self.again = failover
+            return False
+        if not failover.take(exc, opened.lease.instance):
             return False
         self._opened = None
         opened.close()

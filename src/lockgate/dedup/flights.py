@@ -162,9 +162,11 @@ class Flights:
         api: ApiRequest,
         route: RouteRequest,
         before_send: Callable[[Lease, bool], None] | None = None,
+        failover: Failover | None = None,
     ) -> Flight:
         """Start a flight sending `api` (a streaming flight if `api.stream`, else a JSON one); `before_send` goes
-        with its engine calls (`attempt.open_attempts`: its leader's class may make room at the engine)."""
+        with its engine calls (`attempt.open_attempts`: its leader's class may make room at the engine); `failover`:
+        the breaks of an earlier flight of the same generation it takes over (`Flight.again`)."""
         if self._closed:
             raise ShuttingDown("The gateway is shutting down.", retry_after=1)
         table = self._streams if api.stream else self._bodies
@@ -176,7 +178,7 @@ class Flights:
         fleet, metrics = self._fleet, self._metrics
 
         #: The flight's engine calls that break midway and are taken over elsewhere (`Flight._fails_over`).
-        failover = Failover(pool)
+        failover = failover or Failover(pool)
 
         def open_engine(
             flight_id: str, request: ApiRequest, hold: Callable[[Lease, UpstreamCall], None], drop: Callable[[], object]
