@@ -312,6 +312,7 @@ async def test_requests_on_a_replaced_instance_count_on_its_replacement_until_th
             assert resp.status == 200
         newest = gw.fleet.instances[sim_a.url]
         assert newest.in_flight == 1 and gauges("Z")["lockgate_upstream_calls_in_flight"] == "1.0"
+        assert gauges("A") == {}  # (not counted twice, under its former name too)
         assert await fleet_in_flight(http) == {"Z": 1}
         sim_a.release()
         async with await held as resp:

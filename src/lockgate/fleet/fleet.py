@@ -323,6 +323,7 @@ class Fleet:
             successor = next((i for i in self.instances.values() if i.url == instance.url), None)
             if successor is not None:
                 instance.hand_over(successor)
+                self._unwatch(instance)  # (renamed: its requests show under the new name only)
         for name, pool in self.pools.items():
             before = previous.get(name)
             if before is None or pool is before:
@@ -357,6 +358,10 @@ class Fleet:
 
     async def _close_instance(self, instance: Instance) -> None:
         await instance.aclose()
+        self._unwatch(instance)
+
+    def _unwatch(self, instance: Instance) -> None:
+        """Drop the gauges of an instance that left, unless one of the same name serves now (its own, then)."""
         if all(i.name != instance.name for i in self.instances.values()):
             for gauge in (
                 self._metrics.instance_healthy,

@@ -55,8 +55,8 @@ class FleetCollector(Collector):
         current = self._fleet.instances.values()
         names = {instance.name for instance in current}
         # An instance a reload removed is shown until its last request ends (as its calls and permits are), unless
-        # one of the same name replaced it.
-        leaving = [instance for instance in self._fleet.retiring if instance.name not in names]
+        # one of the same name replaced it, or one at its URL did (its requests count there: `Instance.hand_over`).
+        leaving = [i for i in self._fleet.retiring if i.name not in names and i.successor is None]
         for instance in (*current, *leaving):
             own, load = instance.own, instance.engine_load
             values = {
