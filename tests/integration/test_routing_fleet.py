@@ -256,9 +256,9 @@ async def test_a_whole_response_that_breaks_midway_is_retried_elsewhere(
     assert record["attempts"] == 2 and record["status"] == "completed" and record["instance"] == "good"
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+@pytest.mark.parametrize(("endpoint", "whole_leads"), [("chat", False), ("responses", False), ("responses", True)])
 async def test_a_whole_answer_sharing_a_stream_that_broke_midway_starts_over_elsewhere(
-    start_sim, start_gateway, http, endpoint
+    start_sim, start_gateway, http, endpoint, whole_leads
 ):
     """An outside run: a non-streaming request that joined an identical streaming one (temperature 0: one flight) got
     502 when the engine broke midway, where alone it was retried on the other engine: the stream's client had been sent
@@ -277,16 +277,18 @@ async def test_a_whole_answer_sharing_a_stream_that_broke_midway_starts_over_els
         async with http.post(gw.url + path, data=orjson.dumps({**body, "stream": stream})) as resp:
             return resp.status, resp.headers.get("x-lockgate-instance"), await resp.read()
 
-    leader = asyncio.create_task(ask(True))
+    # (A response's flight streams from the engine whoever leads it: a whole answer may lead, its slot taken again.)
+    first = asyncio.create_task(ask(not whole_leads))
     async with asyncio.timeout(5):
         await broken.wait_held(1)
-    joiner = asyncio.create_task(ask(False))
+    second = asyncio.create_task(ask(whole_leads))
     async with asyncio.timeout(5):
         await flights.wait_until(lambda: flights.statistics()["subscribers"] == 2)
     await control(http, broken, hold=False)
     broken.release()
     async with asyncio.timeout(10):
-        (lead_status, _, streamed), (status, name, raw) = await leader, await joiner
+        done = await first, await second
+    (lead_status, _, streamed), (status, name, raw) = done[::-1] if whole_leads else done
     assert lead_status == 200 and b"upstream_protocol_error" in streamed.rstrip().split(b"\n\n")[-1]
     assert status == 200 and name == "good", raw
     answer = orjson.loads(raw)
