@@ -20,6 +20,7 @@ from lockgate.cluster.keys import EngineRecord, NodeRecord, encode_node, node_ke
 from lockgate.cluster.store import WatchEvent
 from lockgate.config import parse_config
 from lockgate.fleet.fleet import GONE_GRACE_S, Fleet
+from lockgate.fleet.report import describe_fleet
 from lockgate.metrics import GatewayMetrics
 from lockgate.server import GatewayServer, StartupError, _banner
 from lockgate.sim import SimConfig, SimServer
@@ -598,6 +599,37 @@ async def test_a_central_that_finds_no_sidecar_says_so_and_answers_503(
     await central.gateway.fleet.wait_until(lambda f: routable(f) == 1)
     async with session.post(central.url + "/v1/chat/completions", json={**chat("hi"), "model": "other"}) as resp:
         assert resp.status == 404  # a model no sidecar serves, once some do
+
+
+async def test_an_engine_its_sidecar_renames_is_renamed_at_the_centrals(tmp_path: Path) -> None:
+    """An outside run: a sidecar's reload renamed one of its engines (its record then said so); the centrals kept the
+    old name in `/admin/fleet` and every series for good, while answers named the new one. The engine keeps its key
+    (the same engine): its name, series and routing counter follow."""
+    config = parse_config(central_config("http://127.0.0.1:1", unique_cluster("rename"), str(tmp_path / "c.sqlite3")))
+    assert config.cluster is not None
+    metrics = GatewayMetrics()
+    fleet = Fleet(config, metrics)
+    discovery = Discovery(config.cluster, fleet)
+    key = node_key(config.cluster.name, "node-r")
+    record = NodeRecord("node-r", "http://127.0.0.1:9", (EngineRecord("e0", "engine-0", ("m",)),), seq=1)
+    try:
+        discovery.apply([WatchEvent("put", key, encode_node(record), 0)], 0.0)
+        (engine,) = fleet.pools["m"].instances
+        gauges = ("lockgate_permits_in_use", "lockgate_instance_healthy", "lockgate_upstream_calls_in_flight")
+
+        def shown(name: str) -> list[str]:
+            text = metrics.render().decode()
+            return [gauge for gauge in gauges if f'{gauge}{{instance="{name}"}}' in text]
+
+        assert shown("node-r/engine-0") == list(gauges)
+        renamed = dataclasses.replace(record, engines=(EngineRecord("e0", "engine-x", ("m",)),), seq=2)
+        discovery.apply([WatchEvent("put", key, encode_node(renamed), 0)], 0.0)
+        assert fleet.pools["m"].instances == [engine] and engine.name == "node-r/engine-x"
+        assert shown("node-r/engine-x") == list(gauges) and shown("node-r/engine-0") == []
+        assert [i["name"] for i in describe_fleet(fleet)["instances"]] == ["node-r/engine-x"]
+    finally:
+        await discovery.aclose()
+        await fleet.aclose()
 
 
 async def test_the_engines_sharing_an_unreachable_sidecar_say_why_they_are_down(

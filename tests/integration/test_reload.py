@@ -328,6 +328,64 @@ async def test_requests_on_a_replaced_instance_count_on_its_replacement_until_th
     assert_gateway_clean(gw)
 
 
+async def test_requests_of_an_instance_moved_or_removed_and_added_back_stay_in_sight(
+    gateway: Any, tmp_path: Path
+) -> None:
+    """An outside run: a reload that gave instance A another URL (the same name) showed A idle while the old engine ran
+    its streams (one series a name: the new A's hid them); one that removed B and a later one that added it back (the
+    same URL) showed the new B idle while the engine ran the old B's. The first show under the name (and in
+    `/admin/fleet`'s `retiring`); the second count on the instance that came back, as after a replacement."""
+    server, path, (sim_a, sim_b) = gateway
+    gw = server.gateway
+    assert gw is not None
+    usage = tmp_path / "usage.sqlite3"
+
+    def series(name: str) -> dict[str, str]:
+        lines = gw.metrics.render().decode().splitlines()
+        wanted = ("lockgate_instance_in_flight{", "lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{")
+        return {
+            line.split("{")[0]: line.rsplit(" ", 1)[1]
+            for line in lines
+            if line.startswith(wanted) and f'"{name}"' in line
+        }
+
+    async def reload(http: aiohttp.ClientSession) -> dict[str, Any]:
+        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+            assert resp.status == 200
+            return dict((await resp.json())["changes"]["instances"])
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+        await one_slot_on(http, server, path, usage, sim_a)
+        sim_a.control.hold_next = 1
+        held = asyncio.create_task(
+            http.post(server.url + "/v1/chat/completions", json=chat(0, False), headers=auth(KEY_A))
+        )
+        await sim_a.wait_held(1)
+        path.write_text(path.read_text().replace(sim_a.url, sim_b.url))  # A is now the other engine
+        assert await reload(http) == {"added": ["A"], "removed": ["A"], "replaced": [], "renamed": {}}
+        one = {
+            "lockgate_instance_in_flight": "1.0",
+            "lockgate_permits_in_use": "1.0",
+            "lockgate_upstream_calls_in_flight": "1.0",
+        }
+        assert series("A") == one
+        async with http.get(server.url + "/admin/fleet", headers=auth(ADMIN_KEY)) as resp:
+            fleet = await resp.json()
+        assert fleet["retiring"] == [{"name": "A", "url": sim_a.url, "in_flight": 1, "calls_open": 1}]
+        # Back to the first engine while its request runs: the instance that came back counts it.
+        path.write_text(path.read_text().replace(sim_b.url, sim_a.url))
+        await reload(http)
+        assert gw.fleet.instances[sim_a.url].in_flight == 1 and series("A") == one
+        sim_a.release()
+        async with await held as resp:
+            assert resp.status == 200
+            await resp.read()
+        await gw.fleet.wait_retired()
+        assert gw.fleet.instances[sim_a.url].in_flight == 0
+        assert series("A") == {key: "0.0" for key in one}
+    assert_gateway_clean(gw)
+
+
 async def test_the_embedded_default_has_nothing_to_reload(start_gateway: Any, start_sim: Any) -> None:
     sim = await start_sim()
     server = await start_gateway([{"name": "m", "instances": [{"url": sim.url, "engine": "vllm"}]}])

@@ -261,6 +261,7 @@ class Discovery:
                     spec, engine.models, key=ikey, headers=[(ENGINE_HEADER, engine.id)], routing=self.config.routing
                 )
                 self._models[ikey] = engine.models
+            fleet.rename(instance, f"{record.node}/{engine.name}")  # (a sidecar's reload may rename its engine)
             current.add(ikey)
             fleet.set_concurrency(instance, engine.max_concurrency)
             instance.published = Published(

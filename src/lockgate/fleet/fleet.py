@@ -182,23 +182,37 @@ class Fleet:
     def _watch(self, instance: Instance) -> None:
         self._metrics.instance_healthy.labels(instance.name).set(1 if instance.healthy else 0)
         # Read when scraped: the hot path only moves plain integers.
-        self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: i.in_flight)
+        self._metrics.permits_in_use.labels(instance.name).set_function(lambda i=instance: self.in_flight_shown(i))
         self._metrics.concurrency_limit.labels(instance.name).set_function(lambda i=instance: i.max_concurrency)
         self._metrics.prefix_hit_rate_gap.labels(instance.name).set_function(lambda i=instance: i.hit_gap.value)
         calls = self._metrics.upstream_calls_in_flight.labels(instance.name)
         calls.set_function(lambda i=instance: self._calls_open(i))
 
+    def in_flight_shown(self, instance: Instance) -> int:
+        """`instance`'s requests in flight as its series show them: with those of the instances a reload retired under
+        its name at another URL (one series a name: theirs would vanish under it)."""
+        return instance.in_flight + sum(r.in_flight for r in self._departed(instance) if r.successor is None)
+
     def _calls_open(self, instance: Instance) -> int:
-        """Engine calls open on `instance`'s connections and on those of the instances it replaced at their URL (a
-        reload: `Instance.hand_over`) that are still running calls."""
-        count = instance.open_calls
+        """Engine calls open on `instance`'s connections and on those of the instances a reload retired that count
+        under it (`_departed`)."""
+        return instance.open_calls + sum(retired.open_calls for retired in self._departed(instance))
+
+    def _departed(self, instance: Instance) -> list[Instance]:
+        """The instances a reload retired, still running requests, that show under `instance`: those it replaced at
+        their URL (`Instance.hand_over`, through a chain of reloads), and those of its name at another URL."""
+        departed = []
         for retired in self._retiring:
             at = retired.successor
+            if at is None:
+                if retired.name == instance.name and retired is not instance:
+                    departed.append(retired)
+                continue
             while at is not None and at is not instance:
                 at = at.successor
             if at is instance:
-                count += retired.open_calls
-        return count
+                departed.append(retired)
+        return departed
 
     # --- instances discovered at run time (cluster mode) ------------------------------------------
     def attach(
@@ -319,11 +333,15 @@ class Fleet:
         unchanged = {name: pool for name, pool in previous.items() if name not in renewed}
         self._build(config, previous)
         self.pools = {name: unchanged.get(name, pool) for name, pool in self.pools.items()}
-        for instance in retired:
+        # An instance at the URL of one retired (now, or by an earlier reload that removed it: it came back) takes its
+        # requests over: the engine is the same.
+        for instance in (*retired, *(r for r in self._retiring if r not in retired)):
+            if instance.successor is not None:
+                continue
             successor = next((i for i in self.instances.values() if i.url == instance.url), None)
             if successor is not None:
                 instance.hand_over(successor)
-                self._unwatch(instance)  # (renamed: its requests show under the new name only)
+                self._unwatch(instance.name)  # (renamed: its requests show under the new name only)
         for name, pool in self.pools.items():
             before = previous.get(name)
             if before is None or pool is before:
@@ -358,11 +376,11 @@ class Fleet:
 
     async def _close_instance(self, instance: Instance) -> None:
         await instance.aclose()
-        self._unwatch(instance)
+        self._unwatch(instance.name)
 
-    def _unwatch(self, instance: Instance) -> None:
-        """Drop the gauges of an instance that left, unless one of the same name serves now (its own, then)."""
-        if all(i.name != instance.name for i in self.instances.values()):
+    def _unwatch(self, name: str) -> None:
+        """Drop the gauges of an instance name no longer served, unless one of that name serves now (its own, then)."""
+        if all(i.name != name for i in self.instances.values()):
             for gauge in (
                 self._metrics.instance_healthy,
                 self._metrics.permits_in_use,
@@ -370,7 +388,21 @@ class Fleet:
                 self._metrics.prefix_hit_rate_gap,
                 self._metrics.upstream_calls_in_flight,
             ):
-                gauge.remove(instance.name)
+                gauge.remove(name)
+
+    def rename(self, instance: Instance, name: str) -> None:
+        """A discovered engine its sidecar now publishes under another name (a reload there): its series, routing
+        counters and records follow (an outside run: centrals showed the old name for good, the answers' headers the
+        new one)."""
+        old = instance.name
+        if name == old:
+            return
+        instance.name = name
+        self._unwatch(old)
+        self._watch(instance)
+        for pool in self.pools.values():
+            pool.renamed(instance)
+        self._notify()
 
     @property
     def retiring(self) -> Iterable[Instance]:

@@ -57,10 +57,15 @@ class FleetCollector(Collector):
         # An instance a reload removed is shown until its last request ends (as its calls and permits are), unless
         # one of the same name replaced it, or one at its URL did (its requests count there: `Instance.hand_over`).
         leaving = [i for i in self._fleet.retiring if i.name not in names and i.successor is None]
+        # One that left under the name of one serving now (at another URL) shows under it.
+        departed: dict[str, int] = {}
+        for retired in self._fleet.retiring:
+            if retired.name in names and retired.successor is None:
+                departed[retired.name] = departed.get(retired.name, 0) + retired.in_flight
         for instance in (*current, *leaving):
             own, load = instance.own, instance.engine_load
             values = {
-                "in_flight": instance.in_flight,
+                "in_flight": instance.in_flight + (departed.get(instance.name, 0) if not instance.retired else 0),
                 "queued_prompt_tokens": own.queued_prompt_tokens,
                 "ttft_seconds": own.ttft.value,
                 "tpot_seconds": own.tpot.value,

@@ -159,6 +159,13 @@ class Pool:
                 self.model, self.policy.name, instance.name
             )
 
+    def renamed(self, instance: Instance) -> None:
+        """A member's name changed (`Fleet.rename`): its routing counter goes by the new one."""
+        if instance.key in self._by_key and self._decisions is not None and self._metrics is not None:
+            self._decisions[instance.key] = self._metrics.routing_decisions.labels(
+                self.model, self.policy.name, instance.name
+            )
+
     def holds(self, key: str) -> bool:
         """Whether the instance `key` is a member now (`served` also keeps the names of instances discarded, for
         the requests still on them)."""

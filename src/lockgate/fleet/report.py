@@ -20,6 +20,12 @@ def describe_fleet(fleet: Fleet) -> dict[str, Any]:
     return {
         **{name: report() for name, report in fleet.reports.items()},
         "instances": [_instance(i, now, index_blocks.get(i.key, 0), fleet) for i in fleet.instances.values()],
+        # Instances a reload removed whose requests still run (those replaced at their URL count on their replacement).
+        "retiring": [
+            {"name": i.name, "url": i.url, "in_flight": i.in_flight, "calls_open": i.open_calls}
+            for i in fleet.retiring
+            if i.successor is None
+        ],
         "pools": [
             {
                 "model": pool.model,
