@@ -262,6 +262,41 @@ async def test_a_queued_request_goes_to_the_instance_that_replaced_its_own(gatew
     assert_gateway_clean(gw)
 
 
+async def one_held_on(
+    http: aiohttp.ClientSession, server: GatewayServer, path: Path, usage: Path, sim: SimServer
+) -> asyncio.Task[Any]:
+    """Reload to `sim` alone with one slot, and start a request that the engine holds there (awaited: its response)."""
+    await one_slot_on(http, server, path, usage, sim)
+    sim.control.hold_next = 1
+    held = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=chat(0, False), headers=auth(KEY_A)))
+    await sim.wait_held(1)
+    return held
+
+
+async def fleet_in_flight(http: aiohttp.ClientSession, server: GatewayServer) -> dict[str, int]:
+    """`/admin/fleet`'s in-flight count of each instance, by name."""
+    async with http.get(server.url + "/admin/fleet", headers=auth(ADMIN_KEY)) as resp:
+        return {row["name"]: row["in_flight"] for row in (await resp.json())["instances"]}
+
+
+async def reloaded_instances(http: aiohttp.ClientSession, server: GatewayServer) -> dict[str, Any]:
+    """Reload; what the answer says of the instances."""
+    async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
+        assert resp.status == 200
+        return dict((await resp.json())["changes"]["instances"])
+
+
+def in_flight_series(gw: Any, name: str) -> dict[str, str]:
+    """The instance's in-flight, permit and open-call series as exported: metric name -> value."""
+    lines = gw.metrics.render().decode().splitlines()
+    wanted = ("lockgate_instance_in_flight{", "lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{")
+    return {
+        line.split("{")[0]: line.rsplit(" ", 1)[1]
+        for line in lines
+        if line.startswith(wanted) and f'instance="{name}"' in line
+    }
+
+
 async def test_requests_on_a_replaced_instance_count_on_its_replacement_until_they_end(
     gateway: Any, tmp_path: Path
 ) -> None:
@@ -274,53 +309,34 @@ async def test_requests_on_a_replaced_instance_count_on_its_replacement_until_th
     assert gw is not None
     usage = tmp_path / "usage.sqlite3"
 
-    def gauges(name: str) -> dict[str, str]:
-        lines = gw.metrics.render().decode().splitlines()
-        wanted = ("lockgate_instance_in_flight{", "lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{")
-        return {
-            line.split("{")[0]: line.rsplit(" ", 1)[1]
-            for line in lines
-            if line.startswith(wanted) and f'instance="{name}"' in line
-        }
-
-    async def fleet_in_flight(http: aiohttp.ClientSession) -> dict[str, int]:
-        async with http.get(server.url + "/admin/fleet", headers=auth(ADMIN_KEY)) as resp:
-            return {row["name"]: row["in_flight"] for row in (await resp.json())["instances"]}
-
     async with aiohttp.ClientSession() as http, asyncio.timeout(30):
-        await one_slot_on(http, server, path, usage, sim_a)
-        sim_a.control.hold_next = 1
-        held = asyncio.create_task(
-            http.post(server.url + "/v1/chat/completions", json=chat(0, False), headers=auth(KEY_A))
-        )
-        await sim_a.wait_held(1)
+        held = await one_held_on(http, server, path, usage, sim_a)
         old = gw.fleet.instances[sim_a.url]
         write(path, usage, [sim_a], {"a": KEY_A}, extra=", max_concurrency: 2")
-        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
-            assert (await resp.json())["changes"]["instances"]["replaced"] == ["A"]
+        assert (await reloaded_instances(http, server))["replaced"] == ["A"]
         new = gw.fleet.instances[sim_a.url]
         assert new is not old and old.retired and new.in_flight == 1 and new.leased == {"m": 1}
-        assert gauges("A") == {
+        assert in_flight_series(gw, "A") == {
             "lockgate_instance_in_flight": "1.0",
             "lockgate_permits_in_use": "1.0",
             "lockgate_upstream_calls_in_flight": "1.0",
         }
-        assert await fleet_in_flight(http) == {"A": 1}
+        assert await fleet_in_flight(http, server) == {"A": 1}
         # Replaced again while it runs (renamed too): it counts on the newest one, once.
         path.write_text(path.read_text().replace("name: A", "name: Z"))
         async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
             assert resp.status == 200
         newest = gw.fleet.instances[sim_a.url]
-        assert newest.in_flight == 1 and gauges("Z")["lockgate_upstream_calls_in_flight"] == "1.0"
-        assert gauges("A") == {}  # (not counted twice, under its former name too)
-        assert await fleet_in_flight(http) == {"Z": 1}
+        assert newest.in_flight == 1 and in_flight_series(gw, "Z")["lockgate_upstream_calls_in_flight"] == "1.0"
+        assert in_flight_series(gw, "A") == {}  # (not counted twice, under its former name too)
+        assert await fleet_in_flight(http, server) == {"Z": 1}
         sim_a.release()
         async with await held as resp:
             assert resp.status == 200
             await resp.read()
         await gw.fleet.wait_retired()
         assert (old.in_flight, new.in_flight, newest.in_flight) == (0, 0, 0) and newest.leased == {}
-        assert gauges("Z") == {
+        assert in_flight_series(gw, "Z") == {
             "lockgate_instance_in_flight": "0.0",
             "lockgate_permits_in_use": "0.0",
             "lockgate_upstream_calls_in_flight": "0.0",
@@ -338,51 +354,35 @@ async def test_requests_of_an_instance_moved_or_removed_and_added_back_stay_in_s
     server, path, (sim_a, sim_b) = gateway
     gw = server.gateway
     assert gw is not None
-    usage = tmp_path / "usage.sqlite3"
-
-    def series(name: str) -> dict[str, str]:
-        lines = gw.metrics.render().decode().splitlines()
-        wanted = ("lockgate_instance_in_flight{", "lockgate_permits_in_use{", "lockgate_upstream_calls_in_flight{")
-        return {
-            line.split("{")[0]: line.rsplit(" ", 1)[1]
-            for line in lines
-            if line.startswith(wanted) and f'"{name}"' in line
-        }
-
-    async def reload(http: aiohttp.ClientSession) -> dict[str, Any]:
-        async with http.post(server.url + "/admin/reload", headers=auth(ADMIN_KEY)) as resp:
-            assert resp.status == 200
-            return dict((await resp.json())["changes"]["instances"])
-
     async with aiohttp.ClientSession() as http, asyncio.timeout(30):
-        await one_slot_on(http, server, path, usage, sim_a)
-        sim_a.control.hold_next = 1
-        held = asyncio.create_task(
-            http.post(server.url + "/v1/chat/completions", json=chat(0, False), headers=auth(KEY_A))
-        )
-        await sim_a.wait_held(1)
+        held = await one_held_on(http, server, path, tmp_path / "usage.sqlite3", sim_a)
         path.write_text(path.read_text().replace(sim_a.url, sim_b.url))  # A is now the other engine
-        assert await reload(http) == {"added": ["A"], "removed": ["A"], "replaced": [], "renamed": {}}
+        assert await reloaded_instances(http, server) == {
+            "added": ["A"],
+            "removed": ["A"],
+            "replaced": [],
+            "renamed": {},
+        }
         one = {
             "lockgate_instance_in_flight": "1.0",
             "lockgate_permits_in_use": "1.0",
             "lockgate_upstream_calls_in_flight": "1.0",
         }
-        assert series("A") == one
+        assert in_flight_series(gw, "A") == one
         async with http.get(server.url + "/admin/fleet", headers=auth(ADMIN_KEY)) as resp:
             fleet = await resp.json()
         assert fleet["retiring"] == [{"name": "A", "url": sim_a.url, "in_flight": 1, "calls_open": 1}]
         # Back to the first engine while its request runs: the instance that came back counts it.
         path.write_text(path.read_text().replace(sim_b.url, sim_a.url))
-        await reload(http)
-        assert gw.fleet.instances[sim_a.url].in_flight == 1 and series("A") == one
+        await reloaded_instances(http, server)
+        assert gw.fleet.instances[sim_a.url].in_flight == 1 and in_flight_series(gw, "A") == one
         sim_a.release()
         async with await held as resp:
             assert resp.status == 200
             await resp.read()
         await gw.fleet.wait_retired()
         assert gw.fleet.instances[sim_a.url].in_flight == 0
-        assert series("A") == {key: "0.0" for key in one}
+        assert in_flight_series(gw, "A") == {key: "0.0" for key in one}
     assert_gateway_clean(gw)
 
 
