@@ -42,6 +42,8 @@ class FleetView(Protocol):
     @property
     def retiring(self) -> Iterable[Instance]: ...
 
+    def in_flight_shown(self, instance: Instance) -> int: ...
+
 
 class FleetCollector(Collector):
     def __init__(self, fleet: FleetView) -> None:
@@ -56,16 +58,13 @@ class FleetCollector(Collector):
         names = {instance.name for instance in current}
         # An instance a reload removed is shown until its last request ends (as its calls and permits are), unless
         # one of the same name replaced it, or one at its URL did (its requests count there: `Instance.hand_over`).
+        # One that left under the name of one serving now (at another URL) shows under it (`Fleet.in_flight_shown`).
         leaving = [i for i in self._fleet.retiring if i.name not in names and i.successor is None]
-        # One that left under the name of one serving now (at another URL) shows under it.
-        departed: dict[str, int] = {}
-        for retired in self._fleet.retiring:
-            if retired.name in names and retired.successor is None:
-                departed[retired.name] = departed.get(retired.name, 0) + retired.in_flight
+        shown = self._fleet.in_flight_shown
         for instance in (*current, *leaving):
             own, load = instance.own, instance.engine_load
             values = {
-                "in_flight": instance.in_flight + (departed.get(instance.name, 0) if not instance.retired else 0),
+                "in_flight": instance.in_flight if instance.retired else shown(instance),
                 "queued_prompt_tokens": own.queued_prompt_tokens,
                 "ttft_seconds": own.ttft.value,
                 "tpot_seconds": own.tpot.value,
