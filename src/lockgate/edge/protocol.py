@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ LINGER_S = 2.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CLOSE = b"Connection: close\r\n"
 _KEEP_ALIVE = b"Connection: keep-alive\r\n"
+#: `SO_LINGER` on, 0 s: closing the socket resets the connection and drops what its send buffer holds.
+_RESET = struct.pack("ii", 1, 0)
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
@@ -719,6 +722,14 @@ class Connection(asyncio.Protocol):
         # Idle, a client that stopped reading its response, or the lingering period is over. abort(), not
         # close(): close() would wait for a client that does not read to take what is still buffered. A handler
         # in progress is cancelled by the connection_lost that follows.
+        if self.write_paused:
+            # And with a reset: closed, the socket would hand the kernel what its send buffer holds (~0.4 MB at
+            # the default size), kept for minutes in FIN-WAIT-1 while a client that reads nothing keeps
+            # acknowledging the kernel's probes (an outside run: 380 KB still queued at 195 s).
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
         self.transport.abort()
 
     def close_if_idle(self) -> None:
