@@ -423,7 +423,10 @@ def test_a_p0_may_go_to_a_fast_instance_whose_slots_less_urgent_work_fills():
     assert pick(policy, replace(request, urgent=True), snap(fast, slow)) == "i0"
     # A second outside run: full of P0s (nothing there to stop), it was priced as a step's wait all the same, and P0s
     # stacked on a fast 2-slot engine five deep, each waiting whole generations (flood p99 122 -> 682 ms).
-    assert pick(policy, replace(request, urgent=True), snap(full, slow)) == "i1"
+    two = replace(full, in_flight=2, max_concurrency=2, running=2)
+    assert pick(policy, replace(request, urgent=True), snap(two, slow)) == "i1"
+    # (Eight slots full of P0s free one every ~40 ms: sooner than the slow engine's step and the half it joins in.)
+    assert pick(policy, replace(request, urgent=True), snap(full, slow)) == "i0"
     # A full instance still waits a share of its generations: a P0 takes the free slot of a peer as fast.
     peer = replace(fast, key="i2", name="i2", in_flight=7, running=7, stoppable=7)
     assert pick(policy, replace(request, urgent=True), snap(fast, peer)) == "i2"
@@ -439,3 +442,47 @@ def test_a_p0_does_not_rotate_onto_an_engine_steps_slower():
     urgent = RouteRequest("m", prompt_tokens=12, urgent=True)
     assert [pick(policy, urgent, snap(fast, slow)) for _ in range(4)] == ["i0"] * 4
     assert {pick(policy, replace(urgent, urgent=False), snap(fast, slow)) for _ in range(4)} == {"i0", "i1"}
+
+
+def test_a_p0_is_priced_at_an_engine_without_the_less_urgent_requests_waiting_there():
+    """An outside run, a fast 4-slot engine and a slow 64-slot one: a flood's first P2s went 60 deep into the fast
+    engine before its limit was learned. A P0 sent there has them stopped first (they wait in the engine and lose no
+    work, `Admission.make_room`); priced with them, it looked 0.3-0.8 s away and every P0 went to the slow engine for
+    7 s (~90-150 ms). Other classes still see the queue."""
+    fast = view(
+        0,
+        prefill_tps=20_000,
+        tpot_s=0.006,
+        decode_s=0.35,
+        in_flight=64,
+        max_concurrency=4,
+        running=4,
+        waiting=60,
+        pending=60,
+        queued_prompt_tokens=60 * 20,
+        stoppable=64,
+        stoppable_waiting=60,
+        oldest_wait_s=0.02,
+        oldest_work=20,
+    )
+    slow = view(1, prefill_tps=20_000, tpot_s=0.06, decode_s=1.1, in_flight=20, max_concurrency=64, running=20)
+    request = RouteRequest("m", prompt_tokens=12)
+    urgent = replace(request, urgent=True)
+    assert predict_ttft(fast, urgent, 20_000, 0.033) < 0.03 < predict_ttft(fast, request, 20_000, 0.033)
+    assert pick(PredictedTTFT(), urgent, snap(fast, slow)) == "i0"
+    assert pick(PredictedTTFT(), request, snap(fast, slow)) == "i1"
+
+
+def test_a_p0_counts_the_step_a_busy_engine_is_in_and_judges_a_full_one_by_the_fastest_step():
+    """An outside run, a fast 4-slot engine (6 ms a step) full of P0s next to a slow one running 60 (88 ms a step):
+    the slow one was priced at its prefill and one step, but a request arriving there waits for the step under way
+    to end first (half a step on average; its first tokens came at ~150 ms), and the fast one had to be sooner by the
+    peers' mean step (47 ms) to be taken. 46 of 272 P0s went to the slow engine where a slot on the fast one freed
+    within ~70 ms."""
+    full = view(0, prefill_tps=20_000, tpot_s=0.006, decode_s=0.28, in_flight=4, max_concurrency=4, running=4)
+    slow = view(1, prefill_tps=20_000, tpot_s=0.088, decode_s=4.5, in_flight=60, max_concurrency=64, running=60)
+    urgent = RouteRequest("m", prompt_tokens=12, urgent=True)
+    idle = replace(slow, in_flight=0, running=0)
+    assert predict_ttft(slow, urgent, 20_000) - predict_ttft(idle, urgent, 20_000) == pytest.approx(0.044)
+    assert predict_ttft(full, urgent, 20_000) < predict_ttft(slow, urgent, 20_000) - 0.04
+    assert pick(PredictedTTFT(), urgent, snap(full, slow)) == "i0"

@@ -194,3 +194,30 @@ def test_an_instance_counts_the_leases_a_p0_may_have_stopped() -> None:
     p2.stoppable()  # (released: no longer counted)
     p0.release()
     assert (first.in_flight, first.stoppable, second.in_flight, second.stoppable) == (0, 0, 0, 0)
+
+
+def test_an_instance_counts_the_stoppable_leases_still_waiting_for_their_first_token() -> None:
+    """Of the stoppable leases, those whose first token has not come back wait in the engine: a P0 sent there has them
+    stopped at no cost (`InstanceView.stoppable_waiting`). Counted until their first token or their end, where they
+    move, and at a replacement at the same URL (`Instance.hand_over`)."""
+    p = two_instance_pool(make_policy("predicted_ttft"))
+    first, second = p.instances
+    waiting, answered = Lease(first, GatewayMetrics()), Lease(first, GatewayMetrics())
+    answered.first_token()
+    waiting.stoppable()
+    answered.stoppable()
+    assert (first.stoppable, first.stoppable_waiting, first.view().stoppable_waiting) == (2, 1, 1)
+    waiting.move(second)
+    assert (first.stoppable_waiting, second.stoppable_waiting) == (0, 1)
+    first.retired = True
+    first.hand_over(second)  # (a reload replaced `first` by `second`: what runs there counts on `second` too)
+    assert (second.stoppable, second.stoppable_waiting) == (2, 1)
+    waiting.first_token()
+    assert (second.stoppable, second.stoppable_waiting) == (2, 0)
+    later = Lease(second, GatewayMetrics())
+    later.stoppable()
+    assert second.stoppable_waiting == 1
+    later.release()  # (ended before its first token: no longer waiting)
+    waiting.release()
+    answered.release()
+    assert (first.stoppable, first.stoppable_waiting, second.stoppable, second.stoppable_waiting) == (0, 0, 0, 0)

@@ -89,8 +89,11 @@ class Instance:
         self.idle: asyncio.Event | None = None
         #: Leases held (routing slots) and engine calls open; exported as gauges when scraped.
         self.in_flight = 0
-        #: Of those, the leases of requests of a preemptible class (`Lease.stoppable`).
+        #: Of those, the leases of requests of a preemptible class (`Lease.stoppable`), and of these the ones whose
+        #: first token has not come back: waiting in the engine, a P0 sent there has them stopped at no cost to the
+        #: engine (`preemption.ahead_in_engine`).
         self.stoppable = 0
+        self.stoppable_waiting = 0
         #: Leases held, by the model (pool) they were taken for: once retired, what it still runs of each pool's
         #: requests (`Fleet.apply`: capacity the pool lends until they end).
         self.leased: dict[str, int] = {}
@@ -174,6 +177,7 @@ class Instance:
         self.successor = successor
         successor.in_flight += self.in_flight
         successor.stoppable += self.stoppable
+        successor.stoppable_waiting += self.stoppable_waiting
         for model, count in self.leased.items():
             successor.leased[model] = successor.leased.get(model, 0) + count
 
@@ -216,6 +220,7 @@ class Instance:
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
             stoppable=self.stoppable,
+            stoppable_waiting=self.stoppable_waiting,
             own=self.own,
             engine=self.engine_load,
             now=time.monotonic() if now is None else now,
@@ -234,6 +239,7 @@ class Lease:
         "_metrics",
         "_released",
         "_stoppable",
+        "_waiting_stop",
         "_whole",
         "completion_tokens",
         "instance",
@@ -260,6 +266,8 @@ class Lease:
         self._metrics = metrics
         self._released = False
         self._stoppable = False
+        #: Counted in `Instance.stoppable_waiting`: stoppable, its first token not back.
+        self._waiting_stop = False
         #: Tokens received so far (for the instance's TPOT), kept current by the relay.
         self.completion_tokens = 0
         self._whole = False
@@ -272,6 +280,12 @@ class Lease:
         """The engine's first event arrived: this attempt's prompt is no longer queued there."""
         if not self._released:
             self.instance.own.first_token(self._attempt, time.monotonic(), not engine_queues(self.instance))
+            if self._waiting_stop:
+                self._waiting_stop = False
+                at: Instance | None = self.instance
+                while at is not None:
+                    at.stoppable_waiting -= 1
+                    at = at.successor
 
     @property
     def sent_at(self) -> float:
@@ -352,9 +366,11 @@ class Lease:
         `predict_ttft`). Counted until the lease ends (and where it moves)."""
         if not self._released and not self._stoppable:
             self._stoppable = True
+            self._waiting_stop = self._attempt.first_at is None
             at: Instance | None = self.instance
             while at is not None:
                 at.stoppable += 1
+                at.stoppable_waiting += self._waiting_stop
                 at = at.successor
 
     def move(self, to: Instance) -> None:
@@ -369,6 +385,7 @@ class Lease:
         self._attempt = to.own.adopt(self._attempt, now)
         to.in_flight += 1
         to.stoppable += self._stoppable
+        to.stoppable_waiting += self._waiting_stop
         to.leased[self.model] = to.leased.get(self.model, 0) + 1
         self.instance = to
         self._vacate(before)
@@ -398,6 +415,7 @@ class Lease:
         while at is not None:  # (and at the instances that replaced it at its URL, `Instance.hand_over`)
             at.in_flight -= 1
             at.stoppable -= self._stoppable
+            at.stoppable_waiting -= self._waiting_stop
             leased = at.leased
             left = leased.get(self.model, 0) - 1
             if left > 0:

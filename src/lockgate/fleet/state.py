@@ -473,6 +473,7 @@ def merge(
     cached_tokens: int = 0,
     cache_room: int | None = None,
     stoppable: int = 0,
+    stoppable_waiting: int = 0,
 ) -> InstanceView:
     queued = own.backlog_tokens(now)
     fresh = engine is not None and engine.age(now) <= stale_after
@@ -525,4 +526,5 @@ def merge(
         latency_floor_s=own.latency_floor,
         latency_age_s=0.0 if own.latency_at is None else now - own.latency_at,
         stoppable=stoppable,
+        stoppable_waiting=stoppable_waiting,
     )

@@ -6,6 +6,7 @@
            + one decode step
 
     queue wait     = prompt tokens already queued there / prefill rate
+                     + for a P0, when it runs anything, half a decode step: the step it joins at the end of
                      + (when every batch slot is taken) the share of a request's decode time until a
                        slot frees (a P0's: a step, a less urgent request being stopped for it; it takes
                        a full instance only a step sooner than every one with room)
@@ -55,6 +56,14 @@ again by the fresh sample, by a request of a class that is not strict: a P0 (`Ro
 as measured (on an idle fleet of a 5 ms and a 40 ms engine, the re-tries were 1 P0 in 10, at ~40 ms against 8); under
 load its queue terms still spread it to the slow instance. Its latency floor fades for every class: judged as it
 stood, a floor measured at a flood's start sent every P0 to the other engine (`bench priority`: 1.45x, reverted).
+
+A P0 joining a busy batch: an engine that runs anything is mid-step when a request arrives, and takes it in when
+that step ends, half a step later on average. Counted for a P0 only: it chooses between a fast engine's full slots and
+a slow engine's free one, where steps of 6 and 90 ms differ by more than the rest of the prediction (an outside run:
+a 64-slot engine running 60 was priced at its prefill and one step, ~90 ms, and its first tokens came at ~150 ms; 46
+of 272 P0s went there while a slot on the fast one freed within ~70 ms). For the other classes the instances' steps
+are alike far more often than not, the half step adds the same to each busy one, and the prefix and rotation rules
+below were measured without it (`bench routing`).
 
 Short shared prefixes: a prefix cached on an instance saves its prefill there, but a saving smaller than one
 engine step (a chat's system prompt of a few dozen tokens: ~3 ms where a step is 10 ms) is not worth a routing
@@ -131,15 +140,30 @@ def predict_ttft(
     # A cached prefix saves nothing worth a routing choice until it saves a step: the first step's worth of
     # it is discounted (see the module docstring, "short shared prefixes").
     uncached = max(0, request.prompt_tokens - max(0, view.cached_tokens - round(tpot * rate)))
-    wait = view.queued_prompt_tokens / rate
-    over = view.in_flight + 1 - view.max_concurrency
+    queued, pending, in_flight, stoppable = view.queued_prompt_tokens, view.pending, view.in_flight, view.stoppable
+    if request.urgent and view.stoppable_waiting:
+        # A P0 sent there first has the less urgent requests still waiting in its engine stopped (`Admission.make_room`:
+        # they lose no work), and their queue goes with them (their prompt tokens taken as their share of those
+        # waiting there). Priced with them, a fast 4-slot engine a flood had sent 60 of them before its limit was
+        # learned looked 0.3-0.8 s away, and every P0 for the next 7 s went to a slow engine next to it (~90-150 ms).
+        cleared = min(view.stoppable_waiting, pending)
+        queued -= queued * cleared // max(1, pending)
+        pending -= cleared
+        in_flight -= view.stoppable_waiting
+        stoppable -= view.stoppable_waiting
+    wait = queued / rate
+    if request.urgent and (in_flight or view.running):
+        # A busy engine is mid-step when the request arrives: it joins the batch when that step ends, half a step
+        # later on average (module docstring, "a P0 joining a busy batch").
+        wait += tpot / 2
+    over = in_flight + 1 - view.max_concurrency
     if over > 0:
         # No free batch slot: on average one frees every decode_s / max_concurrency seconds. For a P0, a request of a
         # preemptible class there is stopped (`Admission.make_room`): its slot frees at the next step, for as many as
         # there are (an outside run: a fast 2-slot engine full of P0s was priced as a step's wait, and P0s stacked
         # there five deep, each waiting whole generations).
         per_slot = view.decode_s / view.max_concurrency
-        quick = min(over, view.stoppable) if request.urgent and tpot > 0 else 0
+        quick = min(over, stoppable) if request.urgent and tpot > 0 else 0
         wait += quick * min(tpot, per_slot) + (over - quick) * per_slot
     # An instance whose cache size is not known yet (the first answers teach the engine's token ratio;
     # some engines never say) counts as full: the cold start is when prefixes find their homes, and
@@ -149,7 +173,7 @@ def predict_ttft(
     # What it does to the others: an engine step lasts as long as the prefill it carries, and every
     # request waiting for its first token there (but the one in prefill now) shares a step with this
     # prompt's or waits behind it: a long prompt sent where short ones wait delays each of them.
-    delayed = max(0, view.pending - 1) * uncached
+    delayed = max(0, pending - 1) * uncached
     late = max(0.0, view.oldest_wait_s - view.oldest_work / rate - 3 * tpot) if tpot > 0 else 0.0
     typical = view.whole_s or default_whole_s
     if view.oldest_whole_wait_s and typical > 0:
@@ -207,10 +231,13 @@ class PredictedTTFT:
 
         roomy = with_room(options)
         costs = [cost(o) for o in roomy]
+        # A P0's step is the fastest measured one's: the peers' mean, widened by a slow engine's own step, kept P0s
+        # off a fast engine (a full one, or near the best) whose first token was clearly sooner (see below).
+        step = min((o.tpot_s for o in options if o.tpot_s > 0), default=tpot) if request.urgent else tpot
         if request.urgent and len(roomy) < len(options):
             free = set(map(id, roomy))
             full = [o for o in options if id(o) not in free]
-            options, costs = self._sooner_full(full, [cost(o) for o in full], roomy, costs, tpot)
+            options, costs = self._sooner_full(full, [cost(o) for o in full], roomy, costs, step)
         else:
             options = roomy
         # Equal predictions (an idle fleet), or as good as equal (`near_tie`): the holder of the most of the prompt,
@@ -218,11 +245,9 @@ class PredictedTTFT:
         cutoff = min(costs) * self._near + self._near_s
         if not any(o.cached_tokens for o in options):
             # Cached nowhere: only the waits differ, and the least recently chosen instance among those within a
-            # step and half this prompt's prefill of the best wins (module docstring, "cached nowhere").
-            # A P0's step is the fastest measured one's: the peers' mean widened the window by the slow engine's own
-            # step, and a fleet of two taking P0s alone went on sending half of them to one slowed midway (an outside
-            # run).
-            step = min((o.tpot_s for o in options if o.tpot_s > 0), default=tpot) if request.urgent else tpot
+            # step and half this prompt's prefill of the best wins (module docstring, "cached nowhere"). With the
+            # peers' mean step, a fleet of two taking P0s alone went on sending half of them to one slowed midway (an
+            # outside run).
             window = max(cutoff, min(costs) + step + 0.5 * request.prompt_tokens / rate)
             return min((o for o, c in zip(options, costs, strict=True) if c <= window), key=self._least_recent)
         tied = [o for o, c in zip(options, costs, strict=True) if c <= cutoff]

@@ -74,6 +74,9 @@ class InstanceView:
     #: Requests of a preemptible class in flight there (`Lease.stoppable`): a P0 sent there when it is full has one
     #: stopped for it (`Admission.make_room`), at most this many.
     stoppable: int = 0
+    #: Of those, the ones whose first token has not come back: waiting in the engine, they are stopped before a P0 is
+    #: sent there (`preemption.ahead_in_engine`), all at once, and take their queue with them.
+    stoppable_waiting: int = 0
 
     @property
     def load(self) -> float:
