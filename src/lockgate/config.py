@@ -428,11 +428,30 @@ class Config(_Strict):
             if len(set(urls)) != len(urls):
                 raise ValueError(f"models[{index}] ({model.name}) lists the same instance URL twice")
         listed: dict[str, InstanceConfig] = {}
+        named: dict[str, str] = {}  # an instance's name -> its URL
+        simulators = sum(entry.count for entry in self.simulate)
         for model in self.models:
             for spec in model.instances:
                 # One URL is one engine (one connection pool): it cannot log in two ways, and it has one limit (the
-                # first listing's was taken silently).
+                # first listing's was taken silently) and one name (the name tells engines apart in responses'
+                # headers, metrics and usage records: two engines of one name shared one series).
                 first = listed.setdefault(spec.url, spec)
+                name = first.name or first.url  # (the first listing names it; a later one may leave its name out)
+                if spec.name is not None and spec.name != name:
+                    raise ValueError(
+                        f"instance {redact(spec.url)} is listed under two names ({name!r} and {spec.name!r}): one URL "
+                        "is one engine, with one name; give its first listing the name, and the others the same or none"
+                    )
+                if named.setdefault(name, spec.url) != spec.url:
+                    raise ValueError(
+                        f"instance name {name!r} is given to two engines ({redact(named[name])} and "
+                        f"{redact(spec.url)}): names tell engines apart in headers, metrics and usage records"
+                    )
+                if name.startswith("sim-") and name[4:].isdigit() and 1 <= int(name[4:]) <= simulators:
+                    raise ValueError(
+                        f"instance name {name!r} is the name of a simulator the `simulate:` section starts "
+                        f"(sim-1 to sim-{simulators}); give the instance another"
+                    )
                 if (first.api_key, first.basic_authorization) != (spec.api_key, spec.basic_authorization):
                     raise ValueError(f"instance {spec.url} is listed with different credentials")
                 if first.max_concurrency != spec.max_concurrency:

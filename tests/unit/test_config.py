@@ -318,6 +318,33 @@ def test_one_engine_listed_under_two_models_with_different_limits_is_a_config_er
     parse_config({"models": [first, same]})  # the same (unset) on both: one engine, fine
 
 
+def test_an_instance_name_names_one_engine() -> None:
+    """A newcomer's run: two engines named `sim-1` (and a simulator the `simulate:` section names so) passed
+    `check-config`, and their requests, headers and metrics carried one name: `lockgate_instance_*{instance="sim-1"}`
+    was one series for three engines."""
+    one = {"url": "http://127.0.0.1:1", "name": "e"}
+    two = {"url": "http://127.0.0.1:2", "name": "e"}
+    with pytest.raises(ConfigError, match=r"instance name 'e' is given to two engines"):
+        parse_config({"models": [{"name": "m", "instances": [one, two]}]})
+    with pytest.raises(ConfigError, match=r"instance name 'e' is given to two engines"):
+        parse_config({"models": [{"name": "a", "instances": [one]}, {"name": "b", "instances": [two]}]})
+    with pytest.raises(ConfigError, match=r"listed under two names \('e' and 'f'\)"):
+        parse_config(
+            {"models": [{"name": "a", "instances": [one]}, {"name": "b", "instances": [{**one, "name": "f"}]}]}
+        )
+    sims = {"simulate": [{"models": ["m"], "count": 2}]}
+    with pytest.raises(ConfigError, match=r"'sim-2' is the name of a simulator"):
+        parse_config({"models": [{"name": "m", "instances": [{**one, "name": "sim-2"}]}], **sims})
+    parse_config({"models": [{"name": "m", "instances": [{**one, "name": "sim-3"}]}], **sims})
+    # One engine listed under two models by one name (or none): fine.
+    parse_config({"models": [{"name": "a", "instances": [one]}, {"name": "b", "instances": [one]}]})
+    unnamed = {"url": "http://127.0.0.1:1"}
+    parse_config({"models": [{"name": "a", "instances": [unnamed]}, {"name": "b", "instances": [unnamed]}]})
+    parse_config({"models": [{"name": "a", "instances": [one]}, {"name": "b", "instances": [unnamed]}]})
+    with pytest.raises(ConfigError, match=r"two names \('http://127.0.0.1:1' and 'e'\)"):  # (the first names it)
+        parse_config({"models": [{"name": "a", "instances": [unnamed]}, {"name": "b", "instances": [one]}]})
+
+
 def test_a_usage_path_in_a_directory_that_does_not_exist_is_refused_at_load(tmp_path: Path) -> None:
     """A newcomer's run: `check-config` said OK, then `serve` could not open the database."""
     base = {"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:9"}]}]}
