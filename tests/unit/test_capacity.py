@@ -366,3 +366,54 @@ def test_a_limit_a_full_kv_cache_set_is_probed_again_as_soon_as_the_cache_has_ro
         slots.observe(running=9, waiting=12, in_flight=21, decode_s=None)
     assert slots.limit == 9
     assert not any(slots.observe(running=9, waiting=0, in_flight=9, decode_s=None) for _ in range(100))
+
+
+def test_a_queue_that_drains_far_slower_than_its_prefill_explains_waits_for_slots() -> None:
+    """An outside run, a 4-slot engine next to a 64-slot one: a flood's first P2s (short prompts) went 60-90 deep into
+    the small one before its limit was known, and at a prefill rate measured on short prompts their tokens made
+    0.2-1.8 s of backlog, more than half a generation (0.3-0.6 s): read as prefill work, the queue never counted, for
+    14 s. The engine let in ~8 a second: at that pace the queue takes ~10 s to drain, not the backlog's time."""
+    limit = ConcurrencyLimit(256)
+    answered, now = 100, 0.0
+    for waiting, backlog in [(64, 0.16), (70, 0.9), (70, 0.88)]:
+        limit.observe(
+            running=4,
+            waiting=waiting,
+            in_flight=waiting + 4,
+            prefill_backlog_s=backlog,
+            decode_s=0.43,
+            overdue=True,
+            aged=True,
+            answered=(now, answered),
+        )
+        now, answered = now + 0.2, answered + 2  # (8 first tokens a second)
+    assert limit.limit == 4
+    # Long prompts waiting for the engine's prefill drain at about the backlog's pace: 8 of 3,000 tokens at 20,000
+    # tokens a second is 1.2 s, and the engine lets in ~6.7 a second.
+    bound = ConcurrencyLimit(256)
+    for step in range(10):
+        assert not bound.observe(
+            running=2,
+            waiting=8,
+            in_flight=10,
+            prefill_backlog_s=1.2,
+            decode_s=0.5,
+            overdue=True,
+            aged=True,
+            answered=(step * 0.3, 2 * step),
+        )
+    assert bound.limit == 256
+    # No first token lately (a very long prompt in prefill): the pace is not known, and the backlog decides.
+    still = ConcurrencyLimit(256)
+    for step in range(5):
+        assert not still.observe(
+            running=1,
+            waiting=4,
+            in_flight=5,
+            prefill_backlog_s=2.0,
+            decode_s=0.5,
+            overdue=True,
+            aged=True,
+            answered=(step * 0.2, 7),
+        )
+    assert still.limit == 256

@@ -55,6 +55,16 @@ sequences in the KV cache).
   requests there is past its first token's due time (`OwnAccounting.overdue`: its prefill, and what was queued
   ahead of it, at the measured rate plus three steps). A request waiting for a slot waits for a generation to
   end, which makes it overdue within a few steps;
+- **the pace of admissions**: the backlog estimate also reads many short requests as prefill work: 70 of them (~25
+  tokens each) queued in a 4-slot engine made 0.2-1.8 s of it at a rate measured on short prompts (a step's time in
+  each), more than half a generation, so the queue never counted and a flood's P2s piled 60-90 deep there for 14 s
+  while a 64-slot engine next to it had room (P0 TTFT p99 ~460 ms, nearly every P0 sent to the slow 64-slot one).
+  A queue of prefill work drains as fast as the engine prefills; one waiting for slots drains a generation at a
+  time. So a queue of at least two, one of the gateway's overdue there, that would take more than three times its
+  backlog's time to drain at the pace the engine let requests in lately (first tokens a second over ten scrapes) is
+  not prefill-bound. Long prompts (3,000 tokens) drain at about their backlog's pace. With no first token in that
+  time (a very long prompt in prefill, long generations holding every slot) the pace is not known, and the backlog
+  estimate decides as before;
 
 **Discovery**: until a first saturation is learned, a flood reaching a small engine queues inside it for
 the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arriving then waits there
@@ -95,10 +105,15 @@ _SATURATED_SCRAPES = 2
 _PEAK_SCRAPES = 25
 #: Scrapes a probe may stay unjudged (neither confirmed nor refuted) before it lapses (1 s by default).
 _TRIAL_SCRAPES = 5
+#: Scrapes over which the pace of admissions (first tokens a second) is measured (2 s at the default interval).
+_ANSWER_SCRAPES = 10
+#: How many times longer than its prefill backlog explains a queue must take to drain at that pace to wait for slots.
+_SLOW_DRAIN = 3
 
 
 class ConcurrencyLimit:
     __slots__ = (
+        "_answers",
         "_calm",
         "_configured",
         "_held",
@@ -153,6 +168,8 @@ class ConcurrencyLimit:
         #: The limit a probe started from while it is on trial (None: no probe pending).
         self._trial_from: int | None = None
         self._trial_scrapes = 0
+        #: (when, first tokens seen so far) at recent scrapes: the pace of admissions (`_admitted_per_s`).
+        self._answers: deque[tuple[float, int]] = deque(maxlen=_ANSWER_SCRAPES)
 
     def observe(
         self,
@@ -164,6 +181,7 @@ class ConcurrencyLimit:
         overdue: bool | None = None,
         kv_full: bool = False,
         aged: bool | None = None,
+        answered: tuple[float, int] | None = None,
     ) -> bool:
         """One scrape's signals and the gateway's requests there now; True if the limit changed.
         `prefill_backlog_s`: the prefill work the gateway has sent there and not seen answered, in seconds
@@ -175,14 +193,24 @@ class ConcurrencyLimit:
         fits there, fewer than its slots, and that count moves as sequences grow and are preempted (an outside run:
         a 16-slot engine whose cache fitted 8-14 ran 8-14 with 40 waiting, which read as free slots, and its limit
         stayed at the ceiling for 20 s while P0 waited there behind them). `aged`: the engine's queue holds more than
-        the gateway sent it within the last step (`OwnAccounting.queued_beyond`; None: not known)."""
+        the gateway sent it within the last step (`OwnAccounting.queued_beyond`; None: not known). `answered`: when
+        (monotonic seconds) and how many first tokens the gateway had seen there so far (`OwnAccounting.answered`):
+        how fast the engine lets requests in."""
         if not self.adaptive or running is None or waiting is None:
             self._streak = 0
             return False
         previous = self._prev_running
         self._prev_running = running
         self._recent.append(running)
+        if answered is not None:
+            self._answers.append(answered)
         unexplained = decode_s is None or (decode_s > 0 and prefill_backlog_s < 0.5 * decode_s)
+        if not unexplained and overdue is True and waiting >= 2:
+            # A queue of prefill work drains as fast as the engine prefills: at the pace it lets requests in lately,
+            # it would be gone within the backlog's time. One that would take several times longer waits for slots
+            # (module docstring, "the pace of admissions").
+            pace = self._admitted_per_s()
+            unexplained = pace is not None and waiting > _SLOW_DRAIN * max(1.0, pace * prefill_backlog_s)
         # An engine at its parallelism runs about the most it ran lately while requests wait; one that runs clearly
         # fewer has free slots, and its queue waits for something else (its step's token budget, behind a long
         # prefill that the gateway's own count may have missed).
@@ -256,6 +284,18 @@ class ConcurrencyLimit:
                 self._trial_scrapes = 0
                 return True
         return False
+
+    def _admitted_per_s(self) -> float | None:
+        """First tokens a second over the scrapes remembered (`_ANSWER_SCRAPES`): the pace at which the engine lets
+        requests in. None: not known (too few scrapes, or none let in: an engine prefilling one very long prompt lets
+        none in for a while, and so does one whose slots hold long generations)."""
+        answers = self._answers
+        if len(answers) < 2:
+            return None
+        (start, first), (end, last) = answers[0], answers[-1]
+        if end <= start or last <= first:
+            return None
+        return (last - first) / (end - start)
 
     def known_slots(self) -> int | None:
         """How many requests the engine is known to run at once (None: not known): while a probe above it is on

@@ -625,6 +625,7 @@ class Fleet:
                 own.overdue(now),
                 load.kv_usage is not None and load.kv_usage >= KV_FULL,
                 own.queued_beyond(load.waiting, load.scraped_at) if queue and load.waiting is not None else None,
+                (now, own.answered),
             ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",

@@ -130,6 +130,8 @@ class OwnAccounting:
         self._decoding: dict[Attempt, None] = {}
         #: When the engine last showed progress here: a first token, or an answer that ended with tokens.
         self.progress_at = 0.0
+        #: First tokens seen here so far: how fast the engine lets requests in (`ConcurrencyLimit.observe`).
+        self.answered = 0
         #: The last `_FLOOR_SAMPLES` latencies (`latency_floor`), and when the last was taken.
         self._latencies: collections.deque[float] = collections.deque(maxlen=_FLOOR_SAMPLES)
         self.latency_at: float | None = None
@@ -294,6 +296,7 @@ class OwnAccounting:
             return
         attempt.first_at = now
         self.progress_at = now
+        self.answered += 1
         self.queued_prompt_tokens -= attempt.tokens
         self._waiting(attempt).pop(attempt, None)
         self._decoding[attempt] = None
