@@ -41,3 +41,13 @@ def test_the_p1_p2_figures_only_when_that_phase_ran() -> None:
     with_ = report([_flood("P0 only"), _flood("P0 + P2 flood"), _flood("P0 + P1 + P2 flood")], info, Settings())
     assert "shares of completed P1+P2 under the P1 + P2 flood: P1 0.50" in with_
     assert "P2 throughput under the P1 + P2 flood: 1.0 req/s" in with_
+
+
+def test_the_report_gives_the_targets_verdict_and_says_a_short_run_is_mostly_a_floods_start() -> None:
+    """A newcomer's `--duration 5` run printed "ratio 3.03x (target <= 1.25x)" and no word on it."""
+    info = {"capacity": 8.0, "capacity_rps": 33.0}
+    slow = Phase("P0 + P2 flood", 5.0, [Outcome("P0", 200, 0.09, 1.0)])
+    text = report([_flood("P0 only"), slow], info, Settings(p1_factor=0))
+    assert "ratio 4.50x (target <= 1.25x: NOT met; measured over 60 s (--duration 60)" in text
+    long = Phase("P0 + P2 flood", 60.0, [Outcome("P0", 200, 0.021, 1.0)])
+    assert "ratio 1.05x (target <= 1.25x: met)" in report([_flood("P0 only"), long], info, Settings(p1_factor=0))
