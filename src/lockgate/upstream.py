@@ -464,8 +464,10 @@ class UpstreamEvents:
                 except ProtocolError as exc:
                     self._done = True
                     call.broken(repr(exc))
+                    # (What broke it, as the gateway's own client says: "connection lost during the response",
+                    # "malformed response: ..."; the class name alone told a newcomer nothing.)
                     raise UpstreamProtocolError(
-                        f"Instance {call.served_by} broke the stream: {exc.__class__.__name__}"
+                        f"Instance {call.served_by} broke the stream: {str(exc)[:200] or exc.__class__.__name__}."
                     ) from None
                 except EventTooLarge:
                     self._done = True

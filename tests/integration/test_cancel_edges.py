@@ -55,6 +55,8 @@ async def test_upstream_reset_mid_stream_gives_sse_error_never_done_and_no_retry
     assert not reader.done, "a broken stream must never end with a fake [DONE]"
     errors = reader.errors()
     assert len(errors) == 1 and errors[0]["code"] == "upstream_protocol_error"
+    # What broke it, not the client's exception class (a newcomer's run: "broke the stream: ProtocolError").
+    assert errors[0]["message"].startswith("Instance broken broke the stream: connection lost during the response")
     assert reader.events[-1] == {"error": errors[0]}
     assert 1 <= reader.tokens <= 4
     assert healthy.statistics()["requests_started"] == 0, "no retry after the first byte"
