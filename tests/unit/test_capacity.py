@@ -403,6 +403,23 @@ def test_a_queue_that_drains_far_slower_than_its_prefill_explains_waits_for_slot
             answered=(step * 0.3, 2 * step),
         )
     assert bound.limit == 256
+    # The pace counts since the queue appeared: before, the engine let in what arrived (here 2 a second, a quiet
+    # phase's arrivals), not what it can.
+    quiet = ConcurrencyLimit(256)
+    for step in range(10):
+        quiet.observe(running=1, waiting=0, in_flight=1, decode_s=0.5, answered=(step * 0.2, step // 2))
+    for step in range(10, 14):
+        assert not quiet.observe(
+            running=4,
+            waiting=30,
+            in_flight=34,
+            prefill_backlog_s=1.0,
+            decode_s=0.5,
+            overdue=True,
+            aged=True,
+            answered=(step * 0.2, 5 + 4 * (step - 9)),
+        )
+    assert quiet.limit == 256  # (20 a second while they wait: the backlog's second drains 20, near enough 30)
     # No first token lately (a very long prompt in prefill): the pace is not known, and the backlog decides.
     still = ConcurrencyLimit(256)
     for step in range(5):
@@ -417,3 +434,26 @@ def test_a_queue_that_drains_far_slower_than_its_prefill_explains_waits_for_slot
             answered=(step * 0.2, 7),
         )
     assert still.limit == 256
+
+
+def test_a_limit_reached_between_scrapes_is_probed() -> None:
+    """An outside run, long prompts on two 8-slot engines: a flood's start held one at 2, and it was never probed:
+    requests came and went between scrapes (long prompts taking their turns), and at each scrape the gateway held one
+    fewer than the limit there. Reached at some moment since the last scrape (`filled`), it counts."""
+    limit = ConcurrencyLimit(256)
+    assert limit.observe(running=2, waiting=6, in_flight=8, decode_s=0.5, overdue=True) and limit.limit == 2  # held
+    for _ in range(3):
+        assert not limit.observe(running=1, waiting=0, in_flight=1, decode_s=0.5)
+    assert limit.observe(running=1, waiting=0, in_flight=1, decode_s=0.5, filled=True) and limit.limit == 3
+
+
+def test_a_probe_is_not_refuted_by_requests_sent_within_the_last_step() -> None:
+    """An outside run: a 64-slot engine at 90 ms a step, held at 9 by a flood's start; each probe was refuted by a
+    closed loop's next request, waiting for the step it arrived in (10 for good). A queue the gateway sent within the
+    last step (`aged` False) neither confirms nor refutes; an older one refutes."""
+    limit = ConcurrencyLimit(256, cooldown=1)
+    assert limit.observe(running=9, waiting=20, in_flight=29, decode_s=5.0, overdue=True) and limit.limit == 9
+    assert not limit.observe(running=9, waiting=20, in_flight=29, decode_s=5.0, overdue=True)  # confirmed: learned
+    assert limit.observe(running=9, waiting=0, in_flight=9, decode_s=5.0) and limit.limit == 10  # a probe
+    assert not limit.observe(running=9, waiting=1, in_flight=10, decode_s=5.0, aged=False) and limit.limit == 10
+    assert limit.observe(running=9, waiting=1, in_flight=10, decode_s=5.0, aged=True) and limit.limit == 9

@@ -17,14 +17,20 @@ sequences in the KV cache).
   request waiting for the next step most of the time. The new limit is the most it ran at once in the
   last 25 scrapes, not the count of the moment, which dips whenever a slot has just been freed;
 - **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
-  limit grows, up to the ceiling, so a bigger engine (or a lighter workload) is found again. After a
+  limit grows, up to the ceiling, so a bigger engine (or a lighter workload) is found again. Held at the scrape
+  or at some moment since the last (`filled`): where requests come and go between scrapes (long prompts taking
+  their turns, a limit held below what the gateway has to send) the count at a scrape is often one short, and a
+  flood's start that held an 8-slot engine at 2 was never probed again (an outside run, 20 s). After a
   saturation it first waits `cooldown` scrapes (60 s at the default interval): each probe above the
   engine's parallelism puts a request in the engine's own queue, where a P0 arriving then waits behind
   it. A probe that finds the same limit again doubles the wait before the next (up to ten cooldowns);
 - **a probe is a trial**: the first step above a learned limit is one slot, and it is judged by the next
   scrapes alone: the engine running more than before confirms it (the limit then grows by an eighth per
   scrape while it keeps confirming); a request waiting there while the gateway holds more than the old
-  limit refutes it at once (one scrape, no backlog rule: the queue is the probe's own); neither within
+  limit refutes it at once (one scrape, no backlog rule: the queue is the probe's own), unless all that waits
+  there was sent within the last step (`aged` False: it waits for the step it arrived in; on a slow engine a
+  closed loop's next request always does, and each probe of a 64-slot engine that a flood's start held at 9 was
+  refuted so: 10 for good, in an outside run); neither within
   `_TRIAL_SCRAPES` (the probe slot stayed empty, e.g. kept free by the strict reserve) lets it lapse
   back. Before trials, a probe the shared classes did not fill stayed up while the engine was full, the
   strict reserve's free slot sat on it, and P0 was routed there into the engine's queue
@@ -62,7 +68,8 @@ sequences in the KV cache).
   A queue of prefill work drains as fast as the engine prefills; one waiting for slots drains a generation at a
   time. So a queue of at least two, one of the gateway's overdue there, that would take more than three times its
   backlog's time to drain at the pace the engine let requests in lately (first tokens a second over ten scrapes) is
-  not prefill-bound. Long prompts (3,000 tokens) drain at about their backlog's pace. With no first token in that
+  not prefill-bound (the pace since the queue appeared: before, the engine let in what arrived, as fast as it
+  arrived). Long prompts (3,000 tokens) drain at about their backlog's pace. With no first token in that
   time (a very long prompt in prefill, long generations holding every slot) the pace is not known, and the backlog
   estimate decides as before;
 
@@ -182,6 +189,7 @@ class ConcurrencyLimit:
         kv_full: bool = False,
         aged: bool | None = None,
         answered: tuple[float, int] | None = None,
+        filled: bool = False,
     ) -> bool:
         """One scrape's signals and the gateway's requests there now; True if the limit changed.
         `prefill_backlog_s`: the prefill work the gateway has sent there and not seen answered, in seconds
@@ -195,7 +203,8 @@ class ConcurrencyLimit:
         stayed at the ceiling for 20 s while P0 waited there behind them). `aged`: the engine's queue holds more than
         the gateway sent it within the last step (`OwnAccounting.queued_beyond`; None: not known). `answered`: when
         (monotonic seconds) and how many first tokens the gateway had seen there so far (`OwnAccounting.answered`):
-        how fast the engine lets requests in."""
+        how fast the engine lets requests in. `filled`: the gateway held the limit's worth there at some moment since
+        the last scrape (`Instance.filled_to`)."""
         if not self.adaptive or running is None or waiting is None:
             self._streak = 0
             return False
@@ -203,6 +212,8 @@ class ConcurrencyLimit:
         self._prev_running = running
         self._recent.append(running)
         if answered is not None:
+            if waiting < 1:  # the pace counts while requests wait: before, it is the pace they arrived at
+                self._answers.clear()
             self._answers.append(answered)
         unexplained = decode_s is None or (decode_s > 0 and prefill_backlog_s < 0.5 * decode_s)
         if not unexplained and overdue is True and waiting >= 2:
@@ -218,7 +229,9 @@ class ConcurrencyLimit:
         below_peak = running < peak - max(1.0, 0.1 * peak) and not kv_full
         prefill_bound = waiting >= 1 and running >= 1 and (not unexplained or below_peak or overdue is False)
         if self._trial_from is not None:  # a queue prefill explains neither confirms nor refutes a probe
-            return self._judge(running, 0.0 if prefill_bound else waiting, in_flight)
+            # (Nor does one the gateway sent within the last step, `aged` False: it waits for the step it arrived in.)
+            queued = 0.0 if prefill_bound or aged is False else waiting
+            return self._judge(running, queued, in_flight)
         if prefill_bound:
             self._streak = 0
             return False
@@ -274,7 +287,7 @@ class ConcurrencyLimit:
         # again, probing needs no cooldown (an outside run: a 64-slot engine's limit, cut to 9 while 20 clients that
         # never read held long streams there, stayed at 9 for 13 minutes of ordinary traffic, probes ever rarer).
         relieved = self._kv_bound and not kv_full
-        if waiting < 1 and in_flight >= self.limit and (self._calm >= self._wait or relieved):
+        if waiting < 1 and (in_flight >= self.limit or filled) and (self._calm >= self._wait or relieved):
             # After a saturation the first step is one slot: a refuted probe queues one request, not an eighth.
             step = 1 if self._learned is not None and self.limit <= self._learned else max(1, self.limit // 8)
             before = self.limit

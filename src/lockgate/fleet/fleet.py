@@ -610,6 +610,8 @@ class Fleet:
             before = instance.concurrency.limit
             own = instance.own
             now = time.monotonic()
+            filled = instance.filled_to >= instance.max_concurrency
+            instance.filled_to = instance.in_flight
             # (Its peers' measures are looked up only for a queue there, which is all they judge.)
             queue = load.waiting is not None and load.waiting >= 1
             rate = own.prefill_tps.value
@@ -626,6 +628,7 @@ class Fleet:
                 load.kv_usage is not None and load.kv_usage >= KV_FULL,
                 own.queued_beyond(load.waiting, load.scraped_at) if queue and load.waiting is not None else None,
                 (now, own.answered),
+                filled,
             ):
                 log.info(
                     "instance %s: concurrency limit %d -> %d (engine runs %s, %s waiting)",

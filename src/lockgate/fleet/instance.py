@@ -94,6 +94,10 @@ class Instance:
         #: engine (`preemption.ahead_in_engine`).
         self.stoppable = 0
         self.stoppable_waiting = 0
+        #: The most leases held at once since the last scrape judged its limit (`Fleet` sets it back to `in_flight`
+        #: then): whether the limit was reached between two scrapes, which the count at a scrape misses when
+        #: requests come and go faster than scrapes.
+        self.filled_to = 0
         #: Leases held, by the model (pool) they were taken for: once retired, what it still runs of each pool's
         #: requests (`Fleet.apply`: capacity the pool lends until they end).
         self.leased: dict[str, int] = {}
@@ -272,6 +276,8 @@ class Lease:
         self.completion_tokens = 0
         self._whole = False
         instance.in_flight += 1
+        if instance.in_flight > instance.filled_to:
+            instance.filled_to = instance.in_flight
         leased = instance.leased
         leased[model] = leased.get(model, 0) + 1
         self._attempt: Attempt = instance.own.start(uncached_tokens, time.monotonic(), long, whole)
