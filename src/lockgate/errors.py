@@ -7,6 +7,7 @@
     ├── Forbidden                     403     permission_error         (a valid key without the right)
     ├── ModelNotFound                 404     invalid_request_error   code=model_not_found  [rejected]
     ├── NotFound                      404     invalid_request_error
+    ├── MethodNotAllowed              405     invalid_request_error   code=method_not_allowed (Allow)
     ├── PayloadTooLarge               413     invalid_request_error
     ├── RateLimited                   429     rate_limit_exceeded      (Retry-After)  [rejected]
     │   ├── QueueFull                 429     code=queue_full
@@ -123,6 +124,21 @@ class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     default_code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    """A route the gateway serves, asked with a method it does not take there: 405 with `Allow`."""
+
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+    def __init__(self, method: str, path: str, allow: str) -> None:
+        super().__init__(f"Method {method} is not allowed on {path}.")
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "Allow": self.allow}
 
 
 class ModelNotFound(NotFound):

@@ -31,6 +31,7 @@ from .edge.server import Reply, Request, Response, json_response
 from .errors import (
     GatewayError,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotFound,
     NotFound,
     ShuttingDown,
@@ -633,12 +634,14 @@ class Gateway:
 
     def _unknown(self, request: Request) -> Response:
         allowed = self._allowed.get(request.path)
-        if allowed is not None:
-            error = NotFound(f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed")
-            headers = {"Allow": allowed}
-            return Response(status=405, body=error.body_bytes(), content_type="application/json", headers=headers)
-        error = NotFound(f"Unknown path: {request.method} {request.path}")
-        return Response(status=404, body=error.body_bytes(), content_type="application/json")
+        error: GatewayError = (
+            NotFound(f"Unknown path: {request.method} {request.path}")
+            if allowed is None
+            else MethodNotAllowed(request.method, request.path, allowed)
+        )
+        return Response(
+            status=error.status, body=error.body_bytes(), content_type="application/json", headers=error.headers()
+        )
 
 
 def _set_request_id(reply: Reply, request: Request) -> None:

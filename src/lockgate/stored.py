@@ -29,6 +29,7 @@ from .edge.server import Request, Response
 from .errors import (
     DeadlineExceeded,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     Unavailable,
     UpstreamConnectError,
@@ -100,6 +101,9 @@ async def forward(
     the engine deleted (the result cache forgets it)."""
     response_id, tail, endpoint = _route(request)
     if endpoint is None:
+        methods = [method for method, rest in _ACTIONS if rest == tail]
+        if response_id and methods:  # (an outside run: PUT on a response was 404 `unknown_route`, not 405)
+            raise MethodNotAllowed(request.method, request.path, ", ".join(sorted(methods)))
         raise NotFound(f"There is no route {request.method} {request.path}.", code="unknown_route")
     if _asks_stream(request.query_string):
         raise InvalidRequest(

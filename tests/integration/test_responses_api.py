@@ -348,6 +348,11 @@ async def test_stored_responses_are_asked_of_the_engine_that_made_them(start_sim
         assert r.status == 400 and "background" in (await r.json())["error"]["message"]
     async with http.get(gw.url + f"/v1/responses/{made[0].id}/nothing") as r:
         assert r.status == 404
+    # A route it serves, with a method it does not take there: 405 and what it takes (an outside run: 404).
+    for method, path, allow in [("PUT", "", "DELETE, GET"), ("GET", "/cancel", "POST"), ("POST", "", "DELETE, GET")]:
+        async with http.request(method, gw.url + f"/v1/responses/{made[0].id}{path}") as r:
+            body = await r.json()
+            assert (r.status, r.headers["Allow"], body["error"]["code"]) == (405, allow, "method_not_allowed"), method
 
 
 MADE = {"id": "resp_1", "object": "response", "status": "completed", "model": "m", "output": []}
