@@ -109,6 +109,7 @@ async def forward(
         raise InvalidRequest(
             "Replaying a stored response's events (`stream=true`) is not relayed by the gateway: retrieve it whole.",
             param="stream",
+            code="unsupported_value",
         )
     taken = ids.take(response_id, tenant.name)
     found = None
