@@ -233,6 +233,24 @@ def test_queued_prompt_tokens_count_only_what_is_not_prefilled_yet():
     assert [v.queued_prompt_tokens for v in views] == [1200, 1200]
 
 
+def test_one_far_off_sample_moves_a_settled_prefill_rate_at_most_four_times():
+    """An outside run: a P0 sent behind 45,000 tokens of queued P2 prompts had them stopped, and its first token came
+    in 20 ms: a sample of millions of tokens a second took the rate 100x up, and the queue there read as no prefill
+    work (an 8-slot engine's limit held at 3). A settled rate moves at most 4x a sample; the first samples are taken
+    as they come."""
+    own = OwnAccounting()
+    for n in range(3):
+        own.first_token(own.start(800, n), n + 0.1)  # 8,000 tokens a second, three times
+    assert own.prefill_tps.value == pytest.approx(8_000)
+    behind = own.start(300, 10.0)
+    behind.backlog = 45_000  # (what was queued ahead of it when it was sent, since stopped)
+    own.first_token(behind, 10.01)
+    assert own.prefill_tps.value == pytest.approx(8_000 + 0.2 * (4 * 8_000 - 8_000))
+    fresh = OwnAccounting()
+    fresh.first_token(fresh.start(800, 0.0), 0.001)  # unsettled: taken as it comes
+    assert fresh.prefill_tps.value == pytest.approx(800_000)
+
+
 def test_an_instance_past_its_estimate_counts_as_slower_not_idle():
     """A slow engine that has not answered by the time its estimate ran out used to count as having nothing
     queued, so it looked idle exactly while it was overdue and took every arrival until its first answer

@@ -90,6 +90,9 @@ class Attempt:
 
 #: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
 _MIN_RATE_TOKENS = 256
+#: Prefill-rate samples after which one sample moves the rate by at most `_RATE_SWING` times (`_measure_first_token`).
+_RATE_SETTLED = 3
+_RATE_SWING = 4.0
 #: Prefill rate assumed until an instance's own is measured (the routing default's), tokens/s.
 _DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 #: At most this many times slower than estimated is read from prompts past their estimate (`backlog_tokens`).
@@ -150,7 +153,14 @@ class OwnAccounting:
         self.latency_at = now
         busy = ttft - step
         if work >= _MIN_RATE_TOKENS and busy > 0:
-            self.prefill_tps.add(work / busy, now)
+            sample, measured = work / busy, self.prefill_tps
+            if measured.samples >= _RATE_SETTLED:
+                # One sample moves a settled rate by at most `_RATE_SWING` times: a P0 sent behind 45,000 tokens of
+                # queued P2 prompts had them stopped (`Admission.make_room`) and its first token came in 20 ms, a
+                # sample of millions of tokens a second that took the rate 100x up, and the queue left there read as
+                # no prefill work at all (an 8-slot engine's limit held at 3 by it, in an outside run's fleet).
+                sample = min(max(sample, measured.value / _RATE_SWING), measured.value * _RATE_SWING)
+            measured.add(sample, now)
 
     def waiting_since(self, attempt: Attempt) -> float:
         """Since when `attempt` (unanswered) has waited with nothing to show: its sending, or the engine's last progress
