@@ -296,6 +296,36 @@ async def test_a_whole_answer_its_client_left_is_charged_for_what_the_engine_gen
     assert_no_leaks(gw)
 
 
+async def test_a_stream_its_client_left_in_its_prefill_is_charged_its_prompt(start_sim, start_gateway, http):
+    """An outside run: streamed requests of 2,400-token prompts, each dropped in its prefill (no token yet), were
+    charged nothing: ~19,000 prompt tokens a second processed under a limit of 50 a second. The engine prefilled
+    them: a client that leaves after its prompt was sent is charged that prompt."""
+    sim = await start_sim(**QUICK)
+    sim.control.hold = True  # (sent, never answered: in its prefill, as the engine sees it)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}],
+        tenants=[{"name": "default", "tokens_per_minute": 100_000, "requests_per_minute": 1000}],
+    )
+    prompt = "word " * 2000  # ~2,500 tokens at the gateway's estimate
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 10, "stream": True}
+    left = asyncio.create_task(post(http, gw.url, body))
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: s.stats.requests_started == 1)
+    [ex] = gw.gateway.registry.all()
+    allowance = ex.allowance
+    assert allowance is not None
+    estimate = ex.api.estimated_prompt_tokens()
+    left.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await left
+    async with asyncio.timeout(5):
+        await gw.gateway.registry.wait_empty()
+    [row] = await records(gw)
+    assert (row["status"], row["cancel_reason"], row["completion_tokens"]) == ("cancelled", "client_disconnect", 0)
+    assert allowance.reservation.settled and allowance.reservation.used == estimate > 2000
+    assert_no_leaks(gw)
+
+
 async def test_a_reservation_counts_every_choice(start_sim, start_gateway, http):
     """`max_tokens` bounds each of `n` choices (and of a completion's `best_of`): the reservation is n times it,
     so a request that may use more than the tenant's tokens per minute is refused before any engine runs it."""
