@@ -383,7 +383,8 @@ def verdicts(result: Result) -> list[tuple[str, bool, str]]:
         (
             "one usage record per accepted request",
             len(rows) == result.accepted and not twice and not missing,
-            f"{len(rows)} rows, {result.accepted:g} accepted; twice: {twice[:5]}; answered without a row: "
+            f"{len(rows)} rows, {result.accepted:g} accepted (the {s.warmup} warm-up requests included); "
+            f"twice: {twice[:5]}; answered without a row: "
             f"{missing[:5]}",
         )
     )
