@@ -372,22 +372,38 @@ def test_a_queue_that_drains_far_slower_than_its_prefill_explains_waits_for_slot
     """An outside run, a 4-slot engine next to a 64-slot one: a flood's first P2s (short prompts) went 60-90 deep into
     the small one before its limit was known, and at a prefill rate measured on short prompts their tokens made
     0.2-1.8 s of backlog, more than half a generation (0.3-0.6 s): read as prefill work, the queue never counted, for
-    14 s. The engine let in ~8 a second: at that pace the queue takes ~10 s to drain, not the backlog's time."""
+    14 s. The engine let in ~8 a second: at that pace the queue takes ~10 s to drain, not the backlog's time. The pace
+    is judged from the fifth scrape of the queue (over its first steps it is a step's luck)."""
     limit = ConcurrencyLimit(256)
     answered, now = 100, 0.0
-    for waiting, backlog in [(64, 0.16), (70, 0.9), (70, 0.88)]:
+    for scrape, backlog in enumerate([0.9, 0.88, 1.0, 1.2, 1.3, 1.5]):
         limit.observe(
             running=4,
-            waiting=waiting,
-            in_flight=waiting + 4,
+            waiting=70,
+            in_flight=74,
             prefill_backlog_s=backlog,
             decode_s=0.43,
             overdue=True,
             aged=True,
             answered=(now, answered),
         )
+        assert limit.limit == (256 if scrape < 4 else 4), scrape
         now, answered = now + 0.2, answered + 2  # (8 first tokens a second)
-    assert limit.limit == 4
+    # A flood's first scrapes: a 24-slot engine taking prompts in 2,048 tokens a step let in a few a second, and a
+    # pace judged then read its queue as slot-bound (held at 9).
+    start = ConcurrencyLimit(256)
+    for scrape in range(4):
+        assert not start.observe(
+            running=9,
+            waiting=23,
+            in_flight=32,
+            prefill_backlog_s=1.2,
+            decode_s=1.9,
+            overdue=True,
+            aged=True,
+            answered=(scrape * 0.2, scrape),
+        )
+    assert start.limit == 256
     # Long prompts waiting for the engine's prefill drain at about the backlog's pace: 8 of 3,000 tokens at 20,000
     # tokens a second is 1.2 s, and the engine lets in ~6.7 a second.
     bound = ConcurrencyLimit(256)

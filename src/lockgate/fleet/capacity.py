@@ -68,10 +68,10 @@ sequences in the KV cache).
   A queue of prefill work drains as fast as the engine prefills; one waiting for slots drains a generation at a
   time. So a queue of at least two, one of the gateway's overdue there, that would take more than three times its
   backlog's time to drain at the pace the engine let requests in lately (first tokens a second over ten scrapes) is
-  not prefill-bound (the pace since the queue appeared: before, the engine let in what arrived, as fast as it
-  arrived). Long prompts (3,000 tokens) drain at about their backlog's pace. With no first token in that
-  time (a very long prompt in prefill, long generations holding every slot) the pace is not known, and the backlog
-  estimate decides as before;
+  not prefill-bound (the pace since the queue appeared, over five scrapes at least: before, the engine let in what
+  arrived, as fast as it arrived, and over its first steps the pace is a step's luck). Long prompts (3,000 tokens)
+  drain at about their backlog's pace. With no first token in that time (a very long prompt in prefill, long
+  generations holding every slot) the pace is not known, and the backlog estimate decides as before;
 
 **Discovery**: until a first saturation is learned, a flood reaching a small engine queues inside it for
 the two scrapes saturation takes (~0.4 s), first come first served, and a P0 arriving then waits there
@@ -114,6 +114,9 @@ _PEAK_SCRAPES = 25
 _TRIAL_SCRAPES = 5
 #: Scrapes over which the pace of admissions (first tokens a second) is measured (2 s at the default interval).
 _ANSWER_SCRAPES = 10
+#: Scrapes of a queue before its pace is judged: over the first few the engine has taken a step or two, and a 24-slot
+#: engine admitting a flood's prompts 2,048 tokens a step showed a pace that read its queue as slot-bound (held at 9).
+_PACE_SCRAPES = 5
 #: How many times longer than its prefill backlog explains a queue must take to drain at that pace to wait for slots.
 _SLOW_DRAIN = 3
 
@@ -300,10 +303,11 @@ class ConcurrencyLimit:
 
     def _admitted_per_s(self) -> float | None:
         """First tokens a second over the scrapes remembered (`_ANSWER_SCRAPES`): the pace at which the engine lets
-        requests in. None: not known (too few scrapes, or none let in: an engine prefilling one very long prompt lets
-        none in for a while, and so does one whose slots hold long generations)."""
+        requests in. None: not known (fewer than `_PACE_SCRAPES` since the queue appeared, or none let in: an engine
+        prefilling one very long prompt lets none in for a while, and so does one whose slots hold long
+        generations)."""
         answers = self._answers
-        if len(answers) < 2:
+        if len(answers) < _PACE_SCRAPES:
             return None
         (start, first), (end, last) = answers[0], answers[-1]
         if end <= start or last <= first:
