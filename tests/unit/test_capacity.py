@@ -368,6 +368,36 @@ def test_a_limit_a_full_kv_cache_set_is_probed_again_as_soon_as_the_cache_has_ro
     assert not any(slots.observe(running=9, waiting=0, in_flight=9, decode_s=None) for _ in range(100))
 
 
+def _queue(
+    limit: ConcurrencyLimit,
+    scrapes: int,
+    *,
+    running: int,
+    waiting: int,
+    backlog_s: float,
+    decode_s: float,
+    every_s: float = 0.2,
+    answers_each: int = 0,
+    first: tuple[float, int] = (0.0, 0),
+) -> list[bool]:
+    """`scrapes` scrapes of an engine queue the gateway's own overdue requests wait in, `backlog_s` of prefill work by
+    its count, the engine letting `answers_each` in between scrapes `every_s` apart: whether each changed the limit."""
+    start, answered = first
+    return [
+        limit.observe(
+            running=running,
+            waiting=waiting,
+            in_flight=running + waiting,
+            prefill_backlog_s=backlog_s,
+            decode_s=decode_s,
+            overdue=True,
+            aged=True,
+            answered=(start + n * every_s, answered + n * answers_each),
+        )
+        for n in range(scrapes)
+    ]
+
+
 def test_a_queue_that_drains_far_slower_than_its_prefill_explains_waits_for_slots() -> None:
     """An outside run, a 4-slot engine next to a 64-slot one: a flood's first P2s (short prompts) went 60-90 deep into
     the small one before its limit was known, and at a prefill rate measured on short prompts their tokens made
@@ -375,87 +405,32 @@ def test_a_queue_that_drains_far_slower_than_its_prefill_explains_waits_for_slot
     14 s. The engine let in ~8 a second: at that pace the queue takes ~10 s to drain, not the backlog's time. The pace
     is judged from the fifth scrape of the queue (over its first steps it is a step's luck)."""
     limit = ConcurrencyLimit(256)
-    answered, now = 100, 0.0
-    for scrape, backlog in enumerate([0.9, 0.88, 1.0, 1.2, 1.3, 1.5]):
-        limit.observe(
-            running=4,
-            waiting=70,
-            in_flight=74,
-            prefill_backlog_s=backlog,
-            decode_s=0.43,
-            overdue=True,
-            aged=True,
-            answered=(now, answered),
-        )
-        assert limit.limit == (256 if scrape < 4 else 4), scrape
-        now, answered = now + 0.2, answered + 2  # (8 first tokens a second)
+    changes = _queue(limit, 6, running=4, waiting=70, backlog_s=1.2, decode_s=0.43, answers_each=2)
+    assert changes[:4] == [False] * 4 and changes[4] and limit.limit == 4
     # A flood's first scrapes: a 24-slot engine taking prompts in 2,048 tokens a step let in a few a second, and a
     # pace judged then read its queue as slot-bound (held at 9).
     start = ConcurrencyLimit(256)
-    for scrape in range(4):
-        assert not start.observe(
-            running=9,
-            waiting=23,
-            in_flight=32,
-            prefill_backlog_s=1.2,
-            decode_s=1.9,
-            overdue=True,
-            aged=True,
-            answered=(scrape * 0.2, scrape),
-        )
-    assert start.limit == 256
+    assert _queue(start, 4, running=9, waiting=23, backlog_s=1.2, decode_s=1.9, answers_each=1) == [False] * 4
     # Long prompts waiting for the engine's prefill drain at about the backlog's pace: 8 of 3,000 tokens at 20,000
     # tokens a second is 1.2 s, and the engine lets in ~6.7 a second.
     bound = ConcurrencyLimit(256)
-    for step in range(10):
-        assert not bound.observe(
-            running=2,
-            waiting=8,
-            in_flight=10,
-            prefill_backlog_s=1.2,
-            decode_s=0.5,
-            overdue=True,
-            aged=True,
-            answered=(step * 0.3, 2 * step),
-        )
-    assert bound.limit == 256
+    assert not any(_queue(bound, 10, running=2, waiting=8, backlog_s=1.2, decode_s=0.5, every_s=0.3, answers_each=2))
     # The pace counts since the queue appeared: before, the engine let in what arrived (here 2 a second, a quiet
     # phase's arrivals), not what it can.
     quiet = ConcurrencyLimit(256)
     for step in range(10):
         quiet.observe(running=1, waiting=0, in_flight=1, decode_s=0.5, answered=(step * 0.2, step // 2))
-    for step in range(10, 14):
-        assert not quiet.observe(
-            running=4,
-            waiting=30,
-            in_flight=34,
-            prefill_backlog_s=1.0,
-            decode_s=0.5,
-            overdue=True,
-            aged=True,
-            answered=(step * 0.2, 5 + 4 * (step - 9)),
-        )
-    assert quiet.limit == 256  # (20 a second while they wait: the backlog's second drains 20, near enough 30)
+    # (20 a second while they wait: the backlog's second drains 20, near enough 30)
+    assert not any(_queue(quiet, 6, running=4, waiting=30, backlog_s=1.0, decode_s=0.5, answers_each=4, first=(2.0, 9)))
     # No first token lately (a very long prompt in prefill): the pace is not known, and the backlog decides.
     still = ConcurrencyLimit(256)
-    for step in range(5):
-        assert not still.observe(
-            running=1,
-            waiting=4,
-            in_flight=5,
-            prefill_backlog_s=2.0,
-            decode_s=0.5,
-            overdue=True,
-            aged=True,
-            answered=(step * 0.2, 7),
-        )
-    assert still.limit == 256
+    assert not any(_queue(still, 5, running=1, waiting=4, backlog_s=2.0, decode_s=0.5, first=(0.0, 7)))
 
 
 def test_a_limit_reached_between_scrapes_is_probed() -> None:
     """An outside run, long prompts on two 8-slot engines: a flood's start held one at 2, and it was never probed:
-    requests came and went between scrapes (long prompts taking their turns), and at each scrape the gateway held one
-    fewer than the limit there. Reached at some moment since the last scrape (`filled`), it counts."""
+    requests came and went between scrapes, and at each scrape the gateway held one fewer than the limit there.
+    Reached at some moment since the last scrape (`filled`), it counts."""
     limit = ConcurrencyLimit(256)
     assert limit.observe(running=2, waiting=6, in_flight=8, decode_s=0.5, overdue=True) and limit.limit == 2  # held
     for _ in range(3):

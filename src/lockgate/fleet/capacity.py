@@ -18,9 +18,9 @@ sequences in the KV cache).
   last 25 scrapes, not the count of the moment, which dips whenever a slot has just been freed;
 - **headroom**: the gateway holds the limit's worth of requests there and the engine queues none: the
   limit grows, up to the ceiling, so a bigger engine (or a lighter workload) is found again. Held at the scrape
-  or at some moment since the last (`filled`): where requests come and go between scrapes (long prompts taking
-  their turns, a limit held below what the gateway has to send) the count at a scrape is often one short, and a
-  flood's start that held an 8-slot engine at 2 was never probed again (an outside run, 20 s). After a
+  or at some moment since the last (`filled`): where requests end and are replaced between scrapes the count at a
+  scrape is often one short, and a flood's start that held an 8-slot engine at 2 was never probed again (an outside
+  run, 20 s). After a
   saturation it first waits `cooldown` scrapes (60 s at the default interval): each probe above the
   engine's parallelism puts a request in the engine's own queue, where a P0 arriving then waits behind
   it. A probe that finds the same limit again doubles the wait before the next (up to ten cooldowns);
