@@ -499,11 +499,9 @@ def report(phases: list[Phase], info: dict[str, float], settings: Settings) -> s
             # (A verdict, as `bench overhead` gives one: a newcomer's 5 s run printed 3.03x and no word on it. The
             # target is the issue's, over 60 s: a short run is mostly the flood's first seconds.)
             verdict = "met" if ratio <= 1.25 else "NOT met"
-            short = (
-                "; measured over 60 s (--duration 60), a shorter run is mostly a flood's start"
-                if (flood.seconds < 60)
-                else ""
-            )
+            short = "; measured over 60 s (--duration 60), a shorter run is mostly a flood's start"
+            if flood.seconds >= 60:
+                short = ""
             target = f" (target <= 1.25x: {verdict}{short})"
         lines.append(
             f"P0 TTFT p99: {base99 * 1000:.1f} ms alone, {flood99 * 1000:.1f} ms under the {flood.name[5:]}: "

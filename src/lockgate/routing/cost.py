@@ -5,8 +5,9 @@
     TTFT = max(queue wait + eviction cost + lateness, floor) + uncached prompt tokens / prefill rate
            + one decode step
 
-    queue wait     = prompt tokens already queued there / prefill rate
-                     + for a P0, when it runs anything, half a decode step: the step it joins at the end of
+    queue wait     = prompt tokens already queued there / prefill rate (for a P0, without those of the less
+                       urgent requests still waiting there: they are stopped before it is sent)
+                     + for a P0, when it runs anything, half a decode step (the rest of the step under way)
                      + (when every batch slot is taken) the share of a request's decode time until a
                        slot frees (a P0's: a step, a less urgent request being stopped for it; it takes
                        a full instance only a step sooner than every one with room)
