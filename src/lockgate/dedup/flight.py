@@ -379,15 +379,14 @@ class Flight:
         if opened is None or failover is None:
             return False
         how = Plan.RESTART if not self._base and not self.events else self._resume_plan()
+        if how is None and not any(subscription.whole for subscription in self._subscriptions):
+            return False
+        if not failover.take(exc, opened.lease.instance):
+            return False
         if how is None:
             # Its streaming clients get the error; its non-streaming ones, sent nothing, start it over elsewhere (an
             # outside run: a whole answer that joined a stream got 502 where, alone, it was retried).
-            if any(subscription.whole for subscription in self._subscriptions) and failover.take(
-                exc, opened.lease.instance
-            ):
-                self.again = failover
-            return False
-        if not failover.take(exc, opened.lease.instance):
+            self.again = failover
             return False
         self._opened = None
         opened.close()

@@ -288,10 +288,7 @@ class Lease:
             self.instance.own.first_token(self._attempt, time.monotonic(), not engine_queues(self.instance))
             if self._waiting_stop:
                 self._waiting_stop = False
-                at: Instance | None = self.instance
-                while at is not None:
-                    at.stoppable_waiting -= 1
-                    at = at.successor
+                self._count_stops(0, -1)
 
     @property
     def sent_at(self) -> float:
@@ -373,11 +370,16 @@ class Lease:
         if not self._released and not self._stoppable:
             self._stoppable = True
             self._waiting_stop = self._attempt.first_at is None
-            at: Instance | None = self.instance
-            while at is not None:
-                at.stoppable += 1
-                at.stoppable_waiting += self._waiting_stop
-                at = at.successor
+            self._count_stops(1, self._waiting_stop)
+
+    def _count_stops(self, stoppable: int, waiting: int) -> None:
+        """Add to the stoppable leases counted at its instance and at those that replaced it at its URL
+        (`Instance.hand_over`), and to those of them waiting for their first token."""
+        at: Instance | None = self.instance
+        while at is not None:
+            at.stoppable += stoppable
+            at.stoppable_waiting += waiting
+            at = at.successor
 
     def move(self, to: Instance) -> None:
         """The engine serving this attempt is `to`, not the instance it was routed to (a sidecar picks
