@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockgate.fleet.capacity import ConcurrencyLimit, prefill_backlog_s
+from lockgate.fleet.capacity import _ANSWER_SCRAPES, ConcurrencyLimit, prefill_backlog_s
 
 
 def test_starts_at_the_ceiling_and_settles_at_the_engines_parallelism() -> None:
@@ -448,3 +448,13 @@ def test_a_probe_is_not_refuted_by_requests_sent_within_the_last_step() -> None:
     assert limit.observe(running=9, waiting=0, in_flight=9, decode_s=5.0) and limit.limit == 10  # a probe
     assert not limit.observe(running=9, waiting=1, in_flight=10, decode_s=5.0, aged=False) and limit.limit == 10
     assert limit.observe(running=9, waiting=1, in_flight=10, decode_s=5.0, aged=True) and limit.limit == 9
+
+
+def test_the_pace_of_admissions_keeps_a_bounded_window() -> None:
+    """The (time, first tokens) pairs kept for the pace are the last `_ANSWER_SCRAPES` scrapes', however long a queue
+    lasts; a scrape without a queue starts the window afresh."""
+    limit = ConcurrencyLimit(256)
+    _queue(limit, 100, running=64, waiting=2, backlog_s=0.0, decode_s=1.0, answers_each=3)
+    assert len(limit._answers) == _ANSWER_SCRAPES
+    limit.observe(running=64, waiting=0, in_flight=64, decode_s=1.0, answered=(30.0, 400))
+    assert list(limit._answers) == [(30.0, 400)]
