@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from . import sse
 from .edge.server import Reply, Response, StreamResponse
 from .errors import Cancelled, DeadlineExceeded, GatewayError, drop_tracebacks
-from .records import UsageRecord
+from .records import CLIENT_ENDED, UsageRecord
 from .response_ids import ResponseNaming
 from .wire import ApiRequest, Endpoint
 
@@ -305,14 +305,24 @@ class Exchange:
             self.record.completion_tokens = 0  # as for streams: delivered = taken by the client's connection
         self._finish_record()
 
+    def prompt_processed(self) -> bool:
+        """Whether an engine processed this request's prompt: it produced or delivered tokens, or the client left (or
+        its deadline passed) once the prompt was sent. Its tenant is charged that prompt (`Admission._settle`) and
+        its usage record counts it."""
+        record = self.record
+        if record.completion_tokens > 0 or self.engine_tokens > 0:
+            return True
+        return record.status == "cancelled" and record.cancel_reason in CLIENT_ENDED and record.attempts > 0
+
     def _finish_record(self) -> None:
         record = self.record
         record.finished_at = time.time()
-        if record.completion_tokens and not record.prompt_tokens:
-            # Output was delivered, so the engine processed the prompt, but it never said how long it was (a stream
-            # stopped before its usage chunk: the client left, a deadline; an engine that reports no usage): the
-            # gateway's estimate, as the tenant's rate limit is charged, rather than a prompt of 0 tokens. (The
-            # lease was released with the engine's count already: the estimate never teaches the token ratio.)
+        if not record.prompt_tokens and self.prompt_processed():
+            # The engine processed the prompt but never said how long it was (a stream stopped before its usage
+            # chunk: the client left, in the prefill too, a deadline; an engine that reports no usage): the gateway's
+            # estimate, as the tenant's rate limit is charged, rather than a prompt of 0 tokens (an outside run: a
+            # 12,000-token prompt left in its prefill was charged, its record said 0). (The lease was released with
+            # the engine's count already: the estimate never teaches the token ratio.)
             record.prompt_tokens = self.api.estimated_prompt_tokens()
         metrics = self.host.metrics
         priority = record.priority or ""

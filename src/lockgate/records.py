@@ -40,6 +40,10 @@ from .metrics import GatewayMetrics
 log = logging.getLogger(__name__)
 
 
+#: The ends of a request its client chose (`UsageRecord.cancel_reason`): leaving, or its deadline passing.
+CLIENT_ENDED = frozenset({"client_disconnect", "timeout"})
+
+
 @dataclass(slots=True)
 class UsageRecord:
     request_id: str

@@ -289,6 +289,7 @@ async def test_a_whole_answer_its_client_left_is_charged_for_what_the_engine_gen
     made = sim.statistics()["tokens_generated"] - generated
     rows = await records(gw)
     assert [r["status"] for r in rows] == ["completed", "cancelled"] and rows[1]["completion_tokens"] == 0
+    assert rows[1]["prompt_tokens"] == ex.api.estimated_prompt_tokens() > 0  # its record counts the prompt charged
     # What its allowance was settled with (the flight's and its leader's: the most): its prompt and about what the
     # engine made, where it was charged nothing.
     charged = allowance.reservation.used
@@ -323,6 +324,9 @@ async def test_a_stream_its_client_left_in_its_prefill_is_charged_its_prompt(sta
     [row] = await records(gw)
     assert (row["status"], row["cancel_reason"], row["completion_tokens"]) == ("cancelled", "client_disconnect", 0)
     assert allowance.reservation.settled and allowance.reservation.used == estimate > 2000
+    # Its usage record counts the prompt it was charged (an outside run: a 12,000-token prompt left in its prefill was
+    # charged, and its record said 0 prompt tokens).
+    assert row["prompt_tokens"] == estimate
     assert_no_leaks(gw)
 
 

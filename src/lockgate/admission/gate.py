@@ -54,10 +54,6 @@ if TYPE_CHECKING:
 
 Clock = Callable[[], float]
 
-#: A request's ends (`UsageRecord.cancel_reason`) its client chose: leaving, or its deadline passing.
-_CLIENT_ENDED = frozenset({"client_disconnect", "timeout"})
-
-
 class PoolScheduler:
     """One model pool's queue: tickets are futures granted by the sync core on release."""
 
@@ -657,10 +653,10 @@ class Admission:
         produced = ex.api.generable(ex.engine_tokens)
         used = 0
         # A client that left (or whose deadline passed) once its prompt was sent had the engine prefill it: its
-        # prompt is charged even before any token came (an outside run: 20 streamed requests of 2,400-token prompts,
-        # each dropped in its prefill, ~19,000 prompt tokens a second under a limit of 50, none charged).
-        left = record.status == "cancelled" and record.cancel_reason in _CLIENT_ENDED and record.attempts > 0
-        if record.completion_tokens > 0 or produced > 0 or record.status == "completed" or left:
+        # prompt is charged even before any token came (`Exchange.prompt_processed`; an outside run: 20 streamed
+        # requests of 2,400-token prompts, each dropped in its prefill, ~19,000 prompt tokens a second under a limit of
+        # 50, none charged).
+        if produced > 0 or record.status == "completed" or ex.prompt_processed():
             used = max(record.completion_tokens, produced) + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
         allowance.done(used, record.attempts > 0)
 
