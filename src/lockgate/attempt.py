@@ -17,7 +17,10 @@ here too (`resume.py`: `exclude`, `after`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -27,7 +30,7 @@ import orjson
 from .answer import read_whole
 from .errors import GatewayError, UpstreamConnectError, UpstreamError, another_may_answer
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
-from .fleet.pool import LongPrefillBusy
+from .fleet.pool import Held, LongPrefillBusy
 from .routing.policies import RouteRequest
 from .upstream import UpstreamCall, UpstreamEvents
 from .wire import ApiRequest
@@ -89,7 +92,7 @@ async def open_attempts(
     for attempt in range(attempts):
         request = replace(route, exclude=frozenset(tried)) if tried else route
         try:
-            pool, instance, cached = _choose(fleet, pool, request) or await _take_turn(fleet, metrics, pool, request)
+            pool, instance, cached = await _route(fleet, metrics, pool, request)
         except GatewayError:
             if last_error is not None:
                 raise last_error from None  # nowhere else to go: the engine's error, and no retry happened
@@ -194,6 +197,36 @@ class Failover:
         """The break the next engine call takes over (once: a later call, after a preemption, takes over none)."""
         error, self._error = self._error, None
         return error
+
+
+async def _route(
+    fleet: Fleet, metrics: GatewayMetrics, pool: Pool, request: RouteRequest
+) -> tuple[Pool, Instance, int]:
+    """The pool and instance an attempt goes to (`_choose`), after a long prompt's turn (`_take_turn`) or, for a
+    request of a preemptible class, after the first token of the strict request that holds its instance (`Held`):
+    nothing is held for either wait, and a cancel or the deadline lands there."""
+    waited = False
+    while True:
+        try:
+            return _choose(fleet, pool, request) or await _take_turn(fleet, metrics, pool, request)
+        except Held as held:
+            holder = held.instance  # (waited for below: no `await` in a handler, see `relay.py`)
+        if not waited:
+            waited = True
+            metrics.strict_first_token_waits.labels(pool.model).inc()
+        await _unheld(fleet, holder)
+
+
+async def _unheld(fleet: Fleet, instance: Instance) -> None:
+    """Until `instance` is no longer held (`OwnAccounting.held`): its strict requests' first tokens came, or the hold
+    ran out."""
+    own = instance.own
+    left = own.held(time.monotonic())
+    if left <= 0:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(left):
+            await fleet.prefills.wait_until(lambda: not own.urgent_pending)
 
 
 def _choose(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Instance, int] | None:

@@ -395,6 +395,15 @@ class GatewayMetrics:
                 registry=r,
             )
         )
+        self.strict_first_token_waits = Family(
+            Counter(
+                "lockgate_strict_first_token_waits",
+                "Requests of a preemptible class that waited in the gateway, before they were sent, for a strict "
+                "request's first token at the instance chosen for them.",
+                ["model"],
+                registry=r,
+            )
+        )
         self.retries = Family(
             Counter(
                 "lockgate_upstream_retries",

@@ -79,7 +79,7 @@ def open_engine(
         ex.host.metrics,
         ex.pool,
         api,
-        ex.pool.route_request(api, headers, ex.urgent),
+        ex.pool.route_request(api, headers, ex.urgent, ex.yields),
         upstream_id,
         hold=hold,
         drop=ex.detach,

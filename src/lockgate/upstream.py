@@ -486,7 +486,7 @@ class UpstreamEvents:
             return out
         finally:
             if tokens:
-                self._lease.completion_tokens += tokens
+                self._lease.produced_tokens(tokens)
 
     def _quiet_read(self) -> None:
         """A read that brought no event, or only events without a token (`null`, `{}`, an empty delta): past

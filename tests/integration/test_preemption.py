@@ -724,3 +724,74 @@ async def test_a_resumed_flight_takes_joiners_again(start_sim, start_gateway, ht
 
     assert generation(joined) == generation(raw)  # the one generation, replayed and followed to its end
     assert_no_leaks(gw)
+
+
+def long_chat(n: int, words: int, *, max_tokens: int = 8) -> dict[str, Any]:
+    """A chat whose prompt is `words` tokens to the simulator (a word a token) and about 1.5x that to the gateway's
+    estimate (4 characters a token)."""
+    return {**chat(n, max_tokens=max_tokens), "messages": [{"role": "user", "content": f"{n} " + "alpha " * words}]}
+
+
+async def slow_prefill(start_sim, start_gateway, http):
+    """An engine that prefills 2,000 tokens a second in chunks of 256 (a step of 128 ms while it prefills, 10 ms
+    while it only decodes), behind a gateway that knows its four slots and has measured its step."""
+    sim = await start_sim(prefill_tps=2000.0, tpot_ms=10.0, max_num_seqs=4, max_num_batched_tokens=256)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, max_concurrency=4)]}], scrape={"enabled": False}
+    )
+    warm_up = Stream(http, gw.url, chat(0, max_tokens=4), "P1")  # the instance's step time is measured
+    await warm_up.wait()
+    assert warm_up.status == 200 and warm_up.done == 1
+    return sim, gw
+
+
+def seen(sim: Any, request_id: str) -> list[dict[str, Any]]:
+    """The simulator's records of the engine calls of one request, in order (one sent again after a stop is
+    `<id>-p<n>`)."""
+    return [r.as_dict() for r in sim.stats.seen if r.request_id.split("-p")[0] == request_id]
+
+
+async def test_a_p0_does_not_wait_behind_a_p2_prompt_in_prefill(start_sim, start_gateway, http):
+    """A P2 request's 2,000-token prompt is in the engine's prefill (a second of it), its first token not due yet: a
+    P0 request sent there would wait for all of it (the engine gives a running prefill its step's budget before it
+    takes a new request in). It is stopped before the P0 goes, with no token out, and sent again after it: the P0
+    answer comes while the P2 request has shown nothing, and the P2 answer is whole later, once. The engine keeps
+    what it prefilled in its prefix cache: no re-prefill is counted."""
+    sim, gw = await slow_prefill(start_sim, start_gateway, http)
+    p2 = Stream(http, gw.url, long_chat(1, 2000), "P2", after=1)
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: gauges(s) == (1, 0))  # in prefill
+    status, answer = await post(http, gw.url, chat(99, max_tokens=4), "P0")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    assert not p2.started.is_set()
+    await p2.wait()
+    assert p2.status == 200 and p2.done == 1 and stream_summary(p2.events)[1]["completion_tokens"] == 8
+    (row,) = [r for r in await records(gw) if r["priority"] == "P2"]
+    assert row["status"] == "completed" and row["preemptions"] == 1
+    first, again = seen(sim, row["request_id"])
+    assert first["outcome"] == "aborted" and first["first_token_at"] is None
+    assert again["outcome"] == "finished" and again["cached_tokens"] > 0  # what the first call prefilled
+    assert gw.gateway.metrics.scheduling.reprefill_tokens.labels("m")._value.get() == 0
+    assert_no_leaks(gw)
+
+
+async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(start_sim, start_gateway, http):
+    """A P0 stream's 600-token prompt is in the engine's prefill; a P2 request with a 2,000-token prompt arrives. Sent
+    now, the engine would take it into the P0's first step, which would last as long as its prefill: it waits in the
+    gateway until the P0's first token, then goes. A short P2 prompt (less than a step of prefill) is sent at once."""
+    sim, gw = await slow_prefill(start_sim, start_gateway, http)
+    p0 = Stream(http, gw.url, long_chat(2, 600), "P0", after=1)
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: gauges(s) == (1, 0))  # the P0 prompt in prefill
+    long_p2 = Stream(http, gw.url, long_chat(3, 2000), "P2", after=1)
+    short_p2 = Stream(http, gw.url, chat(4, max_tokens=4), "P2", after=1)
+    async with asyncio.timeout(5):
+        await sim.wait_until(lambda s: len(s.stats.open) == 2)  # the short one reached the engine
+    for stream in (p0, long_p2, short_p2):
+        await stream.wait()
+        assert stream.status == 200 and stream.done == 1
+    ids = {r["priority"] + ("-long" if r["prompt_tokens"] > 1000 else ""): r["request_id"] for r in await records(gw)}
+    (urgent,), (held,), (short,) = seen(sim, ids["P0"]), seen(sim, ids["P2-long"]), seen(sim, ids["P2"])
+    assert short["started_at"] < urgent["first_token_at"] <= held["started_at"]
+    assert gw.gateway.metrics.strict_first_token_waits.labels("m")._value.get() == 1
+    assert_no_leaks(gw)

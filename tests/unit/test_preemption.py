@@ -291,6 +291,10 @@ class _Lease:
         self.answered = answered
         self.released = False
         self.full = False
+        #: Whether its prompt takes the engine longer than a step to prefill (`Lease.prefill_exceeds_step`).
+        self.heavy = False
+        #: Times a strict request's lease was marked as holding its instance (`Lease.hold`).
+        self.holds = 0
         #: Whether the engine's slots are known; a step (here: a second) of slack in the due time only if so.
         self.known = True
         #: What the looks at the engine's queue find, in turn (None, or none left: it cannot tell), and how many
@@ -307,6 +311,15 @@ class _Lease:
 
     def slots_known(self) -> bool:
         return self.known
+
+    def limit_found(self) -> bool:
+        return self.known
+
+    def prefill_exceeds_step(self) -> bool:
+        return self.heavy
+
+    def hold(self) -> None:
+        self.holds += 1
 
     async def queue_ahead(self) -> bool | None:
         self.looks += 1
@@ -368,6 +381,40 @@ async def test_no_room_is_made_while_the_engine_takes_in_what_it_is_sent() -> No
     scheduler.offer(2, overdue)
     scheduler.make_room(1, _Lease(a, now, due=now - 1.0), True)  # P1 is not strict: no room, no watch
     assert [v.stopped for v in [*victims, overdue]] == [0, 0, 0, 0]
+
+
+async def test_a_p0_stops_the_long_prompts_waiting_for_their_first_token_there_and_holds_the_instance() -> None:
+    """Nothing overdue on engine A, its limit found: the P2 prompts there that take the engine longer than a step
+    to prefill, queued or in prefill, are stopped before a P0 goes (the engine gives them its step's token budget
+    first, or takes them in with the P0 and its first step lasts as long as their prefill); a short one stays, and so
+    do the generating ones (a slot is free). Before the limit is found (a flood's first moments) only what is overdue
+    is stopped. A streamed P0 holds its instance (`Lease.hold`) until its first token."""
+    metrics = GatewayMetrics().scheduling
+    scheduler = PoolScheduler("m", CLASSES, 16, metrics, preemptible=LOWEST, clock=lambda: 0.0)
+    a: Any = object()
+    b: Any = object()
+    now = time.monotonic()
+    a_long, b_long = _Lease(a, now - 0.02, due=now + 5.0), _Lease(b, now - 0.01, due=now + 5.0)
+    a_long.heavy = b_long.heavy = True
+    victims = {
+        "a-running": _Victim(_Lease(a, now - 2, answered=True)),
+        "a-long": _Victim(a_long),
+        "a-short": _Victim(_Lease(a, now - 0.01, due=now + 5.0)),
+        "b-long": _Victim(b_long),
+    }
+    for v in victims.values():
+        scheduler.offer(2, v)
+    discovering = _Lease(a, now)
+    discovering.known = False
+    scheduler.make_room(0, discovering, False)
+    assert not any(v.stopped for v in victims.values()) and discovering.holds == 0  # not watched: no hold
+    p0 = _Lease(a, now)
+    scheduler.make_room(0, p0, True)
+    assert {name for name, v in victims.items() if v.stopped} == {"a-long"} and p0.holds == 1
+    assert metrics.reprefill_tokens.labels("m")._value.get() == 0  # the engine keeps what it prefilled of it
+    p1 = _Lease(a, now)
+    scheduler.make_room(1, p1, True)  # P1 is not strict: it holds nothing
+    assert p1.holds == 0
 
 
 def _generating_on(

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 Clock = Callable[[], float]
 
+
 class PoolScheduler:
     """One model pool's queue: tickets are futures granted by the sync core on release."""
 
@@ -194,7 +195,8 @@ class PoolScheduler:
     def make_room(self, klass: int, lease: Placement, watch: bool) -> None:
         """A request of class `klass` is about to be sent with `lease`: if it is strict, stop the less urgent requests
         it would wait behind in that engine's own queue (`preemption.ahead_in_engine`). With `watch` (the engine
-        streams: the lease sees its first token), look again when that token is due (`_rescue`)."""
+        streams: the lease sees its first token), hold the instance until that token (`Lease.hold`: less urgent
+        requests are not sent there meanwhile) and look again when it is due (`_rescue`)."""
         if not self.preemptible:
             return
         # Lease times are `time.monotonic()` (the scheduler's clock may be a test's).
@@ -207,11 +209,22 @@ class PoolScheduler:
         known = lease.slots_known()
         slack = 1 if known else 0
         full = lease.engine_full()
-        victims = ahead_in_engine(self.core, klass, self.preemptible, lease.instance, now, _stops_so_far, full, slack)
+        victims = ahead_in_engine(
+            self.core,
+            klass,
+            self.preemptible,
+            lease.instance,
+            now,
+            _stops_so_far,
+            full,
+            slack,
+            prefills=lease.limit_found(),
+        )
         for victim in victims:
             self._stop(victim)
         if not watch or not self.core.classes[klass].strict:
             return
+        lease.hold()
         loop = asyncio.get_running_loop()
         due = lease.first_token_due(slack)
         if due is not None:

@@ -235,7 +235,7 @@ class Coalescer:
             key,
             ex.pool,
             upstream_request(ex.api, stream=stream),
-            ex.pool.route_request(ex.api, http_request.headers, ex.urgent),
+            ex.pool.route_request(ex.api, http_request.headers, ex.urgent, ex.yields),
             before_send,
             failover,
         )

@@ -78,8 +78,8 @@ class Fleet:
         self.scraper = Scraper(self.instances.values, config.scrape, self._scraped)
         self._health_wake = asyncio.Event()
         self._changes = Changes()
-        #: Notified when an instance's long prefill is answered or ends: long requests waiting for their turn
-        #: (`Pool.long_turn`) look again.
+        #: Notified when an instance's long prefill, or a strict request holding it, is answered or ends: requests
+        #: waiting for their turn (`Pool.long_turn`, `Pool.held`) look again.
         self.prefills = Changes()
         #: Instances a reload removed, each closed by its task once its requests have ended.
         self._retiring: dict[Instance, asyncio.Task[None]] = {}
@@ -458,7 +458,7 @@ class Fleet:
             key=key,
             scrapes=scrapes,
         )
-        instance.own.on_long_done = self.prefills.notify
+        instance.own.on_turn = self.prefills.notify
         instance.share = self._share_of(instance.key)
         if self._config.scrape.enabled and dialect.metrics_path:
             instance.look = functools.partial(self.scraper.fresh, instance, _LOOK_MAX_AGE_S)

@@ -19,7 +19,7 @@ from ..metrics import GatewayMetrics
 from ..routing.policies import InstanceView
 from .capacity import ConcurrencyLimit
 from .ejection import Ejection
-from .state import Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
+from .state import STEP_TOKENS, Attempt, EngineLoad, Ewma, HitRateGap, OwnAccounting, Published, merge
 
 
 def part_of(limit: int, index: int, count: int) -> int:
@@ -338,6 +338,17 @@ class Lease:
             return None
         return instance.own.queued_beyond(load.waiting, load.scraped_at)
 
+    def limit_found(self) -> bool:
+        """Whether the instance's limit is the engine's (`slots_known`) or one its discovery set below the ceiling:
+        else, a flood's first moments, the gateway may have sent the engine more than it runs."""
+        concurrency = self.instance.concurrency
+        return concurrency.known_slots() is not None or concurrency.limit < concurrency.ceiling
+
+    def prefill_exceeds_step(self) -> bool:
+        """Whether this attempt's prompt (its uncached part) takes the engine longer to prefill than a step, at the
+        instance's measured rate and step (any prompt while no step is measured)."""
+        return self.instance.own.exceeds_step(self._attempt.tokens)
+
     def first_token_due(self, slack_steps: int = 1) -> float | None:
         """When an unanswered attempt's first token is overdue (`OwnAccounting.first_token_due`): past it, the
         attempt waits in the engine's own queue. None once answered or while the instance's step time is
@@ -359,10 +370,24 @@ class Lease:
             return 0
         return max(0, int((now - attempt.sent_at - own.ttft.value) / tpot))
 
+    def produced_tokens(self, tokens: int) -> None:
+        """The engine streamed `tokens` more tokens for this attempt; at `STEP_TOKENS` of them its pace is a sample of
+        the engine's step (`OwnAccounting.decoding`)."""
+        before = self.completion_tokens
+        self.completion_tokens = after = before + tokens
+        if before < STEP_TOKENS <= after and not self._released:
+            self.instance.own.decoding(self._attempt, after, time.monotonic())
+
     def whole(self, completion_tokens: int) -> None:
         """A non-streamed answer arrived complete: its timing still feeds the instance's TTFT/TPOT."""
         self.completion_tokens = completion_tokens
         self._whole = True
+
+    def hold(self) -> None:
+        """The request is of a strict class and streamed: until its first token the less urgent requests are not sent
+        to its instance (`OwnAccounting.held`)."""
+        if not self._released:
+            self.instance.own.hold(self._attempt, time.monotonic())
 
     def stoppable(self) -> None:
         """The request is of a preemptible class: a P0 routed to its full instance has it stopped (`Instance.stoppable`,

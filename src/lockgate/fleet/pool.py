@@ -53,6 +53,15 @@ class LongPrefillBusy(Exception):
     turn (`Fleet.prefills`, `Pool.long_turn`), then routes again."""
 
 
+class Held(Exception):
+    """A request of a preemptible class (`RouteRequest.yields`) chosen for an instance a strict request holds
+    (`OwnAccounting.held`): it waits until the instance is no longer held (`Fleet.prefills`), then routes again."""
+
+    def __init__(self, instance: Instance) -> None:
+        super().__init__(instance.name)
+        self.instance = instance
+
+
 #: Responses whose instance a pool remembers for their follow-ups (`previous_response_id`): ~200 bytes each.
 MAX_RESPONSE_HOMES = 65_536
 
@@ -198,7 +207,9 @@ class Pool:
         """The keys of the instances that left the pool less than `DEPARTED_GRACE_S` ago (and are not back)."""
         return [key for key in self._departed if self.left_lately(key)]
 
-    def route_request(self, api: ApiRequest, headers: HeaderLookup | None = None, urgent: bool = False) -> RouteRequest:
+    def route_request(
+        self, api: ApiRequest, headers: HeaderLookup | None = None, urgent: bool = False, yields: bool = False
+    ) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
         key = headers.get(self.config.routing.consistent_hash.header) if headers is not None else None
@@ -232,6 +243,7 @@ class Pool:
             repeat_tokens=self._cached_tokens(prompt_tokens, len(blocks)) if is_deterministic(api.body) else 0,
             stream=api.stream,
             urgent=urgent,
+            yields=yields,
         )
 
     def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:
@@ -309,7 +321,10 @@ class Pool:
     def choose(self, request: RouteRequest) -> tuple[Instance, int]:
         """The instance to try, and how many of the request's prompt tokens it likely has cached (which
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
-        `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one."""
+        `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one, and `Held`
+        for a request of a preemptible class chosen for an instance a strict request holds (`OwnAccounting.held`)
+        whose prompt takes longer than a step to prefill there (not behind a sidecar, which holds its node's engines
+        itself, nor for a pinned request)."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
         pin = request.pin
         if sole is None and request.pin_only and pin is not None and (pin in self._by_key or self.left_lately(pin)):
@@ -340,6 +355,15 @@ class Pool:
             and self.is_long(instance, request.prompt_tokens - cached)
         ):
             instance, cached = self._long_elsewhere(request, snapshot)
+        if (
+            request.yields
+            and pin is None
+            and instance.own.urgent_pending
+            and instance.published is None
+            and instance.own.held(time.monotonic())
+            and instance.own.exceeds_step(request.prompt_tokens - cached)
+        ):
+            raise Held(instance)
         if request.blocks:
             if request.prompt_tokens > 0:
                 # Found cached anywhere (not only where it went): how much the caches' content is reused.

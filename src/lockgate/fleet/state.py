@@ -75,7 +75,7 @@ class Moments:
 class Attempt:
     """One request attempt's contribution to its instance's accounting (held by its `Lease`)."""
 
-    __slots__ = ("backlog", "first_at", "long", "sent_at", "tokens", "whole")
+    __slots__ = ("backlog", "first_at", "long", "sent_at", "tokens", "urgent", "whole")
 
     def __init__(self, tokens: int, backlog: int, sent_at: float, long: bool = False, whole: bool = False) -> None:
         self.tokens = tokens  # uncached prompt tokens it queued
@@ -86,6 +86,8 @@ class Attempt:
         #: The engine answers it with one body: its first token is never seen, only its end (it stays "unanswered"
         #: while it generates).
         self.whole = whole
+        #: A strict class's request whose first token has not come back: it holds the instance (`OwnAccounting.held`).
+        self.urgent = False
 
 
 #: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
@@ -99,6 +101,11 @@ _DEFAULT_PREFILL_TPS = PredictedTTFTOptions().default_prefill_tps
 _MAX_SLOWDOWN = 20.0
 #: Samples an instance's latency floor is the least of (`OwnAccounting.latency_floor`).
 _FLOOR_SAMPLES = 8
+#: A stream's output tokens at which its time per token so far is a sample of the engine's step (`decoding`).
+STEP_TOKENS = 8
+#: How long after it was sent a strict request still waiting for its first token holds its instance (`held`): an
+#: engine that answers nothing that long is not made to wait on by the less urgent requests sent there.
+HOLD_MAX_S = 2.0
 
 
 class OwnAccounting:
@@ -106,6 +113,9 @@ class OwnAccounting:
         self.queued_prompt_tokens = 0
         self.ttft = Ewma()
         self.tpot = Ewma()
+        #: Time per output token of streams still decoding, taken once from each at its `STEP_TOKENS`th token: the
+        #: step before any stream ended here (`step_s`).
+        self.live_tpot = Ewma()
         self.decode = Ewma()
         self.prefill_tps = Ewma()
         self.prompt_tokens = Ewma()
@@ -121,10 +131,14 @@ class OwnAccounting:
         #: The rate assumed until measured: the routing's `predicted_ttft.default_prefill_tps` (its pool sets
         #: it), so that this estimate and the routing's prediction agree about an unmeasured instance.
         self.default_tps = _DEFAULT_PREFILL_TPS
-        #: Long prompts sent here whose first token has not come back (`routing.long_prefill_ms`), and what to
-        #: call when one of them is answered or ends (the fleet wakes the long requests waiting for their turn).
+        #: Long prompts sent here whose first token has not come back (`routing.long_prefill_ms`); and what to
+        #: call when one of them, or a strict request holding the instance (`held`), is answered or ends: the fleet
+        #: wakes the requests waiting for their turn.
         self.long_pending = 0
-        self.on_long_done: Callable[[], None] | None = None
+        self.on_turn: Callable[[], None] | None = None
+        #: Strict requests sent here whose first token has not come back (`hold`), and when the latest was sent.
+        self.urgent_pending = 0
+        self.urgent_sent_at = 0.0
         #: The attempts sent here whose first token has not come back (queued or in prefill there), oldest first: the
         #: streamed ones, and those answered as one body (their first token is never seen; they stay until their end).
         self._unanswered: dict[Attempt, None] = {}
@@ -240,13 +254,35 @@ class OwnAccounting:
         oldest = next(iter(self._decoding), None)
         return 0.0 if oldest is None or oldest.first_at is None else max(0.0, now - oldest.first_at)
 
+    def exceeds_step(self, tokens: int) -> bool:
+        """Whether `tokens` of prompt take the engine longer to prefill than a step, at the measured rate and step (any
+        prompt while no step is measured: the TTFT `step_s` falls back on holds queueing and prefill): in the same step
+        as a strict request's first token, they delay it by more than a step (`held`, `Lease.prefill_exceeds_step`)."""
+        return tokens / self.rate > (self.measured_step() or 0.0)
+
     def step_s(self) -> float | None:
         """The engine's step here: the measured TPOT; before any stream ended here (a fresh gateway, a flood's
-        first seconds), the measured TTFT, which holds at least a step (an upper bound: a due time later than it
-        could be, never earlier); None while neither is measured."""
-        if self.tpot.samples:
-            return self.tpot.value
+        first seconds), that of the streams decoding here (`decoding`), else the measured TTFT, which holds at least
+        a step (an upper bound: a due time later than it could be, never earlier); None while none is measured. Long
+        generations end late: a flood of them with long prompts had a 60 ms engine's step read as its P2s' TTFT for
+        its first seconds, ~4 s, and a P0 sent there due only after 17 s, which is when it is given a slot (an outside
+        fleet: 2.8-3.7 s)."""
+        step = self.measured_step()
+        if step is not None:
+            return step
         return self.ttft.value if self.ttft.samples else None
+
+    def measured_step(self) -> float | None:
+        """The engine's step as its streams measure it: their TPOT, before any ended here that of those decoding
+        (`decoding`); None while neither is measured."""
+        tpot = self.tpot if self.tpot.samples else self.live_tpot
+        return tpot.value if tpot.samples else None
+
+    def decoding(self, attempt: Attempt, tokens: int, now: float) -> None:
+        """`attempt`, streaming, has produced `tokens` (at least `STEP_TOKENS`) by `now`: a sample of the step."""
+        first = attempt.first_at
+        if first is not None and now > first:
+            self.live_tpot.add((now - first) / (tokens - 1), now)
 
     def first_token_due(self, attempt: Attempt, slack_steps: int = 1) -> float | None:
         """The latest `attempt` (sent here, unanswered) should have had its first token if the engine took it
@@ -312,6 +348,8 @@ class OwnAccounting:
         self._decoding[attempt] = None
         if attempt.long:
             self._long_done(attempt)
+        if attempt.urgent:
+            self._urgent_done(attempt)
         ttft = now - attempt.sent_at
         self.ttft.add(ttft, now)
         # The instance prefilled what was queued ahead plus this prompt before answering.
@@ -344,6 +382,8 @@ class OwnAccounting:
             self._waiting(attempt).pop(attempt, None)
             if attempt.long:
                 self._long_done(attempt)
+            if attempt.urgent:
+                self._urgent_done(attempt)
             if whole and completion_tokens >= 1:
                 self.whole_time.add(now - attempt.sent_at, now)
                 self._split_whole(attempt, now, completion_tokens, engine_tpot, measure)
@@ -358,8 +398,39 @@ class OwnAccounting:
     def _long_done(self, attempt: Attempt) -> None:
         attempt.long = False
         self.long_pending -= 1
-        if self.on_long_done is not None:
-            self.on_long_done()
+        if self.on_turn is not None:
+            self.on_turn()
+
+    def hold(self, attempt: Attempt, now: float) -> None:
+        """`attempt` (streamed, unanswered) is a strict request's, about to be sent: until its first token comes back
+        (or it ends, or `HOLD_MAX_S` pass) the instance is `held`. Its backlog is what is still queued ahead of it: the
+        less urgent prompts stopped for it since it was counted (`Admission.make_room`) are not, and its due time
+        (`first_token_due`) does not wait for them (an outside fleet: a P0's first token came after 2.8 s on a
+        24-slot engine full of P2 generations; its due time, which frees a slot, counted 8,000 tokens of P2 prompts
+        stopped for it)."""
+        if attempt.urgent or attempt.first_at is not None or attempt.whole:
+            return
+        attempt.backlog = min(attempt.backlog, max(0, self.remaining_prompt_tokens(now) - attempt.tokens))
+        attempt.urgent = True
+        self.urgent_pending += 1
+        self.urgent_sent_at = max(self.urgent_sent_at, attempt.sent_at)
+
+    def held(self, now: float) -> float:
+        """How much longer less urgent prompts that take longer than a step to prefill (`exceeds_step`) are not sent
+        here (0.0: they may be): while a strict request sent here waits for its first token, at most `HOLD_MAX_S` from
+        the latest one's sending. The engine takes in what is sent to it at its next step first come, first served,
+        whatever the gateway's priorities, and the step lasts as long as the prefill it carries: a long prompt sent
+        there after a P0 went into the P0's first step with it (an outside fleet's P0 first tokens at 0.5-1 s, a step
+        with 2,048 tokens of prefill). A shorter one delays it by less than a step, and is sent."""
+        if not self.urgent_pending:
+            return 0.0
+        return max(0.0, self.urgent_sent_at + HOLD_MAX_S - now)
+
+    def _urgent_done(self, attempt: Attempt) -> None:
+        attempt.urgent = False
+        self.urgent_pending -= 1
+        if self.on_turn is not None:
+            self.on_turn()
 
     def _split_whole(self, attempt: Attempt, now: float, tokens: int, engine_tpot: float, measure: bool) -> None:
         """A non-streamed answer's total time L = TTFT + (tokens - 1) * TPOT, with TPOT from this
@@ -508,7 +579,9 @@ def merge(
             waiting = max(waiting, engine.waiting)
         if engine.kv_usage is not None:
             kv = engine.kv_usage
-    prefill, tpot = own.prefill_tps, own.tpot
+    # Before any stream ended here, the TPOT of those decoding (`OwnAccounting.decoding`): a slow engine's first long
+    # generations are its only measure of its step for seconds.
+    prefill, tpot = own.prefill_tps, own.tpot if own.tpot.samples else own.live_tpot
     oldest, oldest_whole = own.oldest_unanswered()
     return InstanceView(
         key=key,

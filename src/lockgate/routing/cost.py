@@ -138,15 +138,22 @@ def predict_ttft(
     speeds_half_life_s = 0.0 if request.urgent else half_life_s
     rate = relaxed(view.prefill_tps, default_prefill_tps, view.prefill_age_s, speeds_half_life_s)
     tpot = relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, speeds_half_life_s)
+    if request.urgent and view.tpot_s <= 0 < view.ttft_s:
+        # No step measured there yet, but first tokens: a step is at most that long. Judged by its peers' step, a slow
+        # engine whose first long generations had not yet streamed 8 tokens (`OwnAccounting.decoding`) looked as fast
+        # as a fast one, and a flood's first P0s went there (an outside fleet: 0.9-1.4 s, 25-30 ms on its peer).
+        tpot = view.ttft_s
     # A cached prefix saves nothing worth a routing choice until it saves a step: the first step's worth of
     # it is discounted (see the module docstring, "short shared prefixes").
     uncached = max(0, request.prompt_tokens - max(0, view.cached_tokens - round(tpot * rate)))
     queued, pending, in_flight, stoppable = view.queued_prompt_tokens, view.pending, view.in_flight, view.stoppable
-    if request.urgent and view.stoppable_waiting:
+    if request.urgent and view.stoppable_waiting and (view.tpot_s > 0 or view.ttft_s > 0):
         # A P0 sent there first has the less urgent requests still waiting in its engine stopped (`Admission.make_room`:
         # they lose no work), and their queue goes with them (their prompt tokens taken as their share of those
         # waiting there). Priced with them, a fast 4-slot engine a flood had sent 60 of them before its limit was
         # learned looked 0.3-0.8 s away, and every P0 for the next 7 s went to a slow engine next to it (~90-150 ms).
+        # Not before a first token there is measured: nothing can be called overdue there yet (`Lease.first_token_due`),
+        # and a flood's first P0, sent to a slow engine behind 34 of them, waited 8 s.
         cleared = min(view.stoppable_waiting, pending)
         queued -= queued * cleared // max(1, pending)
         pending -= cleared

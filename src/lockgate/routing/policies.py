@@ -123,6 +123,8 @@ class RouteRequest:
     #: latency floors still fade: a P0 judging them as they stood sent every P0 to one engine at a flood's start. Nor
     #: is it kept to instances with room: it may go where less urgent work fills the slots (see `PredictedTTFT`).
     urgent: bool = False
+    #: A preemptible class's request (P2): it is not sent where a strict request waits for its first token (`Held`).
+    yields: bool = False
 
 
 class Policy(Protocol):
