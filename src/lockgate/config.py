@@ -203,6 +203,11 @@ class InstanceConfig(_Strict):
         """Identity of the engine process: one instance serving several models shares state."""
         return self.url
 
+    @property
+    def display_name(self) -> str:
+        """Its name in headers, metrics, records and logs: `name`, else its URL."""
+        return self.name or self.url
+
     def concurrency_ceiling(self, upstream: UpstreamConfig) -> int:
         """The most requests this instance is ever sent at once."""
         return self.max_concurrency or upstream.max_connections
@@ -436,7 +441,7 @@ class Config(_Strict):
                 # first listing's was taken silently) and one name (the name tells engines apart in responses'
                 # headers, metrics and usage records: two engines of one name shared one series).
                 first = listed.setdefault(spec.url, spec)
-                name = first.name or first.url  # (the first listing names it; a later one may leave its name out)
+                name = first.display_name  # (the first listing names it; a later one may leave its name out)
                 if spec.name is not None and spec.name != name:
                     raise ValueError(
                         f"instance {redact(spec.url)} is listed under two names ({name!r} and {spec.name!r}): one URL "

@@ -201,10 +201,10 @@ def diff_configs(old: Config, new: Config, restart_required: tuple[str, ...] = (
         tenants_changed=old.tenants != new.tenants,
         admin_changed=old.admin != new.admin,
         restart_required=restart_required,
-        instance_names={key: spec.name or key for key, spec in (*old_specs.items(), *new_specs.items())},
+        instance_names={key: spec.display_name for key, spec in (*old_specs.items(), *new_specs.items())},
         former_names={
-            key: old_specs[key].name or key
+            key: old_specs[key].display_name
             for key in changed
-            if (old_specs[key].name or key) != (new_specs[key].name or key)
+            if old_specs[key].display_name != new_specs[key].display_name
         },
     )

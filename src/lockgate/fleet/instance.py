@@ -44,7 +44,7 @@ class Instance:
         scrapes: HttpPool | None = None,
     ) -> None:
         self.key = key or config.key
-        self.name = config.name or config.url
+        self.name = config.display_name
         self.url = config.url
         self.dialect: Dialect = dialect_for(config.engine)
         #: The concurrency limit: at most the configured ceiling, else discovered from the engine's queue.
