@@ -6,6 +6,7 @@ the gateway (`attempt._route`); the engine's step is measured from streams still
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from lockgate.attempt import _route
 from lockgate.config import parse_config
 from lockgate.fleet.fleet import Fleet
-from lockgate.fleet.pool import Held
+from lockgate.fleet.instance import Instance, Lease
+from lockgate.fleet.pool import Held, Pool
 from lockgate.fleet.state import HOLD_MAX_S, STEP_TOKENS, OwnAccounting
 from lockgate.metrics import GatewayMetrics
 from lockgate.routing.cost import predict_ttft
@@ -22,27 +24,30 @@ from lockgate.routing.policies import InstanceView, RouteRequest
 LONG, SHORT = 2000, 8  # prompt tokens: 250 ms and 1 ms of prefill at the default 8,000 tokens/s; the step: 10 ms
 
 
-def fleet_of(instances: int) -> Fleet:
-    config = parse_config(
-        {
-            "models": [
-                {
-                    "name": "m",
-                    "routing": {"policy": "least_load"},
-                    "instances": [{"url": f"http://127.0.0.1:{n + 1}"} for n in range(instances)],
-                }
-            ]
-        }
-    )
-    fleet = Fleet(config, GatewayMetrics())
-    fleet._build(config)  # not entered: no health probes, no scrapes
-    for instance in fleet.pools["m"].instances:
-        instance.own.tpot.add(0.010, 0.0)  # a 10 ms step, measured
-    return fleet
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    """One instance whose 10 ms step is measured; not entered: no health probes, no scrapes."""
+    config = parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]})
+    built = Fleet(config, GatewayMetrics())
+    built._build(config)
+    built.pools["m"].instances[0].own.tpot.add(0.010, 0.0)
+    try:
+        yield built
+    finally:
+        await built.aclose()
 
 
 def p2(tokens: int) -> RouteRequest:
     return RouteRequest("m", "", prompt_tokens=tokens, stream=True, yields=True)
+
+
+def held_by_p0(fleet: Fleet) -> tuple[Pool, Instance, Lease]:
+    """The pool, its instance, and the lease of a P0 sent there and waiting for its first token."""
+    pool = fleet.pools["m"]
+    (a,) = pool.instances
+    p0 = fleet.lease(a, "m", SHORT, SHORT)
+    p0.hold()
+    return pool, a, p0
 
 
 def waits(fleet: Fleet) -> float:
@@ -98,66 +103,48 @@ def test_before_any_stream_ended_the_step_is_measured_from_streams_decoding() ->
     assert own.step_s() == pytest.approx(0.050)
 
 
-async def test_a_lease_samples_the_step_once_at_its_eighth_token() -> None:
-    fleet = fleet_of(1)
-    try:
-        (a,) = fleet.pools["m"].instances
-        a.own.tpot = type(a.own.tpot)()  # nothing measured
-        lease = fleet.lease(a, "m", SHORT, SHORT)
-        lease.first_token()
-        lease.produced_tokens(1)
-        assert a.own.live_tpot.samples == 0
-        lease.produced_tokens(STEP_TOKENS)
-        lease.produced_tokens(STEP_TOKENS)
-        assert a.own.live_tpot.samples == 1 and lease.completion_tokens == 1 + 2 * STEP_TOKENS
-        assert a.view().tpot_s == a.own.live_tpot.value  # what routing sees before any stream ended
-        lease.release()
-    finally:
-        await fleet.aclose()
+async def test_a_lease_samples_the_step_once_at_its_eighth_token(fleet: Fleet) -> None:
+    (a,) = fleet.pools["m"].instances
+    a.own.tpot = type(a.own.tpot)()  # nothing measured
+    lease = fleet.lease(a, "m", SHORT, SHORT)
+    lease.first_token()
+    lease.produced_tokens(1)
+    assert a.own.live_tpot.samples == 0
+    lease.produced_tokens(STEP_TOKENS)
+    lease.produced_tokens(STEP_TOKENS)
+    assert a.own.live_tpot.samples == 1 and lease.completion_tokens == 1 + 2 * STEP_TOKENS
+    assert a.view().tpot_s == a.own.live_tpot.value  # what routing sees before any stream ended
+    lease.release()
 
 
-async def test_a_p2_with_a_long_prompt_is_not_sent_where_a_p0_waits_for_its_first_token() -> None:
-    fleet = fleet_of(1)
-    try:
-        pool = fleet.pools["m"]
-        (a,) = pool.instances
-        p0 = fleet.lease(a, "m", SHORT, SHORT)
-        p0.hold()
-        with pytest.raises(Held) as held:
-            pool.choose(p2(LONG))
-        assert held.value.instance is a and a.in_flight == 1  # nothing taken for it
-        assert pool.choose(p2(SHORT))[0] is a  # a prompt shorter than a step delays the P0 less than that
-        assert pool.choose(replace(p2(LONG), yields=False))[0] is a  # nor is a request of another class held
-        assert pool.choose(replace(p2(LONG), pin=a.key))[0] is a  # nor one whose engine was chosen elsewhere
-        p0.first_token()
-        assert pool.choose(p2(LONG))[0] is a
-        p0.release()
-    finally:
-        await fleet.aclose()
+async def test_a_p2_with_a_long_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(fleet: Fleet) -> None:
+    pool, a, p0 = held_by_p0(fleet)
+    with pytest.raises(Held) as held:
+        pool.choose(p2(LONG))
+    assert held.value.instance is a and a.in_flight == 1  # nothing taken for it
+    assert pool.choose(p2(SHORT))[0] is a  # a prompt shorter than a step delays the P0 less than that
+    assert pool.choose(replace(p2(LONG), yields=False))[0] is a  # nor is a request of another class held
+    assert pool.choose(replace(p2(LONG), pin=a.key))[0] is a  # nor one whose engine was chosen elsewhere
+    p0.first_token()
+    assert pool.choose(p2(LONG))[0] is a
+    p0.release()
 
 
-async def test_a_held_p2_waits_in_the_gateway_and_goes_at_the_p0s_first_token() -> None:
-    fleet = fleet_of(1)
-    try:
-        pool = fleet.pools["m"]
-        (a,) = pool.instances
-        p0 = fleet.lease(a, "m", SHORT, SHORT)
-        p0.hold()
-        routed = asyncio.create_task(_route(fleet, fleet._metrics, pool, p2(LONG)))
-        cancelled = asyncio.create_task(_route(fleet, fleet._metrics, pool, p2(LONG)))
-        await asyncio.sleep(0)  # both wait
-        assert not routed.done() and not cancelled.done() and waits(fleet) == 2
-        cancelled.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await cancelled
-        p0.first_token()
-        async with asyncio.timeout(5):
-            _, instance, _ = await routed
-        assert instance is a and waits(fleet) == 2  # counted once each
-        p0.release()
-        assert a.in_flight == 0 and a.own.urgent_pending == 0
-    finally:
-        await fleet.aclose()
+async def test_a_held_p2_waits_in_the_gateway_and_goes_at_the_p0s_first_token(fleet: Fleet) -> None:
+    pool, a, p0 = held_by_p0(fleet)
+    routed = asyncio.create_task(_route(fleet, fleet._metrics, pool, p2(LONG)))
+    cancelled = asyncio.create_task(_route(fleet, fleet._metrics, pool, p2(LONG)))
+    await asyncio.sleep(0)  # both wait
+    assert not routed.done() and not cancelled.done() and waits(fleet) == 2
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    p0.first_token()
+    async with asyncio.timeout(5):
+        _, instance, _ = await routed
+    assert instance is a and waits(fleet) == 2  # counted once each
+    p0.release()
+    assert a.in_flight == 0 and a.own.urgent_pending == 0
 
 
 def _view(**fields: object) -> InstanceView:
