@@ -31,6 +31,7 @@ from .answer import read_whole
 from .errors import GatewayError, UpstreamConnectError, UpstreamError, another_may_answer
 from .fleet.instance import Lease  # at run time: the compiled build's dataclass resolves its field types
 from .fleet.pool import Held, LongPrefillBusy
+from .fleet.state import HOLD_MAX_S
 from .routing.policies import RouteRequest
 from .upstream import UpstreamCall, UpstreamEvents
 from .wire import ApiRequest
@@ -116,7 +117,9 @@ async def open_attempts(
             headers=api.trace_headers + api.relay_headers if instance.published is not None else api.trace_headers,
             choices_per_prompt=api.choices_per_prompt(),
         )
-        uncached = max(0, route.prompt_tokens - cached)
+        # (Sent again after a stop before its first token: the index's count is where its prompt went first, which the
+        # engine may have prefilled in part; all of it counts, so that a strict request sent there stops it again.)
+        uncached = route.prompt_tokens if route.resent else max(0, route.prompt_tokens - cached)
         lease = fleet.lease(
             instance,
             pool.model,
@@ -203,30 +206,40 @@ async def _route(
     fleet: Fleet, metrics: GatewayMetrics, pool: Pool, request: RouteRequest
 ) -> tuple[Pool, Instance, int]:
     """The pool and instance an attempt goes to (`_choose`), after a long prompt's turn (`_take_turn`) or, for a
-    request of a preemptible class, after the first token of the strict request that holds its instance (`Held`):
-    nothing is held for either wait, and a cancel or the deadline lands there."""
-    waited = False
+    request of a preemptible class, after the first token of a strict request holding every candidate (`Held`), at
+    most `HOLD_MAX_S` in all: then routed as if nothing held them. Nothing is held for either wait, and a cancel or the
+    deadline lands there. Each wait is counted once a request."""
+    long_waited = False
+    held_since: float | None = None
     while True:
         try:
-            return _choose(fleet, pool, request) or await _take_turn(fleet, metrics, pool, request)
-        except Held as held:
-            holder = held.instance  # (waited for below: no `await` in a handler, see `relay.py`)
-        if not waited:
-            waited = True
+            choice = _choose(fleet, pool, request)
+            if choice is not None:
+                return choice
+        except Held:
+            pass  # (waited for below: no `await` in a handler, see `relay.py`)
+        else:
+            if not long_waited:
+                long_waited = True
+                metrics.long_prefill_waits.labels(pool.model).inc()
+            try:
+                return await _take_turn(fleet, pool, request)
+            except Held:
+                pass
+        now = time.monotonic()
+        if held_since is None:
+            held_since = now
             metrics.strict_first_token_waits.labels(pool.model).inc()
-        await _unheld(fleet, holder)
-
-
-async def _unheld(fleet: Fleet, instance: Instance) -> None:
-    """Until `instance` is no longer held (`OwnAccounting.held`): its strict requests' first tokens came, or the hold
-    ran out."""
-    own = instance.own
-    left = own.held(time.monotonic())
-    if left <= 0:
-        return
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(left):
-            await fleet.prefills.wait_until(lambda: not own.urgent_pending)
+        left = HOLD_MAX_S - (now - held_since)
+        pool = fleet.pools.get(pool.model, pool)
+        if left <= 0 or pool.unheld(request):
+            # Waited long enough, or the policy takes none of the instances not held (none has room): routed as if
+            # nothing held them, rather than waiting for what is already there (which would never suspend).
+            request = replace(request, yields=False)
+            continue
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(left, pool.hold_left(request))):
+                await fleet.prefills.wait_until(functools.partial(pool.unheld, request))
 
 
 def _choose(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Instance, int] | None:
@@ -241,12 +254,8 @@ def _choose(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Inst
     return pool, instance, cached
 
 
-async def _take_turn(
-    fleet: Fleet, metrics: GatewayMetrics, pool: Pool, request: RouteRequest
-) -> tuple[Pool, Instance, int]:
-    """A long prompt's wait for a turn (`Pool.is_long`), then its choice: nothing is held for the wait, and a cancel
-    or the deadline lands there."""
-    metrics.long_prefill_waits.labels(pool.model).inc()
+async def _take_turn(fleet: Fleet, pool: Pool, request: RouteRequest) -> tuple[Pool, Instance, int]:
+    """A long prompt's wait for a turn (`Pool.is_long`), then its choice (`Held` as `_choose`)."""
     while True:
         pool = fleet.pools.get(pool.model, pool)
         await fleet.prefills.wait_until(functools.partial(pool.long_turn, request))

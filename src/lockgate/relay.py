@@ -65,10 +65,11 @@ def open_engine(
     whole_limit: int | None = None,
     exclude: frozenset[str] = frozenset(),
     after: UpstreamError | None = None,
+    resent: bool = False,
 ) -> Awaitable[Opened]:
     """Route `api` (the request's own, or a resumed one's continuation) and open its engine call, retrying elsewhere
-    before the first byte (`open_attempts`, `whole_limit`, `exclude` and `after` too); `ex` holds each attempt's lease
-    and call, within its deadline (`in_time`)."""
+    before the first byte (`open_attempts`, `whole_limit`, `exclude` and `after` too; `resent`: `RouteRequest.resent`);
+    `ex` holds each attempt's lease and call, within its deadline (`in_time`)."""
 
     def hold(lease: Lease, call: UpstreamCall) -> None:
         ex.attach(lease, call)
@@ -79,7 +80,7 @@ def open_engine(
         ex.host.metrics,
         ex.pool,
         api,
-        ex.pool.route_request(api, headers, ex.urgent, ex.yields),
+        ex.pool.route_request(api, headers, ex.urgent, ex.yields, resent),
         upstream_id,
         hold=hold,
         drop=ex.detach,

@@ -185,6 +185,7 @@ class Resumable:
             mark_stoppable,
             exclude=failover.excluded,
             after=failover.error(),
+            resent=self.preemptions > 0 and self.transcript.tokens == 0,
         )
 
     def _fails_over(self, exc: UpstreamError, opened: Opened) -> bool:

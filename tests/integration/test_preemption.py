@@ -776,11 +776,11 @@ async def test_a_p0_does_not_wait_behind_a_p2_prompt_in_prefill(start_sim, start
 
 
 async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(start_sim, start_gateway, http):
-    """A P0 stream's 600-token prompt is in the engine's prefill; a P2 request with a 2,000-token prompt arrives. Sent
+    """A P0 stream's 1,200-token prompt is in the engine's prefill; a P2 request with a 2,000-token prompt arrives. Sent
     now, the engine would take it into the P0's first step, which would last as long as its prefill: it waits in the
     gateway until the P0's first token, then goes. A short P2 prompt (less than a step of prefill) is sent at once."""
     sim, gw = await slow_prefill(start_sim, start_gateway, http)
-    p0 = Stream(http, gw.url, long_chat(2, 600), "P0", after=1)
+    p0 = Stream(http, gw.url, long_chat(2, 1200), "P0", after=1)
     async with asyncio.timeout(5):
         await sim.wait_until(lambda s: gauges(s) == (1, 0))  # the P0 prompt in prefill
     long_p2 = Stream(http, gw.url, long_chat(3, 2000), "P2", after=1)
@@ -790,7 +790,10 @@ async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(star
     for stream in (p0, long_p2, short_p2):
         await stream.wait()
         assert stream.status == 200 and stream.done == 1
-    ids = {r["priority"] + ("-long" if r["prompt_tokens"] > 1000 else ""): r["request_id"] for r in await records(gw)}
+    ids = {
+        r["priority"] + ("-long" if r["priority"] == "P2" and r["prompt_tokens"] > 1000 else ""): r["request_id"]
+        for r in await records(gw)
+    }
     (urgent,), (held,), (short,) = seen(sim, ids["P0"]), seen(sim, ids["P2-long"]), seen(sim, ids["P2"])
     assert short["started_at"] < urgent["first_token_at"] <= held["started_at"]
     assert gw.gateway.metrics.strict_first_token_waits.labels("m")._value.get() == 1

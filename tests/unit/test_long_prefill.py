@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from lockgate.attempt import _take_turn
+from lockgate.attempt import _route
 from lockgate.config import parse_config
 from lockgate.fleet.fleet import Fleet
 from lockgate.fleet.pool import LongPrefillBusy
@@ -81,8 +81,8 @@ async def test_a_long_request_waits_for_a_turn_and_a_cancel_leaves_nothing_behin
         long_a = fleet.lease(a, "m", LONG, LONG, long=True)
         long_b = fleet.lease(b, "m", LONG, LONG, long=True)
         metrics = fleet._metrics
-        waiting = asyncio.create_task(_take_turn(fleet, metrics, pool, request(LONG)))
-        cancelled = asyncio.create_task(_take_turn(fleet, metrics, pool, request(LONG)))
+        waiting = asyncio.create_task(_route(fleet, metrics, pool, request(LONG)))
+        cancelled = asyncio.create_task(_route(fleet, metrics, pool, request(LONG)))
         await asyncio.sleep(0)  # one loop iteration: both tasks take their first step, up to the wait (asserted next)
         assert not waiting.done() and not cancelled.done() and waits(fleet) == 2
         cancelled.cancel()
@@ -123,7 +123,7 @@ async def test_a_turn_the_policy_will_not_take_does_not_hold_the_request_for_goo
             pool.choose(request(LONG))
         assert pool.long_turn(request(LONG))
         async with asyncio.timeout(5):
-            _, instance, _ = await _take_turn(fleet, fleet._metrics, pool, request(LONG))
+            _, instance, _ = await _route(fleet, fleet._metrics, pool, request(LONG))
         assert instance is a
         long_a.release()
     finally:

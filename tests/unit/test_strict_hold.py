@@ -6,6 +6,7 @@ the gateway (`attempt._route`); the engine's step is measured from streams still
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -24,13 +25,20 @@ from lockgate.routing.policies import InstanceView, RouteRequest
 LONG, SHORT = 2000, 8  # prompt tokens: 250 ms and 1 ms of prefill at the default 8,000 tokens/s; the step: 10 ms
 
 
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    """One instance whose 10 ms step is measured; not entered: no health probes, no scrapes."""
-    config = parse_config({"models": [{"name": "m", "instances": [{"url": "http://127.0.0.1:1"}]}]})
+def fleet_of(instances: int) -> Fleet:
+    """Instances whose 10 ms step is measured; not entered: no health probes, no scrapes."""
+    urls = [{"url": f"http://127.0.0.1:{n + 1}"} for n in range(instances)]
+    config = parse_config({"models": [{"name": "m", "instances": urls}]})
     built = Fleet(config, GatewayMetrics())
     built._build(config)
-    built.pools["m"].instances[0].own.tpot.add(0.010, 0.0)
+    for instance in built.pools["m"].instances:
+        instance.own.tpot.add(0.010, 0.0)
+    return built
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    built = fleet_of(1)
     try:
         yield built
     finally:
@@ -95,7 +103,7 @@ def test_before_any_stream_ended_the_step_is_measured_from_streams_decoding() ->
     attempt = own.start(LONG, 0.0)
     own.first_token(attempt, 4.0)
     assert own.step_s() == 4.0 and own.measured_step() is None  # only an upper bound so far
-    assert own.exceeds_step(SHORT)  # no step measured: any prompt is as long as one
+    assert not own.exceeds_step(LONG)  # no step measured: nothing is stopped or held on a guess
     own.decoding(attempt, STEP_TOKENS, 4.0 + 0.060 * (STEP_TOKENS - 1))
     assert own.measured_step() == pytest.approx(0.060) and own.step_s() == pytest.approx(0.060)
     assert own.exceeds_step(LONG) and not own.exceeds_step(SHORT)
@@ -119,9 +127,9 @@ async def test_a_lease_samples_the_step_once_at_its_eighth_token(fleet: Fleet) -
 
 async def test_a_p2_with_a_long_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(fleet: Fleet) -> None:
     pool, a, p0 = held_by_p0(fleet)
-    with pytest.raises(Held) as held:
+    with pytest.raises(Held):
         pool.choose(p2(LONG))
-    assert held.value.instance is a and a.in_flight == 1  # nothing taken for it
+    assert a.in_flight == 1  # nothing taken for it
     assert pool.choose(p2(SHORT))[0] is a  # a prompt shorter than a step delays the P0 less than that
     assert pool.choose(replace(p2(LONG), yields=False))[0] is a  # nor is a request of another class held
     assert pool.choose(replace(p2(LONG), pin=a.key))[0] is a  # nor one whose engine was chosen elsewhere
@@ -145,6 +153,42 @@ async def test_a_held_p2_waits_in_the_gateway_and_goes_at_the_p0s_first_token(fl
     assert instance is a and waits(fleet) == 2  # counted once each
     p0.release()
     assert a.in_flight == 0 and a.own.urgent_pending == 0
+
+
+async def test_a_p2_goes_to_an_instance_no_p0_holds_rather_than_wait() -> None:
+    fleet = fleet_of(2)
+    try:
+        pool = fleet.pools["m"]
+        a, b = pool.instances
+        blocks = tuple(range(64))  # the prompt, cached on `a` only: the policy's choice
+        pool.index.insert(a.key, blocks)
+        request = replace(p2(LONG), blocks=blocks)
+        assert pool.choose(request)[0] is a
+        p0 = fleet.lease(a, "m", SHORT, SHORT)
+        p0.hold()
+        assert not pool.choose(request)[1]  # cached there, but its prefill is short there: not held
+        resent = replace(request, resent=True)  # stopped before its first token: the engine may have only part of it
+        assert pool.choose(resent)[0] is b and pool.unheld(resent)
+        p0_b = fleet.lease(b, "m", SHORT, SHORT)
+        p0_b.hold()
+        with pytest.raises(Held):
+            pool.choose(resent)
+        assert not pool.unheld(resent)
+        for lease in (p0, p0_b):
+            lease.release()
+    finally:
+        await fleet.aclose()
+
+
+async def test_a_held_p2_waits_at_most_the_hold_in_all(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P0 requests that keep coming while an old one waits for its first token keep the instance held: the P2 request
+    is routed anyway once it has waited `HOLD_MAX_S` (here 10 ms) in all."""
+    monkeypatch.setattr("lockgate.attempt.HOLD_MAX_S", 0.01)
+    pool, a, stuck = held_by_p0(fleet)
+    async with asyncio.timeout(5):
+        _, instance, _ = await _route(fleet, fleet._metrics, pool, p2(LONG))
+    assert instance is a and a.own.held(time.monotonic()) > 0 and waits(fleet) == 1
+    stuck.release()
 
 
 def _view(**fields: object) -> InstanceView:

@@ -79,7 +79,7 @@ class Fleet:
         self._health_wake = asyncio.Event()
         self._changes = Changes()
         #: Notified when an instance's long prefill, or a strict request holding it, is answered or ends: requests
-        #: waiting for their turn (`Pool.long_turn`, `Pool.held`) look again.
+        #: waiting for their turn (`Pool.long_turn`, `Pool.unheld`) look again.
         self.prefills = Changes()
         #: Instances a reload removed, each closed by its task once its requests have ended.
         self._retiring: dict[Instance, asyncio.Task[None]] = {}

@@ -54,12 +54,9 @@ class LongPrefillBusy(Exception):
 
 
 class Held(Exception):
-    """A request of a preemptible class (`RouteRequest.yields`) chosen for an instance a strict request holds
-    (`OwnAccounting.held`): it waits until the instance is no longer held (`Fleet.prefills`), then routes again."""
-
-    def __init__(self, instance: Instance) -> None:
-        super().__init__(instance.name)
-        self.instance = instance
+    """A request of a preemptible class (`RouteRequest.yields`) whose prompt takes longer than a step to prefill, while
+    a strict request holds every candidate instance (`OwnAccounting.held`): it waits until one is no longer held
+    (`Fleet.prefills`, `Pool.unheld`), then routes again (`attempt._route`: at most `HOLD_MAX_S` in all)."""
 
 
 #: Responses whose instance a pool remembers for their follow-ups (`previous_response_id`): ~200 bytes each.
@@ -208,7 +205,12 @@ class Pool:
         return [key for key in self._departed if self.left_lately(key)]
 
     def route_request(
-        self, api: ApiRequest, headers: HeaderLookup | None = None, urgent: bool = False, yields: bool = False
+        self,
+        api: ApiRequest,
+        headers: HeaderLookup | None = None,
+        urgent: bool = False,
+        yields: bool = False,
+        resent: bool = False,
     ) -> RouteRequest:
         """What routing needs to know about a request, computed once for all its attempts."""
         text = api.prompt_text()
@@ -244,6 +246,7 @@ class Pool:
             stream=api.stream,
             urgent=urgent,
             yields=yields,
+            resent=resent,
         )
 
     def snapshot(self, request: RouteRequest | None = None, *, panic: bool = False) -> PoolSnapshot:
@@ -309,6 +312,48 @@ class Pool:
             raise LongPrefillBusy
         return self._by_key[view.key], view.cached_tokens
 
+    def _holds(self, instance: Instance, request: RouteRequest, cached: int) -> bool:
+        """Whether `instance` is held (`OwnAccounting.held`) for `request`, of a preemptible class: a strict request
+        waits for its first token there and the request's prompt takes longer than a step to prefill there (all of it
+        once it was stopped before its first token, `RouteRequest.resent`: the prefix index took its prompt where it
+        went first, which the engine may have prefilled only in part). Not behind a sidecar, which holds its node's
+        engines itself."""
+        own = instance.own
+        if not own.urgent_pending or instance.published is not None or not own.held(time.monotonic()):
+            return False
+        return own.exceeds_step(request.prompt_tokens if request.resent else request.prompt_tokens - cached)
+
+    def _held_keys(self, request: RouteRequest) -> frozenset[str]:
+        """The candidate instances held for `request` (`_holds`)."""
+        matched = self.index.match(request.blocks) if request.blocks else {}
+        return frozenset(
+            i.key
+            for i in self.instances
+            if i.routable
+            and i.key not in request.exclude
+            and self._holds(i, request, self._cached_tokens(request.prompt_tokens, matched.get(i.key)))
+        )
+
+    def _unheld_choice(self, request: RouteRequest) -> tuple[Instance, int]:
+        """The policy's choice among the candidates no strict request holds for `request` (an idle instance next to a
+        held one takes it), or `Held` when every one is held."""
+        others = replace(request, exclude=request.exclude | self._held_keys(request))
+        view = self.policy.choose(others, self.snapshot(others))
+        if view is None:
+            raise Held
+        return self._by_key[view.key], view.cached_tokens
+
+    def unheld(self, request: RouteRequest) -> bool:
+        """Whether some candidate instance is not held for `request` (`_holds`), or none is routable (`choose` then
+        says why)."""
+        candidates = sum(1 for i in self.instances if i.routable and i.key not in request.exclude)
+        return not candidates or len(self._held_keys(request)) < candidates
+
+    def hold_left(self, request: RouteRequest) -> float:
+        """How long the holds on `request`'s candidates last at most (`OwnAccounting.held`), in seconds."""
+        now = time.monotonic()
+        return max((i.own.held(now) for i in self.instances if i.key not in request.exclude), default=0.0)
+
     def home_unavailable(self, key: str) -> Unavailable:
         """The 503 for a follow-up whose previous response's engine (`key`) cannot take it now: to retry shortly."""
         return Unavailable(
@@ -321,10 +366,9 @@ class Pool:
     def choose(self, request: RouteRequest) -> tuple[Instance, int]:
         """The instance to try, and how many of the request's prompt tokens it likely has cached (which
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
-        `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one, and `Held`
-        for a request of a preemptible class chosen for an instance a strict request holds (`OwnAccounting.held`)
-        whose prompt takes longer than a step to prefill there (not behind a sidecar, which holds its node's engines
-        itself, nor for a pinned request)."""
+        `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one. A request of a
+        preemptible class whose choice a strict request holds (`_holds`) goes to the policy's choice among the others
+        (`Held` when every one is held; never for a pinned request)."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
         pin = request.pin
         if sole is None and request.pin_only and pin is not None and (pin in self._by_key or self.left_lately(pin)):
@@ -355,15 +399,8 @@ class Pool:
             and self.is_long(instance, request.prompt_tokens - cached)
         ):
             instance, cached = self._long_elsewhere(request, snapshot)
-        if (
-            request.yields
-            and pin is None
-            and instance.own.urgent_pending
-            and instance.published is None
-            and instance.own.held(time.monotonic())
-            and instance.own.exceeds_step(request.prompt_tokens - cached)
-        ):
-            raise Held(instance)
+        if request.yields and pin is None and self._holds(instance, request, cached):
+            instance, cached = self._unheld_choice(request)
         if request.blocks:
             if request.prompt_tokens > 0:
                 # Found cached anywhere (not only where it went): how much the caches' content is reused.

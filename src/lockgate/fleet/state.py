@@ -255,10 +255,12 @@ class OwnAccounting:
         return 0.0 if oldest is None or oldest.first_at is None else max(0.0, now - oldest.first_at)
 
     def exceeds_step(self, tokens: int) -> bool:
-        """Whether `tokens` of prompt take the engine longer to prefill than a step, at the measured rate and step (any
-        prompt while no step is measured: the TTFT `step_s` falls back on holds queueing and prefill): in the same step
-        as a strict request's first token, they delay it by more than a step (`held`, `Lease.prefill_exceeds_step`)."""
-        return tokens / self.rate > (self.measured_step() or 0.0)
+        """Whether `tokens` of prompt take the engine longer to prefill than a step, at the measured rate and step (in
+        the same step as a strict request's first token, they delay it by more than a step: `held`,
+        `Lease.prefill_exceeds_step`). False while no step is measured (the TTFT `step_s` falls back on holds
+        queueing and prefill): nothing is stopped or held on a guess."""
+        step = self.measured_step()
+        return step is not None and tokens / self.rate > step
 
     def step_s(self) -> float | None:
         """The engine's step here: the measured TPOT; before any stream ended here (a fresh gateway, a flood's
@@ -404,7 +406,7 @@ class OwnAccounting:
     def hold(self, attempt: Attempt, now: float) -> None:
         """`attempt` (streamed, unanswered) is a strict request's, about to be sent: until its first token comes back
         (or it ends, or `HOLD_MAX_S` pass) the instance is `held`. Its backlog is what is still queued ahead of it: the
-        less urgent prompts stopped for it since it was counted (`Admission.make_room`) are not, and its due time
+        less urgent prompts stopped for it since it was counted (`PoolScheduler.make_room`) are not, and its due time
         (`first_token_due`) does not wait for them (an outside fleet: a P0's first token came after 2.8 s on a
         24-slot engine full of P2 generations; its due time, which frees a slot, counted 8,000 tokens of P2 prompts
         stopped for it)."""

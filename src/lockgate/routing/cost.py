@@ -138,10 +138,11 @@ def predict_ttft(
     speeds_half_life_s = 0.0 if request.urgent else half_life_s
     rate = relaxed(view.prefill_tps, default_prefill_tps, view.prefill_age_s, speeds_half_life_s)
     tpot = relaxed(view.tpot_s, default_tpot_s, view.tpot_age_s, speeds_half_life_s)
-    if request.urgent and view.tpot_s <= 0 < view.ttft_s:
-        # No step measured there yet, but first tokens: a step is at most that long. Judged by its peers' step, a slow
-        # engine whose first long generations had not yet streamed 8 tokens (`OwnAccounting.decoding`) looked as fast
-        # as a fast one, and a flood's first P0s went there (an outside fleet: 0.9-1.4 s, 25-30 ms on its peer).
+    if request.urgent and view.tpot_s <= 0 < view.ttft_s and view.whole_s <= 0:
+        # No step measured there yet, but first tokens of streams: a step is at most that long. Judged by its peers'
+        # step, a slow engine whose first long generations had not yet streamed 8 tokens (`OwnAccounting.decoding`)
+        # looked as fast as a fast one, and a flood's first P0s went there (an outside fleet: 0.9-1.4 s, 25-30 ms on
+        # its peer). (An engine answering whole bodies never measures a step: its peers' stands.)
         tpot = view.ttft_s
     # A cached prefix saves nothing worth a routing choice until it saves a step: the first step's worth of
     # it is discounted (see the module docstring, "short shared prefixes").

@@ -125,6 +125,9 @@ class RouteRequest:
     urgent: bool = False
     #: A preemptible class's request (P2): it is not sent where a strict request waits for its first token (`Held`).
     yields: bool = False
+    #: Sent again after it was stopped before its first token: the prefix index took its prompt where it went first,
+    #: which the engine may have prefilled only in part (its prefill is judged whole where a strict request holds).
+    resent: bool = False
 
 
 class Policy(Protocol):
