@@ -100,8 +100,15 @@ async def open_attempts(
             raise
         if last_error is not None:
             metrics.retries.labels(api.model).inc()  # moved to another instance
-        # Embeddings are one body from every engine (nothing to abort mid-way, nothing to stream).
-        stream = api.stream or (instance.dialect.stream_upstream_always and api.endpoint.generates)
+        # Embeddings are one body from every engine (nothing to abort mid-way, nothing to stream). A strict request
+        # that makes room (`before_send`) is read as a stream whatever its client asked, and answered whole: its first
+        # token is seen, it holds its instance until then and what holds it up is stopped when it is due
+        # (`PoolScheduler.make_room`). Read as one body, it was watched by nothing (an outside run: non-streamed P0
+        # answers took 7-11 s behind 20 long P2 prompts, nothing stopped).
+        stream = api.stream or (
+            api.endpoint.generates
+            and (instance.dialect.stream_upstream_always or (route.urgent and before_send is not None))
+        )
         body = instance.dialect.upstream_body(
             api, served_model=pool.served[instance.key], request_id=request_id, stream=stream, priority=priority
         )

@@ -775,19 +775,30 @@ async def test_a_p0_does_not_wait_behind_a_p2_prompt_in_prefill(start_sim, start
     assert_no_leaks(gw)
 
 
-async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(start_sim, start_gateway, http):
-    """A P0 stream's 1,200-token prompt is in the engine's prefill; a P2 request with a 2,000-token prompt arrives. Sent
-    now, the engine would take it into the P0's first step, which would last as long as its prefill: it waits in the
-    gateway until the P0's first token, then goes. A short P2 prompt (less than a step of prefill) is sent at once."""
+@pytest.mark.parametrize("p0_stream", [True, False], ids=["streamed", "whole"])
+async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(start_sim, start_gateway, http, p0_stream):
+    """A P0 request's 1,200-token prompt is in the engine's prefill; a P2 request with a 2,000-token prompt arrives.
+    Sent now, the engine would take it into the P0's first step, which would last as long as its prefill: it waits in
+    the gateway until the P0's first token, then goes. A short P2 prompt (less than a step of prefill) is sent at once.
+    The same for a P0 client that asked for one body: its engine call is a stream (an outside run: read as one body,
+    nothing watched it, and non-streamed P0 answers took 7-11 s behind long P2 prompts)."""
     sim, gw = await slow_prefill(start_sim, start_gateway, http)
-    p0 = Stream(http, gw.url, long_chat(2, 1200), "P0", after=1)
+    if p0_stream:
+        p0: Any = Stream(http, gw.url, long_chat(2, 1200), "P0", after=1)
+    else:
+        p0 = asyncio.create_task(post(http, gw.url, long_chat(2, 1200), "P0"))
     async with asyncio.timeout(5):
         await sim.wait_until(lambda s: gauges(s) == (1, 0))  # the P0 prompt in prefill
     long_p2 = Stream(http, gw.url, long_chat(3, 2000), "P2", after=1)
     short_p2 = Stream(http, gw.url, chat(4, max_tokens=4), "P2", after=1)
     async with asyncio.timeout(5):
         await sim.wait_until(lambda s: len(s.stats.open) == 2)  # the short one reached the engine
-    for stream in (p0, long_p2, short_p2):
+    if not p0_stream:
+        async with asyncio.timeout(10):
+            status, answer = await p0
+        assert status == 200 and answer["usage"]["completion_tokens"] == 8
+        assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
+    for stream in (p0, long_p2, short_p2) if p0_stream else (long_p2, short_p2):
         await stream.wait()
         assert stream.status == 200 and stream.done == 1
     ids = {
