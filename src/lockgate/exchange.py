@@ -186,8 +186,8 @@ class Exchange:
         self.engine_priority: int | None = None
         #: Admitted at a strict class (P0): routed by instances' speeds as measured (`RouteRequest.urgent`).
         self.urgent = False
-        #: Admitted at a preemptible class (P2): not sent where a strict request waits for its first token
-        #: (`RouteRequest.yields`).
+        #: Admitted at a class that is not strict (P1, P2): not sent where a strict request waits for its first
+        #: token (`RouteRequest.yields`).
         self.yields = False
         #: The request's OpenTelemetry span, when tracing is on (ended in `_release()`).
         self.span: Any = None

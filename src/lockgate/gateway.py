@@ -401,7 +401,7 @@ class Gateway:
         admission = self.admission
         admission.allow(ex, tenant, klass)
         ex.urgent = admission.classes[klass].strict
-        ex.yields = klass in admission.preemptible
+        ex.yields = not ex.urgent
         room = admission.room_for(ex.api.model, klass)
         key = self.dedup.plan(ex, request.headers.get("Cache-Control"))
         if key is not None:

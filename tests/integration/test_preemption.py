@@ -775,13 +775,18 @@ async def test_a_p0_does_not_wait_behind_a_p2_prompt_in_prefill(start_sim, start
     assert_no_leaks(gw)
 
 
-@pytest.mark.parametrize("p0_stream", [True, False], ids=["streamed", "whole"])
-async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(start_sim, start_gateway, http, p0_stream):
+@pytest.mark.parametrize(
+    ("p0_stream", "long_class"), [(True, "P2"), (False, "P2"), (True, "P1")], ids=["streamed", "whole", "P1"]
+)
+async def test_a_long_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(
+    start_sim, start_gateway, http, p0_stream, long_class
+):
     """A P0 request's 1,200-token prompt is in the engine's prefill; a P2 request with a 2,000-token prompt arrives.
     Sent now, the engine would take it into the P0's first step, which would last as long as its prefill: it waits in
     the gateway until the P0's first token, then goes. A short P2 prompt (less than a step of prefill) is sent at once.
     The same for a P0 client that asked for one body: its engine call is a stream (an outside run: read as one body,
-    nothing watched it, and non-streamed P0 answers took 7-11 s behind long P2 prompts)."""
+    nothing watched it, and non-streamed P0 answers took 7-11 s behind long P2 prompts); and for a P1 request, which
+    is not stopped, but waits (an outside run: a P1 flood held P0 first tokens 7-11 s, and P0s timed out queued)."""
     sim, gw = await slow_prefill(start_sim, start_gateway, http)
     if p0_stream:
         p0: Any = Stream(http, gw.url, long_chat(2, 1200), "P0", after=1)
@@ -789,7 +794,7 @@ async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(star
         p0 = asyncio.create_task(post(http, gw.url, long_chat(2, 1200), "P0"))
     async with asyncio.timeout(5):
         await sim.wait_until(lambda s: gauges(s) == (1, 0))  # the P0 prompt in prefill
-    long_p2 = Stream(http, gw.url, long_chat(3, 2000), "P2", after=1)
+    long_p2 = Stream(http, gw.url, long_chat(3, 2000), long_class, after=1)
     short_p2 = Stream(http, gw.url, chat(4, max_tokens=4), "P2", after=1)
     async with asyncio.timeout(5):
         await sim.wait_until(lambda s: len(s.stats.open) == 2)  # the short one reached the engine
@@ -801,11 +806,9 @@ async def test_a_p2_prompt_is_not_sent_where_a_p0_waits_for_its_first_token(star
     for stream in (p0, long_p2, short_p2) if p0_stream else (long_p2, short_p2):
         await stream.wait()
         assert stream.status == 200 and stream.done == 1
-    ids = {
-        r["priority"] + ("-long" if r["priority"] == "P2" and r["prompt_tokens"] > 1000 else ""): r["request_id"]
-        for r in await records(gw)
-    }
-    (urgent,), (held,), (short,) = seen(sim, ids["P0"]), seen(sim, ids["P2-long"]), seen(sim, ids["P2"])
+    ids = {r["priority"] + ("-long" if r["prompt_tokens"] > 1000 else ""): r["request_id"] for r in await records(gw)}
+    (urgent,), (held,) = seen(sim, ids["P0-long"]), seen(sim, ids[f"{long_class}-long"])
+    (short,) = seen(sim, ids["P2"])
     assert short["started_at"] < urgent["first_token_at"] <= held["started_at"]
     assert gw.gateway.metrics.strict_first_token_waits.labels("m")._value.get() == 1
     assert_no_leaks(gw)

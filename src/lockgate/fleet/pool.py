@@ -54,9 +54,9 @@ class LongPrefillBusy(Exception):
 
 
 class Held(Exception):
-    """A request of a preemptible class (`RouteRequest.yields`) whose prompt takes longer than a step to prefill, while
-    a strict request holds every candidate instance (`OwnAccounting.held`): it waits until one is no longer held
-    (`Fleet.prefills`, `Pool.unheld`), then routes again (`attempt._route`: at most `HOLD_MAX_S` in all)."""
+    """A request of a class that is not strict (`RouteRequest.yields`) whose prompt takes longer than a step to
+    prefill, while a strict request holds every candidate instance (`OwnAccounting.held`): it waits until one is no
+    longer held (`Fleet.prefills`, `Pool.unheld`), then routes again (`attempt._route`: at most `HOLD_MAX_S` in all)."""
 
 
 #: Responses whose instance a pool remembers for their follow-ups (`previous_response_id`): ~200 bytes each.
@@ -313,11 +313,11 @@ class Pool:
         return self._by_key[view.key], view.cached_tokens
 
     def _holds(self, instance: Instance, request: RouteRequest, cached: int) -> bool:
-        """Whether `instance` is held (`OwnAccounting.held`) for `request`, of a preemptible class: a strict request
-        waits for its first token there and the request's prompt takes longer than a step to prefill there (all of it
-        once it was stopped before its first token, `RouteRequest.resent`: the prefix index took its prompt where it
-        went first, which the engine may have prefilled only in part). Not behind a sidecar, which holds its node's
-        engines itself."""
+        """Whether `instance` is held (`OwnAccounting.held`) for `request`, of a class that is not strict: a strict
+        request waits for its first token there and the request's prompt takes longer than a step to prefill there
+        (all of it once it was stopped before its first token, `RouteRequest.resent`: the prefix index took its prompt
+        where it went first, which the engine may have prefilled only in part). Not behind a sidecar, which holds its
+        node's engines itself."""
         own = instance.own
         if not own.urgent_pending or instance.published is not None or not own.held(time.monotonic()):
             return False
@@ -367,8 +367,8 @@ class Pool:
         """The instance to try, and how many of the request's prompt tokens it likely has cached (which
         sizes its lease). With a single candidate every policy would pick it: no snapshot is built. Raises
         `LongPrefillBusy` for a long streamed prompt (`is_long`) while every candidate is prefilling one. A request of a
-        preemptible class whose choice a strict request holds (`_holds`) goes to the policy's choice among the others
-        (`Held` when every one is held; never for a pinned request)."""
+        class that is not strict whose choice a strict request holds (`_holds`) goes to the policy's choice among the
+        others (`Held` when every one is held; never for a pinned request)."""
         sole = self._pinned(request.pin, request) if request.pin is not None else None
         pin = request.pin
         if sole is None and request.pin_only and pin is not None and (pin in self._by_key or self.left_lately(pin)):

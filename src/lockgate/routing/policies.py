@@ -123,7 +123,8 @@ class RouteRequest:
     #: latency floors still fade: a P0 judging them as they stood sent every P0 to one engine at a flood's start. Nor
     #: is it kept to instances with room: it may go where less urgent work fills the slots (see `PredictedTTFT`).
     urgent: bool = False
-    #: A preemptible class's request (P2): it is not sent where a strict request waits for its first token (`Held`).
+    #: A request of a class that is not strict (P1, P2): it is not sent where a strict request waits for its first
+    #: token (`Held`).
     yields: bool = False
     #: Sent again after it was stopped before its first token: the prefix index took its prompt where it went first,
     #: which the engine may have prefilled only in part (its prefill is judged whole where a strict request holds).
