@@ -213,9 +213,9 @@ async def _route(
     fleet: Fleet, metrics: GatewayMetrics, pool: Pool, request: RouteRequest
 ) -> tuple[Pool, Instance, int]:
     """The pool and instance an attempt goes to (`_choose`), after a long prompt's turn (`_take_turn`) or, for a
-    request of a preemptible class, after the first token of a strict request holding every candidate (`Held`), at
-    most `HOLD_MAX_S` in all: then routed as if nothing held them. Nothing is held for either wait, and a cancel or the
-    deadline lands there. Each wait is counted once a request."""
+    request of a class that is not strict, after the first token of a strict request holding every candidate
+    (`Held`), at most `HOLD_MAX_S` in all: then routed as if nothing held them. Nothing is held for either wait (but
+    the request's scheduler slot), and a cancel or the deadline lands there. Each wait is counted once a request."""
     long_waited = False
     held_since: float | None = None
     while True:

@@ -75,7 +75,7 @@ class Moments:
 class Attempt:
     """One request attempt's contribution to its instance's accounting (held by its `Lease`)."""
 
-    __slots__ = ("backlog", "first_at", "long", "sent_at", "tokens", "urgent", "whole")
+    __slots__ = ("backlog", "first_at", "holding", "long", "sent_at", "tokens", "whole")
 
     def __init__(self, tokens: int, backlog: int, sent_at: float, long: bool = False, whole: bool = False) -> None:
         self.tokens = tokens  # uncached prompt tokens it queued
@@ -87,7 +87,7 @@ class Attempt:
         #: while it generates).
         self.whole = whole
         #: A strict class's request whose first token has not come back: it holds the instance (`OwnAccounting.held`).
-        self.urgent = False
+        self.holding = False
 
 
 #: Prefill-rate samples need enough tokens to be meaningful next to one step's fixed cost.
@@ -257,8 +257,8 @@ class OwnAccounting:
     def exceeds_step(self, tokens: int) -> bool:
         """Whether `tokens` of prompt take the engine longer to prefill than a step, at the measured rate and step (in
         the same step as a strict request's first token, they delay it by more than a step: `held`,
-        `Lease.prefill_exceeds_step`). False while no step is measured (the TTFT `step_s` falls back on holds
-        queueing and prefill): nothing is stopped or held on a guess."""
+        `Lease.prefill_exceeds_step`). False while no step is measured (the TTFT that `step_s` falls back on
+        includes queueing and prefill): nothing is stopped or held on a guess."""
         step = self.measured_step()
         return step is not None and tokens / self.rate > step
 
@@ -350,7 +350,7 @@ class OwnAccounting:
         self._decoding[attempt] = None
         if attempt.long:
             self._long_done(attempt)
-        if attempt.urgent:
+        if attempt.holding:
             self._urgent_done(attempt)
         ttft = now - attempt.sent_at
         self.ttft.add(ttft, now)
@@ -384,7 +384,7 @@ class OwnAccounting:
             self._waiting(attempt).pop(attempt, None)
             if attempt.long:
                 self._long_done(attempt)
-            if attempt.urgent:
+            if attempt.holding:
                 self._urgent_done(attempt)
             if whole and completion_tokens >= 1:
                 self.whole_time.add(now - attempt.sent_at, now)
@@ -410,10 +410,10 @@ class OwnAccounting:
         (`first_token_due`) does not wait for them (an outside fleet: a P0's first token came after 2.8 s on a
         24-slot engine full of P2 generations; its due time, which frees a slot, counted 8,000 tokens of P2 prompts
         stopped for it)."""
-        if attempt.urgent or attempt.first_at is not None or attempt.whole:
+        if attempt.holding or attempt.first_at is not None or attempt.whole:
             return
         attempt.backlog = min(attempt.backlog, max(0, self.remaining_prompt_tokens(now) - attempt.tokens))
-        attempt.urgent = True
+        attempt.holding = True
         self.urgent_pending += 1
         self.urgent_sent_at = max(self.urgent_sent_at, attempt.sent_at)
 
@@ -429,7 +429,7 @@ class OwnAccounting:
         return max(0.0, self.urgent_sent_at + HOLD_MAX_S - now)
 
     def _urgent_done(self, attempt: Attempt) -> None:
-        attempt.urgent = False
+        attempt.holding = False
         self.urgent_pending -= 1
         if self.on_turn is not None:
             self.on_turn()
