@@ -124,9 +124,7 @@ async def open_attempts(
             headers=api.trace_headers + api.relay_headers if instance.published is not None else api.trace_headers,
             choices_per_prompt=api.choices_per_prompt(),
         )
-        # (Sent again after a stop before its first token: the index's count is where its prompt went first, which the
-        # engine may have prefilled in part; all of it counts, so that a strict request sent there stops it again.)
-        uncached = route.prompt_tokens if route.resent else max(0, route.prompt_tokens - cached)
+        uncached = max(0, route.prompt_tokens - cached)
         lease = fleet.lease(
             instance,
             pool.model,

@@ -12,6 +12,7 @@ import pytest
 
 from lockgate.admission.gate import PoolScheduler
 from lockgate.admission.preemption import (
+    PREFILL_STOPS,
     Plan,
     Stopped,
     StopSignal,
@@ -395,10 +396,13 @@ async def test_a_p0_stops_the_long_prompts_waiting_for_their_first_token_there_a
     b: Any = object()
     now = time.monotonic()
     a_long, b_long = _Lease(a, now - 0.02, due=now + 5.0), _Lease(b, now - 0.01, due=now + 5.0)
-    a_long.heavy = b_long.heavy = True
+    a_long_again = _Lease(a, now - 0.02, due=now + 5.0)
+    a_long.heavy = b_long.heavy = a_long_again.heavy = True
     victims = {
         "a-running": _Victim(_Lease(a, now - 2, answered=True)),
         "a-long": _Victim(a_long),
+        # Stopped `PREFILL_STOPS` times already: the rest of its stops are kept for slots.
+        "a-long-again": _Victim(a_long_again, preemptions=PREFILL_STOPS),
         "a-short": _Victim(_Lease(a, now - 0.01, due=now + 5.0)),
         "b-long": _Victim(b_long),
     }

@@ -173,6 +173,11 @@ def waits_in_engine(tag: Preemptee) -> bool:
     return lease is not None and not lease.answered
 
 
+#: Stops of a request in its prefill for a strict one (`ahead_in_engine`, `prefills`) at most: the rest of its stops
+#: (`max_per_request`) are kept for slots.
+PREFILL_STOPS = 2
+
+
 def ahead_in_engine(
     core: SchedulerCore,
     klass: int,
@@ -211,9 +216,12 @@ def ahead_in_engine(
     with the strict one and the step lasts as long as its prefill (an outside fleet of 1,000-4,000-token P2 prompts:
     P0 first tokens 0.5-1 s, steps of 2,048 tokens of prefill). What the engine prefilled of it stays in its prefix
     cache; it is sent again after the strict request's first token (`OwnAccounting.held`). A shorter one costs the
-    strict request less than a step and stays. Before the limit is found (a flood's first moments, the gateway has
-    sent more than the engine runs) the overdue ones are stopped, not these: each stopped then was sent to the other
-    engine, whose next P0 stopped it again (2x4 slots: P0 p99 115-152 ms against 49-71 in the flood's first second)."""
+    strict request less than a step and stays, and so does one stopped `PREFILL_STOPS` times already: each stop counts
+    against its `max_per_request`, and a flood's P2 requests that had used theirs so could not be stopped for a slot
+    (an outside fleet: P0 requests refused after 10 s in their queue, every slot a P2's). Before the limit is found (a
+    flood's first moments, the gateway has sent more than the engine runs) the overdue ones are stopped, not these:
+    each stopped then was sent to the other engine, whose next P0 stopped it again (2x4 slots: P0 p99 115-152 ms
+    against 49-71 in the flood's first second)."""
     if not core.classes[klass].strict:
         return []
     waiting: list[tuple[Ticket, float, bool]] = []
@@ -223,7 +231,7 @@ def ahead_in_engine(
         if lease.answered:
             generating.append((ticket, stops))
             continue
-        waiting.append((ticket, lease.sent_at, lease.prefill_exceeds_step()))
+        waiting.append((ticket, lease.sent_at, stops < PREFILL_STOPS and lease.prefill_exceeds_step()))
         due = lease.first_token_due(slack_steps)
         if due is not None and now > due and (since is None or lease.sent_at < since):
             since = lease.sent_at
