@@ -669,7 +669,7 @@ class Admission:
         # prompt is charged even before any token came (`Exchange.prompt_processed`; an outside run: 20 streamed
         # requests of 2,400-token prompts, each dropped in its prefill, ~19,000 prompt tokens a second under a limit of
         # 50, none charged).
-        if produced > 0 or record.status == "completed" or ex.prompt_processed():
+        if record.status == "completed" or ex.prompt_processed():  # (tokens produced: its prompt was processed)
             used = max(record.completion_tokens, produced) + (record.prompt_tokens or ex.api.estimated_prompt_tokens())
         allowance.done(used, record.attempts > 0)
 

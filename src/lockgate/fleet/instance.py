@@ -346,7 +346,7 @@ class Lease:
 
     def prefill_exceeds_step(self) -> bool:
         """Whether this attempt's prompt (its uncached part) takes the engine longer to prefill than a step, at the
-        instance's measured rate and step (any prompt while no step is measured)."""
+        instance's measured rate and step (`OwnAccounting.exceeds_step`: none while no step is measured)."""
         return self.instance.own.exceeds_step(self._attempt.tokens)
 
     def first_token_due(self, slack_steps: int = 1) -> float | None:

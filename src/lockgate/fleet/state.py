@@ -170,7 +170,7 @@ class OwnAccounting:
             sample, measured = work / busy, self.prefill_tps
             if measured.samples >= _RATE_SETTLED:
                 # One sample moves a settled rate by at most `_RATE_SWING` times: a P0 sent behind 45,000 tokens of
-                # queued P2 prompts had them stopped (`Admission.make_room`) and its first token came in 20 ms, a
+                # queued P2 prompts had them stopped (`PoolScheduler.make_room`) and its first token came in 20 ms, a
                 # sample of millions of tokens a second that took the rate 100x up, and the queue left there read as
                 # no prefill work at all (an 8-slot engine's limit held at 3 by it, in an outside run's fleet).
                 sample = min(max(sample, measured.value / _RATE_SWING), measured.value * _RATE_SWING)

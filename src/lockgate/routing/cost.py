@@ -149,12 +149,12 @@ def predict_ttft(
     uncached = max(0, request.prompt_tokens - max(0, view.cached_tokens - round(tpot * rate)))
     queued, pending, in_flight, stoppable = view.queued_prompt_tokens, view.pending, view.in_flight, view.stoppable
     if request.urgent and view.stoppable_waiting and (view.tpot_s > 0 or view.ttft_s > 0):
-        # A P0 sent there first has the less urgent requests still waiting in its engine stopped (`Admission.make_room`:
-        # they lose no work), and their queue goes with them (their prompt tokens taken as their share of those
-        # waiting there). Priced with them, a fast 4-slot engine a flood had sent 60 of them before its limit was
-        # learned looked 0.3-0.8 s away, and every P0 for the next 7 s went to a slow engine next to it (~90-150 ms).
-        # Not before a first token there is measured: nothing can be called overdue there yet (`Lease.first_token_due`),
-        # and a flood's first P0, sent to a slow engine behind 34 of them, waited 8 s.
+        # A P0 sent there first has the less urgent requests still waiting in its engine stopped
+        # (`PoolScheduler.make_room`: they lose no work), and their queue goes with them (their prompt tokens taken as
+        # their share of those waiting there). Priced with them, a fast 4-slot engine a flood had sent 60 of them
+        # before its limit was learned looked 0.3-0.8 s away, and every P0 for the next 7 s went to a slow engine next
+        # to it (~90-150 ms). Not before a first token there is measured: nothing can be called overdue there yet
+        # (`Lease.first_token_due`), and a flood's first P0, sent to a slow engine behind 34 of them, waited 8 s.
         cleared = min(view.stoppable_waiting, pending)
         queued -= queued * cleared // max(1, pending)
         pending -= cleared
@@ -168,8 +168,8 @@ def predict_ttft(
     over = in_flight + 1 - view.max_concurrency
     if over > 0:
         # No free batch slot: on average one frees every decode_s / max_concurrency seconds. For a P0, a request of a
-        # preemptible class there is stopped (`Admission.make_room`): its slot frees at the next step, for as many as
-        # there are (an outside run: a fast 2-slot engine full of P0s was priced as a step's wait, and P0s stacked
+        # preemptible class there is stopped (`PoolScheduler.make_room`): its slot frees at the next step, for as many
+        # as there are (an outside run: a fast 2-slot engine full of P0s was priced as a step's wait, and P0s stacked
         # there five deep, each waiting whole generations).
         per_slot = view.decode_s / view.max_concurrency
         quick = min(over, stoppable) if request.urgent and tpot > 0 else 0
@@ -282,7 +282,7 @@ class PredictedTTFT:
     ) -> tuple[list[InstanceView], list[float]]:
         """A P0's candidates (and their predictions) when some are full: the full ones its first token is predicted to
         come from a step sooner than from any with room (before it is sent there the scheduler stops a less urgent
-        request for it, `Admission.make_room`: its wait is a step, `predict_ttft`), else those with room. Kept to
+        request for it, `PoolScheduler.make_room`: its wait is a step, `predict_ttft`), else those with room. Kept to
         instances with room, every P0 of a flood went to the slow engine of a fast and a slow one, the only one with
         room (~90 ms against ~10 on the fast one idle); free to take any full one, it stopped requests where a free
         slot was as soon."""
