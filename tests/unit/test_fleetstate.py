@@ -421,3 +421,34 @@ def test_how_long_a_request_holds_its_slot_is_bounded_below_by_the_oldest_still_
     own.end(whole, 9.0, 0)
     own.end(second, 9.0, 40)
     assert own.decode.samples == 2 and not own._decoding
+
+
+def test_requests_stopped_since_the_scrape_are_not_someone_elses() -> None:
+    """The engine's `waiting` is as of its scrape: the gateway's own requests stopped since (a P0's room made) were
+    among them. Counted against those unanswered now, 27 P2 requests stopped for a P0 read as 27 waiting there that
+    another client had sent, ~73,000 prompt tokens: a 6-slot engine priced 9 s away for the scrape's age, and the next
+    P0 went to a slow engine where it waited 10-15 s (an outside fleet)."""
+    own = OwnAccounting()
+    sent = [own.start(2700, 9.0) for _ in range(28)]
+    engine = EngineLoad(scraped_at=10.0, waiting=28, running=4, own_pending=own.pending)
+    for attempt in sent[1:]:
+        own.end(attempt, 10.05, completion_tokens=0)  # stopped before their first token
+    view = merge(
+        key="k",
+        name="k",
+        routable=True,
+        in_flight=5,
+        max_concurrency=6,
+        own=own,
+        engine=engine,
+        now=10.1,
+        stale_after=1,
+    )
+    assert view.queued_prompt_tokens <= 2700  # the one still unanswered, nothing of anyone else's
+    # Sent after the scrape: not in its `waiting`, and what another client has there still shows.
+    own.start(2700, 10.2)
+    other = EngineLoad(scraped_at=10.0, waiting=30, running=4, own_pending=28)
+    view = merge(
+        key="k", name="k", routable=True, in_flight=6, max_concurrency=6, own=own, engine=other, now=10.3, stale_after=1
+    )
+    assert view.queued_prompt_tokens >= 2 * 2700

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..engines import MetricNames
@@ -235,6 +236,7 @@ class Scraper:
         if load is None:
             instance.scrape_error = f"metrics scrape found none of the engine's metrics in {path} ({len(body)} bytes)"
             return None
+        load = replace(load, own_pending=instance.own.pending)
         instance.engine_load = load
         instance.scrape_error = None
         return load

@@ -475,6 +475,9 @@ class EngineLoad:
     #: Published by a sidecar (cluster mode): requests other gateway replicas have there (its accounting
     #: minus this replica's own when received).
     foreign_in_flight: int = 0
+    #: The gateway's own requests there still unanswered when the scrape landed (`OwnAccounting.pending`; None: not
+    #: recorded): those the engine's `waiting` may count, whatever became of them since (`merge`).
+    own_pending: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
@@ -573,9 +576,12 @@ def merge(
         if engine.running is not None:
             running = max(running, engine.running)
         if engine.waiting is not None:
-            # Requests waiting there beyond those the gateway sent and has not heard back from are
-            # someone else's: their prompt tokens are unknown; assume this gateway's mean.
-            foreign = engine.waiting - own.pending
+            # Requests waiting there beyond those the gateway sent and had not heard back from when it scraped are
+            # someone else's: their prompt tokens are unknown; assume this gateway's mean. (Against those unanswered
+            # now, its own stopped since the scrape counted as someone else's: 27 P2 requests stopped for a P0 priced
+            # a 6-slot engine 9 s away for the scrape's age, and the next P0 went to a slow engine, 10-15 s.)
+            sent = own.pending if engine.own_pending is None else engine.own_pending
+            foreign = engine.waiting - sent
             if foreign > 0:
                 queued += int(foreign * own.prompt_tokens.value)
             waiting = max(waiting, engine.waiting)
