@@ -520,7 +520,10 @@ async def test_a_request_without_max_tokens_is_not_resumed_past_the_engines_own_
     of it again (a stream of 12 + 12 tokens where one run gives 12). Such a request is stopped only while nothing
     has reached its client, and then restarted from scratch; a stream already under way runs to its end."""
     sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0, default_max_tokens=12)
-    gw = await start_gateway([{"name": "m", "instances": [instance(sim, max_concurrency=1)]}])
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, max_concurrency=1)]}],
+        tenants=[{"name": "default", "tokens_per_minute": 10**6}],
+    )
     body = chat(7)
     del body["max_tokens"]
     expected_text, expected_usage, _, _ = stream_summary(await uninterrupted(http, gw.url, body))
@@ -538,6 +541,7 @@ async def test_a_request_without_max_tokens_is_not_resumed_past_the_engines_own_
     # Not streamed: nothing reaches the client before the end, so it is restarted (not resumed): the same answer.
     waiting = asyncio.create_task(post(http, gw.url, body, "P2"))
     await until_generating(sim)
+    allowance = p2_exchange(gw).allowance
     urgent, p2_id = await preempt_with_p0(sim, gw, sched := gw.gateway.admission.schedulers["m"], http)
     await let_go(sim)
     assert (await urgent)[0] == 200
@@ -546,6 +550,9 @@ async def test_a_request_without_max_tokens_is_not_resumed_past_the_engines_own_
     assert answer["choices"][0]["message"]["content"] == expected_text
     rows = {r["request_id"]: r for r in await records(gw)}
     assert rows[p2_id]["restarts"] == 1 and rows[p2_id]["completion_tokens"] == 12
+    # Its tenant is charged what it got, not also the output the stop threw away (an outside run: ~115 tokens for
+    # an answer of 71).
+    assert allowance is not None and allowance.reservation.used == rows[p2_id]["prompt_tokens"] + 12
     assert sched.core.running(P2) == 0
     metrics = gw.gateway.metrics.render().decode()
     assert 'outcome="resumed"' not in metrics

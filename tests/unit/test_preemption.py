@@ -604,7 +604,16 @@ async def test_a_strict_arrival_after_a_shrink_preempts_the_excess_not_just_one(
     assert p0.running
     assert [v.stopped for v in victims] == [0, 0, 0, 1, 1, 1]
     assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 3
-    assert metrics.reprefill_tokens.labels("m")._value.get() == 30  # reported as the work preemption costs
+    # The work preemption costs, reported as it is done: when a stopped request is sent again, not when it leaves
+    # meanwhile; nor is a grant again a new admission.
+    reprefill = metrics.reprefill_tokens.labels("m")
+    admitted = metrics.admissions.labels("m", "P2")
+    assert reprefill._value.get() == 0 and admitted.value == 6
+    scheduler.release(tickets[5])  # its client left while it waited
+    scheduler.release(p0)
+    assert tickets[3].running and reprefill._value.get() == 10 and admitted.value == 6  # (requeued last: the head)
+    scheduler.release(tickets[4])  # left too
+    assert reprefill._value.get() == 10 and not scheduler._stopped
 
 
 @pytest.mark.parametrize("p0_running", [True, False])

@@ -81,6 +81,9 @@ class PoolScheduler:
         self._metrics = metrics
         self._clock = clock
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        #: Stopped tickets waiting for their slot again, with the tokens their engine prefills again when they get it
+        #: (`_stop`, `_wake`); gone when granted or released.
+        self._stopped: dict[Ticket, int] = {}
         #: The error of a pool a reload removed (`withdraw`): what a request waiting for its slot again gets.
         self._withdrawn: Callable[[], Exception] | None = None
         #: Strict requests' looks at their engine's queue under way (`_look`), each gone within a scrape's timeout.
@@ -276,14 +279,16 @@ class PoolScheduler:
         head of its queue. A request the engine had not started yet costs no prefill again."""
         tag = victim.tag
         assert isinstance(tag, Preemptee)
-        redo = 0 if waits_in_engine(tag) else tag.redo_tokens()
+        waited = waits_in_engine(tag)
         outcome = tag.preempt()
+        # Counted once it is sent again (`_wake`): a request whose client leaves meanwhile is prefilled no more, and
+        # one started over prefills its prompt, not its output (an outside run: 200 tokens counted, none prefilled).
+        self._stopped[victim] = 0 if waited else tag.redo_tokens()
         self._waiters[victim] = asyncio.get_running_loop().create_future()
         self._wake(self.core.requeue(victim, self._clock()))
         victim_class = self.core.classes[victim.klass].name
         self._metrics.preemptions.labels(self.model, victim_class, outcome.value).inc()
         self._metrics.cancellations.labels(self.model, victim_class, "preempted").inc()
-        self._metrics.reprefill_tokens.labels(self.model).inc(redo)
 
     def now(self) -> float:
         """The scheduler's clock (what tickets' `offered_at` are on)."""
@@ -358,6 +363,7 @@ class PoolScheduler:
         waiter = self._waiters.pop(ticket, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
+        self._stopped.pop(ticket, None)
         granted = self.core.release(ticket, self._clock())
         if granted:
             self._wake(granted)
@@ -375,8 +381,14 @@ class PoolScheduler:
         if not granted:
             return
         now = self._clock()
+        stopped = self._stopped
         for ticket in granted:
-            self._granted(ticket, now)
+            redo = stopped.pop(ticket, None) if stopped else None
+            if redo is None:
+                self._granted(ticket, now)
+            elif redo:
+                # Granted again after a stop: not a new admission; what its engine prefills again is the price.
+                self._metrics.reprefill_tokens.labels(self.model).inc(redo)
             waiter = self._waiters.get(ticket)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
