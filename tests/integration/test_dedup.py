@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.records import read_records
 from tests.conftest import instance
+from tests.integration.test_priority import records
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12, "temperature": 0}
 
@@ -183,6 +184,50 @@ async def test_leader_leaving_mid_stream_does_not_affect_followers(start_sim, st
     assert [text_of(raw, s) for s, (_, _, raw) in zip((True, False), results, strict=True)] == [expected] * 2
     stats = sim.statistics()
     assert stats["requests_started"] == 2 and stats["requests_aborted"] == 0
+
+
+async def test_a_leader_that_left_is_charged_what_it_received_not_what_its_follower_got(start_sim, start_gateway, http):
+    """A flight's tokens were charged to its leader's allowance whole, also those produced for a client that followed
+    it to the end after the leader left, which that client's tenant is charged itself: one generation charged twice
+    (an outside run: a pair of requests charged ~208 tokens shared, 120 sent apart). The leader is charged what it
+    received; the tokens a flight produces while no client follows it stay its leader's
+    (`test_a_detached_flight_is_its_tenants_work_until_it_ends`)."""
+    sim = await start_sim(tpot_ms=50.0)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim)]}], tenants=[{"name": "default", "tokens_per_minute": 10**6}]
+    )
+    sim.control.hold = True
+    body = {**BODY, "max_tokens": 16, "stream": True}
+    got_first = asyncio.Event()
+
+    async def lead() -> None:
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            while b'"content":""' in await resp.content.readuntil(b"\n\n"):
+                pass  # the role chunk carries no content yet
+            got_first.set()  # leaving here closes the connection mid-stream
+
+    leader = asyncio.create_task(lead())
+    await wait_subscribers(gw, 1)
+    [ex] = gw.gateway.registry.all()
+    allowance = ex.allowance
+    follower = asyncio.create_task(call(http, gw.url, body))
+    await wait_subscribers(gw, 2)
+    sim.control.hold = False
+    sim.release()
+    flights = gw.gateway.dedup.flights
+    async with asyncio.timeout(10):
+        await leader
+        status, _, raw = await follower
+        await flights.wait_until(lambda: len(flights) == 0)
+    assert status == 200 and len(stream_text(raw)[0]) > 0
+    rows = {r["request_id"]: r for r in await records(gw)}
+    lead_row = rows[ex.id]
+    assert lead_row["status"] == "cancelled" and lead_row["completion_tokens"] < 16
+    assert allowance is not None and allowance.reservation.settled
+    # What the flight produced while the leader followed it: what it read, and what was on its way when it left (a
+    # token every 50 ms; the whole generation is 16).
+    received = lead_row["prompt_tokens"] + lead_row["completion_tokens"]
+    assert received <= allowance.reservation.used <= received + 8
 
 
 async def held_then_abandoned(sim, gw, http, body: dict[str, Any], kinds: tuple[bool, ...] = (True, False)) -> None:

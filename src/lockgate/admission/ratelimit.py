@@ -139,30 +139,34 @@ class Allowance:
     """A request's rate-limit reservation, settled once every holder is done with it: the request itself, and the
     flight it leads (`share`), which may run on after every client left (`cancel_policy: finish_and_cache`). The
     flight's engine work is the tenant's: until it ends it counts against the tenant's `max_concurrent`, and the
-    tokens charged are the most any holder reports (else a client could start generations and leave at once, free)."""
+    tokens it produced while no client followed it are charged on top of what the request was (else a client could
+    start generations and leave at once, free); what its other clients received, their own tenants are charged."""
 
-    __slots__ = ("_clock", "_holders", "_reached", "_used", "reservation")
+    __slots__ = ("_clock", "_holders", "_reached", "_unattended", "_used", "reservation")
 
     def __init__(self, reservation: Reservation, clock: Callable[[], float]) -> None:
         self.reservation = reservation
         self._clock = clock
         self._holders = 1
         self._used = 0
+        self._unattended = 0
         self._reached = False
 
-    def share(self) -> Callable[[int, bool], None]:
+    def share(self) -> Callable[[int, bool, int], None]:
         """One more holder (a flight): it calls what this returns, once, when it ends (see `done`)."""
         self._holders += 1
         return self.done
 
-    def done(self, used: int, reached_engine: bool) -> None:
-        """A holder is done: `used` tokens (prompt + completion, 0 if nothing was produced), and whether it reached an
-        engine. The last one settles: a request that reached none is refunded (see `Admission._settle`)."""
+    def done(self, used: int, reached_engine: bool, unattended: int = 0) -> None:
+        """A holder is done: `used` tokens (prompt + completion, 0 if nothing was produced), whether it reached an
+        engine, and (a flight) the tokens it produced that no client received, charged on top of the most `used` any
+        holder reports. The last one settles: a request that reached none is refunded (see `Admission._settle`)."""
         self._used = max(self._used, used)
+        self._unattended += unattended
         self._reached = self._reached or reached_engine
         self._holders -= 1
         if self._holders == 0:
-            used = self._used
+            used = self._used + self._unattended
             self.reservation.settle(used, self._clock(), refund_request=not used and not self._reached)
 
 

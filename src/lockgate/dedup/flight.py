@@ -204,8 +204,16 @@ class Flight:
         #: ends (`Flights._forget`): its engine call counts against the pool's capacity after its leader left, too.
         self.release_slot: Callable[[], None] | None = None
         #: Tells its leader's rate-limit allowance (`Allowance.share`) what the flight used when it ends
-        #: (`Flights._forget`): prompt + completion tokens, and whether it reached an engine.
-        self.settle_allowance: Callable[[int, bool], None] | None = None
+        #: (`Flights._forget`): its prompt and what it produced for its leader (`leader_tokens`), whether it reached
+        #: an engine, and what it produced for no client (`unattended_tokens`).
+        self.settle_allowance: Callable[[int, bool, int], None] | None = None
+        #: Tokens produced while no client followed it (a `finish_and_cache` flight, the moments before an abort), and
+        #: what it had produced when its last client left (None: a client follows it).
+        self._unattended = 0
+        self._alone_from: int | None = None
+        #: Its first subscriber while it follows, and what it had produced when that one left (None: it has not).
+        self._leader: Subscription | None = None
+        self._leader_until: int | None = None
         #: Token-bearing events received (one token each, as the transcript of a preempted request counts them).
         self.tokens = 0
         #: Tokens its engine calls produced (`Lease.produced`: also a whole answer's, estimated when it was cut short).
@@ -249,8 +257,13 @@ class Flight:
             raise RuntimeError("this flight takes no new subscribers")
         self.subscribers += 1
         self.subscribed_total += 1
+        if self._alone_from is not None:
+            self._unattended += self.produced() - self._alone_from
+            self._alone_from = None
         subscription = Subscription(self)
         self._subscriptions.add(subscription)
+        if self.subscribed_total == 1:
+            self._leader = subscription
         if self.subscribed_total == 1 and self.stream:
             self._raw_reader = subscription  # the leader, subscribed before the first event
         if self._floor_bytes:
@@ -262,6 +275,11 @@ class Flight:
         """A subscriber left. Returns True if this aborted the engine call."""
         self.subscribers -= 1
         self._subscriptions.discard(subscription)
+        if subscription is self._leader:
+            self._leader = None
+            self._leader_until = self.produced()
+        if not self.subscribers:
+            self._alone_from = self.produced()
         if subscription is self._raw_reader:
             self._raw_reader = None
         self._wake_reader()
@@ -687,6 +705,23 @@ class Flight:
         if self.task is not None and not self.task.done():
             self.task.cancel("lockgate: flight stopped")
         return aborted
+
+    def produced(self) -> int:
+        """Tokens its engine calls have produced so far (`Lease.produced`)."""
+        lease = self._lease
+        return self.engine_tokens + (lease.produced(time.monotonic()) if lease is not None else 0)
+
+    def leader_tokens(self) -> int:
+        """Tokens it produced while its leader followed it (all of them if it never left): its leader's tenant is
+        charged them (`Flights._forget`) with `unattended_tokens`; what its other clients received, each one's own
+        tenant is. Charged the whole generation, a leader that left while another client followed on was charged what
+        that client was charged too (an outside run: a pair charged ~208 tokens shared, 120 sent apart)."""
+        return self.produced() if self._leader_until is None else self._leader_until
+
+    def unattended_tokens(self) -> int:
+        """Tokens it produced while no client followed it (`leader_tokens`)."""
+        alone = self._alone_from
+        return self._unattended + (max(0, self.produced() - alone) if alone is not None else 0)
 
     def _release(self) -> bool:
         """Close the engine call (if open) and release the lease. Idempotent."""

@@ -237,14 +237,16 @@ class Flights:
             release_slot()
         settle, flight.settle_allowance = flight.settle_allowance, None
         if settle is not None:
-            # What the engine reported for a completed flight, else what it was seen to produce.
+            # What it produced while its leader followed it and while no client did (`Flight.leader_tokens`; a JSON
+            # flight cut short shows no events: its engine's work is estimated, `Lease.produced`), at most what the
+            # engine reported for a completed flight; and its prompt with them, the engine's count if it gave one.
+            api = flight.api
+            led, unattended = api.generable(flight.leader_tokens()), api.generable(flight.unattended_tokens())
+            prompt = api.estimated_prompt_tokens()
             if result is not None and result.completion_tokens:
-                used = result.prompt_tokens + result.completion_tokens
-            else:
-                # (A JSON flight cut short shows no events: its engine's work is estimated, `Lease.produced`.)
-                produced = flight.api.generable(max(flight.tokens, flight.engine_tokens))
-                used = produced + flight.api.estimated_prompt_tokens() if produced else 0
-            settle(used, flight.attempts > 0)
+                led, unattended = min(led, result.completion_tokens), min(unattended, result.completion_tokens)
+                prompt = result.prompt_tokens or prompt
+            settle(prompt + led if led or unattended else 0, flight.attempts > 0, unattended)
         self._unlist(flight)
         self._running.discard(flight)
         self._changes.notify()
