@@ -224,3 +224,22 @@ def test_an_instance_counts_the_stoppable_leases_still_waiting_for_their_first_t
     waiting.release()
     answered.release()
     assert (first.stoppable, first.stoppable_waiting, second.stoppable, second.stoppable_waiting) == (0, 0, 0, 0)
+
+
+def test_a_whole_answer_cut_short_is_estimated_from_its_own_prefill() -> None:
+    """What the engine generated for a whole (non-streamed) answer whose client left before it came (`Lease.produced`,
+    charged to its tenant): the time since it was sent, less its own prefill and a step, at the measured time per
+    token. Less the instance's mean first-token time instead, a request left in the prefill of its 30,000-token prompt
+    was charged 33 tokens, and a short one after a long prompt had raised that mean 35 of its 73 (an outside run)."""
+    p = two_instance_pool(make_policy("predicted_ttft"))
+    first = p.instances[0]
+    own = first.own
+    own.tpot.add(0.02, 0.0)
+    own.prefill_tps.add(10_000.0, 0.0)
+    own.ttft.add(0.78, 0.0)  # (a long prompt's first token, just before)
+    long = Lease(first, GatewayMetrics(), 30_000, 30_000, whole=True)
+    assert long.produced(long.sent_at + 0.7) == 0  # still in its 3 s of prefill
+    long.release()
+    short = Lease(first, GatewayMetrics(), 8, 8, whole=True)
+    assert short.produced(short.sent_at + 1.5) == 73  # (1.5 s - 0.8 ms of prefill - a step) / 20 ms
+    short.release()

@@ -392,9 +392,11 @@ class Lease:
     def produced(self, now: float) -> int:
         """Tokens the engine has produced for this attempt: those read from its stream, or its whole answer's; for a
         whole answer not come yet (its client left, its deadline passed), an estimate: the time since it was sent, less
-        the instance's measured first-token time, at its measured time per token (its streams', else its whole answers'
-        fit, else the engine's own), 0 while none is measured. Work its tenant is charged for (`Admission._settle`): a
-        client that left before its whole answers came had the engine generate them for free."""
+        its own prefill (what was queued ahead of it and its prompt, at the instance's measured rate) and a step, at
+        the measured time per token (its streams', else its whole answers' fit, else the engine's own), 0 while none
+        is measured. Work its tenant is charged for (`Admission._settle`): a client that left before its whole answers
+        came had the engine generate them for free. (Less the instance's mean first-token time instead, a request left
+        in the prefill of its 30,000-token prompt was charged 33 tokens, and one after a long prompt's 35 of its 73.)"""
         attempt = self._attempt
         if self.completion_tokens or self._whole or not attempt.whole:
             return self.completion_tokens
@@ -402,7 +404,8 @@ class Lease:
         tpot = own.tpot.value or own.whole.slope() or (load.tpot_s if load is not None and load.tpot_s else 0.0)
         if tpot <= 0:
             return 0
-        return max(0, int((now - attempt.sent_at - own.ttft.value) / tpot))
+        first = attempt.sent_at + (attempt.backlog + attempt.tokens) / own.rate + tpot
+        return max(0, int((now - first) / tpot))
 
     def produced_tokens(self, tokens: int) -> None:
         """The engine streamed `tokens` more tokens for this attempt; at `STEP_TOKENS` of them its pace is a sample of
