@@ -74,7 +74,8 @@ class Subscription(Protocol):
     """A share of an upstream call owned by someone else (a flight). `close()` is idempotent and
     returns True if closing it aborted that upstream call; `instance()` names the instance that call went to (the
     engine serving it once it opened); `attempts()` counts the engine calls the flight started; `tokens()` the tokens
-    its engine call has sent so far."""
+    its engine call has sent so far; `requeued()` whether the flight was stopped by a preemption and waits for its
+    slot again."""
 
     def close(self) -> bool: ...
 
@@ -83,6 +84,8 @@ class Subscription(Protocol):
     def attempts(self) -> int: ...
 
     def tokens(self) -> int: ...
+
+    def requeued(self) -> bool: ...
 
 
 class Host(Protocol):
@@ -393,6 +396,10 @@ class Exchange:
             tokens = max(tokens, lease.completion_tokens)
             if phase is Phase.CONNECTING:
                 phase = Phase.GENERATING
+        elif subscription is not None and subscription.requeued():
+            # Its flight was stopped for a more urgent request and waits for its slot again (it read "streaming",
+            # frozen, while the queue gauges counted it: an outside run).
+            phase = Phase.QUEUED
         elif subscription is not None and (shared := subscription.tokens()):
             # A client of a flight that another request leads: the shared call's tokens (a non-streaming client is
             # sent nothing until the end, and stayed "connecting" for the whole generation: an outside run).

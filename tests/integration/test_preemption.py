@@ -684,6 +684,12 @@ async def test_an_identical_request_does_not_join_a_stopped_flight(start_sim, st
         await sim.wait_held(1)
     urgent = asyncio.create_task(post(http, gw.url, chat(99, max_tokens=4), "P0"))
     await until(sched, lambda core: core.running(P0) == 1 and core.queued(P2) == 1)  # the flight was stopped
+    # The operator's views say so (they read "streaming" and "running", frozen, while the queue gauges counted it).
+    async with http.get(gw.url + "/admin/requests") as resp:
+        phases = {r["priority"]: r["phase"] for r in (await resp.json())["requests"]}
+    async with http.get(gw.url + "/admin/flights") as resp:
+        states = sorted((f["state"], f["stops"]) for f in (await resp.json())["flights"])
+    assert phases["P2"] == "queued" and states == [("queued", 1)]  # (the P0 is not shared: `post` opts out)
 
     async def identical_p0() -> str:
         async with http.post(gw.url + path_of(body), data=orjson.dumps(body), headers={"x-priority": "P0"}) as resp:

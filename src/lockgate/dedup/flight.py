@@ -231,6 +231,8 @@ class Flight:
         #: Stopped, its engine call aborted: sent again once `regranted`; the task's awaits of its engine call, which a
         #: stop interrupts (`StopSignal`).
         self._stopped = False
+        #: From its stop until its slot is granted again (`requeued`).
+        self._requeued = False
         self._signal = StopSignal()
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
@@ -358,6 +360,7 @@ class Flight:
                 self._stopped = False
                 assert self.regranted is not None
                 await self.regranted()
+                self._requeued = False
                 self.owner.flight_resumed(self)  # joinable again, now that it runs
             try:
                 opened = await self._signal.engine(self._open())
@@ -597,7 +600,7 @@ class Flight:
         if how is None:
             raise RuntimeError("stop() on a flight that is not stoppable")
         self.stops += 1
-        self._stopped = True
+        self._stopped = self._requeued = True
         self._release()
         if how is Plan.RESTART:
             self._start_over()
@@ -733,13 +736,20 @@ class Flight:
             lease.release()
         return aborted
 
+    @property
+    def requeued(self) -> bool:
+        """Stopped by a preemption, it waits for its slot again (`stop`): its clients wait with it."""
+        return self._requeued and self.state is FlightState.RUNNING
+
     def describe(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "fingerprint": self.key.hex(),
             "model": self.api.model,
             "stream": self.stream,
-            "state": self.state.value,
+            # (A stopped flight waiting for its slot again read "running": an outside run.)
+            "state": "queued" if self.requeued else self.state.value,
+            "stops": self.stops,
             "subscribers": self.subscribers,
             "events": self._base + len(self.events),
             "buffered_bytes": self._nbytes - self._base_bytes,
@@ -787,6 +797,10 @@ class Subscription:
     def tokens(self) -> int:
         """Tokens the flight's engine call has sent so far (0 for a call answered with one JSON body, until then)."""
         return self.flight.tokens
+
+    def requeued(self) -> bool:
+        """`Flight.requeued`."""
+        return self.flight.requeued
 
     def __aiter__(self) -> Subscription:
         return self
