@@ -146,7 +146,7 @@ class SSEWriter:
         view = self.view
         payload: bytes | None = None
         # The engine's bytes when they are one line (a payload of several `data:` lines is re-encoded on one).
-        line = raw if raw is not None and raw.find(b"\n") < 0 else None
+        line = raw if raw is not None and sse.LF not in raw else None
         if line is not None:
             if view.plain and "usage" not in event and event.get("model") == view.model and event.get("choices"):
                 # An engine's usual chunk for a client that takes it as it is (`ClientView.plain`: the view would

@@ -6,12 +6,17 @@ skipped. Multi-line data is joined with newlines, per the SSE specification.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
+#: A line feed and a carriage return, as bytes' items: `LF in data` is a `memchr`. (Searched for as bytes, `b"\n" in
+#: data` first fails as an integer on Python 3.11, an exception raised and cleared, and `data.find(b"\n")` parses its
+#: arguments from a tuple: ~850 instructions a call in the compiled build, against ~60.)
+LF: Final = 10
+CR: Final = 13
 
 
 class EventTooLarge(ValueError):
@@ -34,19 +39,13 @@ class SSEDecoder:
         self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        if (
-            not self._buffer
-            and not self._data
-            and chunk.startswith(b"data: ")
-            and chunk.find(b"\n") == len(chunk) - 2
-            and chunk.endswith(b"\n\n")
-            and chunk.find(b"\r") < 0
-            and len(chunk) - 8 <= self.max_event_bytes  # (a larger one is refused below)
-        ):
-            return [chunk[6:-2]]  # an engine's usual read: one whole `data:` event, one line, nothing pending
+        if not self._buffer and not self._data and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n"):
+            # An engine's usual read: one whole `data:` event, one line, nothing pending (larger: refused below).
+            payload = chunk[6:-2]
+            if LF not in payload and CR not in payload and len(payload) <= self.max_event_bytes:
+                return [payload]
         buffer = self._buffer + chunk if self._buffer else chunk
-        # `find`, not `in`: on Python 3.11 `bytes in bytes` raises (and clears) a TypeError before searching.
-        if self._data or buffer.find(b"\r") >= 0:
+        if self._data or CR in buffer:
             events = self._feed_lines(buffer)
         else:
             # What engines send: `data: <json>` events ending in a blank line, LF line ends. Whole events are
@@ -55,7 +54,7 @@ class SSEDecoder:
             rest = blocks.pop()  # the incomplete event after the last blank line, kept whole
             events = []
             for block in blocks:
-                if block.startswith(b"data: ") and block.find(b"\n") < 0:
+                if block.startswith(b"data: ") and LF not in block:
                     events.append(block[6:])
                 elif block:
                     events += self._feed_lines(block + b"\n\n")
@@ -73,7 +72,7 @@ class SSEDecoder:
     def _feed_lines(self, buffer: bytes) -> list[bytes]:
         events: list[bytes] = []
         held = b""
-        if buffer.find(b"\r") >= 0:
+        if CR in buffer:
             # A lone CR ends a line too (the SSE specification; an outside run's engine used them): as LF, but a CR
             # ending this piece waits for the next, whose LF may make it a CRLF.
             if buffer.endswith(b"\r"):
