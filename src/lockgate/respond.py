@@ -21,8 +21,8 @@ line on the first event with choices, batching, delivered-token accounting, the 
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -34,43 +34,15 @@ from .exchange import ClientGone, Exchange, Phase
 from .responses import ResponseView, failure_of, show_ids
 from .wire import Endpoint
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from .dedup.flight import Subscription
+    from .upstream import UpstreamEvents
 
 #: The most a stream gathers into one write (events already here are written together).
 MAX_BATCH_BYTES = 64 * 1024
 
 #: What a step of the pump leaves (None: nothing to do until more arrives): the client's transport is full, the end.
 _PAUSED, _END = 1, 2
-
-
-class Followed(Protocol):
-    """A generation `pump` can write from its producer's callbacks: an engine call's events (`UpstreamEvents`) or a
-    streaming flight's subscription (`dedup.flight.Subscription`)."""
-
-    def take(self) -> Sequence[tuple[dict[str, Any], bytes | None, bool]]:
-        """The events here (each with the source's bytes of it, when it passes them through, and whether it
-        carries a token), without waiting; raises what broke the generation once everything before the break
-        was taken."""
-        ...
-
-    @property
-    def ended(self) -> bool:
-        """The generation is over and all of it was taken."""
-        ...
-
-    @property
-    def broken(self) -> bool:
-        """The generation broke and everything before the break was taken: the next `take()` raises why."""
-        ...
-
-    @property
-    def backlog(self) -> bool:
-        """`take()` left events here (it returns a bounded batch)."""
-        ...
-
-    def follow(self, step: Callable[[], T | None]) -> Awaitable[T]:
-        """Call `step` at once, then from the producer's callbacks as more arrives, until it returns a value."""
-        ...
 
 
 class SSEWriter:
@@ -299,7 +271,7 @@ async def stream_events(
 async def pump(
     ex: Exchange,
     http_request: Request,
-    source: Followed,
+    source: UpstreamEvents | Subscription,
     headers: dict[str, str],
     *,
     response_id: str | None = None,
@@ -311,7 +283,13 @@ async def pump(
     send, so a read that brought several chunks costs one write. Backpressure: a step that leaves the
     client's transport paused stops taking events (an engine's bytes wait in its connection, which stops
     reading past its high-water mark; a flight's wait in its buffer, within its lag bound) until the task has
-    seen the transport drain. `response_id`: the client's own (None keeps the source's); `instance`: see `SSEWriter`."""
+    seen the transport drain. `response_id`: the client's own (None keeps the source's); `instance`: see `SSEWriter`.
+
+    `source`: the direct path's engine call (`UpstreamEvents`) or a streaming flight's subscription (`Subscription`):
+    `take()` gives each event with the source's bytes of it when it passes them through (else None) and whether it
+    carries a token, and `ended`, `broken` and `backlog` say what follows. The two classes by name, not a protocol:
+    the compiled build reaches a protocol's methods and attributes through the interpreter's generic lookups, four
+    of them a chunk (~1k instructions)."""
     writer = SSEWriter(ex, http_request, headers, response_id, instance)
     step = functools.partial(_step, writer, source)  # called per arrival: no Python frame of its own
     # Steps at once (for what is here already), then at each arrival, until the end or a full transport.
@@ -320,7 +298,7 @@ async def pump(
     return await writer.finish()
 
 
-def _step(writer: SSEWriter, source: Followed) -> int | None:
+def _step(writer: SSEWriter, source: UpstreamEvents | Subscription) -> int | None:
     """Write every event of `source` that can be had without waiting: None to wait for more, `_PAUSED` when the
     client's transport is full, `_END` once the generation has ended (what is batched then goes with `[DONE]`).
     A source that takes in bounded batches (`backlog`: a late joiner's replay) is written batch after batch
