@@ -601,8 +601,14 @@ async def test_a_whole_p2_response_of_a_flight_with_output_is_restarted(start_si
     """An outside run: a non-streaming P2 Responses request at temperature 0 (de-duplicable: a flight, which streams
     from the engine) was never stopped once the engine had sent it events, though its client, waiting for the whole
     answer, had been sent nothing: the P0 waited a whole generation (0.93 s). It is stopped, restarted from scratch,
-    and answers what an uninterrupted run does."""
-    sim, gw, sched = await one_slot(start_sim, start_gateway)
+    and answers what an uninterrupted run does; its tenant is charged what it got, not also what the stop threw
+    away."""
+    sim = await start_sim(prefill_tps=1e6, tpot_ms=20.0)
+    gw = await start_gateway(
+        [{"name": "m", "instances": [instance(sim, max_concurrency=1)]}],
+        tenants=[{"name": "default", "tokens_per_minute": 10**6}],
+    )
+    sched = gw.gateway.admission.schedulers["m"]
     body = {"model": "m", "input": "tell me a story", "max_output_tokens": 40, "temperature": 0}
 
     async def respond(headers: dict[str, str]) -> tuple[int, Any]:
@@ -611,6 +617,7 @@ async def test_a_whole_p2_response_of_a_flight_with_output_is_restarted(start_si
 
     waiting = asyncio.create_task(respond({"x-priority": "P2"}))
     await until_generating(sim)
+    allowance = p2_exchange(gw).allowance
     [flight] = gw.gateway.dedup.flights.all()
     async with asyncio.timeout(5):
         while flight.tokens < 2:  # the flight has kept output (its subscriber has taken it)
@@ -628,6 +635,8 @@ async def test_a_whole_p2_response_of_a_flight_with_output_is_restarted(start_si
     assert answer["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
     assert sim.stats.find(f"{flight.id}-p1") is not None
     assert 'lockgate_preemptions_total{model="m",outcome="restarted",priority="P2"} 1.0' in _preemptions(gw)
+    row = next(r for r in await records(gw) if r["priority"] == "P2" and r["completion_tokens"])
+    assert allowance is not None and allowance.reservation.used == row["prompt_tokens"] + 40
     assert_no_leaks(gw)
 
 

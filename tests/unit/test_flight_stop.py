@@ -4,12 +4,14 @@ feeds, so that a stop lands exactly where a race would put it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 from typing import Any, cast
 
 import orjson
 import pytest
 
+from lockgate.admission.preemption import Plan
 from lockgate.answer import EngineAnswer
 from lockgate.dedup import flight as flight_module
 from lockgate.dedup.cache import Result
@@ -154,3 +156,42 @@ async def test_a_flight_whose_end_came_is_not_stopped_before_its_task_completes_
     assert not flight.stoppable()
     await flight.task
     assert owner.ended == ["completed"] and owner.stopped == 0
+
+
+class Producing(Lease):
+    """A lease whose engine call had produced 5 tokens when it ended."""
+
+    def produced(self, now: float) -> int:
+        return 5
+
+
+@pytest.mark.parametrize("continues", [True, False], ids=["resumed", "restarted"])
+async def test_what_a_restarted_flights_stopped_call_produced_is_not_charged(continues: bool) -> None:
+    """A flight started over (its dialect cannot continue a message) makes its stopped call's output again: that output
+    is not what its leader's tenant pays for (`Flight.produced`, `leader_tokens`). A continued one keeps it."""
+    api = parse_request(Endpoint.CHAT, orjson.dumps(BODY))
+    engine = Engine([[chunk("", role=True), chunk("Hello")], [chunk(" world", finish="stop")]])
+
+    async def open_engine(flight_id: str, request: Any, hold: Any, drop: Any) -> EngineAnswer:
+        hold(Producing(), engine.call)
+        return cast(EngineAnswer, engine)
+
+    key = fingerprint("t", Endpoint.CHAT, BODY)
+    flight = Flight(Owner(), "f", key, api, open_engine, cancel_policy="immediate", max_response_bytes=1 << 20)
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def regranted() -> None:
+        await never
+
+    flight.resumable(regranted, chat_continuation=continues)
+    flight.subscribe()  # (it takes nothing: its client has been sent nothing)
+    flight.task = asyncio.create_task(flight.run())
+    async with asyncio.timeout(5):
+        await engine.following.wait()
+    engine.feed()
+    assert flight.stop() is (Plan.RESUME if continues else Plan.RESTART)
+    assert flight.engine_tokens == (5 if continues else 0)
+    assert flight.produced() == flight.leader_tokens() == flight.engine_tokens
+    flight.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await flight.task

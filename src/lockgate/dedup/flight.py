@@ -601,8 +601,11 @@ class Flight:
             raise RuntimeError("stop() on a flight that is not stoppable")
         self.stops += 1
         self._stopped = self._requeued = True
+        charged = self.engine_tokens
         self._release()
         if how is Plan.RESTART:
+            # What the stopped call produced is thrown away and produced again: not its leader's to pay for.
+            self.engine_tokens = charged
             self._start_over()
         # Waiting for its slot, it takes no joiners: an identical request (perhaps more urgent) leads its own.
         self.owner.flight_stopped(self)
