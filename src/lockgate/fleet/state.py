@@ -588,11 +588,13 @@ def merge(
         if engine.running is not None:
             running = max(running, engine.running)
         if engine.waiting is not None:
-            # Requests waiting there beyond those the gateway sent and had not heard back from when it scraped are
-            # someone else's: their prompt tokens are unknown; assume this gateway's mean. (Against those unanswered
-            # now, its own stopped since the scrape counted as someone else's: 27 P2 requests stopped for a P0 priced
-            # a 6-slot engine 9 s away for the scrape's age, and the next P0 went to a slow engine, 10-15 s.)
-            sent = own.pending if engine.own_pending is None else engine.own_pending
+            # Requests waiting there beyond those the gateway sent and has not heard back from are someone else's:
+            # their prompt tokens are unknown; assume this gateway's mean. Its own are counted as of the scrape too
+            # (the more of the two): against those unanswered now alone, its own stopped since the scrape counted as
+            # someone else's (27 P2 requests stopped for a P0 priced a 6-slot engine 9 s away for the scrape's age,
+            # and the next P0 went to a slow engine, 10-15 s); as of the scrape alone, a flood of long prompts read
+            # more waiting there than it had sent (P0 p99 0.5 s -> 1-2.5 s: not traced further).
+            sent = own.pending if engine.own_pending is None else max(own.pending, engine.own_pending)
             foreign = engine.waiting - sent
             if foreign > 0:
                 queued += int(foreign * own.prompt_tokens.value)
