@@ -647,36 +647,17 @@ async def test_a_shrink_stops_the_requests_waiting_in_an_engine_beyond_its_limit
     scheduler = PoolScheduler("m", CLASSES, 8, metrics, preemptible=LOWEST, clock=lambda: 0.0)
     a: Any = object()
     b: Any = object()
-    overdue = time.monotonic() - 1.0
-    there = [_Lease(a, 0.0, answered=True) for _ in range(2)] + [_Lease(a, 1.0 + n, due=overdue) for n in range(5)]
+    there = [_Lease(a, 0.0, answered=True) for _ in range(2)] + [_Lease(a, 1.0 + n) for n in range(5)]
     for lease in there:
         lease.over = 4  # (7 there, a limit of 3)
     generating, waiting = [_Victim(lease) for lease in there[:2]], [_Victim(lease) for lease in there[2:]]
-    elsewhere = _Victim(_Lease(b, 9.0, due=overdue))
+    elsewhere = _Victim(_Lease(b, 9.0))
     tickets = [scheduler.offer(2, v) for v in generating + waiting + [elsewhere]]
     assert all(t.running for t in tickets)
     scheduler.resize(4, 0)  # A's limit fell from 7 to 3: the pool's capacity from 8 to 4
     assert [v.stopped for v in generating + waiting + [elsewhere]] == [0, 0, 0, 1, 1, 1, 1, 0]
     assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 4
     assert metrics.reprefill_tokens.labels("m")._value.get() == 0
-
-
-async def test_a_shrink_leaves_the_requests_still_within_their_prefill() -> None:
-    """Unanswered but not overdue (`Lease.first_token_due`): a long prompt in its prefill, not one waiting for a slot.
-    Stopped, it lost its prefill, and the engine, running fewer, taught the discovery a lower limit (an outside fleet
-    of 1,000-4,000-token prompts: an engine's limit fell from 6 to 2)."""
-    metrics = GatewayMetrics().scheduling
-    scheduler = PoolScheduler("m", CLASSES, 4, metrics, preemptible=LOWEST, clock=lambda: 0.0)
-    a: Any = object()
-    later = time.monotonic() + 100.0
-    there = [_Lease(a, 1.0 + n, due=later) for n in range(3)] + [_Lease(a, 5.0)]  # (the last: no step measured)
-    for lease in there:
-        lease.over = 1
-    victims = [_Victim(lease) for lease in there]
-    for victim in victims:
-        scheduler.offer(2, victim)
-    scheduler.resize(3, 0)
-    assert [v.stopped for v in victims] == [0, 0, 0, 0]
 
 
 async def test_a_lent_slot_ending_with_its_request_sheds_nothing() -> None:

@@ -181,7 +181,7 @@ class PoolScheduler:
         if not self.preemptible:
             return
         # (Whatever the pool's capacity: another instance's limit may still be its ceiling, a flood's first moments.)
-        for victim in beyond_limits(core, self.preemptible, _stops_so_far, time.monotonic()):
+        for victim in beyond_limits(core, self.preemptible, _stops_so_far):
             self._stop(victim)
         if core.running_total <= core.capacity:
             return
