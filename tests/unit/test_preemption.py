@@ -303,8 +303,6 @@ class _Lease:
         self.queued: list[bool | None] = []
         self.looks = 0
         self.looked = asyncio.Event()
-        #: How many more requests the gateway has at its instance than its limit (`Lease.excess`).
-        self.over = 0
 
     def engine_full(self) -> bool:
         return self.full
@@ -320,9 +318,6 @@ class _Lease:
 
     def prefill_exceeds_step(self) -> bool:
         return self.heavy
-
-    def excess(self) -> int:
-        return self.over
 
     def hold(self) -> None:
         self.holds += 1
@@ -635,29 +630,6 @@ async def test_a_shrink_under_running_strict_work_sheds_the_excess_at_once(p0_ru
     else:
         assert [v.stopped for v in victims] == [0] * 8
         assert scheduler.core.running_total == 8
-
-
-async def test_a_shrink_stops_the_requests_waiting_in_an_engine_beyond_its_limit() -> None:
-    """A flood's first moments sent engine A 7 requests before its limit was learned (3): the 4 sent last wait in its
-    queue, first come, first served, out of the scheduler's reach, for seconds on an engine with long generations
-    (an outside fleet: ~35 P2 requests there for most of a 30 s flood while a fast engine next to it ran one at a
-    time). When the limit falls they are stopped, whether or not strict work runs: the newest unanswered first; the
-    generating ones, and engine B's (within its limit), stay. They lose no work, and no re-prefill is counted."""
-    metrics = GatewayMetrics().scheduling
-    scheduler = PoolScheduler("m", CLASSES, 8, metrics, preemptible=LOWEST, clock=lambda: 0.0)
-    a: Any = object()
-    b: Any = object()
-    there = [_Lease(a, 0.0, answered=True) for _ in range(2)] + [_Lease(a, 1.0 + n) for n in range(5)]
-    for lease in there:
-        lease.over = 4  # (7 there, a limit of 3)
-    generating, waiting = [_Victim(lease) for lease in there[:2]], [_Victim(lease) for lease in there[2:]]
-    elsewhere = _Victim(_Lease(b, 9.0))
-    tickets = [scheduler.offer(2, v) for v in generating + waiting + [elsewhere]]
-    assert all(t.running for t in tickets)
-    scheduler.resize(4, 0)  # A's limit fell from 7 to 3: the pool's capacity from 8 to 4
-    assert [v.stopped for v in generating + waiting + [elsewhere]] == [0, 0, 0, 1, 1, 1, 1, 0]
-    assert scheduler.core.running_total == 4 and scheduler.core.queued(2) == 4
-    assert metrics.reprefill_tokens.labels("m")._value.get() == 0
 
 
 async def test_a_lent_slot_ending_with_its_request_sheds_nothing() -> None:

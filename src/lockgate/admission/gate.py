@@ -37,7 +37,6 @@ from .preemption import (
     Placement,
     Preemptee,
     ahead_in_engine,
-    beyond_limits,
     choose_victim,
     holding_up,
     sent_ahead,
@@ -172,18 +171,12 @@ class PoolScheduler:
 
     def _shed_excess(self) -> None:
         """The pool shrank below what runs in it (an engine's discovered limit fell: the excess waits in
-        that engine's own queue, first come, first served). The requests of preemptible classes still waiting
-        there beyond its limit are stopped (`preemption.beyond_limits`): they lose no work and are queued here again,
-        by priority. If a strict-class request runs now, it may be waiting behind what is left: stop the excess at
-        once (the newest of the least urgent preemptible classes) rather than at the next strict arrival. Without
-        strict work running, what generates drains."""
+        that engine's own queue, first come, first served). If a strict-class request runs now, it may be
+        waiting there behind that excess: stop the excess at once (the newest of the least urgent
+        preemptible classes, the requests sent last, queued there, not generating yet) rather than at
+        the next strict arrival. Without strict work running, the excess simply drains."""
         core = self.core
-        if not self.preemptible:
-            return
-        # (Whatever the pool's capacity: another instance's limit may still be its ceiling, a flood's first moments.)
-        for victim in beyond_limits(core, self.preemptible, _stops_so_far):
-            self._stop(victim)
-        if core.running_total <= core.capacity:
+        if not self.preemptible or core.running_total <= core.capacity:
             return
         strict = next((k for k, spec in enumerate(core.classes) if spec.strict and core.running(k)), None)
         if strict is not None:

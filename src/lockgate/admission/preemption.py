@@ -112,8 +112,6 @@ class Placement(Protocol):
 
     def prefill_exceeds_step(self) -> bool: ...
 
-    def excess(self) -> int: ...
-
     def hold(self) -> None: ...
 
 
@@ -166,35 +164,6 @@ def choose_victim(
         return None
     running = _running_below(core, klass, preemptible)
     return _fewest_stopped((t, stops) for t in running if (stops := stops_so_far(t)) is not None)
-
-
-def beyond_limits(
-    core: SchedulerCore, preemptible: frozenset[int], stops_so_far: Callable[[Ticket], int | None]
-) -> list[Ticket]:
-    """The running tickets to stop because they wait in an engine's own queue beyond what its limit lets run there (a
-    limit discovered after a flood's first moments had sent the engine more, or one that fell): on each instance where
-    the gateway has more requests than its limit (`Placement.excess`), that many of the preemptible ones still waiting
-    for their first token, the least urgent class first and the newest first within it (the last in the engine's queue,
-    first come first served). Stopped, they lose no work and are queued in the gateway again, by priority, for a slot
-    there or on another instance with room. Left in the engine's queue they waited seconds for its slots to free one
-    generation at a time, out of the gateway's reach: an outside fleet, a 24-slot engine next to a fast 2-slot one,
-    held ~35 of them for most of a 30 s flood while the fast engine ran one at a time (P2 0.9 completions a second
-    against 1.3). Pure."""
-    left: dict[int, int] = {}
-    victims: list[Ticket] = []
-    for ticket in _running_below(core, -1, preemptible):
-        tag = ticket.tag
-        lease = tag.placed() if isinstance(tag, Preemptee) else None
-        if lease is None or lease.answered or lease.released:
-            continue
-        key = id(lease.instance)
-        room = left.get(key)
-        if room is None:
-            room = left[key] = lease.excess()
-        if room > 0 and stops_so_far(ticket) is not None:
-            left[key] = room - 1
-            victims.append(ticket)
-    return victims
 
 
 def waits_in_engine(tag: Preemptee) -> bool:

@@ -373,11 +373,6 @@ class Lease:
         """`Instance.limit_found`."""
         return self.instance.limit_found()
 
-    def excess(self) -> int:
-        """How many more requests the gateway has at its instance than its limit lets run there (0 or less: none)."""
-        instance = self.instance
-        return instance.in_flight - instance.max_concurrency
-
     def prefill_exceeds_step(self) -> bool:
         """Whether this attempt's prompt (its uncached part) takes the engine longer to prefill than a step, at the
         instance's measured rate and step (`OwnAccounting.exceeds_step`: none while no step is measured)."""
