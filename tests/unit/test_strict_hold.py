@@ -213,36 +213,3 @@ def test_a_p0_counts_the_queue_of_an_engine_that_has_answered_nothing_yet() -> N
     assert predict_ttft(fresh, urgent, 8000.0, 0.005) > 8.0
     measured = _view(**fields, ttft_s=0.5)
     assert predict_ttft(measured, urgent, 8000.0, 0.005) < 1.0
-
-
-async def test_a_p0_is_priced_with_the_waiting_requests_that_would_not_be_stopped_for_it() -> None:
-    """Routing priced a P0 at an instance as if every less urgent request waiting in its engine were stopped first;
-    the scheduler stops them only when the engine is known full, one is overdue, or (limit found) one's prefill is
-    longer than a step (`PoolScheduler.make_room`). An outside fleet: a 24-slot engine whose slots were not known, 62
-    young P2 prompts waiting there, took a flood's first P0 for a 6-slot engine it could have had a slot of at the
-    next step, and the P0 waited 10-15 s."""
-    fleet = fleet_of(2)
-    try:
-        pool = fleet.pools["m"]
-        fast, slow = pool.instances
-        fast.concurrency.declare(2)
-        generating = [fleet.lease(fast, "m", SHORT, SHORT) for _ in range(2)]
-        queued = [fleet.lease(slow, "m", LONG, LONG) for _ in range(30)]  # 7.5 s of prefill, sent just now
-        for lease in generating + queued:
-            lease.stoppable()
-        for lease in generating:
-            lease.first_token()
-        urgent = RouteRequest("m", "", prompt_tokens=SHORT, stream=True, urgent=True)
-        now = time.monotonic()
-        assert slow.stoppable_waiting == 30 and not slow.stops_waiting(now)
-        assert slow.view(now, urgent=True).stoppable_waiting == 0  # young, on an engine whose slots are unknown
-        assert fast.engine_full() and fast.view(now, urgent=True).stoppable == 2
-        assert pool.choose(urgent)[0] is fast  # one of its P2s stopped: a slot at the next step
-        # Once they are overdue they are stopped, and routing prices the instance without them.
-        later = now + 10.0
-        assert slow.stops_waiting(later) and slow.view(later, urgent=True).stoppable_waiting == 30
-        assert slow.view(later).stoppable_waiting == 0  # (a request of another class does not ask)
-        for lease in generating + queued:
-            lease.release()
-    finally:
-        await fleet.aclose()

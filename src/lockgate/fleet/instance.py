@@ -144,34 +144,6 @@ class Instance:
         share = self.share
         return slots if share is None or self.published is not None else part_of(slots, *share)
 
-    def engine_full(self) -> bool:
-        """Whether every slot the engine is known to have (`known_slots`) is taken by a request already generating
-        there (its first token back): one sent now waits for one of them to end. A whole (non-streamed) answer never
-        shows its first token and does not count: the answer errs towards "not full"."""
-        known = self.known_slots()
-        return known is not None and self.in_flight - self.own.pending >= known
-
-    def slots_known(self) -> bool:
-        """Whether the engine's parallelism is known (`ConcurrencyLimit.known_slots`): else the gateway may have
-        sent it more than it runs (a flood's first moments), and the excess waits in its queue."""
-        return self.concurrency.known_slots() is not None
-
-    def limit_found(self) -> bool:
-        """Whether the limit is the engine's (`slots_known`) or one its discovery set below the ceiling: else, a
-        flood's first moments, the gateway may have sent the engine more than it runs."""
-        concurrency = self.concurrency
-        return concurrency.known_slots() is not None or concurrency.limit < concurrency.ceiling
-
-    def stops_waiting(self, now: float) -> bool:
-        """Whether a strict request sent here now has the less urgent requests waiting in the engine stopped first
-        (`PoolScheduler.make_room`, `preemption.ahead_in_engine`): the engine is known full, or a request sent here
-        is overdue (with the step of slack only once the slots are known), or, its limit found, one takes longer
-        than a step to prefill. Told from every unanswered request here, not only the stoppable ones: an estimate,
-        for routing (`InstanceView.stoppable_waiting`)."""
-        if self.engine_full():
-            return True
-        return self.own.stops_waiting(now, 1 if self.slots_known() else 0, self.limit_found())
-
     def engine_in_flight(self) -> int:
         """The requests of this gateway at its engine, for judging the engine's limit (`ConcurrencyLimit.observe`):
         under `--workers`, every worker's, reckoned from this one's use of its part (they share the load alike)."""
@@ -243,16 +215,8 @@ class Instance:
         cache_room: int | None = None,
         *,
         panic: bool = False,
-        urgent: bool = False,
     ) -> InstanceView:
-        """What routing sees; in `panic` an instance that passes its health checks is routable even if ejected. For
-        an `urgent` (strict) request, the stoppable requests waiting here that would be stopped for it
-        (`stops_waiting`; none for other requests, which do not ask): priced with all of them gone, a 24-slot engine
-        whose P2 prompts were young and not overdue took a flood's first P0, and it waited 10-15 s behind them."""
-        now = time.monotonic() if now is None else now
-        stoppable_waiting = self.stoppable_waiting if urgent and self.stoppable_waiting else 0
-        if stoppable_waiting and not self.stops_waiting(now):
-            stoppable_waiting = 0
+        """What routing sees; in `panic` an instance that passes its health checks is routable even if ejected."""
         return merge(
             key=self.key,
             name=self.name,
@@ -260,10 +224,10 @@ class Instance:
             in_flight=self.in_flight,
             max_concurrency=self.max_concurrency,
             stoppable=self.stoppable,
-            stoppable_waiting=stoppable_waiting,
+            stoppable_waiting=self.stoppable_waiting,
             own=self.own,
             engine=self.engine_load,
-            now=now,
+            now=time.monotonic() if now is None else now,
             stale_after=stale_after,
             cached_tokens=cached_tokens,
             cache_room=cache_room,
@@ -349,12 +313,17 @@ class Lease:
         return self._released
 
     def engine_full(self) -> bool:
-        """`Instance.engine_full`: this attempt then waits for a generation there to end."""
-        return self.instance.engine_full()
+        """Whether every slot the engine is known to have (`ConcurrencyLimit.known_slots`) is taken by a request
+        already generating there (its first token back): this attempt then waits for one of them to end. A whole
+        (non-streamed) answer never shows its first token and does not count: the answer errs towards "not full"."""
+        instance = self.instance
+        known = instance.known_slots()
+        return known is not None and instance.in_flight - instance.own.pending >= known
 
     def slots_known(self) -> bool:
-        """`Instance.slots_known`."""
-        return self.instance.slots_known()
+        """Whether the engine's parallelism is known (`ConcurrencyLimit.known_slots`): else the gateway may have
+        sent it more than it runs (a flood's first moments), and the excess waits in its queue."""
+        return self.instance.concurrency.known_slots() is not None
 
     async def queue_ahead(self) -> bool | None:
         """A look at the engine's queue now (`Instance.look`, a scrape): whether it holds requests sent before the
@@ -370,8 +339,10 @@ class Lease:
         return instance.own.queued_beyond(load.waiting, load.scraped_at)
 
     def limit_found(self) -> bool:
-        """`Instance.limit_found`."""
-        return self.instance.limit_found()
+        """Whether the instance's limit is the engine's (`slots_known`) or one its discovery set below the ceiling:
+        else, a flood's first moments, the gateway may have sent the engine more than it runs."""
+        concurrency = self.instance.concurrency
+        return concurrency.known_slots() is not None or concurrency.limit < concurrency.ceiling
 
     def prefill_exceeds_step(self) -> bool:
         """Whether this attempt's prompt (its uncached part) takes the engine longer to prefill than a step, at the

@@ -259,21 +259,13 @@ class Pool:
         if self.placement_blocks and request is not None and request.blocks:
             self._place(request, matched)
         views = []
-        urgent = request is not None and request.urgent
         index = self.index
         tokens_per_block = max(1, index.block_chars // 4)
         for i in self.instances:
             cached = self._cached_tokens(request.prompt_tokens, matched.get(i.key)) if request is not None else 0
             room = index.room(i.key)
             views.append(
-                i.view(
-                    now,
-                    self.stale_after,
-                    cached,
-                    None if room is None else room * tokens_per_block,
-                    panic=panic,
-                    urgent=urgent,
-                )
+                i.view(now, self.stale_after, cached, None if room is None else room * tokens_per_block, panic=panic)
             )
         reuse = self.reuse.value if self.reuse.samples >= _REUSE_SAMPLES else 1.0
         return PoolSnapshot(self.model, tuple(views), reuse)

@@ -298,18 +298,6 @@ class OwnAccounting:
         steps = 2 + slack_steps
         return attempt.sent_at + (attempt.backlog + attempt.tokens) / self.rate + steps * step
 
-    def stops_waiting(self, now: float, slack_steps: int, heavy: bool) -> bool:
-        """Whether a request sent here and unanswered is past its `first_token_due` (with `slack_steps`) or, with
-        `heavy`, takes the engine longer than a step to prefill (`exceeds_step`): what stops the less urgent requests
-        waiting here for a strict one (`Instance.stops_waiting`)."""
-        for attempt in self._unanswered:
-            if heavy and self.exceeds_step(attempt.tokens):
-                return True
-            due = self.first_token_due(attempt, slack_steps)
-            if due is not None and now > due:
-                return True
-        return False
-
     def overdue(self, now: float) -> bool | None:
         """Whether an attempt sent here is past its `first_token_due`: it waits in the engine's own queue for a
         sequence slot. None while the step time is not measured (nothing can be called overdue)."""
