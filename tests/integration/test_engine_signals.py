@@ -93,7 +93,7 @@ async def test_a_byte_that_is_not_utf8_loses_only_its_line(serve_app, start_gate
     (engine,) = fleet.instances.values()
     assert engine.scrape_error is None and engine.engine_load is not None
     assert (engine.engine_load.waiting, engine.engine_load.running) == (2.0, 1.0)
-    assert engine.engine_load.own_pending == 0  # none of the gateway's own among them (`merge`'s foreign requests)
+    assert engine.engine_load.own_left == 0  # none of the gateway's own ended unanswered (`merge`'s foreign requests)
 
 
 async def test_a_scrape_the_gateway_fails_to_apply_ends_no_other_instances_scrapes(

@@ -430,7 +430,7 @@ def test_requests_stopped_since_the_scrape_are_not_someone_elses() -> None:
     P0 went to a slow engine where it waited 10-15 s (an outside fleet)."""
     own = OwnAccounting()
     sent = [own.start(2700, 9.0) for _ in range(28)]
-    engine = EngineLoad(scraped_at=10.0, waiting=28, running=4, own_pending=own.pending)
+    engine = EngineLoad(scraped_at=10.0, waiting=28, running=4, own_left=own.left_unanswered)
     for attempt in sent[1:]:
         own.end(attempt, 10.05, completion_tokens=0)  # stopped before their first token
     view = merge(
@@ -445,10 +445,9 @@ def test_requests_stopped_since_the_scrape_are_not_someone_elses() -> None:
         stale_after=1,
     )
     assert view.queued_prompt_tokens <= 2700  # the one still unanswered, nothing of anyone else's
-    # Sent after the scrape: not in its `waiting`, and what another client has there still shows.
-    own.start(2700, 10.2)
-    other = EngineLoad(scraped_at=10.0, waiting=30, running=4, own_pending=28)
+    # What another client has there still shows (30 waiting as of the scrape: 28 of them the gateway's then).
+    other = EngineLoad(scraped_at=10.0, waiting=30, running=4, own_left=0)
     view = merge(
-        key="k", name="k", routable=True, in_flight=6, max_concurrency=6, own=own, engine=other, now=10.3, stale_after=1
+        key="k", name="k", routable=True, in_flight=5, max_concurrency=6, own=own, engine=other, now=10.1, stale_after=1
     )
     assert view.queued_prompt_tokens >= 2 * 2700

@@ -288,7 +288,7 @@ class Discovery:
                 prefix_hits=engine.prefix_hits,
                 prefix_queries=engine.prefix_queries,
                 foreign_in_flight=max(0, engine.in_flight - instance.in_flight),
-                own_pending=instance.own.pending,
+                own_left=instance.own.left_unanswered,
             )
             if record.draining or not engine.routable:
                 instance.last_error = "its sidecar is stopping" if record.draining else "its sidecar reports it down"

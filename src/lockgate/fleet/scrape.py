@@ -236,7 +236,7 @@ class Scraper:
         if load is None:
             instance.scrape_error = f"metrics scrape found none of the engine's metrics in {path} ({len(body)} bytes)"
             return None
-        load = replace(load, own_pending=instance.own.pending)
+        load = replace(load, own_left=instance.own.left_unanswered)
         instance.engine_load = load
         instance.scrape_error = None
         return load

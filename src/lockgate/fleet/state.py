@@ -149,6 +149,9 @@ class OwnAccounting:
         self.progress_at = 0.0
         #: First tokens seen here so far: how fast the engine lets requests in (`ConcurrencyLimit.observe`).
         self.answered = 0
+        #: Attempts that ended here before their first token so far (stopped, left, failed): those waiting at a scrape
+        #: that ended since are not someone else's (`EngineLoad.own_left`, `merge`).
+        self.left_unanswered = 0
         #: The last `_FLOOR_SAMPLES` latencies (`latency_floor`), and when the last was taken.
         self._latencies: collections.deque[float] = collections.deque(maxlen=_FLOOR_SAMPLES)
         self.latency_at: float | None = None
@@ -380,6 +383,7 @@ class OwnAccounting:
         if completion_tokens > 0:
             self.progress_at = now
         if attempt.first_at is None:
+            self.left_unanswered += 1
             self.queued_prompt_tokens -= attempt.tokens
             self._waiting(attempt).pop(attempt, None)
             if attempt.long:
@@ -475,9 +479,9 @@ class EngineLoad:
     #: Published by a sidecar (cluster mode): requests other gateway replicas have there (its accounting
     #: minus this replica's own when received).
     foreign_in_flight: int = 0
-    #: The gateway's own requests there still unanswered when the scrape landed (`OwnAccounting.pending`; None: not
-    #: recorded): those the engine's `waiting` may count, whatever became of them since (`merge`).
-    own_pending: int | None = None
+    #: How many of the gateway's requests there had ended before their first token when the scrape landed
+    #: (`OwnAccounting.left_unanswered`; None: not recorded): those ending since may be in its `waiting` (`merge`).
+    own_left: int | None = None
 
     def age(self, now: float) -> float:
         return now - self.scraped_at
@@ -577,13 +581,11 @@ def merge(
             running = max(running, engine.running)
         if engine.waiting is not None:
             # Requests waiting there beyond those the gateway sent and has not heard back from are someone else's:
-            # their prompt tokens are unknown; assume this gateway's mean. Its own are counted as of the scrape too
-            # (the more of the two): against those unanswered now alone, its own stopped since the scrape counted as
-            # someone else's (27 P2 requests stopped for a P0 priced a 6-slot engine 9 s away for the scrape's age,
-            # and the next P0 went to a slow engine, 10-15 s); as of the scrape alone, a flood of long prompts read
-            # more waiting there than it had sent (P0 p99 0.5 s -> 1-2.5 s: not traced further).
-            sent = own.pending if engine.own_pending is None else max(own.pending, engine.own_pending)
-            foreign = engine.waiting - sent
+            # their prompt tokens are unknown; assume this gateway's mean. Its own that ended unanswered since the
+            # scrape (stopped for a P0, left) were among them: counted as someone else's, 27 P2 requests stopped for a
+            # P0 priced a 6-slot engine 9 s away for the scrape's age, and the next P0 went to a slow engine, 10-15 s.
+            left = own.left_unanswered - engine.own_left if engine.own_left is not None else 0
+            foreign = engine.waiting - own.pending - left
             if foreign > 0:
                 queued += int(foreign * own.prompt_tokens.value)
             waiting = max(waiting, engine.waiting)
