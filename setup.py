@@ -15,6 +15,7 @@ from setuptools import setup
 COMPILED = [
     "src/lockgate/sse.py",
     "src/lockgate/assemble.py",
+    "src/lockgate/chunkshape.py",
     "src/lockgate/responses.py",
     "src/lockgate/respond.py",
     "src/lockgate/relay.py",

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import orjson
 
 from .assemble import ChoiceUsages, has_content
+from .chunkshape import ChunkShape
 from .errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -272,6 +273,7 @@ class UpstreamEvents:
         "_quiet_since",
         "_response",
         "_responses",
+        "_shape",
         "_stall_s",
         "_tail",
         "_taken",
@@ -305,6 +307,8 @@ class UpstreamEvents:
         self._response = response
         self._lease = lease
         self._decoder = SSEDecoder(max_event_bytes)
+        #: The stream's usual token chunk, made from its bytes without parsing once learned.
+        self._shape = ChunkShape()
         #: The payloads decoded from the last chunk, and the next one to parse.
         self._payloads: list[bytes] = []
         self._index = 0
@@ -393,6 +397,11 @@ class UpstreamEvents:
                         call.release()
                         return out
                     call.received += len(payload)
+                    made = self._shape.event(payload)
+                    if made is not None:  # the stream's usual chunk, with its token (see `ChunkShape`)
+                        tokens += 1
+                        out.append((made, payload, True))
+                        continue
                     try:
                         event = orjson.loads(payload)
                     except orjson.JSONDecodeError:
@@ -408,7 +417,9 @@ class UpstreamEvents:
                             f"Instance {call.served_by} sent an event that is not a JSON object."
                         )
                     content = has_content(event)
-                    if not content:
+                    if content:
+                        self._shape.learn(event, payload)
+                    else:
                         if self._usages is not None:
                             self._usages.merge(event)
                         if "error" in event or event.get("object") == "error" or event.get("type") == "error":

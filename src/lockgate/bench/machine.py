@@ -19,6 +19,7 @@ HOT_MODULES = (
     "lockgate.answer",
     "lockgate.respond",
     "lockgate.assemble",
+    "lockgate.chunkshape",
     "lockgate.responses",
     "lockgate.sse",
     "lockgate.upstream",
