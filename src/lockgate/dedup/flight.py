@@ -76,7 +76,7 @@ from .fingerprint import Fingerprint
 if TYPE_CHECKING:
     from ..attempt import Failover
     from ..fleet.instance import Lease
-    from ..upstream import UpstreamCall
+    from ..upstream import UpstreamCall, UpstreamEvents
     from ..wire import ApiRequest
 
 log = logging.getLogger(__name__)
@@ -437,10 +437,15 @@ class Flight:
         if self._transcript is not None:
             self._transcript = Transcript(self.api.endpoint, keep_events=False, max_chars=self.max_response_bytes)
 
-    def _step(self, stream: EngineReads) -> bool | None:
+    def _step(self, stream: UpstreamEvents | EngineReads) -> bool | None:
         """Keep every event the engine has sent so far and wake the subscribers waiting for one: True at the end
         of the stream, False when a bound is crossed (the task then waits for the slowest subscriber), None to
-        go on. Raises what broke the stream, after keeping the events before the break."""
+        go on. Raises what broke the stream, after keeping the events before the break.
+
+        `stream`: the engine call's events, named beside their protocol (which tests' fake engines satisfy) so that
+        the compiled build calls `take()` and reads `ended` and `broken` natively when they are `UpstreamEvents`
+        (mypyc's union decomposition: a type check, then the native call; the protocol alone is reached through
+        generic lookups)."""
         taken = stream.take()
         if taken and self._transcript is not None:
             taken = self._fold(taken)
