@@ -408,7 +408,7 @@ async def test_a_detached_flight_is_its_tenants_work_until_it_ends(start_sim, st
     sim = await start_sim(tpot_ms=2.0)
     gw = await start_gateway(
         [{"name": "m", "instances": [instance(sim)], "cancel_policy": "finish_and_cache"}],
-        tenants=[{"name": "default", "max_concurrent": 1, "tokens_per_minute": 10_000}],
+        tenants=[{"name": "default", "max_concurrent": 1, "tokens_per_minute": 120}],
     )
     gateway_ = gw.gateway
     limiter, tenant = gateway_.admission.limiter, gateway_.admission.book.default
@@ -423,11 +423,11 @@ async def test_a_detached_flight_is_its_tenants_work_until_it_ends(start_sim, st
     sim.release()
     async with asyncio.timeout(5):
         await flights.wait_until(lambda: len(flights) == 0)
-    # (Read as of the charge, not refilled since: at 10,000 a minute the bucket refills 12 tokens in 72 ms, which a
-    # loaded machine can take between the flight's end and this line.)
+    # (Read as of the charge, not refilled since; and a slow limit: at 10,000 a minute the bucket refilled 12 tokens in
+    # 72 ms, which a loaded machine took between the reservation and the charge, and the check failed 1 run in 6.)
     state = limiter.state(tenant, 0.0)
     assert state.in_flight == 0 and state.reserved_tokens == 0
-    assert state.tokens is not None and 10_000 - state.tokens.level >= 12  # the 12 tokens generated, and the prompt
+    assert state.tokens is not None and 120 - state.tokens.level >= 12  # the 12 tokens generated, and the prompt
     status, _, _ = await call(http, gw.url, other)
     assert status == 200
 
