@@ -433,21 +433,12 @@ def test_requests_stopped_since_the_scrape_are_not_someone_elses() -> None:
     engine = EngineLoad(scraped_at=10.0, waiting=28, running=4, own_left=own.left_unanswered)
     for attempt in sent[1:]:
         own.end(attempt, 10.05, completion_tokens=0)  # stopped before their first token
-    view = merge(
-        key="k",
-        name="k",
-        routable=True,
-        in_flight=5,
-        max_concurrency=6,
-        own=own,
-        engine=engine,
-        now=10.1,
-        stale_after=1,
-    )
-    assert view.queued_prompt_tokens <= 2700  # the one still unanswered, nothing of anyone else's
+
+    fields: dict[str, Any] = {"key": "k", "name": "k", "routable": True, "in_flight": 5, "max_concurrency": 6}
+
+    def queued(engine: EngineLoad) -> int:
+        return merge(**fields, own=own, engine=engine, now=10.1, stale_after=1).queued_prompt_tokens
+
+    assert queued(engine) <= 2700  # the one still unanswered, nothing of anyone else's
     # What another client has there still shows (30 waiting as of the scrape: 28 of them the gateway's then).
-    other = EngineLoad(scraped_at=10.0, waiting=30, running=4, own_left=0)
-    view = merge(
-        key="k", name="k", routable=True, in_flight=5, max_concurrency=6, own=own, engine=other, now=10.1, stale_after=1
-    )
-    assert view.queued_prompt_tokens >= 2 * 2700
+    assert queued(EngineLoad(scraped_at=10.0, waiting=30, running=4, own_left=0)) >= 2 * 2700
