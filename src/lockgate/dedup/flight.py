@@ -228,11 +228,9 @@ class Flight:
         self._transcript: Transcript | None = None
         #: The engine call under way follows events already delivered (a continuation): its events are folded.
         self._folding = False
-        #: Stopped, its engine call aborted: sent again once `regranted`; the task's awaits of its engine call, which a
-        #: stop interrupts (`StopSignal`).
+        #: Stopped, its engine call aborted, until its slot is granted again (`requeued`): then sent again; the task's
+        #: awaits of its engine call, which a stop interrupts (`StopSignal`).
         self._stopped = False
-        #: From its stop until its slot is granted again (`requeued`).
-        self._requeued = False
         self._signal = StopSignal()
         self._lease: Lease | None = None
         self._call: UpstreamCall | None = None
@@ -357,10 +355,9 @@ class Flight:
         stop, wait for the slot and open it again (or its continuation)."""
         while True:
             if self._stopped:
-                self._stopped = False
                 assert self.regranted is not None
                 await self.regranted()
-                self._requeued = False
+                self._stopped = False
                 self.owner.flight_resumed(self)  # joinable again, now that it runs
             try:
                 opened = await self._signal.engine(self._open())
@@ -605,7 +602,7 @@ class Flight:
         if how is None:
             raise RuntimeError("stop() on a flight that is not stoppable")
         self.stops += 1
-        self._stopped = self._requeued = True
+        self._stopped = True
         charged = self.engine_tokens
         self._release()
         if how is Plan.RESTART:
@@ -747,7 +744,7 @@ class Flight:
     @property
     def requeued(self) -> bool:
         """Stopped by a preemption, it waits for its slot again (`stop`): its clients wait with it."""
-        return self._requeued and self.state is FlightState.RUNNING
+        return self._stopped and self.state is FlightState.RUNNING
 
     def describe(self) -> dict[str, Any]:
         return {
